@@ -1,0 +1,60 @@
+"""Argument checks shared by the public ops: each failure is a ValueError naming the op, the
+argument and what was expected, raised before any kernel launches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_tensor(
+    op: str,
+    name: str,
+    tensor: object,
+    *,
+    ndim: int | Sequence[int] | None = None,
+    min_ndim: int | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Validate one tensor argument and return it."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if tensor.dim() not in allowed:
+            raise ValueError(
+                f"{op}: {name} must have {' or '.join(map(str, allowed))} dims, got shape {tuple(tensor.shape)}"
+            )
+    if min_ndim is not None and tensor.dim() < min_ndim:
+        raise ValueError(f"{op}: {name} must have at least {min_ndim} dims, got shape {tuple(tensor.shape)}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if tensor.dtype not in dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise ValueError(f"{op}: {name} has dtype {str(tensor.dtype).replace('torch.', '')}, expected one of {names}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{op}: {name} is on {tensor.device}, expected {device} (all tensors on one device)")
+    return tensor
+
+
+def check_last_dim(op: str, name: str, tensor: torch.Tensor, size: int, what: str) -> None:
+    if tensor.shape[-1] != size:
+        raise ValueError(f"{op}: {name} has last dim {tensor.shape[-1]}, expected {what} {size}")
+
+
+def check_same_dtype(op: str, **tensors: torch.Tensor) -> None:
+    dtypes = {name: t.dtype for name, t in tensors.items() if t is not None}
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"{n}={str(d).replace('torch.', '')}" for n, d in dtypes.items())
+        raise ValueError(f"{op}: tensors must share one dtype, got {listing}")
+
+
+def contiguous_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """A view whose last dim is contiguous and rows are evenly strided: a copy only when needed."""
+    if tensor.dim() >= 1 and tensor.stride(-1) == 1 and tensor.is_contiguous():
+        return tensor
+    return tensor.contiguous()

@@ -1,0 +1,165 @@
+"""`kiln verify`: every registered op, every backend that can run here, fuzzed shapes and dtypes,
+against its reference computed in float64."""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.ops.alloc import poisoned
+from kiln.ops.registry import OpSpec, all_ops, triton_interpreting
+from kiln.verify.compare import relative_error
+
+
+@dataclass
+class CaseResult:
+    op: str
+    backend: str
+    dtype: str
+    shape: dict
+    error: float
+    tolerance: float
+    seed: int
+    failure: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return not self.failure and self.error <= self.tolerance
+
+
+@dataclass
+class Row:
+    """One (op, backend, dtype) line of the report."""
+
+    op: str
+    backend: str
+    dtype: str
+    cases: int = 0
+    worst_error: float = 0.0
+    tolerance: float = 0.0
+    failures: list[dict] = field(default_factory=list)
+    skipped: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return not self.skipped and self.cases > 0 and not self.failures
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def upcast_to_float64(value: Any) -> Any:
+    """Float tensors become float64 copies; everything else is deep-copied unchanged."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64) if value.is_floating_point() else value.detach().clone()
+    if isinstance(value, dict):
+        return {k: upcast_to_float64(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(upcast_to_float64(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def clone_inputs(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: clone_inputs(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(clone_inputs(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def run_case(spec: OpSpec, backend: str, shape: dict, dtype: torch.dtype, device: torch.device, seed: int) -> CaseResult:
+    """Run one case: fresh inputs from `seed`, poisoned outputs, compare each output with float64."""
+    tol = spec.tolerance[dtype]
+    result = CaseResult(spec.name, backend, dtype_name(dtype), shape, 0.0, tol, seed)
+    generator = torch.Generator().manual_seed(seed)
+    inputs = spec.make_inputs(shape, dtype, device, generator)
+    ref_inputs = upcast_to_float64(inputs)
+    impl_inputs = clone_inputs(inputs)
+    impl = spec.implementation(backend)
+    try:
+        expected = spec.output_tensors(spec.reference(**ref_inputs), ref_inputs)
+        with poisoned():
+            got = spec.output_tensors(impl.fn(**impl_inputs), impl_inputs)
+    except Exception as exc:  # a crash is a failure of that case, reported with its message
+        result.error = float("inf")
+        result.failure = f"{type(exc).__name__}: {exc}"
+        return result
+    if len(got) != len(expected):
+        result.failure = f"{len(got)} outputs, reference has {len(expected)}"
+        result.error = float("inf")
+        return result
+    for i, (out, ref) in enumerate(zip(got, expected)):
+        try:
+            err = relative_error(out, ref)
+        except ValueError as exc:
+            result.failure = f"output {i}: {exc}"
+            err = float("inf")
+        result.error = max(result.error, err)
+    return result
+
+
+def backend_dtypes(spec: OpSpec, backend: str, device: torch.device) -> tuple[list[torch.dtype], list[torch.dtype]]:
+    """(dtypes to run, dtypes skipped here) for a backend on a device."""
+    skipped = []
+    if device.type != "cuda" and backend == "triton" and triton_interpreting():
+        skipped = [d for d in spec.gpu_only_dtypes.get("triton", ()) if d in spec.dtypes]
+    return [d for d in spec.dtypes if d not in skipped], skipped
+
+
+def verify(
+    ops: list[str] | None = None,
+    backends: list[str] | None = None,
+    dtypes: list[str] | None = None,
+    device: str | torch.device | None = None,
+    seed: int | None = None,
+    progress=None,
+) -> list[Row]:
+    """Verify ops (all registered by default) on every backend available for `device`
+    (CUDA if present, else CPU) and return one Row per (op, backend, dtype)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    seed = seed if seed is not None else int(time.time_ns() % 2**31)
+    rng = random.Random(seed)
+    registry = all_ops()
+    unknown = [name for name in (ops or []) if name not in registry]
+    if unknown:
+        raise ValueError(f"kiln verify: unknown op(s) {', '.join(unknown)}; known: {', '.join(registry)}")
+    rows: list[Row] = []
+    for name, spec in registry.items():
+        if ops and name not in ops:
+            continue
+        names = backends or [b for b in spec.implementations if spec.implementations[b].is_available(device)]
+        for backend in names:
+            if backend not in spec.backends():
+                continue
+            if not spec.implementation(backend).is_available(device):
+                for dtype in spec.dtypes:
+                    rows.append(Row(name, backend, dtype_name(dtype), skipped=f"not available on {device}"))
+                continue
+            run_dtypes, skipped = backend_dtypes(spec, backend, device)
+            shapes = spec.fuzz_shapes(rng)
+            for dtype in spec.dtypes:
+                if dtypes and dtype_name(dtype) not in dtypes:
+                    continue
+                row = Row(name, backend, dtype_name(dtype), tolerance=spec.tolerance[dtype])
+                if dtype in skipped:
+                    row.skipped = "GPU only (Triton interpreter)"
+                    rows.append(row)
+                    continue
+                for shape in shapes:
+                    case = run_case(spec, backend, shape, dtype, device, rng.randrange(2**31))
+                    row.cases += 1
+                    row.worst_error = max(row.worst_error, case.error)
+                    if not case.passed:
+                        row.failures.append(asdict(case))
+                rows.append(row)
+                if progress:
+                    progress(row)
+    return rows
