@@ -1,7 +1,20 @@
 """Kiln's kernel library. Each public function validates its arguments and dispatches to the
-implementation for the tensors' device (see kiln.ops.registry)."""
+implementation for the tensors' device (see kiln.ops.registry). Each family package lists its public
+functions in `__all__`; they are all re-exported here."""
 
-from kiln.ops.norm import rms_norm
+from kiln.ops import activation, attention, gemm, moe, norm, rope, sampling, softmax
+from kiln.ops.activation import *  # noqa: F401,F403
+from kiln.ops.attention import *  # noqa: F401,F403
+from kiln.ops.gemm import *  # noqa: F401,F403
+from kiln.ops.moe import *  # noqa: F401,F403
+from kiln.ops.norm import *  # noqa: F401,F403
 from kiln.ops.registry import OpSpec, all_ops, get_op
+from kiln.ops.rope import *  # noqa: F401,F403
+from kiln.ops.sampling import *  # noqa: F401,F403
+from kiln.ops.softmax import *  # noqa: F401,F403
 
-__all__ = ["OpSpec", "all_ops", "get_op", "rms_norm"]
+__all__ = ["OpSpec", "all_ops", "get_op"] + [
+    name
+    for family in (activation, attention, gemm, moe, norm, rope, sampling, softmax)
+    for name in family.__all__
+]

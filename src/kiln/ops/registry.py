@@ -168,8 +168,20 @@ def get_op(name: str) -> OpSpec:
         raise ValueError(f"unknown op {name!r}; registered ops: {', '.join(sorted(_REGISTRY))}") from None
 
 
+# Backends that live outside kiln.ops because they need an optional package: module -> package.
+# Imported only by all_ops() (verify, bench, tune), so a plain `import kiln.ops` never pays for them.
+OPTIONAL_BACKEND_MODULES = {"kiln.jax.backends": "jax"}
+
+
 def all_ops() -> dict[str, OpSpec]:
-    """Every registered op, importing `kiln.ops` first so each family has registered itself."""
+    """Every registered op: imports `kiln.ops` so each family has registered itself, and the optional
+    backend modules whose package is installed."""
+    import importlib
+    import importlib.util
+
     import kiln.ops  # noqa: F401
 
+    for module, package in OPTIONAL_BACKEND_MODULES.items():
+        if importlib.util.find_spec(package) is not None and importlib.util.find_spec(module.rsplit(".", 1)[0]):
+            importlib.import_module(module)
     return dict(sorted(_REGISTRY.items()))

@@ -1,0 +1,3 @@
+"""activation ops (see docs/contracts.md)."""
+
+__all__: list[str] = []

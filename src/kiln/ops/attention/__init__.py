@@ -1,0 +1,3 @@
+"""attention ops (see docs/contracts.md)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""gemm ops (see docs/contracts.md)."""
+
+__all__: list[str] = []

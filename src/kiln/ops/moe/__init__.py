@@ -1,0 +1,3 @@
+"""moe ops (see docs/contracts.md)."""
+
+__all__: list[str] = []

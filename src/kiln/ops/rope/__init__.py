@@ -1,0 +1,3 @@
+"""rope ops (see docs/contracts.md)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""sampling ops (see docs/contracts.md)."""
+
+__all__: list[str] = []

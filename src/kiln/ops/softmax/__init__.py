@@ -1,0 +1,3 @@
+"""softmax ops (see docs/contracts.md)."""
+
+__all__: list[str] = []
