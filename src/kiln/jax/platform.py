@@ -1,0 +1,111 @@
+"""Which Pallas/XLA implementation runs, and how: compiled on the matching accelerator, or through
+Pallas's interpreter on the CPU (the TPU interpreter for `pallas_tpu`, the plain one for `pallas_gpu`).
+
+Also the padding helpers every Mosaic (TPU) wrapper needs: a block's last two dims must be multiples
+of (sublane, 128) or the whole array dim, so wrappers pad to a tile multiple and slice the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+IMPLEMENTATIONS = ("pallas_tpu", "pallas_gpu", "xla")
+LANES = 128
+
+# Extra InterpretParams fields for the TPU interpreter (tests turn on race detection with this).
+_tpu_interpret_options: contextvars.ContextVar[tuple] = contextvars.ContextVar("kiln_tpu_interp", default=())
+
+
+def default_implementation() -> str:
+    """pallas_tpu on a TPU, pallas_gpu on a GPU, xla on the CPU."""
+    backend = jax.default_backend()
+    by_platform = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
+    return by_platform.get(backend, "xla")
+
+
+def resolve(op: str, implementation: str | None) -> str:
+    """The implementation name to run for `op` (ValueError naming the choices if unknown)."""
+    if implementation is None:
+        return default_implementation()
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"{op}: unknown implementation {implementation!r}; "
+            f"expected one of {', '.join(IMPLEMENTATIONS)} or None"
+        )
+    return implementation
+
+
+def on_tpu() -> bool:
+    return jax.default_backend() == "tpu"
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+@contextlib.contextmanager
+def tpu_interpreter(**options) -> Iterator[None]:
+    """Within this block, TPU-interpreted kernels run with these `pltpu.InterpretParams` fields
+    (for example `detect_races=True`)."""
+    token = _tpu_interpret_options.set(tuple(sorted(options.items())))
+    try:
+        yield
+    finally:
+        _tpu_interpret_options.reset(token)
+
+
+def tpu_interpret():
+    """`interpret=` for a Mosaic kernel: False on a TPU, else the TPU interpreter. Uninitialized
+    memory reads as NaN there, so a block the kernel forgets to write fails verification."""
+    if on_tpu():
+        return False
+    return pltpu.InterpretParams(**dict(_tpu_interpret_options.get()))
+
+
+def gpu_interpret() -> bool:
+    """`interpret=` for a Pallas Triton kernel: False on a GPU, else the plain Pallas interpreter."""
+    return not on_gpu()
+
+
+def tpu_params(*semantics: str):
+    """Mosaic compiler params with per-grid-axis semantics ("parallel" / "arbitrary")."""
+    return pltpu.CompilerParams(dimension_semantics=tuple(semantics))
+
+
+def squeezed():
+    """A block dim of size 1 that the kernel does not see (pl.Squeezed on newer JAX, None on older)."""
+    return pl.Squeezed() if hasattr(pl, "Squeezed") else None
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def sublanes(dtype) -> int:
+    """Rows per native TPU tile: 8 for 32-bit types, 16 for 16-bit, 32 for 8-bit (packed sublanes)."""
+    return {4: 8, 2: 16, 1: 32}.get(jnp.dtype(dtype).itemsize, 8)
+
+
+def pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """Zero-pad `axis` of x up to `size` (no-op when already that size)."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def row_block(rows: int, row_bytes: int, dtype, budget_bytes: int = 2 << 20, max_rows: int = 512) -> int:
+    """Rows per block for a row-wise kernel: a sublane multiple, at most `budget_bytes` per block
+    (VMEM holds a few double-buffered blocks), and no more than the (rounded-up) row count."""
+    sub = sublanes(dtype)
+    fit = max(sub, (budget_bytes // max(row_bytes, 1)) // sub * sub)
+    return min(fit, max_rows, round_up(rows, sub))
