@@ -1,0 +1,318 @@
+"""Triton fused MoE: two grouped GEMMs over all experts plus a top-k sum.
+
+After `moe_align_block_size`, every BLOCK_M rows of `sorted_pair_ids` belong to one expert, so one
+launch covers all experts: a program owns a [BLOCK_M, BLOCK_N] output tile of one M-block, reads its
+expert from `block_expert_ids`, gathers its rows (token = pair // top_k) and streams that expert's
+weight tile along K. Programs past the padded length exit at once, so the grid is static.
+
+  1. gate_up: h[pair] = silu(x[token] @ W_gate[e]^T) * (x[token] @ W_up[e]^T), both accumulators in
+     one program (the gate and up tiles share the x tile), h in x's dtype, [num_pairs, N].
+  2. down:    partial[pair] = topk_weight[pair] * (h[pair] @ W_down[e]^T), float32 [num_pairs, K].
+  3. sum:     out[t] = sum_j partial[t * top_k + j] (skipped for top_k == 1: step 2 writes out).
+Programs are ordered in groups of GROUP_M M-blocks per N-column sweep (Triton's matmul tutorial), so
+consecutive programs reuse the same expert's weight tiles from L2. FP8 weights are converted to x's
+dtype in registers (W8A16) and the per-expert scale is applied to the fp32 accumulator.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.ops.alloc import empty
+from kiln.ops.moe.align import moe_align_block_size
+from kiln.ops.moe.spec import FUSED_MOE
+from kiln.ops.registry import Implementation, triton_available, triton_interpreting
+
+
+@triton.jit
+def _tile(pid, num_m_blocks, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped ordering: program id -> (M-block, N-block)."""
+    num_n_blocks = tl.cdiv(n_cols, BLOCK_N)
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    w_scale_ptr,
+    h_ptr,
+    sorted_pair_ids_ptr,
+    block_expert_ids_ptr,
+    num_padded_ptr,
+    num_pairs,
+    num_m_blocks,
+    N,
+    K,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_h,
+    TOP_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _tile(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_pair_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_mask = pairs < num_pairs  # padding slots hold the sentinel num_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    x_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]
+    # Weight tiles are read transposed ([BLOCK_K, BLOCK_N]) straight from the [2N, K] layout.
+    gate_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    up_ptrs = gate_ptrs + N * stride_wn
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(x_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(a.dtype)
+        w_up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(a.dtype)
+        gate = tl.dot(a, w_gate, gate, input_precision=DOT_PRECISION)
+        up = tl.dot(a, w_up, up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    if HAS_SCALE:
+        scale = tl.load(w_scale_ptr + expert)
+        gate *= scale
+        up *= scale
+    hidden = gate / (1.0 + tl.exp(-gate)) * up
+    h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
+    tl.store(h_ptrs, hidden.to(h_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    h_ptr,
+    w_ptr,
+    w_scale_ptr,
+    topk_weights_ptr,
+    out_ptr,
+    sorted_pair_ids_ptr,
+    block_expert_ids_ptr,
+    num_padded_ptr,
+    num_pairs,
+    num_m_blocks,
+    N_OUT,
+    K,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_out,
+    HAS_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _tile(tl.program_id(0), num_m_blocks, N_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_pair_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_mask = pairs < num_pairs
+    rows = pairs.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_OUT
+    offs_k = tl.arange(0, BLOCK_K)
+
+    h_ptrs = h_ptr + rows[:, None] * stride_h + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(h_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(a.dtype)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    route_weight = tl.load(topk_weights_ptr + rows, mask=pair_mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        route_weight *= tl.load(w_scale_ptr + expert)
+    acc *= route_weight[:, None]
+    out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(partial_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t, :] = sum_j partial[t * TOP_K + j, :]; one program per (token, column block)."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(partial_ptr + (token * TOP_K + j) * hidden + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def heuristic_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
+    """Tile sizes by tokens per expert: few (decode) -> thin M tiles and long K steps, the GEMM is
+    a weight stream; many (prefill) -> square tiles for tensor-core throughput."""
+    if triton_interpreting():  # the interpreter's cost grows with tile size, not program count
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 1}
+    per_expert = num_pairs / num_experts
+    if per_expert <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+    if per_expert <= 96:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 4, "num_warps": 4, "num_stages": 4}
+    if per_expert <= 512:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+def configs(shape: dict, dtype: torch.dtype) -> list[dict]:
+    """The tuning search space."""
+    space = []
+    for block_m in (16, 32, 64, 128):
+        for block_n in (64, 128, 256):
+            for block_k in (64, 128):
+                for num_warps, num_stages in ((4, 3), (4, 4), (8, 3)):
+                    if block_m * block_n >= 128 * 256 and num_warps == 4:
+                        continue
+                    space.append(
+                        {
+                            "BLOCK_M": block_m,
+                            "BLOCK_N": block_n,
+                            "BLOCK_K": block_k,
+                            "GROUP_M": 1 if block_m == 16 else 8,
+                            "num_warps": num_warps,
+                            "num_stages": num_stages,
+                        }
+                    )
+    return space
+
+
+def _shape_key(x, w_gate_up, topk_ids, fp8):
+    return {
+        "tokens": x.shape[0],
+        "hidden": x.shape[1],
+        "intermediate": w_gate_up.shape[1] // 2,
+        "experts": w_gate_up.shape[0],
+        "top_k": topk_ids.shape[1],
+        "fp8": fp8,
+    }
+
+
+def fused_moe_triton(
+    x,
+    w_gate_up,
+    w_down,
+    topk_weights,
+    topk_ids,
+    w_gate_up_scale=None,
+    w_down_scale=None,
+    config: dict | None = None,
+):
+    num_tokens, hidden = x.shape
+    num_experts, two_n, _ = w_gate_up.shape
+    inter, top_k = two_n // 2, topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    out = empty((num_tokens, hidden), x.dtype, x.device)
+    if num_tokens == 0:
+        return out
+    if config is None:
+        from kiln.tune import lookup
+
+        fp8 = w_gate_up.dtype == torch.float8_e4m3fn
+        config = lookup("fused_moe", x.dtype, _shape_key(x, w_gate_up, topk_ids, fp8), x.device)
+        config = config or heuristic_config(num_pairs, num_experts, x.dtype)
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    # fp32 inputs would otherwise be rounded to tf32 on the GPU; halves ignore the setting.
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
+    topk_weights = topk_weights.contiguous()
+    sorted_pair_ids, block_expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
+    num_m_blocks = block_expert_ids.numel()
+
+    h = empty((num_pairs, inter), x.dtype, x.device)
+    has_scale = w_gate_up_scale is not None
+    gate_up_scale = w_gate_up_scale.float().contiguous() if has_scale else x
+    grid = (num_m_blocks * triton.cdiv(inter, block_n),)
+    _moe_gate_up_kernel[grid](
+        x,
+        w_gate_up,
+        gate_up_scale,
+        h,
+        sorted_pair_ids,
+        block_expert_ids,
+        num_padded,
+        num_pairs,
+        num_m_blocks,
+        inter,
+        hidden,
+        x.stride(0),
+        w_gate_up.stride(0),
+        w_gate_up.stride(1),
+        h.stride(0),
+        TOP_K=top_k,
+        HAS_SCALE=has_scale,
+        DOT_PRECISION=precision,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP_M=config["GROUP_M"],
+        **launch,
+    )
+
+    # top_k == 1: pair id == token id, so the down GEMM writes the output directly.
+    partial = out if top_k == 1 else empty((num_pairs, hidden), torch.float32, x.device)
+    down_scale = w_down_scale.float().contiguous() if w_down_scale is not None else x
+    grid = (num_m_blocks * triton.cdiv(hidden, block_n),)
+    _moe_down_kernel[grid](
+        h,
+        w_down,
+        down_scale,
+        topk_weights,
+        partial,
+        sorted_pair_ids,
+        block_expert_ids,
+        num_padded,
+        num_pairs,
+        num_m_blocks,
+        hidden,
+        inter,
+        h.stride(0),
+        w_down.stride(0),
+        w_down.stride(1),
+        partial.stride(0),
+        HAS_SCALE=w_down_scale is not None,
+        DOT_PRECISION=precision,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP_M=config["GROUP_M"],
+        **launch,
+    )
+    if top_k > 1:
+        block_h = min(triton.next_power_of_2(hidden), 1024)
+        _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+            partial, out, hidden, TOP_K=top_k, BLOCK_H=block_h, num_warps=4
+        )
+    return out
+
+
+FUSED_MOE.register(Implementation("triton", fused_moe_triton, triton_available, configs=configs))
