@@ -1,0 +1,178 @@
+"""Triton dense GEMM: `linear` (bias epilogue) and `linear_silu_mul` (gate and up in one pass).
+
+One program owns a BLOCK_M x BLOCK_N output tile (grouped order, see tiling.py) and one K split.
+Per BLOCK_K step it loads an x tile [BLOCK_M, BLOCK_K] and the weight tile [BLOCK_K, BLOCK_N] read
+straight from W's [N, K] rows (no transpose copy), and accumulates in float32. For
+linear_silu_mul the same program also loads the up rows (N + n) of the same output columns, so the
+epilogue has gate and up for identical (m, n) and writes silu(gate) * up: the [M, 2N] intermediate
+never reaches memory. fp32 operands use IEEE fp32 dots (torch's default semantics, not TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.ops.alloc import empty
+from kiln.ops.gemm.dense_spec import LINEAR, LINEAR_SILU_MUL
+from kiln.ops.gemm.tiling import (
+    config_space,
+    grouped_tile,
+    k_range,
+    kernel_options,
+    launch_grid,
+    partials_buffer,
+    reduce_split_k,
+    resolve_config,
+    store_tile,
+)
+from kiln.ops.registry import Implementation, triton_available
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    partial_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    k_start, k_end = k_range(pid_k, K, BLOCK_K, SPLIT_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        a = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b_mask = k_mask[:, None] & n_mask[None, :]
+        b = tl.load(w_cols + offs_k[:, None] * stride_wk, mask=b_mask, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if SILU_MUL:
+            b_up = tl.load(w_cols + N * stride_wn + offs_k[:, None] * stride_wk, mask=b_mask, other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+    if SILU_MUL:
+        if SPLIT_K == 1:
+            out = acc * tl.sigmoid(acc) * acc_up
+            ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+            tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        else:  # gate into columns [0, N) of the [SPLIT_K, M, 2N] partials, up into [N, 2N)
+            slab = partial_ptr + pid_k.to(tl.int64) * M * 2 * N + offs_m[:, None] * 2 * N + offs_n[None, :]
+            mask = m_mask[:, None] & n_mask[None, :]
+            tl.store(slab, acc, mask=mask)
+            tl.store(slab + N, acc_up, mask=mask)
+    else:
+        store_tile(
+            acc,
+            out_ptr,
+            bias_ptr,
+            partial_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            stride_om,
+            stride_on,
+            pid_k,
+            HAS_BIAS,
+            SPLIT_K,
+        )
+
+
+def _launch(op: str, x, weight, bias, silu_mul: bool, config):
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    N = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    out = empty((M, N), x.dtype, x.device)
+    if M == 0 or N == 0:
+        return out.reshape(*x.shape[:-1], N)
+    if K == 0:
+        out.zero_()
+        if bias is not None:
+            out += bias
+        return out.reshape(*x.shape[:-1], N)
+    shape = {"M": M, "N": N, "K": K} if silu_mul else {"M": M, "N": N, "K": K, "bias": bias is not None}
+    cfg = resolve_config(op, x.dtype, shape, config, x.device, wide_operands=x.dtype == torch.float32)
+    partials = partials_buffer(cfg, M, 2 * N if silu_mul else N, x.device)
+    bias_arg = bias.contiguous() if bias is not None else out
+    _linear_kernel[launch_grid(cfg, M, N)](
+        x2,
+        weight,
+        bias_arg,
+        out,
+        partials if partials is not None else out,
+        M,
+        N,
+        K,
+        x2.stride(0),
+        x2.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
+        GROUP_M=cfg["GROUP_M"],
+        SPLIT_K=cfg["SPLIT_K"],
+        **kernel_options(cfg),
+    )
+    reduce_split_k(partials, out, bias, silu_mul)
+    return out.reshape(*x.shape[:-1], N)
+
+
+def linear_triton(x, weight, bias=None, config: dict | None = None):
+    return _launch("linear", x, weight, bias, False, config)
+
+
+def linear_silu_mul_triton(x, weight_gate_up, config: dict | None = None):
+    return _launch("linear_silu_mul", x, weight_gate_up, None, True, config)
+
+
+LINEAR.register(
+    Implementation(
+        "triton",
+        linear_triton,
+        triton_available,
+        configs=config_space,
+        description="tiled, grouped order, split-K for small M, bias epilogue",
+    )
+)
+LINEAR_SILU_MUL.register(
+    Implementation(
+        "triton",
+        linear_silu_mul_triton,
+        triton_available,
+        configs=config_space,
+        description="gate and up tiles in one program, SiLU-and-mul epilogue",
+    )
+)

@@ -1,0 +1,41 @@
+"""Shapes shared by the GEMM specs: the "llm" bench suite, fuzz shapes, tolerances and FLOP counts."""
+
+from __future__ import annotations
+
+import torch
+
+# (K, N) of the linear layers: [in, out] as y = x @ W^T.
+LLAMA3_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # qkv, o, gate_up, down
+SMOLLM2_135M = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+BENCH_M = (1, 16, 64, 256, 2048, 8192)
+
+# Relative-norm error against the float64 product of the same (already quantized) inputs: the fp32
+# accumulation contributes ~sqrt(K) * 2^-24, so what dominates for halves is one rounding of the output
+# (and of the in-register dequantized weight): unit roundoff 2^-11 (fp16), 2^-8 (bf16).
+GEMM_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def llm_shapes(**extra) -> list[dict]:
+    """Llama-3-8B and SmolLM2-135M linear layers at decode (M=1..64) and prefill (M=256..8192) sizes."""
+    return [{"M": m, "N": n, "K": k, **extra} for k, n in LLAMA3_8B + SMOLLM2_135M for m in BENCH_M]
+
+
+def fuzz_gemm_shapes(rng, k_multiple: int = 1, **extra) -> list[dict]:
+    """Odd sizes that exercise every mask, M = 1 (decode) and a split-K sized case; kept small because
+    the Triton interpreter pays per program. `k_multiple` rounds K for formats that need it."""
+
+    def k(value: int) -> int:
+        return max(k_multiple, value // k_multiple * k_multiple)
+
+    shapes = [
+        {"M": 1, "N": 37, "K": k(200)},
+        {"M": 3, "N": 70, "K": k(96)},
+        {"M": 17, "N": 33, "K": k(77)},
+        {"M": 65, "N": 19, "K": k(40)},
+    ]
+    shapes += [{"M": rng.randint(1, 80), "N": rng.randint(1, 100), "K": k(rng.randint(1, 300))}]
+    return [{**s, **extra} for s in shapes]
+
+
+def gemm_flops(shape: dict, dtype: torch.dtype) -> float:
+    return 2.0 * shape["M"] * shape["N"] * shape["K"]
