@@ -1,0 +1,160 @@
+"""BlockManager: the KV-cache block allocator, with reference counts and prefix caching.
+
+The cache is `num_blocks` blocks of `block_size` token slots (slot = block * block_size + offset).
+A sequence owns a block table; block i of it holds the KV of positions [i * block_size, (i+1) * block_size).
+
+Prefix caching: once a block is full and its KV computed, it is named by a hash chained through
+its predecessors, hash((parent_hash, token ids of the block)), so equal hashes mean equal whole
+prefixes. A new request walks its prompt's full blocks through that map and shares every block
+that matches (ref_count + 1), computing only the rest. Blocks whose ref_count drops to 0 keep
+their content and stay findable until the allocator needs them: they are evicted in LRU order,
+plain never-cached free blocks being used first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from kiln.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None  # checked on a hit, so a hash collision can't alias
+
+
+def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash of one full block: depends on every token of the prefix it ends."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"BlockManager: num_blocks={num_blocks}, expected >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(num_blocks))  # free and holding nothing reusable
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # free but cached; oldest first
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # ---- counts ----
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids) + len(self.evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to add so the table covers the next num_new_tokens positions of seq."""
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    # ---- allocation ----
+    def _take_free_block(self) -> int:
+        if self.free_block_ids:
+            block_id = self.free_block_ids.popleft()
+        elif self.evictable:
+            block_id, _ = self.evictable.popitem(last=False)  # least recently released
+            block = self.blocks[block_id]
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = None
+            block.token_ids = None
+        else:
+            raise RuntimeError("BlockManager: out of KV blocks (the scheduler should have preempted)")
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self.evictable[block_id] = None  # most recently released goes last
+            else:
+                self.free_block_ids.append(block_id)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """At admission (empty block table): share the cached blocks of seq's longest cached prefix.
+
+        Only blocks that end before the last token are candidates, so at least the last token is
+        always computed (its logits give the next token). Sets seq.num_computed_tokens and
+        seq.num_cached_tokens; returns the number of tokens reused.
+        """
+        assert not seq.block_table, "match_prefix on a sequence that already holds blocks"
+        if not self.enable_prefix_caching:
+            return 0
+        size = self.block_size
+        tokens = seq.token_ids
+        self.prefix_cache_queries += len(tokens)
+        parent = None
+        for i in range((len(tokens) - 1) // size):
+            chunk = tuple(tokens[i * size : (i + 1) * size])
+            h = block_hash(parent, chunk)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.evictable[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            parent = h
+        reused = len(seq.block_table) * size
+        self.prefix_cache_hits += reused
+        seq.num_computed_tokens = reused
+        seq.num_cached_tokens = reused
+        return reused
+
+    def unmatch_prefix(self, seq: Sequence) -> None:
+        """Undo match_prefix for a request that could not be admitted after all (counters included)."""
+        self.prefix_cache_queries -= len(seq.token_ids)
+        self.prefix_cache_hits -= seq.num_computed_tokens
+        self.free(seq)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow seq's block table to cover its next num_new_tokens positions (check can_allocate first)."""
+        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+            seq.block_table.append(self._take_free_block())
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """After a step: name every newly completed full block of seq so later requests can share it."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        num_full = seq.num_computed_tokens // size
+        for i in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            chunk = tuple(seq.token_ids[i * size : (i + 1) * size])
+            h = block_hash(parent, chunk)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash = h
+                block.token_ids = chunk
+                self.hash_to_block.setdefault(h, block.block_id)
+            seq.block_hashes.append(h)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's blocks (its KV is gone: num_computed_tokens = 0). Tail blocks are released
+        first so they are evicted before the prefix blocks more requests are likely to share."""
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.num_computed_tokens = 0

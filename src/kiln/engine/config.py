@@ -1,0 +1,96 @@
+"""EngineConfig: the engine's knobs, and how the KV-cache size follows from a memory budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32, small on a 24 GiB box
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings.
+
+    model: None (the embedded SmolLM2-135M-Instruct GGUF), a GGUF file or an HF directory.
+    max_num_seqs: most sequences running at once.
+    max_num_batched_tokens: per-step token budget (decodes + prefill chunks); None = a device default.
+    block_size: tokens per KV block (a power of two).
+    kv_cache_bytes: KV budget in bytes (all layers, K and V); None = 1 GiB on CPU, or on CUDA the
+        gpu_memory_utilization share of the GPU left after the model.
+    num_kv_blocks: set the number of KV blocks directly (overrides the byte budgets; tests use it).
+    max_model_len: longest prompt + output; None = the model's max_position_embeddings, capped by the cache.
+    enforce_eager: on CUDA, skip CUDA-graph capture.
+    """
+
+    model: str | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    device: str | torch.device | None = None
+    dtype: torch.dtype | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"EngineConfig: block_size={self.block_size}, expected a power of two")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"EngineConfig: max_num_seqs={self.max_num_seqs}, expected >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"EngineConfig: max_num_batched_tokens={self.max_num_batched_tokens}, expected >= 1"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"EngineConfig: gpu_memory_utilization={self.gpu_memory_utilization}, expected in (0, 1]"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"EngineConfig: num_kv_blocks={self.num_kv_blocks}, expected >= 1")
+
+    def resolved_device(self) -> torch.device:
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def token_budget(self, device: torch.device) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        # CPU: a 512-token chunk keeps decode steps interleaved with long prefills without hurting
+        # prefill throughput much; GPUs want big batches.
+        return 8192 if device.type == "cuda" else 512
+
+
+def kv_block_bytes(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one KV block takes over all layers, keys and values."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+def num_kv_blocks_for(config: EngineConfig, device: torch.device, block_bytes: int) -> int:
+    """How many KV blocks fit the configured budget (explicit count, byte size, or GPU share)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_bytes is not None:
+        budget = config.kv_cache_bytes
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # keep (1 - utilization) of the whole GPU free, plus headroom for activations and graphs
+        budget = free - (1.0 - config.gpu_memory_utilization) * total - (512 << 20)
+    else:
+        budget = DEFAULT_CPU_KV_CACHE_BYTES
+    blocks = int(budget // block_bytes)
+    if blocks < 1:
+        raise ValueError(
+            f"EngineConfig: a KV budget of {int(budget)} bytes holds no {block_bytes}-byte block; "
+            "raise kv_cache_bytes / gpu_memory_utilization"
+        )
+    return blocks

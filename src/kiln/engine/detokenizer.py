@@ -1,0 +1,50 @@
+"""Incremental detokenization: output text that grows token by token, and stop-string matching.
+
+Decoding each new token alone breaks words (SentencePiece drops the leading space of a piece
+decoded on its own) and characters (a UTF-8 character can span byte-level tokens). So, like vLLM,
+keep two offsets into the ids: text is emitted as decode(ids[prefix:]) minus decode(ids[prefix:read]),
+and held back while it ends in U+FFFD, the mark of an incomplete multi-byte character.
+"""
+
+from __future__ import annotations
+
+_REPLACEMENT = "\ufffd"
+_PROMPT_CONTEXT = 5  # prompt tokens to decode in front of the output, for the first pieces' spacing
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.stop = stop or []
+        self.max_stop_len = max((len(s) for s in self.stop), default=0)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add_tokens(self, token_ids: list[int], final: bool = False) -> bool:
+        """Append output tokens; returns True when a stop string matched (the text is cut before it).
+        final=True flushes an incomplete trailing character instead of holding it back."""
+        self.ids.extend(token_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT) and not final):
+            return False
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return self._append(delta)
+
+    def _append(self, delta: str) -> bool:
+        start = max(0, len(self.text) - self.max_stop_len + 1)  # a match may straddle old and new text
+        self.text += delta
+        if not self.stop:
+            return False
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False

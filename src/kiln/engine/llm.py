@@ -1,0 +1,64 @@
+"""LLM: offline batched generation on top of LLMEngine (prompts in, outputs in prompt order)."""
+
+from __future__ import annotations
+
+from kiln.engine.config import EngineConfig
+from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.outputs import RequestOutput
+from kiln.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM(model=None)`: None = the embedded SmolLM2-135M-Instruct GGUF; else a GGUF file or HF dir.
+    Extra keyword arguments go to EngineConfig (max_num_seqs, kv_cache_bytes, device, ...)."""
+
+    def __init__(self, model: str | None = None, loaded=None, **engine_kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded=loaded)
+        self.tokenizer = self.engine.tokenizer
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        add_special_tokens: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids) at once, continuously batched.
+        params: one SamplingParams for all, or one per prompt. Returns finished outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"LLM.generate: {len(params)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        ids = []
+        for prompt, p in zip(prompts, params, strict=True):
+            request_id = f"llm-{self._next_id}"
+            self._next_id += 1
+            if isinstance(prompt, str) and not add_special_tokens:
+                prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
+            engine.add_request(request_id, prompt if isinstance(prompt, str) else list(prompt), p)
+            ids.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids) and engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        messages_list: list[list[dict]] | list[dict],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations ([{"role": ..., "content": ...}, ...]) via the chat template."""
+        if messages_list and isinstance(messages_list[0], dict):
+            messages_list = [messages_list]
+        prompts = []
+        for messages in messages_list:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            # the template writes its own special tokens; don't let encode add a second BOS
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, params)

@@ -1,0 +1,46 @@
+"""What the engine hands back: per-request outputs and engine-wide counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step.
+
+    token_ids: every output token so far (an EOS or stop token that ended the request included).
+    text: the detokenized output so far; when a stop string matched, the text ends just before it.
+    finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens), "abort", or None.
+    logprobs: None unless requested; else one dict per output token mapping token id -> logprob
+        (natural log, of the model's unmodified distribution): the top-n alternatives plus the chosen token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    # wall-clock times (time.perf_counter) for latency reporting
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters the server exports as metrics (totals are since the engine started)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,102 @@
+"""Sampler: picks the next token of every sequence of a batch from its logits.
+
+Greedy rows take the argmax. Other rows: logits / temperature, then top-k, then top-p (nucleus,
+over the top-k-renormalized distribution), then min-p (drop tokens below min_p * the top
+probability), then one draw. The draw is an exponential race, argmax(p / E) with E ~ Exp(1) i.i.d.,
+which samples exactly p; a request with a seed draws its E from its own torch.Generator, so its
+tokens depend only on its seed and its logits, never on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.engine.sequence import Sequence
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # for unseeded requests
+
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """logits: float32 [N, vocab], row i for seqs[i]. Returns N token ids and, per row, the
+        logprobs dict (top-n + chosen token, natural log of the unmodified distribution) or None."""
+        params = [s.params for s in seqs]
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, seqs)
+        token_list = tokens.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(seqs)
+        if any(p.logprobs is not None for p in params):
+            logprobs = self._logprobs(logits, tokens, params)
+        return token_list, logprobs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        num_rows, vocab = logits.shape
+        device = logits.device
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        scaled = logits.float() / temps[:, None]
+        use_top_k = any(p.top_k > 0 for p in params)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        use_min_p = any(p.min_p > 0.0 for p in params)
+        if use_top_k or use_top_p or use_min_p:
+            # filters work on the sorted row: position j is the (j+1)-th most likely token
+            scaled, order = scaled.sort(dim=-1, descending=True)
+            rank = torch.arange(vocab, device=device)[None, :]
+            if use_top_k:
+                k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+                scaled = scaled.masked_fill(rank >= k[:, None], float("-inf"))
+            probs = scaled.softmax(dim=-1)
+            if use_top_p:
+                top_p = torch.tensor([p.top_p for p in params], device=device)
+                # keep a token if the mass strictly before it is below top_p (the first always stays)
+                mass_before = probs.cumsum(dim=-1) - probs
+                scaled = scaled.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+            if use_min_p:
+                min_p = torch.tensor([p.min_p for p in params], device=device)
+                scaled = scaled.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
+            probs = scaled.softmax(dim=-1)
+        else:
+            order = None
+            probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
+        if unseeded:
+            rows = torch.empty(len(unseeded), vocab, device=device)
+            noise[unseeded] = rows.exponential_(generator=self.generator)
+        for i, seq in enumerate(seqs):
+            if seq.params.seed is not None:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
+                noise[i].exponential_(generator=seq.generator)
+        choice = (probs / noise).argmax(dim=-1)
+        if order is not None:
+            choice = order.gather(1, choice[:, None]).squeeze(1)
+        return torch.where(greedy, logits.argmax(dim=-1), choice)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params) -> list[dict[int, float] | None]:
+        logp = logits.float().log_softmax(dim=-1)
+        chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
+        max_n = max(p.logprobs or 0 for p in params)
+        top_vals, top_ids = logp.topk(max_n, dim=-1) if max_n > 0 else (None, None)
+        out: list[dict[int, float] | None] = []
+        token_list = tokens.tolist()
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                out.append(None)
+                continue
+            entry: dict[int, float] = {}
+            if p.logprobs > 0:
+                entry = dict(
+                    zip(top_ids[i, : p.logprobs].tolist(), top_vals[i, : p.logprobs].tolist(), strict=True)
+                )
+            entry[token_list[i]] = chosen[i]
+            out.append(entry)
+        return out

@@ -1,0 +1,81 @@
+"""Sequence: one request's tokens, its progress through the KV cache, and its block table."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+import torch
+
+from kiln.engine.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """One request as the scheduler sees it.
+
+    token_ids: prompt then output tokens. The first num_computed_tokens of them have their KV in the
+    cache (blocks in block_table, block i holds positions [i * block_size, (i + 1) * block_size)).
+    After preemption by recomputation the KV is dropped (num_computed_tokens = 0) and the whole of
+    token_ids, generated tokens included, is prefilled again as if it were the prompt.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.arrival_index = next(_arrival_counter)  # preemption picks the newest
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at (first) admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of the full blocks registered so far (a chain)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.generator: torch.Generator | None = None  # made by the sampler on the logits' device
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.detokenizer = None  # set by the engine (kiln.engine.detokenizer.IncrementalDetokenizer)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_table)}, {self.status.name})"
+        )

@@ -1,0 +1,49 @@
+"""Incremental detokenizer: multi-byte characters split over tokens, stop strings across tokens."""
+
+from kiln.engine.detokenizer import IncrementalDetokenizer
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (ids 0-255), like the byte fallback of BPE tokenizers; 256 = EOS."""
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode())
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def stream(text, stop=None, prompt="Q: "):
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, tok.encode(prompt), stop)
+    seen = []
+    ids = tok.encode(text)
+    for i, token in enumerate(ids):
+        stopped = detok.add_tokens([token], final=i == len(ids) - 1)
+        seen.append(detok.text)
+        if stopped:
+            return detok.text, seen, True
+    return detok.text, seen, False
+
+
+def test_multibyte_characters_split_across_tokens_never_show_replacement_chars():
+    text = "héllo, 世界 🙂!"
+    final, seen, _ = stream(text)
+    assert final == text
+    assert all("\ufffd" not in t for t in seen)
+    assert all(text.startswith(t) for t in seen)  # text only ever grows by whole characters
+
+
+def test_stop_string_spanning_tokens_truncates_text_before_it():
+    final, _, stopped = stream("The answer is 42.\nUser: more", stop=["\nUser:"])
+    assert stopped and final == "The answer is 42."
+
+
+def test_earliest_of_several_stop_strings_wins():
+    final, _, stopped = stream("abc STOP def END", stop=["END", "STOP"])
+    assert stopped and final == "abc "
+
+
+def test_no_stop_string_keeps_the_whole_text():
+    final, _, stopped = stream("nothing to see", stop=["zzz"])
+    assert not stopped and final == "nothing to see"

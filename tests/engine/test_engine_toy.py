@@ -1,0 +1,150 @@
+"""LLMEngine end to end on the toy paged-KV model: batching, prefix cache, preemption and chunked
+prefill must not change greedy tokens; stops, aborts and request validation."""
+
+import pytest
+
+from kiln.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+
+from .toy_model import EOS, toy_loaded
+
+PROMPTS = ["hello world", "abc", "a much longer prompt, over several blocks!", "xyz" * 7, "q"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return toy_loaded()
+
+
+def make_llm(loaded, **kw):
+    kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("block_size", 4)
+    return LLM(loaded=loaded, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(loaded):
+    """Greedy tokens of each prompt run alone, no prefix caching, big budget."""
+    llm = make_llm(loaded, enable_prefix_caching=False)
+    return [llm.generate(p, GREEDY)[0].token_ids for p in PROMPTS]
+
+
+def test_batched_generation_equals_one_at_a_time(loaded, reference):
+    outs = make_llm(loaded, enable_prefix_caching=False).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in outs)
+
+
+def test_prefix_cache_hits_give_the_same_tokens_as_misses(loaded, reference):
+    llm = make_llm(loaded)
+    first = llm.generate(PROMPTS, GREEDY)
+    hits_before = llm.engine.stats().prefix_cache_hits
+    second = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.stats().prefix_cache_hits > hits_before
+    assert [o.token_ids for o in first] == [o.token_ids for o in second] == reference
+    assert max(o.num_cached_tokens for o in second) > 0
+
+
+def test_tiny_kv_cache_forces_preemption_and_tokens_stay_the_same(loaded, reference):
+    # 14 blocks x 4 slots = 56 tokens for 5 requests that need up to 66 each: must preempt
+    llm = make_llm(loaded, num_kv_blocks=18, enable_prefix_caching=False)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.stats().num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference
+    assert llm.engine.stats().kv_blocks_used == 0
+
+
+def test_chunked_prefill_with_a_small_token_budget_gives_the_same_tokens(loaded, reference):
+    llm = make_llm(loaded, max_num_batched_tokens=5)
+    model = loaded.model
+    calls = model.forward_calls
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert model.forward_calls - calls > 24 + 40 // 5  # the long prompt alone needed 9 chunks
+
+
+def test_stop_string_truncates_text_and_finishes_with_stop(loaded, reference):
+    llm = make_llm(loaded)
+    full = llm.generate(PROMPTS[2], GREEDY)[0]
+    stop = full.text[5:8]
+    out = llm.generate(
+        PROMPTS[2], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    )[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.index(stop)]
+
+
+def test_max_tokens_and_eos_end_requests(loaded):
+    llm = make_llm(loaded)
+    out = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert len(out.token_ids) <= 3
+    # the toy model emits EOS at some point for some prompt under sampling; EOS always ends with "stop"
+    outs = llm.generate(
+        ["x" * i for i in range(1, 9)], SamplingParams(max_tokens=40, temperature=1.0, seed=0)
+    )
+    for o in outs:
+        if EOS in o.token_ids:
+            assert o.token_ids[-1] == EOS and o.finish_reason == "stop"
+        else:
+            assert o.finish_reason == "length" and len(o.token_ids) == 40
+
+
+def test_seeded_sampling_reproduces_whatever_else_runs(loaded):
+    llm = make_llm(loaded)
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=7, ignore_eos=True)
+    alone = llm.generate("seeded", params)[0].token_ids
+    mixed = llm.generate(["other", "seeded", "more"], [SamplingParams(temperature=1.0), params, params])
+    assert mixed[1].token_ids == alone and len(alone) == 16
+
+
+def test_logprobs_come_back_per_output_token(loaded):
+    out = make_llm(loaded).generate(
+        "abc", SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True)
+    )[0]
+    assert len(out.logprobs) == 5
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entry and max(entry.values()) == entry[token]  # greedy picks the top
+
+
+def test_add_request_rejects_too_long_duplicate_and_empty_prompts(loaded):
+    engine = LLMEngine(EngineConfig(num_kv_blocks=8, block_size=4), loaded=loaded)
+    assert engine.max_model_len == 32
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("a", list(range(2, 30)), SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("b", [], SamplingParams())
+    engine.add_request("c", [3, 4], SamplingParams())
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("c", [3, 4], SamplingParams())
+
+
+def test_abort_frees_blocks_and_reports_abort(loaded):
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, block_size=4), loaded=loaded)
+    engine.add_request("a", "some prompt", SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request("b", "another", SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    assert engine.stats().kv_blocks_used > 0
+    engine.abort_request("a")
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["a"].finished and outs["a"].finish_reason == "abort"
+    engine.abort_request("b")
+    engine.step()
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and not engine.has_unfinished_requests()
+
+
+def test_stats_count_prompt_and_generated_tokens(loaded):
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, block_size=4), loaded=loaded)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats()
+    assert stats.prompt_tokens_total == 3 and stats.generation_tokens_total == 4
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_blocks_total == 64
+
+
+def test_chat_applies_the_template(loaded):
+    llm = make_llm(loaded)
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY)[0]
+    text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert out.prompt_token_ids == loaded.tokenizer.encode(text, add_special_tokens=False)

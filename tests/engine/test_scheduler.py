@@ -1,0 +1,143 @@
+"""Scheduler: token budget, chunked prefill, decodes first, max_num_seqs, preemption and stops.
+
+No model: each step 'computes' what was scheduled and samples token 7 for every sequence whose
+prefill completes, exactly as the engine's postprocess expects."""
+
+from kiln.engine.block_manager import BlockManager
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.scheduler import Scheduler
+from kiln.engine.sequence import Sequence, SequenceStatus
+
+EOS = 1
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=True):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+    return Scheduler(bm, max_num_seqs, budget, max_model_len, eos_token_ids=[EOS])
+
+
+def add(sched, name, prompt_len, max_tokens=8, first_token=10, **kw):
+    seq = Sequence(
+        name, list(range(first_token, first_token + prompt_len)), SamplingParams(max_tokens=max_tokens, **kw)
+    )
+    sched.add(seq)
+    return seq
+
+
+def step(sched, token=7):
+    batch = sched.schedule()
+    sampled = [
+        token if s.num_computed_tokens + n == s.num_tokens else None
+        for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
+    ]
+    sched.postprocess(batch, sampled)
+    return batch
+
+
+def test_chunked_prefill_respects_the_token_budget_and_samples_only_at_the_end():
+    sched = make_scheduler(budget=16)
+    seq = add(sched, "a", 50)
+    chunks = []
+    while seq.num_output_tokens == 0:
+        batch = step(sched)
+        assert batch.total_tokens <= 16
+        chunks.append(batch.num_tokens[0])
+    assert chunks == [16, 16, 16, 2]
+    assert seq.output_token_ids == [7]
+
+
+def test_decodes_are_scheduled_before_prefill_chunks_and_new_requests():
+    sched = make_scheduler(budget=10)
+    a = add(sched, "a", 6)
+    step(sched)  # a prefilled, now decoding
+    b = add(sched, "b", 30, first_token=100)
+    c = add(sched, "c", 5, first_token=200)
+    batch = step(sched)
+    assert batch.seqs[0] is a and batch.num_tokens[0] == 1
+    assert batch.seqs[1] is b and batch.num_tokens[1] == 9  # the rest of the budget goes to b's chunk
+    assert c not in batch.seqs
+    batch = step(sched)
+    assert batch.seqs[:2] == [a, b] and batch.num_tokens[:2] == [1, 9]
+
+
+def test_budget_and_max_num_seqs_cap_each_step():
+    sched = make_scheduler(budget=12, max_num_seqs=3)
+    seqs = [add(sched, f"r{i}", 5, first_token=10 * i + 10) for i in range(5)]
+    batch = step(sched)
+    assert batch.total_tokens == 12 and len(batch) == 3  # 5 + 5 + a 2-token chunk of the third
+    assert len(sched.running) == 3 and len(sched.waiting) == 2
+    for _ in range(5):
+        batch = step(sched)
+        assert len(batch) <= 3 and batch.total_tokens <= 12
+    assert all(s.num_output_tokens >= 1 for s in seqs[:3])
+
+
+def test_preemption_frees_the_newest_and_resumes_it_without_losing_tokens():
+    # 6 blocks of 4 slots; two 8-token prompts take 4 blocks; decoding soon needs more than 6
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=False)
+    old = add(sched, "old", 8, max_tokens=12)
+    new = add(sched, "new", 8, max_tokens=12, first_token=50)
+    preempted_at = None
+    for i in range(200):
+        if not sched.has_unfinished():
+            break
+        step(sched)
+        if sched.num_preemptions and preempted_at is None:
+            preempted_at = i
+            assert new.status is SequenceStatus.WAITING and sched.waiting[0] is new
+            assert new.block_table == [] and new.num_computed_tokens == 0
+            assert new.num_output_tokens > 0  # generated tokens are kept and recomputed as prompt
+    assert preempted_at is not None
+    for seq in (old, new):
+        assert seq.finish_reason == "length" and seq.num_output_tokens == 12
+        assert seq.prompt_token_ids == list(range(10 if seq is old else 50, (10 if seq is old else 50) + 8))
+    assert sched.block_manager.num_used_blocks == 0
+
+
+def test_preemption_never_admits_new_work_in_the_same_step():
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=64, caching=False)
+    add(sched, "a", 7, max_tokens=8)
+    add(sched, "b", 7, max_tokens=8, first_token=40)
+    step(sched)
+    add(sched, "c", 2, first_token=90)
+    while sched.num_preemptions == 0:
+        batch = step(sched)
+    assert all(s.request_id != "c" for s in batch.seqs)
+
+
+def test_stops_on_eos_unless_ignored_and_on_stop_token_ids():
+    sched = make_scheduler()
+    eos = add(sched, "eos", 3)
+    ignore = add(sched, "ignore", 3, ignore_eos=True, max_tokens=2, first_token=20)
+    stop = add(sched, "stop", 3, stop_token_ids=[7], ignore_eos=True, first_token=30)
+    step(sched, token=EOS)
+    assert eos.finish_reason == "stop" and eos.output_token_ids == [EOS]
+    assert ignore.status is SequenceStatus.RUNNING
+    assert stop.status is SequenceStatus.RUNNING
+    step(sched, token=7)
+    assert stop.finish_reason == "stop" and stop.output_token_ids == [EOS, 7]
+    assert ignore.finish_reason == "length" and ignore.num_output_tokens == 2
+    assert sched.block_manager.num_used_blocks == 0
+
+
+def test_finish_aborts_waiting_and_running_requests_and_frees_blocks():
+    sched = make_scheduler(max_num_seqs=1)
+    running = add(sched, "a", 5)
+    waiting = add(sched, "b", 5, first_token=40)
+    step(sched)
+    sched.finish(waiting, "abort")
+    sched.finish(running, "abort")
+    assert not sched.has_unfinished() and sched.block_manager.num_used_blocks == 0
+    assert running.finish_reason == waiting.finish_reason == "abort"
+
+
+def test_admission_uses_the_prefix_cache():
+    sched = make_scheduler(budget=64)
+    a = add(sched, "a", 12)
+    step(sched)
+    b = add(
+        sched, "b", 12
+    )  # same 12 tokens: blocks 0-1 are shared, block 2 (holds the last token) recomputed
+    batch = step(sched)
+    assert batch.num_tokens[batch.seqs.index(b)] == 4
+    assert b.block_table[:2] == a.block_table[:2]
