@@ -166,40 +166,41 @@ def _moe_sum_kernel(partial_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: 
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_N_DOWN", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+
 def heuristic_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
-    """Tile sizes by tokens per expert: few (decode) -> thin M tiles and long K steps, the GEMM is
-    a weight stream; many (prefill) -> square tiles for tensor-core throughput."""
+    """Tile sizes by tokens per expert: few (decode) -> thin M tiles and long K steps, the GEMMs are
+    weight streams and need many N-blocks to keep every SM reading; many (prefill) -> big tiles for
+    tensor-core throughput. The gate_up kernel holds two [BLOCK_M, BLOCK_N] accumulators, so the
+    down kernel's single accumulator gets BLOCK_N_DOWN (2 * BLOCK_N: the same register budget)."""
     if triton_interpreting():  # the interpreter's cost grows with tile size, not program count
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 1}
+        return dict(zip(CONFIG_KEYS, (16, 32, 32, 32, 1, 4, 1), strict=True))
     per_expert = num_pairs / num_experts
     if per_expert <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
-    if per_expert <= 96:
-        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 4, "num_warps": 4, "num_stages": 4}
-    if per_expert <= 512:
-        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+        tiles = (16, 64, 64, 128, 1, 4, 4)  # decode: hidden / 64 down N-blocks per active expert
+    elif per_expert <= 96:
+        tiles = (32, 64, 128, 128, 4, 4, 4)
+    elif per_expert <= 512:
+        tiles = (64, 64, 128, 64, 8, 4, 4)
+    else:
+        tiles = (128, 64, 128, 64, 8, 8, 3)
+    return dict(zip(CONFIG_KEYS, tiles, strict=True))
 
 
 def configs(shape: dict, dtype: torch.dtype) -> list[dict]:
-    """The tuning search space."""
+    """The tuning search space (BLOCK_N is per accumulator of the gate_up kernel)."""
     space = []
     for block_m in (16, 32, 64, 128):
-        for block_n in (64, 128, 256):
+        for block_n in (32, 64, 128):
             for block_k in (64, 128):
                 for num_warps, num_stages in ((4, 3), (4, 4), (8, 3)):
-                    if block_m * block_n >= 128 * 256 and num_warps == 4:
+                    if block_m * block_n >= 128 * 128 and num_warps == 4:
                         continue
-                    space.append(
-                        {
-                            "BLOCK_M": block_m,
-                            "BLOCK_N": block_n,
-                            "BLOCK_K": block_k,
-                            "GROUP_M": 1 if block_m == 16 else 8,
-                            "num_warps": num_warps,
-                            "num_stages": num_stages,
-                        }
-                    )
+                    group_m = 1 if block_m == 16 else 8
+                    for block_n_down in (block_n, 2 * block_n):
+                        tiles = (block_m, block_n, block_n_down, block_k, group_m, num_warps, num_stages)
+                        space.append(dict(zip(CONFIG_KEYS, tiles, strict=True)))
     return space
 
 
@@ -281,7 +282,8 @@ def fused_moe_triton(
     # top_k == 1: pair id == token id, so the down GEMM writes the output directly.
     partial = out if top_k == 1 else empty((num_pairs, hidden), torch.float32, x.device)
     down_scale = w_down_scale.float().contiguous() if w_down_scale is not None else x
-    grid = (num_m_blocks * triton.cdiv(hidden, block_n),)
+    block_n_down = config.get("BLOCK_N_DOWN", 2 * block_n)
+    grid = (num_m_blocks * triton.cdiv(hidden, block_n_down),)
     _moe_down_kernel[grid](
         h,
         w_down,
@@ -302,7 +304,7 @@ def fused_moe_triton(
         HAS_SCALE=w_down_scale is not None,
         DOT_PRECISION=precision,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_N=block_n_down,
         BLOCK_K=block_k,
         GROUP_M=config["GROUP_M"],
         **launch,
