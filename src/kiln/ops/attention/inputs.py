@@ -1,0 +1,84 @@
+"""Input makers shared by the attention specs: random varlen batches and paged KV caches with
+shuffled (non-contiguous) block tables. Fresh random data everywhere, including unused cache blocks,
+so a kernel that reads the wrong block or token cannot pass by luck."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ops.attention.validate import FP8_DTYPES
+from kiln.ops.testing import randn, uniform
+
+
+def data_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of q/k/v for a spec dtype: float8_e4m3fn means float16 queries over an fp8 cache."""
+    return torch.float16 if dtype in FP8_DTYPES else dtype
+
+
+def lengths(shape: dict, key: str, default_key: str) -> list[int]:
+    """Per-sequence lengths: an explicit list `shape[key]`, else `batch` copies of `shape[default_key]`."""
+    if key in shape:
+        return list(shape[key])
+    return [shape[default_key]] * shape["batch"]
+
+
+def cu_seqlens(lens: list[int], device) -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def make_paged_kv(
+    context_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device,
+    generator: torch.Generator,
+    extra_blocks: int = 3,
+) -> dict:
+    """key_cache/value_cache `[num_blocks, block_size, Hkv, D]`, block_tables int32 (rows padded with
+    -1 past each sequence's blocks), seq_lens int32, and k_scale/v_scale (fp8 only, else None)."""
+    needed = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(needed) + extra_blocks
+    order = torch.randperm(num_blocks, generator=generator)
+    width = max(needed) if needed else 1
+    block_tables = torch.full((len(context_lens), width), -1, dtype=torch.int32)
+    used = 0
+    for row, count in enumerate(needed):
+        block_tables[row, :count] = order[used : used + count].to(torch.int32)
+        used += count
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    kv = {
+        "block_tables": block_tables.to(device),
+        "seq_lens": torch.tensor(context_lens, dtype=torch.int32, device=device),
+        "k_scale": None,
+        "v_scale": None,
+    }
+    if dtype in FP8_DTYPES:
+        # Stored = value / scale: scales near 1/40 put unit-variance values well inside e4m3's +-448.
+        for name in ("k", "v"):
+            scale = uniform((num_kv_heads,), 0.02, 0.05, torch.float32, device, generator)
+            values = randn(cache_shape, torch.float32, device, generator) / scale[:, None]
+            kv[f"{name}_scale"] = scale
+            kv[f"{'key' if name == 'k' else 'value'}_cache"] = values.clamp(-448, 448).to(dtype)
+    else:
+        kv["key_cache"] = randn(cache_shape, dtype, device, generator)
+        kv["value_cache"] = randn(cache_shape, dtype, device, generator)
+    return kv
+
+
+def visible_pairs(q_len: int, k_len: int, causal: bool, sliding_window: int | None) -> int:
+    """How many (query, key) pairs the mask keeps: the work of one head of one sequence."""
+    if q_len == 0 or k_len == 0:
+        return 0
+    position = torch.arange(q_len, dtype=torch.int64) + (k_len - q_len)
+    hi = torch.clamp(position + 1, max=k_len) if causal else torch.full_like(position, k_len)
+    lo = (
+        torch.clamp(position - sliding_window + 1, min=0)
+        if sliding_window is not None
+        else torch.zeros_like(position)
+    )
+    return int(torch.clamp(hi - lo, min=0).sum())

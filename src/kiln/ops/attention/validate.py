@@ -1,0 +1,172 @@
+"""Argument checks shared by the attention ops: every failure is a ValueError naming the op, the
+argument and the fix, raised before any kernel launches."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ops.checks import FLOAT_DTYPES, check_tensor
+
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+FP8_DTYPES = (torch.float8_e4m3fn,)
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES + (torch.float64,)
+QUERY_DTYPES = FLOAT_DTYPES + (torch.float64,)  # float64 only for the verifier's reference
+
+
+def _dtype(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def host_checkable(tensor: torch.Tensor) -> bool:
+    """Whether checks that read tensor values on the host may run: always on the CPU; on a GPU only
+    outside CUDA-graph capture (where reading would be illegal)."""
+    return tensor.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
+def check_query(op: str, name: str, q: object, ndim: int = 3) -> torch.Tensor:
+    q = check_tensor(op, name, q, ndim=ndim, dtypes=QUERY_DTYPES)
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"{op}: {name} has head_dim {q.shape[-1]}, supported head dims are "
+            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
+        )
+    return q
+
+
+def check_heads(op: str, num_heads: int, num_kv_heads: int) -> None:
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"{op}: q has {num_heads} heads, which is not a multiple of the {num_kv_heads} kv heads "
+            "(GQA needs num_heads % num_kv_heads == 0)"
+        )
+
+
+def check_optional_positive(op: str, name: str, value: float | int | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{op}: {name} must be positive or None, got {value}")
+
+
+def check_cu_seqlens(
+    op: str, name: str, cu_seqlens: object, num_seqs: int | None, device: torch.device
+) -> int:
+    """int32 `[B+1]`; returns B."""
+    cu_seqlens = check_tensor(op, name, cu_seqlens, ndim=1, dtypes=(torch.int32,), device=device)
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"{op}: {name} must have num_seqs + 1 >= 2 entries, got {cu_seqlens.shape[0]}")
+    if num_seqs is not None and cu_seqlens.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"{op}: {name} has {cu_seqlens.shape[0]} entries, expected num_seqs + 1 = {num_seqs + 1}"
+        )
+    return cu_seqlens.shape[0] - 1
+
+
+def check_lengths(
+    op: str, name: str, cu_seqlens: torch.Tensor, total: int, max_seqlen: int, what: str
+) -> None:
+    """Values of cu_seqlens (host-side, skipped during CUDA-graph capture): starts at 0,
+    non-decreasing, ends at the token count, no length above max_seqlen."""
+    if not host_checkable(cu_seqlens):
+        return
+    values = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(values, values[1:], strict=False)]
+    if values[0] != 0 or min(lengths) < 0:
+        raise ValueError(f"{op}: {name} must start at 0 and be non-decreasing, got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{op}: {name} ends at {values[-1]}, expected the number of {what} tokens {total}")
+    if max(lengths) > max_seqlen:
+        raise ValueError(
+            f"{op}: a sequence in {name} has {max(lengths)} tokens, above max_seqlen {max_seqlen}"
+        )
+
+
+def check_paged_cache(
+    op: str,
+    key_cache: object,
+    value_cache: object,
+    k_scale: object,
+    v_scale: object,
+    q: torch.Tensor,
+) -> tuple[int, int]:
+    """`[num_blocks, block_size, Hkv, D]` caches in q's dtype (or fp8 with float32 `[Hkv]` scales).
+    Returns (block_size, num_kv_heads)."""
+    device = q.device
+    key_cache = check_tensor(op, "key_cache", key_cache, ndim=4, dtypes=CACHE_DTYPES, device=device)
+    value_cache = check_tensor(op, "value_cache", value_cache, ndim=4, dtypes=CACHE_DTYPES, device=device)
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError(
+            f"{op}: key_cache {tuple(key_cache.shape)} {_dtype(key_cache.dtype)} and value_cache "
+            f"{tuple(value_cache.shape)} {_dtype(value_cache.dtype)} must have one shape and dtype"
+        )
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"{op}: key_cache block_size (dim 1) is {block_size}, expected a power of two")
+    if head_dim != q.shape[-1]:
+        raise ValueError(f"{op}: key_cache has head_dim {head_dim}, expected q's head_dim {q.shape[-1]}")
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError(f"{op}: key_cache and value_cache need a contiguous head_dim (stride 1)")
+    check_heads(op, q.shape[-2], num_kv_heads)
+    check_scales(op, key_cache, k_scale, v_scale, num_kv_heads, q.dtype)
+    return block_size, num_kv_heads
+
+
+def check_scales(
+    op: str,
+    key_cache: torch.Tensor,
+    k_scale: object,
+    v_scale: object,
+    num_kv_heads: int,
+    data_dtype: torch.dtype,
+) -> None:
+    """fp8 caches need float32 `[Hkv]` k_scale and v_scale; other caches take none, match the data dtype."""
+    if key_cache.dtype in FP8_DTYPES:
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale is None:
+                raise ValueError(
+                    f"{op}: the cache is {_dtype(key_cache.dtype)}, so {name} "
+                    f"(float32 [{num_kv_heads}]) is required"
+                )
+            check_tensor(
+                op, name, scale, ndim=1, dtypes=(torch.float32, torch.float64), device=key_cache.device
+            )
+            if scale.shape[0] != num_kv_heads:
+                raise ValueError(
+                    f"{op}: {name} has {scale.shape[0]} entries, expected num_kv_heads {num_kv_heads}"
+                )
+        return
+    if k_scale is not None or v_scale is not None:
+        raise ValueError(
+            f"{op}: k_scale/v_scale apply only to float8_e4m3fn caches; "
+            f"the cache is {_dtype(key_cache.dtype)}"
+        )
+    if key_cache.dtype != data_dtype:
+        raise ValueError(
+            f"{op}: key_cache is {_dtype(key_cache.dtype)} but the data is {_dtype(data_dtype)}; "
+            "use one dtype (or a float8_e4m3fn cache with scales)"
+        )
+
+
+def check_block_tables(
+    op: str, block_tables: object, seq_lens: object, num_seqs: int, block_size: int, device: torch.device
+) -> None:
+    """int32 `[num_seqs, max_blocks]` and int32 `[num_seqs]`, with every sequence fitting its table row."""
+    block_tables = check_tensor(
+        op, "block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device
+    )
+    seq_lens = check_tensor(op, "seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
+    if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
+        raise ValueError(
+            f"{op}: block_tables has {block_tables.shape[0]} rows and seq_lens {seq_lens.shape[0]} entries, "
+            f"expected num_seqs {num_seqs}"
+        )
+    if block_tables.stride(-1) != 1:
+        raise ValueError(f"{op}: block_tables rows must be contiguous")
+    if num_seqs and host_checkable(seq_lens):
+        longest = int(seq_lens.max())
+        capacity = block_tables.shape[1] * block_size
+        if longest > capacity:
+            raise ValueError(
+                f"{op}: a sequence has seq_len {longest} but block_tables rows hold only "
+                f"{block_tables.shape[1]} blocks x {block_size} = {capacity} tokens; widen block_tables"
+            )
+        if int(seq_lens.min()) < 1:
+            raise ValueError(f"{op}: seq_lens must be >= 1, got {int(seq_lens.min())}")
