@@ -1,0 +1,172 @@
+"""Measured device ceilings for the roofline: peak memory bandwidth and peak matmul throughput.
+
+Measured, not looked up, once per device and cached as JSON in `$KILN_CEILINGS_CACHE` (default
+~/.cache/kiln/ceilings.json), keyed by device name and torch version:
+  - bandwidth: a large device-to-device copy (CPU: a large memcpy); bytes = read + written;
+  - FLOP/s: a large matmul, bf16 and fp32 on CUDA (tensor cores vs not), fp32 on CPU.
+The best sample is kept (a ceiling is the most the device has been seen to do).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Ceilings:
+    """device_name: what the numbers belong to. bandwidth_gbs: GB/s (1e9 bytes, read + write).
+    matmul_tflops: dtype name -> TFLOP/s (1e12)."""
+
+    device_name: str
+    bandwidth_gbs: float
+    matmul_tflops: dict[str, float] = field(default_factory=dict)
+    method: str = ""
+    measured_at: str = ""
+
+    def peak_flops(self, dtype: torch.dtype | str | None = None) -> float:
+        """FLOP/s for this dtype's matmul; dtypes not measured use the fastest one measured
+        (half types share the bf16 number, so the bound stays optimistic, never flattering)."""
+        name = str(dtype).replace("torch.", "") if dtype is not None else None
+        if name in self.matmul_tflops:
+            return self.matmul_tflops[name] * 1e12
+        if name in ("float16", "float8_e4m3fn", "float8_e5m2") and "bfloat16" in self.matmul_tflops:
+            return self.matmul_tflops["bfloat16"] * 1e12
+        return max(self.matmul_tflops.values()) * 1e12
+
+    @property
+    def peak_bandwidth(self) -> float:
+        """Bytes per second."""
+        return self.bandwidth_gbs * 1e9
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU {name or platform.machine()} x{os.cpu_count()}"
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("KILN_CEILINGS_CACHE", Path.home() / ".cache" / "kiln" / "ceilings.json"))
+
+
+def _cache_key(device: torch.device) -> str:
+    return f"{device_name(device)}|torch-{torch.__version__}"
+
+
+def load_cached(device: torch.device) -> Ceilings | None:
+    try:
+        entry = json.loads(cache_path().read_text()).get(_cache_key(device))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return Ceilings(**entry) if entry else None
+
+
+def save_cached(device: torch.device, ceilings: Ceilings) -> None:
+    path = cache_path()
+    try:
+        entries = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        entries = {}
+    entries[_cache_key(device)] = asdict(ceilings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(entries, indent=2, sort_keys=True))
+    tmp.replace(path)
+
+
+def measure_ceilings(device: torch.device | str, refresh: bool = False) -> Ceilings:
+    """The device's ceilings: from the cache, else measured now (about a second) and cached."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not refresh:
+        cached = load_cached(device)
+        if cached is not None:
+            return cached
+    if device.type == "cuda":
+        ceilings = _measure_cuda(device)
+    else:
+        ceilings = _measure_cpu(device)
+    save_cached(device, ceilings)
+    return ceilings
+
+
+def _best_seconds(fn, device: torch.device, reps: int) -> float:
+    fn()  # warm-up (allocator, cuBLAS heuristics, page faults)
+    best = float("inf")
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _stamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _measure_cuda(device: torch.device) -> Ceilings:
+    with torch.cuda.device(device):
+        n_bytes = 1 << 30  # 1 GiB each way: far past L2, long enough for events to be exact
+        src = torch.empty(n_bytes, dtype=torch.uint8, device=device).random_()
+        dst = torch.empty_like(src)
+        seconds = _best_seconds(lambda d=dst, s=src: d.copy_(s), device, reps=10)
+        bandwidth = 2 * n_bytes / seconds / 1e9
+        del src, dst
+        tflops = {}
+        n = 8192
+        for dtype in (torch.bfloat16, torch.float32):
+            a = torch.randn(n, n, device=device, dtype=dtype)
+            b = torch.randn(n, n, device=device, dtype=dtype)
+            seconds = _best_seconds(lambda a=a, b=b: torch.mm(a, b), device, reps=10)
+            tflops[str(dtype).replace("torch.", "")] = 2 * n**3 / seconds / 1e12
+            del a, b
+        torch.cuda.empty_cache()
+    return Ceilings(
+        device_name(device),
+        bandwidth,
+        tflops,
+        "1 GiB device-to-device copy; 8192^3 torch.mm in bf16 and fp32; best of 10",
+        _stamp(),
+    )
+
+
+def _measure_cpu(device: torch.device) -> Ceilings:
+    n_bytes = 256 * 2**20
+    src = torch.empty(n_bytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    seconds = _best_seconds(lambda: dst.copy_(src), device, reps=3)
+    bandwidth = 2 * n_bytes / seconds / 1e9
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    seconds = _best_seconds(lambda: torch.mm(a, b), device, reps=3)
+    return Ceilings(
+        device_name(device),
+        bandwidth,
+        {"float32": 2 * n**3 / seconds / 1e12},
+        "256 MiB memcpy; 1024^3 fp32 torch.mm; best of 3",
+        _stamp(),
+    )

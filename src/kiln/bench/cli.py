@@ -1,0 +1,139 @@
+"""`kiln bench`: op benchmarks against measured roofline ceilings, plus its subcommands.
+
+kiln bench [--suite llm] [--op NAME ...] [--dtype NAME ...] [--shapes JSON|FILE|SUITE] [--backend NAME]
+           [--out DIR] [--suffix TEXT] [--no-baselines] [--device cuda|cpu] [--reps N]
+kiln bench compare OLD.json NEW.json [--threshold 0.05]
+kiln bench engine ...   (kiln.engine.benchmark)
+kiln bench serve ...    (kiln.server.benchmark)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+DELEGATES = {"engine": "kiln.engine.benchmark", "serve": "kiln.server.benchmark"}
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark ops against baselines and the measured roofline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--suite", default="llm", help="shape suite of each op (OpSpec.bench_shapes key)")
+    p.add_argument("--op", action="extend", nargs="+", help="op name(s); default: every op in the suite")
+    p.add_argument(
+        "--dtype", action="extend", nargs="+", help="dtype name(s); default bfloat16 on CUDA, float32 on CPU"
+    )
+    p.add_argument("--shapes", default=None, help="JSON shape dict/list, a .json file, or a suite name")
+    p.add_argument("--backend", default=None, help="implementation to time (default: what dispatch picks)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--out", default="bench/results", help="directory for the JSON, Markdown and PNG")
+    p.add_argument("--suffix", default=None, help="appended to the result file name")
+    p.add_argument("--no-baselines", action="store_true", help="time only Kiln's implementation")
+    p.add_argument("--no-plot", action="store_true", help="skip the roofline PNG")
+    p.add_argument("--reps", type=int, default=None, help="timing samples per case (default 100 CUDA, 5 CPU)")
+    p.add_argument("--refresh-ceilings", action="store_true", help="re-measure the device ceilings")
+    p.set_defaults(func=run)
+    sub = p.add_subparsers(dest="bench_command", metavar="{compare,engine,serve}")
+    c = sub.add_parser("compare", help="flag regressions between two result files (exit 1 if any)")
+    c.add_argument("old", help="baseline result JSON")
+    c.add_argument("new", help="new result JSON")
+    c.add_argument(
+        "--threshold",
+        type=float,
+        default=0.05,
+        help="smallest relative slow-down that counts (the runs' spread can raise it)",
+    )
+    c.set_defaults(func=run_compare)
+    for name, module in DELEGATES.items():
+        # Parsed lazily by the delegate's own parser, so `kiln` starts without importing the engine.
+        d = sub.add_parser(name, add_help=False, prefix_chars="\0", help=f"delegates to {module}")
+        d.add_argument("delegate_args", nargs=argparse.REMAINDER)
+        d.set_defaults(func=run_delegate, delegate=name)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kiln.bench import plot, report, results
+    from kiln.bench.ceilings import measure_ceilings
+    from kiln.bench.runner import bench, print_progress
+    from kiln.bench.suites import resolve_cases
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        cases = resolve_cases(args.op, args.suite, args.shapes, args.dtype, device)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if not cases:
+        print(
+            f"kiln bench: nothing to run (no op with shapes in suite {args.suite!r} for the dtypes asked)",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"kiln bench: measuring {device} ceilings (cached after the first run)...", file=sys.stderr)
+    ceilings = measure_ceilings(device, refresh=args.refresh_ceilings)
+    print(
+        f"  {ceilings.device_name}: {ceilings.bandwidth_gbs:.1f} GB/s, "
+        + ", ".join(f"{k} {v:.2f} TFLOP/s" for k, v in ceilings.matmul_tflops.items()),
+        file=sys.stderr,
+    )
+    timing_kwargs = {"reps": args.reps} if args.reps else {}
+    records = bench(
+        cases, device, ceilings, args.backend, not args.no_baselines, timing_kwargs, progress=print_progress
+    )
+    from dataclasses import asdict
+
+    metadata = results.collect_metadata(device, ceilings.device_name, args.shapes or args.suite)
+    payload = results.make_payload(metadata, asdict(ceilings), records)
+    path = results.write(payload, args.out, args.suffix)
+    md_path = report.write_markdown(payload, path.with_suffix(".md"))
+    print(report.format_markdown(payload))
+    print(f"wrote {path}\nwrote {md_path}")
+    if not args.no_plot:
+        print(f"wrote {plot.plot_roofline(payload, path.with_suffix('.png'))}")
+    errors = [r for r in records if r["error"]]
+    return 1 if len(errors) == len(records) else 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from kiln.bench import results
+    from kiln.bench.compare import compare_cases, exit_code, format_comparison
+
+    try:
+        old, new = results.load(args.old), results.load(args.new)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if old["metadata"]["device_name"] != new["metadata"]["device_name"]:
+        print(
+            f"note: comparing different devices ({old['metadata']['device_name']} vs "
+            f"{new['metadata']['device_name']})",
+            file=sys.stderr,
+        )
+    rows = compare_cases(old, new, args.threshold)
+    print(format_comparison(rows))
+    return exit_code(rows)
+
+
+def run_delegate(args: argparse.Namespace) -> int:
+    module_name = DELEGATES[args.delegate]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            print(
+                f"kiln bench {args.delegate}: {module_name} is not available in this build yet "
+                f"(it provides add_arguments(parser) and run(args))",
+                file=sys.stderr,
+            )
+            return 2
+        raise
+    parser = argparse.ArgumentParser(prog=f"kiln bench {args.delegate}")
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(args.delegate_args)) or 0)

@@ -1,0 +1,80 @@
+"""Markdown report of a `kiln bench` result: header with device and ceilings, one table row per case."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _shape(shape: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in shape.items())
+
+
+def _us(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms * 1e3:.1f}"
+
+
+def format_markdown(payload: dict) -> str:
+    meta, ceil = payload["metadata"], payload["ceilings"]
+    tflops = ", ".join(f"{k} {v:.2f}" for k, v in ceil["matmul_tflops"].items())
+    lines = [
+        f"# kiln bench: {meta['device_name']} ({meta['timing']})",
+        "",
+        f"- date {meta['date']}, git {str(meta['git_commit'])[:12]}{' (dirty)' if meta['git_dirty'] else ''}",
+        f"- torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, driver {meta['driver']}, "
+        f"jax {meta['jax']}",
+        f"- measured ceilings: {ceil['bandwidth_gbs']:.1f} GB/s, matmul TFLOP/s: {tflops} ({ceil['method']})",
+        "",
+    ]
+    baseline_names = sorted({name for case in payload["cases"] for name in case["baselines"]})
+    header = [
+        "op",
+        "shape",
+        "dtype",
+        "backend",
+        "median us",
+        "p20-p80 us",
+        "TFLOP/s",
+        "GB/s",
+        "% roofline",
+        "bound",
+    ] + [f"vs {name}" for name in baseline_names]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for case in payload["cases"]:
+        row = [case["op"], _shape(case["shape"]), case["dtype"], case["backend"]]
+        if case["error"]:
+            row += [f"error: {case['error'][:80]}"] + [""] * (len(header) - 5)
+        else:
+            row += [
+                _us(case["median_ms"]),
+                f"{_us(case['p20_ms'])}-{_us(case['p80_ms'])}",
+                f"{case['tflops']:.3f}",
+                f"{case['gbps']:.1f}",
+                f"{100 * case['roofline_fraction']:.1f}%",
+                case["limiter"],
+            ]
+            for name in baseline_names:
+                base = case["baselines"].get(name)
+                if base is None:
+                    row.append("")
+                elif "error" in base:
+                    row.append("error")
+                else:
+                    row.append(f"{base['speedup']:.2f}x")
+        lines.append("| " + " | ".join(str(cell).replace("|", "/") for cell in row) + " |")
+    lines.append("")
+    lines.append(
+        "Speed-up = baseline median / Kiln median (>1 means Kiln is faster). "
+        "% roofline = max(flops/peak, bytes/bandwidth) / measured."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(payload: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(format_markdown(payload))
+    return path
+
+
+def load_json(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())

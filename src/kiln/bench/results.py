@@ -1,0 +1,195 @@
+"""The `kiln bench` result file: versioned JSON, one per run, named `<date>-<device-slug>[-suffix].json`.
+
+Schema (version 1):
+{
+  "kind": "kiln-bench", "schema_version": 1,
+  "metadata": {"date", "device", "device_type" ("cuda"|"cpu"), "device_name", "driver", "cuda",
+               "torch", "triton", "jax", "python", "git_commit", "git_dirty", "timing" (what the
+               numbers are: "CPU timings" or "CUDA timings"), "suite"},
+  "ceilings": {"device_name", "bandwidth_gbs", "matmul_tflops": {dtype: TFLOP/s}, "method", "measured_at"},
+  "cases": [{
+      "op", "shape" (dict), "dtype", "backend", "method" (cuda-graph|cuda-events|cpu-wallclock),
+      "median_ms", "p20_ms", "p80_ms", "rel_spread", "reps", "copies",
+      "flops", "bytes", "tflops", "gbps", "intensity", "roofline_bound_ms", "roofline_fraction", "limiter",
+      "baselines": {name: {"median_ms", "p20_ms", "p80_ms", "speedup"} or {"error"}},
+      "error" (null, or why the case did not run: then the timing fields are null)
+  }]
+}
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KIND = "kiln-bench"
+SCHEMA_VERSION = 1
+
+CASE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "op": str,
+    "shape": dict,
+    "dtype": str,
+    "backend": str,
+    "method": (str, type(None)),
+    "median_ms": (float, type(None)),
+    "p20_ms": (float, type(None)),
+    "p80_ms": (float, type(None)),
+    "rel_spread": (float, type(None)),
+    "reps": (int, type(None)),
+    "copies": (int, type(None)),
+    "flops": (float, int),
+    "bytes": (float, int),
+    "tflops": (float, type(None)),
+    "gbps": (float, type(None)),
+    "intensity": (float, type(None)),
+    "roofline_bound_ms": (float, type(None)),
+    "roofline_fraction": (float, type(None)),
+    "limiter": (str, type(None)),
+    "baselines": dict,
+    "error": (str, type(None)),
+}
+METADATA_FIELDS = (
+    "date",
+    "device",
+    "device_type",
+    "device_name",
+    "driver",
+    "cuda",
+    "torch",
+    "triton",
+    "jax",
+    "python",
+    "git_commit",
+    "git_dirty",
+    "timing",
+    "suite",
+)
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # not installed, or broken: the metadata says so instead of failing the run
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def collect_metadata(device: torch.device, device_name: str, suite: str | None) -> dict[str, Any]:
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": str(device),
+        "device_type": device.type,
+        "device_name": device_name,
+        "driver": _driver() if device.type == "cuda" else None,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "jax": _version("jax"),
+        "python": platform.python_version(),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(status) if status is not None else None,
+        "timing": "CUDA timings" if device.type == "cuda" else "CPU timings",
+        "suite": suite,
+    }
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def result_filename(metadata: dict, suffix: str | None = None) -> str:
+    date = metadata["date"][:10]
+    name = f"{date}-{device_slug(metadata['device_name'])}"
+    return f"{name}-{device_slug(suffix)}.json" if suffix else f"{name}.json"
+
+
+def make_payload(metadata: dict, ceilings: dict, cases: list[dict]) -> dict:
+    payload = {
+        "kind": KIND,
+        "schema_version": SCHEMA_VERSION,
+        "metadata": metadata,
+        "ceilings": ceilings,
+        "cases": cases,
+    }
+    validate(payload)
+    return payload
+
+
+def validate(payload: dict) -> None:
+    """Raise ValueError naming the first missing or mistyped field."""
+    if payload.get("kind") != KIND:
+        raise ValueError(f"not a kiln bench result (kind={payload.get('kind')!r})")
+    if payload.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(
+            f"kiln bench result schema_version {payload.get('schema_version')!r}, "
+            f"this Kiln reads {SCHEMA_VERSION}"
+        )
+    for key in ("metadata", "ceilings", "cases"):
+        if key not in payload:
+            raise ValueError(f"kiln bench result: missing {key!r}")
+    missing = [k for k in METADATA_FIELDS if k not in payload["metadata"]]
+    if missing:
+        raise ValueError(f"kiln bench result: metadata lacks {', '.join(missing)}")
+    for i, case in enumerate(payload["cases"]):
+        for name, types in CASE_FIELDS.items():
+            if name not in case:
+                raise ValueError(f"kiln bench result: case {i} lacks {name!r}")
+            if not isinstance(case[name], types):
+                raise ValueError(
+                    f"kiln bench result: case {i} field {name!r} has type {type(case[name]).__name__}"
+                )
+
+
+def write(payload: dict, out_dir: str | Path, suffix: str | None = None) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / result_filename(payload["metadata"], suffix)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def load(path: str | Path) -> dict:
+    try:
+        payload = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"kiln bench: no such result file {path}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"kiln bench: {path} is not JSON ({exc})") from None
+    validate(payload)
+    return payload
+
+
+def case_key(case: dict) -> tuple[str, str, str, str]:
+    """What identifies a case across runs: (op, shape as canonical JSON, dtype, backend)."""
+    return case["op"], json.dumps(case["shape"], sort_keys=True), case["dtype"], case["backend"]

@@ -1,0 +1,53 @@
+import math
+
+import pytest
+
+from kiln.bench.ceilings import Ceilings
+from kiln.bench.roofline import ridge_point, roofline
+
+
+def test_memory_bound_case_hand_computed():
+    # 1 GFLOP moving 4 GB on a 1 TB/s, 100 TFLOP/s device: memory needs 4 ms, compute 10 us.
+    point = roofline(flops=1e9, bytes_moved=4e9, seconds=8e-3, peak_flops=100e12, peak_bandwidth=1e12)
+    assert point.bound_s == pytest.approx(4e-3)
+    assert point.fraction == pytest.approx(0.5)
+    assert point.limiter == "memory"
+    assert point.intensity == pytest.approx(0.25)
+    assert point.bytes_per_s == pytest.approx(5e11)
+    assert point.flops_per_s == pytest.approx(1.25e11)
+
+
+def test_compute_bound_case_hand_computed():
+    # 2*4096^3 FLOP GEMM moving 3*4096^2*2 bytes: compute 1.374 ms at 100 TFLOP/s, memory 0.1 ms at 1 TB/s.
+    flops, nbytes = 2 * 4096**3, 3 * 4096**2 * 2
+    point = roofline(flops, nbytes, seconds=2e-3, peak_flops=100e12, peak_bandwidth=1e12)
+    assert point.limiter == "compute"
+    assert point.bound_s == pytest.approx(flops / 100e12)
+    assert point.fraction == pytest.approx(flops / 100e12 / 2e-3)
+    assert point.intensity == pytest.approx(4096 / 3)
+
+
+def test_ridge_point_is_where_both_ceilings_meet():
+    ridge = ridge_point(100e12, 1e12)
+    assert ridge == pytest.approx(100.0)
+    at_ridge = roofline(ridge * 1e9, 1e9, 1.0, 100e12, 1e12)
+    assert at_ridge.bound_s == pytest.approx(1e-3)
+
+
+def test_zero_bytes_gives_infinite_intensity_not_a_crash():
+    assert math.isinf(roofline(1e6, 0, 1e-3, 1e12, 1e12).intensity)
+
+
+def test_nonpositive_time_or_ceiling_is_rejected():
+    with pytest.raises(ValueError, match="must be positive"):
+        roofline(1.0, 1.0, 0.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="must be positive"):
+        roofline(1.0, 1.0, 1.0, 0.0, 1.0)
+
+
+def test_peak_flops_uses_the_dtype_measured_else_bf16_for_halves_else_the_best():
+    ceilings = Ceilings("dev", 1000.0, {"bfloat16": 800.0, "float32": 60.0})
+    assert ceilings.peak_flops("float32") == pytest.approx(60e12)
+    assert ceilings.peak_flops("float16") == pytest.approx(800e12)
+    assert ceilings.peak_flops("int8") == pytest.approx(800e12)
+    assert ceilings.peak_bandwidth == pytest.approx(1e12)
