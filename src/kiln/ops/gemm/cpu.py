@@ -8,8 +8,12 @@ import torch.nn.functional as F
 
 from kiln.ops.gemm.dense_spec import LINEAR, LINEAR_SILU_MUL
 from kiln.ops.gemm.fp8_spec import AMAX_FLOOR, FP8_DTYPE, FP8_LINEAR, FP8_MAX, QUANTIZE_FP8
+from kiln.ops.gemm.gguf_spec import GGUF_DEQUANTIZE, GGUF_LINEAR
+from kiln.ops.gemm.int4_spec import INT4_LINEAR
 from kiln.ops.gemm.int8_spec import INT8_LINEAR, INT8_MAX, QUANTIZE_INT8, round_half_away
 from kiln.ops.registry import Implementation
+from kiln.quant.gguf_blocks import dequantize_blocks
+from kiln.quant.int4 import dequantize_int4
 
 
 def _cpu_only(device):
@@ -59,9 +63,28 @@ def int8_linear_cpu(x_int8, x_scale, w_int8, w_scale, bias=None, out_dtype=torch
     return _scaled_linear_cpu(x_int8, x_scale, w_int8, w_scale, bias, out_dtype)
 
 
+def int4_linear_cpu(x, qweight, scales, zeros, group_size):
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = dequantize_int4(qweight, scales, zeros, group_size, x.shape[-1], dtype=compute)
+    return F.linear(x.to(compute), w).to(x.dtype)
+
+
+def gguf_dequantize_cpu(qweight, qtype, dtype=torch.float32):
+    return dequantize_blocks(qweight, qtype, dtype)
+
+
+def gguf_linear_cpu(x, qweight, qtype, bias=None):
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = dequantize_blocks(qweight, qtype, compute)
+    return F.linear(x.to(compute), w, None if bias is None else bias.to(compute)).to(x.dtype)
+
+
 LINEAR.register(Implementation("cpu", linear_cpu, _cpu_only))
 LINEAR_SILU_MUL.register(Implementation("cpu", linear_silu_mul_cpu, _cpu_only))
 QUANTIZE_FP8.register(Implementation("cpu", quantize_fp8_cpu, _cpu_only))
 QUANTIZE_INT8.register(Implementation("cpu", quantize_int8_cpu, _cpu_only))
 FP8_LINEAR.register(Implementation("cpu", fp8_linear_cpu, _cpu_only))
 INT8_LINEAR.register(Implementation("cpu", int8_linear_cpu, _cpu_only))
+INT4_LINEAR.register(Implementation("cpu", int4_linear_cpu, _cpu_only))
+GGUF_DEQUANTIZE.register(Implementation("cpu", gguf_dequantize_cpu, _cpu_only))
+GGUF_LINEAR.register(Implementation("cpu", gguf_linear_cpu, _cpu_only))
