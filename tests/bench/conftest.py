@@ -16,3 +16,5 @@ def isolated_caches(ceilings_cache, tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CEILINGS_CACHE", str(ceilings_cache))
     monkeypatch.setenv("KILN_TUNE_CACHE", str(tmp_path / "tune.json"))
     monkeypatch.setattr(tune_cache, "_user_entries", None)
+    yield
+    tune_cache._shipped.cache_clear()  # a test may have pointed SHIPPED_DIR elsewhere

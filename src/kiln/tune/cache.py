@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -84,15 +85,24 @@ def _user() -> dict[str, dict]:
     return _user_entries
 
 
-def lookup(op: str, dtype: torch.dtype, shape: dict[str, Any], device: torch.device | None = None) -> dict | None:
+def lookup(
+    op: str, dtype: torch.dtype, shape: dict[str, Any], device: torch.device | None = None
+) -> dict | None:
     """The tuned config for this op/dtype/shape bucket on this device, or None (use the heuristic)."""
     key = cache_key(op, dtype, shape, device)
     entry = _user().get(key) or _shipped().get(key)
     return dict(entry["config"]) if entry else None
 
 
-def store(op: str, dtype: torch.dtype, shape: dict[str, Any], config: dict, meta: dict | None = None,
-          path: Path | None = None, device: torch.device | None = None) -> str:
+def store(
+    op: str,
+    dtype: torch.dtype,
+    shape: dict[str, Any],
+    config: dict,
+    meta: dict | None = None,
+    path: Path | None = None,
+    device: torch.device | None = None,
+) -> str:
     """Record a tuned config (with optional metadata such as its time) in the user's cache."""
     global _user_entries
     path = path or user_cache_path()
@@ -105,3 +115,33 @@ def store(op: str, dtype: torch.dtype, shape: dict[str, Any], config: dict, meta
     tmp.replace(path)
     _user_entries = None
     return key
+
+
+def shipped_path(device: torch.device | None = None) -> Path:
+    """Where the shipped cache for this device lives: kiln/tune/configs/<device-slug>.json."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
+    return SHIPPED_DIR / f"{slug}.json"
+
+
+def export(
+    keys: list[str] | None = None, path: Path | None = None, device: torch.device | None = None
+) -> Path:
+    """Copy tuned entries from the user's cache into a shipped cache file (default `shipped_path`),
+    merged with what that file already holds. `keys`: the entries to copy (default: every entry of
+    this device). Returns the path written."""
+    path = Path(path) if path is not None else shipped_path(device)
+    user = _read(user_cache_path())
+    if keys is None:
+        prefix = f"{device_name(device)}|"
+        keys = [key for key in user if key.startswith(prefix)]
+    missing = [key for key in keys if key not in user]
+    if missing:
+        raise ValueError(f"kiln tune export: {len(missing)} key(s) not in {user_cache_path()}: {missing[0]}")
+    entries = _read(path)
+    entries.update({key: user[key] for key in keys})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"version": 1, "entries": entries}, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    _shipped.cache_clear()
+    return path
