@@ -1,0 +1,70 @@
+"""`kiln profile --op NAME [--shape JSON] [--dtype NAME] [--backend NAME] [--steps N] [--trace PATH]`
+or `kiln profile --engine [--model PATH] [--batch N]`: per-kernel table, roofline per op, gap report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("profile", help="profile an op or an engine decode step (torch.profiler)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--op", help="registered op to profile")
+    what.add_argument("--engine", action="store_true", help="one decode step of the engine")
+    p.add_argument("--shape", default=None, help="JSON shape dict (default: the op's first llm bench shape)")
+    p.add_argument("--dtype", default=None, help="dtype name (default bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--backend", default=None, help="implementation (default: what dispatch picks)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="profiled calls (default 5; engine: decode steps, 1)"
+    )
+    p.add_argument("--model", default=None, help="engine model (default: the embedded SmolLM2)")
+    p.add_argument("--batch", type=int, default=4, help="engine: concurrent requests")
+    p.add_argument("--trace", default=None, help="write a Chrome trace (chrome://tracing, Perfetto) here")
+    p.add_argument("--top", type=int, default=30, help="kernels to list")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kiln.profile.gap import format_gaps, format_kernels, format_ops
+
+    try:
+        if args.engine:
+            from kiln.profile.engine_step import profile_engine_step
+
+            report = profile_engine_step(args.model, args.batch, args.steps or 1, args.trace)
+        else:
+            from kiln.bench.suites import default_dtypes, dtype_from_name
+            from kiln.ops.registry import get_op
+            from kiln.profile.profiler import profile_op
+
+            spec = get_op(args.op)
+            device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            if args.shape:
+                shape = json.loads(args.shape)
+            elif spec.bench_shapes.get("llm"):
+                shape = spec.bench_shapes["llm"][0]
+            else:
+                raise ValueError(f"kiln profile: {spec.name} has no llm bench shapes; pass --shape JSON")
+            dtype = dtype_from_name(args.dtype) if args.dtype else default_dtypes(spec, device)[0]
+            print(f"profiling {spec.name} {shape} {dtype} on {device}", file=sys.stderr)
+            report = profile_op(spec.name, shape, dtype, device, args.backend, args.steps or 5, args.trace)
+    except ModuleNotFoundError as exc:
+        if "kiln.engine" in str(exc):
+            print(exc, file=sys.stderr)
+            return 2
+        raise
+    except (ValueError, json.JSONDecodeError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(format_kernels(report, args.top))
+    if report.ops:
+        print("\nops on the roofline:\n" + format_ops(report))
+    print("\nutilization gaps (time x (1 - roofline fraction)):\n" + format_gaps(report))
+    if report.trace_path:
+        print(f"\nwrote Chrome trace {report.trace_path}")
+    return 0

@@ -1,0 +1,184 @@
+"""Run a workload under torch.profiler and turn the trace into a per-kernel table.
+
+A "kernel" is a GPU kernel on CUDA, an operator's self time on the CPU. Each kernel maps to a
+registered op by its own name (`_rms_norm_kernel` -> rms_norm) or, failing that, by the nearest
+enclosing range or operator whose name contains an op name (`kiln::rms_norm` from
+`kiln.profile.range`). An op whose calls were declared with their shapes (`range(..., op=, shape=,
+dtype=)`) gets a roofline fraction: sum over its calls of max(flops/peak, bytes/bandwidth), divided by
+the time of all kernels mapped to it. Kernels of ops without declared shapes have no fraction.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.bench.ceilings import Ceilings, measure_ceilings
+from kiln.ops.registry import all_ops
+from kiln.profile.ranges import range as profile_range
+from kiln.profile.ranges import session
+
+
+@dataclass
+class KernelRow:
+    """One kernel name: calls, total time (microseconds), share of all kernel time, mapped op,
+    the op's roofline fraction (None when unknown) and the gap = time x (1 - fraction)."""
+
+    name: str
+    calls: int
+    total_us: float
+    share: float = 0.0
+    op: str | None = None
+    fraction: float | None = None
+    gap_us: float = 0.0
+
+
+@dataclass
+class ProfileReport:
+    device: str
+    kernels: list[KernelRow] = field(default_factory=list)
+    ops: dict[str, dict] = field(default_factory=dict)  # op -> calls, time_us, bound_us, fraction
+    total_us: float = 0.0
+    trace_path: str | None = None
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower())
+
+
+def op_for_name(name: str, op_names: list[str]) -> str | None:
+    """The registered op whose name occurs in `name` (the longest, so rms_norm beats norm)."""
+    text = _normalize(name)
+    hits = [op for op in op_names if _normalize(op) in text]
+    return max(hits, key=len) if hits else None
+
+
+def _kernel_events(events, device: torch.device) -> list[tuple[str, float, list[str]]]:
+    """(kernel name, microseconds, names of enclosing events innermost first) for each kernel run."""
+    out = []
+    if device.type == "cuda":
+        # kernels hang off the CPU launch (runtime) event that issued them, whose parents are the
+        # aten op and any enclosing record_function range
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CPU:
+                for kernel in e.kernels:
+                    out.append((kernel.name, kernel.duration, _ancestors(e)))
+        if not out:  # no launch links in this torch build: the device events alone, unmapped by parent
+            for e in events:
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    out.append((e.name, e.time_range.elapsed_us(), []))
+    else:
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0:
+                out.append((e.name, e.self_cpu_time_total, _ancestors(e.cpu_parent)))
+    return out
+
+
+def _ancestors(event) -> list[str]:
+    names = []
+    while event is not None:
+        names.append(event.name)
+        event = event.cpu_parent
+    return names
+
+
+def build_report(
+    prof, work: list[tuple[str, dict, Any]], device: torch.device, ceilings: Ceilings | None
+) -> ProfileReport:
+    """The per-kernel table and per-op roofline from a finished torch.profiler run."""
+    registry = all_ops()
+    op_names = list(registry)
+    rows: dict[tuple[str, str | None], KernelRow] = {}
+    for name, us, parents in _kernel_events(prof.events(), device):
+        # each run maps on its own: the same aten op can belong to different Kiln ops
+        op = op_for_name(name, op_names)
+        for parent in parents:
+            op = op or op_for_name(parent, op_names)
+        row = rows.get((name, op))
+        if row is None:
+            row = rows[(name, op)] = KernelRow(name, 0, 0.0, op=op)
+        row.calls += 1
+        row.total_us += us
+    report = ProfileReport(str(device), sorted(rows.values(), key=lambda r: -r.total_us))
+    report.total_us = sum(r.total_us for r in report.kernels)
+    for op, shape, dtype in work:
+        entry = report.ops.setdefault(op, {"calls": 0, "time_us": 0.0, "bound_us": 0.0, "fraction": None})
+        entry["calls"] += 1
+        if ceilings is not None and op in registry:
+            spec = registry[op]
+            bound = max(
+                spec.flops(shape, dtype) / ceilings.peak_flops(dtype),
+                spec.bytes(shape, dtype) / ceilings.peak_bandwidth,
+            )
+            entry["bound_us"] += bound * 1e6
+    for row in report.kernels:
+        row.share = row.total_us / report.total_us if report.total_us else 0.0
+        if row.op in report.ops:
+            report.ops[row.op]["time_us"] += row.total_us
+    for entry in report.ops.values():
+        if entry["time_us"] > 0 and entry["bound_us"] > 0:
+            entry["fraction"] = entry["bound_us"] / entry["time_us"]
+    for row in report.kernels:
+        fraction = report.ops.get(row.op, {}).get("fraction") if row.op else None
+        row.fraction = fraction
+        row.gap_us = row.total_us * (1.0 - min(fraction, 1.0)) if fraction is not None else row.total_us
+    return report
+
+
+def profile_callable(
+    step: Callable[[], Any],
+    device: torch.device,
+    steps: int = 3,
+    warmup: int = 1,
+    trace: str | None = None,
+    ceilings: Ceilings | None = None,
+) -> ProfileReport:
+    """Profile `steps` calls of `step()` after `warmup` unprofiled ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with session() as work, profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    report = build_report(prof, list(work), device, ceilings)
+    if trace:
+        prof.export_chrome_trace(str(trace))
+        report.trace_path = str(trace)
+    return report
+
+
+def profile_op(
+    op: str,
+    shape: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: str | None = None,
+    steps: int = 5,
+    trace: str | None = None,
+) -> ProfileReport:
+    """Profile `steps` calls of a registered op on fresh random inputs (one input copy per call)."""
+    from kiln.bench.runner import pick_backend
+
+    spec = all_ops().get(op)
+    if spec is None:
+        raise ValueError(f"kiln profile: unknown op {op!r}; known: {', '.join(all_ops())}")
+    impl = spec.implementation(pick_backend(spec, device, backend))
+    inputs = [spec.make_inputs(shape, dtype, device, torch.Generator().manual_seed(i)) for i in range(steps)]
+    calls = iter(inputs * 2)  # warm-up reuses the first copy
+
+    def step():
+        with profile_range(f"kiln::{op}", op=op, shape=shape, dtype=dtype):
+            impl.fn(**next(calls))
+
+    ceilings = measure_ceilings(device)
+    return profile_callable(step, device, steps=steps, warmup=1, trace=trace, ceilings=ceilings)

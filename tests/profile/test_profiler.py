@@ -1,0 +1,81 @@
+import json
+
+import torch
+
+import kiln.profile
+from kiln.cli import main
+from kiln.profile.gap import format_gaps, format_kernels
+from kiln.profile.profiler import op_for_name, profile_callable, profile_op
+from kiln.profile.ranges import _NULL
+
+SHAPE = {"rows": 9, "hidden": 300, "residual": True}
+
+
+def test_range_is_a_shared_no_op_when_nobody_profiles():
+    assert kiln.profile.range("decode") is _NULL
+    with kiln.profile.range("decode"):
+        pass
+
+
+def test_ranges_inside_a_session_record_their_declared_work():
+    with kiln.profile.session() as work:
+        with kiln.profile.range("kiln::rms_norm", op="rms_norm", shape=SHAPE, dtype=torch.float32):
+            pass
+        with kiln.profile.range("decode"):
+            pass
+    assert work == [("rms_norm", SHAPE, torch.float32)]
+    assert kiln.profile.range("decode") is _NULL  # listening stops with the session
+
+
+def test_kernel_names_map_to_the_longest_registered_op_name():
+    ops = ["rms_norm", "softmax", "norm_x", "layer_norm"]
+    assert op_for_name("_rms_norm_kernel", ops) == "rms_norm"
+    assert op_for_name("aten::_fused_rms_norm", ops) == "rms_norm"
+    assert op_for_name("kiln::layer_norm", ops) == "layer_norm"
+    assert op_for_name("void gemm_kernel<128>", ops) is None
+
+
+def test_profile_of_cpu_rms_norm_has_kernel_table_roofline_and_trace(tmp_path):
+    trace = tmp_path / "trace.json"
+    report = profile_op("rms_norm", SHAPE, torch.float32, torch.device("cpu"), steps=3, trace=str(trace))
+    assert report.kernels and report.total_us > 0
+    assert abs(sum(k.share for k in report.kernels) - 1.0) < 1e-6
+    entry = report.ops["rms_norm"]
+    assert entry["calls"] == 3 and entry["time_us"] > 0 and 0 < entry["fraction"] <= 1.0
+    mapped = [k for k in report.kernels if k.op == "rms_norm"]
+    assert any("rms_norm" in k.name for k in mapped)
+    # everything ran inside the kiln::rms_norm ranges, so every kernel maps to the op
+    assert len(mapped) == len(report.kernels)
+    for k in mapped:
+        assert k.gap_us == k.total_us * (1 - entry["fraction"])
+    gaps = format_gaps(report)
+    assert "cumulative gap" in gaps and "kernel" in format_kernels(report)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "kiln::rms_norm" for e in events)
+
+
+def test_kernels_outside_any_declared_op_rank_by_their_whole_time():
+    x = torch.randn(200, 200)
+
+    def step():
+        with kiln.profile.range("my_phase"):
+            torch.mm(x, x)
+
+    report = profile_callable(step, torch.device("cpu"), steps=2)
+    mm = next(k for k in report.kernels if k.name == "aten::mm")
+    assert mm.calls == 2 and mm.fraction is None and mm.gap_us == mm.total_us
+
+
+def test_profile_command_prints_tables_and_writes_trace(tmp_path, capsys):
+    trace = tmp_path / "t.json"
+    rc = main(
+        ["profile", "--op", "rms_norm", "--shape", json.dumps(SHAPE), "--steps", "2", "--trace", str(trace)]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0 and trace.exists()
+    assert "% roofline" in out and "utilization gaps" in out and "rms_norm" in out
+
+
+def test_profile_command_rejects_unknown_op(capsys):
+    assert main(["profile", "--op", "no_such_op"]) == 2
+    assert "unknown op" in capsys.readouterr().err
