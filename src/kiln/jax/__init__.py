@@ -7,7 +7,19 @@ The same kernels back the torch OpSpecs as implementations "pallas_tpu", "pallas
 (registered by `kiln.jax.backends`), so `kiln verify` and `kiln bench` check and time them.
 """
 
+from kiln.jax.dispatch import IMPLEMENTATIONS, default_implementation, tpu_interpreter
+from kiln.jax.elementwise import gelu_tanh_and_mul, rope, silu_and_mul, softmax
 from kiln.jax.norm import rms_norm
-from kiln.jax.platform import IMPLEMENTATIONS, default_implementation, tpu_interpreter
+from kiln.ops.rope.pallas import rope_cos_sin_cache
 
-__all__ = ["IMPLEMENTATIONS", "default_implementation", "rms_norm", "tpu_interpreter"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "default_implementation",
+    "gelu_tanh_and_mul",
+    "rms_norm",
+    "rope",
+    "rope_cos_sin_cache",
+    "silu_and_mul",
+    "softmax",
+    "tpu_interpreter",
+]

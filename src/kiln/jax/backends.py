@@ -17,7 +17,7 @@ import jax
 import torch
 
 import kiln.jax as kjax
-from kiln.jax import platform
+from kiln.jax import dispatch
 from kiln.jax.dlpack import to_jax, to_torch
 from kiln.ops.registry import Implementation, get_op
 
@@ -35,25 +35,29 @@ def is_available(implementation: str) -> Callable[[torch.device | None], bool]:
     def available(device: torch.device | None) -> bool:
         if device is None or device.type == "cpu":
             return True
-        return device.type == "cuda" and implementation != "pallas_tpu" and platform.on_gpu()
+        return device.type == "cuda" and implementation != "pallas_tpu" and dispatch.on_gpu()
 
     return available
 
 
 def compute_device(implementation: str) -> jax.Device | None:
     """Where the jax arrays must live: the TPU for pallas_tpu on a TPU host, else where DLPack put them."""
-    if implementation == "pallas_tpu" and platform.on_tpu():
+    if implementation == "pallas_tpu" and dispatch.on_tpu():
         return jax.devices("tpu")[0]
     return None
 
 
-def register(op_name: str, make_fn: Callable[[str], Callable]) -> bool:
-    """Register `make_fn(implementation)` for every JAX implementation on op `op_name`, if it exists."""
+def register(
+    op_name: str,
+    make_fn: Callable[[str], Callable],
+    implementations: tuple[str, ...] = dispatch.IMPLEMENTATIONS,
+) -> bool:
+    """Register `make_fn(implementation)` for each of `implementations` on op `op_name`, if it exists."""
     try:
         spec = get_op(op_name)
     except ValueError:
         return False
-    for implementation in platform.IMPLEMENTATIONS:
+    for implementation in implementations:
         if implementation not in spec.implementations:
             spec.register(
                 Implementation(
@@ -80,4 +84,50 @@ def _rms_norm(implementation: str):
     return rms_norm
 
 
+def _softmax(implementation: str):
+    def softmax(x, temperature=1.0):
+        dev = compute_device(implementation)
+        return to_torch(kjax.softmax(to_jax(x, dev), temperature, implementation=implementation), x)
+
+    return softmax
+
+
+def _silu_and_mul(implementation: str):
+    def silu_and_mul(x):
+        dev = compute_device(implementation)
+        return to_torch(kjax.silu_and_mul(to_jax(x, dev), implementation=implementation), x)
+
+    return silu_and_mul
+
+
+def _gelu_tanh_and_mul(implementation: str):
+    def gelu_tanh_and_mul(x):
+        dev = compute_device(implementation)
+        return to_torch(kjax.gelu_tanh_and_mul(to_jax(x, dev), implementation=implementation), x)
+
+    return gelu_tanh_and_mul
+
+
+def _rotary_embedding(implementation: str):
+    def rotary_embedding(positions, q, k, cos_sin_cache, is_neox=True):
+        dev = compute_device(implementation)
+        q_out, k_out = kjax.rope(
+            to_jax(positions, dev),
+            to_jax(q, dev),
+            to_jax(k, dev),
+            to_jax(cos_sin_cache, dev),
+            is_neox,
+            implementation=implementation,
+        )
+        q.copy_(to_torch(q_out, q))
+        k.copy_(to_torch(k_out, k))
+        return q, k
+
+    return rotary_embedding
+
+
 register("rms_norm", _rms_norm)
+register("softmax", _softmax)
+register("silu_and_mul", _silu_and_mul)
+register("gelu_tanh_and_mul", _gelu_tanh_and_mul)
+register("rotary_embedding", _rotary_embedding, ("pallas_tpu", "xla"))

@@ -30,14 +30,15 @@ def default_implementation() -> str:
     return by_platform.get(backend, "xla")
 
 
-def resolve(op: str, implementation: str | None) -> str:
-    """The implementation name to run for `op` (ValueError naming the choices if unknown)."""
+def resolve(op: str, implementation: str | None, available: tuple[str, ...] = IMPLEMENTATIONS) -> str:
+    """The implementation name to run for `op` (ValueError naming the choices if unknown). `available`
+    lists the ones the op has; with None, an op lacking this device's kernel falls back to xla."""
     if implementation is None:
-        return default_implementation()
-    if implementation not in IMPLEMENTATIONS:
+        default = default_implementation()
+        return default if default in available else "xla"
+    if implementation not in available:
         raise ValueError(
-            f"{op}: unknown implementation {implementation!r}; "
-            f"expected one of {', '.join(IMPLEMENTATIONS)} or None"
+            f"{op}: unknown implementation {implementation!r}; expected one of {', '.join(available)} or None"
         )
     return implementation
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from kiln.jax.checks import FLOAT_DTYPES, check_array, check_last_dim, check_same_dtype, check_shape
-from kiln.jax.platform import resolve
+from kiln.jax.dispatch import resolve
 
 
 def rms_norm(
