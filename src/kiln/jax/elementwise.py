@@ -89,7 +89,8 @@ def rope(
         raise ValueError(f"{op}: k has shape {tuple(k.shape)}, expected [{tokens}, num_kv_heads, {head_dim}]")
     if positions.shape[0] != tokens:
         raise ValueError(
-            f"{op}: q has {tokens} tokens (shape {tuple(q.shape)}), expected {positions.shape[0]} as in positions"
+            f"{op}: q has {tokens} tokens (shape {tuple(q.shape)}), "
+            f"expected {positions.shape[0]} as in positions"
         )
     rotary_dim = cos_sin_cache.shape[1]
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
