@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kiln.jax.platform import gpu_interpret, pad_to, round_up, row_block, squeezed, tpu_interpret, tpu_params
+from kiln.jax.dispatch import gpu_interpret, pad_to, round_up, row_block, squeezed, tpu_interpret, tpu_params
 
 
 def _normalize(s, w, eps: float, hidden: int):
