@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.norm.spec import RMS_NORM
+from kiln.ops.norm.spec import LAYER_NORM, RMS_NORM
 from kiln.ops.registry import Implementation
 
 
@@ -24,3 +24,11 @@ def rms_norm_cpu(x, weight, eps=1e-6, residual=None):
 
 
 RMS_NORM.register(Implementation("cpu", rms_norm_cpu, _cpu_only))
+
+
+def layer_norm_cpu(x, weight, bias=None, eps=1e-5):
+    # PyTorch's CPU LayerNorm accumulates half-precision inputs in float32 itself: no upcast copy needed.
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+LAYER_NORM.register(Implementation("cpu", layer_norm_cpu, _cpu_only))

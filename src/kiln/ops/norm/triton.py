@@ -1,6 +1,8 @@
 """Triton kernels for the norm family. One program owns one row: it loads the row (and the
 residual), writes the sum back as the new residual, reduces the sum of squares in float32 and
-writes the normalized row. Rows longer than BLOCK_N are handled by looping over column blocks."""
+writes the normalized row. Rows longer than BLOCK_N are handled by looping over column blocks.
+LayerNorm works the same way, with the variance taken around the mean in a second pass (never as
+E[x^2] - E[x]^2, which cancels catastrophically for rows with a large mean)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.alloc import empty_like
-from kiln.ops.norm.spec import RMS_NORM
+from kiln.ops.norm.spec import LAYER_NORM, RMS_NORM
 from kiln.ops.registry import Implementation, triton_available
 
 MAX_BLOCK_N = 8192
@@ -17,10 +19,18 @@ MAX_BLOCK_N = 8192
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr,
-    x_row_stride, residual_row_stride, out_row_stride,
-    n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    x_row_stride,
+    residual_row_stride,
+    out_row_stride,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
@@ -60,6 +70,60 @@ def _rms_norm_kernel(
             tl.store(out_row + c, (x * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _layer_norm_kernel(
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    out_ptr,
+    x_row_stride,
+    out_row_stride,
+    n_cols,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    out_row = out_ptr + row * out_row_stride
+    cols = tl.arange(0, BLOCK_N)
+    if SINGLE_BLOCK:
+        mask = cols < n_cols
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / n_cols
+        centered = tl.where(mask, x - mean, 0.0)  # padding lanes must not add (0 - mean)^2
+        inv_std = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
+        y = centered * inv_std * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_row + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Three passes over the row (mean, variance around the mean, normalize): the extra read
+        # only happens for rows wider than MAX_BLOCK_N, and keeps the variance free of cancellation.
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            acc += tl.load(x_row + c, mask=c < n_cols, other=0.0).to(tl.float32)
+        mean = tl.sum(acc, axis=0) / n_cols
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            mask = c < n_cols
+            x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
+            centered = tl.where(mask, x - mean, 0.0)
+            acc += centered * centered
+        inv_std = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / n_cols + eps)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            mask = c < n_cols
+            x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
+            y = (x - mean) * inv_std * tl.load(weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + c, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_row + c, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """[..., hidden] -> [rows, hidden] with a unit column stride (copies only if it must)."""
     t2 = t.reshape(-1, t.shape[-1])
@@ -80,10 +144,18 @@ def rms_norm_triton(x, weight, eps=1e-6, residual=None):
         return out.view(x.shape) if residual is None else (out.view(x.shape), residual)
     block_n = min(triton.next_power_of_2(hidden), MAX_BLOCK_N)
     _rms_norm_kernel[(n_rows,)](
-        x2, res2 if res2 is not None else x2, weight.contiguous(), out,
-        x2.stride(0), res2.stride(0) if res2 is not None else 0, out.stride(0),
-        hidden, eps,
-        HAS_RESIDUAL=res2 is not None, BLOCK_N=block_n, SINGLE_BLOCK=hidden <= block_n,
+        x2,
+        res2 if res2 is not None else x2,
+        weight.contiguous(),
+        out,
+        x2.stride(0),
+        res2.stride(0) if res2 is not None else 0,
+        out.stride(0),
+        hidden,
+        eps,
+        HAS_RESIDUAL=res2 is not None,
+        BLOCK_N=block_n,
+        SINGLE_BLOCK=hidden <= block_n,
         num_warps=min(max(block_n // 256, 1), 16),
     )
     out = out.view(x.shape)
@@ -91,3 +163,32 @@ def rms_norm_triton(x, weight, eps=1e-6, residual=None):
 
 
 RMS_NORM.register(Implementation("triton", rms_norm_triton, triton_available))
+
+
+def layer_norm_triton(x, weight, bias=None, eps=1e-5):
+    hidden = x.shape[-1]
+    x2 = _rows(x)
+    out = empty_like(x2)
+    n_rows = x2.shape[0]
+    if n_rows == 0 or hidden == 0:
+        return out.view(x.shape)
+    block_n = min(triton.next_power_of_2(hidden), MAX_BLOCK_N)
+    weight = weight.contiguous()
+    _layer_norm_kernel[(n_rows,)](
+        x2,
+        weight,
+        bias.contiguous() if bias is not None else weight,
+        out,
+        x2.stride(0),
+        out.stride(0),
+        hidden,
+        eps,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        SINGLE_BLOCK=hidden <= block_n,
+        num_warps=min(max(block_n // 256, 1), 16),
+    )
+    return out.view(x.shape)
+
+
+LAYER_NORM.register(Implementation("triton", layer_norm_triton, triton_available))

@@ -1,3 +1,8 @@
-"""rope ops (see docs/contracts.md)."""
+"""Rotary position embedding: the cos/sin cache (cache.py), the in-place rotation (spec.py),
+its backends beside them."""
 
-__all__: list[str] = []
+from kiln.ops.rope import cpu, triton  # noqa: F401  (registers the implementations)
+from kiln.ops.rope.cache import rope_cos_sin_cache
+from kiln.ops.rope.spec import rotary_embedding
+
+__all__ = ["rope_cos_sin_cache", "rotary_embedding"]

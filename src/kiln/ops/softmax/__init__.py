@@ -1,3 +1,6 @@
-"""softmax ops (see docs/contracts.md)."""
+"""Softmax over the last dim (with temperature): spec in spec.py, backends beside it."""
 
-__all__: list[str] = []
+from kiln.ops.softmax import cpu, triton  # noqa: F401  (registers the implementations)
+from kiln.ops.softmax.spec import softmax
+
+__all__ = ["softmax"]

@@ -1,0 +1,120 @@
+"""Kiln's public ops as `torch.library` custom ops: `torch.ops.kiln.<name>`.
+
+Each op here wraps the plain `kiln.ops.<name>` function (which validates and dispatches to the
+Triton / CPU / ... implementation) and has a fake (meta) implementation that gives the output's
+shape, dtype and device without computing anything. So `torch.compile(fullgraph=True)` traces
+through a model calling `torch.ops.kiln.*` as single opaque nodes without graph breaks, and CUDA
+graphs capture the kernels as they are (vLLM registers its kernels the same way). Ops that write
+into their arguments declare them in `mutates_args`, so functionalization orders them correctly.
+
+    torch.ops.kiln.rms_norm(x, weight, eps=1e-6, residual=None) -> y       (mutates residual)
+    torch.ops.kiln.layer_norm(x, weight, bias=None, eps=1e-5) -> y
+    torch.ops.kiln.softmax(x, temperature=1.0) -> y
+    torch.ops.kiln.silu_and_mul(x) -> y
+    torch.ops.kiln.gelu_tanh_and_mul(x) -> y
+    torch.ops.kiln.rotary_embedding(positions, q, k, cos_sin_cache, is_neox=True) -> None
+                                                                                (mutates q and k)
+A custom op may not return one of its inputs, so the in-place ones return only their fresh
+outputs: `rms_norm` with a residual returns y (the residual is updated in place), and
+`rotary_embedding` returns nothing. Eager callers (the CPU engine's hot path) keep calling
+`kiln.ops.<name>` directly, which skips the dispatcher overhead.
+
+Other families register theirs the same way, in this file, one decorated wrapper plus one fake each:
+  attention: `kiln::write_kv_cache` (mutates_args=("key_cache", "value_cache"), returns None) and
+             `kiln::flash_attention` / `kiln::paged_prefill_attention` / `kiln::paged_decode_attention`
+             (no mutation; fake = torch.empty_like(q); return_lse as a second op or a fixed schema).
+  gemm:      `kiln::linear`, `kiln::linear_silu_mul`, `kiln::gguf_linear`, `kiln::fp8_linear`,
+             `kiln::int8_linear`, `kiln::int4_linear` (fake = x.new_empty(M, N) in the output dtype);
+             `kiln::quantize_fp8` / `kiln::quantize_int8` return two fresh tensors (a tuple schema).
+  moe:       `kiln::fused_moe` (fake = torch.empty_like(x)); routing returns (weights, ids) fakes.
+  sampling:  `kiln::sample` (fake = an int64 [num_seqs] tensor); keep per-request Python state out
+             of the op's arguments (tensors, ints, floats, bools and lists of those only).
+"""
+
+import torch
+
+from kiln.ops.activation.spec import gelu_tanh_and_mul, silu_and_mul, validate_gated
+from kiln.ops.norm.spec import layer_norm, rms_norm, validate_layer_norm, validate_rms_norm
+from kiln.ops.rope.spec import rotary_embedding, validate_rotary_embedding
+from kiln.ops.softmax.spec import softmax, validate_softmax
+
+# Names registered under torch.ops.kiln by this module.
+REGISTERED = ("rms_norm", "layer_norm", "softmax", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding")
+
+
+@torch.library.custom_op("kiln::rms_norm", mutates_args=("residual",))
+def _rms_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    if residual is None:
+        return rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps, residual)[0]
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps=1e-6, residual=None):
+    validate_rms_norm(x, weight, eps, residual)
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("kiln::layer_norm", mutates_args=())
+def _layer_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5
+) -> torch.Tensor:
+    return layer_norm(x, weight, bias, eps)
+
+
+@_layer_norm_op.register_fake
+def _(x, weight, bias=None, eps=1e-5):
+    validate_layer_norm(x, weight, bias, eps)
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("kiln::softmax", mutates_args=())
+def _softmax_op(x: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    return softmax(x, temperature)
+
+
+@_softmax_op.register_fake
+def _(x, temperature=1.0):
+    validate_softmax(x, temperature)
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("kiln::silu_and_mul", mutates_args=())
+def _silu_and_mul_op(x: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul(x)
+
+
+@_silu_and_mul_op.register_fake
+def _(x):
+    validate_gated("silu_and_mul", x)
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.custom_op("kiln::gelu_tanh_and_mul", mutates_args=())
+def _gelu_tanh_and_mul_op(x: torch.Tensor) -> torch.Tensor:
+    return gelu_tanh_and_mul(x)
+
+
+@_gelu_tanh_and_mul_op.register_fake
+def _(x):
+    validate_gated("gelu_tanh_and_mul", x)
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.custom_op("kiln::rotary_embedding", mutates_args=("q", "k"))
+def _rotary_embedding_op(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> None:
+    rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+
+
+@_rotary_embedding_op.register_fake
+def _(positions, q, k, cos_sin_cache, is_neox=True):
+    validate_rotary_embedding(positions, q, k, cos_sin_cache)
+    return None

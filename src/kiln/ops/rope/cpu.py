@@ -1,0 +1,36 @@
+"""Fast CPU path for rotary embedding: one gather of the cos/sin rows, then vectorized PyTorch
+arithmetic on strided views of q and k, written back in place."""
+
+from __future__ import annotations
+
+from kiln.ops.registry import Implementation
+from kiln.ops.rope.spec import ROTARY_EMBEDDING
+
+
+def _cpu_only(device):
+    return device is None or device.type == "cpu"
+
+
+def _rotate_(x, cos, sin, is_neox):
+    rotary_dim = 2 * cos.shape[-1]
+    if is_neox:
+        x1, x2 = x[..., : rotary_dim // 2], x[..., rotary_dim // 2 : rotary_dim]
+    else:
+        x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+    f1, f2 = x1.float(), x2.float()  # the views themselves for float32 input, copies for halves
+    # Both results exist before either half is overwritten.
+    out1 = f1 * cos - f2 * sin
+    out2 = f2 * cos + f1 * sin
+    x1.copy_(out1)
+    x2.copy_(out2)
+
+
+def rotary_embedding_cpu(positions, q, k, cos_sin_cache, is_neox=True):
+    cos_sin = cos_sin_cache.index_select(0, positions).float()  # [T, rotary_dim]
+    cos, sin = cos_sin[:, None, : cos_sin.shape[-1] // 2], cos_sin[:, None, cos_sin.shape[-1] // 2 :]
+    _rotate_(q, cos, sin, is_neox)
+    _rotate_(k, cos, sin, is_neox)
+    return q, k
+
+
+ROTARY_EMBEDDING.register(Implementation("cpu", rotary_embedding_cpu, _cpu_only))

@@ -1,0 +1,95 @@
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kiln.ops
+from kiln.ops.activation.spec import GELU_TANH_AND_MUL, SILU_AND_MUL
+from kiln.verify import assert_close, run_case
+
+SPECS = {"silu_and_mul": SILU_AND_MUL, "gelu_tanh_and_mul": GELU_TANH_AND_MUL}
+
+
+def _seed():
+    return random.randrange(2**31)
+
+
+def _independent(name, x):
+    """Textbook formulas in float64 (not the reference's F.silu / F.gelu): x * sigmoid(x), and
+    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    x = x.double()
+    gate, up = x.chunk(2, dim=-1)
+    if name == "silu_and_mul":
+        act = gate / (1 + torch.exp(-gate))
+    else:
+        act = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)))
+    return act * up
+
+
+@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape", [{"rows": 1, "d": 1}, {"rows": 9, "d": 4321}, {"rows": 65, "d": 3}, {"rows": 2, "d": 1536}]
+)
+def test_gated_activation_matches_float64_reference(name, backend, dtype, shape, device):
+    case = run_case(SPECS[name], backend, shape, dtype, device, seed=_seed())
+    assert case.passed, case
+
+
+@settings(max_examples=5, deadline=None)
+@given(name=st.sampled_from(sorted(SPECS)), rows=st.integers(1, 50), d=st.integers(1, 3000))
+def test_gated_activation_triton_fuzzed_shapes(name, rows, d):
+    case = run_case(
+        SPECS[name], "triton", {"rows": rows, "d": d}, torch.float32, torch.device("cpu"), seed=_seed()
+    )
+    assert case.passed, case
+
+
+@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # exp(120) = inf is intended
+def test_gated_activation_matches_textbook_formula_and_saturates_without_nan(
+    name, backend, device, monkeypatch
+):
+    monkeypatch.setenv("KILN_BACKEND", backend)
+    gate = torch.cat([torch.linspace(-120.0, 120.0, 301), torch.randn(300)])  # far into both tails
+    x = torch.cat([gate, torch.randn(601)]).repeat(3, 1)
+    out = getattr(kiln.ops, name)(x.to(device))
+    assert out.shape == (3, 601)
+    assert_close(out, _independent(name, x), 1e-5)
+
+
+@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_gated_activation_non_contiguous_3d_input(name, backend, device, monkeypatch):
+    monkeypatch.setenv("KILN_BACKEND", backend)
+    x = torch.randn(2, 2 * 77, 5, device=device).transpose(1, 2)  # [2, 5, 154], last-dim stride 5
+    out = getattr(kiln.ops, name)(x)
+    assert out.shape == (2, 5, 77)
+    assert_close(out, _independent(name, x), 1e-5)
+
+
+@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize(
+    "x, message",
+    [
+        (torch.randn(3, 7), "x has last dim 7, expected an even size 2\\*d"),
+        (torch.randint(0, 5, (3, 8)), "x has dtype int64"),
+        (torch.tensor(2.0), "x must have at least 1 dims"),
+        ([1.0, 2.0], "x must be a torch.Tensor"),
+    ],
+)
+def test_gated_activation_rejects_bad_input(name, x, message):
+    with pytest.raises(ValueError, match=f"{name}: {message}"):
+        getattr(kiln.ops, name)(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("shape", [{"rows": 64, "d": 14336}, {"rows": 3, "d": 1537}])
+def test_gated_activation_bfloat16_on_gpu(name, shape):
+    case = run_case(SPECS[name], "triton", shape, torch.bfloat16, torch.device("cuda"), seed=_seed())
+    assert case.passed, case

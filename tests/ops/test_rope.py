@@ -1,0 +1,248 @@
+import random
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kiln.ops
+from kiln.ops.rope.cache import rope_inv_freq
+from kiln.ops.rope.spec import ROTARY_EMBEDDING
+from kiln.verify import assert_close, run_case
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+SCALINGS = {"default": None, "linear": {"rope_type": "linear", "factor": 4.0}, "llama3": LLAMA3_SCALING}
+
+
+def _seed():
+    return random.randrange(2**31)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"tokens": 1, "q_heads": 1, "kv_heads": 1, "head_dim": 2},
+        {"tokens": 5, "q_heads": 9, "kv_heads": 3, "head_dim": 64},  # SmolLM2-135M, GQA 3:1
+        {"tokens": 7, "q_heads": 4, "kv_heads": 1, "head_dim": 80, "rotary_dim": 34, "is_neox": False},
+        {"tokens": 3, "q_heads": 6, "kv_heads": 2, "head_dim": 96, "rotary_dim": 48},  # partial NeoX
+        {"tokens": 2, "q_heads": 3, "kv_heads": 5, "head_dim": 10, "is_neox": False},  # more k heads than q
+    ],
+)
+def test_rotary_embedding_matches_float64_reference(backend, dtype, shape, device):
+    case = run_case(ROTARY_EMBEDDING, backend, shape, dtype, device, seed=_seed())
+    assert case.passed, case
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    tokens=st.integers(1, 20),
+    q_heads=st.integers(1, 10),
+    kv_heads=st.integers(1, 4),
+    half_head_dim=st.integers(1, 70),
+    rotary_fraction=st.floats(0.05, 1.0),
+    is_neox=st.booleans(),
+)
+def test_rotary_embedding_triton_fuzzed_shapes(
+    tokens, q_heads, kv_heads, half_head_dim, rotary_fraction, is_neox
+):
+    rotary_dim = 2 * max(1, round(half_head_dim * rotary_fraction))
+    shape = {
+        "tokens": tokens, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": 2 * half_head_dim,
+        "rotary_dim": rotary_dim, "is_neox": is_neox,
+    }  # fmt: skip
+    case = run_case(ROTARY_EMBEDDING, "triton", shape, torch.float32, torch.device("cpu"), seed=_seed())
+    assert case.passed, case
+
+
+def _hf_config(head_dim, scaling, base):
+    from transformers import LlamaConfig
+
+    rope_parameters = {"rope_theta": base, **(scaling or {"rope_type": "default"})}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return LlamaConfig(
+            hidden_size=4 * head_dim,
+            num_attention_heads=4,
+            head_dim=head_dim,
+            rope_parameters=rope_parameters,
+            max_position_embeddings=131072,
+        )
+
+
+@pytest.mark.parametrize("name", SCALINGS)
+def test_rope_inv_freq_matches_transformers_rope_init_functions(name):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = _hf_config(128, SCALINGS[name], 500000.0)
+    init = (
+        LlamaRotaryEmbedding.compute_default_rope_parameters
+        if name == "default"
+        else ROPE_INIT_FUNCTIONS[name]
+    )
+    hf_inv_freq, attention_factor = init(config, device="cpu")
+    assert attention_factor == 1.0
+    ours = rope_inv_freq(128, 500000.0, SCALINGS[name])
+    assert ours.shape == hf_inv_freq.shape
+    # HF computes in float32: agreement to a few float32 ulps.
+    assert_close(ours, hf_inv_freq.double(), 1e-6)
+    if name == "llama3":  # all three bands (kept, blended, divided) occur for Llama-3's parameters
+        ratio = hf_inv_freq.double() / rope_inv_freq(128, 500000.0, None)
+        assert bool((ratio > 0.99).any() and (ratio < 0.13).any() and ((ratio > 0.13) & (ratio < 0.99)).any())
+
+
+@pytest.mark.parametrize("name", SCALINGS)
+def test_rope_cos_sin_cache_is_cos_then_sin_of_float64_angles(name):
+    # The frequencies are checked against transformers above; here the table built from them.
+    inv_freq = rope_inv_freq(64, 10000.0, SCALINGS[name])
+    cache = kiln.ops.rope_cos_sin_cache(64, 131072, 10000.0, SCALINGS[name])
+    assert cache.shape == (131072, 64) and cache.dtype == torch.float32
+    positions = torch.tensor([0, 1, 17, 8191, 65537, 131071])
+    angles = positions.double()[:, None] * inv_freq[None, :]
+    # Angles in float64: even at position 131071 the table is good to float32 rounding (a float32
+    # product p * f would be off by up to ~1e-2 radians there).
+    assert_close(cache[positions, :32], angles.cos(), 1e-6)
+    assert_close(cache[positions, 32:], angles.sin(), 1e-6)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("name", ["default", "llama3"])
+def test_rotary_embedding_matches_transformers_apply_rotary_pos_emb(backend, name, device, monkeypatch):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    monkeypatch.setenv("KILN_BACKEND", backend)
+    tokens, head_dim = 6, 64
+    config = _hf_config(head_dim, SCALINGS[name], 500000.0)
+    positions = torch.tensor([0, 1, 5, 31, 40, 63])  # small: HF's float32 angles stay exact to ~1e-6
+    q, k = torch.randn(tokens, 8, head_dim), torch.randn(tokens, 2, head_dim)
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    cache = kiln.ops.rope_cos_sin_cache(head_dim, 64, 500000.0, SCALINGS[name], device=device)
+    q_dev, k_dev = q.to(device), k.to(device)
+    out_q, out_k = kiln.ops.rotary_embedding(positions.to(device), q_dev, k_dev, cache, is_neox=True)
+    assert out_q is q_dev and out_k is k_dev
+    assert_close(out_q, hf_q[0].transpose(0, 1), 1e-5)
+    assert_close(out_k, hf_k[0].transpose(0, 1), 1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_gptj_style_is_complex_multiplication_of_interleaved_pairs(backend, device, monkeypatch):
+    # GPT-J / original Meta Llama convention: (x[2i], x[2i+1]) is a complex number times e^{i p f_i}.
+    monkeypatch.setenv("KILN_BACKEND", backend)
+    tokens, head_dim, rotary_dim = 5, 24, 16
+    positions = torch.randint(0, 500, (tokens,))
+    q, k = torch.randn(tokens, 3, head_dim), torch.randn(tokens, 1, head_dim)
+    angles = positions.double()[:, None] * rope_inv_freq(rotary_dim)[None, :]
+    phase = torch.polar(torch.ones_like(angles), angles)[:, None, :]
+    expected = []
+    for x in (q, k):
+        rotated = torch.view_as_real(
+            torch.view_as_complex(x[..., :rotary_dim].double().reshape(tokens, -1, 8, 2)) * phase
+        )
+        expected.append(torch.cat([rotated.flatten(-2), x[..., rotary_dim:].double()], -1))
+    cache = kiln.ops.rope_cos_sin_cache(rotary_dim, 500, device=device)
+    out_q, out_k = kiln.ops.rotary_embedding(
+        positions.to(device), q.to(device), k.to(device), cache, is_neox=False
+    )
+    assert_close(out_q, expected[0], 1e-5)
+    assert_close(out_k, expected[1], 1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_partial_rotary_leaves_the_other_dims_bitwise_untouched(backend, is_neox, device, monkeypatch):
+    monkeypatch.setenv("KILN_BACKEND", backend)
+    q, k = torch.randn(4, 5, 48, device=device).half(), torch.randn(4, 2, 48, device=device).half()
+    q_before, k_before = q.clone(), k.clone()
+    cache = kiln.ops.rope_cos_sin_cache(20, 100, dtype=torch.float16, device=device)
+    kiln.ops.rotary_embedding(torch.tensor([3, 99, 0, 50], device=device), q, k, cache, is_neox)
+    assert torch.equal(q[..., 20:], q_before[..., 20:]) and torch.equal(k[..., 20:], k_before[..., 20:])
+    assert not torch.equal(q[1:, :, :20], q_before[1:, :, :20])
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_rotary_embedding_in_place_on_views_of_a_fused_qkv_buffer(backend, device, monkeypatch):
+    # The engine's q and k are slices of one [T, (Hq + 2 Hk) * D] projection output: strided token dim.
+    monkeypatch.setenv("KILN_BACKEND", backend)
+    tokens, hq, hk, d = 7, 6, 2, 32
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d, device=device)
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(tokens, hk, d)
+    v_before = qkv[:, (hq + hk) * d :].clone()
+    positions = torch.randint(0, 256, (tokens,), device=device)
+    cache = kiln.ops.rope_cos_sin_cache(d, 256, device=device)
+    q_ref, k_ref = q.clone(), k.clone()
+    ROTARY_EMBEDDING.reference(positions, q_ref, k_ref, cache)
+    kiln.ops.rotary_embedding(positions, q, k, cache)
+    assert_close(qkv[:, : hq * d].view(tokens, hq, d), q_ref, 1e-6)
+    assert_close(qkv[:, hq * d : (hq + hk) * d].view(tokens, hk, d), k_ref, 1e-6)
+    assert torch.equal(qkv[:, (hq + hk) * d :], v_before)
+
+
+def _rope_args(**overrides):
+    args = {
+        "positions": torch.tensor([0, 1, 2]),
+        "q": torch.randn(3, 4, 16),
+        "k": torch.randn(3, 2, 16),
+        "cos_sin_cache": kiln.ops.rope_cos_sin_cache(8, 10),
+    }
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"positions": torch.tensor([0.0, 1.0, 2.0])}, "positions has dtype float32"),
+        ({"q": torch.randn(2, 4, 16)}, "q has 2 tokens"),
+        ({"q": torch.randn(3, 64)}, "q must have 3 dims"),
+        ({"k": torch.randn(3, 2, 16).half()}, "k has dtype float16"),
+        ({"k": torch.randn(3, 2, 8)}, "k has head_dim 8, expected q's head_dim 16"),
+        ({"cos_sin_cache": torch.randn(10, 7)}, "rotary_dim 7"),
+        ({"cos_sin_cache": kiln.ops.rope_cos_sin_cache(32, 10)}, "rotary_dim 32 .* <= head_dim 16"),
+        ({"q": torch.randn(3, 4, 32)[..., ::2]}, "q must have a unit stride in its last dim"),
+    ],
+)
+def test_rotary_embedding_rejects_bad_input(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        kiln.ops.rotary_embedding(**_rope_args(**overrides))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"rotary_dim": 7, "max_position": 10}, "rotary_dim must be a positive even int"),
+        ({"rotary_dim": 8, "max_position": 0}, "max_position must be a positive int"),
+        (
+            {"rotary_dim": 8, "max_position": 10, "scaling": {"rope_type": "yarn"}},
+            "rope_type 'yarn' is not supported",
+        ),
+        ({"rotary_dim": 8, "max_position": 10, "scaling": {"rope_type": "linear"}}, "needs key 'factor'"),
+        ({"rotary_dim": 8, "max_position": 10, "dtype": torch.int32}, "not a float dtype"),
+    ],
+)
+def test_rope_cos_sin_cache_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        kiln.ops.rope_cos_sin_cache(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"tokens": 33, "q_heads": 32, "kv_heads": 8, "head_dim": 128},
+        {"tokens": 5, "q_heads": 7, "kv_heads": 1, "head_dim": 80, "rotary_dim": 34, "is_neox": False},
+    ],
+)
+def test_rotary_embedding_bfloat16_on_gpu(shape):
+    case = run_case(ROTARY_EMBEDDING, "triton", shape, torch.bfloat16, torch.device("cuda"), seed=_seed())
+    assert case.passed, case
