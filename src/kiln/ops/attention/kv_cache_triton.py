@@ -23,7 +23,8 @@ def _round_to_e4m3(x):
     """
     bits = x.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    subnormal = (x + 24576.0) - 24576.0
+    subnormal = (tl.abs(x) + 24576.0) - 24576.0
+    subnormal = tl.where(x < 0, -subnormal, subnormal)  # keep the sign of values that round to zero
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 
