@@ -5,8 +5,10 @@ import pytest
 import torch
 
 import kiln.ops
+from kiln.ops.alloc import poisoned
 from kiln.ops.moe.align import max_padded_pairs, moe_align_block_size
 from kiln.ops.moe.route_spec import MOE_ROUTE, moe_route_reference
+from kiln.ops.moe.triton_align import moe_align_block_size_triton
 from kiln.ops.registry import Implementation
 from kiln.verify import run_case
 
@@ -82,14 +84,29 @@ def _expected_alignment(topk_ids, num_experts, block_m):
 
 @pytest.mark.parametrize(
     "num_tokens, top_k, num_experts, block_m",
-    [(1, 2, 8, 16), (37, 2, 8, 16), (50, 1, 4, 32), (9, 4, 64, 16), (13, 3, 5, 1), (0, 2, 4, 16)],
+    [
+        (1, 2, 8, 16),
+        (37, 2, 8, 16),
+        (50, 1, 4, 32),
+        (9, 4, 64, 16),
+        (13, 3, 5, 1),
+        (0, 2, 4, 16),
+        (300, 2, 8, 64),
+    ],
 )
-def test_moe_align_groups_pairs_by_expert_with_padding(num_tokens, top_k, num_experts, block_m):
+@pytest.mark.parametrize(
+    "align", [moe_align_block_size, moe_align_block_size_triton], ids=["torch", "triton"]
+)
+def test_moe_align_groups_pairs_by_expert_with_padding(
+    align, num_tokens, top_k, num_experts, block_m, device
+):
     generator = torch.Generator().manual_seed(random.randrange(2**31))
     # Skewed choice (some experts get most tokens, some none): distinct experts per token via argsort.
     scores = torch.rand(num_tokens, num_experts, generator=generator) + torch.linspace(1, 0, num_experts)
     topk_ids = torch.argsort(scores, dim=-1, descending=True)[:, :top_k].to(torch.int32)
-    sorted_ids, block_experts, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
+    with poisoned():  # slots the kernel forgets to write show up as int32 min
+        sorted_ids, block_experts, num_padded = align(topk_ids.to(device), num_experts, block_m)
+    sorted_ids, block_experts, num_padded = sorted_ids.cpu(), block_experts.cpu(), num_padded.cpu()
 
     expected_ids, expected_blocks = _expected_alignment(topk_ids, num_experts, block_m)
     max_padded = max_padded_pairs(num_tokens * top_k, num_experts, block_m)

@@ -23,6 +23,7 @@ import triton.language as tl
 from kiln.ops.alloc import empty
 from kiln.ops.moe.align import moe_align_block_size
 from kiln.ops.moe.spec import FUSED_MOE
+from kiln.ops.moe.triton_align import fits_single_program, moe_align_block_size_triton
 from kiln.ops.registry import Implementation, triton_available, triton_interpreting
 
 
@@ -240,13 +241,16 @@ def fused_moe_triton(
         config = config or heuristic_config(num_pairs, num_experts, x.dtype)
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-    # fp32 inputs would otherwise be rounded to tf32 on the GPU; halves ignore the setting.
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    # fp32 inputs would otherwise be rounded to tf32 on the GPU; halves take the default.
+    precision = "ieee" if x.dtype == torch.float32 else None
 
     x = x if x.stride(-1) == 1 else x.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     topk_weights = topk_weights.contiguous()
-    sorted_pair_ids, block_expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
+    align = (
+        moe_align_block_size_triton if fits_single_program(num_pairs, num_experts) else moe_align_block_size
+    )
+    sorted_pair_ids, block_expert_ids, num_padded = align(topk_ids, num_experts, block_m)
     num_m_blocks = block_expert_ids.numel()
 
     h = empty((num_pairs, inter), x.dtype, x.device)
