@@ -9,6 +9,7 @@ The same kernels back the torch OpSpecs as implementations "pallas_tpu", "pallas
 
 from kiln.jax.dispatch import IMPLEMENTATIONS, default_implementation, tpu_interpreter
 from kiln.jax.elementwise import gelu_tanh_and_mul, rope, silu_and_mul, softmax
+from kiln.jax.gemm import matmul, w8a16_matmul
 from kiln.jax.norm import rms_norm
 from kiln.ops.rope.pallas import rope_cos_sin_cache
 
@@ -16,10 +17,12 @@ __all__ = [
     "IMPLEMENTATIONS",
     "default_implementation",
     "gelu_tanh_and_mul",
+    "matmul",
     "rms_norm",
     "rope",
     "rope_cos_sin_cache",
     "silu_and_mul",
     "softmax",
     "tpu_interpreter",
+    "w8a16_matmul",
 ]

@@ -126,8 +126,36 @@ def _rotary_embedding(implementation: str):
     return rotary_embedding
 
 
+def _linear(implementation: str):
+    def linear(x, weight, bias=None):
+        dev = compute_device(implementation)
+        out = kjax.matmul(
+            to_jax(x, dev), to_jax(weight, dev), to_jax(bias, dev), implementation=implementation
+        )
+        return to_torch(out, x)
+
+    return linear
+
+
+def _w8a16_linear(implementation: str):
+    def w8a16_linear(x, weight, weight_scale, bias=None):
+        dev = compute_device(implementation)
+        out = kjax.w8a16_matmul(
+            to_jax(x, dev),
+            to_jax(weight, dev),
+            to_jax(weight_scale.to(torch.float32), dev),
+            to_jax(bias, dev),
+            implementation=implementation,
+        )
+        return to_torch(out, x)
+
+    return w8a16_linear
+
+
 register("rms_norm", _rms_norm)
 register("softmax", _softmax)
 register("silu_and_mul", _silu_and_mul)
 register("gelu_tanh_and_mul", _gelu_tanh_and_mul)
 register("rotary_embedding", _rotary_embedding, ("pallas_tpu", "xla"))
+register("linear", _linear, ("pallas_tpu", "xla"))
+register("w8a16_linear", _w8a16_linear, ("pallas_tpu", "xla"))
