@@ -69,7 +69,9 @@ def _check_weight(name, w, x, scale, scale_name):
         raise ValueError(f"{OP}: {scale_name} is only for float8_e4m3fn weights; {name} is {w.dtype}")
 
 
-def validate_fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale) -> None:
+def validate_fused_moe(
+    x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, check_ids: bool = True
+) -> None:
     check_tensor(OP, "x", x, ndim=2, dtypes=FLOAT_DTYPES + (torch.float64,))
     _check_weight("w_gate_up", w_gate_up, x, w_gate_up_scale, "w_gate_up_scale")
     _check_weight("w_down", w_down, x, w_down_scale, "w_down_scale")
@@ -94,8 +96,8 @@ def validate_fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_s
             f"must both be [num_tokens={x.shape[0]}, top_k]"
         )
     # Reading the ids costs a device sync, so only CPU tensors are range-checked (the engine's
-    # ids come from moe_route and are in range by construction).
-    if topk_ids.device.type == "cpu" and topk_ids.numel():
+    # ids come from moe_route and are in range by construction); fake tensors have no values.
+    if check_ids and topk_ids.device.type == "cpu" and topk_ids.numel():
         low, high = int(topk_ids.min()), int(topk_ids.max())
         if low < 0 or high >= num_experts:
             raise ValueError(f"{OP}: topk_ids has values in [{low}, {high}], expected [0, {num_experts})")
