@@ -7,7 +7,7 @@ as int8) or the low (j < 16) / high (j >= 16) nibble of byte 2 + j % 16 (Q4_0; Q
 Three kernels use it:
   * `_dequantize_kernel`: one [BLOCK_N, BLOCK_K] tile of W per program (gguf_dequantize);
   * `_gguf_gemv_kernel` (decode, M <= GEMV_MAX_M): one x row and BLOCK_N outputs per program, split
-    along K; the tile is reduced with a multiply and row sum (no tl.dot, so no 16-row padding);
+    along K; per-block integer dot products, scaled once per block (no tl.dot, so no 16-row padding);
   * `_gguf_gemm_kernel` (prefill): the tiled/grouped/split-K GEMM of tiling.py with the weight tile
     dequantized in registers and rounded to x's dtype for tl.dot.
 """
@@ -87,22 +87,46 @@ def _gguf_gemv_kernel(
     QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
+    """Decode GEMV over [BLOCK_N rows, BLOCK_K / 32 blocks, 32 weights] tiles: each block's scale is
+    loaded once, the integer quants are dotted with x inside the block first and scaled after
+    (sum_j d * q_j * x_j = d * sum_j q_j * x_j; Q4_1 adds m * sum_j x_j), as llama.cpp's vec_dot does."""
+    NUM_BLOCKS: tl.constexpr = BLOCK_K // 32
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
     pid_k = tl.program_id(2)
     k_start, k_end = k_range(pid_k, K, BLOCK_K, SPLIT_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    rows = qweight_ptr + offs_n[:, None].to(tl.int64) * stride_qn
+    rows = qweight_ptr + offs_n.to(tl.int64) * stride_qn
+    j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        w = _dequant(rows, offs_k[None, :], n_mask[:, None] & k_mask[None, :], QTYPE, BLOCK_BYTES)
-        acc += tl.sum(w * x[None, :], axis=1)
-    m = row + tl.arange(0, 1)
-    store_tile(acc[None, :], out_ptr, bias_ptr, partial_ptr, m, offs_n, M, N, stride_om, stride_on, pid_k,
+        blocks = k0 // 32 + tl.arange(0, NUM_BLOCKS)
+        b_mask = blocks * 32 < k_end  # K is a multiple of 32: whole blocks are in or out
+        x = tl.load(
+            x_ptr + row.to(tl.int64) * stride_xm + blocks[:, None] * 32 + j[None, :],
+            mask=b_mask[:, None],
+            other=0.0,
+        ).to(tl.float32)  # [NUM_BLOCKS, 32]
+        base = rows[:, None] + blocks[None, :] * BLOCK_BYTES  # [BLOCK_N, NUM_BLOCKS]
+        mask = n_mask[:, None] & b_mask[None, :]
+        d = _fp16_at(base, mask)
+        if QTYPE == "Q8_0":
+            q = tl.load(base[:, :, None] + 2 + j[None, None, :], mask=mask[:, :, None], other=0)
+            block_dot = tl.sum(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :, :], axis=2)
+            acc += tl.sum(d * block_dot, axis=1)
+        else:
+            first = 4 if QTYPE == "Q4_1" else 2
+            byte = tl.load(base[:, :, None] + first + (j % 16)[None, None, :], mask=mask[:, :, None], other=0)
+            q = ((byte >> ((j // 16) * 4).to(tl.uint8)[None, None, :]) & 0xF).to(tl.float32)
+            block_dot = tl.sum(q * x[None, :, :], axis=2)
+            if QTYPE == "Q4_0":
+                acc += tl.sum(d * (block_dot - 8.0 * tl.sum(x, axis=1)[None, :]), axis=1)
+            else:
+                m = _fp16_at(base + 2, mask)
+                acc += tl.sum(d * block_dot + m * tl.sum(x, axis=1)[None, :], axis=1)
+    m_idx = row + tl.arange(0, 1)
+    store_tile(acc[None, :], out_ptr, bias_ptr, partial_ptr, m_idx, offs_n, M, N, stride_om, stride_on, pid_k,
                HAS_BIAS, SPLIT_K)  # fmt: skip
 
 
