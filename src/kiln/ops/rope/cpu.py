@@ -17,12 +17,14 @@ def _rotate_(x, cos, sin, is_neox):
         x1, x2 = x[..., : rotary_dim // 2], x[..., rotary_dim // 2 : rotary_dim]
     else:
         x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
-    f1, f2 = x1.float(), x2.float()  # the views themselves for float32 input, copies for halves
-    # Both results exist before either half is overwritten.
-    out1 = f1 * cos - f2 * sin
-    out2 = f2 * cos + f1 * sin
+    # float32 input: f1, f2 are the views themselves; halves: float32 copies. Either way x1' is built
+    # in a new buffer before anything is written, then x2' in place in f2 (which still reads the
+    # original x1 through f1), and both are written back (a no-op copy for the float32 views).
+    f1, f2 = x1.float(), x2.float()
+    out1 = (f1 * cos).addcmul_(f2, sin, value=-1.0)
+    f2.mul_(cos).addcmul_(f1, sin)
     x1.copy_(out1)
-    x2.copy_(out2)
+    x2.copy_(f2)
 
 
 def rotary_embedding_cpu(positions, q, k, cos_sin_cache, is_neox=True):

@@ -18,6 +18,36 @@ MAX_BLOCK_ELEMENTS = 4096  # pairs per program: caps registers for wide heads
 
 
 @triton.jit
+def _rotate_heads(
+    base,
+    head_stride,
+    n_heads,
+    first_head,
+    cos,
+    sin,
+    pair,
+    pair_mask,
+    half_rotary,
+    IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Rotate heads [first_head, first_head + BLOCK_H) of one token, in place; cos/sin: [BLOCK_R]."""
+    heads = first_head + tl.arange(0, BLOCK_H)
+    mask = (heads < n_heads)[:, None] & pair_mask[None, :]
+    if IS_NEOX:
+        first, second = pair, pair + half_rotary
+    else:
+        first, second = 2 * pair, 2 * pair + 1
+    rows = base + heads.to(tl.int64)[:, None] * head_stride
+    x1 = tl.load(rows + first[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(rows + second[None, :], mask=mask, other=0.0).to(tl.float32)
+    out1 = x1 * cos[None, :] - x2 * sin[None, :]
+    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(rows + first[None, :], out1.to(base.dtype.element_ty), mask=mask)
+    tl.store(rows + second[None, :], out2.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotary_kernel(
     positions_ptr,
     q_ptr,
@@ -37,38 +67,25 @@ def _rotary_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
-    n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
-    if head_block < n_q_blocks:
-        base = q_ptr + token * q_token_stride
-        head_stride = q_head_stride
-        n_heads = n_q_heads
-        first_head = head_block * BLOCK_H
-    else:
-        base = k_ptr + token * k_token_stride
-        head_stride = k_head_stride
-        n_heads = n_k_heads
-        first_head = (head_block - n_q_blocks) * BLOCK_H
-
     pair = tl.arange(0, BLOCK_R)
     pair_mask = pair < half_rotary
     position = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(cache_ptr + position * cache_stride + pair, mask=pair_mask, other=0.0).to(tl.float32)
     sin = tl.load(cache_ptr + position * cache_stride + half_rotary + pair, mask=pair_mask, other=0.0)
     sin = sin.to(tl.float32)
-
-    heads = first_head + tl.arange(0, BLOCK_H)
-    mask = (heads < n_heads)[:, None] & pair_mask[None, :]
-    if IS_NEOX:
-        first, second = pair, pair + half_rotary
+    n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
+    # One call per branch, nothing merged after the if: the q and k arguments may be specialized
+    # differently (an int argument equal to 1 becomes a constexpr), which a merge would reject.
+    if head_block < n_q_blocks:
+        _rotate_heads(
+            q_ptr + token * q_token_stride, q_head_stride, n_q_heads, head_block * BLOCK_H,
+            cos, sin, pair, pair_mask, half_rotary, IS_NEOX, BLOCK_H,
+        )  # fmt: skip
     else:
-        first, second = 2 * pair, 2 * pair + 1
-    rows = base + heads.to(tl.int64)[:, None] * head_stride
-    x1 = tl.load(rows + first[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(rows + second[None, :], mask=mask, other=0.0).to(tl.float32)
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(rows + first[None, :], out1.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(rows + second[None, :], out2.to(q_ptr.dtype.element_ty), mask=mask)
+        _rotate_heads(
+            k_ptr + token * k_token_stride, k_head_stride, n_k_heads, (head_block - n_q_blocks) * BLOCK_H,
+            cos, sin, pair, pair_mask, half_rotary, IS_NEOX, BLOCK_H,
+        )  # fmt: skip
 
 
 def rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox=True):
