@@ -124,8 +124,9 @@ class BlockManager:
 
     def unmatch_prefix(self, seq: Sequence) -> None:
         """Undo match_prefix for a request that could not be admitted after all (counters included)."""
-        self.prefix_cache_queries -= len(seq.token_ids)
-        self.prefix_cache_hits -= seq.num_computed_tokens
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries -= len(seq.token_ids)
+            self.prefix_cache_hits -= seq.num_computed_tokens
         self.free(seq)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:

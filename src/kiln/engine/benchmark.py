@@ -1,0 +1,273 @@
+"""`kiln bench engine`: offline throughput, single-stream latency and concurrent throughput of the
+engine, against HF transformers `generate` (batch 1 and 16, same model file) and llama-cpp-python
+when it is installed. Prints a Markdown table and writes JSON.
+
+All runs decode greedily with ignore_eos for exactly --max-tokens tokens from random-token prompts
+of --prompt-len tokens (random, so the prefix cache can't flatter the engine), on one machine in
+one process, so the ratios compare like with like. Run: `kiln bench engine` or
+`python -m kiln.engine.benchmark`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+# CPU single-stream and 16-way targets on the reference 2-core machine (tok/s)
+TARGET_SINGLE_TOK_S = 68.0
+TARGET_16_TOK_S = 226.0
+
+
+@dataclass
+class Result:
+    system: str  # kiln | hf-transformers | llama-cpp
+    scenario: str  # single-stream | concurrent | offline
+    concurrency: int
+    output_tokens: int
+    seconds: float
+    tok_per_s: float
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or HF dir (default: the embedded SmolLM2-135M)"
+    )
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument(
+        "--concurrency", default="1,4,16,64", help="comma-separated concurrent request counts"
+    )
+    parser.add_argument("--num-prompts", type=int, default=128, help="requests in the offline throughput run")
+    parser.add_argument("--hf-batches", default="1,16", help="HF generate batch sizes ('' to skip HF)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama-cpp-python even if installed")
+    parser.add_argument("--json", default="engine_bench.json", help="where to write the JSON results")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # skip the low ids, where the special tokens live
+    return torch.randint(100, vocab, (n, length), generator=g).tolist()
+
+
+def _run_engine(engine, prompts: list[list[int]], max_tokens: int, tag: str):
+    from kiln.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished.extend(o for o in engine.step() if o.finished)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in finished)
+    ttft = sum(o.first_token_time - start for o in finished) / len(finished)
+    tpot = sum((o.finished_time - o.first_token_time) / max(1, len(o.token_ids) - 1) for o in finished) / len(
+        finished
+    )
+    return tokens, seconds, ttft * 1000, tpot * 1000
+
+
+def bench_kiln(args, loaded, concurrencies: list[int]) -> list[Result]:
+    from kiln.engine.config import EngineConfig
+    from kiln.engine.llm_engine import LLMEngine
+
+    max_seqs = max(concurrencies + [1])
+    engine = LLMEngine(
+        EngineConfig(model=args.model, device=args.device, max_num_seqs=max_seqs), loaded=loaded
+    )
+    vocab = engine.model.config.vocab_size
+    _run_engine(engine, _prompts(2, args.prompt_len, vocab, args.seed + 99), 8, "warmup")
+    results = []
+    for c in concurrencies:
+        tokens, seconds, ttft, tpot = _run_engine(
+            engine, _prompts(c, args.prompt_len, vocab, args.seed + c), args.max_tokens, f"c{c}"
+        )
+        scenario = "single-stream" if c == 1 else "concurrent"
+        results.append(Result("kiln", scenario, c, tokens, seconds, tokens / seconds, ttft, tpot))
+        _progress(results[-1])
+    if args.num_prompts > 0:
+        prompts = _prompts(args.num_prompts, args.prompt_len, vocab, args.seed + 7)
+        tokens, seconds, ttft, tpot = _run_engine(engine, prompts, args.max_tokens, "offline")
+        results.append(
+            Result("kiln", "offline", args.num_prompts, tokens, seconds, tokens / seconds, ttft, tpot)
+        )
+        _progress(results[-1])
+    return results
+
+
+def bench_hf(args, model_path: str, vocab: int, batches: list[int]) -> list[Result]:
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if model_path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), torch_dtype=torch.float32
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    model = model.to(device).eval()
+
+    def generate(ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,  # HF's way of ignoring EOS
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+    results = []
+    with torch.inference_mode():
+        generate(
+            torch.tensor(_prompts(1, args.prompt_len, vocab, args.seed + 99), device=device), 4
+        )  # warm-up
+        for b in batches:
+            ids = torch.tensor(_prompts(b, args.prompt_len, vocab, args.seed + b), device=device)
+            start = time.perf_counter()
+            generate(ids, 1)
+            ttft = time.perf_counter() - start
+            start = time.perf_counter()
+            out = generate(ids, args.max_tokens)
+            seconds = time.perf_counter() - start
+            tokens = (out.shape[1] - ids.shape[1]) * b
+            tpot = (seconds - ttft) / max(1, args.max_tokens - 1)
+            scenario = "single-stream" if b == 1 else "concurrent"
+            results.append(
+                Result(
+                    "hf-transformers", scenario, b, tokens, seconds, tokens / seconds, ttft * 1e3, tpot * 1e3
+                )
+            )
+            _progress(results[-1])
+    return results
+
+
+def bench_llama_cpp(args, model_path: str, vocab: int) -> list[Result]:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=model_path, n_ctx=1024, n_threads=os.cpu_count(), verbose=False)
+    prompt = _prompts(1, args.prompt_len, vocab, args.seed + 1)[0]
+    start = time.perf_counter()
+    out = llm.create_completion(prompt=prompt, max_tokens=args.max_tokens, temperature=0.0)
+    seconds = time.perf_counter() - start
+    tokens = out["usage"]["completion_tokens"]
+    result = Result("llama-cpp", "single-stream", 1, tokens, seconds, tokens / seconds)
+    _progress(result)
+    return [result]
+
+
+def _progress(r: Result) -> None:
+    print(
+        f"  {r.system:16s} {r.scenario:13s} c={r.concurrency:<3d} {r.tok_per_s:8.1f} tok/s",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def markdown(results: list[Result]) -> str:
+    lines = [
+        "| system | scenario | concurrency | output tokens | seconds | tok/s | TTFT ms | TPOT ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        ttft = f"{r.ttft_ms:.1f}" if r.ttft_ms is not None else "-"
+        tpot = f"{r.tpot_ms:.1f}" if r.tpot_ms is not None else "-"
+        lines.append(
+            f"| {r.system} | {r.scenario} | {r.concurrency} | {r.output_tokens} | {r.seconds:.2f} | "
+            f"{r.tok_per_s:.1f} | {ttft} | {tpot} |"
+        )
+    return "\n".join(lines)
+
+
+def comparisons(results: list[Result]) -> dict:
+    def find(system: str, c: int) -> Result | None:
+        return next(
+            (r for r in results if r.system == system and r.concurrency == c and r.scenario != "offline"),
+            None,
+        )
+
+    out = {}
+    kiln1, kiln16 = find("kiln", 1), find("kiln", 16)
+    hf1, hf16 = find("hf-transformers", 1), find("hf-transformers", 16)
+    if kiln1:
+        out["single_stream_tok_s"] = kiln1.tok_per_s
+        out["single_stream_meets_68"] = kiln1.tok_per_s >= TARGET_SINGLE_TOK_S
+        if hf1:
+            out["single_stream_vs_hf"] = kiln1.tok_per_s / hf1.tok_per_s
+    if kiln16:
+        out["concurrent16_tok_s"] = kiln16.tok_per_s
+        out["concurrent16_meets_226"] = kiln16.tok_per_s >= TARGET_16_TOK_S
+        if hf16:
+            out["concurrent16_vs_hf_batch16"] = kiln16.tok_per_s / hf16.tok_per_s
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.loaders import default_model_path, load_model
+
+    model_path = args.model or default_model_path()
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    hf_batches = [int(b) for b in args.hf_batches.split(",") if b.strip()]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"loading {model_path} on {device} ...", file=sys.stderr, flush=True)
+    loaded = load_model(model_path, device=device)
+    vocab = loaded.model.config.vocab_size
+    results = bench_kiln(args, loaded, concurrencies)
+    del loaded
+    if hf_batches:
+        results += bench_hf(args, model_path, vocab, hf_batches)
+    if (
+        not args.no_llama_cpp
+        and importlib.util.find_spec("llama_cpp") is not None
+        and model_path.endswith(".gguf")
+    ):
+        results += bench_llama_cpp(args, model_path, vocab)
+    summary = comparisons(results)
+    report = {
+        "machine": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "device": device,
+        },
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "model": model_path,
+        "results": [asdict(r) for r in results],
+        "summary": summary,
+    }
+    print(markdown(results))
+    print()
+    for key, value in summary.items():
+        print(f"- {key}: {value:.2f}" if isinstance(value, float) else f"- {key}: {value}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"\nJSON written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kiln.engine.benchmark", description=__doc__.split("\n")[0]
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""`kiln generate`: stream one prompt's completion to the terminal, then TTFT and tokens/s."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text for a prompt with the paged-KV engine (streams tokens)",
+        description="Generate a completion with Kiln's engine; default model: the embedded "
+        "SmolLM2-135M-Instruct GGUF.",
+    )
+    parser.add_argument("prompt", help="the prompt text (the user message with --chat)")
+    parser.add_argument("--model", default=None, help="a GGUF file or HF directory (default: embedded model)")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS up to --max-tokens")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.engine.config import EngineConfig
+    from kiln.engine.llm_engine import LLMEngine
+    from kiln.engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
+    except ValueError as exc:
+        print(f"kiln generate: {exc}", file=sys.stderr)
+        return 2
+    print("loading model ...", file=sys.stderr, flush=True)
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_num_seqs=1))
+    tokenizer = engine.tokenizer
+    if args.chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+        )
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        prompt = tokenizer.encode(args.prompt, add_special_tokens=True)
+    start = time.perf_counter()
+    engine.add_request("cli", prompt, params)
+    printed = 0
+    out = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.text[printed:])
+            sys.stdout.flush()
+            printed = len(out.text)
+    end = time.perf_counter()
+    if out is None or out.first_token_time is None:
+        print("\nkiln generate: no tokens were generated", file=sys.stderr)
+        return 1
+    n = len(out.token_ids)
+    ttft = out.first_token_time - start
+    decode = (n - 1) / (end - out.first_token_time) if n > 1 else 0.0
+    print(
+        f"\n--- TTFT {ttft * 1000:.1f} ms | {decode:.1f} tok/s decode | "
+        f"{n / (end - start):.1f} tok/s overall | {n} tokens generated ({out.finish_reason}) | "
+        f"prompt {len(prompt)} tokens"
+    )
+    return 0
