@@ -218,11 +218,11 @@ _AOT_SCRIPT = textwrap.dedent(
               {"x_ptr": "*bf16", "q_ptr": q, "scale_ptr": "*fp32", "amax_ptr": "*fp32", "K": i32,
                "stride_xm": i32, "stride_qm": i32, "qmax": "fp32", "amax_floor": "fp32"},
               {"PER_TOKEN": acc == tl.float32, "IS_INT8": acc == tl.int32, "BLOCK": 1024})
-    build("int4_triton", "_int4_linear_kernel",
-          {**gemm, "x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*u8",
-           "out_ptr": "*bf16", "group_size": i32, "stride_xk": i32, "stride_qn": i32, "stride_sn": i32,
-           "stride_zn": i32},
-          {"DOT_PRECISION": "tf32", **tiles, "SPLIT_K": 1}, aligned)
+    for group_size in (128, 32):  # K tile inside one group / spanning two
+        build("int4_triton", "_int4_linear_kernel",
+              {**gemm, "x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*u8",
+               "out_ptr": "*bf16", "stride_xk": i32, "stride_qn": i32, "stride_sn": i32, "stride_zn": i32},
+              {"GROUP_SIZE": group_size, "DOT_PRECISION": "tf32", **tiles, "SPLIT_K": 1}, aligned)
     gguf = {**gemm, "x_ptr": "*bf16", "qweight_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
     gguf["stride_qn"] = i32
     build("gguf_triton", "_gguf_gemv_kernel", gguf,

@@ -33,9 +33,9 @@ from kiln.ops.registry import Implementation, triton_available
 @triton.jit
 def _int4_linear_kernel(
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partial_ptr,
-    M, N, K, group_size,
+    M, N, K,
     stride_xm, stride_xk, stride_qn, stride_sn, stride_zn, stride_om, stride_on,
-    DOT_PRECISION: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
@@ -56,10 +56,18 @@ def _int4_linear_kernel(
         w_mask = k_mask[:, None] & n_mask[None, :]
         words = tl.load(qweight_ptr + n64 * stride_qn + (offs_k // 8)[:, None], mask=w_mask, other=0)
         q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
-        group = (offs_k // group_size)[:, None]
-        scale = tl.load(scales_ptr + n64 * stride_sn + group, mask=w_mask, other=0.0).to(tl.float32)
-        zero = tl.load(zeros_ptr + n64 * stride_zn + group, mask=w_mask, other=0).to(tl.int32)
-        w = ((q - zero).to(tl.float32) * scale).to(a.dtype)  # masked lanes have scale 0 -> w = 0
+        if GROUP_SIZE % BLOCK_K == 0:  # the whole K tile lies in one group: one scale/zero per column
+            group = k0 // GROUP_SIZE
+            scale = tl.load(scales_ptr + n64 * stride_sn + group, mask=n_mask[None, :], other=0.0).to(
+                tl.float32
+            )
+            zero = tl.load(zeros_ptr + n64 * stride_zn + group, mask=n_mask[None, :], other=0).to(tl.int32)
+        else:
+            group = (offs_k // GROUP_SIZE)[:, None]
+            scale = tl.load(scales_ptr + n64 * stride_sn + group, mask=w_mask, other=0.0).to(tl.float32)
+            zero = tl.load(zeros_ptr + n64 * stride_zn + group, mask=w_mask, other=0).to(tl.int32)
+        # Past K the x tile is 0, so whatever finite w those lanes get adds nothing.
+        w = ((q - zero).to(tl.float32) * scale).to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     store_tile(acc, out_ptr, out_ptr, partial_ptr, offs_m, offs_n, M, N, stride_om, stride_on, pid_k,
                False, SPLIT_K)  # fmt: skip
@@ -74,16 +82,18 @@ def int4_linear_triton(x, qweight, scales, zeros, group_size, config: dict | Non
         return (out if M == 0 or N == 0 else out.zero_()).reshape(*x.shape[:-1], N)
     qweight, scales, zeros = contiguous_rows(qweight), contiguous_rows(scales), contiguous_rows(zeros)
     shape = {"M": M, "N": N, "K": K, "group_size": group_size}
+    # By default a K tile stays inside one quantization group (one scale and zero per column per step).
+    wide = x.dtype == torch.float32
     cfg = resolve_config(
-        "int4_linear", x.dtype, shape, config, x.device, wide_operands=x.dtype == torch.float32
+        "int4_linear", x.dtype, shape, config, x.device, wide_operands=wide, max_block_k=group_size
     )
     partials = partials_buffer(cfg, M, N, x.device)
     _int4_linear_kernel[launch_grid(cfg, M, N)](
         x2, qweight, scales, zeros, out, partials if partials is not None else out,
-        M, N, K, group_size,
+        M, N, K,
         x2.stride(0), x2.stride(1), qweight.stride(0), scales.stride(0), zeros.stride(0),
         out.stride(0), out.stride(1),
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        GROUP_SIZE=group_size, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         GROUP_M=cfg["GROUP_M"], SPLIT_K=cfg["SPLIT_K"], **kernel_options(cfg),
     )  # fmt: skip

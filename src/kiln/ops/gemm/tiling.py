@@ -168,7 +168,13 @@ def _pow2_at_least(n: int, low: int) -> int:
 
 
 def heuristic_config(
-    M: int, N: int, K: int, device: torch.device, min_block_k: int = 16, wide_operands: bool = False
+    M: int,
+    N: int,
+    K: int,
+    device: torch.device,
+    min_block_k: int = 16,
+    wide_operands: bool = False,
+    max_block_k: int | None = None,
 ) -> dict:
     """A good default without tuning. Large M: 128x128 tiles (64 along K; 32 for fp32 operands so
     the pipelined stages fit in shared memory), grouped by 8. Small M (decode): the thinnest tile
@@ -185,7 +191,7 @@ def heuristic_config(
         num_warps, num_stages = 8, 3
     # Never wider than the problem (matters for the interpreter and for tiny layers).
     block_n = min(block_n, _pow2_at_least(N, 16))
-    block_k = max(min(block_k, _pow2_at_least(K, 16)), min_block_k)
+    block_k = max(min(block_k, _pow2_at_least(K, 16), max_block_k or block_k), min_block_k)
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     k_steps = triton.cdiv(K, block_k)
     split_k = 1
@@ -238,12 +244,15 @@ def resolve_config(
     device: torch.device,
     min_block_k: int = 16,
     wide_operands: bool = False,
+    max_block_k: int | None = None,
 ) -> dict:
     """The config a launcher uses: the caller's, else the tuning cache's, else the heuristic."""
     if config is None:
         config = lookup(op, dtype, shape, device)
     if config is None:
-        return heuristic_config(shape["M"], shape["N"], shape["K"], device, min_block_k, wide_operands)
+        return heuristic_config(
+            shape["M"], shape["N"], shape["K"], device, min_block_k, wide_operands, max_block_k
+        )
     missing = [key for key in CONFIG_KEYS if key not in config]
     if missing:
         raise ValueError(f"{op}: config {config} is missing {', '.join(missing)}")
