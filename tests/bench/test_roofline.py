@@ -1,6 +1,7 @@
 import math
 
 import pytest
+import torch
 
 from kiln.bench.ceilings import Ceilings
 from kiln.bench.roofline import ridge_point, roofline
@@ -51,3 +52,9 @@ def test_peak_flops_uses_the_dtype_measured_else_bf16_for_halves_else_the_best()
     assert ceilings.peak_flops("float16") == pytest.approx(800e12)
     assert ceilings.peak_flops("int8") == pytest.approx(800e12)
     assert ceilings.peak_bandwidth == pytest.approx(1e12)
+    with_tf32 = Ceilings(
+        "dev", 1000.0, {"bfloat16": 800.0, "float32": 60.0, "tfloat32": 400.0, "float8_e4m3fn": 1600.0}
+    )
+    assert with_tf32.peak_flops(torch.float32) == pytest.approx(400e12)  # Triton's fp32 dot uses TF32
+    assert with_tf32.peak_flops(torch.float8_e4m3fn) == pytest.approx(1600e12)
+    assert with_tf32.peak_flops(torch.bfloat16) == pytest.approx(800e12)

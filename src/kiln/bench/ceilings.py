@@ -31,14 +31,20 @@ class Ceilings:
     measured_at: str = ""
 
     def peak_flops(self, dtype: torch.dtype | str | None = None) -> float:
-        """FLOP/s for this dtype's matmul; dtypes not measured use the fastest one measured
-        (half types share the bf16 number, so the bound stays optimistic, never flattering)."""
+        """FLOP/s ceiling for an op of this dtype. float32 takes the faster of strict fp32 and TF32
+        (Triton's fp32 `tl.dot` uses TF32 by default); float16 takes bf16's; fp8 its own number
+        when measured, else bf16's; anything else (or None) the fastest measured."""
         name = str(dtype).replace("torch.", "") if dtype is not None else None
-        if name in self.matmul_tflops:
-            return self.matmul_tflops[name] * 1e12
-        if name in ("float16", "float8_e4m3fn", "float8_e5m2") and "bfloat16" in self.matmul_tflops:
-            return self.matmul_tflops["bfloat16"] * 1e12
-        return max(self.matmul_tflops.values()) * 1e12
+        measured = self.matmul_tflops
+        if name == "float32" and "tfloat32" in measured:
+            return max(measured.get("float32", 0.0), measured["tfloat32"]) * 1e12
+        if name in ("float8_e4m3fn", "float8_e5m2") and "float8_e4m3fn" in measured:
+            return measured["float8_e4m3fn"] * 1e12
+        if name in measured:
+            return measured[name] * 1e12
+        if name in ("float16", "float8_e4m3fn", "float8_e5m2") and "bfloat16" in measured:
+            return measured["bfloat16"] * 1e12
+        return max(measured.values()) * 1e12
 
     @property
     def peak_bandwidth(self) -> float:
@@ -138,20 +144,48 @@ def _measure_cuda(device: torch.device) -> Ceilings:
         del src, dst
         tflops = {}
         n = 8192
-        for dtype in (torch.bfloat16, torch.float32):
-            a = torch.randn(n, n, device=device, dtype=dtype)
-            b = torch.randn(n, n, device=device, dtype=dtype)
-            seconds = _best_seconds(lambda a=a, b=b: torch.mm(a, b), device, reps=10)
-            tflops[str(dtype).replace("torch.", "")] = 2 * n**3 / seconds / 1e12
-            del a, b
+        previous_tf32 = torch.backends.cuda.matmul.allow_tf32
+        try:
+            for name, dtype, tf32 in (
+                ("bfloat16", torch.bfloat16, False),
+                ("float32", torch.float32, False),
+                ("tfloat32", torch.float32, True),
+            ):
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+                a = torch.randn(n, n, device=device, dtype=dtype)
+                b = torch.randn(n, n, device=device, dtype=dtype)
+                seconds = _best_seconds(lambda a=a, b=b: torch.mm(a, b), device, reps=10)
+                tflops[name] = 2 * n**3 / seconds / 1e12
+                del a, b
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = previous_tf32
+        fp8 = _fp8_tflops(device, n)
+        if fp8:
+            tflops["float8_e4m3fn"] = fp8
         torch.cuda.empty_cache()
     return Ceilings(
         device_name(device),
         bandwidth,
         tflops,
-        "1 GiB device-to-device copy; 8192^3 torch.mm in bf16 and fp32; best of 10",
+        "1 GiB device-to-device copy; 8192^3 torch.mm in bf16, fp32, tf32 (and fp8 _scaled_mm); best of 10",
         _stamp(),
     )
+
+
+def _fp8_tflops(device: torch.device, n: int) -> float | None:
+    """fp8 (e4m3) GEMM throughput through torch._scaled_mm, or None where the GPU or torch lacks it."""
+    if not hasattr(torch, "_scaled_mm") or torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    try:
+        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
+        one = torch.ones((), device=device)
+        seconds = _best_seconds(
+            lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), device, 10
+        )
+    except (RuntimeError, TypeError):  # unsupported on this build: the roofline uses bf16 for fp8
+        return None
+    return 2 * n**3 / seconds / 1e12
 
 
 def _measure_cpu(device: torch.device) -> Ceilings:

@@ -35,7 +35,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--suffix", default=None, help="appended to the result file name")
     p.add_argument("--no-baselines", action="store_true", help="time only Kiln's implementation")
     p.add_argument("--no-plot", action="store_true", help="skip the roofline PNG")
-    p.add_argument("--reps", type=int, default=None, help="timing samples per case (default 100 CUDA, 5 CPU)")
+    p.add_argument("--reps", type=int, default=None, help="timing samples per case (default 50 CUDA, 5 CPU)")
     p.add_argument("--refresh-ceilings", action="store_true", help="re-measure the device ceilings")
     p.set_defaults(func=run)
     sub = p.add_subparsers(dest="bench_command", metavar="{compare,engine,serve}")

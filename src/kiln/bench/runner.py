@@ -42,9 +42,9 @@ def make_input_sets(
     max_copies: int | None = None,
 ) -> list[dict]:
     """Input copies (seeds seed, seed+1, ...) that together exceed twice the L2 cache on CUDA. On the
-    CPU at most 8 by default: CPU numbers are CI smoke timings, not worth gigabytes of inputs."""
+    CPU at most 4 by default: CPU numbers are CI smoke timings, not worth gigabytes of inputs."""
     if max_copies is None:
-        max_copies = 64 if device.type == "cuda" else 8
+        max_copies = 64 if device.type == "cuda" else 4
     first = spec.make_inputs(shape, dtype, device, torch.Generator().manual_seed(seed))
     copies = copies_to_flush(tensor_bytes(first), device, max_copies=max_copies)
     return [first] + [
@@ -63,6 +63,17 @@ def _timing_fields(t: Timing) -> dict:
         "copies": t.copies,
         "method": t.method,
     }
+
+
+# CPU runs are CI smoke timings: skip LLM-sized cases (a shared CPU runs them 10-100x slower than the
+# memcpy ceiling suggests, so a full suite would take hours).
+CPU_CASE_LIMIT_S = 0.01
+CPU_CASE_LIMIT_BYTES = 256e6
+
+
+def _fits_cpu_run(flops: float, nbytes: float, ceilings: Ceilings) -> bool:
+    bound = max(flops / ceilings.peak_flops(), nbytes / ceilings.peak_bandwidth)
+    return bound <= CPU_CASE_LIMIT_S and nbytes <= CPU_CASE_LIMIT_BYTES
 
 
 def bench_case(
@@ -100,6 +111,10 @@ def bench_case(
         "baselines": {},
         "error": None,
     }
+    if device.type != "cuda" and not _fits_cpu_run(flops, nbytes, ceilings):
+        estimate = max(flops / ceilings.peak_flops(), nbytes / ceilings.peak_bandwidth)
+        record["error"] = f"skipped on CPU: about {estimate:.2f} s per call; pass smaller --shapes"
+        return record
     try:
         name = pick_backend(spec, device, backend)
         record["backend"] = name

@@ -90,7 +90,7 @@ def copies_to_flush(
             free, _ = torch.cuda.mem_get_info(device)
             memory_budget = free // 4
         else:
-            memory_budget = 2 * 2**30
+            memory_budget = 64 * 2**20
     copies = min(copies, max_copies, max(1, memory_budget // max(input_bytes, 1)))
     return int(copies)
 
@@ -107,7 +107,7 @@ def time_fn(
 ) -> Timing:
     """Time `fn(inputs)` rotating over `input_sets` (one call per set per sample).
 
-    warmup/reps/budget_s default to CUDA-sized (3 warm-up passes, up to 100 samples or 0.5 s) or
+    warmup/reps/budget_s default to CUDA-sized (3 warm-up passes, up to 50 samples or 0.25 s) or
     CPU-sized (1 warm-up pass, up to 5 samples or 0.5 s) values; at least 3 samples are taken.
     """
     if not input_sets:
@@ -118,8 +118,8 @@ def time_fn(
             input_sets,
             device,
             warmup if warmup is not None else 3,
-            reps or 100,
-            budget_s or 0.5,
+            reps or 50,
+            budget_s or 0.25,
             use_graph,
         )
     return _time_cpu(fn, input_sets, warmup if warmup is not None else 1, reps or 5, budget_s or 0.5)
