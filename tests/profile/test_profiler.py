@@ -79,3 +79,11 @@ def test_profile_command_prints_tables_and_writes_trace(tmp_path, capsys):
 def test_profile_command_rejects_unknown_op(capsys):
     assert main(["profile", "--op", "no_such_op"]) == 2
     assert "unknown op" in capsys.readouterr().err
+
+
+def test_engine_profile_without_the_engine_module_exits_2(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "kiln.engine", None)  # import now raises ModuleNotFoundError
+    assert main(["profile", "--engine"]) == 2
+    assert "kiln.engine is not available" in capsys.readouterr().err

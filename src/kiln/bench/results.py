@@ -175,7 +175,7 @@ def write(payload: dict, out_dir: str | Path, suffix: str | None = None) -> Path
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / result_filename(payload["metadata"], suffix)
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     return path
 
 
@@ -192,4 +192,4 @@ def load(path: str | Path) -> dict:
 
 def case_key(case: dict) -> tuple[str, str, str, str]:
     """What identifies a case across runs: (op, shape as canonical JSON, dtype, backend)."""
-    return case["op"], json.dumps(case["shape"], sort_keys=True), case["dtype"], case["backend"]
+    return case["op"], json.dumps(case["shape"], sort_keys=True, default=str), case["dtype"], case["backend"]

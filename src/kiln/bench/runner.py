@@ -7,6 +7,7 @@ flush L2; the implementation that dispatch would pick for the device (or `backen
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from kiln.ops.registry import OpSpec
 def pick_backend(spec: OpSpec, device: torch.device, backend: str | None) -> str:
     """The implementation to time: `backend` if given (must run here), else what dispatch picks,
     except that the Triton interpreter is never timed unless asked for (its numbers mean nothing)."""
+    backend = backend or os.environ.get("KILN_BACKEND") or None
     if backend:
         return spec.select(device, backend).name
     if device.type != "cuda":
