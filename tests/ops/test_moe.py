@@ -84,6 +84,17 @@ def test_fused_moe_grouped_program_order_covers_every_tile(group_m, device):
     assert_close(fused_moe_triton(**inputs, config=config), fused_moe_reference(**inputs), 2e-5)
 
 
+def test_fused_moe_runs_in_token_chunks_when_offsets_would_overflow_32_bits(device, monkeypatch):
+    import kiln.ops.moe.triton as moe_triton
+
+    monkeypatch.setattr(moe_triton, "INT32_LIMIT", 5000)  # -> 62-token chunks for this shape
+    inputs = _inputs(130, 40, 24, 4, 2, torch.float32, device, seed=14)
+    assert_close(fused_moe_triton(**inputs), fused_moe_reference(**inputs), 2e-5)
+    monkeypatch.setattr(moe_triton, "INT32_LIMIT", 1000)
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        fused_moe_triton(**inputs)
+
+
 def test_fused_moe_public_function_routes_then_mixes(device, monkeypatch):
     torch.manual_seed(0)
     x = torch.randn(7, 32, device=device)

@@ -70,35 +70,34 @@ def _moe_gate_up_kernel(
     expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
     pairs = tl.load(sorted_pair_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_mask = pairs < num_pairs  # padding slots hold the sentinel num_pairs
-    tokens = (pairs // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
 
-    x_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]
+    # Scalar 64-bit bases, 32-bit tile offsets (the launcher keeps them < 2^31): 64-bit pointer
+    # tiles carried through the K loop would cost two registers per element and spill.
+    x_offsets = (pairs // TOP_K)[:, None] * stride_x + offs_k[None, :]
+    w_expert = w_ptr + expert * stride_we
     # Weight tiles are read transposed ([BLOCK_K, BLOCK_N]) straight from the [2N, K] layout.
-    gate_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    up_ptrs = gate_ptrs + N * stride_wn
+    gate_offsets = offs_n[None, :] * stride_wn + offs_k[:, None]
+    up_offsets = gate_offsets + N * stride_wn
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
-        a = tl.load(x_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(x_ptr + k0 + x_offsets, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(a.dtype)
-        w_up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(a.dtype)
+        w_gate = tl.load(w_expert + k0 + gate_offsets, mask=w_mask, other=0.0).to(a.dtype)
+        w_up = tl.load(w_expert + k0 + up_offsets, mask=w_mask, other=0.0).to(a.dtype)
         gate = tl.dot(a, w_gate, gate, input_precision=DOT_PRECISION)
         up = tl.dot(a, w_up, up, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
     if HAS_SCALE:
         scale = tl.load(w_scale_ptr + expert)
         gate *= scale
         up *= scale
     hidden = gate / (1.0 + tl.exp(-gate)) * up
-    h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
-    tl.store(h_ptrs, hidden.to(h_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+    h_offsets = pairs[:, None] * stride_h + offs_n[None, :]
+    tl.store(h_ptr + h_offsets, hidden.to(h_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -132,27 +131,27 @@ def _moe_down_kernel(
     expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
     pairs = tl.load(sorted_pair_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_mask = pairs < num_pairs
-    rows = pairs.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N_OUT
     offs_k = tl.arange(0, BLOCK_K)
 
-    h_ptrs = h_ptr + rows[:, None] * stride_h + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    h_offsets = pairs[:, None] * stride_h + offs_k[None, :]
+    w_expert = w_ptr + expert * stride_we
+    w_offsets = offs_n[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
-        a = tl.load(h_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(a.dtype)
+        a = tl.load(h_ptr + k0 + h_offsets, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_expert + k0 + w_offsets, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    route_weight = tl.load(topk_weights_ptr + rows, mask=pair_mask, other=0.0).to(tl.float32)
+    route_weight = tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         route_weight *= tl.load(w_scale_ptr + expert)
     acc *= route_weight[:, None]
-    out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+    out_offsets = pairs[:, None] * stride_out + offs_n[None, :]
+    tl.store(
+        out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :]
+    )
 
 
 @triton.jit
@@ -167,6 +166,7 @@ def _moe_sum_kernel(partial_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: 
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+INT32_LIMIT = 2**31 - 1
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_N_DOWN", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 
 
@@ -230,6 +230,27 @@ def fused_moe_triton(
     num_experts, two_n, _ = w_gate_up.shape
     inter, top_k = two_n // 2, topk_ids.shape[1]
     num_pairs = num_tokens * top_k
+    if 2 * inter * hidden >= INT32_LIMIT:
+        raise ValueError(
+            f"fused_moe: one expert's w_gate_up has {2 * inter * hidden} elements; the Triton "
+            f"kernel indexes an expert with 32-bit offsets (limit {INT32_LIMIT})"
+        )
+    rows_limit = INT32_LIMIT // (top_k * max(hidden, inter))
+    if num_tokens > rows_limit:  # keep every activation offset within 32 bits: run in token chunks
+        out = empty((num_tokens, hidden), x.dtype, x.device)
+        for start in range(0, num_tokens, rows_limit):
+            end = min(start + rows_limit, num_tokens)
+            out[start:end] = fused_moe_triton(
+                x[start:end],
+                w_gate_up,
+                w_down,
+                topk_weights[start:end],
+                topk_ids[start:end],
+                w_gate_up_scale,
+                w_down_scale,
+                config,
+            )
+        return out
     out = empty((num_tokens, hidden), x.dtype, x.device)
     if num_tokens == 0:
         return out
