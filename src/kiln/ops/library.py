@@ -34,12 +34,24 @@ Other families register theirs the same way, in this file, one decorated wrapper
 import torch
 
 from kiln.ops.activation.spec import gelu_tanh_and_mul, silu_and_mul, validate_gated
+from kiln.ops.attention.flash import flash_attention, validate_flash_attention
+from kiln.ops.attention.kv_cache import validate_write_kv_cache, write_kv_cache
+from kiln.ops.attention.paged_decode import paged_decode_attention, validate_paged_decode_attention
+from kiln.ops.attention.paged_prefill import paged_prefill_attention, validate_paged_prefill_attention
 from kiln.ops.norm.spec import layer_norm, rms_norm, validate_layer_norm, validate_rms_norm
 from kiln.ops.rope.spec import rotary_embedding, validate_rotary_embedding
 from kiln.ops.softmax.spec import softmax, validate_softmax
 
 # Names registered under torch.ops.kiln by this module.
 REGISTERED = ("rms_norm", "layer_norm", "softmax", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding")
+# The attention family's ops (kept apart: the foundation tests enumerate REGISTERED with their inputs).
+ATTENTION_REGISTERED = (
+    "write_kv_cache",
+    "flash_attention",
+    "flash_attention_with_lse",
+    "paged_prefill_attention",
+    "paged_decode_attention",
+)
 
 
 @torch.library.custom_op("kiln::rms_norm", mutates_args=("residual",))
@@ -118,3 +130,168 @@ def _rotary_embedding_op(
 def _(positions, q, k, cos_sin_cache, is_neox=True):
     validate_rotary_embedding(positions, q, k, cos_sin_cache)
     return None
+
+
+@torch.library.custom_op("kiln::write_kv_cache", mutates_args=("key_cache", "value_cache"))
+def _write_kv_cache_op(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
+@_write_kv_cache_op.register_fake
+def _(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
+    validate_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    return None
+
+
+# flash_attention's result arity depends on return_lse, a schema cannot: two ops.
+@torch.library.custom_op("kiln::flash_attention", mutates_args=())
+def _flash_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = True,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    return flash_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        scale,
+        sliding_window,
+        softcap,
+    )
+
+
+@_flash_attention_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, scale=None,
+      sliding_window=None, softcap=None):  # fmt: skip
+    validate_flash_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        scale,
+        sliding_window,
+        softcap,
+    )
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("kiln::flash_attention_with_lse", mutates_args=())
+def _flash_attention_with_lse_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = True,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, sliding_window,
+        softcap, return_lse=True,
+    )  # fmt: skip
+
+
+@_flash_attention_with_lse_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, scale=None,
+      sliding_window=None, softcap=None):  # fmt: skip
+    validate_flash_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        scale,
+        sliding_window,
+        softcap,
+    )
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("kiln::paged_prefill_attention", mutates_args=())
+def _paged_prefill_attention_op(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return paged_prefill_attention(
+        q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale, sliding_window,
+        softcap, k_scale, v_scale,
+    )  # fmt: skip
+
+
+@_paged_prefill_attention_op.register_fake
+def _(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale=None,
+      sliding_window=None, softcap=None, k_scale=None, v_scale=None):  # fmt: skip
+    validate_paged_prefill_attention(
+        q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale, sliding_window,
+        softcap, k_scale, v_scale,
+    )  # fmt: skip
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("kiln::paged_decode_attention", mutates_args=())
+def _paged_decode_attention_op(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return paged_decode_attention(
+        q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale, v_scale
+    )
+
+
+@_paged_decode_attention_op.register_fake
+def _(q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None, softcap=None,
+      k_scale=None, v_scale=None):  # fmt: skip
+    validate_paged_decode_attention(
+        q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale, v_scale
+    )
+    return torch.empty_like(q)

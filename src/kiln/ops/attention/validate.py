@@ -4,6 +4,7 @@ argument and the fix, raised before any kernel launches."""
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor
 
@@ -18,8 +19,11 @@ def _dtype(d: torch.dtype) -> str:
 
 
 def host_checkable(tensor: torch.Tensor) -> bool:
-    """Whether checks that read tensor values on the host may run: always on the CPU; on a GPU only
-    outside CUDA-graph capture (where reading would be illegal)."""
+    """Whether checks that read tensor values on the host may run: on real CPU tensors always; on a
+    GPU only outside CUDA-graph capture (where reading would be illegal); never on fake or meta
+    tensors (torch.compile tracing through the custom ops' fake implementations)."""
+    if tensor.device.type == "meta" or is_fake(tensor):
+        return False
     return tensor.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
 
