@@ -113,6 +113,7 @@ def test_greedy_tokens_equal_hf_transformers_generate(loaded):
     ]
     params = SamplingParams(max_tokens=16, temperature=0.0)  # both stop at EOS, like HF
     ours = make_llm(loaded).generate(prompts, params)
+    assert min(len(o.token_ids) for o in ours) >= 8  # long enough to compare more than a token or two
     path = default_model_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
@@ -129,3 +130,16 @@ def test_greedy_tokens_equal_hf_transformers_generate(loaded):
                 pad_token_id=tokenizer.eos_token_ids[0],
             )
         assert hf[0, ids.shape[1] :].tolist() == out.token_ids
+
+
+def test_detokenizer_streams_multibyte_text_of_the_real_tokenizer_without_replacement_chars(loaded):
+    from kiln.engine.detokenizer import IncrementalDetokenizer
+
+    tokenizer = loaded.tokenizer
+    text = "Café crème, 東京タワー and 🙂🚀 emoji — done."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), stop=None)
+    for i, token in enumerate(ids):
+        detok.add_tokens([token], final=i == len(ids) - 1)
+        assert "\ufffd" not in detok.text
+    assert detok.text == tokenizer.decode(ids) and detok.text.strip() == text

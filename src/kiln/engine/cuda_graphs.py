@@ -14,8 +14,10 @@ from kiln.models.attention_metadata import AttentionMetadata
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16, up to the first size that holds max_num_seqs."""
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16))
-    return [s for s in sizes if s <= max(max_num_seqs, 1)] or [1]
+    cut = next(i for i, s in enumerate(sizes) if s >= max_num_seqs)
+    return sizes[: cut + 1]
 
 
 class DecodeGraphs:

@@ -119,6 +119,9 @@ class LLMEngine:
         self._aborted.clear()
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # can't happen while add_request caps prompt + max_tokens at what the cache holds
+                raise RuntimeError("LLMEngine: the next waiting request does not fit the empty KV cache")
             return outputs
         tokens, logprobs = self.runner.run(batch)
         for seq, lp in zip(batch.seqs, logprobs, strict=True):

@@ -59,9 +59,7 @@ class Scheduler:
     # ---- scheduling ----
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
-        seqs: list[Sequence] = []
-        counts: list[int] = []
-        scheduled_ids: set[int] = set()
+        scheduled: dict[int, tuple[Sequence, int]] = {}  # id(seq) -> (seq, tokens), in schedule order
         preempted = False
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
@@ -72,16 +70,16 @@ class Scheduler:
                 continue  # preempted a moment ago to make room for an older one
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_allocate(seq, n):
-                victim = self._newest_unscheduled(exclude=seq, scheduled_ids=scheduled_ids) or seq
+                victim = max(self.running, key=lambda s: s.arrival_index)  # the newest, maybe seq itself
+                if id(victim) in scheduled:  # already in this step (decodes go first): take it back out
+                    budget += scheduled.pop(id(victim))[1]
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.allocate(seq, n)
-                seqs.append(seq)
-                counts.append(n)
-                scheduled_ids.add(id(seq))
+                scheduled[id(seq)] = (seq, n)
                 budget -= n
         # admit new work only when nothing had to be preempted (else it would be preempted right back)
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -95,14 +93,9 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            seqs.append(seq)
-            counts.append(n)
+            scheduled[id(seq)] = (seq, n)
             budget -= n
-        return ScheduledBatch(seqs, counts)
-
-    def _newest_unscheduled(self, exclude: Sequence, scheduled_ids: set[int]) -> Sequence | None:
-        candidates = [s for s in self.running if s is not exclude and id(s) not in scheduled_ids]
-        return max(candidates, key=lambda s: s.arrival_index) if candidates else None
+        return ScheduledBatch([s for s, _ in scheduled.values()], [n for _, n in scheduled.values()])
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
