@@ -7,6 +7,7 @@ The same kernels back the torch OpSpecs as implementations "pallas_tpu", "pallas
 (registered by `kiln.jax.backends`), so `kiln verify` and `kiln bench` check and time them.
 """
 
+from kiln.jax.attention import flash_attention, paged_decode_attention
 from kiln.jax.dispatch import IMPLEMENTATIONS, default_implementation, tpu_interpreter
 from kiln.jax.elementwise import gelu_tanh_and_mul, rope, silu_and_mul, softmax
 from kiln.jax.gemm import matmul, w8a16_matmul
@@ -16,8 +17,10 @@ from kiln.ops.rope.pallas import rope_cos_sin_cache
 __all__ = [
     "IMPLEMENTATIONS",
     "default_implementation",
+    "flash_attention",
     "gelu_tanh_and_mul",
     "matmul",
+    "paged_decode_attention",
     "rms_norm",
     "rope",
     "rope_cos_sin_cache",

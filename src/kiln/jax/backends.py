@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
 
 import kiln.jax as kjax
@@ -152,6 +154,59 @@ def _w8a16_linear(implementation: str):
     return w8a16_linear
 
 
+def _flash_attention(implementation: str):
+    def flash_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, scale=None,
+        sliding_window=None, softcap=None, return_lse=False,
+    ):  # fmt: skip
+        """Varlen [T, H, D] -> padded [B, S, H, D] rows (a gather), the kernel, and back."""
+        dev = compute_device(implementation)
+        starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        lens_q = np.diff(starts_q).astype(np.int32)
+        lens_k = np.diff(starts_k).astype(np.int32)
+        if q.shape[0] == 0 or k.shape[0] == 0:
+            out = torch.zeros_like(q)
+            lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+            return (out, lse) if return_lse else out
+        rows_q = np.minimum(
+            np.asarray(starts_q[:-1])[:, None] + np.arange(max(max_seqlen_q, 1)), q.shape[0] - 1
+        )
+        rows_k = np.minimum(
+            np.asarray(starts_k[:-1])[:, None] + np.arange(max(max_seqlen_k, 1)), k.shape[0] - 1
+        )
+        qj, kj, vj = to_jax(q, dev), to_jax(k, dev), to_jax(v, dev)
+        out, lse = kjax.flash_attention(
+            qj[rows_q], kj[rows_k], vj[rows_k], causal, scale, implementation,
+            sliding_window=sliding_window, softcap=softcap, q_lens=jnp.asarray(lens_q),
+            kv_lens=jnp.asarray(lens_k), return_lse=True,
+        )  # fmt: skip
+        # Back to varlen: token t of sequence b is padded row (b, t - starts_q[b]).
+        seq_of_token = np.repeat(np.arange(len(lens_q)), lens_q)
+        pos_of_token = np.arange(q.shape[0]) - np.asarray(starts_q)[seq_of_token]
+        out_t = to_torch(out[seq_of_token, pos_of_token], q)
+        if not return_lse:
+            return out_t
+        return out_t, to_torch(lse[seq_of_token, :, pos_of_token].T, q)
+
+    return flash_attention
+
+
+def _paged_decode_attention(implementation: str):
+    def paged_decode_attention(
+        q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None, softcap=None,
+        k_scale=None, v_scale=None,
+    ):  # fmt: skip
+        dev = compute_device(implementation)
+        out = kjax.paged_decode_attention(
+            to_jax(q, dev), to_jax(key_cache, dev), to_jax(value_cache, dev), to_jax(block_tables, dev),
+            to_jax(seq_lens, dev), scale, sliding_window, softcap, to_jax(k_scale, dev), to_jax(v_scale, dev),
+            implementation=implementation,
+        )  # fmt: skip
+        return to_torch(out, q)
+
+    return paged_decode_attention
+
+
 register("rms_norm", _rms_norm)
 register("softmax", _softmax)
 register("silu_and_mul", _silu_and_mul)
@@ -159,3 +214,5 @@ register("gelu_tanh_and_mul", _gelu_tanh_and_mul)
 register("rotary_embedding", _rotary_embedding, ("pallas_tpu", "xla"))
 register("linear", _linear, ("pallas_tpu", "xla"))
 register("w8a16_linear", _w8a16_linear, ("pallas_tpu", "xla"))
+register("flash_attention", _flash_attention)
+register("paged_decode_attention", _paged_decode_attention, ("pallas_tpu", "xla"))
