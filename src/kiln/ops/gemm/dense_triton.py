@@ -167,12 +167,18 @@ LINEAR.register(
         description="tiled, grouped order, split-K for small M, bias epilogue",
     )
 )
+
+
+def _silu_mul_configs(shape, dtype):
+    return config_space(shape, dtype, b_tiles=2)  # gate and up weight tiles per K step
+
+
 LINEAR_SILU_MUL.register(
     Implementation(
         "triton",
         linear_silu_mul_triton,
         triton_available,
-        configs=config_space,
+        configs=_silu_mul_configs,
         description="gate and up tiles in one program, SiLU-and-mul epilogue",
     )
 )

@@ -208,8 +208,13 @@ def heuristic_config(
     }
 
 
-def config_space(shape: dict, dtype: torch.dtype, min_block_k: int = 16) -> list[dict]:
-    """The `kiln tune` search space for a GEMM shape {"M", "N", "K", ...}."""
+SHARED_MEMORY_BUDGET = 200 * 1024  # below H100's 227 KiB per block, leaving room for the epilogue
+
+
+def config_space(shape: dict, dtype: torch.dtype, min_block_k: int = 16, b_tiles: int = 1) -> list[dict]:
+    """The `kiln tune` search space for a GEMM shape {"M", "N", "K", ...}: configs whose pipelined
+    x and weight tiles (`b_tiles` weight tiles per step) fit in shared memory."""
+    operand_bytes = 4 if dtype == torch.float32 else 2
     M, N, K = shape["M"], shape["N"], shape["K"]
     small = M <= 64
     block_ms = [16, 32, 64] if small else [64, 128]
@@ -221,6 +226,8 @@ def config_space(shape: dict, dtype: torch.dtype, min_block_k: int = 16) -> list
         if bk < min_block_k or bm > _pow2_at_least(M, 16) or bn > _pow2_at_least(N, 16):
             continue
         if bk > _pow2_at_least(K, 16) or (bm * bn >= 128 * 256 and warps == 4):
+            continue
+        if (bm * bk + b_tiles * bk * bn) * operand_bytes * stages > SHARED_MEMORY_BUDGET:
             continue
         configs.append(
             {
