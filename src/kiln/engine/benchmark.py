@@ -51,14 +51,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=128, help="requests in the offline throughput run")
     parser.add_argument("--hf-batches", default="1,16", help="HF generate batch sizes ('' to skip HF)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama-cpp-python even if installed")
-    parser.add_argument("--json", default="engine_bench.json", help="where to write the JSON results")
+    parser.add_argument(
+        "--json",
+        default=None,
+        help="where to write the JSON results (default: bench/results/engine_<device>.json)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     # skip the low ids, where the special tokens live
-    return torch.randint(100, vocab, (n, length), generator=g).tolist()
+    return torch.randint(min(100, vocab // 2), vocab, (n, length), generator=g).tolist()
 
 
 def _run_engine(engine, prompts: list[list[int]], max_tokens: int, tag: str):
@@ -254,10 +258,11 @@ def run(args: argparse.Namespace) -> int:
     print()
     for key, value in summary.items():
         print(f"- {key}: {value:.2f}" if isinstance(value, float) else f"- {key}: {value}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"\nJSON written to {args.json}", file=sys.stderr)
+    path = args.json or os.path.join("bench", "results", f"engine_{device}.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"\nJSON written to {path}", file=sys.stderr)
     return 0
 
 
