@@ -17,6 +17,7 @@ Config dict keys: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, num_warps, num_st
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -159,8 +160,13 @@ def kernel_options(config: dict) -> dict:
 
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 8  # interpreter: small, so split-K still runs on the CPU-sized test shapes
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _pow2_at_least(n: int, low: int) -> int:
