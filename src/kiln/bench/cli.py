@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from dataclasses import asdict
 
-    metadata = results.collect_metadata(device, ceilings.device_name, args.shapes or args.suite)
+    metadata = results.collect_metadata(device, ceilings.device_name, args.shapes or args.suite, args.backend)
     payload = results.make_payload(metadata, asdict(ceilings), records)
     path = results.write(payload, args.out, args.suffix)
     md_path = report.write_markdown(payload, path.with_suffix(".md"))

@@ -23,6 +23,7 @@ def format_markdown(payload: dict) -> str:
         f"- date {meta['date']}, git {str(meta['git_commit'])[:12]}{' (dirty)' if meta['git_dirty'] else ''}",
         f"- torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, driver {meta['driver']}, "
         f"jax {meta['jax']}",
+        f"- backend: {meta.get('backend', 'dispatch')}, shapes: {meta['suite']}",
         f"- measured ceilings: {ceil['bandwidth_gbs']:.1f} GB/s, matmul TFLOP/s: {tflops} ({ceil['method']})",
         "",
     ]

@@ -5,7 +5,8 @@ Schema (version 1):
   "kind": "kiln-bench", "schema_version": 1,
   "metadata": {"date", "device", "device_type" ("cuda"|"cpu"), "device_name", "driver", "cuda",
                "torch", "triton", "jax", "python", "git_commit", "git_dirty", "timing" (what the
-               numbers are: "CPU timings" or "CUDA timings"), "suite"},
+               numbers are: "CPU timings" or "CUDA timings"), "suite", "backend" (the one forced
+               with --backend, or "dispatch")},
   "ceilings": {"device_name", "bandwidth_gbs", "matmul_tflops": {dtype: TFLOP/s}, "method", "measured_at"},
   "cases": [{
       "op", "shape" (dict), "dtype", "backend", "method" (cuda-graph|cuda-events|cpu-wallclock),
@@ -70,6 +71,7 @@ METADATA_FIELDS = (
     "git_dirty",
     "timing",
     "suite",
+    "backend",
 )
 
 
@@ -103,7 +105,10 @@ def _driver() -> str | None:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
-def collect_metadata(device: torch.device, device_name: str, suite: str | None) -> dict[str, Any]:
+def collect_metadata(
+    device: torch.device, device_name: str, suite: str | None, backend: str | None = None
+) -> dict[str, Any]:
+    """Run metadata; `backend` is the implementation forced with --backend, None = dispatch's choice."""
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -120,6 +125,7 @@ def collect_metadata(device: torch.device, device_name: str, suite: str | None) 
         "git_dirty": bool(status) if status is not None else None,
         "timing": "CUDA timings" if device.type == "cuda" else "CPU timings",
         "suite": suite,
+        "backend": backend or "dispatch",
     }
 
 
