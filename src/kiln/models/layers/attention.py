@@ -1,0 +1,97 @@
+"""Self-attention over the paged KV cache: fused QKV projection, RoPE, cache write, paged attention.
+
+Per step: qkv = x @ Wqkv^T (+ b); rotate q and k in place; write this step's k, v into the cache at
+attn_metadata.slot_mapping; then attend to the whole context from the cache (paged_decode_attention
+when every sequence has one new token, else paged_prefill_attention, which covers chunked prefill
+and mixed batches); o_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.models.attention_metadata import AttentionMetadata
+from kiln.models.layers.linear import Linear
+from kiln.models.layers.rotary import RotaryEmbedding
+from kiln.models.layers.torch_ops import op
+from kiln.models.weights import Weight, cat_rows
+
+
+class PagedAttention(torch.nn.Module):
+    """hidden [T, hidden] -> [T, hidden].
+
+    kv_cache: (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; this
+    step's keys and values are written into it in place.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        q: Weight,
+        k: Weight,
+        v: Weight,
+        o: Weight,
+        qkv_bias: list[torch.Tensor] | None,
+        rotary: RotaryEmbedding,
+        sliding_window: int | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        cpu_format: str | None = None,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        bias = None if qkv_bias is None else torch.cat([b.float() for b in qkv_bias])
+        self.qkv_proj = Linear(
+            cat_rows([q, k, v], dtype), bias, device=device, dtype=dtype, cpu_format=cpu_format
+        )
+        self.o_proj = Linear(o, None, device=device, dtype=dtype, cpu_format=cpu_format)
+        self.rotary = rotary
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+        self._write_kv_cache = op("write_kv_cache")
+        self._decode = op("paged_decode_attention")
+        self._prefill = op("paged_prefill_attention")
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        key_cache, value_cache = kv_cache
+        self._write_kv_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        if attn_metadata.decode_only:
+            out = self._decode(
+                q,
+                key_cache,
+                value_cache,
+                attn_metadata.block_tables,
+                attn_metadata.seq_lens,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+            )
+        else:
+            out = self._prefill(
+                q,
+                key_cache,
+                value_cache,
+                attn_metadata.block_tables,
+                attn_metadata.cu_seqlens_q,
+                attn_metadata.seq_lens,
+                attn_metadata.max_seqlen_q,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+            )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))

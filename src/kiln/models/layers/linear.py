@@ -1,0 +1,94 @@
+"""Linear layers: y = x @ W^T (+ b), with W in the checkpoint's [out_features, in_features] layout.
+
+One module, several weight formats, chosen once at load time for the device:
+  - "gguf":  CUDA + GGUF Q4_0/Q4_1/Q8_0 blocks kept as stored -> `kiln.ops.gguf_linear`;
+  - "int4":  CPU + GGUF Q4_0/Q4_1 -> PyTorch's weight-packed int4 CPU matmul, group size 32. A Q4_1
+             block w = d*q + m (q in 0..15) is torch's (q - 8) * scale + zero with scale = d,
+             zero = m + 8d (Q4_0: m = -8d, so zero = 0), so the packed weights are the GGUF ones exactly;
+             activations go through the kernel in bfloat16 (its fast path);
+  - "dense": a float matrix in `weight_dtype` -> torch.nn.functional.linear (`kiln.ops.linear` on CUDA
+             when it exists); on CPU fp16 weights halve the memory traffic of fp32 for decode.
+Fused projections (QKV, gate/up) are one Linear over row-stacked weights (`kiln.models.weights.cat_rows`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import kiln.ops
+from kiln.models.weights import GGUFWeight, Weight
+
+CPU_WEIGHT_FORMATS = ("int4", "fp16", "bf16", "fp32")
+_FORMAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _int4_packable(weight: Weight) -> bool:
+    # torch's CPU packing needs out_features % 16 == 0; GGUF rows are whole 32-blocks already.
+    return isinstance(weight, GGUFWeight) and weight.qtype in ("Q4_0", "Q4_1") and weight.shape[0] % 16 == 0
+
+
+class Linear(torch.nn.Module):
+    """y [M, out_features] = x [M, in_features] @ W^T + bias, in x's dtype.
+
+    weight: float tensor [out, in] or GGUFWeight; bias: [out] or None.
+    dtype: the activation dtype; cpu_format: how CPU weights are kept ("int4" applies to GGUF Q4 weights
+    only, others fall back to dense "fp32"/"fp16"/"bf16"); None = the model dtype for dense weights.
+    """
+
+    def __init__(
+        self,
+        weight: Weight,
+        bias: torch.Tensor | None,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        cpu_format: str | None = None,
+    ):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
+        self.format = "dense"
+        if device.type == "cuda" and isinstance(weight, GGUFWeight) and hasattr(kiln.ops, "gguf_linear"):
+            self.format = "gguf"
+            self.qtype = weight.qtype
+            self.qweight = weight.data.to(device)
+        elif device.type == "cpu" and cpu_format == "int4" and _int4_packable(weight):
+            self.format = "int4"
+            self._pack_int4(weight)
+        else:
+            weight_dtype = (
+                dtype if device.type != "cpu" or cpu_format in (None, "int4") else _FORMAT_DTYPES[cpu_format]
+            )
+            if isinstance(weight, GGUFWeight):
+                weight = weight.dequantize(torch.float32)
+            self.weight = weight.to(device=device, dtype=weight_dtype).contiguous()
+            if self.bias is not None:
+                self.bias = self.bias.to(weight_dtype)
+
+    def _pack_int4(self, weight: GGUFWeight) -> None:
+        scale, minimum = weight.scales_and_mins()  # [out, in / 32]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.nibbles(), 1)
+        zero = minimum + 8.0 * scale
+        # [in / 32, out, 2] in the activation dtype the kernel runs in (bfloat16: its fast path)
+        self.scales_and_zeros = (
+            torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.format == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.packed, 32, self.scales_and_zeros
+            ).to(x.dtype)
+            return y if self.bias is None else y.add_(self.bias)
+        if self.format == "gguf":
+            return kiln.ops.gguf_linear(x, self.qweight, self.qtype, self.bias)
+        if self.weight.dtype != x.dtype:
+            y = F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+            return y.to(x.dtype)
+        if x.is_cuda and hasattr(kiln.ops, "linear"):
+            return kiln.ops.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, format={self.format}"

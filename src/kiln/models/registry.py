@@ -1,0 +1,23 @@
+"""HF architecture name -> model class. New families add a line here (e.g. a MoE model reusing
+kiln.models.layers: `MODEL_REGISTRY["MixtralForCausalLM"] = MixtralForCausalLM`)."""
+
+from __future__ import annotations
+
+from kiln.models.config import ModelLoadError
+from kiln.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def get_model_class(architecture: str, source: str = "") -> type:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        known = ", ".join(sorted(MODEL_REGISTRY))
+        raise ModelLoadError(
+            f"{source + ': ' if source else ''}unknown architecture {architecture!r} (supported: {known})"
+        ) from None
