@@ -146,3 +146,25 @@ def test_gguf_linear_bfloat16_on_gpu(qtype, M):
     case = run_case(GGUF_LINEAR, "triton", {"M": M, "N": 1000, "K": 576, "qtype": qtype}, torch.bfloat16,
                     torch.device("cuda"), seed())  # fmt: skip
     assert case.passed, case
+
+
+def test_verifier_inputs_catch_a_swapped_nibble_order():
+    # A kernel reading weight j + 16 from the low nibble (the classic GGUF mistake) must fail the spec's
+    # comparison: the fuzz inputs are not symmetric enough to hide it.
+    import dataclasses
+
+    from kiln.ops.registry import Implementation
+    from kiln.quant.gguf_blocks import dequantize_blocks
+
+    def swapped(x, qweight, qtype, bias=None):
+        blocks = qweight.reshape(qweight.shape[0], -1, 20).clone()
+        qs = blocks[..., 4:]
+        blocks[..., 4:] = (qs >> 4) | (qs << 4)
+        return x @ dequantize_blocks(blocks.reshape(qweight.shape), qtype, x.dtype).T
+
+    spec = dataclasses.replace(GGUF_LINEAR, implementations={})
+    spec.register(Implementation("planted", swapped))
+    case = run_case(
+        spec, "planted", {"M": 3, "N": 20, "K": 64, "qtype": "Q4_1"}, torch.float32, torch.device("cpu"), 7
+    )
+    assert not case.passed and case.error > 0.1

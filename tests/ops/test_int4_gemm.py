@@ -92,3 +92,31 @@ def test_int4_linear_rejects_bad_input(kwargs, message):
 def test_int4_linear_bfloat16_on_gpu(shape):
     case = run_case(INT4_LINEAR, "triton", shape, torch.bfloat16, torch.device("cuda"), seed())
     assert case.passed, case
+
+
+def test_verifier_inputs_catch_a_wrong_nibble_order_or_group_index():
+    import dataclasses
+
+    from kiln.ops.registry import Implementation
+    from kiln.quant.int4 import dequantize_int4
+
+    def reversed_nibbles(x, qweight, scales, zeros, group_size):
+        words = torch.zeros_like(qweight)
+        for i in range(8):  # nibble i moved to position 7 - i
+            words |= ((qweight >> (4 * i)) & 0xF) << (4 * (7 - i))
+        return x @ dequantize_int4(words, scales, zeros, group_size, x.shape[-1], x.dtype).T
+
+    def group_off_by_one(x, qweight, scales, zeros, group_size):
+        return (
+            x
+            @ dequantize_int4(
+                qweight, scales.roll(1, 1), zeros.roll(1, 1), group_size, x.shape[-1], x.dtype
+            ).T
+        )
+
+    shape = {"M": 3, "N": 20, "K": 100, "group_size": 32}
+    for planted in (reversed_nibbles, group_off_by_one):
+        spec = dataclasses.replace(INT4_LINEAR, implementations={})
+        spec.register(Implementation("planted", planted))
+        case = run_case(spec, "planted", shape, torch.float32, torch.device("cpu"), 11)
+        assert not case.passed and case.error > 0.05, planted.__name__
