@@ -87,3 +87,14 @@ def test_engine_profile_without_the_engine_module_exits_2(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "kiln.engine", None)  # import now raises ModuleNotFoundError
     assert main(["profile", "--engine"]) == 2
     assert "kiln.engine is not available" in capsys.readouterr().err
+
+
+def test_declared_op_range_beats_the_kernel_name():
+    x = torch.randn(64, 64)
+
+    def step():
+        with kiln.profile.range("kiln::rms_norm"):
+            torch.softmax(x, dim=-1)  # "softmax" is a registered op name, but this call belongs to rms_norm
+
+    report = profile_callable(step, torch.device("cpu"), steps=1)
+    assert {k.op for k in report.kernels if "softmax" in k.name} == {"rms_norm"}

@@ -1,11 +1,12 @@
 """Run a workload under torch.profiler and turn the trace into a per-kernel table.
 
 A "kernel" is a GPU kernel on CUDA, an operator's self time on the CPU. Each kernel maps to a
-registered op by its own name (`_rms_norm_kernel` -> rms_norm) or, failing that, by the nearest
-enclosing range or operator whose name contains an op name (`kiln::rms_norm` from
-`kiln.profile.range`). An op whose calls were declared with their shapes (`range(..., op=, shape=,
-dtype=)`) gets a roofline fraction: sum over its calls of max(flops/peak, bytes/bandwidth), divided by
-the time of all kernels mapped to it. Kernels of ops without declared shapes have no fraction.
+registered op: to the innermost enclosing `kiln::<op>` range (a declared call, from
+`kiln.profile.range`), else by its own name (`_rms_norm_kernel` -> rms_norm), else by the nearest
+enclosing range or operator whose name contains an op name. An op whose calls were declared with
+their shapes (`range(..., op=, shape=, dtype=)`) gets a roofline fraction: sum over its calls of
+max(flops/peak, bytes/bandwidth), divided by the time of all kernels mapped to it. Kernels of ops
+without declared shapes have no fraction.
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ def op_for_name(name: str, op_names: list[str]) -> str | None:
     return max(hits, key=len) if hits else None
 
 
+def _declared_op(parents: list[str], op_names: list[str]) -> str | None:
+    """The op of the innermost enclosing `kiln::<op>` range: a declared call beats name matching
+    (SDPA's flash kernel inside paged_decode_attention belongs to paged_decode_attention)."""
+    for parent in parents:
+        if parent.startswith("kiln::") and parent[len("kiln::") :] in op_names:
+            return parent[len("kiln::") :]
+    return None
+
+
 def _kernel_events(events, device: torch.device) -> list[tuple[str, float, list[str]]]:
     """(kernel name, microseconds, names of enclosing events innermost first) for each kernel run."""
     out = []
@@ -95,7 +105,7 @@ def build_report(
     rows: dict[tuple[str, str | None], KernelRow] = {}
     for name, us, parents in _kernel_events(prof.events(), device):
         # each run maps on its own: the same aten op can belong to different Kiln ops
-        op = op_for_name(name, op_names)
+        op = _declared_op(parents, op_names) or op_for_name(name, op_names)
         for parent in parents:
             op = op or op_for_name(parent, op_names)
         row = rows.get((name, op))
