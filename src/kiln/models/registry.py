@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from kiln.models.config import ModelLoadError
 from kiln.models.llama import LlamaForCausalLM
+from kiln.models.mixtral import MixtralForCausalLM
+from kiln.models.qwen2_moe import Qwen2MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
 }
 
 

@@ -1,0 +1,90 @@
+"""Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Mixtral-style routed experts plus a shared expert.
+
+    moe(x) = sum_j w_j(x) * expert_{e_j}(x) + sigmoid(x @ g^T) * shared(x)
+with softmax routing over `num_experts`, top `num_experts_per_tok`, renormalized only when
+`norm_topk_prob`; `shared` is a dense SwiGLU MLP of `shared_expert_intermediate_size`, gated per token
+by `shared_expert_gate` ([1, hidden]). Layer i is sparse unless i is in `mlp_only_layers` or
+(i + 1) % `decoder_sparse_step` != 0; dense layers have a plain MLP of `intermediate_size`.
+Attention has q/k/v biases (`qkv_bias`, default true), like Qwen2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kiln.models.config import ModelConfig
+from kiln.models.layers import GatedMLP, Linear
+from kiln.models.mixtral import MoeDecoderLayer, MoeForCausalLM, SparseMoE, load_experts
+
+
+class SharedExpertMoE(SparseMoE):
+    """SparseMoE plus a sigmoid-gated shared expert that every token goes through."""
+
+    def __init__(self, *args, shared: GatedMLP, shared_gate: Linear, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shared_expert = shared
+        self.shared_expert_gate = shared_gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+def _mlp(weights, prefix, inter, hidden, opts) -> GatedMLP:
+    return GatedMLP(
+        weights.get(prefix + "gate_proj.weight", (inter, hidden)),
+        weights.get(prefix + "up_proj.weight", (inter, hidden)),
+        weights.get(prefix + "down_proj.weight", (hidden, inter)),
+        device=opts["device"],
+        dtype=opts["dtype"],
+        cpu_format=opts["cpu_format"],
+    )
+
+
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    @classmethod
+    def adjust_config(cls, config: ModelConfig) -> ModelConfig:
+        return dataclasses.replace(config, attention_bias=bool(config.extra.get("qkv_bias", True)))
+
+    def build_layer(self, config, index, weights, opts):
+        extra, hidden = config.extra, config.hidden_size
+        prefix = f"model.layers.{index}.mlp."
+        num_experts = int(extra.get("num_experts", 0))
+        sparse = (
+            index not in (extra.get("mlp_only_layers") or [])
+            and num_experts > 0
+            and (index + 1) % int(extra.get("decoder_sparse_step", 1)) == 0
+        )
+        if not sparse:
+            return MoeDecoderLayer(
+                config,
+                index,
+                weights,
+                self.rotary,
+                opts,
+                _mlp(weights, prefix, config.intermediate_size, hidden, opts),
+            )
+        inter = int(extra["moe_intermediate_size"])
+        w_gate_up, w_down = load_experts(
+            weights, prefix, ("gate_proj", "up_proj", "down_proj"), num_experts, hidden, inter, opts["dtype"]
+        )
+        shared_inter = int(extra["shared_expert_intermediate_size"])
+        moe = SharedExpertMoE(
+            weights.get(prefix + "gate.weight", (num_experts, hidden)),
+            w_gate_up,
+            w_down,
+            top_k=int(extra["num_experts_per_tok"]),
+            renormalize=bool(extra.get("norm_topk_prob", False)),
+            device=opts["device"],
+            dtype=opts["dtype"],
+            shared=_mlp(weights, prefix + "shared_expert.", shared_inter, hidden, opts),
+            shared_gate=Linear(
+                weights.get(prefix + "shared_expert_gate.weight", (1, hidden)),
+                None,
+                device=opts["device"],
+                dtype=opts["dtype"],
+            ),
+        )
+        return MoeDecoderLayer(config, index, weights, self.rotary, opts, moe)

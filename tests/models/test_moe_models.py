@@ -1,0 +1,90 @@
+"""Mixtral and Qwen2-MoE in Kiln against transformers on tiny random checkpoints (written by
+`save_pretrained`, so the real HF tensor names and layouts are what gets loaded)."""
+
+import pytest
+import torch
+import transformers
+
+from kiln.loaders.safetensors import load_safetensors_dir
+from kiln.models.mixtral import MixtralForCausalLM, SparseMoE
+from kiln.models.qwen2_moe import Qwen2MoeForCausalLM, SharedExpertMoE
+from kiln.models.registry import get_model_class
+from kiln.verify import assert_close
+from tests.models.helpers import greedy, prompt_logits
+
+COMMON = dict(
+    vocab_size=128, hidden_size=128, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+    max_position_embeddings=256,
+)  # fmt: skip
+PROMPT = [5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33]
+
+
+def _mixtral(**overrides):
+    args = {**COMMON, "intermediate_size": 80, "num_local_experts": 6, "num_experts_per_tok": 2}
+    config = transformers.MixtralConfig(**{**args, **overrides})
+    return transformers.MixtralForCausalLM(config)
+
+
+def _qwen2_moe(**overrides):
+    args = dict(
+        COMMON, intermediate_size=96, moe_intermediate_size=40, shared_expert_intermediate_size=56,
+        num_experts=6, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
+    )  # fmt: skip
+    config = transformers.Qwen2MoeConfig(**{**args, **overrides})
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that router logits and next-token logits are far from ties (HF's init
+    leaves the routers at zero, where top-k is arbitrary)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
+
+
+def _save(hf_model, tmp_path, seed=0):
+    _randomize(hf_model, seed)
+    hf_model.eval().save_pretrained(tmp_path)
+    return load_safetensors_dir(str(tmp_path))
+
+
+CASES = {
+    "mixtral": (_mixtral, {}, MixtralForCausalLM),
+    "qwen2_moe": (_qwen2_moe, {}, Qwen2MoeForCausalLM),
+    "qwen2_moe_renormalized_top4": (
+        _qwen2_moe, {"norm_topk_prob": True, "num_experts_per_tok": 4}, Qwen2MoeForCausalLM
+    ),
+    "mixtral_top1": (_mixtral, {"num_experts_per_tok": 1}, MixtralForCausalLM),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_model_matches_transformers_logits_and_greedy_tokens(case, tmp_path):
+    make_hf, overrides, kiln_class = CASES[case]
+    hf_model = make_hf(**overrides)
+    config, weights = _save(hf_model, tmp_path)
+    assert get_model_class(config.architecture) is kiln_class
+    model = kiln_class(config, weights, device="cpu", dtype=torch.float32)
+    unused = set(weights.names()) - weights.used
+    assert not unused, f"checkpoint tensors never loaded: {sorted(unused)[:5]}"
+
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([PROMPT])).logits[0].float()
+    got = prompt_logits(model, PROMPT)
+    assert_close(got, expected, 1e-4, "logits at every prompt position")  # fp32, only op order differs
+
+    hf_tokens = hf_model.generate(
+        torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, min_new_tokens=8, pad_token_id=0
+    )[0, len(PROMPT) :].tolist()
+    assert greedy(model, PROMPT, 8) == hf_tokens
+
+
+def test_moe_layers_are_sparse_where_the_config_says(tmp_path):
+    config, weights = _save(_qwen2_moe(decoder_sparse_step=2, mlp_only_layers=[]), tmp_path)
+    model = Qwen2MoeForCausalLM(config, weights)
+    kinds = [type(layer.mlp) for layer in model.layers]
+    assert kinds[1] is SharedExpertMoE and kinds[0] is not SharedExpertMoE and kinds[2] is not SharedExpertMoE
+    config, weights = _save(_mixtral(), tmp_path / "mixtral")
+    assert all(type(layer.mlp) is SparseMoE for layer in MixtralForCausalLM(config, weights).layers)
