@@ -50,6 +50,15 @@ def _save(hf_model, tmp_path, seed=0):
     return load_safetensors_dir(str(tmp_path))
 
 
+@torch.no_grad()
+def _hf_greedy(hf_model, prompt, max_new_tokens):
+    """Plain greedy decoding with full forwards (no generation config: EOS may be generated too)."""
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        ids.append(int(hf_model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
 CASES = {
     "mixtral": (_mixtral, {}, MixtralForCausalLM),
     "qwen2_moe": (_qwen2_moe, {}, Qwen2MoeForCausalLM),
@@ -75,10 +84,7 @@ def test_moe_model_matches_transformers_logits_and_greedy_tokens(case, tmp_path)
     got = prompt_logits(model, PROMPT)
     assert_close(got, expected, 1e-4, "logits at every prompt position")  # fp32, only op order differs
 
-    hf_tokens = hf_model.generate(
-        torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, min_new_tokens=8, pad_token_id=0
-    )[0, len(PROMPT) :].tolist()
-    assert greedy(model, PROMPT, 8) == hf_tokens
+    assert greedy(model, PROMPT, 8) == _hf_greedy(hf_model, PROMPT, 8)
 
 
 def test_moe_layers_are_sparse_where_the_config_says(tmp_path):
@@ -88,3 +94,26 @@ def test_moe_layers_are_sparse_where_the_config_says(tmp_path):
     assert kinds[1] is SharedExpertMoE and kinds[0] is not SharedExpertMoE and kinds[2] is not SharedExpertMoE
     config, weights = _save(_mixtral(), tmp_path / "mixtral")
     assert all(type(layer.mlp) is SparseMoE for layer in MixtralForCausalLM(config, weights).layers)
+
+
+def _write_word_tokenizer(directory, vocab_size):
+    """A word-level tokenizer.json ("t0" .. "tN") so kiln's loader can open the directory as a model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+def test_mixtral_in_the_engine_batches_chunked_prefills_and_decodes_like_transformers(tmp_path):
+    from kiln import LLM, SamplingParams
+
+    hf_model = _mixtral()
+    _save(hf_model, tmp_path, seed=3)
+    _write_word_tokenizer(tmp_path, COMMON["vocab_size"])
+    prompts = [PROMPT, PROMPT[:4], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
+    # A 16-token step budget splits the longest prompt into chunks and mixes prefills with decodes.
+    llm = LLM(model=str(tmp_path), device="cpu", num_kv_blocks=32, max_num_batched_tokens=16, block_size=16)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.token_ids == _hf_greedy(hf_model, prompt, 6), f"prompt of {len(prompt)} tokens"
