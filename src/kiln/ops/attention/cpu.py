@@ -48,11 +48,14 @@ def write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping, k_scale
             cache[slot_mapping // block_size, slot_mapping % block_size] = data
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     # CPU half-precision attention is slower than float32 (SDPA with a mask falls back to its math
     # path for bf16/fp16: 3-15x slower at SmolLM2 decode shapes) and less precise, so all paths
-    # compute in float32 and round the output once.
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    # compute in float32 and round the output once. On a GPU (these functions are also the bench
+    # baselines) the tensor cores want the half dtype itself.
+    if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return q.dtype
 
 
 def _attend_math(q, k, v, scale, causal, sliding_window, softcap):
@@ -60,7 +63,7 @@ def _attend_math(q, k, v, scale, causal, sliding_window, softcap):
     num_heads, q_len, head_dim = q.shape
     num_kv_heads, k_len, _ = k.shape
     group = num_heads // num_kv_heads
-    dtype = _compute_dtype(q.dtype)
+    dtype = _compute_dtype(q)
     # [Hkv, G*Lq, D] @ [Hkv, D, Lk]: each kv head serves its whole group in one matmul, no repeat.
     scores = torch.matmul(
         q.to(dtype).reshape(num_kv_heads, group * q_len, head_dim), k.to(dtype).transpose(1, 2)
@@ -94,7 +97,7 @@ def _attend_sequence(q, k, v, scale, causal, sliding_window, softcap, return_lse
         qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         out, lse = _attend_math(qt, kt, vt, scale, causal, sliding_window, softcap)
         return out.transpose(0, 1), lse
-    dtype = _compute_dtype(q.dtype)
+    dtype = _compute_dtype(q)
     qt, kt, vt = (t.to(dtype).transpose(0, 1) for t in (q, k, v))
     return _attend_sdpa(qt, kt, vt, scale, causal, sliding_window).transpose(0, 1).to(q.dtype), None
 
@@ -114,7 +117,7 @@ def flash_attention_cpu(
     return_lse=False,
 ):
     out = torch.empty_like(q)
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32) if return_lse else None
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(starts_q) - 1):
         qs, qe, ks, ke = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
@@ -159,8 +162,8 @@ def paged_prefill_attention_cpu(
         if qe == qs:
             continue
         blocks = block_tables[b, : -(-k_len // block_size)].long()
-        k = _gather_context(key_cache, blocks, k_len, k_scale, _compute_dtype(q.dtype))
-        v = _gather_context(value_cache, blocks, k_len, v_scale, _compute_dtype(q.dtype))
+        k = _gather_context(key_cache, blocks, k_len, k_scale, _compute_dtype(q))
+        v = _gather_context(value_cache, blocks, k_len, v_scale, _compute_dtype(q))
         out[qs:qe], _ = _attend_sequence(q[qs:qe], k, v, scale, True, sliding_window, softcap, False)
     return out
 
@@ -182,7 +185,7 @@ def _decode_batched(
     num_blocks = -(-longest // block_size)
     # Padding entries of the block table may hold anything: clamp them into range, mask them below.
     blocks = block_tables[:, :num_blocks].long().clamp(0, key_cache.shape[0] - 1).reshape(-1)
-    dtype = _compute_dtype(q.dtype)
+    dtype = _compute_dtype(q)
 
     def gather(cache, cache_scale):
         tokens = cache.index_select(0, blocks).view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
@@ -192,7 +195,7 @@ def _decode_batched(
         return tokens.transpose(1, 2)  # [B, Hkv, L, D]
 
     k, v = gather(key_cache, k_scale), gather(value_cache, v_scale)
-    positions = torch.arange(longest)[None, :]
+    positions = torch.arange(longest, device=q.device)[None, :]
     visible = positions < lens[:, None]
     if sliding_window is not None:
         visible &= positions > lens[:, None] - 1 - sliding_window
