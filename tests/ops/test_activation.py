@@ -1,3 +1,5 @@
+import dataclasses
+import functools
 import random
 
 import pytest
@@ -7,6 +9,7 @@ from hypothesis import strategies as st
 
 import kiln.ops
 from kiln.ops.activation.spec import GELU_TANH_AND_MUL, SILU_AND_MUL
+from kiln.ops.registry import Implementation
 from kiln.verify import assert_close, run_case
 
 SPECS = {"silu_and_mul": SILU_AND_MUL, "gelu_tanh_and_mul": GELU_TANH_AND_MUL}
@@ -85,6 +88,28 @@ def test_gated_activation_non_contiguous_3d_input(name, backend, device, monkeyp
 def test_gated_activation_rejects_bad_input(name, x, message):
     with pytest.raises(ValueError, match=f"{name}: {message}"):
         getattr(kiln.ops, name)(x)
+
+
+def test_silu_and_mul_tuning_configs_of_each_block_size_are_correct():
+    shape = {"rows": 3, "d": 700}
+    impl = SILU_AND_MUL.implementations["triton"]
+    configs = impl.configs(shape, torch.float32)
+    by_block = {c["BLOCK_D"]: c for c in configs}  # one per block size (the tiling changes, warps do not)
+    assert len(by_block) >= 3, configs
+    for config in by_block.values():
+        pinned = Implementation("pinned", functools.partial(impl.fn, config=config))
+        spec = dataclasses.replace(SILU_AND_MUL, implementations={"pinned": pinned})
+        case = run_case(spec, "pinned", shape, torch.float32, torch.device("cpu"), seed=_seed())
+        assert case.passed, (config, case)
+
+
+def test_silu_and_mul_rejects_a_malformed_config():
+    impl = SILU_AND_MUL.implementations["triton"]
+    inputs = SILU_AND_MUL.make_inputs(
+        {"rows": 3, "d": 700}, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0)
+    )
+    with pytest.raises(ValueError, match="silu_and_mul: config .* needs BLOCK_D a power of two"):
+        impl.fn(**inputs, config={"BLOCK_D": 48, "num_warps": 4})
 
 
 @pytest.mark.gpu

@@ -1,3 +1,5 @@
+import dataclasses
+import functools
 import random
 
 import pytest
@@ -7,6 +9,7 @@ from hypothesis import strategies as st
 
 import kiln.ops
 from kiln.ops.norm.spec import LAYER_NORM
+from kiln.ops.registry import Implementation
 from kiln.verify import assert_close, run_case
 
 
@@ -88,6 +91,28 @@ def test_layer_norm_rejects_bad_input(make, message):
 def test_layer_norm_rejects_non_positive_eps():
     with pytest.raises(ValueError, match="layer_norm: eps must be positive"):
         kiln.ops.layer_norm(torch.randn(2, 8), torch.randn(8), None, eps=0.0)
+
+
+def test_layer_norm_tuning_configs_of_each_block_size_are_correct():
+    shape = {"rows": 3, "hidden": 2500}
+    impl = LAYER_NORM.implementations["triton"]
+    configs = impl.configs(shape, torch.float32)
+    by_block = {c["BLOCK_N"]: c for c in configs}  # one per block size (the tiling changes, warps do not)
+    assert len(by_block) >= 3, configs
+    for config in by_block.values():
+        pinned = Implementation("pinned", functools.partial(impl.fn, config=config))
+        spec = dataclasses.replace(LAYER_NORM, implementations={"pinned": pinned})
+        case = run_case(spec, "pinned", shape, torch.float32, torch.device("cpu"), seed=_seed())
+        assert case.passed, (config, case)
+
+
+def test_layer_norm_rejects_a_malformed_config():
+    impl = LAYER_NORM.implementations["triton"]
+    inputs = LAYER_NORM.make_inputs(
+        {"rows": 3, "hidden": 2500}, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0)
+    )
+    with pytest.raises(ValueError, match="layer_norm: config .* needs BLOCK_N a power of two"):
+        impl.fn(**inputs, config={"BLOCK_N": 48, "num_warps": 4})
 
 
 @pytest.mark.gpu

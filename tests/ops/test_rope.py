@@ -1,3 +1,5 @@
+import dataclasses
+import functools
 import random
 import warnings
 
@@ -7,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kiln.ops
+from kiln.ops.registry import Implementation
 from kiln.ops.rope.cache import rope_inv_freq
 from kiln.ops.rope.spec import ROTARY_EMBEDDING
 from kiln.verify import assert_close, run_case
@@ -233,6 +236,31 @@ def test_rotary_embedding_rejects_bad_input(overrides, message):
 def test_rope_cos_sin_cache_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         kiln.ops.rope_cos_sin_cache(**kwargs)
+
+
+def test_rotary_embedding_tuning_configs_of_each_block_size_are_correct():
+    shape = {"tokens": 3, "q_heads": 7, "kv_heads": 3, "head_dim": 40, "rotary_dim": 24, "is_neox": False}
+    impl = ROTARY_EMBEDDING.implementations["triton"]
+    configs = impl.configs(shape, torch.float32)
+    by_block = {c["BLOCK_H"]: c for c in configs}  # one per block size (the tiling changes, warps do not)
+    assert len(by_block) >= 3, configs
+    for config in by_block.values():
+        pinned = Implementation("pinned", functools.partial(impl.fn, config=config))
+        spec = dataclasses.replace(ROTARY_EMBEDDING, implementations={"pinned": pinned})
+        case = run_case(spec, "pinned", shape, torch.float32, torch.device("cpu"), seed=_seed())
+        assert case.passed, (config, case)
+
+
+def test_rotary_embedding_rejects_a_malformed_config():
+    impl = ROTARY_EMBEDDING.implementations["triton"]
+    inputs = ROTARY_EMBEDDING.make_inputs(
+        {"tokens": 3, "q_heads": 7, "kv_heads": 3, "head_dim": 40, "rotary_dim": 24, "is_neox": False},
+        torch.float32,
+        torch.device("cpu"),
+        torch.Generator().manual_seed(0),
+    )
+    with pytest.raises(ValueError, match="rotary_embedding: config .* needs BLOCK_H a power of two"):
+        impl.fn(**inputs, config={"BLOCK_H": 48, "num_warps": 4})
 
 
 @pytest.mark.gpu

@@ -1,3 +1,5 @@
+import dataclasses
+import functools
 import random
 
 import pytest
@@ -6,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kiln.ops
+from kiln.ops.registry import Implementation
 from kiln.ops.softmax.spec import SOFTMAX
 from kiln.verify import assert_close, run_case
 
@@ -98,6 +101,31 @@ def test_softmax_non_contiguous_3d_input(backend, device, monkeypatch):
 def test_softmax_rejects_bad_input(x, temperature, message):
     with pytest.raises(ValueError, match=message):
         kiln.ops.softmax(x, temperature)
+
+
+def test_softmax_tuning_configs_of_each_block_size_are_correct():
+    shape = {"rows": 3, "cols": 3000, "masked": True, "temperature": 0.8}
+    impl = SOFTMAX.implementations["triton"]
+    configs = impl.configs(shape, torch.float32)
+    by_block = {c["BLOCK_N"]: c for c in configs}  # one per block size (the tiling changes, warps do not)
+    assert len(by_block) >= 3, configs
+    for config in by_block.values():
+        pinned = Implementation("pinned", functools.partial(impl.fn, config=config))
+        spec = dataclasses.replace(SOFTMAX, implementations={"pinned": pinned})
+        case = run_case(spec, "pinned", shape, torch.float32, torch.device("cpu"), seed=_seed())
+        assert case.passed, (config, case)
+
+
+def test_softmax_rejects_a_malformed_config():
+    impl = SOFTMAX.implementations["triton"]
+    inputs = SOFTMAX.make_inputs(
+        {"rows": 3, "cols": 3000, "masked": True, "temperature": 0.8},
+        torch.float32,
+        torch.device("cpu"),
+        torch.Generator().manual_seed(0),
+    )
+    with pytest.raises(ValueError, match="softmax: config .* needs BLOCK_N a power of two"):
+        impl.fn(**inputs, config={"BLOCK_N": 48, "num_warps": 4})
 
 
 @pytest.mark.gpu

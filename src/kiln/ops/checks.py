@@ -58,3 +58,16 @@ def contiguous_rows(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dim() >= 1 and tensor.stride(-1) == 1 and tensor.is_contiguous():
         return tensor
     return tensor.contiguous()
+
+
+def check_block_config(op: str, config: dict, block_keys: Sequence[str]) -> dict:
+    """A launch config whose `block_keys` are powers of two and whose num_warps is 1..32 (a power of two)."""
+    for key in (*block_keys, "num_warps"):
+        value = config.get(key)
+        too_big = key == "num_warps" and isinstance(value, int) and value > 32
+        if not isinstance(value, int) or value < 1 or value & (value - 1) or too_big:
+            raise ValueError(
+                f"{op}: config {config} needs {key} a power of two"
+                + (" in 1..32" if key == "num_warps" else "")
+            )
+    return config

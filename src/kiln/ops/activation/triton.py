@@ -14,7 +14,9 @@ import triton.language as tl
 
 from kiln.ops.activation.spec import GELU_TANH_AND_MUL, SILU_AND_MUL
 from kiln.ops.alloc import empty
+from kiln.ops.checks import check_block_config
 from kiln.ops.registry import Implementation, triton_available
+from kiln.tune import lookup
 
 MAX_BLOCK_D = 1024
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a plain float global is rejected by the compiler
@@ -44,7 +46,24 @@ def _gated_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, activation: str):
+def gated_configs(shape, dtype):
+    """Tuning space: output columns per program x num_warps."""
+    top = max(triton.next_power_of_2(shape["d"]), 128)
+    return [
+        {"BLOCK_D": block_d, "num_warps": warps}
+        for block_d in (128, 256, 512, 1024, 2048, 4096)
+        if block_d <= top
+        for warps in (1, 2, 4, 8)
+        if block_d >= 32 * warps  # at least one element per thread
+    ]
+
+
+def _heuristic(d: int) -> dict:
+    block_d = min(triton.next_power_of_2(d), MAX_BLOCK_D)
+    return {"BLOCK_D": block_d, "num_warps": max(min(block_d // 128, 8), 1)}
+
+
+def _launch(x, activation: str, op: str, config: dict | None):
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
     if x2.stride(-1) != 1:
@@ -52,8 +71,10 @@ def _launch(x, activation: str):
     rows = x2.shape[0]
     out = empty((rows, d), x.dtype, x.device)
     if rows and d:
-        block_d = min(triton.next_power_of_2(d), MAX_BLOCK_D)
-        grid = (rows, triton.cdiv(d, block_d))
+        if config is None:
+            config = lookup(op, x.dtype, {"rows": rows, "d": d}, x.device) or _heuristic(d)
+        check_block_config(op, config, ("BLOCK_D",))
+        grid = (rows, triton.cdiv(d, config["BLOCK_D"]))
         _gated_kernel[grid](
             x2,
             out,
@@ -61,19 +82,21 @@ def _launch(x, activation: str):
             out.stride(0),
             d,
             ACTIVATION=activation,
-            BLOCK_D=block_d,
-            num_warps=max(min(block_d // 128, 8), 1),
+            BLOCK_D=config["BLOCK_D"],
+            num_warps=config["num_warps"],
         )
     return out.view(*x.shape[:-1], d)
 
 
-def silu_and_mul_triton(x):
-    return _launch(x, "silu")
+def silu_and_mul_triton(x, config: dict | None = None):
+    return _launch(x, "silu", "silu_and_mul", config)
 
 
-def gelu_tanh_and_mul_triton(x):
-    return _launch(x, "gelu_tanh")
+def gelu_tanh_and_mul_triton(x, config: dict | None = None):
+    return _launch(x, "gelu_tanh", "gelu_tanh_and_mul", config)
 
 
-SILU_AND_MUL.register(Implementation("triton", silu_and_mul_triton, triton_available))
-GELU_TANH_AND_MUL.register(Implementation("triton", gelu_tanh_and_mul_triton, triton_available))
+SILU_AND_MUL.register(Implementation("triton", silu_and_mul_triton, triton_available, configs=gated_configs))
+GELU_TANH_AND_MUL.register(
+    Implementation("triton", gelu_tanh_and_mul_triton, triton_available, configs=gated_configs)
+)

@@ -11,8 +11,10 @@ import triton
 import triton.language as tl
 
 from kiln.ops.alloc import empty_like
+from kiln.ops.checks import check_block_config
 from kiln.ops.norm.spec import LAYER_NORM, RMS_NORM
 from kiln.ops.registry import Implementation, triton_available
+from kiln.tune import lookup
 
 MAX_BLOCK_N = 8192
 
@@ -165,14 +167,34 @@ def rms_norm_triton(x, weight, eps=1e-6, residual=None):
 RMS_NORM.register(Implementation("triton", rms_norm_triton, triton_available))
 
 
-def layer_norm_triton(x, weight, bias=None, eps=1e-5):
+def layer_norm_configs(shape, dtype):
+    """Tuning space: BLOCK_N (>= hidden: one block per row, else the looped path) x num_warps."""
+    hidden = shape["hidden"]
+    blocks = {b for b in (1024, 2048, 4096) if b < hidden}
+    if hidden <= MAX_BLOCK_N:
+        blocks.add(triton.next_power_of_2(hidden))
+    return [
+        {"BLOCK_N": block_n, "num_warps": warps}
+        for block_n in sorted(blocks)
+        for warps in (1, 2, 4, 8, 16)
+        if block_n >= 32 * warps or warps == 1
+    ]
+
+
+def layer_norm_triton(x, weight, bias=None, eps=1e-5, config: dict | None = None):
     hidden = x.shape[-1]
     x2 = _rows(x)
     out = empty_like(x2)
     n_rows = x2.shape[0]
     if n_rows == 0 or hidden == 0:
         return out.view(x.shape)
-    block_n = min(triton.next_power_of_2(hidden), MAX_BLOCK_N)
+    if config is None:
+        shape = {"rows": n_rows, "hidden": hidden, "bias": bias is not None}
+        config = lookup("layer_norm", x.dtype, shape, x.device)
+    if config is None:
+        block_n = min(triton.next_power_of_2(hidden), MAX_BLOCK_N)
+        config = {"BLOCK_N": block_n, "num_warps": min(max(block_n // 256, 1), 16)}
+    check_block_config("layer_norm", config, ("BLOCK_N",))
     weight = weight.contiguous()
     _layer_norm_kernel[(n_rows,)](
         x2,
@@ -184,11 +206,11 @@ def layer_norm_triton(x, weight, bias=None, eps=1e-5):
         hidden,
         eps,
         HAS_BIAS=bias is not None,
-        BLOCK_N=block_n,
-        SINGLE_BLOCK=hidden <= block_n,
-        num_warps=min(max(block_n // 256, 1), 16),
+        BLOCK_N=config["BLOCK_N"],
+        SINGLE_BLOCK=hidden <= config["BLOCK_N"],
+        num_warps=config["num_warps"],
     )
     return out.view(x.shape)
 
 
-LAYER_NORM.register(Implementation("triton", layer_norm_triton, triton_available))
+LAYER_NORM.register(Implementation("triton", layer_norm_triton, triton_available, configs=layer_norm_configs))

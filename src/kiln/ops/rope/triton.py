@@ -11,8 +11,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kiln.ops.checks import check_block_config
 from kiln.ops.registry import Implementation, triton_available
 from kiln.ops.rope.spec import ROTARY_EMBEDDING
+from kiln.tune import lookup
 
 MAX_BLOCK_ELEMENTS = 4096  # pairs per program: caps registers for wide heads
 
@@ -88,7 +90,36 @@ def _rotary_kernel(
         )  # fmt: skip
 
 
-def rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox=True):
+def rotary_configs(shape, dtype):
+    """Tuning space: heads per program x num_warps (the pair dim is always one block)."""
+    block_r = triton.next_power_of_2(shape.get("rotary_dim", shape["head_dim"]) // 2)
+    most_heads = triton.next_power_of_2(max(shape["q_heads"], shape["kv_heads"]))
+    return [
+        {"BLOCK_H": block_h, "num_warps": warps}
+        for block_h in (1, 2, 4, 8, 16, 32, 64)
+        if block_h <= most_heads and block_h * block_r <= MAX_BLOCK_ELEMENTS
+        for warps in (1, 2, 4, 8)
+        if block_h * block_r >= 32 * warps or warps == 1
+    ]
+
+
+def _heuristic(n_q_heads: int, n_k_heads: int, block_r: int) -> dict:
+    block_h = max(min(triton.next_power_of_2(max(n_q_heads, n_k_heads)), MAX_BLOCK_ELEMENTS // block_r), 1)
+    return {"BLOCK_H": block_h, "num_warps": max(min(block_h * block_r // 256, 8), 1)}
+
+
+def _tuning_shape(q, k, cos_sin_cache, is_neox) -> dict:
+    """The spec's shape dict for these tensors (keys left out where the spec leaves them at default)."""
+    shape = {"tokens": q.shape[0], "q_heads": q.shape[1], "kv_heads": k.shape[1], "head_dim": q.shape[2]}
+    shape["max_position"] = cos_sin_cache.shape[0]
+    if cos_sin_cache.shape[1] != q.shape[2]:
+        shape["rotary_dim"] = cos_sin_cache.shape[1]
+    if not is_neox:
+        shape["is_neox"] = False
+    return shape
+
+
+def rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox=True, config: dict | None = None):
     tokens = positions.shape[0]
     n_q_heads, n_k_heads = q.shape[1], k.shape[1]
     half_rotary = cos_sin_cache.shape[-1] // 2
@@ -97,7 +128,12 @@ def rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox=True):
     if cos_sin_cache.stride(-1) != 1:
         cos_sin_cache = cos_sin_cache.contiguous()  # read-only: a copy is harmless here
     block_r = triton.next_power_of_2(half_rotary)
-    block_h = max(min(triton.next_power_of_2(max(n_q_heads, n_k_heads)), MAX_BLOCK_ELEMENTS // block_r), 1)
+    if config is None:
+        config = lookup("rotary_embedding", q.dtype, _tuning_shape(q, k, cos_sin_cache, is_neox), q.device)
+    config = check_block_config(
+        "rotary_embedding", config or _heuristic(n_q_heads, n_k_heads, block_r), ("BLOCK_H",)
+    )
+    block_h = config["BLOCK_H"]
     head_blocks = triton.cdiv(n_q_heads, block_h) + triton.cdiv(n_k_heads, block_h)
     _rotary_kernel[(tokens, head_blocks)](
         positions,
@@ -115,9 +151,11 @@ def rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox=True):
         IS_NEOX=bool(is_neox),
         BLOCK_H=block_h,
         BLOCK_R=block_r,
-        num_warps=max(min(block_h * block_r // 256, 8), 1),
+        num_warps=config["num_warps"],
     )
     return q, k
 
 
-ROTARY_EMBEDDING.register(Implementation("triton", rotary_embedding_triton, triton_available))
+ROTARY_EMBEDDING.register(
+    Implementation("triton", rotary_embedding_triton, triton_available, configs=rotary_configs)
+)

@@ -13,8 +13,10 @@ import triton
 import triton.language as tl
 
 from kiln.ops.alloc import empty_like
+from kiln.ops.checks import check_block_config
 from kiln.ops.registry import Implementation, triton_available
 from kiln.ops.softmax.spec import SOFTMAX
+from kiln.tune import lookup
 
 MAX_BLOCK_N = 8192
 LOOP_BLOCK_N = 4096
@@ -62,7 +64,32 @@ def _softmax_kernel(
             tl.store(out_row + c, (tl.exp(x - row_max) * inv_sum).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def softmax_triton(x, temperature=1.0):
+def softmax_configs(shape, dtype):
+    """Tuning space: BLOCK_N (>= cols means one block per row, else the looped online path) x num_warps."""
+    cols = shape["cols"]
+    blocks = {b for b in (1024, 2048, 4096, 8192) if b < cols}
+    if cols <= 2 * MAX_BLOCK_N:
+        blocks.add(triton.next_power_of_2(cols))
+    return [
+        {"BLOCK_N": block_n, "num_warps": warps}
+        for block_n in sorted(blocks)
+        for warps in (2, 4, 8, 16)
+        if block_n >= 32 * warps or warps == 2  # at least one element per thread
+    ]
+
+
+def _heuristic(cols: int) -> dict:
+    block_n = triton.next_power_of_2(cols) if cols <= MAX_BLOCK_N else LOOP_BLOCK_N
+    return {"BLOCK_N": block_n, "num_warps": min(max(block_n // 256, 1), 16)}
+
+
+def _resolve_config(config, dtype, rows, cols, device):
+    if config is None:
+        config = lookup("softmax", dtype, {"rows": rows, "cols": cols}, device) or _heuristic(cols)
+    return check_block_config("softmax", config, ("BLOCK_N",))
+
+
+def softmax_triton(x, temperature=1.0, config: dict | None = None):
     n_cols = x.shape[-1]
     x2 = x.reshape(-1, n_cols)
     if x2.stride(-1) != 1:
@@ -71,8 +98,7 @@ def softmax_triton(x, temperature=1.0):
     n_rows = x2.shape[0]
     if n_rows == 0 or n_cols == 0:
         return out.view(x.shape)
-    single = n_cols <= MAX_BLOCK_N
-    block_n = triton.next_power_of_2(n_cols) if single else LOOP_BLOCK_N
+    config = _resolve_config(config, x.dtype, n_rows, n_cols, x.device)
     _softmax_kernel[(n_rows,)](
         x2,
         out,
@@ -80,11 +106,11 @@ def softmax_triton(x, temperature=1.0):
         out.stride(0),
         n_cols,
         1.0 / temperature,
-        BLOCK_N=block_n,
-        SINGLE_BLOCK=single,
-        num_warps=min(max(block_n // 256, 1), 16),
+        BLOCK_N=config["BLOCK_N"],
+        SINGLE_BLOCK=n_cols <= config["BLOCK_N"],
+        num_warps=config["num_warps"],
     )
     return out.view(x.shape)
 
 
-SOFTMAX.register(Implementation("triton", softmax_triton, triton_available))
+SOFTMAX.register(Implementation("triton", softmax_triton, triton_available, configs=softmax_configs))
