@@ -164,6 +164,10 @@ _AOT_SCRIPT = textwrap.dedent(
               {"x_ptr": bf16, "weight_ptr": bf16, "bias_ptr": bf16, "out_ptr": bf16, **rows,
                "n_cols": i32, "eps": "fp32"},
               {"HAS_BIAS": single, "BLOCK_N": 1024, "SINGLE_BLOCK": single})
+        build("norm", "_rms_norm_kernel",
+              {"x_ptr": bf16, "residual_ptr": bf16, "weight_ptr": bf16, "out_ptr": bf16, **rows,
+               "residual_row_stride": i32, "n_cols": i32, "eps": "fp32"},
+              {"HAS_RESIDUAL": single, "BLOCK_N": 1024, "SINGLE_BLOCK": single})
         build("rope", "_rotary_kernel",
               {"positions_ptr": "*i64", "q_ptr": bf16, "k_ptr": bf16, "cache_ptr": "*fp32",
                "q_token_stride": i32, "q_head_stride": i32, "k_token_stride": i32, "k_head_stride": i32,
