@@ -30,30 +30,11 @@ def _round_to_e4m3(x):
 
 @triton.jit
 def _write_kv_cache_kernel(
-    key_ptr,
-    value_ptr,
-    key_cache_ptr,
-    value_cache_ptr,
-    slot_mapping_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kc_block,
-    stride_kc_slot,
-    stride_kc_head,
-    stride_vc_block,
-    stride_vc_slot,
-    stride_vc_head,
-    num_kv_heads,
-    head_dim,
-    BLOCK_SIZE: tl.constexpr,
-    QUANTIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, stride_kt,
+    stride_kh, stride_vt, stride_vh, stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block,
+    stride_vc_slot, stride_vc_head, num_kv_heads, head_dim, BLOCK_SIZE: tl.constexpr, QUANTIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
@@ -97,31 +78,12 @@ def write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_sc
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
     _write_kv_cache_kernel[(num_tokens,)](
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        k_scale.float() if quantize else key,
-        v_scale.float() if quantize else value,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        num_kv_heads,
-        head_dim,
-        BLOCK_SIZE=key_cache.shape[1],
-        QUANTIZE=quantize,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        num_warps=4 if block_h * block_d >= 2048 else 2,
-    )
+        key, value, key_cache, value_cache, slot_mapping, k_scale.float() if quantize else key,
+        v_scale.float() if quantize else value, key.stride(0), key.stride(1), value.stride(0),
+        value.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
+        value_cache.stride(1), value_cache.stride(2), num_kv_heads, head_dim, BLOCK_SIZE=key_cache.shape[1],
+        QUANTIZE=quantize, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 2048 else 2,
+    )  # fmt: skip
 
 
 WRITE_KV_CACHE.register(Implementation("triton", write_kv_cache_triton, triton_available))

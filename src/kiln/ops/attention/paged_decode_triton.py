@@ -30,48 +30,14 @@ MAX_SPLITS = 64
 
 @triton.jit
 def _decode_partition_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    stride_qb,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_bt,
-    stride_ob,
-    stride_oh,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    num_queries_per_kv,
-    sm_scale,
-    softcap,
-    window,
-    partition_size,
-    HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_KV_SCALE: tl.constexpr,
-    IEEE: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+    stride_vh, stride_bt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    num_queries_per_kv, sm_scale, softcap, window, partition_size, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
+    IEEE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -165,21 +131,9 @@ def _decode_partition_kernel(
 
 @triton.jit
 def _decode_combine_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    stride_ob,
-    stride_oh,
-    num_splits,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    part_out_ptr, part_lse_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
+    stride_oh, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     """out = sum_s 2^(lse_s - max) * out_s / sum_s 2^(lse_s - max), one program per (sequence, head)."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -245,18 +199,9 @@ def _partition_size(
 
 
 def paged_decode_attention_triton(
-    q,
-    key_cache,
-    value_cache,
-    block_tables,
-    seq_lens,
-    scale=None,
-    sliding_window=None,
-    softcap=None,
-    k_scale=None,
-    v_scale=None,
-    config=None,
-):
+    q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None, softcap=None,
+    k_scale=None, v_scale=None, config=None,
+):  # fmt: skip
     num_seqs, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = key_cache.shape
     if config is None:
@@ -294,60 +239,23 @@ def paged_decode_attention_triton(
         )
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        k_scale.float() if has_scale else q,
-        v_scale.float() if has_scale else q,
-        out,
-        part_out,
-        part_lse,
-        q.stride(0),
-        q.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        *part_strides,
-        group,
-        head_dim**-0.5 if scale is None else scale,
+        q, key_cache, value_cache, block_tables, seq_lens, k_scale.float() if has_scale else q,
+        v_scale.float() if has_scale else q, out, part_out, part_lse, q.stride(0), q.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
+        value_cache.stride(1), value_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        *part_strides, group, head_dim**-0.5 if scale is None else scale,
         float(softcap) if softcap is not None else 1.0,
-        int(sliding_window) if sliding_window is not None else 0,
-        partition,
-        HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size,
-        HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None,
-        HAS_KV_SCALE=has_scale,
-        IEEE=q.dtype == torch.float32,
-        SINGLE_SPLIT=single,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        num_warps=config.get("num_warps", 4),
-        num_stages=config.get("num_stages", 2),
-    )
+        int(sliding_window) if sliding_window is not None else 0, partition, HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_KV_SCALE=has_scale, IEEE=q.dtype == torch.float32, SINGLE_SPLIT=single,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
+    )  # fmt: skip
     if not single:
         _decode_combine_kernel[(num_seqs, num_heads)](
-            part_out,
-            part_lse,
-            out,
-            *part_strides,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
-            HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d,
-            num_warps=4,
-        )
+            part_out, part_lse, out, *part_strides, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
     return out
 
 

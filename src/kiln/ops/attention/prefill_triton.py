@@ -27,22 +27,9 @@ from kiln.tune import lookup
 
 @triton.jit
 def _load_kv_tile(
-    base_ptr,
-    head_offset,
-    offs_n,
-    offs_d,
-    k_start,
-    k_len,
-    seq,
-    block_tables_ptr,
-    stride_bt,
-    stride_block,
-    stride_token,
-    HEAD_DIM: tl.constexpr,
-    PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    MASK_N: tl.constexpr,
-):
+    base_ptr, head_offset, offs_n, offs_d, k_start, k_len, seq, block_tables_ptr, stride_bt, stride_block,
+    stride_token, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASK_N: tl.constexpr,
+):  # fmt: skip
     """[BLOCK_N, BLOCK_D] keys (or values) of tokens offs_n; zeros past k_len and past HEAD_DIM."""
     in_range = offs_n < k_len
     if PAGED:
@@ -61,62 +48,21 @@ def _load_kv_tile(
 
 @triton.jit
 def _attend_tiles(
-    acc,
-    m_i,
-    l_i,
-    q,
-    lo,
-    hi,
-    positions,
-    k_ptr,
-    v_ptr,
-    k_head_offset,
-    v_head_offset,
-    k_start,
-    k_len,
-    seq,
-    block_tables_ptr,
-    stride_bt,
-    stride_kb,
-    stride_kt,
-    stride_vb,
-    stride_vt,
-    qk_scale,
-    softcap,
-    window,
-    HEAD_DIM: tl.constexpr,
-    PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    IEEE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    acc, m_i, l_i, q, lo, hi, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start, k_len, seq,
+    block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     """Fold key tiles [lo, hi) into the running (acc, m_i, l_i); MASKED tiles apply the bounds,
     causal and window masks, the others are known to be fully visible."""
     offs_d = tl.arange(0, BLOCK_D)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         k = _load_kv_tile(
-            k_ptr,
-            k_head_offset,
-            offs_n,
-            offs_d,
-            k_start,
-            k_len,
-            seq,
-            block_tables_ptr,
-            stride_bt,
-            stride_kb,
-            stride_kt,
-            HEAD_DIM,
-            PAGED,
-            PAGE_SIZE,
-            MASKED,
-        ).to(q.dtype)
+            k_ptr, k_head_offset, offs_n, offs_d, k_start, k_len, seq, block_tables_ptr, stride_bt, stride_kb,
+            stride_kt, HEAD_DIM, PAGED, PAGE_SIZE, MASKED,
+        ).to(q.dtype)  # fmt: skip
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -141,22 +87,9 @@ def _attend_tiles(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_kv_tile(
-            v_ptr,
-            v_head_offset,
-            offs_n,
-            offs_d,
-            k_start,
-            k_len,
-            seq,
-            block_tables_ptr,
-            stride_bt,
-            stride_vb,
-            stride_vt,
-            HEAD_DIM,
-            PAGED,
-            PAGE_SIZE,
-            MASKED,
-        ).to(q.dtype)
+            v_ptr, v_head_offset, offs_n, offs_d, k_start, k_len, seq, block_tables_ptr, stride_bt, stride_vb,
+            stride_vt, HEAD_DIM, PAGED, PAGE_SIZE, MASKED,
+        ).to(q.dtype)  # fmt: skip
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
         else:
@@ -167,46 +100,13 @@ def _attend_tiles(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    out_ptr,
-    lse_ptr,
-    cu_seqlens_q_ptr,
-    cu_seqlens_k_ptr,
-    seq_lens_ptr,
-    block_tables_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_lse_h,
-    stride_bt,
-    num_queries_per_kv,
-    sm_scale,
-    softcap,
-    window,
-    HEAD_DIM: tl.constexpr,
-    PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_KV_SCALE: tl.constexpr,
-    RETURN_LSE: tl.constexpr,
-    IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seq_lens_ptr, block_tables_ptr,
+    k_scale_ptr, v_scale_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+    stride_vh, stride_ot, stride_oh, stride_lse_h, stride_bt, num_queries_per_kv, sm_scale, softcap, window,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KV_SCALE: tl.constexpr, RETURN_LSE: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     # Heaviest (last, under causality) query tiles first, so the tail of the grid is short work.
     tile_m = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -264,110 +164,21 @@ def _prefill_kernel(
     k_head_offset = kv_head.to(tl.int64) * stride_kh
     v_head_offset = kv_head.to(tl.int64) * stride_vh
     acc, m_i, l_i = _attend_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        lo,
-        full_lo,
-        positions,
-        k_ptr,
-        v_ptr,
-        k_head_offset,
-        v_head_offset,
-        k_start,
-        k_len,
-        seq,
-        block_tables_ptr,
-        stride_bt,
-        stride_kb,
-        stride_kt,
-        stride_vb,
-        stride_vt,
-        qk_scale,
-        softcap,
-        window,
-        HEAD_DIM,
-        PAGED,
-        PAGE_SIZE,
-        True,
-        CAUSAL,
-        HAS_WINDOW,
-        HAS_SOFTCAP,
-        IEEE,
-        BLOCK_N,
-        BLOCK_D,
-    )
+        acc, m_i, l_i, q, lo, full_lo, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start, k_len,
+        seq, block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap,
+        window, HEAD_DIM, PAGED, PAGE_SIZE, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        full_lo,
-        full_hi,
-        positions,
-        k_ptr,
-        v_ptr,
-        k_head_offset,
-        v_head_offset,
-        k_start,
-        k_len,
-        seq,
-        block_tables_ptr,
-        stride_bt,
-        stride_kb,
-        stride_kt,
-        stride_vb,
-        stride_vt,
-        qk_scale,
-        softcap,
-        window,
-        HEAD_DIM,
-        PAGED,
-        PAGE_SIZE,
-        False,
-        CAUSAL,
-        HAS_WINDOW,
-        HAS_SOFTCAP,
-        IEEE,
-        BLOCK_N,
+        acc, m_i, l_i, q, full_lo, full_hi, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start,
+        k_len, seq, block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+        softcap, window, HEAD_DIM, PAGED, PAGE_SIZE, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, IEEE, BLOCK_N,
         BLOCK_D,
-    )
+    )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        full_hi,
-        hi,
-        positions,
-        k_ptr,
-        v_ptr,
-        k_head_offset,
-        v_head_offset,
-        k_start,
-        k_len,
-        seq,
-        block_tables_ptr,
-        stride_bt,
-        stride_kb,
-        stride_kt,
-        stride_vb,
-        stride_vt,
-        qk_scale,
-        softcap,
-        window,
-        HEAD_DIM,
-        PAGED,
-        PAGE_SIZE,
-        True,
-        CAUSAL,
-        HAS_WINDOW,
-        HAS_SOFTCAP,
-        IEEE,
-        BLOCK_N,
-        BLOCK_D,
-    )
+        acc, m_i, l_i, q, full_hi, hi, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start, k_len,
+        seq, block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap,
+        window, HEAD_DIM, PAGED, PAGE_SIZE, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
 
     # A query that sees no key at all (only possible with k_len < q_len) gets 0 and lse -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -411,24 +222,9 @@ def _heuristic_config(head_dim: int, max_seqlen_q: int) -> dict:
 
 
 def _launch(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    seq_lens,
-    block_tables,
-    k_scale,
-    v_scale,
-    max_seqlen_q,
-    causal,
-    scale,
-    sliding_window,
-    softcap,
-    return_lse,
-    paged,
-    config,
-):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seq_lens, block_tables, k_scale, v_scale, max_seqlen_q, causal,
+    scale, sliding_window, softcap, return_lse, paged, config,
+):  # fmt: skip
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     num_seqs = cu_seqlens_q.shape[0] - 1
@@ -451,126 +247,49 @@ def _launch(
     has_scale = k.dtype in FP8_DTYPES
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cu_seqlens_q,
-        cu_seqlens_q if paged else cu_seqlens_k,
-        seq_lens if paged else cu_seqlens_q,
-        block_tables if paged else cu_seqlens_q,
-        k_scale.float() if has_scale else q,
-        v_scale.float() if has_scale else q,
-        q.stride(0),
-        q.stride(1),
-        *strides_k,
-        *strides_v,
-        out.stride(0),
-        out.stride(1),
-        lse.stride(0) if return_lse else 0,
-        block_tables.stride(0) if paged else 0,
-        num_heads // num_kv_heads,
-        head_dim**-0.5 if scale is None else scale,
-        float(softcap) if softcap is not None else 1.0,
-        int(sliding_window) if sliding_window is not None else 0,
-        HEAD_DIM=head_dim,
-        PAGED=paged,
-        PAGE_SIZE=page_size,
-        CAUSAL=causal,
-        HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None,
-        HAS_KV_SCALE=has_scale,
-        RETURN_LSE=return_lse,
-        IEEE=q.dtype == torch.float32,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        num_warps=config.get("num_warps", 4),
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_q if paged else cu_seqlens_k,
+        seq_lens if paged else cu_seqlens_q, block_tables if paged else cu_seqlens_q,
+        k_scale.float() if has_scale else q, v_scale.float() if has_scale else q, q.stride(0), q.stride(1),
+        *strides_k, *strides_v, out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0,
+        block_tables.stride(0) if paged else 0, num_heads // num_kv_heads,
+        head_dim**-0.5 if scale is None else scale, float(softcap) if softcap is not None else 1.0,
+        int(sliding_window) if sliding_window is not None else 0, HEAD_DIM=head_dim, PAGED=paged,
+        PAGE_SIZE=page_size, CAUSAL=causal, HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None, HAS_KV_SCALE=has_scale, RETURN_LSE=return_lse,
+        IEEE=q.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=config.get("num_warps", 4),
         num_stages=config.get("num_stages", 2),
-    )
+    )  # fmt: skip
     return out, lse
 
 
 def flash_attention_triton(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    causal=True,
-    scale=None,
-    sliding_window=None,
-    softcap=None,
-    return_lse=False,
-    config=None,
-):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, scale=None,
+    sliding_window=None, softcap=None, return_lse=False, config=None,
+):  # fmt: skip
     if config is None:
         shape = flash_tune_shape(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal)
         config = lookup("flash_attention", q.dtype, shape) or _heuristic_config(q.shape[-1], max_seqlen_q)
     out, lse = _launch(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        None,
-        None,
-        None,
-        None,
-        max_seqlen_q,
-        causal,
-        scale,
-        sliding_window,
-        softcap,
-        return_lse,
-        False,
-        config,
-    )
+        q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, None, None, max_seqlen_q, causal, scale,
+        sliding_window, softcap, return_lse, False, config,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
 def paged_prefill_attention_triton(
-    q,
-    key_cache,
-    value_cache,
-    block_tables,
-    cu_seqlens_q,
-    seq_lens,
-    max_seqlen_q,
-    scale=None,
-    sliding_window=None,
-    softcap=None,
-    k_scale=None,
-    v_scale=None,
-    config=None,
-):
+    q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale=None,
+    sliding_window=None, softcap=None, k_scale=None, v_scale=None, config=None,
+):  # fmt: skip
     if config is None:
         shape = paged_prefill_tune_shape(q, key_cache, block_tables, max_seqlen_q)
         config = lookup("paged_prefill_attention", q.dtype, shape) or _heuristic_config(
             q.shape[-1], max_seqlen_q
         )
     out, _ = _launch(
-        q,
-        key_cache,
-        value_cache,
-        cu_seqlens_q,
-        None,
-        seq_lens,
-        block_tables,
-        k_scale,
-        v_scale,
-        max_seqlen_q,
-        True,
-        scale,
-        sliding_window,
-        softcap,
-        False,
-        True,
-        config,
-    )
+        q, key_cache, value_cache, cu_seqlens_q, None, seq_lens, block_tables, k_scale, v_scale, max_seqlen_q,
+        True, scale, sliding_window, softcap, False, True, config,
+    )  # fmt: skip
     return out
 
 
