@@ -66,12 +66,17 @@ def test_chunked_prefill_with_a_small_token_budget_gives_the_same_tokens(loaded,
 def test_stop_string_truncates_text_and_finishes_with_stop(loaded, reference):
     llm = make_llm(loaded)
     full = llm.generate(PROMPTS[2], GREEDY)[0]
-    stop = full.text[5:8]
-    out = llm.generate(
-        PROMPTS[2], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
-    )[0]
-    assert out.finish_reason == "stop"
-    assert out.text == full.text[: full.text.index(stop)]
+    text = full.text
+    unique_suffix = next(text[-k:] for k in range(1, len(text) + 1) if text.index(text[-k:]) == len(text) - k)
+    # a stop string in the middle, one never produced, one completed only by the last (max_tokens) token
+    for stop in (text[5:8], text[-2:] + "\u00a7", unique_suffix):
+        out = llm.generate(
+            PROMPTS[2], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+        )[0]
+        if stop in full.text:
+            assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(stop)]
+        else:
+            assert out.finish_reason == "length" and out.text == full.text
 
 
 def test_max_tokens_and_eos_end_requests(loaded):

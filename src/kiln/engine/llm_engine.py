@@ -133,24 +133,18 @@ class LLMEngine:
             self.generation_tokens_total += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            token = seq.token_ids[-1]
-            ended_by_token = seq.is_finished and seq.finish_reason == "stop"
-            if not (ended_by_token and token in self._stop_set(seq)):  # EOS/stop tokens are not text
-                if seq.detokenizer.add_tokens([token], final=seq.is_finished):
-                    self.scheduler.finish(seq, "stop")
-            elif seq.is_finished:
+            if seq.finish_reason == "stop":  # ended by EOS or a stop token, which are not text
                 seq.detokenizer.add_tokens([], final=True)
+            elif seq.detokenizer.add_tokens([seq.token_ids[-1]], final=seq.is_finished):
+                if seq.is_finished:  # hit max_tokens with the same token: the stop string wins
+                    seq.finish_reason = "stop"
+                else:
+                    self.scheduler.finish(seq, "stop")
             if seq.is_finished:
                 seq.finished_time = now
                 self.requests.pop(seq.request_id, None)
             outputs.append(self._output(seq))
         return outputs
-
-    def _stop_set(self, seq: Sequence) -> set[int]:
-        stops = set(seq.params.stop_token_ids or ())
-        if not seq.params.ignore_eos:
-            stops.update(self.eos_token_ids)
-        return stops
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(
