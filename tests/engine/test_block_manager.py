@@ -125,3 +125,19 @@ def test_prefix_caching_disabled_never_hits():
     bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
     admit(bm, make_seq(range(9), "a"))
     assert admit(bm, make_seq(range(9), "b")) == 0 and bm.prefix_cache_hits == 0
+
+
+def test_same_prefix_computed_twice_keeps_one_cached_copy_and_frees_the_other():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a, b = make_seq(range(6), "a"), make_seq(range(6), "b")
+    for seq in (a, b):  # both admitted in the same step: neither can hit the other's block yet
+        bm.match_prefix(seq)
+        bm.allocate(seq, seq.num_tokens)
+    for seq in (a, b):
+        seq.num_computed_tokens = seq.num_tokens
+        bm.register_computed_blocks(seq)
+    assert bm.blocks[a.block_table[0]].hash is not None and bm.blocks[b.block_table[0]].hash is None
+    assert a.block_hashes == b.block_hashes  # b's chain continues even though its copy is unnamed
+    bm.free(a)
+    bm.free(b)
+    assert len(bm.evictable) == 1 and bm.match_prefix(make_seq(range(6))) == 4

@@ -145,10 +145,12 @@ class BlockManager:
             chunk = tuple(seq.token_ids[i * size : (i + 1) * size])
             h = block_hash(parent, chunk)
             block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
+            # a block computed twice (two requests prefilling the same prefix at once) stays unnamed:
+            # the first copy serves later hits, this one returns to the plain free list when released
+            if block.hash is None and h not in self.hash_to_block:
                 block.hash = h
                 block.token_ids = chunk
-                self.hash_to_block.setdefault(h, block.block_id)
+                self.hash_to_block[h] = block.block_id
             seq.block_hashes.append(h)
 
     def free(self, seq: Sequence) -> None:
