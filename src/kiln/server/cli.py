@@ -1,0 +1,62 @@
+"""`kiln serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine loop."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the engine over an OpenAI-compatible HTTP API (completions, chat, SSE streaming)",
+        description="Run Kiln's OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics. Default model: the embedded SmolLM2-135M-Instruct GGUF.",
+    )
+    parser.add_argument("--model", default=None, help="a GGUF file or HF directory (default: embedded model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
+    parser.add_argument(
+        "--max-queue", type=int, default=None, help="sequences allowed to wait beyond that before 503 (4x)"
+    )
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument(
+        "--kv-cache-bytes", type=int, default=None, help="KV-cache budget (default: engine's)"
+    )
+    parser.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    parser.add_argument("--served-model-name", default=None, help="the model id clients send")
+    parser.add_argument("--log-level", default="info")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kiln.engine.config import EngineConfig
+    from kiln.engine.llm_engine import LLMEngine
+    from kiln.server.app import create_app
+    from kiln.server.launch import served_model_name
+
+    if args.max_queue is not None and args.max_queue < 0:
+        print("kiln serve: --max-queue must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        config = EngineConfig(
+            model=args.model,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_bytes=args.kv_cache_bytes,
+            max_model_len=args.max_model_len,
+            device=args.device,
+        )
+    except ValueError as exc:
+        print(f"kiln serve: {exc}", file=sys.stderr)
+        return 2
+    print("kiln serve: loading model ...", file=sys.stderr, flush=True)
+    engine = LLMEngine(config)
+    name = args.served_model_name or served_model_name(args.model)
+    app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue)
+    print(f"kiln serve: {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

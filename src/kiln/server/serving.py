@@ -1,0 +1,233 @@
+"""OpenAI completions and chat completions on top of AsyncEngine: request -> engine sub-requests
+(one per prompt x choice), then the engine outputs -> a JSON response or a server-sent-event stream.
+
+Validation that needs the model (unknown model name, context length, empty prompt) happens here,
+before anything reaches the engine, as APIError(400). Greedy choices are what `kiln.LLM.generate`
+returns for the same token ids: the server adds nothing to the prompt but the chat template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from kiln.engine.sampling_params import SamplingParams
+from kiln.server import protocol
+from kiln.server.async_engine import AsyncEngine, SubRequest
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body and an HTTP status."""
+
+    def __init__(
+        self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return protocol.error_body(self.message, self.type, self.param, self.code)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class OpenAIServing:
+    """Turns validated protocol requests into engine work and engine outputs into OpenAI responses."""
+
+    def __init__(self, async_engine: AsyncEngine, model_name: str):
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = model_name
+        self.max_model_len = int(self.engine.max_model_len)
+
+    # ---- request -> sub-requests ----
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(
+                400,
+                f"model {model!r} is not served here; use {self.model_name!r} (GET /v1/models)",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+
+    def completion_prompts(self, req: protocol.CompletionRequest) -> list[list[int]]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise bad_request(
+                "prompt is empty; give a string, a list of strings or a list of token ids", "prompt"
+            )
+        return [self.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+
+    def chat_prompt(self, req: protocol.ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as exc:  # the template raises on conversations it does not accept
+            raise bad_request(f"messages: the chat template rejected them: {exc}", "messages") from exc
+        # the template writes its own special tokens; don't let encode add a second BOS
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def build(self, req, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, tag: str):
+        """Sub-requests for every prompt x choice; validates lengths and sampling fields (400 on error)."""
+        self._check_model(req.model)
+        subs = []
+        for p, prompt_ids in enumerate(prompts):
+            if not prompt_ids:
+                raise bad_request("prompt is empty after tokenization", "prompt")
+            vocab = getattr(getattr(self.engine, "model", None), "config", None)
+            vocab = getattr(vocab, "vocab_size", None)
+            if vocab is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
+                raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+            room = self.max_model_len - len(prompt_ids)
+            tokens = room if max_tokens is None else max_tokens
+            if tokens < 1 or len(prompt_ids) + tokens > self.max_model_len:
+                raise bad_request(
+                    f"this model's context length is {self.max_model_len} tokens; the prompt has "
+                    f"{len(prompt_ids)} and max_tokens asks for {tokens}: shorten the prompt or lower "
+                    "max_tokens",
+                    "max_tokens" if max_tokens is not None and room > 0 else "prompt",
+                    "context_length_exceeded",
+                )
+            for i in range(req.n):
+                try:
+                    params = SamplingParams(
+                        max_tokens=tokens,
+                        temperature=req.temperature,
+                        top_p=req.top_p,
+                        top_k=req.top_k,
+                        min_p=req.min_p,
+                        # distinct seeds, else n seeded choices would all be the same sample
+                        seed=None if req.seed is None else req.seed + i,
+                        stop=req.stop_list(),
+                        ignore_eos=req.ignore_eos,
+                        logprobs=logprobs,
+                    )
+                except ValueError as exc:
+                    raise bad_request(str(exc)) from exc
+                subs.append(SubRequest(f"{tag}-{p}-{i}", prompt_ids, params, index=p * req.n + i))
+        return subs
+
+    # ---- outputs -> responses ----
+    def logprob_entries(
+        self, out, start: int, top_n: int
+    ) -> list[tuple[int, str, float, list[tuple[str, float]]]]:
+        """(token id, token text, logprob, top alternatives) for output tokens [start:]."""
+        if out.logprobs is None:
+            return []
+        entries = []
+        for token_id, table in zip(out.token_ids[start:], out.logprobs[start:], strict=False):
+            top = sorted(table.items(), key=lambda kv: -kv[1])[:top_n]
+            entries.append(
+                (
+                    token_id,
+                    self._token_text(token_id),
+                    float(table.get(token_id, float("-inf"))),
+                    [(self._token_text(t), float(v)) for t, v in top],
+                )
+            )
+        return entries
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+async def collect(queue: asyncio.Queue, count: int) -> list:
+    """Wait until all `count` choices finished; returns their final outputs by choice index."""
+    finals: list = [None] * count
+    remaining = count
+    while remaining:
+        index, item = await queue.get()
+        if isinstance(item, Exception):
+            raise item
+        if item.finished:
+            finals[index] = item
+            remaining -= 1
+    return finals
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def stream_events(
+    serving: OpenAIServing,
+    queue: asyncio.Queue,
+    count: int,
+    request_id: str,
+    chat: bool,
+    top_n: int | None,
+    prompt_tokens: int,
+    include_usage: bool,
+    echo_texts: list[str] | None = None,
+) -> AsyncIterator[str]:
+    """The SSE stream: text deltas per choice as tokens arrive, a finish chunk per choice, optional
+    usage chunk, then `data: [DONE]`. An engine failure becomes an error event before [DONE]."""
+    model = serving.model_name
+    sent_chars = [0] * count
+    sent_tokens = [0] * count
+    completion_tokens = 0
+    if chat:
+        first = [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(count)
+        ]
+        yield sse(protocol.stream_chunk(request_id, model, first, chat=True))
+    elif echo_texts:
+        echoed = [
+            {"index": i, "text": echo_texts[i], "logprobs": None, "finish_reason": None} for i in range(count)
+        ]
+        yield sse(protocol.stream_chunk(request_id, model, echoed, chat=False))
+    remaining = count
+    while remaining:
+        index, item = await queue.get()
+        if isinstance(item, Exception):
+            yield sse(protocol.error_body(str(item), "server_error", None, "engine_error"))
+            break
+        delta = item.text[sent_chars[index] :]
+        logprobs = None
+        if top_n is not None:
+            entries = serving.logprob_entries(item, sent_tokens[index], top_n)
+            if chat:
+                logprobs = protocol.chat_logprobs(entries)
+            else:
+                logprobs = protocol.completion_logprobs(entries, sent_chars[index])
+        sent_chars[index] = max(sent_chars[index], len(item.text))
+        sent_tokens[index] = len(item.token_ids)
+        finish = item.finish_reason if item.finished else None
+        if not (delta or finish or logprobs):
+            continue
+        if chat:
+            choice = {
+                "index": index,
+                "delta": {"content": delta} if delta else {},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
+        else:
+            choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+        yield sse(protocol.stream_chunk(request_id, model, [choice], chat))
+        if item.finished:
+            remaining -= 1
+            completion_tokens += len(item.token_ids)
+    else:
+        if include_usage:
+            usage = protocol.usage(prompt_tokens, completion_tokens)
+            yield sse(protocol.stream_chunk(request_id, model, [], chat, usage_=usage))
+    yield sse("[DONE]")

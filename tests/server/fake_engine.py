@@ -1,0 +1,98 @@
+"""A tiny stand-in for LLMEngine's step API, for server tests that need no model: each step gives
+every running request (at most max_num_seqs, in arrival order) one token, the next letter of
+"abcdefghij..." as text; `fail_next_step` makes one step raise; `step_delay` slows steps down."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+from kiln.engine.outputs import EngineStats, RequestOutput
+
+
+class FakeTokenizer:
+    eos_token_ids = [0]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1 + ord(c) % 90 for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + (i - 1) % 26) for i in ids if i)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + (
+            "<assistant>" if add_generation_prompt else ""
+        )
+
+
+class FakeEngine:
+    def __init__(self, max_num_seqs: int = 4, max_model_len: int = 64, step_delay: float = 0.005):
+        self.config = SimpleNamespace(max_num_seqs=max_num_seqs)
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = max_model_len
+        self.step_delay = step_delay
+        self.fail_next_step = False
+        self.requests: dict[str, dict] = {}  # insertion order = arrival order
+        self.aborted: list[str] = []
+        self.batches: list[list[str]] = []  # request ids of each step's batch
+        self.thread_ids: set[int] = set()  # threads that called the engine
+
+    def add_request(self, request_id, prompt, params) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id}")
+        self.requests[request_id] = {
+            "prompt": list(prompt),
+            "params": params,
+            "tokens": [],
+            "t0": time.perf_counter(),
+        }
+
+    def abort_request(self, request_id) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        self.thread_ids.add(threading.get_ident())
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("injected engine failure")
+        time.sleep(self.step_delay)
+        batch = list(self.requests)[: self.config.max_num_seqs]
+        self.batches.append(batch)
+        outputs = []
+        now = time.perf_counter()
+        for request_id in batch:
+            req = self.requests[request_id]
+            req["tokens"].append(len(req["tokens"]) + 1)
+            done = len(req["tokens"]) >= req["params"].max_tokens
+            if done:
+                del self.requests[request_id]
+            outputs.append(
+                RequestOutput(
+                    request_id=request_id,
+                    prompt_token_ids=req["prompt"],
+                    token_ids=list(req["tokens"]),
+                    text=self.tokenizer.decode(req["tokens"]),
+                    finished=done,
+                    finish_reason="length" if done else None,
+                    arrival_time=req["t0"],
+                    first_token_time=now,
+                    finished_time=now if done else None,
+                )
+            )
+        return outputs
+
+    def stats(self) -> EngineStats:
+        running = min(len(self.requests), self.config.max_num_seqs)
+        return EngineStats(
+            num_running=running,
+            num_waiting=len(self.requests) - running,
+            kv_blocks_used=running,
+            kv_blocks_total=16,
+        )

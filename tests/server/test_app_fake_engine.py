@@ -1,0 +1,181 @@
+"""Server mechanics against a fake engine (no model): continuous batching across clients, one engine
+thread, engine failures answered (500 / error event) without killing the loop, bounded queue -> 503,
+API keys -> 401, per-app metrics registries."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from kiln.server.app import create_app
+from kiln.server.launch import ServerThread
+
+from .fake_engine import FakeEngine
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def serve(engine, **kw):
+    return ServerThread(create_app(engine, model_name=MODEL, **kw)).start()
+
+
+def completion(prompt="hi", max_tokens=3, **extra):
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **extra}
+
+
+def sse_payloads(response: httpx.Response):
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+@pytest.fixture
+def engine():
+    return FakeEngine(max_num_seqs=4, step_delay=0.01)
+
+
+@pytest.fixture
+def server(engine):
+    srv = serve(engine)
+    yield srv
+    srv.stop()
+
+
+def test_completion_text_and_usage_come_from_the_engine_outputs(server):
+    body = httpx.post(f"{server.url}/v1/completions", json=completion("hello", 4), timeout=10).json()
+    assert body["choices"][0]["text"] == "abcd" and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+
+
+def test_engine_failure_answers_500_and_the_loop_keeps_serving(server, engine):
+    engine.fail_next_step = True
+    r = httpx.post(f"{server.url}/v1/completions", json=completion(), timeout=10)
+    assert r.status_code == 500
+    assert r.json()["error"]["code"] == "engine_error" and "injected" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json=completion(), timeout=10)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abc"
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "kiln_engine_errors_total 1.0" in metrics
+
+
+def test_engine_failure_mid_stream_sends_an_error_event_then_done(server, engine):
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=completion(max_tokens=40, stream=True)
+    ) as r:
+        assert r.status_code == 200
+        events = sse_payloads(r)
+        first = next(events)
+        assert first["choices"][0]["text"] == "a"
+        engine.fail_next_step = True
+        rest = list(events)
+    assert rest[-1] == "[DONE]"
+    assert rest[-2]["error"]["code"] == "engine_error"
+    assert httpx.post(f"{server.url}/v1/completions", json=completion(), timeout=10).status_code == 200
+
+
+def test_a_request_arriving_mid_generation_joins_the_running_batch(server, engine):
+    late_text = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=completion("long", 60, stream=True)) as r:
+        events = sse_payloads(r)
+        for _ in range(3):
+            next(events)
+        # the long request is mid-generation; a second client arrives
+        late = httpx.post(f"{server.url}/v1/completions", json=completion("late", 3), timeout=10).json()
+        late_text.append(late["choices"][0]["text"])
+        texts = "".join(e["choices"][0]["text"] for e in events if e != "[DONE]")
+    assert late_text == ["abc"]
+    assert len(texts) == 57  # the long one went on to its 60 tokens
+    long_id, late_id = engine.batches[0][0], None
+    joint = [b for b in engine.batches if len(b) == 2 and long_id in b]
+    assert joint, "the late request never shared a step with the running one"
+    late_id = next(i for i in joint[0] if i != long_id)
+    assert sum(late_id in b for b in engine.batches) == 3
+
+
+def test_only_the_engine_loop_thread_touches_the_engine(server, engine):
+    threads = [
+        threading.Thread(
+            target=httpx.post, args=(f"{server.url}/v1/completions",), kwargs={"json": completion()}
+        )
+        for _ in range(6)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(engine.thread_ids) == 1 and threading.get_ident() not in engine.thread_ids
+
+
+def test_full_queue_answers_503_and_frees_up_afterwards():
+    engine = FakeEngine(max_num_seqs=1, step_delay=0.02)
+    srv = serve(engine, max_queue=1)
+    try:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=completion("a", 50, stream=True)) as r1:
+            events = sse_payloads(r1)  # keep it: a discarded iterator closes the stream
+            next(events)
+            with httpx.stream(
+                "POST", f"{srv.url}/v1/completions", json=completion("b", 50, stream=True)
+            ) as r2:
+                assert r2.status_code == 200  # waits in the queue
+                r3 = httpx.post(f"{srv.url}/v1/completions", json=completion("c", 2), timeout=10)
+                assert r3.status_code == 503
+                assert r3.json()["error"]["code"] == "queue_full"
+        # both streams closed early: their slots are released and the aborts reach the engine
+        r4 = httpx.post(f"{srv.url}/v1/completions", json=completion("d", 2), timeout=10)
+        assert r4.status_code == 200
+        deadline = time.monotonic() + 5
+        while len(engine.aborted) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(engine.aborted) == 2
+    finally:
+        srv.stop()
+
+
+def test_n_greater_than_queue_capacity_is_rejected_not_queued():
+    srv = serve(FakeEngine(max_num_seqs=2), max_queue=1)
+    try:
+        r = httpx.post(f"{srv.url}/v1/completions", json=completion(n=4), timeout=10)
+        assert r.status_code == 503
+        assert httpx.post(f"{srv.url}/v1/completions", json=completion(n=3), timeout=10).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_api_key_required_on_v1_routes_but_not_on_health_and_metrics():
+    srv = serve(FakeEngine(), api_key="sesame")
+    try:
+        url = f"{srv.url}/v1/completions"
+        assert httpx.post(url, json=completion()).status_code == 401
+        wrong = httpx.post(url, json=completion(), headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+        ok = httpx.post(url, json=completion(), headers={"Authorization": "Bearer sesame"}, timeout=10)
+        assert ok.status_code == 200
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        assert httpx.get(f"{srv.url}/metrics").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_two_apps_keep_separate_metrics(server):
+    other = serve(FakeEngine())
+    try:
+        httpx.post(f"{server.url}/v1/completions", json=completion(max_tokens=5), timeout=10)
+        mine = httpx.get(f"{server.url}/metrics").text
+        theirs = httpx.get(f"{other.url}/metrics").text
+        assert 'kiln_requests_finished_total{finish_reason="length"} 1.0' in mine
+        assert 'finish_reason="length"' not in theirs
+        assert "kiln_time_to_first_token_seconds_count 1.0" in mine
+        assert "kiln_inter_token_latency_seconds_count 4.0" in mine
+    finally:
+        other.stop()
+
+
+def test_unknown_route_gets_an_openai_error_body(server):
+    r = httpx.get(f"{server.url}/v1/nothing")
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
