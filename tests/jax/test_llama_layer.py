@@ -76,7 +76,7 @@ def torch_layer_float64(x, positions, w, config, theta):
 
     def rope_gptj(t):
         inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-        angle = torch.as_tensor(positions, dtype=torch.float64)[:, None, None] * inv_freq
+        angle = torch.tensor(positions, dtype=torch.float64)[:, None, None] * inv_freq
         even, odd = t[..., 0::2], t[..., 1::2]
         return torch.stack(
             [even * angle.cos() - odd * angle.sin(), odd * angle.cos() + even * angle.sin()], -1
