@@ -9,6 +9,7 @@ from kiln.loaders.safetensors import load_safetensors_dir
 from kiln.models.mixtral import MixtralForCausalLM, SparseMoE
 from kiln.models.qwen2_moe import Qwen2MoeForCausalLM, SharedExpertMoE
 from kiln.models.registry import get_model_class
+from kiln.ops.moe.spec import quantize_experts_fp8
 from kiln.verify import assert_close
 from tests.models.helpers import greedy, prompt_logits
 
@@ -117,3 +118,29 @@ def test_mixtral_in_the_engine_batches_chunked_prefills_and_decodes_like_transfo
     outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == _hf_greedy(hf_model, prompt, 6), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize(
+    "make_hf, kiln_class", [(_mixtral, MixtralForCausalLM), (_qwen2_moe, Qwen2MoeForCausalLM)]
+)
+def test_fp8_experts_match_transformers_running_the_dequantized_experts(make_hf, kiln_class, tmp_path):
+    hf_model = make_hf()
+    config, weights = _save(hf_model, tmp_path, seed=5)
+    model = kiln_class(config, weights, device="cpu", dtype=torch.float32, expert_format="fp8")
+    moe_blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert moe_blocks and all(m.w_gate_up.dtype == torch.float8_e4m3fn for m in moe_blocks)
+    # HF with its stacked experts replaced by the same per-expert e4m3 round trip: any remaining
+    # difference is Kiln's FP8 path, not the quantization error.
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                w8, scale = quantize_experts_fp8(param)
+                param.copy_(w8.float() * scale[:, None, None])
+        expected = hf_model(torch.tensor([PROMPT])).logits[0].float()
+    assert_close(prompt_logits(model, PROMPT), expected, 1e-4, "logits with fp8 experts")
+
+
+def test_unknown_expert_format_is_rejected(tmp_path):
+    config, weights = _save(_mixtral(), tmp_path)
+    with pytest.raises(ValueError, match="expert_format must be one of"):
+        MixtralForCausalLM(config, weights, expert_format="int4")

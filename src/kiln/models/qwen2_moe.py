@@ -79,6 +79,7 @@ class Qwen2MoeForCausalLM(MoeForCausalLM):
             renormalize=bool(extra.get("norm_topk_prob", False)),
             device=opts["device"],
             dtype=opts["dtype"],
+            expert_format=opts["expert_format"],
             shared=_mlp(weights, prefix + "shared_expert.", shared_inter, hidden, opts),
             shared_gate=Linear(
                 weights.get(prefix + "shared_expert_gate.weight", (1, hidden)),
