@@ -108,3 +108,23 @@ def test_logprobs_are_normalized_sorted_and_include_the_chosen_token():
         for token_id, lp in entry.items():
             assert lp == pytest.approx(float(ref[row, token_id]), abs=1e-5)
     assert math.isclose(float(ref[0].exp().sum()), 1.0, rel_tol=1e-9)
+
+
+def test_seeded_unfiltered_request_draws_the_same_tokens_next_to_filtered_ones():
+    logits = random_logits(3, seed=4)
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    seq_alone, seq_mixed = seqs_for([seeded, seeded])
+    alone = [Sampler(torch.device("cpu"))(logits[1:2], [seq_alone])[0][0] for _ in range(6)]
+    neighbours = [SamplingParams(temperature=0.8, top_k=2), SamplingParams(temperature=1.0, top_p=0.5)]
+    mixed = []
+    for _ in range(6):
+        batch = seqs_for(neighbours)
+        batch.insert(1, seq_mixed)
+        mixed.append(Sampler(torch.device("cpu"))(logits, batch)[0][1])
+    assert alone == mixed
+
+
+def test_top_k_wider_than_the_vocabulary_keeps_every_token():
+    row = torch.zeros(VOCAB)
+    tokens = draw(row, SamplingParams(temperature=1.0, top_k=10 * VOCAB), draws=2000)
+    assert len(set(tokens)) > VOCAB * 0.9

@@ -37,34 +37,17 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
-        num_rows, vocab = logits.shape
+        vocab = logits.shape[1]
         device = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=device)
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
         scaled = logits.float() / temps[:, None]
-        use_top_k = any(p.top_k > 0 for p in params)
-        use_top_p = any(p.top_p < 1.0 for p in params)
-        use_min_p = any(p.min_p > 0.0 for p in params)
-        if use_top_k or use_top_p or use_min_p:
-            # filters work on the sorted row: position j is the (j+1)-th most likely token
-            scaled, order = scaled.sort(dim=-1, descending=True)
-            rank = torch.arange(vocab, device=device)[None, :]
-            if use_top_k:
-                k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-                scaled = scaled.masked_fill(rank >= k[:, None], float("-inf"))
-            probs = scaled.softmax(dim=-1)
-            if use_top_p:
-                top_p = torch.tensor([p.top_p for p in params], device=device)
-                # keep a token if the mass strictly before it is below top_p (the first always stays)
-                mass_before = probs.cumsum(dim=-1) - probs
-                scaled = scaled.masked_fill(mass_before >= top_p[:, None], float("-inf"))
-            if use_min_p:
-                min_p = torch.tensor([p.min_p for p in params], device=device)
-                scaled = scaled.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
-            probs = scaled.softmax(dim=-1)
-        else:
-            order = None
-            probs = scaled.softmax(dim=-1)
+        sampling = [p for p in params if not p.greedy]
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampling):
+            scaled = self._filter(scaled, params, sampling, vocab)
+        probs = scaled.softmax(dim=-1)
+        # the noise is indexed by token id, never by rank or batch row, so a seeded request draws the
+        # same token whatever filters the other rows of its batch use
         noise = torch.empty_like(probs)
         unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
         if unseeded:
@@ -76,9 +59,28 @@ class Sampler:
                     seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
                 noise[i].exponential_(generator=seq.generator)
         choice = (probs / noise).argmax(dim=-1)
-        if order is not None:
-            choice = order.gather(1, choice[:, None]).squeeze(1)
         return torch.where(greedy, logits.argmax(dim=-1), choice)
+
+    @staticmethod
+    def _filter(scaled: torch.Tensor, params, sampling, vocab: int) -> torch.Tensor:
+        """top-k, then top-p, then min-p on the tempered logits [N, vocab]; dropped tokens -> -inf."""
+        device = scaled.device
+        # only the top max-k ranks can survive: topk is much cheaper than sorting the whole vocabulary
+        width = max((p.top_k if 0 < p.top_k < vocab else vocab) for p in sampling)
+        if width < vocab:
+            ranked, order = scaled.topk(width, dim=-1)  # sorted, descending
+        else:
+            ranked, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(width, device=device)[None, :]
+        k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        ranked = ranked.masked_fill(rank >= k[:, None], float("-inf"))
+        probs = ranked.softmax(dim=-1)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        # keep a token while the mass ranked strictly above it is below top_p (the first always stays)
+        ranked = ranked.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], float("-inf"))
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        ranked = ranked.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
+        return torch.full_like(scaled, float("-inf")).scatter_(1, order, ranked)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params) -> list[dict[int, float] | None]:
