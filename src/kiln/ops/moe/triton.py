@@ -240,7 +240,7 @@ def fused_moe_triton(
             f"fused_moe: one expert's w_gate_up has {2 * inter * hidden} elements; the Triton "
             f"kernel indexes an expert with 32-bit offsets (limit {INT32_LIMIT})"
         )
-    rows_limit = INT32_LIMIT // (top_k * max(hidden, inter))
+    rows_limit = INT32_LIMIT // (top_k * max(x.stride(0), hidden, inter))
     if num_tokens > rows_limit:  # keep every activation offset within 32 bits: run in token chunks
         out = empty((num_tokens, hidden), x.dtype, x.device)
         for start in range(0, num_tokens, rows_limit):
