@@ -1,0 +1,249 @@
+"""TensorParallelEngine: the LLMEngine of rank 0 with the model split over `tp_size` processes.
+
+Rank 0 (this process) owns the scheduler, block manager, sampler and tokenizer; every step it
+broadcasts the flat batch (token ids, positions, attention metadata, sampled rows) to the workers,
+and all ranks run their shard of the forward pass together (all-reduces inside the model, logits
+gathered to rank 0). Workers are spawned on this machine (torch.multiprocessing), or already running
+under torchrun (env RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; this process must be RANK 0).
+
+Failure: before each step the spawned workers' liveness is checked; a collective that a dead or hung
+worker never joins fails after `timeout_s`. Either way the step raises TensorParallelError naming the
+rank, and the engine shuts down (workers joined, then killed; no orphans). `shutdown()` (also run at
+interpreter exit) stops the workers and leaves the process group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+
+import torch
+
+from kiln.distributed.collectives import broadcast_object
+from kiln.distributed.groups import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    destroy_tp_group,
+    free_port,
+    init_tp_group,
+    launched_by_torchrun,
+)
+from kiln.distributed.model import build_shard, load_tokenizer, open_checkpoint
+from kiln.distributed.sharding import ShardPlan
+from kiln.distributed.worker import agree_on_blocks, spawn_main
+from kiln.engine.config import EngineConfig, kv_block_bytes, num_kv_blocks_for
+from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.outputs import RequestOutput
+from kiln.loaders import LoadedModel
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel worker died, hung past the collective timeout, or failed to start."""
+
+
+class TensorParallelRunner:
+    """Wraps rank 0's ModelRunner: same prepare / sample, plus the broadcast of each step's batch.
+    Other attributes (kv_caches, sampler, ...) are the wrapped runner's."""
+
+    def __init__(self, runner, group):
+        self._runner = runner
+        self._group = group
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    @torch.inference_mode()
+    def run(self, batch):
+        runner = self._runner
+        input_ids, positions, metadata, sample_rows, sample_seqs = runner.prepare(batch)
+        message = ("step", input_ids, positions, metadata, sample_rows)
+        if input_ids.device.type != "cpu":
+            message = ("step", input_ids.cpu(), positions.cpu(), _metadata_to(metadata, "cpu"), sample_rows)
+        broadcast_object(message, self._group)
+        hidden = runner.model.forward(input_ids, positions, runner.kv_caches, metadata)
+        tokens = [None] * len(batch)
+        logprobs = [None] * len(batch)
+        if not sample_seqs:
+            return tokens, logprobs
+        if len(sample_rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_rows, device=hidden.device)]
+        logits = runner.model.compute_logits(hidden)
+        sampled, sampled_logprobs = runner.sampler(logits, sample_seqs)
+        where = {id(seq): i for i, seq in enumerate(batch.seqs)}
+        for seq, token, lp in zip(sample_seqs, sampled, sampled_logprobs, strict=True):
+            tokens[where[id(seq)]] = token
+            logprobs[where[id(seq)]] = lp
+        return tokens, logprobs
+
+
+def _metadata_to(metadata, device):
+    changes = {
+        f.name: getattr(metadata, f.name).to(device)
+        for f in dataclasses.fields(metadata)
+        if isinstance(getattr(metadata, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(metadata, **changes)
+
+
+class TensorParallelEngine(LLMEngine):
+    """LLMEngine over `tp_size` ranks (rank 0 = this process). Same step-level API, plus shutdown()
+    and use as a context manager.
+
+    timeout_s: how long a collective may wait for a worker before the step fails;
+    startup_timeout_s: how long to wait for all workers to join.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        tp_size: int = 2,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    ):
+        config = config or EngineConfig()
+        if tp_size < 2:
+            raise ValueError(f"TensorParallelEngine: tp_size={tp_size}, expected >= 2 (use LLMEngine for 1)")
+        device = config.resolved_device()
+        self.tp_size = tp_size
+        self.timeout_s = timeout_s
+        self.workers = []
+        self.group = None
+        self._closed = False
+        self._saved_threads = None
+        atexit.register(self.shutdown)
+        try:
+            # fail on an unsplittable model before any process starts
+            checkpoint = open_checkpoint(config.model)
+            tokenizer = load_tokenizer(checkpoint)
+            plan = ShardPlan(checkpoint.config, tp_size)
+            self._start_workers(tp_size, device, timeout_s, startup_timeout_s)
+            dtype = config.dtype or _default_dtype(device)
+            setup = {
+                "engine_config": config,
+                "path": checkpoint.path,
+                "device_type": device.type,
+                "dtype": dtype,
+                "eos_token_ids": list(checkpoint.config.eos_token_ids),
+            }
+            broadcast_object(setup, self.group)
+            error, model, num_blocks = None, None, 0
+            try:
+                model = build_shard(checkpoint, plan, self.group, device, dtype)
+                c = model.config
+                block_bytes = kv_block_bytes(
+                    c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, model.kv_cache_dtype
+                )
+                num_blocks = num_kv_blocks_for(config, device, block_bytes)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                raise
+            finally:
+                num_blocks = agree_on_blocks(error, num_blocks, self.group)
+            # CUDA graphs would capture the collectives without the workers: run eagerly
+            config = dataclasses.replace(config, num_kv_blocks=num_blocks, enforce_eager=True)
+            super().__init__(config, loaded=LoadedModel(model, tokenizer, model.config))
+            self.runner = TensorParallelRunner(self.runner, self.group)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- processes ----
+    def _start_workers(self, tp_size, device, timeout_s, startup_timeout_s) -> None:
+        if launched_by_torchrun():
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            if rank != 0 or world != tp_size:
+                raise ValueError(
+                    f"TensorParallelEngine: under torchrun this must be RANK 0 of WORLD_SIZE {tp_size}, got "
+                    f"RANK {rank} of {world} (other ranks run kiln.distributed.worker.torchrun_main)"
+                )
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            self.group = init_tp_group(
+                0, world, device.type, "env://", timeout_s, local_rank, startup_timeout_s=startup_timeout_s
+            )
+            return
+        threads = None
+        if device.type == "cpu":
+            # the ranks share this machine's cores
+            threads = max(1, (os.cpu_count() or 1) // tp_size)
+            self._saved_threads = torch.get_num_threads()
+            torch.set_num_threads(threads)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        context = torch.multiprocessing.get_context("spawn")
+        for rank in range(1, tp_size):
+            process = context.Process(
+                target=spawn_main,
+                args=(rank, tp_size, init_method, device.type, timeout_s, threads),
+                name=f"kiln-tp-worker-{rank}",
+                daemon=True,
+            )
+            process.start()
+            self.workers.append(process)
+        self.group = init_tp_group(
+            0, tp_size, device.type, init_method, timeout_s, startup_timeout_s=startup_timeout_s
+        )
+
+    def dead_workers(self) -> list[str]:
+        """'rank R (pid P) exited with code C' for every spawned worker that is no longer running."""
+        return [
+            f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+            for rank, p in enumerate(self.workers, start=1)
+            if p.exitcode is not None
+        ]
+
+    def step(self) -> list[RequestOutput]:
+        if self._closed:
+            raise TensorParallelError("TensorParallelEngine.step: the engine has been shut down")
+        dead = self.dead_workers()
+        if dead:
+            self.shutdown()
+            raise TensorParallelError(f"tensor-parallel worker died: {'; '.join(dead)}")
+        try:
+            return super().step()
+        except RuntimeError as exc:
+            dead = self.dead_workers()
+            if dead:
+                message = f"tensor-parallel worker died: {'; '.join(dead)}"
+            else:
+                message = (
+                    f"a tensor-parallel collective failed or did not finish within {self.timeout_s:g} s "
+                    f"(a worker is hung or unreachable): {exc}"
+                )
+            self.shutdown(graceful=False)
+            raise TensorParallelError(message) from exc
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the workers (a stop message, then SIGKILL for any still running after 5 s) and leave
+        the process group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        if self.group is not None and graceful and not self.dead_workers():
+            try:
+                broadcast_object(("stop",), self.group)
+            except Exception:  # a worker already gone: the kills below clean up
+                graceful = False
+        for process in self.workers:
+            process.join(timeout=5.0 if graceful else 0.0)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5.0)
+        if self.group is not None:
+            destroy_tp_group()
+            self.group = None
+        if self._saved_threads is not None:
+            torch.set_num_threads(self._saved_threads)
+
+    def __enter__(self) -> TensorParallelEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _default_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32

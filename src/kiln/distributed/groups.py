@@ -1,0 +1,97 @@
+"""Process groups for tensor parallelism: one per process, rank 0 drives the engine.
+
+Two groups over the same ranks:
+  - `device_group` (NCCL on GPUs, gloo on CPUs) carries the activations: the all-reduces after
+    o_proj / down_proj / the embedding and the logits gather. Its timeout is short (`timeout_s`):
+    a worker that dies or hangs turns the next collective into an error instead of a hang.
+  - `cpu_group` (always gloo) carries the control messages: setup, each step's batch, stop. Workers
+    wait on it while the engine is idle, so its timeout is long (`idle_timeout_s`); a dead rank 0
+    still ends their wait at once (the connection closes), and spawned workers also watch their parent.
+
+Rendezvous: spawned workers use tcp://127.0.0.1:<free port>; under torchrun the standard env vars
+(MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) with init_method env://.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_IDLE_TIMEOUT_S = 24 * 3600.0
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass
+class TPGroup:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device_group: object
+    cpu_group: object
+    timeout_s: float
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for single-machine rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun (or any launcher that sets RANK and WORLD_SIZE) started this process."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_tp_group(
+    rank: int,
+    world_size: int,
+    device_type: str,
+    init_method: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    local_rank: int | None = None,
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+) -> TPGroup:
+    """Join the group: blocks until all `world_size` ranks have joined (RuntimeError after
+    startup_timeout_s). On CUDA, binds this process to cuda:<local_rank> first."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "tensor parallel: this process already belongs to a torch.distributed group; shut the other "
+            "tensor-parallel engine down first (one per process)"
+        )
+    local_rank = rank if local_rank is None else local_rank
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend=backend_for(device_type),
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=startup_timeout_s),
+    )
+    ranks = list(range(world_size))
+    device_group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+    cpu_group = dist.new_group(ranks, timeout=timedelta(seconds=idle_timeout_s), backend="gloo")
+    return TPGroup(rank, world_size, local_rank, device_group, cpu_group, timeout_s)
+
+
+def destroy_tp_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

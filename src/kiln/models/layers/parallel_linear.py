@@ -1,0 +1,68 @@
+"""Tensor-parallel linear layers and the weight slicing they need.
+
+Megatron-style pairs, W in the checkpoint's [out_features, in_features] layout:
+  - column-parallel: rank r keeps rows [n0, n1) of W (its slice of the outputs); no communication,
+    the output stays sharded (fused QKV by whole heads, gate/up by intermediate columns);
+  - row-parallel:    rank r keeps columns [k0, k1) of W and consumes the matching slice of the input;
+    its partial products are summed over the ranks with one all-reduce (attention o_proj, MLP
+    down_proj).
+
+Quantized weights shard together with their scales: GGUF blocks cover 32 consecutive inputs of one
+output row, so a row slice is free and a column slice must start and end on a 32-element boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.distributed.collectives import all_reduce
+from kiln.distributed.groups import TPGroup
+from kiln.models.layers.linear import Linear
+from kiln.models.weights import GGUF_BLOCK_BYTES, GGUF_BLOCK_SIZE, GGUFWeight, Weight
+
+
+def shard_rows(weight: Weight, start: int, end: int) -> Weight:
+    """Rows [start, end) of a matrix [out, in] (GGUF blocks included) or elements of a vector [out]."""
+    if isinstance(weight, GGUFWeight):
+        data = weight.data[start:end].contiguous()
+        return GGUFWeight(weight.qtype, data, (end - start, weight.shape[1]))
+    return weight[start:end].contiguous()
+
+
+def shard_cols(weight: Weight, start: int, end: int, what: str = "weight") -> Weight:
+    """Columns [start, end) of a matrix [out, in]. GGUF blocks: start and end must be multiples of 32
+    (a block's scale covers 32 inputs), else ValueError."""
+    if not isinstance(weight, GGUFWeight):
+        return weight[:, start:end].contiguous()
+    if start % GGUF_BLOCK_SIZE or end % GGUF_BLOCK_SIZE:
+        raise ValueError(
+            f"tensor parallel: cannot shard {what} ({weight.qtype}) along its inputs at [{start}, {end}): "
+            f"GGUF blocks hold {GGUF_BLOCK_SIZE} inputs, so shard boundaries must be multiples of "
+            f"{GGUF_BLOCK_SIZE}; use a tp size that divides the heads / intermediate size accordingly"
+        )
+    n, k = weight.shape
+    block_bytes = GGUF_BLOCK_BYTES[weight.qtype]
+    blocks = weight.data.view(n, k // GGUF_BLOCK_SIZE, block_bytes)
+    data = blocks[:, start // GGUF_BLOCK_SIZE : end // GGUF_BLOCK_SIZE].reshape(n, -1).contiguous()
+    return GGUFWeight(weight.qtype, data, (n, end - start))
+
+
+class RowParallelLinear(torch.nn.Module):
+    """y [M, out] = all_reduce(x_r [M, in_r] @ W_r^T) (+ bias, added once), x_r this rank's input slice.
+
+    local: the Linear over this rank's columns W_r [out, in_r]; its output dtype is x's.
+    """
+
+    def __init__(self, local: Linear, group: TPGroup):
+        super().__init__()
+        self.local = local
+        self.group = group
+        # every rank would add the bias before the sum: keep it on rank 0 only
+        if group.rank != 0:
+            local.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.local(x), self.group)
+
+    def extra_repr(self) -> str:
+        return f"rank={self.group.rank}/{self.group.world_size}"
