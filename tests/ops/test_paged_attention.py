@@ -3,6 +3,8 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kiln.ops
 from kiln.ops.attention.inputs import make_paged_kv
@@ -47,6 +49,34 @@ def test_paged_prefill_matches_float64_reference(backend, dtype, shape, device):
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
 def test_paged_decode_matches_float64_reference(backend, dtype, shape, device):
     case = run_case(PAGED_DECODE_ATTENTION, backend, shape, dtype, device, seed=random.randrange(2**31))
+    assert case.passed, case
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=3),
+    group=st.sampled_from([1, 2, 4, 8]),
+    block_size=st.sampled_from([8, 16, 32]),
+    window=st.one_of(st.none(), st.integers(1, 50)),
+)
+def test_paged_prefill_and_decode_triton_fuzzed_shapes(lens, group, block_size, window):
+    query_lens = [q for q, _ in lens]
+    shape = {
+        "query_lens": query_lens,
+        "context_lens": [q + extra for q, extra in lens],
+        "num_heads": 8,
+        "num_kv_heads": 8 // group,
+        "head_dim": 64,
+        "block_size": block_size,
+        "sliding_window": window,
+    }
+    cpu = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # no fixtures under hypothesis
+    case = run_case(
+        PAGED_PREFILL_ATTENTION, "triton", shape, torch.float32, cpu, seed=random.randrange(2**31)
+    )
+    assert case.passed, case
+    shape = {k: v for k, v in shape.items() if k != "query_lens"}
+    case = run_case(PAGED_DECODE_ATTENTION, "triton", shape, torch.float32, cpu, seed=random.randrange(2**31))
     assert case.passed, case
 
 
