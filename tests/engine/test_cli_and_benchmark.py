@@ -59,3 +59,11 @@ def test_engine_benchmark_measures_every_concurrency_and_summarizes(toy_loader):
     assert table.count("\n") == len(results) + 1 and "| kiln | concurrent | 3 | 15 |" in table
     summary = benchmark.comparisons(results)
     assert summary["single_stream_tok_s"] == results[0].tok_per_s
+
+
+def test_generate_reports_a_missing_model_file_without_a_traceback(capsys):
+    args = build_parser().parse_args(
+        ["generate", "hi", "--model", "/nonexistent/model.gguf", "--device", "cpu"]
+    )
+    assert args.func(args) == 2
+    assert "/nonexistent/model.gguf" in capsys.readouterr().err

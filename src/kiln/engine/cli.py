@@ -47,7 +47,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kiln generate: {exc}", file=sys.stderr)
         return 2
     print("loading model ...", file=sys.stderr, flush=True)
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_num_seqs=1))
+    try:
+        engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_num_seqs=1))
+    except ValueError as exc:  # kiln.models.ModelLoadError is one: names the file and what is wrong
+        print(f"kiln generate: {exc}", file=sys.stderr)
+        return 2
     tokenizer = engine.tokenizer
     if args.chat:
         text = tokenizer.apply_chat_template(
@@ -57,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt = tokenizer.encode(args.prompt, add_special_tokens=True)
     start = time.perf_counter()
-    engine.add_request("cli", prompt, params)
+    try:
+        engine.add_request("cli", prompt, params)
+    except ValueError as exc:
+        print(f"kiln generate: {exc}", file=sys.stderr)
+        return 2
     printed = 0
     out = None
     while engine.has_unfinished_requests():
