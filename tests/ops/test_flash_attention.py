@@ -21,6 +21,9 @@ SHAPES = [
      "sliding_window": 7, "softcap": 5.0, "return_lse": True},
     {"seqlens_q": [18, 33], "seqlens_k": [40, 33], "num_heads": 3, "num_kv_heads": 3, "head_dim": 128,
      "causal": False, "return_lse": True},
+    # more queries than keys: the first 13 queries of sequence 0 see no key (out 0, lse -inf)
+    {"seqlens_q": [20, 5], "seqlens_k": [7, 5], "num_heads": 2, "num_kv_heads": 1, "head_dim": 64,
+     "return_lse": True},
 ]  # fmt: skip
 
 

@@ -138,10 +138,11 @@ def _bytes(shape, dtype):
 
 
 def _torch_index_put(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
-    """Plain PyTorch: a flat view of the cache and index_copy_ (no quantization)."""
-    flat = (-1,) + tuple(key_cache.shape[2:])
-    key_cache.view(flat).index_copy_(0, slot_mapping.clamp(min=0), key.to(key_cache.dtype))
-    value_cache.view(flat).index_copy_(0, slot_mapping.clamp(min=0), value.to(value_cache.dtype))
+    """Plain PyTorch: drop the padding slots, index_copy_ into a flat view of each cache (no fp8)."""
+    valid = slot_mapping >= 0
+    slots, flat = slot_mapping[valid], (-1,) + tuple(key_cache.shape[2:])
+    key_cache.view(flat).index_copy_(0, slots, key[valid].to(key_cache.dtype))
+    value_cache.view(flat).index_copy_(0, slots, value[valid].to(value_cache.dtype))
 
 
 def _llm_shapes():
