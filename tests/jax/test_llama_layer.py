@@ -155,3 +155,45 @@ def test_pallas_llama_layer_decode_step_over_shuffled_paged_cache(layer0):
     assert_close(torch.tensor(np.asarray(out)), ref[-1:], TOLERANCE[jnp.float32], "decode step output")
     # The new token (position 13) was written to logical page 3 = physical block 3, offset 1.
     assert bool(jnp.any(key_cache[3, 1] != jax.random.normal(jax.random.key(2), shape)[3, 1]))
+
+
+def test_pallas_llama_layer_matches_kilns_torch_llama_layer(layer0):
+    """Kiln's own torch LlamaDecoderLayer (kiln.models, GGUF loader un-permutes Q/K and rotates NeoX
+    pairs) against the kiln.jax layer on the raw GGUF rows with GPT-J pairs: the same function."""
+    models = pytest.importorskip("kiln.models.llama")
+    from kiln.loaders import default_model_path
+    from kiln.loaders.gguf import load_gguf
+    from kiln.models.attention_metadata import AttentionMetadata
+    from kiln.models.layers import RotaryEmbedding
+
+    config, theta, w = layer0
+    tokens, cpu = 13, torch.device("cpu")
+    model_config, store, _, inv_freq = load_gguf(default_model_path())
+    rotary = RotaryEmbedding(model_config.head_dim, 64, model_config.rope_theta, None, cpu, inv_freq=inv_freq)
+    opts = {"device": cpu, "dtype": torch.float32, "cpu_format": "fp32"}
+    layer = models.LlamaDecoderLayer(model_config, 0, store, rotary, opts)
+    x = jax.random.normal(jax.random.key(4), (tokens, config.hidden_size), jnp.float32)
+    positions = jnp.arange(tokens, dtype=jnp.int32)
+    cache_shape = (3, 16, config.num_kv_heads, config.head_dim)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.arange(tokens) + 16,  # block 1 of the cache
+        block_tables=torch.tensor([[1]], dtype=torch.int32),
+        seq_lens=torch.tensor([tokens], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32),
+        max_seqlen_q=tokens,
+        max_seqlen_k=tokens,
+        decode_only=False,
+    )
+    with torch.no_grad():
+        mlp_out, residual = layer(
+            torch.arange(tokens), torch.tensor(np.asarray(x)), None,
+            (torch.zeros(cache_shape), torch.zeros(cache_shape)), metadata,
+        )  # fmt: skip
+    kiln_out = mlp_out + residual
+    cache = kjax.rope_cos_sin_cache(config.head_dim, 64, theta)
+    out, _, _ = llama_layer.prefill(x, positions, jax_weights(w, jnp.float32), cache, config, "pallas_tpu")
+    assert_close(
+        torch.tensor(np.asarray(out)), kiln_out.double(), TOLERANCE[jnp.float32], "vs kiln.models layer"
+    )
+    ref = torch_layer_float64(np.asarray(x), np.asarray(positions), w, config, theta)
+    assert_close(kiln_out, ref, TOLERANCE[jnp.float32], "kiln.models layer vs float64")
