@@ -29,6 +29,7 @@ from kiln.tune import lookup
 def _load_kv_tile(
     base_ptr, head_offset, offs_n, offs_d, k_start, k_len, seq, block_tables_ptr, stride_bt, stride_block,
     stride_token, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N, BLOCK_D] keys (or values) of tokens offs_n; zeros past k_len and past HEAD_DIM."""
     in_range = offs_n < k_len
@@ -40,10 +41,15 @@ def _load_kv_tile(
         rows = block.to(tl.int64) * stride_block + (offs_n % PAGE_SIZE) * stride_token
     else:
         rows = (k_start + offs_n).to(tl.int64) * stride_token
-    mask = offs_d[None, :] < HEAD_DIM
+    ptrs = base_ptr + head_offset + rows[:, None] + offs_d[None, :]
+    # Interior tiles of power-of-two head dims load unmasked (cleanest for async copies).
     if MASK_N:
-        mask = mask & in_range[:, None]
-    return tl.load(base_ptr + head_offset + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        if BLOCK_D != HEAD_DIM:
+            return tl.load(ptrs, mask=in_range[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        return tl.load(ptrs, mask=in_range[:, None], other=0.0)
+    if BLOCK_D != HEAD_DIM:
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tl.load(ptrs)
 
 
 @triton.jit
@@ -61,7 +67,7 @@ def _attend_tiles(
         offs_n = start + tl.arange(0, BLOCK_N)
         k = _load_kv_tile(
             k_ptr, k_head_offset, offs_n, offs_d, k_start, k_len, seq, block_tables_ptr, stride_bt, stride_kb,
-            stride_kt, HEAD_DIM, PAGED, PAGE_SIZE, MASKED,
+            stride_kt, HEAD_DIM, PAGED, PAGE_SIZE, MASKED, BLOCK_D,
         ).to(q.dtype)  # fmt: skip
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -88,7 +94,7 @@ def _attend_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_kv_tile(
             v_ptr, v_head_offset, offs_n, offs_d, k_start, k_len, seq, block_tables_ptr, stride_bt, stride_vb,
-            stride_vt, HEAD_DIM, PAGED, PAGE_SIZE, MASKED,
+            stride_vt, HEAD_DIM, PAGED, PAGE_SIZE, MASKED, BLOCK_D,
         ).to(q.dtype)  # fmt: skip
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
