@@ -219,7 +219,8 @@ def paged_decode_attention_triton(
     partition = config.get("partition_size")
     if partition is None:
         partition = _partition_size(num_seqs, num_kv_heads, capacity, granule, q.device)
-    partition = triton.cdiv(partition, granule) * granule
+    # At most MAX_SPLITS partitions whatever the config says: the combine kernel holds them all in registers.
+    partition = triton.cdiv(max(partition, triton.cdiv(capacity, MAX_SPLITS)), granule) * granule
     num_splits = triton.cdiv(capacity, partition)
     group = num_heads // num_kv_heads
     has_scale = key_cache.dtype in FP8_DTYPES
