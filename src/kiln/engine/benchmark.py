@@ -57,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where to write the JSON results (default: bench/results/engine_<device>.json)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for every system (default: torch's choice); on a CPU shared with other "
+        "jobs, 1 thread avoids OpenMP threads waiting on each other",
+    )
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -226,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
     hf_batches = [int(b) for b in args.hf_batches.split(",") if b.strip()]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"loading {model_path} on {device} ...", file=sys.stderr, flush=True)
     loaded = load_model(model_path, device=device)
     vocab = loaded.model.config.vocab_size
