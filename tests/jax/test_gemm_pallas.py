@@ -35,9 +35,17 @@ def test_gemm_pallas_tpu_accumulates_over_k_steps(op, dtype):
     assert case.passed, case
 
 
+@pytest.mark.parametrize("backend", ["pallas_gpu", "xla"])
 @pytest.mark.parametrize("op", ["linear", "w8a16_linear"])
-def test_gemm_xla_matches_float64(op):
-    case = run_case(get_op(op), "xla", MULTI_BLOCK, torch.bfloat16, CPU, seed=random.randrange(2**31))
+def test_gemm_gpu_and_xla_match_float64(op, backend):
+    # pallas_gpu: 40 x 300 x 700 is several 64 x 128 output tiles and 11 K steps of 64.
+    case = run_case(get_op(op), backend, MULTI_BLOCK, torch.bfloat16, CPU, seed=random.randrange(2**31))
+    assert case.passed, case
+
+
+def test_linear_pallas_gpu_fp32_odd_shape():
+    shape = {"M": 17, "N": 33, "K": 77, "bias": True}
+    case = run_case(get_op("linear"), "pallas_gpu", shape, torch.float32, CPU, seed=random.randrange(2**31))
     assert case.passed, case
 
 
@@ -81,7 +89,7 @@ def test_kiln_jax_w8a16_matmul_under_jit_with_flat_scale():
         ),
         (lambda: kjax.matmul(jnp.ones((2, 8)), jnp.ones((4, 7))), "weight has last dim 7"),
         (
-            lambda: kjax.matmul(jnp.ones((2, 8)), jnp.ones((4, 8)), implementation="pallas_gpu"),
+            lambda: kjax.matmul(jnp.ones((2, 8)), jnp.ones((4, 8)), implementation="cuda"),
             "unknown implementation",
         ),
         (

@@ -1,5 +1,5 @@
-"""kiln.jax matmul and w8a16_matmul: validate like the torch API, then run the chosen implementation.
-Implementations: pallas_tpu and xla (no Pallas GPU GEMM yet: None on a GPU picks xla)."""
+"""kiln.jax matmul and w8a16_matmul: validate like the torch API, then run the chosen implementation
+(pallas_tpu, pallas_gpu or xla)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import jax.numpy as jnp
 
 from kiln.jax.checks import FLOAT_DTYPES, check_array, check_last_dim, check_same_dtype
 from kiln.jax.dispatch import resolve
-
-AVAILABLE = ("pallas_tpu", "xla")
 
 
 def _check_bias(op, bias, x, n):
@@ -32,16 +30,19 @@ def matmul(
     _check_bias(op, bias, x, w.shape[0])
     from kiln.ops.gemm import pallas
 
-    impl = resolve(op, implementation, AVAILABLE)
+    impl = resolve(op, implementation)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0 or w.shape[0] == 0:
         return jnp.zeros((*x.shape[:-1], w.shape[0]), x.dtype)
     if x2.shape[1] == 0:
         out = jnp.zeros((x2.shape[0], w.shape[0]), x.dtype) + (0 if bias is None else bias)
-    elif impl == "pallas_tpu":
-        out = pallas.matmul_pallas_tpu(x2, w, bias)
     else:
-        out = pallas.matmul_xla(x2, w, bias)
+        fn = {
+            "pallas_tpu": pallas.matmul_pallas_tpu,
+            "pallas_gpu": pallas.matmul_pallas_gpu,
+            "xla": pallas.matmul_xla,
+        }
+        out = fn[impl](x2, w, bias)
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -68,9 +69,13 @@ def w8a16_matmul(
     _check_bias(op, bias, x, n)
     from kiln.ops.gemm import pallas
 
-    impl = resolve(op, implementation, AVAILABLE)
+    impl = resolve(op, implementation)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0 or n == 0:
         return jnp.zeros((*x.shape[:-1], n), x.dtype)
-    fn = pallas.w8a16_pallas_tpu if impl == "pallas_tpu" else pallas.w8a16_xla
-    return fn(x2, w_int8, scale.reshape(n), bias).reshape(*x.shape[:-1], n)
+    fn = {
+        "pallas_tpu": pallas.w8a16_pallas_tpu,
+        "pallas_gpu": pallas.w8a16_pallas_gpu,
+        "xla": pallas.w8a16_xla,
+    }
+    return fn[impl](x2, w_int8, scale.reshape(n), bias).reshape(*x.shape[:-1], n)

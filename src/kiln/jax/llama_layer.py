@@ -35,7 +35,7 @@ LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "gate_up", "do
 
 
 def _attention_inputs(x, positions, weights, config, cos_sin_cache, implementation):
-    tokens, gemm = x.shape[0], _tpu_or_xla(implementation)
+    tokens, gemm = x.shape[0], implementation
     a = kjax.rms_norm(x, weights["attn_norm"], config.rms_norm_eps, implementation=implementation)
     q = kjax.matmul(a, weights["wq"], implementation=gemm).reshape(tokens, config.num_heads, -1)
     k = kjax.matmul(a, weights["wk"], implementation=gemm).reshape(tokens, config.num_kv_heads, -1)
@@ -47,12 +47,12 @@ def _attention_inputs(x, positions, weights, config, cos_sin_cache, implementati
 
 
 def _tpu_or_xla(implementation):
-    """RoPE, GEMM and paged decode have no Triton kernels: pallas_gpu falls back to the default."""
+    """RoPE and paged decode have no Triton kernels: pallas_gpu falls back to the default."""
     return None if implementation == "pallas_gpu" else implementation
 
 
 def _finish(x, attn, weights, config, implementation):
-    gemm = _tpu_or_xla(implementation)
+    gemm = implementation
     o = kjax.matmul(attn.reshape(x.shape[0], -1), weights["wo"], implementation=gemm)
     m, h = kjax.rms_norm(
         o, weights["ffn_norm"], config.rms_norm_eps, residual=x, implementation=implementation
