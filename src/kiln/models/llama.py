@@ -62,7 +62,7 @@ class LlamaDecoderLayer(torch.nn.Module):
             cpu_format=opts["cpu_format"],
         )
         self.eps = c.rms_norm_eps
-        self._rms_norm = op("rms_norm")
+        self._rms_norm = op("rms_norm", device)
 
     def forward(self, positions, hidden, residual, kv_cache, attn_metadata):
         """hidden, residual [T, hidden]; residual None on the first layer. Returns (hidden, residual)."""
@@ -126,7 +126,7 @@ class LlamaForCausalLM(torch.nn.Module):
             head = weights.get("lm_head.weight", (c.vocab_size, c.hidden_size))
         self.lm_head = Linear(head, None, device=device, dtype=dtype, cpu_format=lm_head_format or cpu_format)
         self.eps = c.rms_norm_eps
-        self._rms_norm = op("rms_norm")
+        self._rms_norm = op("rms_norm", device)
 
     @torch.inference_mode()
     def forward(

@@ -52,9 +52,9 @@ class PagedAttention(torch.nn.Module):
         self.rotary = rotary
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
-        self._write_kv_cache = op("write_kv_cache")
-        self._decode = op("paged_decode_attention")
-        self._prefill = op("paged_prefill_attention")
+        self._write_kv_cache = op("write_kv_cache", device)
+        self._decode = op("paged_decode_attention", device)
+        self._prefill = op("paged_prefill_attention", device)
 
     def forward(
         self,

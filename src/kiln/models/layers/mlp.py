@@ -18,7 +18,7 @@ class GatedMLP(torch.nn.Module):
             cat_rows([gate, up], dtype), None, device=device, dtype=dtype, cpu_format=cpu_format
         )
         self.down_proj = Linear(down, None, device=device, dtype=dtype, cpu_format=cpu_format)
-        self._silu_and_mul = op("silu_and_mul")
+        self._silu_and_mul = op("silu_and_mul", device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self._silu_and_mul(self.gate_up_proj(x)))

@@ -35,7 +35,7 @@ class RotaryEmbedding(torch.nn.Module):
         else:
             cache = op("rope_cos_sin_cache")(rotary_dim, max_position, base, scaling, torch.float32, None)
         self.cos_sin_cache = cache.to(device)
-        self._rotate = op("rotary_embedding")
+        self._rotate = op("rotary_embedding", device)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -170,6 +170,20 @@ def paged_decode_attention(
     )
 
 
-def op(name: str) -> Callable[..., Any]:
-    """kiln.ops.<name> when it exists, else the torch version above."""
-    return getattr(kiln.ops, name, None) or globals()[name]
+def op(name: str, device: torch.device | None = None) -> Callable[..., Any]:
+    """The function a layer calls for op `name`: `kiln.ops.<name>` when that op exists, else the torch
+    version above.
+
+    On the CPU the registry's selected implementation is returned directly: the public function would
+    re-validate the same model-built shapes on every call, about a third of a decode step's Python
+    time for a small model. Elsewhere the public function (custom op, validation) is kept.
+    """
+    public = getattr(kiln.ops, name, None)
+    if public is None:
+        return globals()[name]
+    if device is not None and device.type == "cpu":
+        try:
+            return kiln.ops.get_op(name).select(device).fn
+        except ValueError:
+            return public  # not a registered op (a plain helper like rope_cos_sin_cache)
+    return public

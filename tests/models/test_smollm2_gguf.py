@@ -1,0 +1,122 @@
+"""The embedded SmolLM2-135M-Instruct GGUF in Kiln against HF transformers loading the same file
+(`from_pretrained(dir, gguf_file=...)`, weights dequantized to float32): logits and greedy text.
+
+What makes the two comparable: both dequantize the same Q4_1/Q8_0 blocks exactly, so with float32
+weights Kiln differs from HF only in summation order. Kiln's default CPU format keeps the weights
+in fp16 (see kiln.loaders.DEFAULT_CPU_FORMAT); the tolerances below follow from that rounding.
+"""
+
+import os
+
+import pytest
+import torch
+
+from kiln.loaders import default_model_path, load_model
+from kiln.loaders.gguf import load_gguf
+from kiln.models import LlamaForCausalLM
+from tests.models.helpers import PagedSequence, greedy, prompt_logits
+
+# float32 weights: same weights, same math, different summation order (and SDPA vs HF's attention):
+# float32 rounding (6e-8) grown over 30 layers stays far below 1e-4 (measured ~5e-6).
+FP32_TOL = 1e-4
+# fp16 weights: every matmul rounds its input and weights to fp16 (2^-11 = 4.9e-4 each); ~240 such
+# roundings per token compound across 30 layers to about sqrt(240) * 4.9e-4 = 7.6e-3 (measured up to
+# 7e-3 mid-prompt, ~1e-3 at the last position).
+FP16_TOL = 2e-2
+# int4 format: bfloat16 activations and block scales in the packed-int4 kernel (2^-8 each).
+INT4_TOL = 8e-2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.double() - b.double()).norm(dim=-1) / b.double().norm(dim=-1)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def kiln_default():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def gguf_weights():
+    config, weights, _, _ = load_gguf(default_model_path())
+    return config, weights
+
+
+@pytest.fixture(scope="module")
+def prompts(kiln_default):
+    tok = kiln_default.tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": "Write a haiku about kilns."}])
+    texts = ["The capital of France is", chat, "def fibonacci(n):\n    "]
+    return [tok.encode(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def kiln_fp32(gguf_weights):
+    config, weights = gguf_weights
+    return LlamaForCausalLM(config, weights, cpu_format="fp32", lm_head_format="fp32").eval()
+
+
+def _hf_logits(hf_model, ids):
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0]
+
+
+def test_float32_weights_match_hf_logits_at_every_position(hf_model, kiln_fp32, prompts):
+    for ids in prompts:
+        ref = _hf_logits(hf_model, ids)
+        out = prompt_logits(kiln_fp32, ids)
+        assert out.dtype == torch.float32 and out.shape == ref.shape
+        assert _rel(out, ref).max() < FP32_TOL
+        assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+def test_default_cpu_model_logits_within_fp16_tolerance_with_same_top_tokens(hf_model, kiln_default, prompts):
+    for ids in prompts:
+        ref = _hf_logits(hf_model, ids)
+        out = prompt_logits(kiln_default.model, ids)
+        assert not torch.isnan(out).any()
+        assert _rel(out, ref).max() < FP16_TOL
+        assert out[-1].argmax() == ref[-1].argmax()
+        overlap = set(out[-1].topk(5).indices.tolist()) & set(ref[-1].topk(5).indices.tolist())
+        assert len(overlap) >= 4
+
+
+def test_greedy_continuations_are_token_identical_to_hf_generate(hf_model, kiln_default, prompts):
+    for ids in prompts:
+        ours = greedy(kiln_default.model, ids, 24)
+        with torch.no_grad():
+            theirs = hf_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :]
+        assert ours == theirs.tolist(), kiln_default.tokenizer.decode(ours)
+
+
+def test_chunked_prefill_then_decode_matches_one_prefill(kiln_fp32, prompts):
+    # float32 weights: fp16 GEMMs round differently for different row counts, which would hide
+    # nothing here but blur the tolerance; the cache/metadata handling is what is under test.
+    ids = prompts[1]  # the chat prompt: ~38 tokens, crosses two 16-token blocks
+    model = kiln_fp32
+    full = prompt_logits(model, ids)
+    seq = PagedSequence(model, len(ids), block_size=16, seed=3)
+    chunks = [ids[:5], ids[5:21], ids[21:-1], ids[-1:]]  # prefill chunks, then a decode step
+    pieces = [model.compute_logits(seq.step(chunk)) for chunk in chunks]
+    assert _rel(torch.cat(pieces), full).max() < 1e-4
+
+
+def test_int4_cpu_format_keeps_logits_close_and_top_token(hf_model, gguf_weights, prompts):
+    config, weights = gguf_weights
+    model = LlamaForCausalLM(config, weights, cpu_format="int4", lm_head_format="fp16").eval()
+    assert model.layers[0].mlp.gate_up_proj.format == "int4"
+    ids = prompts[0]
+    ref = _hf_logits(hf_model, ids)
+    out = prompt_logits(model, ids)
+    assert _rel(out[-1:], ref[-1:]).max() < INT4_TOL
+    assert out[-1].argmax() == ref[-1].argmax()
