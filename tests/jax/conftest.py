@@ -1,14 +1,13 @@
-"""Shared helpers for the JAX backend tests: skip visibly without jax; check Mosaic lowering."""
+"""Shared helpers for the JAX backend tests (each test module skips itself visibly without jax)."""
 
 import pytest
-
-jax = pytest.importorskip("jax")
 
 
 @pytest.fixture
 def lower_for_tpu():
     """Lower a jitted function for the TPU platform (Pallas -> Mosaic MLIR) without a TPU: catches
     block shapes and ops Mosaic rejects at lowering time. Returns the StableHLO text."""
+    jax = pytest.importorskip("jax")
 
     def lower(fn, *args):
         exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)

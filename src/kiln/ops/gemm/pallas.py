@@ -112,8 +112,6 @@ def w8a16_pallas_tpu(
 
 
 def _gpu_kernel(*refs, has_scale: bool, has_bias: bool, block_k: int, num_k: int):
-    from jax.experimental.pallas import triton as plgpu
-
     x_ref, w_ref = refs[0], refs[1]
     rest = list(refs[2:])
     scale_ref = rest.pop(0) if has_scale else None
@@ -124,7 +122,10 @@ def _gpu_kernel(*refs, has_scale: bool, has_bias: bool, block_k: int, num_k: int
         start = pl.multiple_of(kk * block_k, block_k)
         x = x_ref[:, pl.ds(start, block_k)]
         w = w_ref[:, pl.ds(start, block_k)].astype(x.dtype)
-        return acc + plgpu.dot(x, w, trans_b=True, allow_tf32=False).astype(jnp.float32)
+        precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None  # IEEE fp32, not TF32
+        return acc + jax.lax.dot_general(
+            x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+        )
 
     acc = jax.lax.fori_loop(0, num_k, body, jnp.zeros(o_ref.shape, jnp.float32))
     if has_scale:
