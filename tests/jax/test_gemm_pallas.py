@@ -42,6 +42,15 @@ def test_gemm_gpu_and_xla_match_float64(op, backend):
     assert case.passed, case
 
 
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_linear_silu_mul_composes_gemm_and_activation(backend):
+    shape = {"M": 5, "N": 70, "K": 96}
+    case = run_case(
+        get_op("linear_silu_mul"), backend, shape, torch.float32, CPU, seed=random.randrange(2**31)
+    )
+    assert case.passed, case
+
+
 def test_linear_pallas_gpu_fp32_odd_shape():
     shape = {"M": 17, "N": 33, "K": 77, "bias": True}
     case = run_case(get_op("linear"), "pallas_gpu", shape, torch.float32, CPU, seed=random.randrange(2**31))

@@ -139,6 +139,16 @@ def _linear(implementation: str):
     return linear
 
 
+def _linear_silu_mul(implementation: str):
+    def linear_silu_mul(x, weight_gate_up):
+        """Two kernels (GEMM into [M, 2N], then SiLU-and-mul): no fused-epilogue Pallas GEMM yet."""
+        dev = compute_device(implementation)
+        gate_up = kjax.matmul(to_jax(x, dev), to_jax(weight_gate_up, dev), implementation=implementation)
+        return to_torch(kjax.silu_and_mul(gate_up, implementation=implementation), x)
+
+    return linear_silu_mul
+
+
 def _w8a16_linear(implementation: str):
     def w8a16_linear(x, weight, weight_scale, bias=None):
         dev = compute_device(implementation)
@@ -213,6 +223,7 @@ register("silu_and_mul", _silu_and_mul)
 register("gelu_tanh_and_mul", _gelu_tanh_and_mul)
 register("rotary_embedding", _rotary_embedding, ("pallas_tpu", "xla"))
 register("linear", _linear)
+register("linear_silu_mul", _linear_silu_mul)
 register("w8a16_linear", _w8a16_linear)
 register("flash_attention", _flash_attention)
 register("paged_decode_attention", _paged_decode_attention, ("pallas_tpu", "xla"))
