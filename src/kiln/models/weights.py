@@ -64,6 +64,17 @@ class GGUFWeight:
         m = blocks[..., 2:4].contiguous().view(torch.float16).to(torch.float32).squeeze(-1)
         return d, m
 
+    def as_q4_1(self) -> GGUFWeight:
+        """The same matrix as Q4_1 blocks (a Q4_0 block is d * (q - 8): Q4_1 with m = -8d, exact in fp16)."""
+        if self.qtype != "Q4_0":
+            return self
+        n, k = self.shape
+        blocks = self.data.view(n, k // GGUF_BLOCK_SIZE, GGUF_BLOCK_BYTES["Q4_0"])
+        d = blocks[..., 0:2].contiguous().view(torch.float16)
+        m = (d.to(torch.float32) * -8.0).to(torch.float16).view(torch.uint8)
+        data = torch.cat([blocks[..., 0:2], m, blocks[..., 2:]], dim=-1).reshape(n, -1)
+        return GGUFWeight("Q4_1", data, self.shape)
+
     def rows(self, index: torch.Tensor) -> GGUFWeight:
         """The matrix with its output rows reordered by `index` (blocks never straddle rows)."""
         return GGUFWeight(self.qtype, self.data[index].contiguous(), (int(index.numel()), self.shape[1]))
@@ -77,11 +88,15 @@ def weight_shape(weight: Weight) -> tuple[int, ...]:
 
 
 def cat_rows(weights: list[Weight], dtype: torch.dtype) -> Weight:
-    """Stack matrices along the output dim (fused QKV, gate/up). GGUF blocks of one type stay blocks;
-    a mix of types is dequantized to `dtype`."""
-    if all(isinstance(w, GGUFWeight) for w in weights) and len({w.qtype for w in weights}) == 1:
-        data = torch.cat([w.data for w in weights], dim=0)
-        return GGUFWeight(weights[0].qtype, data, (data.shape[0], weights[0].shape[1]))
+    """Stack matrices along the output dim (fused QKV, gate/up). GGUF blocks of one type stay blocks
+    (Q4_0 next to Q4_1 becomes Q4_1); other mixes are dequantized to `dtype`."""
+    if all(isinstance(w, GGUFWeight) for w in weights):
+        qtypes = {w.qtype for w in weights}
+        if qtypes == {"Q4_0", "Q4_1"}:
+            weights, qtypes = [w.as_q4_1() for w in weights], {"Q4_1"}
+        if len(qtypes) == 1:
+            data = torch.cat([w.data for w in weights], dim=0)
+            return GGUFWeight(weights[0].qtype, data, (data.shape[0], weights[0].shape[1]))
     dense = [w.dequantize(dtype) if isinstance(w, GGUFWeight) else w.to(dtype) for w in weights]
     return torch.cat(dense, dim=0)
 

@@ -1,0 +1,91 @@
+"""Write a tiny HF Llama as a GGUF file the way llama.cpp's converter does (Q/K rows permuted for
+its rope layout, per-tensor quantization types, byte-level BPE tokenizer metadata) — test input for
+Kiln's GGUF loader that covers Q4_0 / Q4_1 / Q8_0 / F16 / F32 tensors in a few kilobytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+Q = GGMLQuantizationType
+# Mixed on purpose: every kind of tensor the loader handles appears at least once.
+TENSOR_TYPES = {
+    "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.F16,
+    "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_0, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0, "output": Q.F32,
+}  # fmt: skip
+HF_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}  # fmt: skip
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf row permutation of Q/K (pairs (i, i + D/2) become adjacent)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def roundtrip(w: np.ndarray, qtype) -> np.ndarray:
+    """What a float matrix becomes after storing it as `qtype`."""
+    if qtype == Q.F32:
+        return w.astype(np.float32)
+    if qtype == Q.F16:
+        return w.astype(np.float16).astype(np.float32)
+    return dequantize(quantize(w.astype(np.float32), qtype), qtype).reshape(w.shape)
+
+
+def write_tiny_gguf(hf_model, path, *, arch="llama", tied=False, skip=(), vocab_tokens=None) -> dict:
+    """Write `hf_model` (a transformers LlamaForCausalLM) to `path`; returns {hf_name: tensor} of the
+    weights as stored (after quantization), for loading the same values back into transformers."""
+    c = hf_model.config
+    sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    tokens = vocab_tokens or [f"<t{i}>" for i in range(c.vocab_size)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i < 2 else 1 for i in range(len(tokens))])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    stored = {}
+
+    def add(gguf_name, hf_name, qtype, permute_heads=None):
+        if gguf_name in skip:
+            return
+        w = sd[hf_name]
+        stored[hf_name] = torch.from_numpy(roundtrip(w, qtype))
+        if permute_heads is not None:
+            w = llama_cpp_permute(w, permute_heads)
+        if qtype in (Q.F32, Q.F16):
+            writer.add_tensor(gguf_name, w.astype(np.float32 if qtype == Q.F32 else np.float16))
+        else:
+            writer.add_tensor(gguf_name, quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", "model.embed_tokens.weight", TENSOR_TYPES["token_embd"])
+    add("output_norm.weight", "model.norm.weight", Q.F32)
+    if not tied:
+        add("output.weight", "lm_head.weight", TENSOR_TYPES["output"])
+    for i in range(c.num_hidden_layers):
+        for short, hf_short in HF_NAMES.items():
+            hf_name = f"model.layers.{i}.{hf_short}.weight"
+            heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}.get(short)
+            qtype = TENSOR_TYPES.get(short, Q.F32)
+            add(f"blk.{i}.{short}.weight", hf_name, qtype, heads)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if tied:
+        stored["lm_head.weight"] = stored["model.embed_tokens.weight"]
+    return stored
