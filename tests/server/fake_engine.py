@@ -59,10 +59,10 @@ class FakeEngine:
 
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
+        time.sleep(self.step_delay)  # requests may arrive while this step "runs"
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("injected engine failure")
-        time.sleep(self.step_delay)
         batch = list(self.requests)[: self.config.max_num_seqs]
         self.batches.append(batch)
         outputs = []

@@ -63,6 +63,29 @@ def test_engine_failure_answers_500_and_the_loop_keeps_serving(server, engine):
     assert "kiln_engine_errors_total 1.0" in metrics
 
 
+def test_a_request_arriving_during_a_failing_step_is_not_failed_with_it():
+    engine = FakeEngine(step_delay=0.4)
+    srv = serve(engine)
+    results = {}
+
+    def post(name):
+        results[name] = httpx.post(f"{srv.url}/v1/completions", json=completion(max_tokens=1), timeout=20)
+
+    try:
+        engine.fail_next_step = True
+        first = threading.Thread(target=post, args=("in_the_step",))
+        first.start()
+        deadline = time.monotonic() + 5
+        while not engine.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        post("arrived_during_it")  # queued while the failing step sleeps
+        first.join()
+    finally:
+        srv.stop()
+    assert results["in_the_step"].status_code == 500
+    assert results["arrived_during_it"].status_code == 200
+
+
 def test_engine_failure_mid_stream_sends_an_error_event_then_done(server, engine):
     with httpx.stream(
         "POST", f"{server.url}/v1/completions", json=completion(max_tokens=40, stream=True)
@@ -125,13 +148,14 @@ def test_full_queue_answers_503_and_frees_up_afterwards():
                 r3 = httpx.post(f"{srv.url}/v1/completions", json=completion("c", 2), timeout=10)
                 assert r3.status_code == 503
                 assert r3.json()["error"]["code"] == "queue_full"
-        # both streams closed early: their slots are released and the aborts reach the engine
-        r4 = httpx.post(f"{srv.url}/v1/completions", json=completion("d", 2), timeout=10)
-        assert r4.status_code == 200
-        deadline = time.monotonic() + 5
+        # both streams closed early: the server notices, releases their slots and aborts them in the engine
+        deadline = time.monotonic() + 10
         while len(engine.aborted) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert len(engine.aborted) == 2
+        assert "kiln_requests_aborted_total 2.0" in httpx.get(f"{srv.url}/metrics").text
+        r4 = httpx.post(f"{srv.url}/v1/completions", json=completion("d", 2), timeout=10)
+        assert r4.status_code == 200
     finally:
         srv.stop()
 

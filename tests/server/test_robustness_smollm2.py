@@ -156,8 +156,9 @@ def test_full_queue_gets_503_from_the_real_engine(start_server):
                 client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
             assert info.value.status_code == 503
             assert info.value.body["code"] == "queue_full"
-        # the stream is gone: its slot is free again
-        assert wait_for(lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices)
+        # the stream is gone: its slot is freed as soon as the server notices the disconnect
+        assert wait_for(lambda: metric(srv, "kiln_requests_aborted_total") == 1)
+        assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
     finally:
         srv.stop()
 

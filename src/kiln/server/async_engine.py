@@ -9,8 +9,8 @@ or `(choice_index, EngineError)`.
 
 Admission: at most `capacity` sequences (max_num_seqs running + max_queue waiting) may be in flight;
 `submit` raises QueueFull past that, so the waiting queue is bounded (the app answers 503).
-If `engine.step()` raises, every in-flight sequence gets an EngineError (the app answers 500 or an
-error event), the engine is told to abort them, and the loop carries on with new requests.
+If `engine.step()` raises, every sequence the engine holds gets an EngineError (the app answers 500
+or an error event), the engine is told to abort them, and the loop carries on with the next requests.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class SubRequest:
 class _Route:
     queue: asyncio.Queue
     index: int
+    added: bool = False  # the engine has it (its add command was applied)
     tokens_seen: int = 0
     last_token_time: float = 0.0
 
@@ -138,14 +139,13 @@ class AsyncEngine:
                     self._wakeup.wait(timeout=1.0)
                     continue
                 outputs = self.engine.step()
+                self._dispatch(outputs)
+                self.metrics.set_engine_stats(self.engine.stats())
             except Exception as exc:  # the loop must outlive any engine failure
                 log.exception("kiln serve: engine step failed; failing the requests in flight")
                 self.metrics.engine_errors.inc()
                 self._fail_all(exc)
-                continue
-            self._dispatch(outputs)
-            self.metrics.set_engine_stats(self.engine.stats())
-        self._fail_all(EngineError("the server is shutting down"))
+        self._fail_all(EngineError("the server is shutting down"), include_pending=True)
 
     def _apply_commands(self) -> None:
         while self._commands:
@@ -161,7 +161,9 @@ class AsyncEngine:
                 if sub.request_id not in self._routes:  # released before it got here
                     raise EngineError("request cancelled before it started")
                 self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params)
-                self._routes[sub.request_id].last_token_time = time.perf_counter()
+                route = self._routes.get(sub.request_id)
+                if route is not None:
+                    route.added, route.last_token_time = True, time.perf_counter()
             except Exception as exc:
                 self._call(future.set_exception, exc, future)
             else:
@@ -190,23 +192,24 @@ class AsyncEngine:
                     metrics.e2e_latency.observe(max(0.0, out.finished_time - out.arrival_time))
             self._call(route.queue.put_nowait, (route.index, out))
 
-    def _fail_all(self, exc: Exception) -> None:
+    def _fail_all(self, exc: Exception, include_pending: bool = False) -> None:
+        """Answer every request the engine holds with an EngineError and abort it there. Requests whose
+        add command is still queued (they arrived during the failed step) are kept, unless shutting down."""
+        error = EngineError(f"engine failure: {exc}")
         for request_id, route in list(self._routes.items()):
+            if not (route.added or include_pending):
+                continue
             self._routes.pop(request_id, None)
             try:
                 self.engine.abort_request(request_id)
             except Exception:
                 log.exception("kiln serve: abort of %s failed", request_id)
-            self._call(route.queue.put_nowait, (route.index, EngineError(f"engine failure: {exc}")))
-        while self._commands:  # queued during the failed step
-            kind, payload, future = self._commands.popleft()
-            if kind == "add":
-                self._call(future.set_exception, EngineError(f"engine failure: {exc}"), future)
-            else:
-                try:
-                    self.engine.abort_request(payload)
-                except Exception:
-                    log.exception("kiln serve: abort of %s failed", payload)
+            self._call(route.queue.put_nowait, (route.index, error))
+        if include_pending:
+            while self._commands:
+                kind, _, future = self._commands.popleft()
+                if kind == "add":
+                    self._call(future.set_exception, error, future)
 
     def _call(self, fn, arg, future=None) -> None:
         """Run fn(arg) on the event loop (skipped if the future was cancelled or the loop is gone)."""
