@@ -1,0 +1,460 @@
+"""Quantization error through a whole model (`kiln verify --quant-model [PATH] --format FMT`).
+
+The "original" is the checkpoint's weights in float32 (a GGUF file's blocks dequantized). For a format
+of `kiln.quant` (int4 group-wise, FP8/INT8 per channel, GGUF Q4_0/Q4_1/Q8_0):
+  1. weight level: every linear weight of the decoder layers (2-D tensors named `model.layers.*`;
+     embeddings and LM head stay float, as quantized checkpoints usually keep them) is quantized,
+     dequantized and compared with the original: SNR dB, cosine, max abs error per tensor;
+  2. activation level: one fixed prompt runs through the float32 model and through a fake-quant copy
+     (linear weights replaced by their quantize->dequantize versions). Each decoder layer's output
+     hidden state (the residual stream after the layer, float32 [T, hidden]) of the copy is compared
+     with the float model's: SNR, cosine, worst per-token cosine. Then the final logits [T, vocab]:
+     mean and worst per-position cosine, and top-1 agreement over the prompt's positions.
+Both models run in float32 on the CPU, so every difference is the quantization's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kiln.quant import error_metrics, roundtrip
+from kiln.quant.formats import FORMATS
+
+# CLI spelling -> kiln.quant format name.
+FORMAT_NAMES = {
+    "int4-g32": "int4_g32",
+    "int4-g64": "int4_g64",
+    "int4-g128": "int4_g128",
+    "fp8": "fp8",
+    "int8": "int8",
+    "q4_0": "Q4_0",
+    "q4_1": "Q4_1",
+    "q8_0": "Q8_0",
+}
+DEFAULT_PROMPT = (
+    "The quick brown fox jumps over the lazy dog. Quantization stores each weight in a few bits; "
+    "the question is how much of the model's output survives it."
+)
+
+# (weight [N, K] float32, kiln.quant format name) -> the float32 [N, K] weight the quantized model uses
+Quantizer = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def format_name(name: str) -> str:
+    """'int4-g128' | 'int4_g128' | 'q4_0' | 'Q4_0' ... -> the kiln.quant format name."""
+    if name in FORMATS:
+        return name
+    key = name.strip().lower().replace("_g", "-g")
+    if key not in FORMAT_NAMES:
+        raise ValueError(f"quant_model: unknown --format {name!r}, expected one of {', '.join(FORMAT_NAMES)}")
+    return FORMAT_NAMES[key]
+
+
+def is_linear_weight(name: str, weight: torch.Tensor) -> bool:
+    return name.startswith("model.layers.") and name.endswith(".weight") and weight.dim() == 2
+
+
+class FloatWeights:
+    """A WeightStore seen through float32: GGUF blocks dequantized, every tensor cast, each read once.
+    `overrides` (name -> tensor) replace tensors, e.g. by their fake-quantized versions; `used` lists
+    what the model builder read, in order (the model's weights, for the weight report)."""
+
+    def __init__(self, store, overrides: dict[str, torch.Tensor] | None = None, cache=None):
+        self.store = store
+        self.overrides = overrides or {}
+        self.cache: dict[str, torch.Tensor] = {} if cache is None else cache
+        self.used: list[str] = []
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.store
+
+    def names(self) -> list[str]:
+        return self.store.names()
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        from kiln.models.weights import GGUFWeight
+
+        if name not in self.cache:
+            w = self.store.get(name, shape)
+            self.cache[name] = w.dequantize(torch.float32) if isinstance(w, GGUFWeight) else w.float()
+        self.used.append(name)
+        return self.overrides.get(name, self.cache[name])
+
+    def get_optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return self.get(name, shape) if name in self else None
+
+
+@dataclass
+class Checkpoint:
+    """A model's weights (float32 view) and what building and prompting its Kiln model needs."""
+
+    source: str
+    config: object  # kiln.models.ModelConfig
+    weights: FloatWeights
+    model_class: type
+    rope_inv_freq: torch.Tensor | None
+    token_ids: list[int]
+
+
+def load_checkpoint(path: str | None = None, prompt: str = DEFAULT_PROMPT) -> Checkpoint:
+    """A GGUF file or HF directory (default: the embedded SmolLM2 GGUF) through Kiln's loaders; the
+    prompt tokenized by its tokenizer (a checkpoint without one gets 32 fixed pseudo-random ids)."""
+    from kiln.loaders import Tokenizer, default_model_path
+    from kiln.loaders.gguf import load_gguf
+    from kiln.loaders.safetensors import load_safetensors_dir
+    from kiln.models.config import ModelLoadError
+    from kiln.models.registry import get_model_class
+
+    path = path or default_model_path()
+    if not os.path.exists(path):
+        raise ValueError(
+            f"quant_model: model path {path!r} does not exist; pass a .gguf file or HF directory"
+        )
+    rope_inv_freq, tokenizer = None, None
+    if os.path.isdir(path):
+        config, store = load_safetensors_dir(path)
+        try:
+            tokenizer = Tokenizer.from_hf_dir(path, eos_token_ids=config.eos_token_ids)
+        except (ModelLoadError, OSError, ValueError):
+            tokenizer = None
+    else:
+        config, store, meta, rope_inv_freq = load_gguf(path)
+        tokenizer = Tokenizer.from_gguf_metadata(meta, source=path)
+    token_ids = tokenizer.encode(prompt) if tokenizer is not None else []
+    if not token_ids:
+        generator = torch.Generator().manual_seed(0)
+        token_ids = torch.randint(0, config.vocab_size, (32,), generator=generator).tolist()
+    model_class = get_model_class(config.architecture, path)
+    return Checkpoint(path, config, FloatWeights(store), model_class, rope_inv_freq, token_ids)
+
+
+def build_model(ckpt: Checkpoint, weights: FloatWeights, num_layers: int | None = None) -> torch.nn.Module:
+    """The float32 CPU model over `weights`; num_layers keeps only the first layers (a faster, partial
+    measurement: the logits are then those of the truncated model)."""
+    config = ckpt.config
+    if num_layers is not None:
+        if not 1 <= num_layers <= config.num_layers:
+            raise ValueError(f"quant_model: --layers {num_layers} out of range 1..{config.num_layers}")
+        config = replace(config, num_layers=num_layers)
+    kwargs = {"rope_inv_freq": ckpt.rope_inv_freq} if ckpt.rope_inv_freq is not None else {}
+    with torch.no_grad():
+        model = ckpt.model_class(
+            config,
+            weights,
+            device="cpu",
+            dtype=torch.float32,
+            cpu_format="fp32",
+            lm_head_format="fp32",
+            **kwargs,
+        )
+    return model.eval()
+
+
+def run_prompt(model: torch.nn.Module, token_ids: list[int], block_size: int = 16):
+    """One prefill of `token_ids` -> (per-layer hidden states, each float32 [T, hidden], logits float32
+    [T, vocab]). A layer's hidden state is its output plus the residual it carries (the model fuses
+    that add into the next rms_norm), i.e. HF's hidden_states[i + 1]."""
+    from kiln.models import AttentionMetadata
+
+    c, T = model.config, len(token_ids)
+    num_blocks = -(-T // block_size)
+    shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+    kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(len(model.layers))]
+    positions = torch.arange(T, dtype=torch.int64)
+    metadata = AttentionMetadata(
+        slot_mapping=positions.clone(),  # blocks in order: slot = position
+        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None, :],
+        seq_lens=torch.tensor([T], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32),
+        max_seqlen_q=T,
+        max_seqlen_k=T,
+        decode_only=T == 1,
+    )
+    states: list[torch.Tensor] = []
+
+    def capture(module, inputs, output):
+        hidden, residual = output  # residual is updated in place by the next layer: add now
+        states.append((hidden + residual).float())
+
+    hooks = [layer.register_forward_hook(capture) for layer in model.layers]
+    try:
+        hidden = model(torch.tensor(token_ids, dtype=torch.int64), positions, kv_caches, metadata)
+        logits = model.compute_logits(hidden)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return states, logits
+
+
+def _row_cosines(reference: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(reference.double(), approx.double(), dim=-1)
+
+
+@dataclass
+class FormatReport:
+    """Everything measured for one format (metrics dicts: "snr_db", "cosine", "max_abs_error")."""
+
+    format: str
+    weights: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> metrics
+    layers: list[dict[str, float]] = field(default_factory=list)  # per layer: metrics + min_token_cosine
+    logits_cosine: float = float("nan")  # mean over positions of the per-position cosine
+    logits_min_cosine: float = float("nan")
+    logits_snr_db: float = float("nan")
+    top1_agreement: float = float("nan")  # fraction of positions whose argmax token matches
+
+    def weight_stat(self, metric: str, how: str) -> float:
+        """worst ("min" for snr/cosine, "max" for max_abs_error) or "mean" of a weight metric."""
+        values = torch.tensor([m[metric] for m in self.weights.values()], dtype=torch.float64)
+        if values.numel() == 0:
+            return float("nan")
+        if how == "mean":
+            return values.mean().item()
+        return values.max().item() if metric == "max_abs_error" else values.min().item()
+
+
+def weight_errors(
+    weights: dict[str, torch.Tensor], fmt: str, quantizer: Quantizer | None = None
+) -> tuple[dict[str, dict[str, float]], dict[str, torch.Tensor]]:
+    """Quantize->dequantize each float32 [N, K] weight with `quantizer` (default kiln.quant.roundtrip)
+    -> ({name: {"snr_db", "cosine", "max_abs_error"}}, {name: dequantized float32 weight})."""
+    quantizer = quantizer or roundtrip
+    metrics, approx = {}, {}
+    for name, original in weights.items():
+        approx[name] = quantizer(original, fmt).float()
+        metrics[name] = error_metrics(original, approx[name])
+    return metrics, approx
+
+
+def measure_format(
+    ckpt: Checkpoint,
+    fmt: str,
+    reference: tuple[list[torch.Tensor], torch.Tensor],
+    linear_names: list[str],
+    quantizer: Quantizer | None = None,
+    num_layers: int | None = None,
+) -> FormatReport:
+    """Quantize the linear weights `linear_names` with `quantizer`, report them, run the fake-quant
+    model on the prompt and compare with `reference` (the float model's run_prompt output)."""
+    report = FormatReport(fmt)
+    originals = {name: ckpt.weights.cache[name] for name in linear_names}
+    report.weights, overrides = weight_errors(originals, fmt, quantizer)
+    model = build_model(ckpt, FloatWeights(ckpt.weights.store, overrides, ckpt.weights.cache), num_layers)
+    states, logits = run_prompt(model, ckpt.token_ids)
+    ref_states, ref_logits = reference
+    for ref, got in zip(ref_states, states, strict=True):
+        metrics = error_metrics(ref, got)
+        metrics["min_token_cosine"] = _row_cosines(ref, got).min().item()
+        report.layers.append(metrics)
+    cosines = _row_cosines(ref_logits, logits)
+    report.logits_cosine = cosines.mean().item()
+    report.logits_min_cosine = cosines.min().item()
+    report.logits_snr_db = error_metrics(ref_logits, logits)["snr_db"]
+    report.top1_agreement = (ref_logits.argmax(-1) == logits.argmax(-1)).double().mean().item()
+    return report
+
+
+def quant_model_report(
+    path: str | None = None,
+    formats: list[str] = ("int4_g128",),
+    *,
+    prompt: str = DEFAULT_PROMPT,
+    num_layers: int | None = None,
+    quantizer: Quantizer | None = None,
+) -> tuple[Checkpoint, list[FormatReport]]:
+    """Weight and activation reports of `formats` (any spelling format_name takes) for the model at
+    `path` (None: the embedded SmolLM2 GGUF). The float model runs once; each format builds one copy.
+    GGUF formats need every linear weight's K to be a multiple of 32 (ValueError otherwise)."""
+    formats = [format_name(f) for f in formats]
+    ckpt = load_checkpoint(path, prompt)
+    float_model = build_model(ckpt, ckpt.weights, num_layers)
+    reference = run_prompt(float_model, ckpt.token_ids)
+    linear_names = list(
+        dict.fromkeys(n for n in ckpt.weights.used if is_linear_weight(n, ckpt.weights.cache[n]))
+    )
+    del float_model
+    for fmt in formats:
+        if fmt.startswith("Q"):
+            bad = [n for n in linear_names if ckpt.weights.cache[n].shape[1] % 32]
+            if bad:
+                raise ValueError(
+                    f"quant_model: format {fmt} needs in_features a multiple of 32; {bad[0]} has shape "
+                    f"{tuple(ckpt.weights.cache[bad[0]].shape)}: choose an int4/int8/fp8 format"
+                )
+    reports = [measure_format(ckpt, fmt, reference, linear_names, quantizer, num_layers) for fmt in formats]
+    return ckpt, reports
+
+
+def check_floors(
+    reports: list[FormatReport],
+    min_cosine: float | None = None,
+    min_top1: float | None = None,
+    min_weight_snr: float | None = None,
+) -> list[str]:
+    """One line per violated floor (final-logits mean cosine, top-1 agreement, worst weight SNR);
+    a NaN anywhere is always a violation."""
+    failures = []
+    for r in reports:
+        values = [r.logits_cosine, r.logits_snr_db, r.top1_agreement]
+        values += [v for m in list(r.weights.values()) + r.layers for v in m.values()]
+        if any(v != v for v in values):
+            failures.append(f"{r.format}: NaN in the metrics")
+        if min_cosine is not None and not r.logits_cosine >= min_cosine:
+            failures.append(
+                f"{r.format}: final-logits cosine {r.logits_cosine:.5f} < --min-cosine {min_cosine}"
+            )
+        if min_top1 is not None and not r.top1_agreement >= min_top1:
+            failures.append(f"{r.format}: top-1 agreement {r.top1_agreement:.3f} < --min-top1 {min_top1}")
+        worst = r.weight_stat("snr_db", "min")
+        if min_weight_snr is not None and not worst >= min_weight_snr:
+            failures.append(
+                f"{r.format}: worst weight SNR {worst:.2f} dB < --min-weight-snr {min_weight_snr}"
+            )
+    return failures
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    lines = [header, *rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def format_tables(reports: list[FormatReport], per_tensor: bool = False) -> str:
+    """The summary per format, the per-layer hidden-state error per format, and (per_tensor) every
+    weight's metrics: plain-text tables like `kiln verify`'s."""
+    parts = [
+        _table(
+            ("format", "weights", "worst SNR dB", "mean SNR dB", "worst cos", "max abs err",
+             "logits cos", "worst pos cos", "top-1"),
+            [
+                (r.format, str(len(r.weights)), f"{r.weight_stat('snr_db', 'min'):.2f}",
+                 f"{r.weight_stat('snr_db', 'mean'):.2f}", f"{r.weight_stat('cosine', 'min'):.6f}",
+                 f"{r.weight_stat('max_abs_error', 'max'):.3e}", f"{r.logits_cosine:.5f}",
+                 f"{r.logits_min_cosine:.5f}", f"{r.top1_agreement:.3f}")
+                for r in reports
+            ],
+        )
+    ]  # fmt: skip
+    for r in reports:
+        rows = [
+            (str(i), f"{m['snr_db']:.2f}", f"{m['cosine']:.6f}", f"{m['min_token_cosine']:.6f}",
+             f"{m['max_abs_error']:.3e}")
+            for i, m in enumerate(r.layers)
+        ]  # fmt: skip
+        parts.append(f"hidden state after each layer, {r.format} vs float32:\n" + _table(
+            ("layer", "SNR dB", "cosine", "worst token cos", "max abs err"), rows))  # fmt: skip
+    if per_tensor:
+        for r in reports:
+            rows = [
+                (name, f"{m['snr_db']:.2f}", f"{m['cosine']:.6f}", f"{m['max_abs_error']:.3e}")
+                for name, m in r.weights.items()
+            ]
+            parts.append(
+                f"weights, {r.format}:\n" + _table(("tensor", "SNR dB", "cosine", "max abs err"), rows)
+            )
+    return "\n\n".join(parts)
+
+
+def to_json(ckpt: Checkpoint, reports: list[FormatReport], floors: dict, failures: list[str]) -> dict:
+    """The JSON payload of `kiln verify --quant-model` (inf SNR, for an exact weight, written as null)."""
+
+    def clean(value):
+        if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    formats = []
+    for r in reports:
+        summary = {
+            f"{how}_weight_{metric}": r.weight_stat(metric, how)
+            for metric in ("snr_db", "cosine", "max_abs_error")
+            for how in ("min", "mean")
+        }
+        formats.append(
+            {
+                "format": r.format,
+                **summary,
+                "worst_weight_max_abs_error": r.weight_stat("max_abs_error", "max"),
+                "logits_cosine": r.logits_cosine,
+                "logits_min_cosine": r.logits_min_cosine,
+                "logits_snr_db": r.logits_snr_db,
+                "top1_agreement": r.top1_agreement,
+                "layers": r.layers,
+                "weights": r.weights,
+            }
+        )
+    payload = {
+        "kind": "kiln-verify-quant-model",
+        "version": 1,
+        "model": ckpt.source,
+        "prompt_tokens": len(ckpt.token_ids),
+        "num_layers": len(reports[0].layers) if reports else 0,
+        "torch": torch.__version__,
+        "floors": floors,
+        "failures": failures,
+        "passed": not failures,
+        "formats": formats,
+    }
+    return clean(payload)
+
+
+def run_cli(args) -> int:
+    """`kiln verify --quant-model [PATH] --format F [--format F ...] [--layers N] [--min-cosine C]
+    [--min-top1 A] [--min-weight-snr DB] [--per-tensor] [--json PATH]`: exit 1 when a floor fails."""
+    import json
+    from pathlib import Path
+
+    formats = args.format or ["int4-g128"]
+    ckpt, reports = quant_model_report(args.quant_model or None, formats, num_layers=args.layers)
+    floors = {"min_cosine": args.min_cosine, "min_top1": args.min_top1, "min_weight_snr": args.min_weight_snr}
+    failures = check_floors(reports, **floors)
+    print(f"model: {ckpt.source} ({len(reports[0].layers)} layers, prompt of {len(ckpt.token_ids)} tokens)")
+    print(format_tables(reports, per_tensor=args.per_tensor))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(to_json(ckpt, reports, floors, failures), indent=2))
+    for failure in failures:
+        print(f"FAILED {failure}")
+    print(f"\n{len(reports)} format(s): {'FAIL' if failures else 'PASS'}")
+    return 1 if failures else 0
+
+
+def add_arguments(parser) -> None:
+    """The --quant-model options of `kiln verify` (without --quant-model, op verification runs)."""
+    q = parser.add_argument_group("quantization error through a model (--quant-model)")
+    q.add_argument(
+        "--quant-model",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="report a format's error per weight, per layer and on the logits "
+        "(PATH: .gguf or HF dir; default the embedded SmolLM2)",
+    )
+    q.add_argument(
+        "--format", action="append", help=f"{'|'.join(FORMAT_NAMES)} (repeatable; default int4-g128)"
+    )
+    q.add_argument("--layers", type=int, default=None, help="run only the first N decoder layers (faster)")
+    q.add_argument(
+        "--min-cosine",
+        type=float,
+        default=0.99,
+        help="floor on the final-logits mean per-position cosine (exit 1 below; default 0.99)",
+    )
+    q.add_argument("--min-top1", type=float, default=None, help="floor on the top-1 agreement (exit 1 below)")
+    q.add_argument(
+        "--min-weight-snr",
+        type=float,
+        default=None,
+        help="floor on the worst weight SNR in dB (exit 1 below)",
+    )
+    q.add_argument("--per-tensor", action="store_true", help="also print every weight's metrics")  # fmt: skip
