@@ -7,6 +7,11 @@ The same kernels back the torch OpSpecs as implementations "pallas_tpu", "pallas
 (registered by `kiln.jax.backends`), so `kiln verify` and `kiln bench` check and time them.
 """
 
+import os
+
+# torch shares the GPU with JAX here: do not let XLA grab most of its memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 from kiln.jax.attention import flash_attention, paged_decode_attention
 from kiln.jax.dispatch import IMPLEMENTATIONS, default_implementation, tpu_interpreter
 from kiln.jax.elementwise import gelu_tanh_and_mul, rope, silu_and_mul, softmax

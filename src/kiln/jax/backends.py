@@ -43,9 +43,13 @@ def is_available(implementation: str) -> Callable[[torch.device | None], bool]:
 
 
 def compute_device(implementation: str) -> jax.Device | None:
-    """Where the jax arrays must live: the TPU for pallas_tpu on a TPU host, else where DLPack put them."""
+    """Where the jax arrays must live for a compiled Pallas kernel: the TPU for pallas_tpu on a TPU
+    host, the GPU for pallas_gpu on a GPU host (CPU tensors are moved there and the results back);
+    None (stay where DLPack put them) for xla and for interpreted kernels."""
     if implementation == "pallas_tpu" and dispatch.on_tpu():
-        return jax.devices("tpu")[0]
+        return jax.devices()[0]
+    if implementation == "pallas_gpu" and dispatch.on_gpu():
+        return jax.devices()[0]
     return None
 
 
