@@ -3,7 +3,7 @@
 (The TP group spans the whole world, so group rank 0 is global rank 0.)
 all_reduce:        sum of a tensor over the ranks, in place (activations, [T, hidden]).
 gather_to_first:   rank 0 gets every rank's [N, n_r] slice (uneven n_r: padded for the wire).
-broadcast_object / all_gather_object: picklable control messages over the gloo cpu_group.
+broadcast_object / all_gather_object: picklable control messages over the gloo groups.
 """
 
 from __future__ import annotations
@@ -39,15 +39,16 @@ def gather_to_first(tensor: torch.Tensor, sizes: list[int], group: TPGroup) -> l
     return [p[..., :n] for p, n in zip(parts, sizes, strict=True)]
 
 
-def broadcast_object(obj: Any, group: TPGroup) -> Any:
-    """Rank 0's `obj` on every rank (pickled; tensors inside should be on the CPU)."""
+def broadcast_object(obj: Any, group: TPGroup, setup: bool = False) -> Any:
+    """Rank 0's `obj` on every rank (pickled; tensors inside should be on the CPU), over the cpu_group,
+    or the setup_group when `setup`."""
     box = [obj if group.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=group.cpu_group)
+    dist.broadcast_object_list(box, src=0, group=group.setup_group if setup else group.cpu_group)
     return box[0]
 
 
 def all_gather_object(obj: Any, group: TPGroup) -> list[Any]:
-    """Every rank's `obj`, in rank order, on every rank."""
+    """Every rank's `obj`, in rank order, on every rank (over the setup_group)."""
     out: list[Any] = [None] * group.world_size
-    dist.all_gather_object(out, obj, group=group.cpu_group)
+    dist.all_gather_object(out, obj, group=group.setup_group)
     return out

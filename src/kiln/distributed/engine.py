@@ -127,7 +127,7 @@ class TensorParallelEngine(LLMEngine):
                 "dtype": dtype,
                 "eos_token_ids": list(checkpoint.config.eos_token_ids),
             }
-            broadcast_object(setup, self.group)
+            broadcast_object(setup, self.group, setup=True)
             error, model, num_blocks = None, None, 0
             try:
                 model = build_shard(checkpoint, plan, self.group, device, dtype)
@@ -202,6 +202,8 @@ class TensorParallelEngine(LLMEngine):
         try:
             return super().step()
         except RuntimeError as exc:
+            for process in self.workers:  # a worker killed a moment ago may not be reaped yet
+                process.join(timeout=1.0)
             dead = self.dead_workers()
             if dead:
                 message = f"tensor-parallel worker died: {'; '.join(dead)}"

@@ -1,12 +1,16 @@
 """Process groups for tensor parallelism: one per process, rank 0 drives the engine.
 
-Two groups over the same ranks:
+Three gloo/NCCL groups over the same ranks:
   - `device_group` (NCCL on GPUs, gloo on CPUs) carries the activations: the all-reduces after
     o_proj / down_proj / the embedding and the logits gather. Its timeout is short (`timeout_s`):
     a worker that dies or hangs turns the next collective into an error instead of a hang.
-  - `cpu_group` (always gloo) carries the control messages: setup, each step's batch, stop. Workers
-    wait on it while the engine is idle, so its timeout is long (`idle_timeout_s`); a dead rank 0
-    still ends their wait at once (the connection closes), and spawned workers also watch their parent.
+  - `cpu_group` (gloo) carries each step's batch and the stop message from rank 0. A gloo timeout
+    is local to each process, so rank 0's is short (a broadcast to a hung worker fails after
+    `timeout_s`) while the workers', who wait there while the engine is idle, is long
+    (`idle_timeout_s`); a dead rank 0 still ends their wait at once (its connections close), and
+    spawned workers also watch their parent.
+  - `setup_group` (gloo, `startup_timeout_s`) carries the one-off setup exchange (loading a shard may
+    take long on some rank).
 
 Rendezvous: spawned workers use tcp://127.0.0.1:<free port>; under torchrun the standard env vars
 (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) with init_method env://.
@@ -36,6 +40,7 @@ class TPGroup:
     local_rank: int
     device_group: object
     cpu_group: object
+    setup_group: object
     timeout_s: float
 
     @property
@@ -88,8 +93,10 @@ def init_tp_group(
     )
     ranks = list(range(world_size))
     device_group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
-    cpu_group = dist.new_group(ranks, timeout=timedelta(seconds=idle_timeout_s), backend="gloo")
-    return TPGroup(rank, world_size, local_rank, device_group, cpu_group, timeout_s)
+    cpu_timeout = timeout_s if rank == 0 else idle_timeout_s
+    cpu_group = dist.new_group(ranks, timeout=timedelta(seconds=cpu_timeout), backend="gloo")
+    setup_group = dist.new_group(ranks, timeout=timedelta(seconds=startup_timeout_s), backend="gloo")
+    return TPGroup(rank, world_size, local_rank, device_group, cpu_group, setup_group, timeout_s)
 
 
 def destroy_tp_group() -> None:

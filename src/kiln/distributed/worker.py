@@ -1,6 +1,6 @@
 """Tensor-parallel workers (ranks 1..N-1): build this rank's shard, then replay rank 0's steps.
 
-Protocol over the gloo cpu_group (rank 0 broadcasts, see engine.py):
+Protocol (rank 0 broadcasts, see engine.py; setup over the setup_group, steps over the cpu_group):
   setup: the EngineConfig and checkpoint path -> every rank builds its shard and proposes a KV block
          count; all ranks exchange (error or None, num_blocks) and use the smallest count;
   ("step", input_ids, positions, attn_metadata, sample_rows) -> model.forward (joining the
@@ -90,7 +90,7 @@ def serve_steps(model, kv_caches, group: TPGroup, device: torch.device) -> None:
 
 def run_worker(group: TPGroup, device_type: str) -> None:
     """Everything a worker rank does after joining the group."""
-    setup = broadcast_object(None, group)
+    setup = broadcast_object(None, group, setup=True)
     model, num_blocks, error = None, 0, None
     try:
         model, num_blocks = build_rank(setup, group)

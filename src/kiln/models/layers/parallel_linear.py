@@ -61,8 +61,18 @@ class RowParallelLinear(torch.nn.Module):
         if group.rank != 0:
             local.bias = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.local(x), self.group)
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """Same arguments as the wrapped Linear's forward (e.g. out_dtype)."""
+        return all_reduce(self.local(x, *args, **kwargs), self.group)
+
+    def __getattr__(self, name: str):
+        # the model reads Linear attributes (in_features, compute_dtype, ...) through the wrapper
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "local":
+                raise
+            return getattr(self.local, name)
 
     def extra_repr(self) -> str:
         return f"rank={self.group.rank}/{self.group.world_size}"

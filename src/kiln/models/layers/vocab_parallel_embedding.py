@@ -53,7 +53,15 @@ class ParallelLMHead(torch.nn.Module):
         self.vocab_sizes = list(vocab_sizes)
         self.group = group
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.local(hidden)
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "local":
+                raise
+            return getattr(self.local, name)
+
+    def forward(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        logits = self.local(hidden, *args, **kwargs)
         parts = gather_to_first(logits, self.vocab_sizes, self.group)
         return logits if parts is None else torch.cat(parts, dim=-1)

@@ -1,0 +1,102 @@
+"""Tensor-parallel failure behaviour: a worker that dies or hangs makes the engine fail fast with an
+error naming what happened (not hang), and no worker process outlives the engine or its driver."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kiln.distributed import TensorParallelEngine, TensorParallelError
+from kiln.engine.config import EngineConfig
+from kiln.engine.sampling_params import SamplingParams
+from tests.distributed.checkpoints import write_checkpoint
+
+PARAMS = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody has reaped yet."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def _start(checkpoint, timeout_s):
+    engine = TensorParallelEngine(
+        EngineConfig(model=checkpoint, device="cpu", num_kv_blocks=16), tp_size=2, timeout_s=timeout_s
+    )
+    engine.add_request("r", [5, 6, 7, 8], PARAMS)
+    engine.step()  # the ranks are in step with each other
+    return engine, engine.workers[0]
+
+
+def test_killed_worker_fails_the_next_step_fast_and_names_it(checkpoint):
+    engine, worker = _start(checkpoint, timeout_s=20)
+    os.kill(worker.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 30
+    assert _gone(worker.pid)
+    with pytest.raises(TensorParallelError, match="shut down"):
+        engine.step()
+
+
+def test_hung_worker_fails_the_step_after_the_collective_timeout_and_is_killed(checkpoint):
+    engine, worker = _start(checkpoint, timeout_s=3)
+    os.kill(worker.pid, signal.SIGSTOP)  # alive but never joins the next collective
+    # should the timeout ever not fire, end the test with a failure instead of hanging the suite
+    rescue = threading.Timer(60.0, os.kill, (worker.pid, signal.SIGKILL))
+    rescue.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="did not finish within 3 s"):
+            engine.step()
+        elapsed = time.monotonic() - start
+        assert 2.5 < elapsed < 30, elapsed
+        worker.join(timeout=10)
+        assert _gone(worker.pid)
+    finally:
+        rescue.cancel()
+        if not _gone(worker.pid):
+            os.kill(worker.pid, signal.SIGKILL)
+
+
+_DRIVER = """
+import sys
+from kiln.distributed import TensorParallelEngine
+from kiln.engine.config import EngineConfig
+engine = TensorParallelEngine(EngineConfig(model=sys.argv[1], device="cpu", num_kv_blocks=16), tp_size=2)
+print(engine.workers[0].pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_workers_exit_when_the_driver_process_is_killed(checkpoint):
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER, checkpoint], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        worker_pid = int(driver.stdout.readline())
+        assert not _gone(worker_pid)
+        driver.kill()  # SIGKILL: no atexit, no shutdown; the worker must notice on its own
+        driver.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while not _gone(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _gone(worker_pid), f"worker {worker_pid} outlived its killed driver"
+    finally:
+        driver.kill()
+        driver.wait(timeout=10)
