@@ -61,40 +61,6 @@ def test_silu_and_mul_matches_float64(backend, dtype, shape):
     assert rel_err(got, g / (1 + np.exp(-g)) * u) <= TOL[dtype]
 
 
-def rope_reference(positions, q, cos_sin_cache, is_neox):
-    q64, cache = f64(q), f64(cos_sin_cache)
-    rotary_dim = cache.shape[1]
-    half = rotary_dim // 2
-    cos, sin = (
-        cache[np.asarray(positions), :half][:, None, :],
-        cache[np.asarray(positions), half:][:, None, :],
-    )
-    out = q64.copy()
-    if is_neox:
-        x1, x2 = q64[..., :half], q64[..., half:rotary_dim]
-        out[..., :half], out[..., half:rotary_dim] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    else:
-        x1, x2 = q64[..., 0:rotary_dim:2], q64[..., 1:rotary_dim:2]
-        out[..., 0:rotary_dim:2], out[..., 1:rotary_dim:2] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    return out
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("is_neox", [True, False])
-def test_rope_pallas_tpu_gqa_matches_float64(dtype, is_neox):
-    backend, tokens, q_heads, k_heads, head_dim, rotary_dim = "pallas_tpu", 11, 4, 1, 64, 64
-    seed = random.randrange(2**31)
-    q, k = (
-        randn(seed, (tokens, q_heads, head_dim), dtype),
-        randn(seed + 1, (tokens, k_heads, head_dim), dtype),
-    )
-    cache = kjax.rope_cos_sin_cache(rotary_dim, 4096, 10000.0)
-    positions = jax.random.randint(jax.random.key(seed + 2), (tokens,), 0, 4096, jnp.int32)
-    q_out, k_out = kjax.rope(positions, q, k, cache, is_neox, implementation=backend)
-    assert rel_err(q_out, rope_reference(positions, q, cache, is_neox)) <= TOL[dtype]
-    assert rel_err(k_out, rope_reference(positions, k, cache, is_neox)) <= TOL[dtype]
-
-
 @pytest.mark.parametrize(
     "call, message",
     [

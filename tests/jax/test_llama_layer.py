@@ -105,7 +105,8 @@ def rounded(w, dtype):
     return {k: np.asarray(jnp.asarray(v, dtype), np.float32) for k, v in w.items()}
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+# bf16 costs another interpreted compile of every kernel; the per-op tests cover the bf16 paths.
+@pytest.mark.parametrize("dtype", [jnp.float32])
 def test_pallas_llama_layer_prefill_matches_float64_torch_layer(layer0, dtype):
     config, theta, w = layer0
     tokens = 13
