@@ -75,20 +75,32 @@ class Linear(torch.nn.Module):
             torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The activation dtype the kernel consumes (None: whatever x is)."""
+        if self.format == "int4":
+            return torch.bfloat16
+        return self.weight.dtype if self.format == "dense" else None
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, in_features] -> [M, out_features] in `out_dtype` (default: x's dtype). Passing the
+        compute_dtype as out_dtype (and feeding such outputs back in) skips conversions between
+        layers that run in the same reduced precision, e.g. gate/up -> silu_and_mul -> down."""
+        out_dtype = out_dtype or x.dtype
         if self.format == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), self.packed, 32, self.scales_and_zeros
-            ).to(x.dtype)
-            return y if self.bias is None else y.add_(self.bias)
+            )
+            if self.bias is not None:
+                y = y.float().add_(self.bias)
+            return y.to(out_dtype)
         if self.format == "gguf":
-            return kiln.ops.gguf_linear(x, self.qweight, self.qtype, self.bias)
+            return kiln.ops.gguf_linear(x, self.qweight, self.qtype, self.bias).to(out_dtype)
         if self.weight.dtype != x.dtype:
-            y = F.linear(x.to(self.weight.dtype), self.weight, self.bias)
-            return y.to(x.dtype)
+            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(out_dtype)
         if x.is_cuda and hasattr(kiln.ops, "linear"):
-            return kiln.ops.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return kiln.ops.linear(x, self.weight, self.bias).to(out_dtype)
+        return F.linear(x, self.weight, self.bias).to(out_dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, format={self.format}"
