@@ -143,10 +143,14 @@ def test_unknown_format_and_bad_layer_count_raise_value_error(tiny_llama):
         qm.quant_model_report(tiny_llama[0], ["int8"], num_layers=9)
 
 
-def test_embedded_smollm2_q8_0_first_layers_keep_logits_and_weights_close():
-    ckpt, (report,) = qm.quant_model_report(None, ["q8_0"], num_layers=3)
-    assert len(report.layers) == 3 and len(report.weights) == 3 * 7
+def test_embedded_smollm2_first_layers_q8_0_close_and_q4_1_lossless():
+    ckpt, (q8_0, q4_1) = qm.quant_model_report(None, ["q8_0", "q4_1"], num_layers=3)
+    assert len(q8_0.layers) == 3 and len(q8_0.weights) == 3 * 7
     # Q8_0: 8-bit codes, one fp16 scale per 32 weights -> >= ~35 dB per weight for Gaussian-ish rows.
-    assert report.weight_stat("snr_db", "min") > 30
-    assert report.logits_cosine > 0.99 and report.top1_agreement >= 0.9
-    assert qm.check_floors([report], min_cosine=0.99) == []
+    assert q8_0.weight_stat("snr_db", "min") > 30
+    assert q8_0.logits_cosine > 0.99 and q8_0.top1_agreement >= 0.9
+    assert qm.check_floors([q8_0], min_cosine=0.99) == []
+    # The file's own format: its matrices are Q4_1 blocks already and re-encoding them finds the same
+    # blocks, so the fake-quant model must be the float model exactly (any drift would be the harness's).
+    assert q4_1.weight_stat("max_abs_error", "max") == 0.0
+    assert q4_1.logits_snr_db == math.inf and q4_1.top1_agreement == 1.0
