@@ -175,6 +175,8 @@ def test_api_key_required_on_v1_routes_but_not_on_health_and_metrics():
     try:
         url = f"{srv.url}/v1/completions"
         assert httpx.post(url, json=completion()).status_code == 401
+        # the key is checked before the body: no key + a bad body is still 401, not 400
+        assert httpx.post(url, json={"prompt": 5}).status_code == 401
         wrong = httpx.post(url, json=completion(), headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401

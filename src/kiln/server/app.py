@@ -16,7 +16,7 @@ import hmac
 import itertools
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -90,6 +90,7 @@ def create_app(
         return error_response(APIError(500, f"internal error: {exc}", "server_error"))
 
     def check_auth(request: Request) -> None:
+        """A route dependency: runs before the body is parsed, so a keyless bad request gets 401."""
         if api_key is None:
             return
         header = request.headers.get("authorization", "")
@@ -161,39 +162,11 @@ def create_app(
             release()
         if finals is None:  # client gone: nobody to answer
             return Response(status_code=499)
-        choices = []
-        for index, out in enumerate(finals):
-            entries = serving.logprob_entries(out, 0, top_n) if top_n is not None else None
-            if chat:
-                choices.append(
-                    {
-                        "index": index,
-                        "message": {"role": "assistant", "content": out.text},
-                        "logprobs": protocol.chat_logprobs(entries) if entries is not None else None,
-                        "finish_reason": out.finish_reason,
-                    }
-                )
-            else:
-                echo = echo_texts[index] if echo_texts else ""
-                choices.append(
-                    {
-                        "index": index,
-                        "text": echo + out.text,
-                        "logprobs": protocol.completion_logprobs(entries, len(echo))
-                        if entries is not None
-                        else None,
-                        "finish_reason": out.finish_reason,
-                    }
-                )
-        completion_tokens = sum(len(o.token_ids) for o in finals)
-        body = protocol.completion_response(
-            request_id, serving.model_name, choices, protocol.usage(prompt_tokens, completion_tokens), chat
-        )
+        body = serving.final_response(request_id, finals, chat, top_n, prompt_tokens, echo_texts)
         return JSONResponse(body)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def completions(req: protocol.CompletionRequest, request: Request):
-        check_auth(request)
         prompts = serving.completion_prompts(req)
         subs = serving.build(
             req, prompts, _max_tokens(req.max_tokens, 16), req.logprobs, f"cmpl{next(counter)}"
@@ -213,9 +186,8 @@ def create_app(
             echo_texts,
         )
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat_completions(req: protocol.ChatCompletionRequest, request: Request):
-        check_auth(request)
         prompt = serving.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_n = (req.top_logprobs or 0) if req.logprobs else None
@@ -230,9 +202,8 @@ def create_app(
             bool(req.stream_options and req.stream_options.include_usage),
         )
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_auth(request)
+    @app.get("/v1/models", dependencies=[Depends(check_auth)])
+    async def models():
         card = {
             "id": model_name,
             "object": "model",

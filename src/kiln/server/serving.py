@@ -138,6 +138,45 @@ class OpenAIServing:
             )
         return entries
 
+    def final_response(
+        self,
+        request_id: str,
+        finals: list,
+        chat: bool,
+        top_n: int | None,
+        prompt_tokens: int,
+        echo_texts: list[str] | None = None,
+    ) -> dict:
+        """The non-streaming response body from each choice's final RequestOutput."""
+        choices = []
+        for index, out in enumerate(finals):
+            entries = self.logprob_entries(out, 0, top_n) if top_n is not None else None
+            if chat:
+                logprobs = protocol.chat_logprobs(entries) if entries is not None else None
+                message = {"role": "assistant", "content": out.text}
+                choices.append(
+                    {
+                        "index": index,
+                        "message": message,
+                        "logprobs": logprobs,
+                        "finish_reason": out.finish_reason,
+                    }
+                )
+            else:
+                echo = echo_texts[index] if echo_texts else ""
+                logprobs = protocol.completion_logprobs(entries, len(echo)) if entries is not None else None
+                choices.append(
+                    {
+                        "index": index,
+                        "text": echo + out.text,
+                        "logprobs": logprobs,
+                        "finish_reason": out.finish_reason,
+                    }
+                )
+        completion_tokens = sum(len(o.token_ids) for o in finals)
+        usage = protocol.usage(prompt_tokens, completion_tokens)
+        return protocol.completion_response(request_id, self.model_name, choices, usage, chat)
+
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
