@@ -148,6 +148,10 @@ def test_full_queue_answers_503_and_frees_up_afterwards():
                 r3 = httpx.post(f"{srv.url}/v1/completions", json=completion("c", 2), timeout=10)
                 assert r3.status_code == 503
                 assert r3.json()["error"]["code"] == "queue_full"
+                metrics = httpx.get(f"{srv.url}/metrics").text
+                assert "kiln_server_sequences_in_flight 2.0" in metrics
+                assert "kiln_server_sequences_capacity 2.0" in metrics
+                assert 'kiln_requests_rejected_total{status="503"} 1.0' in metrics
         # both streams closed early: the server notices, releases their slots and aborts them in the engine
         deadline = time.monotonic() + 10
         while len(engine.aborted) < 2 and time.monotonic() < deadline:

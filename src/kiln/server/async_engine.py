@@ -65,6 +65,7 @@ class AsyncEngine:
         max_num_seqs = getattr(getattr(engine, "config", None), "max_num_seqs", 64)
         self.capacity = max_num_seqs + (max_queue if max_queue is not None else 4 * max_num_seqs)
         self.in_flight = 0  # sequences admitted and not released; touched only on the event loop
+        self.metrics.capacity.set(self.capacity)
         self._commands: collections.deque = collections.deque()
         self._wakeup = threading.Event()
         self._routes: dict[str, _Route] = {}  # written by both sides; single dict ops are atomic
@@ -99,6 +100,7 @@ class AsyncEngine:
                 "retry later"
             )
         self.in_flight += len(subs)
+        self.metrics.in_flight.set(self.in_flight)
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         futures = []
@@ -126,6 +128,7 @@ class AsyncEngine:
                 self._commands.append(("abort", sub.request_id, None))
                 self.metrics.requests_aborted.inc()
         self.in_flight -= len(subs)
+        self.metrics.in_flight.set(self.in_flight)
         self._wakeup.set()
 
     # ---- the engine thread ----

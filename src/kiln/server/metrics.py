@@ -8,7 +8,7 @@ the engine loop observes as tokens arrive.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kiln.engine.outputs import EngineStats
@@ -105,6 +105,16 @@ class ServerMetrics:
             "kiln_requests_rejected",
             "HTTP requests answered with an error, by status code",
             ["status"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "kiln_server_sequences_in_flight",
+            "sequences admitted by the server and not yet answered (running + queued)",
+            registry=self.registry,
+        )
+        self.capacity = Gauge(
+            "kiln_server_sequences_capacity",
+            "most sequences admitted at once (max_num_seqs + max_queue); more get 503",
             registry=self.registry,
         )
         self.engine_errors = Counter("kiln_engine_errors", "engine steps that raised", registry=self.registry)
