@@ -8,6 +8,8 @@ broadcast_object / all_gather_object: picklable control messages over the gloo g
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -16,10 +18,43 @@ import torch.distributed as dist
 from kiln.distributed.groups import TPGroup
 
 
+class CollectiveTimer:
+    """Wall time this process spends in all_reduce (CUDA: synchronized, so it is the real cost)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.calls = 0
+
+
+_timer: CollectiveTimer | None = None
+
+
+@contextmanager
+def time_all_reduces():
+    """`with time_all_reduces() as timer:` ... timer.seconds, timer.calls (for benchmarks)."""
+    global _timer
+    _timer = CollectiveTimer()
+    try:
+        yield _timer
+    finally:
+        _timer = None
+
+
 def all_reduce(tensor: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """Sums `tensor` over the ranks in place and returns it (no-op for one rank)."""
-    if group.world_size > 1:
+    if group.world_size == 1:
+        return tensor
+    if _timer is None:
         dist.all_reduce(tensor, group=group.device_group)
+        return tensor
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    start = time.perf_counter()
+    dist.all_reduce(tensor, group=group.device_group)
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    _timer.seconds += time.perf_counter() - start
+    _timer.calls += 1
     return tensor
 
 
