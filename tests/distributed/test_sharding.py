@@ -131,3 +131,40 @@ def test_rank_config_keeps_everything_but_the_split_sizes():
     rc = ShardPlan(c, 2).rank_config(1)
     assert (rc.num_heads, rc.num_kv_heads, rc.intermediate_size, rc.vocab_size) == (3, 1, 768, 80)
     assert dataclasses.replace(rc, num_heads=9, num_kv_heads=3, intermediate_size=1536, vocab_size=160) == c
+
+
+@pytest.mark.parametrize("K", [256, 200])  # 200: a short last group
+def test_int4_shards_keep_their_group_scales_and_zero_points(K):
+    from kiln.models.layers.parallel_linear import shard_int4
+    from kiln.quant.int4 import dequantize_int4, quantize_int4
+
+    weight = torch.randn(48, K, generator=torch.Generator().manual_seed(1))
+    qweight, scales, zeros = quantize_int4(weight, group_size=64)
+    full = dequantize_int4(qweight, scales, zeros, 64, K)
+    rows = shard_int4(qweight, scales, zeros, 64, K, 0, 16, 40)
+    torch.testing.assert_close(dequantize_int4(*rows, 64, K), full[16:40], rtol=0, atol=0)
+    for start, end in ((0, 128), (128, K)):
+        cols = shard_int4(qweight, scales, zeros, 64, K, 1, start, end)
+        torch.testing.assert_close(
+            dequantize_int4(*cols, 64, end - start), full[:, start:end], rtol=0, atol=0
+        )
+    with pytest.raises(ValueError, match="group_size 64"):
+        shard_int4(qweight, scales, zeros, 64, K, 1, 32, 128)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_fp8_shards_keep_their_scales(per_channel):
+    from kiln.models.layers.parallel_linear import shard_fp8
+
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    scale = (
+        weight.abs().amax(dim=1, keepdim=True) / 448.0
+        if per_channel
+        else weight.abs().amax().reshape(1) / 448
+    )
+    w8 = (weight / scale).to(torch.float8_e4m3fn)
+    full = w8.float() * scale
+    w, s = shard_fp8(w8, scale, 0, 8, 20)
+    torch.testing.assert_close(w.float() * s, full[8:20], rtol=0, atol=0)
+    w, s = shard_fp8(w8, scale, 1, 16, 48)
+    torch.testing.assert_close(w.float() * s, full[:, 16:48], rtol=0, atol=0)

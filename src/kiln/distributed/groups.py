@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 60.0
-DEFAULT_IDLE_TIMEOUT_S = 24 * 3600.0
+DEFAULT_IDLE_TIMEOUT_S = 20 * 24 * 3600.0  # gloo keeps milliseconds in 32 bits somewhere: stay < 24.8 days
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 

@@ -8,7 +8,10 @@ Megatron-style pairs, W in the checkpoint's [out_features, in_features] layout:
     down_proj).
 
 Quantized weights shard together with their scales: GGUF blocks cover 32 consecutive inputs of one
-output row, so a row slice is free and a column slice must start and end on a 32-element boundary.
+output row, so a row slice is free and a column slice must start and end on a 32-element boundary;
+int4_linear weights likewise on group boundaries (shard_int4); fp8 weights keep their per-channel
+(row slice) or per-tensor scales (shard_fp8). The loaders hand out GGUF blocks or float tensors today,
+so TP uses shard_rows / shard_cols; the int4 / fp8 helpers are for checkpoints stored in those formats.
 """
 
 from __future__ import annotations
@@ -76,3 +79,39 @@ class RowParallelLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"rank={self.group.rank}/{self.group.world_size}"
+
+
+def shard_int4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    in_features: int,
+    axis: int,
+    start: int,
+    end: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slice of an int4_linear weight (qweight int32 [N, ceil(K/8)] packed along K, scales / zeros
+    [N, G]) with its group scales and zero points. axis 0: output rows [start, end); axis 1: inputs
+    [start, end), which must lie on group boundaries (end may be K, where the last group is short)."""
+    if axis == 0:
+        return qweight[start:end].contiguous(), scales[start:end].contiguous(), zeros[start:end].contiguous()
+    if start % group_size or (end % group_size and end != in_features):
+        raise ValueError(
+            f"tensor parallel: cannot shard an int4 weight along its inputs at [{start}, {end}): boundaries "
+            f"must be multiples of its group_size {group_size} (or K={in_features})"
+        )
+    g0, g1 = start // group_size, -(-end // group_size)
+    words = qweight[:, start // 8 : -(-end // 8)].contiguous()  # group_size is a multiple of 8
+    return words, scales[:, g0:g1].contiguous(), zeros[:, g0:g1].contiguous()
+
+
+def shard_fp8(
+    weight: torch.Tensor, scale: torch.Tensor, axis: int, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slice of an fp8_linear weight (e4m3 [N, K]) with its scale (per output channel [N, 1], or one
+    per tensor [1]): output rows take their channels' scales; an input slice keeps them all."""
+    if axis == 0:
+        per_channel = scale.numel() > 1
+        return weight[start:end].contiguous(), scale[start:end].contiguous() if per_channel else scale
+    return weight[:, start:end].contiguous(), scale
