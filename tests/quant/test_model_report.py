@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kiln.verify.quant_model as qm
+import kiln.verify.quant_model_cli as qcli
 from kiln.cli import main as kiln_main
 
 transformers = pytest.importorskip("transformers")
@@ -128,12 +129,12 @@ def test_cli_passes_int8_and_flags_a_broken_zero_quantizer(tiny_llama, tmp_path,
 def test_floors_flag_top1_weight_snr_and_nan(tiny_reports):
     _, r = tiny_reports
     report = r["int4_g128"]
-    assert qm.check_floors([report], min_cosine=0.0) == []
-    assert "top-1" in qm.check_floors([report], min_top1=1.01)[0]
-    assert "worst weight SNR" in qm.check_floors([report], min_weight_snr=1e6)[0]
+    assert qcli.check_floors([report], min_cosine=0.0) == []
+    assert "top-1" in qcli.check_floors([report], min_top1=1.01)[0]
+    assert "worst weight SNR" in qcli.check_floors([report], min_weight_snr=1e6)[0]
     broken = qm.FormatReport("int8", weights=dict(report.weights), layers=list(report.layers))
     broken.logits_cosine = float("nan")
-    assert any("NaN" in f for f in qm.check_floors([broken], min_cosine=None))
+    assert any("NaN" in f for f in qcli.check_floors([broken], min_cosine=None))
 
 
 def test_unknown_format_and_bad_layer_count_raise_value_error(tiny_llama):
@@ -149,7 +150,7 @@ def test_embedded_smollm2_first_layers_q8_0_close_and_q4_1_lossless():
     # Q8_0: 8-bit codes, one fp16 scale per 32 weights -> >= ~35 dB per weight for Gaussian-ish rows.
     assert q8_0.weight_stat("snr_db", "min") > 30
     assert q8_0.logits_cosine > 0.99 and q8_0.top1_agreement >= 0.9
-    assert qm.check_floors([q8_0], min_cosine=0.99) == []
+    assert qcli.check_floors([q8_0], min_cosine=0.99) == []
     # The file's own format: its matrices are Q4_1 blocks already and re-encoding them finds the same
     # blocks, so the fake-quant model must be the float model exactly (any drift would be the harness's).
     assert q4_1.weight_stat("max_abs_error", "max") == 0.0

@@ -1,5 +1,5 @@
 """`kiln verify [--op NAME] [--backend NAME] [--dtype NAME] [--json PATH]`, and
-`kiln verify --quant-model [PATH] --format FMT [--json PATH]` (kiln.verify.quant_model)."""
+`kiln verify --quant-model [PATH] --format FMT [--json PATH]` (kiln.verify.quant_model_cli)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--seed", type=int, default=None, help="seed for shapes and inputs (default: fresh)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
-    from kiln.verify.quant_model import add_arguments
+    from kiln.verify.quant_model_cli import add_arguments
 
     add_arguments(p)  # --quant-model mode
     p.set_defaults(func=run)
@@ -23,7 +23,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.quant_model is not None:
-        from kiln.verify.quant_model import run_cli
+        from kiln.verify.quant_model_cli import run_cli
 
         return run_cli(args)
     from kiln.verify.report import format_table, status, write_json
