@@ -6,15 +6,15 @@
     with TensorParallelEngine(EngineConfig(model=None), tp_size=2) as engine: ...
 """
 
-from kiln.distributed.groups import TPGroup, launched_by_torchrun
+from kiln.distributed.groups import TensorParallelError, TPGroup, launched_by_torchrun
 
 __all__ = ["TPGroup", "TensorParallelEngine", "TensorParallelError", "launched_by_torchrun"]
 
 
 def __getattr__(name):
     # the engine pulls in the model and engine packages; import it only when asked for
-    if name in ("TensorParallelEngine", "TensorParallelError"):
-        from kiln.distributed import engine
+    if name == "TensorParallelEngine":
+        from kiln.distributed.engine import TensorParallelEngine
 
-        return getattr(engine, name)
+        return TensorParallelEngine
     raise AttributeError(name)

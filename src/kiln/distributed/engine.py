@@ -24,6 +24,7 @@ from kiln.distributed.collectives import broadcast_object
 from kiln.distributed.groups import (
     DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
+    TensorParallelError,
     destroy_tp_group,
     free_port,
     init_tp_group,
@@ -36,10 +37,6 @@ from kiln.engine.config import EngineConfig, kv_block_bytes, num_kv_blocks_for
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.outputs import RequestOutput
 from kiln.loaders import LoadedModel
-
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel worker died, hung past the collective timeout, or failed to start."""
 
 
 class TensorParallelRunner:

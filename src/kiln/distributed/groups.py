@@ -31,6 +31,10 @@ DEFAULT_IDLE_TIMEOUT_S = 20 * 24 * 3600.0  # gloo keeps milliseconds in 32 bits 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel worker died, hung past the collective timeout, or failed to start."""
+
+
 @dataclass
 class TPGroup:
     """This process's place in the tensor-parallel group."""

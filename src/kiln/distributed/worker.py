@@ -23,6 +23,7 @@ import torch
 from kiln.distributed.collectives import all_gather_object, broadcast_object
 from kiln.distributed.groups import (
     DEFAULT_TIMEOUT_S,
+    TensorParallelError,
     TPGroup,
     destroy_tp_group,
     init_tp_group,
@@ -54,12 +55,12 @@ def build_rank(setup: dict, group: TPGroup):
 
 
 def agree_on_blocks(error: str | None, num_blocks: int, group: TPGroup) -> int:
-    """Exchange every rank's (error, num_blocks); raise RuntimeError naming the first failed rank,
+    """Exchange every rank's (error, num_blocks); raise TensorParallelError naming the first failed rank,
     else return the smallest block count (the ranks' caches must match block for block)."""
     reports = all_gather_object((error, num_blocks), group)
     for rank, (err, _) in enumerate(reports):
         if err is not None:
-            raise RuntimeError(f"tensor parallel: rank {rank} failed to load its shard:\n{err}")
+            raise TensorParallelError(f"tensor parallel: rank {rank} failed to load its shard:\n{err}")
     return min(n for _, n in reports)
 
 
