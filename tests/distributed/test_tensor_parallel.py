@@ -65,3 +65,23 @@ def test_tp_engine_rejects_a_model_it_cannot_split_before_starting_workers(tmp_p
     path = write_checkpoint(tmp_path, "llama", num_attention_heads=4, num_key_value_heads=1)
     with pytest.raises(ValueError, match="only 4 q heads"):
         TensorParallelEngine(EngineConfig(model=path, device="cpu", num_kv_blocks=8), tp_size=8)
+
+
+@pytest.mark.gpu
+def test_tp2_over_nccl_on_two_gpus_matches_tp1(tmp_path):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (one per rank)")
+    path = write_checkpoint(tmp_path, "llama", num_attention_heads=4, num_key_value_heads=2)
+    config = EngineConfig(model=path, device="cuda", num_kv_blocks=32)
+    single = LLMEngine(config)
+    single_logits = record_logits(single)
+    single_tokens = run_to_completion(single, PROMPTS, GREEDY)
+    with TensorParallelEngine(config, tp_size=2, timeout_s=60) as engine:
+        tp_logits = record_logits(engine)
+        tp_tokens = run_to_completion(engine, PROMPTS, GREEDY)
+    assert tp_tokens == single_tokens
+    for out, ref in zip(tp_logits, single_logits, strict=True):
+        # bf16 activations: each rank's partial sums are rounded to bf16 (2^-8) before the reduce
+        assert_close(out, ref, 3e-2, "TP 2 (NCCL) logits")
