@@ -35,7 +35,7 @@ from kiln.jax.dispatch import gpu_interpret, pad_to, round_up, squeezed, tpu_int
 NEG_INF = float("-inf")
 
 
-def _visible(rows, cols, offset, kv_len, causal, window):
+def visible_mask(rows, cols, offset, kv_len, causal, window):
     """rows: query indices, cols: key indices (broadcastable); the mask of docs/contracts.md."""
     position = rows + offset
     mask = cols < kv_len
@@ -73,7 +73,7 @@ def _scores(q, k, scale, softcap, precision):
     return s
 
 
-def _online_update(s, v, m_prev, l_prev, acc_prev, precision):
+def online_softmax_update(s, v, m_prev, l_prev, acc_prev, precision):
     """One FlashAttention-2 step on masked scores s [bq, bk] (masked = -inf)."""
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     m_safe = jnp.where(
@@ -92,14 +92,14 @@ def _online_update(s, v, m_prev, l_prev, acc_prev, precision):
     return m_new, l_new, alpha * acc_prev + pv
 
 
-def _finish(m, l, acc):
+def finish_softmax(m, l, acc):
     seen = l > 0.0
     out = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
     return out, lse
 
 
-def _precision(dtype):
+def dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
@@ -124,17 +124,17 @@ def _tpu_kernel(
 
     @pl.when((j >= first) & (j <= last))
     def _():
-        precision = _precision(q_ref.dtype)
+        precision = dot_precision(q_ref.dtype)
         s = _scores(q_ref[...], k_ref[...], scale, softcap, precision)
         rows = i * block_q + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
         cols = j * block_k + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(_visible(rows, cols, kv_len - q_len, kv_len, causal, window), s, NEG_INF)
-        m, l_, acc = _online_update(s, v_ref[...], m_ref[...], l_ref[...], acc_ref[...], precision)
+        s = jnp.where(visible_mask(rows, cols, kv_len - q_len, kv_len, causal, window), s, NEG_INF)
+        m, l_, acc = online_softmax_update(s, v_ref[...], m_ref[...], l_ref[...], acc_ref[...], precision)
         m_ref[...], l_ref[...], acc_ref[...] = m, l_, acc
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _():
-        out, lse = _finish(m_ref[...], l_ref[...], acc_ref[...])
+        out, lse = finish_softmax(m_ref[...], l_ref[...], acc_ref[...])
         o_ref[...] = out.astype(o_ref.dtype)
         lse_ref[...] = lse
 
@@ -204,7 +204,7 @@ def _gpu_kernel(
 
     b, i = pl.program_id(0), pl.program_id(2)
     q_len, kv_len = q_lens_ref[b], kv_lens_ref[b]
-    precision = _precision(q_ref.dtype)
+    precision = dot_precision(q_ref.dtype)
     q = q_ref[...]
     rows = i * block_q + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
 
@@ -215,8 +215,8 @@ def _gpu_kernel(
         v = plgpu.load(v_ref.at[pl.ds(start, block_k), :])
         s = _scores(q, k, scale, softcap, precision)
         cols = start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-        s = jnp.where(_visible(rows, cols, kv_len - q_len, kv_len, causal, window), s, NEG_INF)
-        return _online_update(s, v, m, l_, acc, precision)
+        s = jnp.where(visible_mask(rows, cols, kv_len - q_len, kv_len, causal, window), s, NEG_INF)
+        return online_softmax_update(s, v, m, l_, acc, precision)
 
     init = (
         jnp.full((block_q, 1), NEG_INF, jnp.float32),
@@ -226,7 +226,7 @@ def _gpu_kernel(
     first = _first_kv_block(i, block_q, block_k, q_len, kv_len, window)
     last = _last_kv_block(i, block_q, block_k, q_len, kv_len, causal)
     m, l_, acc = jax.lax.fori_loop(first, last + 1, body, init)
-    out, lse = _finish(m, l_, acc)
+    out, lse = finish_softmax(m, l_, acc)
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse[:, 0]
 

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kiln.jax.dispatch import squeezed, tpu_interpret, tpu_params
-from kiln.ops.attention.pallas import NEG_INF, _finish, _online_update, _precision
+from kiln.ops.attention.pallas import NEG_INF, dot_precision, finish_softmax, online_softmax_update
 
 
 def _page_range(seq_len, block_size, window):
@@ -58,7 +58,7 @@ def _kernel(
 
     @pl.when((i >= first) & (i <= last))
     def _():
-        precision = _precision(q_ref.dtype)
+        precision = dot_precision(q_ref.dtype)
         cols = i * block_size + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
         visible = cols < seq_len
         if window is not None:
@@ -76,12 +76,12 @@ def _kernel(
             if softcap is not None:
                 s = softcap * jnp.tanh(s / softcap)
             s = jnp.where(visible, s, NEG_INF)
-            m, l_, acc = _online_update(s, v, m_ref[g], l_ref[g], acc_ref[g], precision)
+            m, l_, acc = online_softmax_update(s, v, m_ref[g], l_ref[g], acc_ref[g], precision)
             m_ref[g], l_ref[g], acc_ref[g] = m, l_, acc
 
     @pl.when(i == pl.num_programs(1) - 1)
     def _():
-        out, _ = _finish(m_ref[...], l_ref[...], acc_ref[...])
+        out, _ = finish_softmax(m_ref[...], l_ref[...], acc_ref[...])
         o_ref[...] = out.astype(o_ref.dtype)
 
 

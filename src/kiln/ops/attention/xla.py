@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kiln.ops.attention.pallas import NEG_INF, _visible
+from kiln.ops.attention.pallas import NEG_INF, visible_mask
 
 
 def _attend(q, k, v, q_lens, kv_lens, scale, causal, window, softcap):
@@ -26,7 +26,7 @@ def _attend(q, k, v, q_lens, kv_lens, scale, causal, window, softcap):
     rows = jnp.arange(q.shape[1])[:, None]
     cols = jnp.arange(k.shape[1])[None, :]
     offset = (kv_lens - q_lens)[:, None, None, None, None]
-    mask = _visible(rows, cols, offset, kv_lens[:, None, None, None, None], causal, window)
+    mask = visible_mask(rows, cols, offset, kv_lens[:, None, None, None, None], causal, window)
     s = jnp.where(mask, s, NEG_INF)
     m = jnp.max(s, axis=-1, keepdims=True)
     m_safe = jnp.where(m == NEG_INF, 0.0, m)
