@@ -91,10 +91,10 @@ DECODE_GQA_8_WINDOW_SOFTCAP = {
     "sliding_window": 20,
     "softcap": 5.0,
 }
-DECODE_MHA_4 = {
+DECODE_MHA = {
     "context_lens": [23, 40],
     "num_heads": 4,
-    "num_kv_heads": 1,
+    "num_kv_heads": 4,
     "head_dim": 128,
     "block_size": 16,
 }
@@ -105,7 +105,7 @@ DECODE_MHA_4 = {
     [
         ("pallas_tpu", torch.bfloat16, DECODE_GQA_3_CROSSES_PAGES),
         ("pallas_tpu", torch.float32, DECODE_GQA_8_WINDOW_SOFTCAP),
-        ("pallas_tpu", torch.float16, DECODE_MHA_4),
+        ("pallas_tpu", torch.float16, DECODE_MHA),
         ("pallas_tpu", torch.float8_e4m3fn, DECODE_GQA_3_CROSSES_PAGES),  # fp16 queries, scaled fp8 cache
         ("xla", torch.bfloat16, DECODE_GQA_8_WINDOW_SOFTCAP),
     ],
