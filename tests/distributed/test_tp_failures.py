@@ -55,17 +55,17 @@ def test_killed_worker_fails_the_next_step_fast_and_names_it(checkpoint):
 
 
 def test_hung_worker_fails_the_step_after_the_collective_timeout_and_is_killed(checkpoint):
-    engine, worker = _start(checkpoint, timeout_s=3)
+    engine, worker = _start(checkpoint, timeout_s=5)
     os.kill(worker.pid, signal.SIGSTOP)  # alive but never joins the next collective
     # should the timeout ever not fire, end the test with a failure instead of hanging the suite
     rescue = threading.Timer(60.0, os.kill, (worker.pid, signal.SIGKILL))
     rescue.start()
     try:
         start = time.monotonic()
-        with pytest.raises(TensorParallelError, match="did not finish within 3 s"):
+        with pytest.raises(TensorParallelError, match="did not finish within 5 s"):
             engine.step()
         elapsed = time.monotonic() - start
-        assert 2.5 < elapsed < 30, elapsed
+        assert 4.5 < elapsed < 30, elapsed
         worker.join(timeout=10)
         assert _gone(worker.pid)
     finally:
