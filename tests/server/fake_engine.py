@@ -27,7 +27,7 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, max_num_seqs: int = 4, max_model_len: int = 64, step_delay: float = 0.005):
+    def __init__(self, max_num_seqs: int = 4, max_model_len: int = 1024, step_delay: float = 0.005):
         self.config = SimpleNamespace(max_num_seqs=max_num_seqs)
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len

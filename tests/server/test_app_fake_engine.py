@@ -64,7 +64,7 @@ def test_engine_failure_answers_500_and_the_loop_keeps_serving(server, engine):
 
 
 def test_a_request_arriving_during_a_failing_step_is_not_failed_with_it():
-    engine = FakeEngine(step_delay=0.4)
+    engine = FakeEngine(step_delay=1.0)  # long enough for the second request to land inside it
     srv = serve(engine)
     results = {}
 
@@ -88,7 +88,7 @@ def test_a_request_arriving_during_a_failing_step_is_not_failed_with_it():
 
 def test_engine_failure_mid_stream_sends_an_error_event_then_done(server, engine):
     with httpx.stream(
-        "POST", f"{server.url}/v1/completions", json=completion(max_tokens=40, stream=True)
+        "POST", f"{server.url}/v1/completions", json=completion(max_tokens=400, stream=True)
     ) as r:
         assert r.status_code == 200
         events = sse_payloads(r)
@@ -101,7 +101,9 @@ def test_engine_failure_mid_stream_sends_an_error_event_then_done(server, engine
     assert httpx.post(f"{server.url}/v1/completions", json=completion(), timeout=10).status_code == 200
 
 
-def test_a_request_arriving_mid_generation_joins_the_running_batch(server, engine):
+def test_a_request_arriving_mid_generation_joins_the_running_batch():
+    engine = FakeEngine(max_num_seqs=4, step_delay=0.05)  # the long request runs ~3 s
+    server = serve(engine)
     late_text = []
     with httpx.stream("POST", f"{server.url}/v1/completions", json=completion("long", 60, stream=True)) as r:
         events = sse_payloads(r)
@@ -111,6 +113,7 @@ def test_a_request_arriving_mid_generation_joins_the_running_batch(server, engin
         late = httpx.post(f"{server.url}/v1/completions", json=completion("late", 3), timeout=10).json()
         late_text.append(late["choices"][0]["text"])
         texts = "".join(e["choices"][0]["text"] for e in events if e != "[DONE]")
+    server.stop()
     assert late_text == ["abc"]
     assert len(texts) == 57  # the long one went on to its 60 tokens
     long_id, late_id = engine.batches[0][0], None
@@ -135,14 +138,14 @@ def test_only_the_engine_loop_thread_touches_the_engine(server, engine):
 
 
 def test_full_queue_answers_503_and_frees_up_afterwards():
-    engine = FakeEngine(max_num_seqs=1, step_delay=0.02)
+    engine = FakeEngine(max_num_seqs=1, step_delay=0.05)
     srv = serve(engine, max_queue=1)
     try:
-        with httpx.stream("POST", f"{srv.url}/v1/completions", json=completion("a", 50, stream=True)) as r1:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=completion("a", 200, stream=True)) as r1:
             events = sse_payloads(r1)  # keep it: a discarded iterator closes the stream
             next(events)
             with httpx.stream(
-                "POST", f"{srv.url}/v1/completions", json=completion("b", 50, stream=True)
+                "POST", f"{srv.url}/v1/completions", json=completion("b", 200, stream=True)
             ) as r2:
                 assert r2.status_code == 200  # waits in the queue
                 r3 = httpx.post(f"{srv.url}/v1/completions", json=completion("c", 2), timeout=10)
