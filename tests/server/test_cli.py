@@ -1,0 +1,47 @@
+"""`kiln serve` is wired into the `kiln` command, parses its options, and refuses bad ones before
+loading a model."""
+
+from __future__ import annotations
+
+from kiln.cli import build_parser, main
+from kiln.server import cli as serve_cli
+from kiln.server.launch import served_model_name
+
+
+def test_kiln_serve_parses_its_options():
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--port",
+            "9123",
+            "--api-key",
+            "k",
+            "--max-num-seqs",
+            "8",
+            "--max-queue",
+            "3",
+            "--device",
+            "cpu",
+        ]
+    )
+    assert args.func is serve_cli.run
+    assert (args.host, args.port, args.api_key, args.max_num_seqs, args.max_queue, args.device) == (
+        "127.0.0.1",
+        9123,
+        "k",
+        8,
+        3,
+        "cpu",
+    )
+
+
+def test_kiln_serve_rejects_bad_options_without_loading_a_model(capsys):
+    assert main(["serve", "--max-queue", "-1"]) == 2
+    assert main(["serve", "--max-num-seqs", "0"]) == 2
+    assert "max_num_seqs" in capsys.readouterr().err
+
+
+def test_served_model_name_is_the_checkpoint_name():
+    assert served_model_name(None) == "SmolLM2-135M-Instruct"
+    assert served_model_name("/models/Llama-3.2-1B.Q4_0.gguf") == "Llama-3.2-1B.Q4_0"
+    assert served_model_name("/models/qwen2-0.5b/") == "qwen2-0.5b"
