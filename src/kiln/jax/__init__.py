@@ -5,6 +5,18 @@ Pallas's interpreter. Bad arguments raise the same ValueErrors as the torch API 
 
 The same kernels back the torch OpSpecs as implementations "pallas_tpu", "pallas_gpu" and "xla"
 (registered by `kiln.jax.backends`), so `kiln verify` and `kiln bench` check and time them.
+
+    function                  torch op(s)                       kernels (in src/kiln/ops/)
+    rms_norm                  rms_norm                          tpu, gpu, xla   norm/pallas.py
+    softmax                   softmax                           tpu, gpu, xla   softmax/pallas.py
+    silu_and_mul, gelu_tanh_and_mul                             tpu, gpu, xla   activation/pallas.py
+    rope                      rotary_embedding                  tpu, xla        rope/pallas.py
+    matmul                    linear (+ linear_silu_mul)        tpu, gpu, xla   gemm/pallas.py
+    w8a16_matmul              w8a16_linear                      tpu, gpu, xla   gemm/pallas.py
+    flash_attention           flash_attention (varlen adapter)  tpu, gpu, xla   attention/pallas.py, xla.py
+    paged_decode_attention    paged_decode_attention            tpu, xla        attention/pallas_paged.py
+An op without a kernel for this device (None on a GPU for rope / paged decode) runs its xla version.
+`kiln.jax.llama_layer` composes them into a Llama decoder layer (prefill and paged decode).
 """
 
 import os
