@@ -32,7 +32,7 @@ for phase in "${phases[@]}"; do
       $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee "$OUT/versions.txt"
       ;;
     tests)  # every kernel test on the GPU (the `device` fixture is CUDA there), GPU-only tests included
-      timeout 420 $PY -m pytest -q -x -p no:cacheprovider tests/ops tests/verify tests/bench tests/tune tests/jax tests/engine/test_cuda_graphs.py \
+      timeout 420 $PY -m pytest -q -p no:cacheprovider tests/ops tests/verify tests/bench tests/tune tests/jax tests/engine/test_cuda_graphs.py \
         --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
       ;;
     verify)
