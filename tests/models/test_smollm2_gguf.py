@@ -56,7 +56,12 @@ def gguf_weights():
 def prompts(kiln_default):
     tok = kiln_default.tokenizer
     chat = tok.apply_chat_template([{"role": "user", "content": "Write a haiku about kilns."}])
-    texts = ["The capital of France is", chat, "def fibonacci(n):\n    "]
+    texts = [
+        "The capital of France is",
+        chat,
+        "def fibonacci(n):\n    ",
+        "Once upon a time, in a small village,",
+    ]
     return [tok.encode(t) for t in texts]
 
 
@@ -91,12 +96,41 @@ def test_default_cpu_model_logits_within_fp16_tolerance_with_same_top_tokens(hf_
         assert len(overlap) >= 4
 
 
-def test_greedy_continuations_are_token_identical_to_hf_generate(hf_model, kiln_default, prompts):
+def _hf_greedy(hf_model, ids, n):
+    """HF's greedy continuation and its logits [n, vocab] at each generated position."""
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits).float()
+
+
+def test_float32_weights_greedy_continuations_are_token_identical_to_hf_generate(
+    hf_model, kiln_fp32, prompts
+):
     for ids in prompts:
+        theirs, _ = _hf_greedy(hf_model, ids, 24)
+        assert greedy(kiln_fp32, ids, 24) == theirs
+
+
+# The fp16 default may pick another token only where HF itself nearly ties: HF's top-1 logit leads
+# Kiln's pick by less than ~2x the fp16 logit error (max |logit error| measured 0.06-0.11 over these
+# prompts and their continuations, teacher-forced; the one divergence seen was a 0.005 gap).
+NEAR_TIE = 0.25
+
+
+def test_default_cpu_model_greedy_follows_hf_up_to_near_ties(hf_model, kiln_default, prompts):
+    for ids in prompts:
+        theirs, hf_logits = _hf_greedy(hf_model, ids, 24)
         ours = greedy(kiln_default.model, ids, 24)
-        with torch.no_grad():
-            theirs = hf_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :]
-        assert ours == theirs.tolist(), kiln_default.tokenizer.decode(ours)
+        if ours != theirs:
+            step = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
+            gap = hf_logits[step, theirs[step]] - hf_logits[step, ours[step]]
+            assert gap < NEAR_TIE, (step, float(gap), kiln_default.tokenizer.decode(ours))
 
 
 def test_chunked_prefill_then_decode_matches_one_prefill(kiln_fp32, prompts):
