@@ -109,11 +109,15 @@ def _hf_greedy(hf_model, ids, n):
     return out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits).float()
 
 
+@pytest.fixture(scope="module")
+def hf_continuations(hf_model, prompts):
+    return [_hf_greedy(hf_model, ids, 24) for ids in prompts]
+
+
 def test_float32_weights_greedy_continuations_are_token_identical_to_hf_generate(
-    hf_model, kiln_fp32, prompts
+    kiln_fp32, prompts, hf_continuations
 ):
-    for ids in prompts:
-        theirs, _ = _hf_greedy(hf_model, ids, 24)
+    for ids, (theirs, _) in zip(prompts, hf_continuations, strict=True):
         assert greedy(kiln_fp32, ids, 24) == theirs
 
 
@@ -123,9 +127,8 @@ def test_float32_weights_greedy_continuations_are_token_identical_to_hf_generate
 NEAR_TIE = 0.25
 
 
-def test_default_cpu_model_greedy_follows_hf_up_to_near_ties(hf_model, kiln_default, prompts):
-    for ids in prompts:
-        theirs, hf_logits = _hf_greedy(hf_model, ids, 24)
+def test_default_cpu_model_greedy_follows_hf_up_to_near_ties(kiln_default, prompts, hf_continuations):
+    for ids, (theirs, hf_logits) in zip(prompts, hf_continuations, strict=True):
         ours = greedy(kiln_default.model, ids, 24)
         if ours != theirs:
             step = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
