@@ -97,3 +97,18 @@ def test_missing_gguf_tensor_names_file_and_tensor(tmp_path):
     write_tiny_gguf(tiny_llama(), path, skip=("blk.1.ffn_down.weight",))
     with pytest.raises(ModelLoadError, match=r"tiny\.gguf.*model\.layers\.1\.mlp\.down_proj\.weight"):
         load_model(str(path))
+
+
+@pytest.mark.gpu
+def test_tiny_gguf_on_cuda_keeps_blocks_for_gguf_linear_and_matches_cpu(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(tiny_llama(seed=2), path)
+    config, weights, _, _ = load_gguf(str(path))
+    exact = prompt_logits(LlamaForCausalLM(config, weights, cpu_format="fp32", lm_head_format="fp32"), PROMPT)
+    for dtype, tol in ((torch.float16, 5e-3), (torch.bfloat16, 3e-2)):  # 2^-11 / 2^-8 activation roundings
+        model = LlamaForCausalLM(config, weights, device="cuda", dtype=dtype)
+        assert model.layers[0].mlp.gate_up_proj.format == "gguf"  # Q4_1 + Q4_0 rows fused as Q4_1
+        assert model.layers[0].mlp.down_proj.format == "gguf"  # Q8_0
+        out = prompt_logits(model, PROMPT, block_size=4).cpu()
+        rel = (out.double() - exact.double()).norm(dim=-1) / exact.double().norm(dim=-1)
+        assert rel.max() < tol, dtype
