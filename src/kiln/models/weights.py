@@ -37,14 +37,18 @@ class GGUFWeight:
         n, k = self.shape
         blocks = self.data.view(n, k // GGUF_BLOCK_SIZE, GGUF_BLOCK_BYTES[self.qtype])
         d = blocks[..., 0:2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
+        # One float32 buffer, filled and scaled in place: load time is dominated by these passes.
+        q = torch.empty(blocks.shape[:2] + (GGUF_BLOCK_SIZE,), dtype=torch.float32)
         if self.qtype == "Q8_0":
-            q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)
-            return (q * d).reshape(n, k).to(dtype)
-        q = self.nibbles().view(n, k // GGUF_BLOCK_SIZE, GGUF_BLOCK_SIZE).to(torch.float32)
+            q.copy_(blocks[..., 2:].contiguous().view(torch.int8))
+            return q.mul_(d).view(n, k).to(dtype)
+        qs = blocks[..., -16:]
+        q[..., :16] = qs & 0x0F  # low nibbles: weights 0..15 of the block
+        q[..., 16:] = qs >> 4  # high nibbles: weights 16..31
         if self.qtype == "Q4_0":
-            return ((q - 8.0) * d).reshape(n, k).to(dtype)
+            return q.sub_(8.0).mul_(d).view(n, k).to(dtype)
         m = blocks[..., 2:4].contiguous().view(torch.float16).to(torch.float32)
-        return (q * d + m).reshape(n, k).to(dtype)
+        return q.mul_(d).add_(m).view(n, k).to(dtype)
 
     def nibbles(self) -> torch.Tensor:
         """Q4_0 / Q4_1 quants as int32 [out_features, in_features] in 0..15: byte j of a block holds
