@@ -8,6 +8,7 @@ import torch
 from kiln.loaders import load_model
 from kiln.loaders.gguf import load_gguf, unpermute_rows
 from kiln.models import LlamaForCausalLM, ModelLoadError
+from kiln.models.weights import GGUFWeight
 from tests.loaders.gguf_tiny import llama_cpp_permute, write_tiny_gguf
 from tests.models.helpers import greedy, prompt_logits
 
@@ -43,6 +44,20 @@ def test_unpermute_rows_inverts_llama_cpp_permutation():
     permuted = torch.from_numpy(llama_cpp_permute(w.numpy(), 6))
     assert not torch.equal(permuted, w)
     assert torch.equal(permuted[unpermute_rows(6, 48)], w)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_dequantize_is_bit_identical_to_gguf_package(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qt = GGMLQuantizationType[qtype]
+    w = torch.randn(7, 96, generator=torch.Generator().manual_seed(3)).numpy() * 2.5
+    data = torch.from_numpy(quantize(w, qt))
+    weight = GGUFWeight(qtype, data, (7, 96))
+    expected = torch.from_numpy(dequantize(data.numpy(), qt)).reshape(7, 96)
+    assert torch.equal(weight.dequantize(), expected)
+    assert torch.equal(weight.as_q4_1().dequantize(), expected)  # Q4_0 -> Q4_1 is exact too
 
 
 @pytest.mark.parametrize("tied", [False, True])
