@@ -36,6 +36,27 @@ def roundtrip(w: np.ndarray, qtype) -> np.ndarray:
     return dequantize(quantize(w.astype(np.float32), qtype), qtype).reshape(w.shape)
 
 
+def llama3_rope_freq_factors(config) -> np.ndarray:
+    """What llama.cpp's converter stores as `rope_freqs.weight` for Llama-3.1 rope scaling: one
+    divisor per frequency (1 for short wavelengths, `factor` for long ones, interpolated between)."""
+    rope = config.rope_parameters
+    dim = config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in inv_freq:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def write_tiny_gguf(hf_model, path, *, arch="llama", tied=False, skip=(), vocab_tokens=None) -> dict:
     """Write `hf_model` (a transformers LlamaForCausalLM) to `path`; returns {hf_name: tensor} of the
     weights as stored (after quantization), for loading the same values back into transformers."""
@@ -72,6 +93,8 @@ def write_tiny_gguf(hf_model, path, *, arch="llama", tied=False, skip=(), vocab_
         else:
             writer.add_tensor(gguf_name, quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
 
+    if c.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freq_factors(c))
     add("token_embd.weight", "model.embed_tokens.weight", TENSOR_TYPES["token_embd"])
     add("output_norm.weight", "model.norm.weight", Q.F32)
     if not tied:

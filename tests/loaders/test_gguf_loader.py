@@ -79,6 +79,29 @@ def test_tiny_gguf_logits_and_greedy_match_transformers(tmp_path, tied):
     assert greedy(model, PROMPT, 8, block_size=4) == theirs[0, len(PROMPT) :].tolist()
 
 
+def test_llama3_rope_freqs_tensor_gives_hf_llama3_rope_scaling(tmp_path):
+    scaling = {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8,
+    }  # fmt: skip
+    hf = tiny_llama(seed=4, rope_scaling=scaling, rope_theta=10000.0)
+    path = tmp_path / "llama31.gguf"
+    hf = _hf_with(hf, write_tiny_gguf(hf, path))
+    config, weights, _, inv_freq = load_gguf(str(path))
+    assert inv_freq is not None and config.rope_scaling is None  # the scaling lives in the tensor
+    model = LlamaForCausalLM(
+        config, weights, cpu_format="fp32", lm_head_format="fp32", rope_inv_freq=inv_freq
+    )
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0]
+    out = prompt_logits(model, PROMPT, block_size=4)
+    rel = (out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)
+    assert rel.max() < TOL
+    # and without the scaling the positions past the first few would differ
+    plain = LlamaForCausalLM(config, weights, cpu_format="fp32", lm_head_format="fp32")
+    assert ((prompt_logits(plain, PROMPT) - ref).norm() / ref.norm()) > 100 * TOL
+
+
 def test_tiny_gguf_cpu_formats_agree_with_float32(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(tiny_llama(seed=1), path)
