@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where to write the JSON results (default: bench/results/engine_<device>.json)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-format", default=None, help="CPU linear weights: int4 | fp16 | bf16 | fp32")
+    parser.add_argument("--lm-head-format", default=None, help="CPU LM-head weights: fp16 | bf16 | fp32")
     parser.add_argument(
         "--threads",
         type=int,
@@ -236,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"loading {model_path} on {device} ...", file=sys.stderr, flush=True)
-    loaded = load_model(model_path, device=device)
+    formats = {"cpu_format": args.cpu_format, "lm_head_format": args.lm_head_format}
+    loaded = load_model(model_path, device=device, **{k: v for k, v in formats.items() if v is not None})
     vocab = loaded.model.config.vocab_size
     results = bench_kiln(args, loaded, concurrencies)
     del loaded

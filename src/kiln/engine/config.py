@@ -22,6 +22,8 @@ class EngineConfig:
     num_kv_blocks: set the number of KV blocks directly (overrides the byte budgets; tests use it).
     max_model_len: longest prompt + output; None = the model's max_position_embeddings, capped by the cache.
     enforce_eager: on CUDA, skip CUDA-graph capture.
+    cpu_format, lm_head_format: how the loader keeps CPU linear / LM-head weights ("int4", "fp16",
+        "bf16", "fp32"; None = the loader's default), see kiln.models.layers.linear.
     """
 
     model: str | None = None
@@ -37,6 +39,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
+    cpu_format: str | None = None
+    lm_head_format: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -28,7 +28,13 @@ class LLMEngine:
         if loaded is None:
             from kiln.loaders import load_model
 
-            loaded = load_model(config.model, device=str(self.device), dtype=config.dtype)
+            formats = {"cpu_format": config.cpu_format, "lm_head_format": config.lm_head_format}
+            loaded = load_model(
+                config.model,
+                device=str(self.device),
+                dtype=config.dtype,
+                **{k: v for k, v in formats.items() if v is not None},
+            )
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         model_config = self.model.config
