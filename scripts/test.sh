@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test suite. Without CUDA, Triton kernels run in Triton's interpreter (tests/conftest.py sets it)
-# and GPU-only tests are skipped with a reason.
+# and GPU-only tests are skipped with a reason. Two xdist workers share the 2 cores, so each gets one
+# intra-op thread: oversubscribed OpenMP threads spin against each other and run many times slower.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python3 -m pytest -q -n 2 --durations=15 tests "$@"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec python3 -m pytest -q -n 2 --durations=25 tests "$@"
