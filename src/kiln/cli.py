@@ -29,7 +29,9 @@ def _prepare_environment(argv: list[str]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kiln", description="Kiln: kernels, tooling and an inference engine")
+    parser = argparse.ArgumentParser(
+        prog="kiln", description="Kiln: kernels, tooling and an inference engine"
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module_name in SUBCOMMANDS:
         try:

@@ -33,7 +33,9 @@ def test_rms_norm_matches_float64_reference(backend, dtype, shape, device):
 @given(rows=st.integers(1, 40), hidden=st.integers(1, 2500), residual=st.booleans())
 def test_rms_norm_triton_fuzzed_shapes(rows, hidden, residual):
     shape = {"rows": rows, "hidden": hidden, "residual": residual}
-    case = run_case(RMS_NORM, "triton", shape, torch.float32, torch.device("cpu"), seed=random.randrange(2**31))
+    case = run_case(
+        RMS_NORM, "triton", shape, torch.float32, torch.device("cpu"), seed=random.randrange(2**31)
+    )
     assert case.passed, case
 
 
@@ -84,5 +86,7 @@ def test_rms_norm_rejects_mismatched_residual():
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [{"rows": 7, "hidden": 4096, "residual": True}, {"rows": 1, "hidden": 576}])
 def test_rms_norm_bfloat16_on_gpu(shape):
-    case = run_case(RMS_NORM, "triton", shape, torch.bfloat16, torch.device("cuda"), seed=random.randrange(2**31))
+    case = run_case(
+        RMS_NORM, "triton", shape, torch.bfloat16, torch.device("cuda"), seed=random.randrange(2**31)
+    )
     assert case.passed, case

@@ -26,16 +26,17 @@ def check_tensor(
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if tensor.dim() not in allowed:
-            raise ValueError(
-                f"{op}: {name} must have {' or '.join(map(str, allowed))} dims, got shape {tuple(tensor.shape)}"
-            )
+            dims = " or ".join(map(str, allowed))
+            raise ValueError(f"{op}: {name} must have {dims} dims, got shape {tuple(tensor.shape)}")
     if min_ndim is not None and tensor.dim() < min_ndim:
         raise ValueError(f"{op}: {name} must have at least {min_ndim} dims, got shape {tuple(tensor.shape)}")
     if dtypes is not None:
         dtypes = tuple(dtypes)
         if tensor.dtype not in dtypes:
             names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-            raise ValueError(f"{op}: {name} has dtype {str(tensor.dtype).replace('torch.', '')}, expected one of {names}")
+            raise ValueError(
+                f"{op}: {name} has dtype {str(tensor.dtype).replace('torch.', '')}, expected one of {names}"
+            )
     if device is not None and tensor.device != device:
         raise ValueError(f"{op}: {name} is on {tensor.device}, expected {device} (all tensors on one device)")
     return tensor

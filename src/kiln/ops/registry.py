@@ -129,7 +129,11 @@ class OpSpec:
             if not impl.is_available(device):
                 raise ValueError(
                     f"{self.name}: backend {backend!r} cannot run on device {device}"
-                    + (" (set TRITON_INTERPRET=1 to run Triton kernels on the CPU)" if backend == "triton" else "")
+                    + (
+                        " (set TRITON_INTERPRET=1 to run Triton kernels on the CPU)"
+                        if backend == "triton"
+                        else ""
+                    )
                 )
             return impl
         if device is not None and device.type == "cuda" and "triton" in self.implementations:
@@ -182,6 +186,8 @@ def all_ops() -> dict[str, OpSpec]:
     import kiln.ops  # noqa: F401
 
     for module, package in OPTIONAL_BACKEND_MODULES.items():
-        if importlib.util.find_spec(package) is not None and importlib.util.find_spec(module.rsplit(".", 1)[0]):
+        if importlib.util.find_spec(package) is not None and importlib.util.find_spec(
+            module.rsplit(".", 1)[0]
+        ):
             importlib.import_module(module)
     return dict(sorted(_REGISTRY.items()))

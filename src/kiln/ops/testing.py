@@ -11,12 +11,16 @@ def randn(shape, dtype: torch.dtype, device, generator: torch.Generator, scale: 
     return values.to(dtype=dtype, device=device)
 
 
-def uniform(shape, low: float, high: float, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
+def uniform(
+    shape, low: float, high: float, dtype: torch.dtype, device, generator: torch.Generator
+) -> torch.Tensor:
     values = torch.rand(tuple(shape), generator=generator, dtype=torch.float32) * (high - low) + low
     return values.to(dtype=dtype, device=device)
 
 
-def randint(shape, low: int, high: int, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
+def randint(
+    shape, low: int, high: int, dtype: torch.dtype, device, generator: torch.Generator
+) -> torch.Tensor:
     return torch.randint(low, high, tuple(shape), generator=generator).to(dtype=dtype, device=device)
 
 

@@ -10,7 +10,9 @@ import sys
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("verify", help="check every op against its float64 reference")
     p.add_argument("--op", action="append", help="op name (repeatable); default: all registered ops")
-    p.add_argument("--backend", action="append", help="implementation name (repeatable); default: all available")
+    p.add_argument(
+        "--backend", action="append", help="implementation name (repeatable); default: all available"
+    )
     p.add_argument("--dtype", action="append", help="dtype name such as float16 (repeatable)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--seed", type=int, default=None, help="seed for shapes and inputs (default: fresh)")

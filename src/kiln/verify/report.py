@@ -21,17 +21,26 @@ def status(row: Row) -> str:
 def format_table(rows: list[Row]) -> str:
     header = ("op", "backend", "dtype", "cases", "worst rel err", "tolerance", "result")
     lines = [header] + [
-        (r.op, r.backend, r.dtype, str(r.cases), f"{r.worst_error:.2e}" if r.cases else "-",
-         f"{r.tolerance:.1e}" if r.tolerance else "-", status(r))
+        (
+            r.op,
+            r.backend,
+            r.dtype,
+            str(r.cases),
+            f"{r.worst_error:.2e}" if r.cases else "-",
+            f"{r.tolerance:.1e}" if r.tolerance else "-",
+            status(r),
+        )
         for r in rows
     ]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
     for r in rows:
         for failure in r.failures[:3]:
-            out.append(f"  FAILED {r.op}/{r.backend}/{r.dtype} shape={failure['shape']} seed={failure['seed']}: "
-                       f"error={failure['error']:.3e} {failure['failure']}".rstrip())
+            out.append(
+                f"  FAILED {r.op}/{r.backend}/{r.dtype} shape={failure['shape']} seed={failure['seed']}: "
+                f"error={failure['error']:.3e} {failure['failure']}".rstrip()
+            )
     return "\n".join(out)
 
 
@@ -40,7 +49,9 @@ def write_json(rows: list[Row], path: str | Path, device: str) -> None:
         "kind": "kiln-verify",
         "version": 1,
         "device": device,
-        "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
+        "device_name": torch.cuda.get_device_name()
+        if device.startswith("cuda")
+        else platform.processor() or "cpu",
         "torch": torch.__version__,
         "rows": [dict(asdict(r), passed=r.passed) for r in rows],
     }

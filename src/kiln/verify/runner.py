@@ -75,7 +75,9 @@ def clone_inputs(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def run_case(spec: OpSpec, backend: str, shape: dict, dtype: torch.dtype, device: torch.device, seed: int) -> CaseResult:
+def run_case(
+    spec: OpSpec, backend: str, shape: dict, dtype: torch.dtype, device: torch.device, seed: int
+) -> CaseResult:
     """Run one case: fresh inputs from `seed`, poisoned outputs, compare each output with float64."""
     tol = spec.tolerance[dtype]
     result = CaseResult(spec.name, backend, dtype_name(dtype), shape, 0.0, tol, seed)
@@ -96,7 +98,7 @@ def run_case(spec: OpSpec, backend: str, shape: dict, dtype: torch.dtype, device
         result.failure = f"{len(got)} outputs, reference has {len(expected)}"
         result.error = float("inf")
         return result
-    for i, (out, ref) in enumerate(zip(got, expected)):
+    for i, (out, ref) in enumerate(zip(got, expected, strict=True)):
         try:
             err = relative_error(out, ref)
         except ValueError as exc:
@@ -106,7 +108,9 @@ def run_case(spec: OpSpec, backend: str, shape: dict, dtype: torch.dtype, device
     return result
 
 
-def backend_dtypes(spec: OpSpec, backend: str, device: torch.device) -> tuple[list[torch.dtype], list[torch.dtype]]:
+def backend_dtypes(
+    spec: OpSpec, backend: str, device: torch.device
+) -> tuple[list[torch.dtype], list[torch.dtype]]:
     """(dtypes to run, dtypes skipped here) for a backend on a device."""
     skipped = []
     if device.type != "cuda" and backend == "triton" and triton_interpreting():
