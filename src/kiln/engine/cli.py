@@ -25,6 +25,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS up to --max-tokens")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument(  # tensor parallelism (kiln.distributed; README: Tensor parallelism)
+        "--tp", type=int, default=1, help="tensor-parallel processes (spawned here, or under torchrun)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -48,7 +51,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print("loading model ...", file=sys.stderr, flush=True)
     try:
-        engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_num_seqs=1))
+        config = EngineConfig(model=args.model, device=args.device, max_num_seqs=1)
+        if args.tp > 1:  # tensor parallelism: None on a torchrun rank > 0, which served rank 0 and is done
+            from kiln.distributed.launch import start_engine
+
+            engine = start_engine(config, args.tp)
+            if engine is None:
+                return 0
+        else:
+            engine = LLMEngine(config)
     except ValueError as exc:  # kiln.models.ModelLoadError is one: names the file and what is wrong
         print(f"kiln generate: {exc}", file=sys.stderr)
         return 2
