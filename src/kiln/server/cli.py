@@ -28,6 +28,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     parser.add_argument("--served-model-name", default=None, help="the model id clients send")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(  # tensor parallelism (kiln.distributed; README: Tensor parallelism)
+        "--tp", type=int, default=1, help="tensor-parallel processes (spawned here, or under torchrun)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -54,7 +57,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"kiln serve: {exc}", file=sys.stderr)
         return 2
     print("kiln serve: loading model ...", file=sys.stderr, flush=True)
-    engine = LLMEngine(config)
+    if args.tp > 1:  # tensor parallelism: None on a torchrun rank > 0, which served rank 0 and is done
+        from kiln.distributed.launch import start_engine
+
+        engine = start_engine(config, args.tp)
+        if engine is None:
+            return 0
+    else:
+        engine = LLMEngine(config)
     name = args.served_model_name or served_model_name(args.model)
     app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue)
     print(f"kiln serve: {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
