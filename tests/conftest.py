@@ -24,3 +24,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def ceilings_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("kiln-ceilings") / "ceilings.json"
+
+
+@pytest.fixture(autouse=True)
+def isolated_caches(ceilings_cache, tmp_path, monkeypatch):
+    """No test touches ~/.cache: device ceilings are measured once per session into a temp file, and
+    the tuning cache is a fresh temp file per test."""
+    import kiln.tune.cache as tune_cache
+
+    monkeypatch.setenv("KILN_CEILINGS_CACHE", str(ceilings_cache))
+    monkeypatch.setenv("KILN_TUNE_CACHE", str(tmp_path / "tune.json"))
+    monkeypatch.setattr(tune_cache, "_user_entries", None)
+    yield
+    tune_cache._shipped.cache_clear()  # a test may have pointed SHIPPED_DIR elsewhere
