@@ -17,9 +17,18 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor
-from kiln.ops.gemm.shapes import GEMM_TOLERANCE, fuzz_gemm_shapes, gemm_flops, llm_shapes
+from kiln.ops.gemm.shapes import (
+    GEMM_TOLERANCE,
+    fuzz_quantize_shapes,
+    fuzz_scaled_gemm_shapes,
+    gemm_flops,
+    llm_shapes,
+    quantize_bytes,
+    quantize_flops,
+    scaled_gemm_bytes,
+)
 from kiln.ops.registry import OpSpec, register_op
-from kiln.ops.testing import compute_dtype, element_size, randn, uniform
+from kiln.ops.testing import compute_dtype, randn, uniform
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -72,35 +81,33 @@ def _make_quantize_inputs(shape, dtype, device, generator):
     }
 
 
-def _make_fp8_linear_inputs(shape, dtype, device, generator):
+def make_scaled_linear_inputs(shape, dtype, device, generator, suffix: str, make_q) -> dict:
+    """Inputs of fp8_linear / int8_linear: x_<suffix> [M, K] and w_<suffix> [N, K] from
+    `make_q(size)`, per-token/per-channel (or per-tensor) float32 scales, optional bias, out_dtype.
+    Drawn in argument order, so each op's generator stream is its own."""
     M, N, K = shape["M"], shape["N"], shape["K"]
     per = shape["per_token"]
     return {
-        "x_fp8": randn((M, K), torch.float32, device, generator, scale=40.0)
-        .clamp(-FP8_MAX, FP8_MAX)
-        .to(FP8_DTYPE),
+        f"x_{suffix}": make_q((M, K)),
         "x_scale": uniform((M, 1) if per else (1,), 0.01, 0.05, torch.float32, device, generator),
-        "w_fp8": randn((N, K), torch.float32, device, generator, scale=40.0)
-        .clamp(-FP8_MAX, FP8_MAX)
-        .to(FP8_DTYPE),
+        f"w_{suffix}": make_q((N, K)),
         "w_scale": uniform((N, 1) if per else (1,), 0.01, 0.05, torch.float32, device, generator) * K**-0.5,
         "bias": randn((N,), dtype, device, generator) if shape.get("bias") else None,
         "out_dtype": dtype,
     }
 
 
+def _make_fp8_linear_inputs(shape, dtype, device, generator):
+    def make_q(size):
+        return (
+            randn(size, torch.float32, device, generator, scale=40.0).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        )
+
+    return make_scaled_linear_inputs(shape, dtype, device, generator, "fp8", make_q)
+
+
 def _quantize_fuzz(rng):
-    shapes = [
-        {"M": 1, "K": 1},
-        {"M": 5, "K": 333},
-        {"M": 3, "K": 5000},
-        {"M": rng.randint(1, 40), "K": rng.randint(1, 2000)},
-    ]
-    return [{**s, "per_token": per} for s in shapes for per in (True, False)]
-
-
-def _fp8_linear_fuzz(rng):
-    return [{**s, "bias": i % 2 == 1, "per_token": i % 3 != 2} for i, s in enumerate(fuzz_gemm_shapes(rng))]
+    return [{**s, "per_token": per} for s in fuzz_quantize_shapes(rng) for per in (True, False)]
 
 
 def _scaled_mm(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16):
@@ -122,8 +129,8 @@ QUANTIZE_FP8 = register_op(
         # where the quotient lies within ~1e-7 of a rounding midpoint (one e4m3 step, 2^-3 relative,
         # in a rare element); the scale itself is one float32 rounding.
         tolerance={torch.float32: 1e-2, torch.float16: 1e-2, torch.bfloat16: 1e-2},
-        flops=lambda s, dtype: 3.0 * s["M"] * s["K"],
-        bytes=lambda s, dtype: s["M"] * s["K"] * (element_size(dtype) + 1) + 4 * s["M"],
+        flops=quantize_flops,
+        bytes=quantize_bytes,
         outputs=lambda result, inputs: result,
         bench_shapes={
             "llm": [
@@ -139,12 +146,12 @@ FP8_LINEAR = register_op(
         description="(x_fp8 * x_scale) @ (w_fp8 * w_scale)^T (+ bias), per-tensor or per-token x per-channel",
         reference=fp8_linear_reference,
         make_inputs=_make_fp8_linear_inputs,
-        fuzz_shapes=_fp8_linear_fuzz,
+        fuzz_shapes=fuzz_scaled_gemm_shapes,
         dtypes=(torch.float32, torch.float16, torch.bfloat16),  # out_dtype
         # Reference uses the same (quantized) inputs: only fp32 accumulation and the output rounding remain.
         tolerance=GEMM_TOLERANCE,
         flops=gemm_flops,
-        bytes=lambda s, dtype: s["M"] * s["K"] + s["N"] * s["K"] + s["M"] * s["N"] * element_size(dtype),
+        bytes=scaled_gemm_bytes,
         bench_shapes={"llm": llm_shapes(per_token=True)},
         baselines={"torch_scaled_mm": _scaled_mm},
     )

@@ -16,10 +16,19 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor
-from kiln.ops.gemm.fp8_spec import AMAX_FLOOR, validate_scaled_linear
-from kiln.ops.gemm.shapes import GEMM_TOLERANCE, fuzz_gemm_shapes, gemm_flops, llm_shapes
+from kiln.ops.gemm.fp8_spec import AMAX_FLOOR, make_scaled_linear_inputs, validate_scaled_linear
+from kiln.ops.gemm.shapes import (
+    GEMM_TOLERANCE,
+    fuzz_quantize_shapes,
+    fuzz_scaled_gemm_shapes,
+    gemm_flops,
+    llm_shapes,
+    quantize_bytes,
+    quantize_flops,
+    scaled_gemm_bytes,
+)
 from kiln.ops.registry import OpSpec, register_op
-from kiln.ops.testing import compute_dtype, element_size, randint, randn, uniform
+from kiln.ops.testing import compute_dtype, randint, randn
 
 INT8_MAX = 127.0
 
@@ -47,29 +56,10 @@ def _make_quantize_inputs(shape, dtype, device, generator):
 
 
 def _make_int8_linear_inputs(shape, dtype, device, generator):
-    M, N, K = shape["M"], shape["N"], shape["K"]
-    per = shape["per_token"]
-    return {
-        "x_int8": randint((M, K), -127, 128, torch.int8, device, generator),
-        "x_scale": uniform((M, 1) if per else (1,), 0.01, 0.05, torch.float32, device, generator),
-        "w_int8": randint((N, K), -127, 128, torch.int8, device, generator),
-        "w_scale": uniform((N, 1) if per else (1,), 0.01, 0.05, torch.float32, device, generator) * K**-0.5,
-        "bias": randn((N,), dtype, device, generator) if shape.get("bias") else None,
-        "out_dtype": dtype,
-    }
+    def make_q(size):
+        return randint(size, -127, 128, torch.int8, device, generator)
 
-
-def _quantize_fuzz(rng):
-    return [
-        {"M": 1, "K": 1},
-        {"M": 5, "K": 333},
-        {"M": 3, "K": 5000},
-        {"M": rng.randint(1, 40), "K": rng.randint(1, 2000)},
-    ]
-
-
-def _int8_linear_fuzz(rng):
-    return [{**s, "bias": i % 2 == 1, "per_token": i % 3 != 2} for i, s in enumerate(fuzz_gemm_shapes(rng))]
+    return make_scaled_linear_inputs(shape, dtype, device, generator, "int8", make_q)
 
 
 def _torch_int_mm(x_int8, x_scale, w_int8, w_scale, bias=None, out_dtype=torch.bfloat16):
@@ -84,13 +74,13 @@ QUANTIZE_INT8 = register_op(
         description="fused per-token amax + scale + round to int8 (symmetric)",
         reference=quantize_int8_reference,
         make_inputs=_make_quantize_inputs,
-        fuzz_shapes=_quantize_fuzz,
+        fuzz_shapes=fuzz_quantize_shapes,
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         # float32 vs float64 division: an element can round the other way only within ~1e-7 of a .5 tie
         # (one int8 step in a rare element); the scale is one float32 rounding.
         tolerance={torch.float32: 5e-3, torch.float16: 5e-3, torch.bfloat16: 5e-3},
-        flops=lambda s, dtype: 3.0 * s["M"] * s["K"],
-        bytes=lambda s, dtype: s["M"] * s["K"] * (element_size(dtype) + 1) + 4 * s["M"],
+        flops=quantize_flops,
+        bytes=quantize_bytes,
         outputs=lambda result, inputs: result,
         bench_shapes={"llm": [{"M": m, "K": k} for k in (4096, 14336, 576) for m in (1, 64, 2048, 8192)]},
     )
@@ -102,12 +92,12 @@ INT8_LINEAR = register_op(
         description="W8A8: int32-accumulated int8 GEMM with per-token x per-channel scales (+ bias)",
         reference=int8_linear_reference,
         make_inputs=_make_int8_linear_inputs,
-        fuzz_shapes=_int8_linear_fuzz,
+        fuzz_shapes=fuzz_scaled_gemm_shapes,
         dtypes=(torch.float32, torch.float16, torch.bfloat16),  # out_dtype
         # The int32 dot is exact; the scales add one float32 rounding, the output one out_dtype rounding.
         tolerance=GEMM_TOLERANCE,
         flops=gemm_flops,
-        bytes=lambda s, dtype: s["M"] * s["K"] + s["N"] * s["K"] + s["M"] * s["N"] * element_size(dtype),
+        bytes=scaled_gemm_bytes,
         bench_shapes={"llm": llm_shapes(per_token=True)},
         baselines={"torch_int_mm": _torch_int_mm},
     )

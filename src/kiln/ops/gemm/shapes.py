@@ -1,8 +1,10 @@
-"""Shapes shared by the GEMM specs: the "llm" bench suite, fuzz shapes, tolerances and FLOP counts."""
+"""Shapes shared by the GEMM specs: the "llm" bench suite, fuzz shapes, tolerances, FLOP and byte counts."""
 
 from __future__ import annotations
 
 import torch
+
+from kiln.ops.testing import element_size
 
 # (K, N) of the linear layers: [in, out] as y = x @ W^T.
 LLAMA3_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # qkv, o, gate_up, down
@@ -39,3 +41,33 @@ def fuzz_gemm_shapes(rng, k_multiple: int = 1, **extra) -> list[dict]:
 
 def gemm_flops(shape: dict, dtype: torch.dtype) -> float:
     return 2.0 * shape["M"] * shape["N"] * shape["K"]
+
+
+def fuzz_scaled_gemm_shapes(rng) -> list[dict]:
+    """fuzz_gemm_shapes for the W8A8 GEMMs (fp8_linear, int8_linear): bias on every other shape,
+    per-token x per-channel scales on two of three (per-tensor on the rest)."""
+    return [{**s, "bias": i % 2 == 1, "per_token": i % 3 != 2} for i, s in enumerate(fuzz_gemm_shapes(rng))]
+
+
+def scaled_gemm_bytes(shape: dict, dtype: torch.dtype) -> float:
+    """One-byte x and W read once, the [M, N] output written in `dtype` (the scales are negligible)."""
+    return shape["M"] * shape["K"] + shape["N"] * shape["K"] + shape["M"] * shape["N"] * element_size(dtype)
+
+
+def fuzz_quantize_shapes(rng) -> list[dict]:
+    """[M, K] shapes for the activation quantizers: a single element, odd sizes, K past one block."""
+    return [
+        {"M": 1, "K": 1},
+        {"M": 5, "K": 333},
+        {"M": 3, "K": 5000},
+        {"M": rng.randint(1, 40), "K": rng.randint(1, 2000)},
+    ]
+
+
+def quantize_flops(shape: dict, dtype: torch.dtype) -> float:
+    return 3.0 * shape["M"] * shape["K"]
+
+
+def quantize_bytes(shape: dict, dtype: torch.dtype) -> float:
+    """x read in `dtype`, the one-byte values written, one float32 scale per row."""
+    return shape["M"] * shape["K"] * (element_size(dtype) + 1) + 4 * shape["M"]
