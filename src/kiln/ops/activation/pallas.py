@@ -34,7 +34,9 @@ def _act_mul(gate, up, activation: str):
     if activation == "silu":
         a = g * jax.nn.sigmoid(g)
     else:
-        a = 0.5 * g * (1.0 + jnp.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+        # 0.5 * (1 + tanh(z)) == sigmoid(2z): same function, but without the cancellation of
+        # 1 + tanh(z) for z << 0, which loses all relative precision once tanh(z) rounds to -1.
+        a = g * jax.nn.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
     return a * up.astype(jnp.float32)
 
 
