@@ -18,14 +18,13 @@ from kiln.ops.alloc import empty
 from kiln.ops.gemm.dense_spec import LINEAR, LINEAR_SILU_MUL
 from kiln.ops.gemm.tiling import (
     config_space,
-    grouped_tile,
-    k_range,
-    kernel_options,
     launch_grid,
     partials_buffer,
     reduce_split_k,
     resolve_config,
     store_tile,
+    tile_options,
+    tile_program,
 )
 from kiln.ops.registry import Implementation, triton_available
 
@@ -55,13 +54,9 @@ def _linear_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-    k_start, k_end = k_range(pid_k, K, BLOCK_K, SPLIT_K)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask, pid_k, k_start, k_end = tile_program(
+        M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K
+    )
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -139,12 +134,7 @@ def _launch(op: str, x, weight, bias, silu_mul: bool, config):
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"],
-        SPLIT_K=cfg["SPLIT_K"],
-        **kernel_options(cfg),
+        **tile_options(cfg),
     )
     reduce_split_k(partials, out, bias, silu_mul)
     return out.reshape(*x.shape[:-1], N)

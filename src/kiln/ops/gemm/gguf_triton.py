@@ -23,7 +23,6 @@ from kiln.ops.checks import contiguous_rows
 from kiln.ops.gemm.gguf_spec import GGUF_DEQUANTIZE, GGUF_LINEAR
 from kiln.ops.gemm.tiling import (
     config_space,
-    grouped_tile,
     k_range,
     kernel_options,
     launch_grid,
@@ -31,6 +30,8 @@ from kiln.ops.gemm.tiling import (
     reduce_split_k,
     resolve_config,
     store_tile,
+    tile_options,
+    tile_program,
 )
 from kiln.ops.registry import Implementation, triton_available
 from kiln.quant.gguf_blocks import BLOCK_BYTES
@@ -138,13 +139,9 @@ def _gguf_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-    k_start, k_end = k_range(pid_k, K, BLOCK_K, SPLIT_K)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask, pid_k, k_start, k_end = tile_program(
+        M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K
+    )
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     cols = qweight_ptr + offs_n[None, :].to(tl.int64) * stride_qn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -200,9 +197,7 @@ def gguf_linear_triton(x, qweight, qtype, bias=None, config: dict | None = None)
         _gguf_gemm_kernel[launch_grid(cfg, M, N)](
             x2, qweight, bias_arg, out, partials if partials is not None else out, M, N, K,
             x2.stride(0), qweight.stride(0), out.stride(0), out.stride(1),
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            GROUP_M=cfg["GROUP_M"], SPLIT_K=cfg["SPLIT_K"], **common, **kernel_options(cfg),
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common, **tile_options(cfg),
         )  # fmt: skip
     reduce_split_k(partials, out, bias)
     return out.reshape(*x.shape[:-1], N)

@@ -18,14 +18,13 @@ from kiln.ops.checks import contiguous_rows
 from kiln.ops.gemm.int4_spec import INT4_LINEAR
 from kiln.ops.gemm.tiling import (
     config_space,
-    grouped_tile,
-    k_range,
-    kernel_options,
     launch_grid,
     partials_buffer,
     reduce_split_k,
     resolve_config,
     store_tile,
+    tile_options,
+    tile_program,
 )
 from kiln.ops.registry import Implementation, triton_available
 
@@ -39,13 +38,9 @@ def _int4_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-    k_start, k_end = k_range(pid_k, K, BLOCK_K, SPLIT_K)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask, pid_k, k_start, k_end = tile_program(
+        M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K
+    )
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     n64 = offs_n[None, :].to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -94,8 +89,7 @@ def int4_linear_triton(x, qweight, scales, zeros, group_size, config: dict | Non
         x2.stride(0), x2.stride(1), qweight.stride(0), scales.stride(0), zeros.stride(0),
         out.stride(0), out.stride(1),
         GROUP_SIZE=group_size, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"], SPLIT_K=cfg["SPLIT_K"], **kernel_options(cfg),
+        **tile_options(cfg),
     )  # fmt: skip
     reduce_split_k(partials, out, None)
     return out.reshape(*x.shape[:-1], N)

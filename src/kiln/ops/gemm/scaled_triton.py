@@ -25,14 +25,13 @@ from kiln.ops.gemm.fp8_spec import AMAX_FLOOR, FP8_DTYPE, FP8_LINEAR, FP8_MAX, Q
 from kiln.ops.gemm.int8_spec import INT8_LINEAR, INT8_MAX, QUANTIZE_INT8
 from kiln.ops.gemm.tiling import (
     config_space,
-    grouped_tile,
-    k_range,
-    kernel_options,
     launch_grid,
     partials_buffer,
     reduce_split_k,
     resolve_config,
     store_tile,
+    tile_options,
+    tile_program,
 )
 from kiln.ops.registry import Implementation, triton_available
 
@@ -172,13 +171,9 @@ def _scaled_linear_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-    k_start, k_end = k_range(pid_k, K, BLOCK_K, SPLIT_K)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask, pid_k, k_start, k_end = tile_program(
+        M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K
+    )
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
@@ -249,12 +244,7 @@ def _scaled_linear(op, x_q, x_scale, w_q, w_scale, bias, out_dtype, config):
         HAS_BIAS=bias is not None,
         ACC_DTYPE=tl.int32 if x_q.dtype == torch.int8 else tl.float32,
         ZERO=0 if x_q.dtype == torch.int8 else 0.0,  # the masked-load fill must have the operand's kind
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"],
-        SPLIT_K=cfg["SPLIT_K"],
-        **kernel_options(cfg),
+        **tile_options(cfg),
     )
     reduce_split_k(partials, out, bias)
     return out

@@ -54,6 +54,27 @@ def k_range(pid_k, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
+def tile_program(
+    M,
+    N,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """What this program of a `launch_grid` launch owns: its output rows and columns (with their
+    bounds masks), its K split pid_k and that split's [k_start, k_end)."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    k_start, k_end = k_range(pid_k, K, BLOCK_K, SPLIT_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N, pid_k, k_start, k_end
+
+
+@triton.jit
 def store_tile(
     acc,
     out_ptr,
@@ -156,6 +177,11 @@ def launch_grid(config: dict, M: int, N: int) -> tuple[int, int]:
 
 def kernel_options(config: dict) -> dict:
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+
+
+def tile_options(config: dict) -> dict:
+    """The launch keywords of a `tile_program` kernel: its block sizes, GROUP_M, SPLIT_K, warps, stages."""
+    return {key: config[key] for key in CONFIG_KEYS}
 
 
 def num_sms(device: torch.device) -> int:
