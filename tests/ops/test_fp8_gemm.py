@@ -1,5 +1,3 @@
-import random
-
 import pytest
 import torch
 
@@ -7,12 +5,9 @@ import kiln.ops
 from kiln.ops.gemm.fp8_spec import FP8_LINEAR, QUANTIZE_FP8
 from kiln.ops.gemm.scaled_triton import fp8_linear_triton, quantize_fp8_triton
 from kiln.verify import assert_close, run_case
+from tests.ops.scaled_gemm_cases import SCALED_LINEAR_SHAPES, seed
 
 FP8 = torch.float8_e4m3fn
-
-
-def seed() -> int:
-    return random.randrange(2**31)
 
 
 @pytest.mark.parametrize("backend", ["triton", "cpu"])
@@ -46,14 +41,7 @@ def test_quantize_fp8_per_tensor_uses_global_amax():
 
 @pytest.mark.parametrize("backend", ["triton", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(
-    "shape",
-    [
-        {"M": 1, "N": 37, "K": 200, "per_token": True, "bias": True},
-        {"M": 17, "N": 33, "K": 77, "per_token": False},
-        {"M": 40, "N": 19, "K": 64, "per_token": True},
-    ],
-)
+@pytest.mark.parametrize("shape", SCALED_LINEAR_SHAPES)
 def test_fp8_linear_matches_float64_reference_on_quantized_inputs(backend, dtype, shape, device):
     case = run_case(FP8_LINEAR, backend, shape, dtype, device, seed())
     assert case.passed, case

@@ -1,5 +1,3 @@
-import random
-
 import pytest
 import torch
 
@@ -7,10 +5,7 @@ import kiln.ops
 from kiln.ops.gemm.int8_spec import INT8_LINEAR, QUANTIZE_INT8
 from kiln.ops.gemm.scaled_triton import int8_linear_triton, quantize_int8_triton
 from kiln.verify import assert_close, run_case
-
-
-def seed() -> int:
-    return random.randrange(2**31)
+from tests.ops.scaled_gemm_cases import SCALED_LINEAR_SHAPES, seed
 
 
 @pytest.mark.parametrize("backend", ["triton", "cpu"])
@@ -32,14 +27,7 @@ def test_quantize_int8_rounds_half_away_from_zero_per_row():
 
 @pytest.mark.parametrize("backend", ["triton", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(
-    "shape",
-    [
-        {"M": 1, "N": 37, "K": 200, "per_token": True, "bias": True},
-        {"M": 17, "N": 33, "K": 77, "per_token": False},
-        {"M": 40, "N": 19, "K": 64, "per_token": True},
-    ],
-)
+@pytest.mark.parametrize("shape", SCALED_LINEAR_SHAPES)
 def test_int8_linear_matches_float64_reference(backend, dtype, shape, device):
     case = run_case(INT8_LINEAR, backend, shape, dtype, device, seed())
     assert case.passed, case
