@@ -24,10 +24,10 @@ import torch
 from kiln.ops.attention.inputs import cu_seqlens, lengths, visible_pairs
 from kiln.ops.attention.reference import attend_one_sequence
 from kiln.ops.attention.validate import (
+    check_attention_options,
     check_cu_seqlens,
     check_heads,
     check_lengths,
-    check_optional_positive,
     check_query,
 )
 from kiln.ops.checks import check_tensor
@@ -85,9 +85,7 @@ def validate_flash_attention(
             raise ValueError(f"{OP}: {name} must be a non-negative int, got {value!r}")
     check_lengths(OP, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "query")
     check_lengths(OP, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "key")
-    check_optional_positive(OP, "scale", scale)
-    check_optional_positive(OP, "sliding_window", sliding_window)
-    check_optional_positive(OP, "softcap", softcap)
+    check_attention_options(OP, scale, sliding_window, softcap)
     if sliding_window is not None and int(sliding_window) != sliding_window:
         raise ValueError(f"{OP}: sliding_window must be an int, got {sliding_window!r}")
 

@@ -21,8 +21,8 @@ import torch
 from kiln.ops.attention.inputs import data_dtype, lengths, make_paged_kv
 from kiln.ops.attention.reference import attend_one_sequence, gather_paged
 from kiln.ops.attention.validate import (
+    check_attention_options,
     check_block_tables,
-    check_optional_positive,
     check_paged_cache,
     check_query,
 )
@@ -59,9 +59,7 @@ def validate_paged_decode_attention(
     q = check_query(OP, "q", q)
     block_size, _ = check_paged_cache(OP, key_cache, value_cache, k_scale, v_scale, q)
     check_block_tables(OP, block_tables, seq_lens, q.shape[0], block_size, q.device)
-    check_optional_positive(OP, "scale", scale)
-    check_optional_positive(OP, "sliding_window", sliding_window)
-    check_optional_positive(OP, "softcap", softcap)
+    check_attention_options(OP, scale, sliding_window, softcap)
 
 
 def paged_decode_tune_shape(q, key_cache, block_tables) -> dict:

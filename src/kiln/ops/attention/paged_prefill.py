@@ -25,10 +25,10 @@ import torch
 from kiln.ops.attention.inputs import cu_seqlens, data_dtype, lengths, make_paged_kv, visible_pairs
 from kiln.ops.attention.reference import attend_one_sequence, gather_paged
 from kiln.ops.attention.validate import (
+    check_attention_options,
     check_block_tables,
     check_cu_seqlens,
     check_lengths,
-    check_optional_positive,
     check_paged_cache,
     check_query,
     host_checkable,
@@ -92,9 +92,7 @@ def validate_paged_prefill_attention(
                     f"{OP}: sequence {b} has {q_len} queries but seq_len {k_len}; the queries are "
                     "the last q_len tokens of the context, so seq_lens must include them"
                 )
-    check_optional_positive(OP, "scale", scale)
-    check_optional_positive(OP, "sliding_window", sliding_window)
-    check_optional_positive(OP, "softcap", softcap)
+    check_attention_options(OP, scale, sliding_window, softcap)
 
 
 def paged_prefill_tune_shape(q, key_cache, block_tables, max_seqlen_q) -> dict:

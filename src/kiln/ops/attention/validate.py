@@ -50,6 +50,15 @@ def check_optional_positive(op: str, name: str, value: float | int | None) -> No
         raise ValueError(f"{op}: {name} must be positive or None, got {value}")
 
 
+def check_attention_options(
+    op: str, scale: float | None, sliding_window: int | None, softcap: float | None
+) -> None:
+    """The optional scale, sliding_window and softcap every attention op takes: positive or None."""
+    check_optional_positive(op, "scale", scale)
+    check_optional_positive(op, "sliding_window", sliding_window)
+    check_optional_positive(op, "softcap", softcap)
+
+
 def check_cu_seqlens(
     op: str, name: str, cu_seqlens: object, num_seqs: int | None, device: torch.device
 ) -> int:
