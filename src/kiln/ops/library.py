@@ -182,21 +182,12 @@ def _flash_attention_op(
 
 
 @_flash_attention_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, scale=None,
-      sliding_window=None, softcap=None):  # fmt: skip
+def _flash_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
+                          scale=None, sliding_window=None, softcap=None):  # fmt: skip
     validate_flash_attention(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal,
-        scale,
-        sliding_window,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, sliding_window,
         softcap,
-    )
+    )  # fmt: skip
     return torch.empty_like(q)
 
 
@@ -223,20 +214,11 @@ def _flash_attention_with_lse_op(
 @_flash_attention_with_lse_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, scale=None,
       sliding_window=None, softcap=None):  # fmt: skip
-    validate_flash_attention(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal,
-        scale,
-        sliding_window,
+    out = _flash_attention_fake(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, sliding_window,
         softcap,
-    )
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    )  # fmt: skip
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("kiln::paged_prefill_attention", mutates_args=())
