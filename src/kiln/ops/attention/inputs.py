@@ -70,6 +70,40 @@ def make_paged_kv(
     return kv
 
 
+def make_paged_attention_inputs(
+    shape: dict,
+    context_lens: list[int],
+    num_queries: int,
+    dtype: torch.dtype,
+    device,
+    generator: torch.Generator,
+    extra: dict | None = None,
+) -> dict:
+    """A paged attention op's kwargs: make_paged_kv's cache, q `[num_queries, H, D]` (float16 over an
+    fp8 cache; larger scores when soft-capping, so the cap actually bends them), `extra`, then the
+    shape's scale, sliding_window and softcap."""
+    inputs = make_paged_kv(
+        context_lens, shape["num_kv_heads"], shape["head_dim"], shape["block_size"], dtype, device, generator
+    )
+    softcap = shape.get("softcap")
+    inputs.update(
+        {
+            "q": randn(
+                (num_queries, shape["num_heads"], shape["head_dim"]),
+                data_dtype(dtype),
+                device,
+                generator,
+                scale=3.0 if softcap else 1.0,
+            ),
+            **(extra or {}),
+            "scale": shape.get("scale"),
+            "sliding_window": shape.get("sliding_window"),
+            "softcap": softcap,
+        }
+    )
+    return inputs
+
+
 def visible_pairs(q_len: int, k_len: int, causal: bool, sliding_window: int | None) -> int:
     """How many (query, key) pairs the mask keeps: the work of one head of one sequence."""
     if q_len == 0 or k_len == 0:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.attention.inputs import data_dtype, lengths, make_paged_kv
+from kiln.ops.attention.inputs import data_dtype, lengths, make_paged_attention_inputs
 from kiln.ops.attention.reference import attend_one_sequence, gather_paged
 from kiln.ops.attention.validate import (
     check_attention_options,
@@ -27,7 +27,7 @@ from kiln.ops.attention.validate import (
     check_query,
 )
 from kiln.ops.registry import OpSpec, register_op
-from kiln.ops.testing import element_size, randn
+from kiln.ops.testing import element_size
 
 OP = "paged_decode_attention"
 
@@ -77,25 +77,7 @@ def paged_decode_tune_shape(q, key_cache, block_tables) -> dict:
 def _make_inputs(shape, dtype, device, generator):
     """dtype float8_e4m3fn: float16 queries over an fp8 cache."""
     lens = lengths(shape, "context_lens", "context")
-    inputs = make_paged_kv(
-        lens, shape["num_kv_heads"], shape["head_dim"], shape["block_size"], dtype, device, generator
-    )
-    softcap = shape.get("softcap")
-    inputs.update(
-        {
-            "q": randn(
-                (len(lens), shape["num_heads"], shape["head_dim"]),
-                data_dtype(dtype),
-                device,
-                generator,
-                scale=3.0 if softcap else 1.0,
-            ),
-            "scale": shape.get("scale"),
-            "sliding_window": shape.get("sliding_window"),
-            "softcap": softcap,
-        }
-    )
-    return inputs
+    return make_paged_attention_inputs(shape, lens, len(lens), dtype, device, generator)
 
 
 def _fuzz_shapes(rng):

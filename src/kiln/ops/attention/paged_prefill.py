@@ -22,7 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.attention.inputs import cu_seqlens, data_dtype, lengths, make_paged_kv, visible_pairs
+from kiln.ops.attention.inputs import (
+    cu_seqlens,
+    data_dtype,
+    lengths,
+    make_paged_attention_inputs,
+    visible_pairs,
+)
 from kiln.ops.attention.reference import attend_one_sequence, gather_paged
 from kiln.ops.attention.validate import (
     check_attention_options,
@@ -34,7 +40,7 @@ from kiln.ops.attention.validate import (
     host_checkable,
 )
 from kiln.ops.registry import OpSpec, register_op
-from kiln.ops.testing import element_size, randn
+from kiln.ops.testing import element_size
 
 OP = "paged_prefill_attention"
 
@@ -112,27 +118,8 @@ def _make_inputs(shape, dtype, device, generator):
     """dtype float8_e4m3fn: float16 queries over an fp8 cache."""
     lens_q = lengths(shape, "query_lens", "seqlen_q")
     lens_k = lengths(shape, "context_lens", "context")
-    inputs = make_paged_kv(
-        lens_k, shape["num_kv_heads"], shape["head_dim"], shape["block_size"], dtype, device, generator
-    )
-    softcap = shape.get("softcap")
-    inputs.update(
-        {
-            "q": randn(
-                (sum(lens_q), shape["num_heads"], shape["head_dim"]),
-                data_dtype(dtype),
-                device,
-                generator,
-                scale=3.0 if softcap else 1.0,
-            ),
-            "cu_seqlens_q": cu_seqlens(lens_q, device),
-            "max_seqlen_q": max(lens_q),
-            "scale": shape.get("scale"),
-            "sliding_window": shape.get("sliding_window"),
-            "softcap": softcap,
-        }
-    )
-    return inputs
+    extra = {"cu_seqlens_q": cu_seqlens(lens_q, device), "max_seqlen_q": max(lens_q)}
+    return make_paged_attention_inputs(shape, lens_k, sum(lens_q), dtype, device, generator, extra)
 
 
 def _fuzz_shapes(rng):
