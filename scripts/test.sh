@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+"${PYTHON:-python3}" -m ruff check src tests
 exec "${PYTHON:-python3}" -m pytest -q -n 2 --durations=25 tests "$@"
