@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.alloc import empty, empty_like
 from kiln.ops.attention.flash import FLASH_ATTENTION
 from kiln.ops.attention.kv_cache import WRITE_KV_CACHE
 from kiln.ops.attention.paged_decode import PAGED_DECODE_ATTENTION
@@ -116,8 +117,8 @@ def flash_attention_cpu(
     softcap=None,
     return_lse=False,
 ):
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
+    out = empty_like(q)
+    lse = empty((q.shape[1], q.shape[0]), torch.float32, q.device) if return_lse else None
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(starts_q) - 1):
         qs, qe, ks, ke = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
@@ -154,7 +155,7 @@ def paged_prefill_attention_cpu(
     k_scale=None,
     v_scale=None,
 ):
-    out = torch.empty_like(q)
+    out = empty_like(q)
     block_size = key_cache.shape[1]
     starts = cu_seqlens_q.tolist()
     for b, k_len in enumerate(seq_lens.tolist()):
