@@ -3,7 +3,9 @@
 path None  -> the embedded SmolLM2-135M-Instruct GGUF (default_model_path());
 *.gguf     -> kiln.loaders.gguf (config, tokenizer and weights from one file);
 directory  -> an HF checkpoint: config.json, *.safetensors (+ index), tokenizer.json
-              (+ tokenizer_config.json).
+              (+ tokenizer_config.json);
+random:<preset>[-<N>l][:seed=<int>] -> a Llama of a preset's shapes with seeded random weights drawn
+              on the device (kiln.loaders.random_weights; presets: llama3-8b, tiny).
 Any problem with the files raises kiln.models.ModelLoadError (a ValueError) naming the file and tensor.
 """
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.loaders.gguf import load_gguf
+from kiln.loaders.random_weights import RandomTokenizer, is_random_spec, load_random
 from kiln.loaders.safetensors import load_safetensors_dir
 from kiln.loaders.tokenizer import Tokenizer
 from kiln.models.config import ModelConfig, ModelLoadError
@@ -40,7 +43,7 @@ DEFAULT_LM_HEAD_FORMAT = "fp16"
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | RandomTokenizer
     config: ModelConfig
 
 
@@ -77,10 +80,13 @@ def load_model(
     device = torch.device(device)
     dtype = dtype or _default_dtype(device)
     path = path or default_model_path()
-    if not os.path.exists(path):
-        raise ModelLoadError(f"{path}: no such file or directory")
     rope_inv_freq = None
-    if os.path.isdir(path):
+    if is_random_spec(path):
+        config, weights, tokenizer = load_random(path, device, dtype)
+        model_class = get_model_class(config.architecture, path)
+    elif not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file or directory")
+    elif os.path.isdir(path):
         config, weights = load_safetensors_dir(path)
         model_class = get_model_class(config.architecture, os.path.join(path, "config.json"))
         tokenizer = Tokenizer.from_hf_dir(path, eos_token_ids=config.eos_token_ids)

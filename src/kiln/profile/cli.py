@@ -1,5 +1,6 @@
 """`kiln profile --op NAME [--shape JSON] [--dtype NAME] [--backend NAME] [--steps N] [--trace PATH]`
-or `kiln profile --engine [--model PATH] [--batch N]`: per-kernel table, roofline per op, gap report."""
+or `kiln profile --engine [--model PATH] [--batch N] [--device D]`: per-kernel table, roofline per op, gap
+report; the engine run adds decode tok/s and the share of kernel time in Kiln's kernels."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--steps", type=int, default=None, help="profiled calls (default 5; engine: decode steps, 1)"
     )
-    p.add_argument("--model", default=None, help="engine model (default: the embedded SmolLM2)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="engine model: GGUF, HF dir or random:<preset> (default: embedded SmolLM2)",
+    )
     p.add_argument("--batch", type=int, default=4, help="engine: concurrent requests")
     p.add_argument("--trace", default=None, help="write a Chrome trace (chrome://tracing, Perfetto) here")
     p.add_argument("--top", type=int, default=30, help="kernels to list")
@@ -36,7 +41,10 @@ def run(args: argparse.Namespace) -> int:
         if args.engine:
             from kiln.profile.engine_step import profile_engine_step
 
-            report = profile_engine_step(args.model, args.batch, args.steps or 1, args.trace)
+            engine_profile = profile_engine_step(
+                args.model, args.batch, args.steps or 1, args.trace, device=args.device
+            )
+            report = engine_profile.report
         else:
             from kiln.bench.suites import default_dtypes, dtype_from_name
             from kiln.ops.registry import get_op
@@ -65,6 +73,13 @@ def run(args: argparse.Namespace) -> int:
     if report.ops:
         print("\nops on the roofline:\n" + format_ops(report))
     print("\nutilization gaps (time x (1 - roofline fraction)):\n" + format_gaps(report))
+    if args.engine:
+        p = engine_profile
+        print(
+            f"\ndecode step at batch {p.batch}: {p.decode_step_ms:.2f} ms, {p.decode_tok_s:.1f} tok/s "
+            f"(unprofiled)\nkernel time in Kiln kernels (Triton): {100 * p.kiln_share:.1f}%; "
+            f"mapped to Kiln ops: {100 * p.op_share:.1f}%"
+        )
     if report.trace_path:
         print(f"\nwrote Chrome trace {report.trace_path}")
     return 0
