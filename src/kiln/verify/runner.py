@@ -113,8 +113,8 @@ def backend_dtypes(
 ) -> tuple[list[torch.dtype], list[torch.dtype]]:
     """(dtypes to run, dtypes skipped here) for a backend on a device."""
     skipped = []
-    if device.type != "cuda" and backend == "triton" and triton_interpreting():
-        skipped = [d for d in spec.gpu_only_dtypes.get("triton", ()) if d in spec.dtypes]
+    if device.type != "cuda" and triton_interpreting():  # keyed by implementation: "triton", "triton_tma"
+        skipped = [d for d in spec.gpu_only_dtypes.get(backend, ()) if d in spec.dtypes]
     return [d for d in spec.dtypes if d not in skipped], skipped
 
 

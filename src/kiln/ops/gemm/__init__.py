@@ -1,5 +1,6 @@
 """GEMM ops (see docs/contracts.md): dense, FP8 / INT8 (W8A8), int4 (W4A16) and GGUF block GEMMs.
-Specs in *_spec.py, Triton backends in *_triton.py (shared tiling in tiling.py), CPU paths in cpu.py."""
+Specs in *_spec.py, Triton backends in *_triton.py (shared tiling in tiling.py; the dense GEMM's
+Hopper TMA variant in dense_tma.py), CPU paths in cpu.py."""
 
 # Importing the backends registers them; library registers torch.ops.kiln.* for the public functions.
 from kiln.ops.gemm import cpu, dense_triton, gguf_triton, int4_triton, library, scaled_triton  # noqa: F401

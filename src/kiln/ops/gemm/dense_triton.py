@@ -6,6 +6,12 @@ straight from W's [N, K] rows (no transpose copy), and accumulates in float32. F
 linear_silu_mul the same program also loads the up rows (N + n) of the same output columns, so the
 epilogue has gate and up for identical (m, n) and writes silu(gate) * up: the [M, 2N] intermediate
 never reaches memory. fp32 operands use IEEE fp32 dots (torch's default semantics, not TF32).
+
+On Hopper (compute capability >= 9) `linear_triton` and `linear_silu_mul_triton` run the TMA variant
+of this kernel (dense_tma.py) when x and W are TMA-eligible, else this pointer kernel;
+`KILN_GEMM_TMA=0` forces the pointer kernel. Both are registered: "triton" (that dispatch) and
+"triton_tma" (the TMA kernel wherever descriptors run, the pointer kernel for layouts TMA rejects);
+`kiln bench` also times the pointer kernel alone as the "triton_pointer" baseline.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import triton.language as tl
 
 from kiln.ops.alloc import empty
 from kiln.ops.gemm.dense_spec import LINEAR, LINEAR_SILU_MUL
+from kiln.ops.gemm.dense_tma import launch_linear_tma, tma_device, tma_eligible, use_tma
 from kiln.ops.gemm.tiling import (
     config_space,
     launch_grid,
@@ -99,7 +106,8 @@ def _linear_kernel(
         )
 
 
-def _launch(op: str, x, weight, bias, silu_mul: bool, config):
+def _launch(op: str, x, weight, bias, silu_mul: bool, config, kernel: str = "auto"):
+    """kernel: "auto" (dense_tma.use_tma decides), "tma" (TMA whenever eligible) or "pointer"."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
@@ -115,7 +123,20 @@ def _launch(op: str, x, weight, bias, silu_mul: bool, config):
     shape = {"M": M, "N": N, "K": K} if silu_mul else {"M": M, "N": N, "K": K, "bias": bias is not None}
     cfg = resolve_config(op, x.dtype, shape, config, x.device, wide_operands=x.dtype == torch.float32)
     partials = partials_buffer(cfg, M, 2 * N if silu_mul else N, x.device)
-    bias_arg = bias.contiguous() if bias is not None else out
+    bias = bias.contiguous() if bias is not None else None
+    tma = tma_eligible(x2, weight) if kernel == "tma" else kernel == "auto" and use_tma(x2, weight)
+    if tma:
+        launch_linear_tma(x2, weight, bias, out, partials, cfg, silu_mul)
+    else:
+        _launch_pointer(x2, weight, bias, out, partials, cfg, silu_mul)
+    reduce_split_k(partials, out, bias, silu_mul)
+    return out.reshape(*x.shape[:-1], N)
+
+
+def _launch_pointer(x2, weight, bias, out, partials, cfg, silu_mul: bool) -> None:
+    M, K = x2.shape
+    N = out.shape[1]
+    bias_arg = bias if bias is not None else out
     _linear_kernel[launch_grid(cfg, M, N)](
         x2,
         weight,
@@ -133,19 +154,39 @@ def _launch(op: str, x, weight, bias, silu_mul: bool, config):
         out.stride(1),
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         **tile_options(cfg),
     )
-    reduce_split_k(partials, out, bias, silu_mul)
-    return out.reshape(*x.shape[:-1], N)
 
 
 def linear_triton(x, weight, bias=None, config: dict | None = None):
+    """`linear`: x `[..., K]`, weight `[N, K]`, bias `[N]` -> `[..., N]`; TMA kernel on Hopper."""
     return _launch("linear", x, weight, bias, False, config)
 
 
 def linear_silu_mul_triton(x, weight_gate_up, config: dict | None = None):
+    """`linear_silu_mul`: x `[..., K]`, weight_gate_up `[2N, K]` -> `[..., N]`; TMA kernel on Hopper."""
     return _launch("linear_silu_mul", x, weight_gate_up, None, True, config)
+
+
+def linear_tma_triton(x, weight, bias=None, config: dict | None = None):
+    """`linear` through the TMA kernel whenever x and weight are TMA-eligible (else the pointer one)."""
+    return _launch("linear", x, weight, bias, False, config, kernel="tma")
+
+
+def linear_silu_mul_tma_triton(x, weight_gate_up, config: dict | None = None):
+    """`linear_silu_mul` through the TMA kernel whenever the operands are TMA-eligible."""
+    return _launch("linear_silu_mul", x, weight_gate_up, None, True, config, kernel="tma")
+
+
+def linear_pointer_triton(x, weight, bias=None, config: dict | None = None):
+    """`linear` through the pointer kernel only (the fallback; a bench baseline on Hopper)."""
+    return _launch("linear", x, weight, bias, False, config, kernel="pointer")
+
+
+def linear_silu_mul_pointer_triton(x, weight_gate_up, config: dict | None = None):
+    """`linear_silu_mul` through the pointer kernel only."""
+    return _launch("linear_silu_mul", x, weight_gate_up, None, True, config, kernel="pointer")
 
 
 LINEAR.register(
@@ -172,3 +213,29 @@ LINEAR_SILU_MUL.register(
         description="gate and up tiles in one program, SiLU-and-mul epilogue",
     )
 )
+
+
+LINEAR.register(
+    Implementation(
+        "triton_tma",
+        linear_tma_triton,
+        tma_device,
+        configs=config_space,
+        description="TMA descriptor loads (Hopper+), else the pointer kernel; same tiling and epilogues",
+    )
+)
+LINEAR_SILU_MUL.register(
+    Implementation(
+        "triton_tma",
+        linear_silu_mul_tma_triton,
+        tma_device,
+        configs=_silu_mul_configs,
+        description="TMA descriptor loads (Hopper+), gate and up tiles, SiLU-and-mul epilogue",
+    )
+)
+# bf16 tl.dot is wrong in the Triton interpreter, for this kernel as for the pointer one.
+LINEAR.gpu_only_dtypes.setdefault("triton_tma", (torch.bfloat16,))
+LINEAR_SILU_MUL.gpu_only_dtypes.setdefault("triton_tma", (torch.bfloat16,))
+# On Hopper "triton" runs the TMA kernel: the pointer kernel alone is timed beside it and cuBLAS.
+LINEAR.baselines.setdefault("triton_pointer", linear_pointer_triton)
+LINEAR_SILU_MUL.baselines.setdefault("triton_pointer", linear_silu_mul_pointer_triton)
