@@ -1,24 +1,47 @@
-"""The CPU Linear layer's fp16 format: one row goes through the fp16 GEMV, several rows through a float32
-copy of the same fp16-rounded weights (PyTorch's CPU fp16 GEMM is slow beyond one row)."""
+"""The CPU Linear layer's dense formats: fp32 and bf16 through a oneDNN-packed weight, fp16 through the
+fp16 GEMV for one row and a packed float32 copy of the same fp16-rounded weights for several rows, and
+the plain F.linear fallbacks when oneDNN is missing."""
 
+import pytest
 import torch
 
+from kiln.models.layers import onednn_linear
 from kiln.models.layers.linear import Linear
 from kiln.verify import assert_close
 
-
-def test_fp16_cpu_linear_keeps_identical_weights_for_multi_row_inputs():
-    weight, bias = torch.randn(96, 80), torch.randn(96)
-    layer = Linear(weight, bias, device=torch.device("cpu"), dtype=torch.float32, cpu_format="fp16")
-    assert layer.weight.dtype == torch.float16
-    assert torch.equal(layer.rows_weight, layer.weight.float())
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(not onednn_linear.available(), reason="this torch build has no oneDNN")
 
 
+def _layer(fmt, bias=True, out_features=96, in_features=80):
+    weight = torch.randn(out_features, in_features)
+    b = torch.randn(out_features) if bias else None
+    return Linear(weight, b, device=CPU, dtype=torch.float32, cpu_format=fmt), weight, b
+
+
+def _ref(x, weight, bias):
+    y = x.double() @ weight.double().T
+    return y if bias is None else y + bias.double()
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fp32_cpu_linear_runs_packed_and_matches_float64(rows, bias):
+    layer, weight, b = _layer("fp32", bias)
+    assert layer.onednn_weight is not None and layer.weight is None  # one copy of the weights
+    x = torch.randn(rows, 80)
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, 96)
+    assert_close(y, _ref(x, weight, b), 1e-6, f"fp32 packed, {rows} rows")
+
+
+@needs_onednn
 def test_fp16_cpu_linear_one_row_and_many_rows_agree_with_the_float64_product():
-    weight, bias = torch.randn(96, 80), torch.randn(96)
-    layer = Linear(weight, bias, device=torch.device("cpu"), dtype=torch.float32, cpu_format="fp16")
+    layer, _, _ = _layer("fp16")
+    assert layer.weight.dtype == torch.float16 and layer.onednn_weight.dtype == torch.float32
     x = torch.randn(7, 80)
-    ref = x.double() @ layer.weight.double().T + layer.bias.double()
+    ref = _ref(x, layer.weight, layer.bias)  # the fp16-rounded weights are the model's weights
     many = layer(x)
     assert many.dtype == torch.float32
     # several rows: float32 activations against the same fp16-valued weights: float32 rounding only
@@ -26,3 +49,34 @@ def test_fp16_cpu_linear_one_row_and_many_rows_agree_with_the_float64_product():
     # one row: activations rounded to fp16 (2^-11 relative) before the GEMV
     for row in range(x.shape[0]):
         assert_close(layer(x[row : row + 1]), ref[row : row + 1], 2e-3, f"row {row}")
+
+
+@needs_onednn
+def test_bf16_cpu_linear_is_packed_and_within_bf16_rounding():
+    layer, weight, b = _layer("bf16")
+    assert layer.onednn_weight.dtype == torch.bfloat16
+    x = torch.randn(5, 80)
+    y = layer(x)
+    assert y.dtype == torch.float32
+    assert_close(y, _ref(x, weight, b), 1.6e-2, "bf16 packed")
+
+
+def test_without_onednn_the_layers_fall_back_to_f_linear(monkeypatch):
+    monkeypatch.setattr(onednn_linear, "pack", lambda weight: None)
+    for fmt in ("fp32", "fp16"):
+        layer, weight, b = _layer(fmt)
+        assert layer.onednn_weight is None
+        x = torch.randn(6, 80)
+        tol = 1e-6 if fmt == "fp32" else 2e-3
+        assert_close(layer(x), _ref(x, weight, b), tol, f"{fmt} fallback, 6 rows")
+        assert_close(layer(x[:1]), _ref(x[:1], weight, b), tol, f"{fmt} fallback, 1 row")
+    layer, _, _ = _layer("fp16")
+    assert torch.equal(layer.rows_weight, layer.weight.float())
+
+
+@needs_onednn
+def test_fp16_cpu_linear_with_zero_rows_and_odd_shapes():
+    layer, weight, b = _layer("fp16", out_features=37, in_features=53)
+    x = torch.randn(9, 53)
+    assert_close(layer(x), _ref(x, layer.weight, layer.bias), 1e-6, "odd shape")
+    assert layer(torch.randn(0, 53)).shape == (0, 37)

@@ -29,13 +29,14 @@ __all__ = ["LoadedModel", "ModelLoadError", "Tokenizer", "default_model_path", "
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # How GGUF weights are kept on the CPU by default. fp16 (dequantized once): the Q4/Q8 values are
-# exact in fp16 up to one rounding (2^-11); logits stay within ~1e-2 (relative L2) of HF's fp32 and
-# 1-sequence decode of SmolLM2-135M runs at ~84-89 tok/s on 2 cores (python -m kiln.models.decode_speed).
-# Inputs of several rows (prefill, batched decode) use a float32 copy of the same values (see
-# kiln.models.layers.linear): 16 concurrent sequences went from 131 to 212 tok/s on this machine.
-# "int4" (4-bit packed, PyTorch's int4 CPU matmul) is opt-in: measured slower with 2 threads
-# (~70 tok/s, the M=1 kernel scales poorly), about equal on 1, and its fast path rounds activations
-# and block scales to bfloat16 (~3e-2 logit error, which flips near-tied greedy choices).
+# exact in fp16 up to one rounding (2^-11); logits stay within ~1e-2 (relative L2) of HF's fp32.
+# One-row inputs (single-sequence decode) use PyTorch's fp16 GEMV, which reads half the bytes of fp32
+# (~85 tok/s on 2 cores, python -m kiln.models.decode_speed); inputs of several rows (prefill, batched
+# decode) use a oneDNN-packed float32 copy of the same values (see kiln.models.layers.linear): 16
+# concurrent sequences went from 223 tok/s (MKL sgemm on that copy) to ~470 on this machine.
+# "fp32" keeps only the packed copy (~52 tok/s single-sequence: oneDNN's one-row GEMV is slower).
+# "int4" (4-bit packed, PyTorch's int4 CPU matmul) is opt-in: its fast path rounds activations and
+# block scales to bfloat16 (~3e-2 logit error, which flips near-tied greedy choices).
 DEFAULT_CPU_FORMAT = "fp16"
 DEFAULT_LM_HEAD_FORMAT = "fp16"
 

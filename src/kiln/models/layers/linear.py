@@ -6,12 +6,12 @@ One module, several weight formats, chosen once at load time for the device:
              block w = d*q + m (q in 0..15) is torch's (q - 8) * scale + zero with scale = d,
              zero = m + 8d (Q4_0: m = -8d, so zero = 0), so the packed weights are the GGUF ones exactly;
              activations go through the kernel in bfloat16 (its fast path);
-  - "dense": a float matrix in `weight_dtype` -> torch.nn.functional.linear (`kiln.ops.linear` on CUDA
-             when it exists); on CPU fp16 weights halve the memory traffic of fp32 for decode.
-             PyTorch's CPU fp16 GEMM is only fast as a GEMV (one row): with more rows it runs 3-4x
-             slower than fp32 (576x3072 at 16 rows: 1.1 ms vs 0.4 ms here). So an fp16 CPU Linear also
-             keeps a float32 copy of the same (fp16-rounded) values for multi-row inputs (prefill,
-             batched decode): identical weights, activations in full precision.
+  - "dense": a float matrix in `weight_dtype`. On CUDA -> `kiln.ops.linear`. On the CPU the weight is
+             reordered once for oneDNN (kiln.models.layers.onednn_linear; 3-4x faster than F.linear's
+             MKL sgemm at 4-64 rows here, same float32 arithmetic): "fp32" keeps only that packed copy;
+             "fp16" keeps the fp16 matrix for one-row inputs (PyTorch's fp16 GEMV reads half the
+             bytes) and a packed float32 copy of the same fp16-rounded values for several rows
+             (PyTorch's CPU fp16 GEMM is slow beyond one row); "bf16" packs the bf16 matrix.
 Fused projections (QKV, gate/up) are one Linear over row-stacked weights (`kiln.models.weights.cat_rows`).
 """
 
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import kiln.ops
+from kiln.models.layers import onednn_linear
 from kiln.models.weights import GGUFWeight, Weight
 
 CPU_WEIGHT_FORMATS = ("int4", "fp16", "bf16", "fp32")
@@ -53,7 +54,10 @@ class Linear(torch.nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
         self.format = "dense"
-        self.rows_weight: torch.Tensor | None = None  # fp32 copy of fp16 CPU weights, for inputs of >1 row
+        self.weight: torch.Tensor | None = None  # plain [out, in] matrix (None when only packed)
+        self.onednn_weight: torch.Tensor | None = None  # oneDNN-packed CPU weight (see onednn_linear)
+        self.packed_bias = self.bias
+        self.rows_weight: torch.Tensor | None = None  # fp32 copy of fp16 CPU weights without oneDNN
         if device.type == "cuda" and isinstance(weight, GGUFWeight) and hasattr(kiln.ops, "gguf_linear"):
             self.format = "gguf"
             self.qtype = weight.qtype
@@ -65,14 +69,29 @@ class Linear(torch.nn.Module):
             weight_dtype = (
                 dtype if device.type != "cpu" or cpu_format in (None, "int4") else _FORMAT_DTYPES[cpu_format]
             )
+            self.weight_dtype = weight_dtype
             if isinstance(weight, GGUFWeight):
                 weight = weight.dequantize(torch.float32)
-            self.weight = weight.to(device=device, dtype=weight_dtype).contiguous()
+            weight = weight.to(device=device, dtype=weight_dtype).contiguous()
             if self.bias is not None:
                 self.bias = self.bias.to(weight_dtype)
-            if device.type == "cpu" and weight_dtype == torch.float16:
-                self.rows_weight = self.weight.float()
-                self.rows_bias = None if self.bias is None else self.bias.float()
+            if device.type == "cpu":
+                self._pack_dense(weight)
+            else:
+                self.weight = weight
+
+    def _pack_dense(self, weight: torch.Tensor) -> None:
+        if weight.dtype == torch.float16:
+            self.weight = weight  # one-row inputs: the fp16 GEMV
+            self.onednn_weight = onednn_linear.pack(weight.float())
+            self.packed_bias = None if self.bias is None else self.bias.float()
+            if self.onednn_weight is None:
+                self.rows_weight = weight.float()
+        else:
+            self.onednn_weight = onednn_linear.pack(weight)
+            self.packed_bias = self.bias
+            if self.onednn_weight is None:
+                self.weight = weight
 
     def _pack_int4(self, weight: GGUFWeight) -> None:
         scale, minimum = weight.scales_and_mins()  # [out, in / 32]
@@ -88,7 +107,7 @@ class Linear(torch.nn.Module):
         """The activation dtype the kernel consumes (None: whatever x is)."""
         if self.format == "int4":
             return torch.bfloat16
-        return self.weight.dtype if self.format == "dense" else None
+        return self.weight_dtype if self.format == "dense" else None
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [M, in_features] -> [M, out_features] in `out_dtype` (default: x's dtype). Passing the
@@ -104,8 +123,11 @@ class Linear(torch.nn.Module):
             return y.to(out_dtype)
         if self.format == "gguf":
             return kiln.ops.gguf_linear(x, self.qweight, self.qtype, self.bias).to(out_dtype)
+        packed = self.onednn_weight
+        if packed is not None and (self.weight is None or x.shape[0] > 1):
+            return onednn_linear.linear(x.to(packed.dtype), packed, self.packed_bias).to(out_dtype)
         if self.rows_weight is not None and x.shape[0] > 1:
-            return F.linear(x.float(), self.rows_weight, self.rows_bias).to(out_dtype)
+            return F.linear(x.float(), self.rows_weight, self.packed_bias).to(out_dtype)
         if self.weight.dtype != x.dtype:
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(out_dtype)
         if x.is_cuda and hasattr(kiln.ops, "linear"):
