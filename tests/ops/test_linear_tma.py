@@ -200,3 +200,23 @@ def test_tma_kernel_compiles_to_tma_and_wgmma_for_sm90_without_a_gpu():
         [sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+def test_automatic_tma_path_that_fails_to_build_falls_back_to_the_pointer_kernel(device, monkeypatch, caplog):
+    if not dense_tma.tma_device(device):
+        pytest.skip(f"no TMA kernel on {device}")
+    monkeypatch.setenv("KILN_GEMM_TMA", "1")
+    monkeypatch.setattr(dense_triton, "_TMA_FAILED", [])
+    tried = []
+
+    def broken(*args):
+        tried.append(1)
+        raise RuntimeError("PassManager::run failed")  # what a Triton that can't lower it raises
+
+    monkeypatch.setattr(dense_triton, "launch_linear_tma", broken)
+    x = torch.randn(5, 72, device=device)
+    w = torch.randn(53, 72, device=device)
+    for _ in range(2):  # the second call does not retry the TMA kernel
+        assert_close(linear_triton(x, w), x.double() @ w.double().T, 1e-5, "after TMA failure")
+    assert len(tried) == 1 and "PassManager" in dense_triton._TMA_FAILED[0]
+    assert "TMA kernel failed" in caplog.text

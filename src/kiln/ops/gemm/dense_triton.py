@@ -16,6 +16,8 @@ of this kernel (dense_tma.py) when x and W are TMA-eligible, else this pointer k
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +36,8 @@ from kiln.ops.gemm.tiling import (
     tile_program,
 )
 from kiln.ops.registry import Implementation, triton_available
+
+logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -106,6 +110,9 @@ def _linear_kernel(
         )
 
 
+_TMA_FAILED: list[str] = []  # why the automatic TMA path was given up, if it was
+
+
 def _launch(op: str, x, weight, bias, silu_mul: bool, config, kernel: str = "auto"):
     """kernel: "auto" (dense_tma.use_tma decides), "tma" (TMA whenever eligible) or "pointer"."""
     K = x.shape[-1]
@@ -125,10 +132,19 @@ def _launch(op: str, x, weight, bias, silu_mul: bool, config, kernel: str = "aut
     partials = partials_buffer(cfg, M, 2 * N if silu_mul else N, x.device)
     bias = bias.contiguous() if bias is not None else None
     tma = tma_eligible(x2, weight) if kernel == "tma" else kernel == "auto" and use_tma(x2, weight)
-    if tma:
+    if tma and kernel == "auto" and _TMA_FAILED:
+        tma = False
+    if not tma:
+        _launch_pointer(x2, weight, bias, out, partials, cfg, silu_mul)
+    elif kernel == "tma":
         launch_linear_tma(x2, weight, bias, out, partials, cfg, silu_mul)
     else:
-        _launch_pointer(x2, weight, bias, out, partials, cfg, silu_mul)
+        try:
+            launch_linear_tma(x2, weight, bias, out, partials, cfg, silu_mul)
+        except Exception as exc:  # a Triton that cannot build the TMA kernel: keep serving on pointers
+            _TMA_FAILED.append(repr(exc))
+            logger.warning("dense GEMM: TMA kernel failed (%r); using the pointer kernel from now on", exc)
+            _launch_pointer(x2, weight, bias, out, partials, cfg, silu_mul)
     reduce_split_k(partials, out, bias, silu_mul)
     return out.reshape(*x.shape[:-1], N)
 
