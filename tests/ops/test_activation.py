@@ -120,7 +120,7 @@ def test_gated_activation_bfloat16_on_gpu(name, shape):
     assert case.passed, case
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # fp16: these outputs are subnormal
 def test_gelu_tanh_cpu_path_has_no_cancellation_in_the_negative_tail(dtype):
     # PyTorch's gelu(approximate="tanh") computes 1 + tanh(z): 30% relative error at a = -5 in float32.
     gate = torch.tensor([-5.0, -4.0, -6.5, -3.0])
@@ -128,6 +128,6 @@ def test_gelu_tanh_cpu_path_has_no_cancellation_in_the_negative_tail(dtype):
     out = SPECS["gelu_tanh_and_mul"].implementation("cpu").fn(x)
     g = x[:, :4].double()
     ref = g * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3)) * x[:, 4:].double()
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}[dtype]
     for i in range(4):  # each element on its own: the tail values are tiny next to gelu(-3)
         assert_close(out[:, i], ref[:, i], tol, f"gate {gate[i].item()}")
