@@ -3,6 +3,8 @@ loading a model."""
 
 from __future__ import annotations
 
+import pytest
+
 from kiln.cli import build_parser, main
 from kiln.server import cli as serve_cli
 from kiln.server.launch import served_model_name
@@ -45,3 +47,25 @@ def test_served_model_name_is_the_checkpoint_name():
     assert served_model_name(None) == "SmolLM2-135M-Instruct"
     assert served_model_name("/models/Llama-3.2-1B.Q4_0.gguf") == "Llama-3.2-1B.Q4_0"
     assert served_model_name("/models/qwen2-0.5b/") == "qwen2-0.5b"
+
+
+def test_build_off_main_thread_returns_the_value_built_on_another_thread():
+    import threading
+
+    from kiln.server.launch import build_off_main_thread
+
+    def build(a, b=0):
+        return a + b, threading.current_thread().name
+
+    value, thread_name = build_off_main_thread(build, 2, b=3)
+    assert value == 5 and thread_name == "kiln-load" != threading.current_thread().name
+
+
+def test_build_off_main_thread_reraises_the_builders_error():
+    from kiln.server.launch import build_off_main_thread
+
+    def build():
+        raise ValueError("malformed model file")
+
+    with pytest.raises(ValueError, match="malformed model file"):
+        build_off_main_thread(build)

@@ -200,11 +200,15 @@ def _spawn_server(args):
     from kiln.engine.llm_engine import LLMEngine
     from kiln.loaders import load_model
     from kiln.server.app import create_app
-    from kiln.server.launch import ServerThread, served_model_name
+    from kiln.server.launch import ServerThread, build_off_main_thread, served_model_name
 
     config = EngineConfig(model=args.model, device=args.device, max_num_seqs=max(args.concurrency))
-    loaded = load_model(args.model, device=str(config.resolved_device()), dtype=config.dtype)
-    engine = LLMEngine(config, loaded=loaded)
+
+    def build():
+        loaded = load_model(args.model, device=str(config.resolved_device()), dtype=config.dtype)
+        return LLMEngine(config, loaded=loaded)
+
+    engine = build_off_main_thread(build)
     app = create_app(engine, model_name=served_model_name(args.model), max_queue=4 * max(args.concurrency))
     return ServerThread(app).start()
 

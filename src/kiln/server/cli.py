@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.engine.config import EngineConfig
     from kiln.engine.llm_engine import LLMEngine
     from kiln.server.app import create_app
-    from kiln.server.launch import served_model_name
+    from kiln.server.launch import build_off_main_thread, served_model_name
 
     if args.max_queue is not None and args.max_queue < 0:
         print("kiln serve: --max-queue must be >= 0", file=sys.stderr)
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         if engine is None:
             return 0
     else:
-        engine = LLMEngine(config)
+        engine = build_off_main_thread(LLMEngine, config)
     name = args.served_model_name or served_model_name(args.model)
     app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue)
     print(f"kiln serve: {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

@@ -21,6 +21,30 @@ def served_model_name(model: str | None) -> str:
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
+def build_off_main_thread(build, *args, **kwargs):
+    """Return `build(*args, **kwargs)`, run in a short-lived thread (its exceptions re-raised here).
+
+    The server computes on its engine-loop thread. With GNU OpenMP (PyTorch's CPU thread pool) every
+    thread that runs a parallel region keeps its own pool of workers, and a second live pool slows the
+    first: the embedded model decoded one stream at ~48 tok/s on the engine thread of a 2-core machine
+    when the main thread had loaded it (its pool stays alive), ~84 tok/s when a thread that then exits
+    loaded it. So the model is loaded here, and the main (HTTP) thread never runs parallel torch ops."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = build(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller as is
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="kiln-load", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
