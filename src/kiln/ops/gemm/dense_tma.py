@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.gemm.tiling import grouped_tile, k_range, launch_grid, store_tile, tile_options
+from kiln.ops.gemm.tiling import grouped_tile, k_range, launch_grid, store_linear_tile, tile_options
 from kiln.ops.registry import triton_interpreting
 
 try:  # host-side descriptors: triton >= 3.4 (the GPU image has 3.6)
@@ -118,29 +118,23 @@ def _linear_tma_kernel(
             acc_up = tl.dot(a, w_desc.load([N + col0, k0]).T, acc_up, input_precision=DOT_PRECISION)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = col0 + tl.arange(0, BLOCK_N)
-    if SILU_MUL and SPLIT_K > 1:  # gate into columns [0, N) of the [SPLIT_K, M, 2N] partials, up into [N, 2N)
-        slab = partial_ptr + pid_k.to(tl.int64) * M * 2 * N + offs_m[:, None] * 2 * N + offs_n[None, :]
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(slab, acc, mask=mask)
-        tl.store(slab + N, acc_up, mask=mask)
-    else:
-        if SILU_MUL:
-            acc = acc * tl.sigmoid(acc) * acc_up
-        store_tile(
-            acc,
-            out_ptr,
-            bias_ptr,
-            partial_ptr,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            stride_om,
-            stride_on,
-            pid_k,
-            HAS_BIAS,
-            SPLIT_K,
-        )
+    store_linear_tile(
+        acc,
+        acc_up,
+        out_ptr,
+        bias_ptr,
+        partial_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        stride_om,
+        stride_on,
+        pid_k,
+        HAS_BIAS,
+        SILU_MUL,
+        SPLIT_K,
+    )
 
 
 def launch_linear_tma(

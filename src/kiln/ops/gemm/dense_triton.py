@@ -31,7 +31,7 @@ from kiln.ops.gemm.tiling import (
     partials_buffer,
     reduce_split_k,
     resolve_config,
-    store_tile,
+    store_linear_tile,
     tile_options,
     tile_program,
 )
@@ -82,32 +82,23 @@ def _linear_kernel(
         if SILU_MUL:
             b_up = tl.load(w_cols + N * stride_wn + offs_k[:, None] * stride_wk, mask=b_mask, other=0.0)
             acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
-    if SILU_MUL:
-        if SPLIT_K == 1:
-            out = acc * tl.sigmoid(acc) * acc_up
-            ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-            tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-        else:  # gate into columns [0, N) of the [SPLIT_K, M, 2N] partials, up into [N, 2N)
-            slab = partial_ptr + pid_k.to(tl.int64) * M * 2 * N + offs_m[:, None] * 2 * N + offs_n[None, :]
-            mask = m_mask[:, None] & n_mask[None, :]
-            tl.store(slab, acc, mask=mask)
-            tl.store(slab + N, acc_up, mask=mask)
-    else:
-        store_tile(
-            acc,
-            out_ptr,
-            bias_ptr,
-            partial_ptr,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            stride_om,
-            stride_on,
-            pid_k,
-            HAS_BIAS,
-            SPLIT_K,
-        )
+    store_linear_tile(
+        acc,
+        acc_up,
+        out_ptr,
+        bias_ptr,
+        partial_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        stride_om,
+        stride_on,
+        pid_k,
+        HAS_BIAS,
+        SILU_MUL,
+        SPLIT_K,
+    )
 
 
 _TMA_FAILED: list[str] = []  # why the automatic TMA path was given up, if it was

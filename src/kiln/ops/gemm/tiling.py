@@ -105,6 +105,39 @@ def store_tile(
 
 
 @triton.jit
+def store_linear_tile(
+    acc,
+    acc_up,
+    out_ptr,
+    bias_ptr,
+    partial_ptr,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    stride_om,
+    stride_on,
+    pid_k,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """Epilogue of the dense GEMM kernels. Plain: `store_tile(acc)`. SILU_MUL (acc = gate, acc_up =
+    up): with one K split, store silu(gate) * up; with several, store gate into columns [0, N) and up
+    into [N, 2N) of this split's slab of `partials [SPLIT_K, M, 2N]` (the reduction finishes it)."""
+    if SILU_MUL and SPLIT_K > 1:
+        slab = partial_ptr + pid_k.to(tl.int64) * M * 2 * N + offs_m[:, None] * 2 * N + offs_n[None, :]
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(slab, acc, mask=mask)
+        tl.store(slab + N, acc_up, mask=mask)
+    else:
+        if SILU_MUL:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        store_tile(acc, out_ptr, bias_ptr, partial_ptr, offs_m, offs_n, M, N, stride_om, stride_on, pid_k,
+                   HAS_BIAS, SPLIT_K)  # fmt: skip
+
+
+@triton.jit
 def split_k_reduce_kernel(
     partial_ptr,
     bias_ptr,
