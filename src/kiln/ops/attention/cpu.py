@@ -203,11 +203,13 @@ def _decode_batched(
     scale = head_dim**-0.5 if scale is None else scale
     group = num_heads // num_kv_heads
     if softcap is None:
+        # One sequence without a window sees every gathered key: no mask, SDPA's faster unmasked path.
+        mask = None if num_seqs == 1 and sliding_window is None else visible[:, None, None, :]
         out = F.scaled_dot_product_attention(
             q.to(dtype).view(num_seqs, num_heads, 1, head_dim),
             k,
             v,
-            attn_mask=visible[:, None, None, :],
+            attn_mask=mask,
             scale=scale,
             enable_gqa=True,
         )
