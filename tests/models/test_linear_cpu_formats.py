@@ -53,6 +53,8 @@ def test_fp16_cpu_linear_one_row_and_many_rows_agree_with_the_float64_product():
 
 @needs_onednn
 def test_bf16_cpu_linear_is_packed_and_within_bf16_rounding():
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 path on this CPU (needs avx512bw/vl/dq or avx_ne_convert)")
     layer, weight, b = _layer("bf16")
     assert layer.onednn_weight.dtype == torch.bfloat16
     x = torch.randn(5, 80)
@@ -80,3 +82,27 @@ def test_fp16_cpu_linear_with_zero_rows_and_odd_shapes():
     x = torch.randn(9, 53)
     assert_close(layer(x), _ref(x, layer.weight, layer.bias), 1e-6, "odd shape")
     assert layer(torch.randn(0, 53)).shape == (0, 37)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
+def test_clearing_the_bias_takes_effect_on_every_path(fmt):
+    # RowParallelLinear sets bias = None on all ranks but one: no path may keep a private copy.
+    layer, weight, _ = _layer(fmt)
+    layer.bias = None
+    tol = {"fp32": 1e-6, "fp16": 2e-3, "bf16": 1.6e-2}[fmt]
+    for rows in (1, 5):
+        x = torch.randn(rows, 80)
+        ref = _ref(x, layer.weight if layer.weight is not None else weight, None)
+        assert_close(layer(x), ref, tol, f"{fmt}, {rows} rows, bias cleared")
+
+
+def test_a_weight_onednn_cannot_pack_here_falls_back_instead_of_failing(monkeypatch):
+    def refuse(weight):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+
+    monkeypatch.setattr(onednn_linear, "available", lambda: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
+    layer, weight, b = _layer("bf16")
+    assert layer.onednn_weight is None and layer.weight.dtype == torch.bfloat16
+    x = torch.randn(4, 80)
+    assert_close(layer(x), _ref(x, weight, b), 1.6e-2, "bf16 without oneDNN packing")

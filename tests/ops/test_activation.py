@@ -131,3 +131,10 @@ def test_gelu_tanh_cpu_path_has_no_cancellation_in_the_negative_tail(dtype):
     tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}[dtype]
     for i in range(4):  # each element on its own: the tail values are tiny next to gelu(-3)
         assert_close(out[:, i], ref[:, i], tol, f"gate {gate[i].item()}")
+
+
+def test_gelu_tanh_cpu_path_keeps_float64_inputs_in_float64():
+    x = torch.randn(3, 2 * 40, dtype=torch.float64)
+    out = SPECS["gelu_tanh_and_mul"].implementation("cpu").fn(x)
+    assert out.dtype == torch.float64
+    assert_close(out, _independent("gelu_tanh_and_mul", x), 1e-12, "float64 input")

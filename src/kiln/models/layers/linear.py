@@ -56,7 +56,6 @@ class Linear(torch.nn.Module):
         self.format = "dense"
         self.weight: torch.Tensor | None = None  # plain [out, in] matrix (None when only packed)
         self.onednn_weight: torch.Tensor | None = None  # oneDNN-packed CPU weight (see onednn_linear)
-        self.packed_bias = self.bias
         self.rows_weight: torch.Tensor | None = None  # fp32 copy of fp16 CPU weights without oneDNN
         if device.type == "cuda" and isinstance(weight, GGUFWeight) and hasattr(kiln.ops, "gguf_linear"):
             self.format = "gguf"
@@ -84,14 +83,17 @@ class Linear(torch.nn.Module):
         if weight.dtype == torch.float16:
             self.weight = weight  # one-row inputs: the fp16 GEMV
             self.onednn_weight = onednn_linear.pack(weight.float())
-            self.packed_bias = None if self.bias is None else self.bias.float()
             if self.onednn_weight is None:
                 self.rows_weight = weight.float()
         else:
             self.onednn_weight = onednn_linear.pack(weight)
-            self.packed_bias = self.bias
             if self.onednn_weight is None:
                 self.weight = weight
+
+    def _bias_as(self, dtype: torch.dtype) -> torch.Tensor | None:
+        # read from self.bias on every call: RowParallelLinear clears it on all but one rank
+        bias = self.bias
+        return bias if bias is None or bias.dtype == dtype else bias.to(dtype)
 
     def _pack_int4(self, weight: GGUFWeight) -> None:
         scale, minimum = weight.scales_and_mins()  # [out, in / 32]
@@ -125,9 +127,9 @@ class Linear(torch.nn.Module):
             return kiln.ops.gguf_linear(x, self.qweight, self.qtype, self.bias).to(out_dtype)
         packed = self.onednn_weight
         if packed is not None and (self.weight is None or x.shape[0] > 1):
-            return onednn_linear.linear(x.to(packed.dtype), packed, self.packed_bias).to(out_dtype)
+            return onednn_linear.linear(x.to(packed.dtype), packed, self._bias_as(packed.dtype)).to(out_dtype)
         if self.rows_weight is not None and x.shape[0] > 1:
-            return F.linear(x.float(), self.rows_weight, self.packed_bias).to(out_dtype)
+            return F.linear(x.float(), self.rows_weight, self._bias_as(torch.float32)).to(out_dtype)
         if self.weight.dtype != x.dtype:
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(out_dtype)
         if x.is_cuda and hasattr(kiln.ops, "linear"):

@@ -29,12 +29,15 @@ def available() -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [out, in] float32/bfloat16 on the CPU -> oneDNN's blocked copy of it (an opaque tensor
-    only `linear` can read), or None when oneDNN is not available or the weight is not packable."""
+    only `linear` can read), or None when oneDNN is not available or cannot pack this weight here."""
     if not available() or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     if weight.dim() != 2 or 0 in weight.shape:
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+    try:  # bf16 needs avx512bw/vl/dq or avx_ne_convert; the op raises on other CPUs
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+    except RuntimeError:
+        return None
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
