@@ -85,7 +85,12 @@ def _compile_all():
     sig = {"topk_ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
            "num_pairs": "i32", "num_experts": "i32", "max_padded": "i32", "num_blocks": "i32"}  # fmt: skip
     for pairs, experts in ((16384 // 256, 256), (16384 // 8, 8)):  # the largest one-program alignments
-        consts = {"BLOCK_M": 16, "BLOCK_P": pairs, "BLOCK_E": experts, "BLOCK_S": 256}
+        consts = {
+            "BLOCK_M": 16,
+            "BLOCK_P": pairs,
+            "BLOCK_E": experts,
+            "BLOCK_S": triton_align.align_block_s(experts),
+        }
         results[f"align {pairs}x{experts}"] = _build(triton_align._moe_align_kernel, sig, consts, 8, 1)
     return results
 

@@ -78,6 +78,12 @@ def fits_single_program(num_pairs: int, num_experts: int) -> bool:
     )
 
 
+def align_block_s(block_e: int) -> int:
+    """Slots per step of the kernel's fill and block-expert loops: the [BLOCK_S, BLOCK_E] comparison
+    stays at <= 8192 elements (BLOCK_S 256 with 256 experts spilled registers on sm_90 in triton 3.6)."""
+    return min(256, 8192 // block_e)
+
+
 def moe_align_block_size_triton(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -102,7 +108,7 @@ def moe_align_block_size_triton(
         BLOCK_M=block_m,
         BLOCK_P=triton.next_power_of_2(max(num_pairs, 1)),
         BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_S=256,
+        BLOCK_S=align_block_s(triton.next_power_of_2(num_experts)),
         num_warps=8,
     )
     return sorted_pair_ids, block_expert_ids, num_padded
