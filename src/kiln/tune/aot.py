@@ -58,6 +58,16 @@ class LaunchSpec:
         attrs = sorted((str(k), str(v)) for k, v in self.attrs.items())
         return json.dumps([self.kernel, self.signature, constexprs, attrs, sorted(self.options.items())])
 
+    def operand_type(self) -> str:
+        """Element type of the kernel's first tensor argument ("bf16", "fp32", ...): the input dtype,
+        which tells fp32 launches (IEEE dots, rarely on the GPU's hot path) from 16/8-bit ones."""
+        for ty in self.signature.values():
+            if ty.startswith("*"):
+                return ty[1:]
+            if ty.startswith("tensordesc<"):
+                return ty[len("tensordesc<") :].split("[", 1)[0]
+        return ""
+
     def constexpr_summary(self) -> str:
         names = list(self.signature)
         parts = [f"{names[path[0]]}={_show(v)}" for path, v in self.constexprs.items() if len(path) == 1]
@@ -212,6 +222,7 @@ class CompileResult:
         return {
             "kernel": self.spec.kernel,
             "signature": self.spec.signature,
+            "operand": self.spec.operand_type(),
             "constexprs": self.spec.constexpr_summary(),
             "attrs": {str(k): v for k, v in self.spec.attrs.items()},
             "sources": self.spec.sources,

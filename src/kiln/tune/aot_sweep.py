@@ -2,8 +2,9 @@
 
 Every registered op with a Triton implementation ("triton", "triton_tma", and "triton_*" baselines
 such as the pointer GEMM) is called on CPU tensors made by its spec's input maker, for each shape of
-its bench suite ("llm": Llama-3-8B GEMMs, M in {1, 16, 64, 256, 2048, 8192}, ...) and a few of its
-fuzz shapes, in every dtype the op takes, with the config the launcher picks itself (tuning cache,
+its bench suite ("llm": Llama-3-8B GEMMs, M in {1, 16, 64, 256, 2048, 8192}, ...), a few of its
+fuzz shapes and the shapes the engine gives it for the `random:llama3-8b` and `random:tiny` models
+(`model_shapes`), in every dtype the op takes, with the config the launcher picks itself (tuning cache,
 else heuristics), while `kiln.tune.aot.record_launches` records the launches. Each distinct launch is
 then compiled for sm_90.
 
@@ -65,6 +66,8 @@ def sweep_cases(op_names: list[str] | None, suite: str, fuzz: int, quick: bool) 
         if quick and len(shapes) > 2:
             shapes = [shapes[0], shapes[-1]]
         shapes += spec.fuzz_shapes(random.Random(0))[: 1 if quick else fuzz]
+        for preset in ("tiny",) if quick else MODEL_PRESETS:
+            shapes += [shape for shape in model_shapes(preset, quick).get(name, []) if shape not in shapes]
         dtypes = list(spec.dtypes)
         if quick:
             dtypes = [d for d in dtypes if d is torch.bfloat16 or d.is_floating_point and d.itemsize == 1]
@@ -73,6 +76,53 @@ def sweep_cases(op_names: list[str] | None, suite: str, fuzz: int, quick: bool) 
                 if quick and spec.bytes(shape, dtype) > QUICK_MAX_BYTES:
                     continue
                 yield spec, backends, shape, dtype
+
+
+MODEL_PRESETS = ("llama3-8b", "tiny")
+ENGINE_BLOCK_SIZE = 16  # EngineConfig's default KV block size
+
+
+def model_shapes(preset_name: str, quick: bool = False) -> dict[str, list[dict]]:
+    """op name -> the shapes one decoder layer (and the LM head) of a `random:<preset>` model gives
+    that op in the engine: the projections, norms, rotary, KV-cache writes and attention for decode
+    batches and prefill chunks. A stand-in for running the model, whose layers take the Triton path
+    only for CUDA tensors."""
+    from kiln.loaders.random_weights import PRESETS
+
+    p = PRESETS[preset_name]
+    hidden, heads, kv, d = p.hidden_size, p.num_heads, p.num_kv_heads, p.head_dim
+    tokens = (1, 64) if quick else (1, 16, 64, 256, 2048, 8192)
+    gemms = [((heads + 2 * kv) * d, hidden), (hidden, heads * d), (hidden, p.intermediate_size)]
+    gemms.append((p.vocab_size, hidden))  # LM head
+    attn = {"num_heads": heads, "num_kv_heads": kv, "head_dim": d, "block_size": ENGINE_BLOCK_SIZE}
+    shapes: dict[str, list[dict]] = {
+        "linear": [{"M": m, "N": n, "K": k, "bias": False} for n, k in gemms for m in tokens],
+        "linear_silu_mul": [{"M": m, "N": p.intermediate_size, "K": hidden} for m in tokens],
+        "rms_norm": [{"rows": m, "hidden": hidden, "residual": r} for m in tokens for r in (False, True)],
+        "rotary_embedding": [
+            {"tokens": m, "q_heads": heads, "kv_heads": kv, "head_dim": d, "max_position": 8192}
+            for m in tokens
+        ],
+        "write_kv_cache": [
+            {
+                "num_tokens": m,
+                "num_kv_heads": kv,
+                "head_dim": d,
+                "num_blocks": max(64, 2 * m // 16),
+                "block_size": ENGINE_BLOCK_SIZE,
+            }
+            for m in tokens
+        ],
+        "paged_decode_attention": [
+            {"batch": b, "context": c, **attn}
+            for b in ((1, 64) if quick else (1, 16, 64))
+            for c in (512, 4096)
+        ],
+        "paged_prefill_attention": [
+            {"batch": 1, "seqlen_q": q, "context": q, **attn} for q in ((64,) if quick else (16, 512, 2048))
+        ],
+    }
+    return shapes
 
 
 @contextlib.contextmanager
@@ -179,12 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     results = compile_all(specs, args.per_kernel, log=lambda line: print(line, flush=True))
     failed = [r for r in results if r.error is not None]
     spilled = [r for r in results if r.spill_bytes > 0]
+    hot_spilled = [r for r in spilled if r.spec.operand_type() != "fp32"]
     for error in errors:
         print(f"DRIVE ERROR {error.source}: {error.error}")
     for result in failed:
         print(f"FAIL {result.spec.kernel} {result.spec.constexpr_summary()}\n  {result.spec.signature}\n"
               f"  from {result.spec.sources[:3]}\n  {result.error[-1500:]}")  # fmt: skip
-    print(f"{len(results)} compiled, {len(failed)} failed, {len(spilled)} spill registers, "
+    for result in hot_spilled:
+        print(f"SPILL {result.spill_bytes} bytes: {result.spec.kernel} {result.spec.constexpr_summary()}\n"
+              f"  {result.spec.signature}\n  from {result.spec.sources[:3]}")  # fmt: skip
+    print(f"{len(results)} compiled, {len(failed)} failed, {len(spilled)} spill registers "
+          f"({len(hot_spilled)} of them not fp32), "
           f"{len(errors)} drive errors ({time.perf_counter() - start:.0f}s)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
