@@ -77,10 +77,12 @@ def int4_linear_triton(x, qweight, scales, zeros, group_size, config: dict | Non
         return (out if M == 0 or N == 0 else out.zero_()).reshape(*x.shape[:-1], N)
     qweight, scales, zeros = contiguous_rows(qweight), contiguous_rows(scales), contiguous_rows(zeros)
     shape = {"M": M, "N": N, "K": K, "group_size": group_size}
-    # By default a K tile stays inside one quantization group (one scale and zero per column per step).
+    # By default a K tile stays inside one quantization group (one scale and zero per column per step),
+    # and is at most 32 deep: the dequantized [BLOCK_K, BLOCK_N] fp32 tile lives in registers, and with
+    # BLOCK_K 64-128 Triton 3.6 spills them on sm_90 (1.5 KB at 16x64x128; python -m kiln.tune.aot).
     wide = x.dtype == torch.float32
     cfg = resolve_config(
-        "int4_linear", x.dtype, shape, config, x.device, wide_operands=wide, max_block_k=group_size
+        "int4_linear", x.dtype, shape, config, x.device, wide_operands=wide, max_block_k=min(group_size, 32)
     )
     partials = partials_buffer(cfg, M, N, x.device)
     _int4_linear_kernel[launch_grid(cfg, M, N)](
