@@ -180,8 +180,11 @@ def gguf_linear_triton(x, qweight, qtype, bias=None, config: dict | None = None)
         return out.reshape(*x.shape[:-1], N)
     qweight = contiguous_rows(qweight)
     shape = {"M": M, "N": N, "K": K, "qtype": qtype}
+    # The tiled GEMM keeps a dequantized [BLOCK_K, BLOCK_N] tile in registers: at BLOCK_K 128 (the
+    # small-M default) Triton 3.6 spills it on sm_90 (424-616 bytes for Q4_1; python -m kiln.tune.aot).
     cfg = resolve_config("gguf_linear", x.dtype, shape, config, x.device, min_block_k=32,
-                         wide_operands=x.dtype == torch.float32)  # fmt: skip
+                         wide_operands=x.dtype == torch.float32,
+                         max_block_k=64 if M > GEMV_MAX_M else None)  # fmt: skip
     bias_arg = bias.contiguous() if bias is not None else out
     common = dict(QTYPE=qtype, BLOCK_BYTES=BLOCK_BYTES[qtype], HAS_BIAS=bias is not None)
     if M <= GEMV_MAX_M:
