@@ -218,6 +218,15 @@ class CompileResult:
     registers: int = -1
     shared_bytes: int = 0
 
+    @property
+    def hot_spill(self) -> bool:
+        """Spills in a 16/8-bit launch that a real shape makes (a bench or model shape, not only
+        fuzz shapes): the GPU's hot path. fp32 launches (IEEE dots) are reported, not counted."""
+        real_shape = (
+            any(not source.endswith("[fuzz]") for source in self.spec.sources) or not self.spec.sources
+        )
+        return self.spill_bytes > 0 and self.spec.operand_type() != "fp32" and real_shape
+
     def as_dict(self) -> dict:
         return {
             "kernel": self.spec.kernel,
@@ -229,6 +238,7 @@ class CompileResult:
             "ok": self.error is None,
             "error": self.error,
             "spill_bytes": self.spill_bytes,
+            "hot_spill": self.hot_spill,
             "registers": self.registers,
             "shared_bytes": self.shared_bytes,
         }

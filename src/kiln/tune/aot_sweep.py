@@ -48,7 +48,8 @@ def triton_backends(spec) -> dict:
 
 
 def sweep_cases(op_names: list[str] | None, suite: str, fuzz: int, quick: bool) -> Iterator[tuple]:
-    """(spec, {backend name: fn}, shape, dtype) for every launch case; `quick` keeps each op's first
+    """(spec, {backend name: fn}, shape, dtype, kind) for every launch case, kind "bench", "fuzz" or
+    "model" (the shape's origin; fuzz shapes are odd sizes no model has); `quick` keeps each op's first
     and last suite shape, one fuzz shape, only bf16 and the dtypes bf16 does not cover (fp8), and
     only cases whose byte model (`OpSpec.bytes`) is under QUICK_MAX_BYTES (cheap inputs to make)."""
     from kiln.ops.registry import all_ops
@@ -62,20 +63,23 @@ def sweep_cases(op_names: list[str] | None, suite: str, fuzz: int, quick: bool) 
         backends = triton_backends(spec)
         if not backends:
             continue
-        shapes = list(spec.bench_shapes.get(suite, []))
-        if quick and len(shapes) > 2:
-            shapes = [shapes[0], shapes[-1]]
-        shapes += spec.fuzz_shapes(random.Random(0))[: 1 if quick else fuzz]
+        bench = list(spec.bench_shapes.get(suite, []))
+        if quick and len(bench) > 2:
+            bench = [bench[0], bench[-1]]
+        shapes = [(shape, "bench") for shape in bench]
+        shapes += [(shape, "fuzz") for shape in spec.fuzz_shapes(random.Random(0))[: 1 if quick else fuzz]]
         for preset in ("tiny",) if quick else MODEL_PRESETS:
-            shapes += [shape for shape in model_shapes(preset, quick).get(name, []) if shape not in shapes]
+            for shape in model_shapes(preset, quick).get(name, []):
+                if shape not in bench:
+                    shapes.append((shape, "model"))
         dtypes = list(spec.dtypes)
         if quick:
             dtypes = [d for d in dtypes if d is torch.bfloat16 or d.is_floating_point and d.itemsize == 1]
         for dtype in dtypes:
-            for shape in shapes:
+            for shape, kind in shapes:
                 if quick and spec.bytes(shape, dtype) > QUICK_MAX_BYTES:
                     continue
-                yield spec, backends, shape, dtype
+                yield spec, backends, shape, dtype, kind
 
 
 MODEL_PRESETS = ("llama3-8b", "tiny")
@@ -155,8 +159,8 @@ def record_sweep(
     (launches depend on shapes, not values, and outputs are never written)."""
     errors: list[DriveError] = []
     with record_launches() as recorder, _cheap_big_random():
-        for spec, backends, shape, dtype in sweep_cases(op_names, suite, fuzz, quick):
-            case = f"{spec.name} {str(dtype).replace('torch.', '')} {json.dumps(shape)}"
+        for spec, backends, shape, dtype, kind in sweep_cases(op_names, suite, fuzz, quick):
+            case = f"{spec.name} {str(dtype).replace('torch.', '')} {json.dumps(shape)} [{kind}]"
             start = time.perf_counter()
             try:
                 inputs = spec.make_inputs(shape, dtype, torch.device("cpu"), torch.Generator().manual_seed(0))
@@ -229,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     results = compile_all(specs, args.per_kernel, log=lambda line: print(line, flush=True))
     failed = [r for r in results if r.error is not None]
     spilled = [r for r in results if r.spill_bytes > 0]
-    hot_spilled = [r for r in spilled if r.spec.operand_type() != "fp32"]
+    hot_spilled = [r for r in spilled if r.hot_spill]
     for error in errors:
         print(f"DRIVE ERROR {error.source}: {error.error}")
     for result in failed:
@@ -239,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SPILL {result.spill_bytes} bytes: {result.spec.kernel} {result.spec.constexpr_summary()}\n"
               f"  {result.spec.signature}\n  from {result.spec.sources[:3]}")  # fmt: skip
     print(f"{len(results)} compiled, {len(failed)} failed, {len(spilled)} spill registers "
-          f"({len(hot_spilled)} of them not fp32), "
+          f"({len(hot_spilled)} hot: 16/8-bit, real shapes), "
           f"{len(errors)} drive errors ({time.perf_counter() - start:.0f}s)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
