@@ -122,20 +122,21 @@ def _launch(op: str, x, weight, bias, silu_mul: bool, config, kernel: str = "aut
     cfg = resolve_config(op, x.dtype, shape, config, x.device, wide_operands=x.dtype == torch.float32)
     partials = partials_buffer(cfg, M, 2 * N if silu_mul else N, x.device)
     bias = bias.contiguous() if bias is not None else None
-    tma = tma_eligible(x2, weight) if kernel == "tma" else kernel == "auto" and use_tma(x2, weight)
-    if tma and kernel == "auto" and _TMA_FAILED:
-        tma = False
-    if not tma:
-        _launch_pointer(x2, weight, bias, out, partials, cfg, silu_mul)
-    elif kernel == "tma":
-        launch_linear_tma(x2, weight, bias, out, partials, cfg, silu_mul)
+    if kernel == "tma":
+        tma = tma_eligible(x2, weight)
     else:
+        tma = kernel == "auto" and not _TMA_FAILED and use_tma(x2, weight)
+    if tma:
         try:
             launch_linear_tma(x2, weight, bias, out, partials, cfg, silu_mul)
         except Exception as exc:  # a Triton that cannot build the TMA kernel: keep serving on pointers
+            if kernel == "tma":
+                raise
             _TMA_FAILED.append(repr(exc))
             logger.warning("dense GEMM: TMA kernel failed (%r); using the pointer kernel from now on", exc)
-            _launch_pointer(x2, weight, bias, out, partials, cfg, silu_mul)
+            tma = False
+    if not tma:
+        _launch_pointer(x2, weight, bias, out, partials, cfg, silu_mul)
     reduce_split_k(partials, out, bias, silu_mul)
     return out.reshape(*x.shape[:-1], N)
 
