@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kiln.bench.suites import dtype_from_name, parse_shapes, resolve_cases
-from kiln.ops.norm.spec import RMS_NORM
+from kiln.ops.norm.rms_norm import RMS_NORM
 
 
 def test_shapes_from_inline_json_a_file_and_a_suite_name(tmp_path):

@@ -160,11 +160,11 @@ _AOT_SCRIPT = textwrap.dedent(
         build("softmax", "_softmax_kernel",
               {"x_ptr": bf16, "out_ptr": bf16, **rows, "n_cols": i32, "inv_temperature": "fp32"},
               {"BLOCK_N": 1024, "SINGLE_BLOCK": single})
-        build("norm", "_layer_norm_kernel",
+        build("norm.layer_norm", "_layer_norm_kernel",
               {"x_ptr": bf16, "weight_ptr": bf16, "bias_ptr": bf16, "out_ptr": bf16, **rows,
                "n_cols": i32, "eps": "fp32"},
               {"HAS_BIAS": single, "BLOCK_N": 1024, "SINGLE_BLOCK": single})
-        build("norm", "_rms_norm_kernel",
+        build("norm.rms_norm", "_rms_norm_kernel",
               {"x_ptr": bf16, "residual_ptr": bf16, "weight_ptr": bf16, "out_ptr": bf16, **rows,
                "residual_row_stride": i32, "n_cols": i32, "eps": "fp32"},
               {"HAS_RESIDUAL": single, "BLOCK_N": 1024, "SINGLE_BLOCK": single})

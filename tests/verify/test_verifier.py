@@ -6,12 +6,13 @@ import random
 
 import torch
 
+from kiln.ops import get_op
 from kiln.ops.alloc import empty_like
-from kiln.ops.norm.spec import RMS_NORM
 from kiln.ops.registry import Implementation
 from kiln.verify import relative_error, run_case
 from kiln.verify.runner import verify
 
+RMS_NORM = get_op("rms_norm")
 SHAPE = {"rows": 6, "hidden": 301, "residual": True}
 
 
@@ -21,31 +22,31 @@ def spec_with(fn):
     return spec
 
 
-def test_verifier_passes_the_real_kernel():
-    case = run_case(RMS_NORM, "triton", SHAPE, torch.float32, torch.device("cpu"), seed=1)
+def test_verifier_passes_the_real_kernel(device):
+    case = run_case(RMS_NORM, "triton", SHAPE, torch.float32, device, seed=1)
     assert case.passed and case.error < 1e-5
 
 
-def test_verifier_catches_a_wrong_kernel():
+def test_verifier_catches_a_wrong_kernel(device):
     def wrong_eps(x, weight, eps=1e-6, residual=None):  # plausible bug: eps added outside the sqrt
         x2 = x + residual
         residual.copy_(x2)
         return x2 / (x2.pow(2).mean(-1, keepdim=True).sqrt() + 0.1) * weight, residual
 
-    case = run_case(spec_with(wrong_eps), "planted", SHAPE, torch.float32, torch.device("cpu"), seed=2)
+    case = run_case(spec_with(wrong_eps), "planted", SHAPE, torch.float32, device, seed=2)
     assert not case.passed and case.error > 1e-3
 
 
-def test_verifier_catches_a_kernel_that_forgets_the_residual_write_back():
+def test_verifier_catches_a_kernel_that_forgets_the_residual_write_back(device):
     def no_write_back(x, weight, eps=1e-6, residual=None):
         s = x + residual
         return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight, residual
 
-    case = run_case(spec_with(no_write_back), "planted", SHAPE, torch.float32, torch.device("cpu"), seed=3)
+    case = run_case(spec_with(no_write_back), "planted", SHAPE, torch.float32, device, seed=3)
     assert not case.passed
 
 
-def test_verifier_catches_unwritten_output_elements():
+def test_verifier_catches_unwritten_output_elements(device):
     def skips_last_row(x, weight, eps=1e-6, residual=None):
         residual.add_(x)
         out = empty_like(x)  # poisoned under the verifier
@@ -53,15 +54,15 @@ def test_verifier_catches_unwritten_output_elements():
         out[:-1] = good * torch.rsqrt(good.pow(2).mean(-1, keepdim=True) + eps) * weight
         return out, residual
 
-    case = run_case(spec_with(skips_last_row), "planted", SHAPE, torch.float32, torch.device("cpu"), seed=4)
+    case = run_case(spec_with(skips_last_row), "planted", SHAPE, torch.float32, device, seed=4)
     assert not case.passed and math.isinf(case.error)
 
 
-def test_verifier_reports_a_crash_as_failure():
+def test_verifier_reports_a_crash_as_failure(device):
     def crashes(x, weight, eps=1e-6, residual=None):
         raise RuntimeError("boom")
 
-    case = run_case(spec_with(crashes), "planted", SHAPE, torch.float32, torch.device("cpu"), seed=5)
+    case = run_case(spec_with(crashes), "planted", SHAPE, torch.float32, device, seed=5)
     assert not case.passed and "boom" in case.failure
 
 
@@ -72,7 +73,7 @@ def test_nan_never_passes():
     assert math.isinf(relative_error(out, ref))
 
 
-def test_verify_rows_cover_every_dtype_of_rms_norm():
+def test_verify_rows_cover_every_dtype_of_rms_norm():  # the CPU backend: CPU tensors on any machine
     rows = verify(["rms_norm"], ["cpu"], None, "cpu", seed=random.randrange(2**31))
     assert {r.dtype for r in rows} == {"float32", "float16", "bfloat16"}
     assert all(r.passed and r.cases > 0 for r in rows)

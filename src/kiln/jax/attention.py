@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from kiln.jax.checks import FLOAT_DTYPES, check_array, check_same_dtype
-from kiln.jax.dispatch import resolve
+from kiln.ops.pallas_common import resolve
 
 FP8_DTYPES = (jnp.float8_e4m3fn,)
 

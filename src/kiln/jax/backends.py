@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 import kiln.jax as kjax
-from kiln.jax import dispatch
-from kiln.jax.dlpack import to_jax, to_torch
+from kiln.ops import pallas_common as dispatch
+from kiln.ops.jax_bridge import to_jax, to_torch
 from kiln.ops.registry import Implementation, get_op
 
 DESCRIPTIONS = {
@@ -74,20 +74,6 @@ def register(
                 )
             )
     return True
-
-
-def _rms_norm(implementation: str):
-    def rms_norm(x, weight, eps=1e-6, residual=None):
-        dev = compute_device(implementation)
-        out = kjax.rms_norm(
-            to_jax(x, dev), to_jax(weight, dev), eps, to_jax(residual, dev), implementation=implementation
-        )
-        if residual is None:
-            return to_torch(out, x)
-        residual.copy_(to_torch(out[1], x))
-        return to_torch(out[0], x), residual
-
-    return rms_norm
 
 
 def _softmax(implementation: str):
@@ -221,7 +207,6 @@ def _paged_decode_attention(implementation: str):
     return paged_decode_attention
 
 
-register("rms_norm", _rms_norm)
 register("softmax", _softmax)
 register("silu_and_mul", _silu_and_mul)
 register("gelu_tanh_and_mul", _gelu_tanh_and_mul)

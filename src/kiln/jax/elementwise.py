@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from kiln.jax.checks import FLOAT_DTYPES, check_array, check_same_dtype
-from kiln.jax.dispatch import resolve
+from kiln.ops.pallas_common import resolve
 
 INDEX_DTYPES = (jnp.int32, jnp.int64)
 

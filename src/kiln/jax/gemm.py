@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from kiln.jax.checks import FLOAT_DTYPES, check_array, check_last_dim, check_same_dtype
-from kiln.jax.dispatch import resolve
+from kiln.ops.pallas_common import resolve
 
 
 def _check_bias(op, bias, x, n):

@@ -1,5 +1,9 @@
 """Argument checks shared by the public ops: each failure is a ValueError naming the op, the
-argument and what was expected, raised before any kernel launches."""
+argument and what was expected, raised before any kernel launches.
+
+The checks read only shapes and dtypes (dtypes compared by name), so one validator serves torch
+tensors (`kiln.ops`) and jax arrays or tracers (`kiln.jax`); devices are compared for torch tensors
+only (pass `device_of(x)`)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,25 @@ from collections.abc import Iterable, Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def dtype_name(dtype: object) -> str:
+    """'float32' for torch.float32, jnp.float32 and numpy's dtype('float32') alike."""
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).replace("torch.", "")
+    import numpy as np
+
+    return np.dtype(dtype).name
+
+
+def is_array(value: object) -> bool:
+    """A torch tensor, or an array-like with a shape and a dtype (jax arrays and tracers)."""
+    return isinstance(value, torch.Tensor) or (hasattr(value, "shape") and hasattr(value, "dtype"))
+
+
+def device_of(value: object) -> torch.device | None:
+    """The device of a torch tensor; None for anything else (jax arrays are not compared)."""
+    return value.device if isinstance(value, torch.Tensor) else None
 
 
 def check_tensor(
@@ -21,23 +44,23 @@ def check_tensor(
     device: torch.device | None = None,
 ) -> torch.Tensor:
     """Validate one tensor argument and return it."""
-    if not isinstance(tensor, torch.Tensor):
+    if not is_array(tensor):
         raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    rank = len(tensor.shape)
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
-        if tensor.dim() not in allowed:
+        if rank not in allowed:
             dims = " or ".join(map(str, allowed))
             raise ValueError(f"{op}: {name} must have {dims} dims, got shape {tuple(tensor.shape)}")
-    if min_ndim is not None and tensor.dim() < min_ndim:
+    if min_ndim is not None and rank < min_ndim:
         raise ValueError(f"{op}: {name} must have at least {min_ndim} dims, got shape {tuple(tensor.shape)}")
     if dtypes is not None:
-        dtypes = tuple(dtypes)
-        if tensor.dtype not in dtypes:
-            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        names = [dtype_name(d) for d in dtypes]
+        if dtype_name(tensor.dtype) not in names:
             raise ValueError(
-                f"{op}: {name} has dtype {str(tensor.dtype).replace('torch.', '')}, expected one of {names}"
+                f"{op}: {name} has dtype {dtype_name(tensor.dtype)}, expected one of {', '.join(names)}"
             )
-    if device is not None and tensor.device != device:
+    if device is not None and isinstance(tensor, torch.Tensor) and tensor.device != device:
         raise ValueError(f"{op}: {name} is on {tensor.device}, expected {device} (all tensors on one device)")
     return tensor
 
@@ -48,9 +71,9 @@ def check_last_dim(op: str, name: str, tensor: torch.Tensor, size: int, what: st
 
 
 def check_same_dtype(op: str, **tensors: torch.Tensor) -> None:
-    dtypes = {name: t.dtype for name, t in tensors.items() if t is not None}
+    dtypes = {name: dtype_name(t.dtype) for name, t in tensors.items() if t is not None}
     if len(set(dtypes.values())) > 1:
-        listing = ", ".join(f"{n}={str(d).replace('torch.', '')}" for n, d in dtypes.items())
+        listing = ", ".join(f"{n}={d}" for n, d in dtypes.items())
         raise ValueError(f"{op}: tensors must share one dtype, got {listing}")
 
 

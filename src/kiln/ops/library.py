@@ -38,7 +38,6 @@ from kiln.ops.attention.flash import flash_attention, validate_flash_attention
 from kiln.ops.attention.kv_cache import validate_write_kv_cache, write_kv_cache
 from kiln.ops.attention.paged_decode import paged_decode_attention, validate_paged_decode_attention
 from kiln.ops.attention.paged_prefill import paged_prefill_attention, validate_paged_prefill_attention
-from kiln.ops.norm.spec import layer_norm, rms_norm, validate_layer_norm, validate_rms_norm
 from kiln.ops.rope.spec import rotary_embedding, validate_rotary_embedding
 from kiln.ops.softmax.spec import softmax, validate_softmax
 
@@ -52,34 +51,6 @@ ATTENTION_REGISTERED = (
     "paged_prefill_attention",
     "paged_decode_attention",
 )
-
-
-@torch.library.custom_op("kiln::rms_norm", mutates_args=("residual",))
-def _rms_norm_op(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
-) -> torch.Tensor:
-    if residual is None:
-        return rms_norm(x, weight, eps)
-    return rms_norm(x, weight, eps, residual)[0]
-
-
-@_rms_norm_op.register_fake
-def _(x, weight, eps=1e-6, residual=None):
-    validate_rms_norm(x, weight, eps, residual)
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("kiln::layer_norm", mutates_args=())
-def _layer_norm_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5
-) -> torch.Tensor:
-    return layer_norm(x, weight, bias, eps)
-
-
-@_layer_norm_op.register_fake
-def _(x, weight, bias=None, eps=1e-5):
-    validate_layer_norm(x, weight, bias, eps)
-    return torch.empty_like(x)
 
 
 @torch.library.custom_op("kiln::softmax", mutates_args=())

@@ -1,21 +1,38 @@
 """The op registry: one `OpSpec` per op, any number of `Implementation`s behind it.
 
-An op is declared once (its reference, how to make inputs for a shape, its FLOP and byte model,
-its tolerances) and implemented per backend ("triton", "cpu", "pallas_tpu", "pallas_gpu", "xla").
-Every implementation takes and returns torch tensors with the public op's signature, so one verifier
-(`kiln.verify`) and one benchmark (`kiln.bench`) serve them all.
+An op is declared once, in its `spec.py`: its signature (a `torch.library` schema), its argument
+validation, its float64 reference, how to make inputs for a shape, its FLOP and byte model, its
+tolerances and its fake (the output shapes, for compilers). `define_op(spec)` generates from that:
 
-Dispatch (`OpSpec.__call__`, used by every public function in `kiln.ops`):
+  - the public function `kiln.ops.<name>`: validate, then call the implementation selected for the
+    tensors' device and dtype (the choice is cached, so a call costs a dictionary lookup);
+  - the custom op `torch.ops.kiln.<name>` with its fake, so `torch.compile(fullgraph=True)` and
+    CUDA graphs take the kernel as one opaque node;
+  - the JAX entry `kiln.jax.<name>` when the op has JAX implementations (`register_jax`), validated
+    by the same function on jax arrays.
+
+Backends ("triton", "triton_tma", "cpu", "pallas_tpu", "pallas_gpu", "xla") live in files beside the
+spec and register themselves. Every torch implementation has the public function's signature, so
+one verifier (`kiln.verify`) and one benchmark (`kiln.bench`) serve them all.
+
+Dispatch, per (device, dtype, KILN_BACKEND):
   1. `KILN_BACKEND=<name>` forces an implementation ("reference" is always allowed);
   2. CUDA tensors take "triton";
   3. anything else takes "cpu" when the op has a fast CPU path, else the reference (which computes
      in at least float32 for half-precision inputs, so it is an honest CPU path for simple ops).
+
+Inside `trusted_inputs()` the public functions skip argument validation: the engine uses it around
+the model's forward, whose shapes it built itself. Dispatch and kernels are the same either way.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import os
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +40,9 @@ import torch
 
 Shape = dict[str, Any]
 Inputs = dict[str, Any]
+
+# Backends whose kernels are written in JAX (registered with `OpSpec.register_jax`).
+JAX_IMPLEMENTATIONS = ("pallas_tpu", "pallas_gpu", "xla")
 
 
 def triton_interpreting() -> bool:
@@ -43,6 +63,30 @@ def triton_available(device: torch.device | None) -> bool:
 
 def always_available(device: torch.device | None) -> bool:
     return True
+
+
+def cpu_only(device: torch.device | None) -> bool:
+    """For fast CPU paths: CPU tensors (or no device at all)."""
+    return device is None or device.type == "cpu"
+
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def trusted_inputs(enabled: bool = True) -> Iterator[None]:
+    """Within this block (this thread), public ops skip argument validation. For callers that built
+    the arguments themselves (the engine's model forward); everything else is unchanged."""
+    previous = getattr(_state, "trusted", False)
+    _state.trusted = enabled
+    try:
+        yield
+    finally:
+        _state.trusted = previous
+
+
+def validating() -> bool:
+    return not getattr(_state, "trusted", False)
 
 
 @dataclass
@@ -66,6 +110,16 @@ class Implementation:
 class OpSpec:
     """Everything Kiln knows about one op, independent of any backend.
 
+    schema:        the op's signature as a `torch.library` schema without the name, e.g.
+                   "(Tensor x, Tensor weight, float eps=1e-06, Tensor(a!)? residual=None) -> Tensor".
+                   Arguments written in place carry `(a!)`; the result is what the custom op returns
+                   (fresh tensors only, never an input).
+    validate:      (*args) -> None; raises ValueError naming the argument. Called with every argument
+                   of the schema, positionally, defaults filled in. Written against shapes and dtypes
+                   (`kiln.ops.checks`), so it validates jax arrays for the JAX entry too.
+    fake:          (*args) -> the custom op's outputs as empty tensors of the right shape and dtype.
+    public_result: (op_result, args) -> what the public function returns, when it differs from the
+                   custom op's result (rms_norm returns `(y, residual)` with a residual). Default: same.
     reference:     the definition of correct. Called by the verifier on float64 copies of the inputs;
                    must be short and obviously right. Same signature as the op.
     make_inputs:   (shape, dtype, device, generator) -> kwargs for the op. Fresh random data, never zeros.
@@ -77,8 +131,9 @@ class OpSpec:
                    in-place ops return the tensors they modified.
     bench_shapes:  suite name -> shapes for `kiln bench`.
     baselines:     name -> callable(**inputs) other libraries' way of doing the same (for `kiln bench`).
-    gpu_only_dtypes: dtypes whose Triton path is only checked on a GPU (bf16 `tl.dot` is wrong in the
+    gpu_only_dtypes: implementation -> dtypes only checked on a GPU (bf16 `tl.dot` is wrong in the
                    Triton interpreter).
+    doc:           the public function's docstring (shapes, dtypes, what is modified in place).
     """
 
     name: str
@@ -95,12 +150,38 @@ class OpSpec:
     gpu_only_dtypes: dict[str, Sequence[torch.dtype]] = field(default_factory=dict)
     implementations: dict[str, Implementation] = field(default_factory=dict)
     description: str = ""
+    schema: str | None = None
+    validate: Callable[..., None] | None = None
+    fake: Callable[..., Any] | None = None
+    public_result: Callable[[Any, tuple], Any] | None = None
+    doc: str = ""
+    jax_implementations: dict[str, Callable[..., Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._selected: dict[tuple, Implementation] = {}
+
+    # ---- implementations -------------------------------------------------------------------------
 
     def register(self, impl: Implementation) -> Implementation:
         if impl.name in self.implementations:
             raise ValueError(f"{self.name}: implementation {impl.name!r} registered twice")
         self.implementations[impl.name] = impl
+        self._selected.clear()
         return impl
+
+    def register_jax(self, implementation: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Add a JAX implementation: `fn` takes jax arrays with the op's signature and returns the
+        custom op's outputs followed by the new values of the arguments written in place (JAX arrays
+        are immutable). It serves `kiln.jax.<name>` and, through DLPack, the torch implementation of
+        the same name (so `kiln verify --backend pallas_tpu` checks it)."""
+        if implementation not in JAX_IMPLEMENTATIONS:
+            raise ValueError(f"{self.name}: unknown JAX implementation {implementation!r}")
+        self.jax_implementations[implementation] = fn
+        from kiln.ops import jax_bridge
+
+        if implementation not in self.implementations:
+            self.register(jax_bridge.torch_implementation(self, implementation))
+        return fn
 
     def output_tensors(self, result: Any, inputs: Inputs) -> tuple[torch.Tensor, ...]:
         if self.outputs is not None:
@@ -121,20 +202,25 @@ class OpSpec:
             known = ", ".join(self.backends())
             raise ValueError(f"{self.name}: no implementation {name!r} (known: {known})") from None
 
-    def select(self, device: torch.device | None, backend: str | None = None) -> Implementation:
+    def select(
+        self, device: torch.device | None, backend: str | None = None, dtype: torch.dtype | None = None
+    ) -> Implementation:
         """The implementation that runs for tensors on `device` (see the module docstring)."""
         backend = backend or os.environ.get("KILN_BACKEND") or None
+        key = (device, dtype, backend)
+        impl = self._selected.get(key)
+        if impl is None:
+            impl = self._selected[key] = self._choose(device, backend)
+        return impl
+
+    def _choose(self, device: torch.device | None, backend: str | None) -> Implementation:
         if backend:
             impl = self.implementation(backend)
             if not impl.is_available(device):
-                raise ValueError(
-                    f"{self.name}: backend {backend!r} cannot run on device {device}"
-                    + (
-                        " (set TRITON_INTERPRET=1 to run Triton kernels on the CPU)"
-                        if backend == "triton"
-                        else ""
-                    )
-                )
+                hint = ""
+                if backend == "triton":
+                    hint = " (set TRITON_INTERPRET=1 to run Triton kernels on the CPU)"
+                raise ValueError(f"{self.name}: backend {backend!r} cannot run on device {device}{hint}")
             return impl
         if device is not None and device.type == "cuda" and "triton" in self.implementations:
             return self.implementations["triton"]
@@ -143,17 +229,67 @@ class OpSpec:
         return self.implementation("reference")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.select(_first_device(args, kwargs)).fn(*args, **kwargs)
+        """Dispatch without validation (the public function validates first)."""
+        tensor = _first_tensor(args, kwargs)
+        if tensor is None:
+            return self.select(None).fn(*args, **kwargs)
+        return self.select(tensor.device, dtype=tensor.dtype).fn(*args, **kwargs)
+
+    # ---- the generated entry points ------------------------------------------------------------
+
+    @functools.cached_property
+    def signature(self) -> inspect.Signature:
+        """The public function's Python signature, from the schema."""
+        if self.schema is None:
+            raise ValueError(f"{self.name}: no schema declared")
+        return _python_signature(self.name, self.schema)
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple:
+        """Every argument of the schema, positionally, defaults filled in."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())
+
+    def check(self, *args: Any, **kwargs: Any) -> tuple:
+        """Validate a call's arguments (ValueError on bad ones); returns them bound positionally."""
+        try:
+            bound = self.bind(args, kwargs)
+        except TypeError as error:
+            raise ValueError(f"{self.name}: {error}") from None
+        if self.validate is not None:
+            self.validate(*bound)
+        return bound
+
+    @functools.cached_property
+    def mutated_args(self) -> tuple[str, ...]:
+        """Names of the arguments the op writes in place (`(a!)` in the schema)."""
+        schema = torch._C.parse_schema(f"kiln::{self.name}{self.schema}")
+        return tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
 
 
-def _first_device(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device | None:
+def _first_tensor(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
-            return value.device
+            return value
     return None
 
 
+def _python_signature(name: str, schema: str) -> inspect.Signature:
+    parsed = torch._C.parse_schema(f"kiln::{name}{schema}")
+    params = []
+    for arg in parsed.arguments:
+        kind = inspect.Parameter.KEYWORD_ONLY if arg.kwarg_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        default = arg.default_value if arg.has_default_value() else inspect.Parameter.empty
+        params.append(inspect.Parameter(arg.name, kind, default=default))
+    return inspect.Signature(params)
+
+
+# ---- the registry ------------------------------------------------------------------------------
+
 _REGISTRY: dict[str, OpSpec] = {}
+_LIBRARY = torch.library.Library("kiln", "FRAGMENT")  # kept alive: owns every torch.ops.kiln op
 
 
 def register_op(spec: OpSpec) -> OpSpec:
@@ -164,6 +300,56 @@ def register_op(spec: OpSpec) -> OpSpec:
     return spec
 
 
+def define_op(spec: OpSpec, module: str | None = None) -> Callable[..., Any]:
+    """Register `spec` and generate its public function and its `torch.ops.kiln.<name>` custom op.
+
+    The public function validates its arguments (unless inside `trusted_inputs()`), then calls the
+    implementation selected for the first tensor's device and dtype. Returns the public function.
+    """
+    if spec.schema is None or spec.fake is None:
+        raise ValueError(f"{spec.name}: define_op needs a schema and a fake")
+    register_op(spec)
+    signature = spec.signature
+
+    def public(*args: Any, **kwargs: Any) -> Any:
+        if validating():
+            spec.check(*args, **kwargs)
+        return spec(*args, **kwargs)
+
+    public.__name__ = public.__qualname__ = spec.name
+    public.__doc__ = spec.doc or spec.description
+    public.__signature__ = signature  # type: ignore[attr-defined]
+    if module is not None:
+        public.__module__ = module
+    public.spec = spec  # type: ignore[attr-defined]
+    _define_custom_op(spec, public)
+    return public
+
+
+def _define_custom_op(spec: OpSpec, public: Callable[..., Any]) -> None:
+    _LIBRARY.define(f"{spec.name}{spec.schema}")
+    public_result = spec.public_result
+
+    def real(*args: Any, **kwargs: Any) -> Any:
+        result = public(*args, **kwargs)
+        if public_result is not None:
+            result = _op_result_from_public(result)
+        return result
+
+    def fake(*args: Any, **kwargs: Any) -> Any:
+        bound = spec.check(*args, **kwargs)
+        return spec.fake(*bound)
+
+    _LIBRARY.impl(spec.name, real, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"kiln::{spec.name}", fake, lib=_LIBRARY)
+
+
+def _op_result_from_public(result: Any) -> Any:
+    # A public result that adds in-place arguments to the op's (rms_norm's (y, residual)): the op's
+    # own outputs come first, and a custom op may not return its inputs.
+    return result[0] if isinstance(result, tuple) else result
+
+
 def get_op(name: str) -> OpSpec:
     all_ops()
     try:
@@ -172,22 +358,11 @@ def get_op(name: str) -> OpSpec:
         raise ValueError(f"unknown op {name!r}; registered ops: {', '.join(sorted(_REGISTRY))}") from None
 
 
-# Backends that live outside kiln.ops because they need an optional package: module -> package.
-# Imported only by all_ops() (verify, bench, tune), so a plain `import kiln.ops` never pays for them.
-OPTIONAL_BACKEND_MODULES = {"kiln.jax.backends": "jax"}
-
-
 def all_ops() -> dict[str, OpSpec]:
-    """Every registered op: imports `kiln.ops` so each family has registered itself, and the optional
-    backend modules whose package is installed."""
-    import importlib
-    import importlib.util
-
+    """Every registered op: imports `kiln.ops` (each op registers itself) and, when jax is installed,
+    each op's JAX backends (`kiln.ops.jax_bridge.load_jax_backends`)."""
     import kiln.ops  # noqa: F401
+    from kiln.ops import jax_bridge
 
-    for module, package in OPTIONAL_BACKEND_MODULES.items():
-        if importlib.util.find_spec(package) is not None and importlib.util.find_spec(
-            module.rsplit(".", 1)[0]
-        ):
-            importlib.import_module(module)
+    jax_bridge.load_jax_backends()
     return dict(sorted(_REGISTRY.items()))

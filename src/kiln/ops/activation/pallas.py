@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kiln.jax.dispatch import (
+from kiln.ops.pallas_common import (
     LANES,
     gpu_interpret,
     pad_to,

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kiln.jax.dispatch import gpu_interpret, pad_to, round_up, squeezed, tpu_interpret, tpu_params
+from kiln.ops.pallas_common import gpu_interpret, pad_to, round_up, squeezed, tpu_interpret, tpu_params
 
 NEG_INF = float("-inf")
 

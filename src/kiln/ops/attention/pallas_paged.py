@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kiln.jax.dispatch import squeezed, tpu_interpret, tpu_params
+from kiln.ops.pallas_common import squeezed, tpu_interpret, tpu_params
 from kiln.ops.attention.pallas import NEG_INF, dot_precision, finish_softmax, online_softmax_update
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kiln.jax.dispatch import LANES, gpu_interpret, pad_to, round_up, sublanes, tpu_interpret, tpu_params
+from kiln.ops.pallas_common import LANES, gpu_interpret, pad_to, round_up, sublanes, tpu_interpret, tpu_params
 
 
 def _kernel(*refs, has_scale: bool, has_bias: bool, precision):

@@ -1,6 +1,6 @@
-"""Normalization ops (RMSNorm, LayerNorm): spec in spec.py, backends beside it."""
+"""Normalization ops: rms_norm (optionally fused with the residual add) and layer_norm."""
 
-from kiln.ops.norm import cpu, triton  # noqa: F401  (registers the implementations)
-from kiln.ops.norm.spec import layer_norm, rms_norm
+from kiln.ops.norm.layer_norm import layer_norm
+from kiln.ops.norm.rms_norm import rms_norm
 
 __all__ = ["layer_norm", "rms_norm"]

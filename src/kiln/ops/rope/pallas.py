@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kiln.jax.dispatch import pad_to, round_up, tpu_interpret, tpu_params
+from kiln.ops.pallas_common import pad_to, round_up, tpu_interpret, tpu_params
 
 
 def pair_tables(positions, cos_sin_cache, head_dim: int, is_neox: bool):

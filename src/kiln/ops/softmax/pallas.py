@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kiln.jax.dispatch import gpu_interpret, pad_to, round_up, row_block, squeezed, tpu_interpret, tpu_params
+from kiln.ops.pallas_common import gpu_interpret, pad_to, round_up, row_block, squeezed, tpu_interpret, tpu_params
 
 
 def _softmax_rows(x, inv_temperature: float):

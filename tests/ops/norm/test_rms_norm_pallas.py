@@ -8,7 +8,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import kiln.jax as kjax  # noqa: E402
 from kiln.ops import get_op  # noqa: E402
-from kiln.ops.norm.pallas import rms_norm_pallas_tpu  # noqa: E402
+from kiln.ops.norm.rms_norm.pallas_tpu import rms_norm_pallas_tpu  # noqa: E402
 from kiln.verify import run_case  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kiln.ops
-from kiln.ops.norm.spec import RMS_NORM
+from kiln.ops.norm.rms_norm import RMS_NORM
 from kiln.verify import assert_close, run_case
 
 HALF_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}

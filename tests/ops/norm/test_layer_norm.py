@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kiln.ops
-from kiln.ops.norm.spec import LAYER_NORM
+from kiln.ops.norm.layer_norm import LAYER_NORM
 from kiln.ops.registry import Implementation
 from kiln.verify import assert_close, run_case
 

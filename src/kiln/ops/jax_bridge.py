@@ -1,0 +1,169 @@
+"""Where an op's JAX implementations meet torch and the JAX API, generated from the spec.
+
+A JAX implementation (`OpSpec.register_jax`, in an op's `pallas_tpu.py` / `pallas_gpu.py` / `xla.py`)
+takes jax arrays with the op's signature and returns the custom op's outputs followed by the new
+values of the arguments the op writes in place (JAX arrays are immutable). From it come:
+
+  - `jax_function(spec)`: the `kiln.jax.<name>` entry point. Validates with the spec's own validator
+    (on shapes and dtypes, at trace time), picks the implementation (`implementation=None`:
+    pallas_tpu on a TPU, pallas_gpu on a GPU, xla on the CPU), and calls it. jit-compatible.
+  - `torch_implementation(spec, name)`: a torch implementation for `kiln verify` / `kiln bench`:
+    torch tensors viewed as jax arrays through DLPack (no copy for contiguous CPU tensors), the
+    in-place outputs copied back into the caller's tensors.
+
+Nothing here imports jax until it is used, so `import kiln.ops` never pays for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pkgutil
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kiln.ops import pallas_common
+
+if TYPE_CHECKING:
+    import jax
+
+    from kiln.ops.registry import Implementation, OpSpec
+
+DESCRIPTIONS = {
+    "pallas_tpu": "Pallas Mosaic TPU kernel (TPU interpreter on the CPU)",
+    "pallas_gpu": "Pallas Triton kernel (Pallas interpreter on the CPU)",
+    "xla": "jitted jax.numpy (XLA)",
+}
+_loaded = False
+
+
+def jax_installed() -> bool:
+    return importlib.util.find_spec("jax") is not None
+
+
+def load_jax_backends() -> None:
+    """Import every op's JAX backend modules (`kiln.ops.<family>.<op>.{pallas_tpu,pallas_gpu,xla}`),
+    which register themselves, when jax is installed. Once per process."""
+    global _loaded
+    if _loaded or not jax_installed():
+        return
+    _loaded = True
+    import kiln.ops
+
+    for module in pkgutil.walk_packages(kiln.ops.__path__, "kiln.ops."):
+        if module.name.rsplit(".", 1)[-1] in DESCRIPTIONS:
+            importlib.import_module(module.name)
+    # TRANSITION: ops not yet moved to per-op JAX backend files (removed once every family is moved)
+    importlib.import_module("kiln.jax.backends")
+
+
+# ---- torch <-> jax --------------------------------------------------------------------------------
+
+
+def to_jax(tensor: torch.Tensor | None, device: jax.Device | None = None) -> jax.Array | None:
+    """A jax array viewing `tensor` (made contiguous first if it is not; DLPack needs row-major).
+    With `device`, the array is moved there (e.g. a TPU) after the zero-copy import."""
+    import jax
+
+    if tensor is None:
+        return None
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    array = jax.dlpack.from_dlpack(tensor.detach())
+    if device is not None and array.devices() != {device}:
+        array = jax.device_put(array, device)
+    return array
+
+
+def to_torch(array: jax.Array, like: torch.Tensor | None = None) -> torch.Tensor:
+    """A torch tensor viewing `array` (moved to `like`'s device if JAX computed elsewhere, e.g. a TPU)."""
+    import jax
+
+    if like is not None and like.device.type == "cpu" and next(iter(array.devices())).platform != "cpu":
+        array = jax.device_put(array, jax.devices("cpu")[0])
+    return torch.from_dlpack(array)
+
+
+def _available(implementation: str) -> Callable[[torch.device | None], bool]:
+    """CPU tensors: every implementation (Pallas interpreted off its accelerator; a TPU gets the
+    data moved to it). CUDA tensors: pallas_gpu and xla, when jax has a GPU backend."""
+
+    def available(device: torch.device | None) -> bool:
+        if not jax_installed():
+            return False
+        if device is None or device.type == "cpu":
+            return True
+        return device.type == "cuda" and implementation != "pallas_tpu" and pallas_common.on_gpu()
+
+    return available
+
+
+def _compute_device(implementation: str) -> jax.Device | None:
+    """Where the jax arrays must live for a compiled Pallas kernel: the TPU for pallas_tpu on a TPU
+    host, the GPU for pallas_gpu on a GPU host; None (stay where DLPack put them) otherwise."""
+    import jax
+
+    if implementation == "pallas_tpu" and pallas_common.on_tpu():
+        return jax.devices()[0]
+    if implementation == "pallas_gpu" and pallas_common.on_gpu():
+        return jax.devices()[0]
+    return None
+
+
+def _num_outputs(spec: OpSpec) -> int:
+    schema = torch._C.parse_schema(f"kiln::{spec.name}{spec.schema}")
+    return len(schema.returns)
+
+
+def torch_implementation(spec: OpSpec, implementation: str) -> Implementation:
+    """The torch-facing implementation `implementation` of `spec`, over its JAX function."""
+    from kiln.ops.registry import Implementation
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        bound = spec.bind(args, kwargs)
+        like = next(a for a in bound if isinstance(a, torch.Tensor))
+        device = _compute_device(implementation)
+        jax_args = [to_jax(a, device) if isinstance(a, torch.Tensor) else a for a in bound]
+        result = spec.jax_implementations[implementation](*jax_args)
+        results = list(result) if isinstance(result, (tuple, list)) else [result]
+        n_out = _num_outputs(spec)
+        outputs = [to_torch(r, like) for r in results[:n_out]]
+        names = list(spec.signature.parameters)
+        written = [bound[names.index(n)] for n in spec.mutated_args if bound[names.index(n)] is not None]
+        if len(results) != n_out + len(written):
+            raise RuntimeError(
+                f"{spec.name}/{implementation}: returned {len(results)} arrays, expected {n_out} outputs "
+                f"and {len(written)} in-place arguments"
+            )
+        for target, new in zip(written, results[n_out:], strict=True):
+            target.copy_(to_torch(new, target))
+        op_result = None if n_out == 0 else outputs[0] if n_out == 1 else tuple(outputs)
+        if spec.public_result is not None:
+            return spec.public_result(op_result, bound)
+        return op_result
+
+    run.__name__ = f"{spec.name}_{implementation}"
+    available = _available(implementation)
+    return Implementation(implementation, run, available, description=DESCRIPTIONS[implementation])
+
+
+def jax_function(spec: OpSpec) -> Callable[..., Any]:
+    """The `kiln.jax.<name>` entry point of `spec` (see the module docstring). Returns the op's
+    outputs followed by the new values of the in-place arguments (a lone array when that is one)."""
+    available = tuple(spec.jax_implementations)
+
+    def entry(*args: Any, implementation: str | None = None, **kwargs: Any) -> Any:
+        bound = spec.check(*args, **kwargs)
+        chosen = pallas_common.resolve(spec.name, implementation, available)
+        return spec.jax_implementations[chosen](*bound)
+
+    entry.__name__ = entry.__qualname__ = spec.name
+    entry.__doc__ = (spec.doc or spec.description) + (
+        "\n\nJAX: takes jax arrays; `implementation` is None (this device's best), or one of "
+        f"{', '.join(available)}. Arguments the torch op writes in place are returned as new arrays "
+        "after the outputs."
+    )
+    entry.__module__ = "kiln.jax"
+    return entry

@@ -1,0 +1,22 @@
+"""Fast CPU RMSNorm: PyTorch's fused CPU operator, statistics in float32."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ops.norm.rms_norm.spec import RMS_NORM
+from kiln.ops.registry import Implementation, cpu_only
+
+
+def rms_norm_cpu(x, weight, eps=1e-6, residual=None):
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    if x.dtype == torch.float32:
+        out = torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    else:
+        out = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+RMS_NORM.register(Implementation("cpu", rms_norm_cpu, cpu_only))
