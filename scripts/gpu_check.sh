@@ -1,57 +1,299 @@
 #!/usr/bin/env bash
-# The GPU check: run on a CUDA machine (the `device` tool's run), in phases so each call stays under the
-# tool's 10-minute limit:
-#   bash scripts/gpu_check.sh env tests verify          # ~5 min: versions, GPU tests, kiln verify on CUDA
-#   bash scripts/gpu_check.sh bench-attention bench-gemm # kernel benchmarks (llm suite), JSON+MD+PNG
-#   bash scripts/gpu_check.sh bench-rest                 # norms, rope, activations, softmax, MoE
-#   bash scripts/gpu_check.sh engine                     # <10 min: 8B-shaped Llama, random bf16 weights
-#       (random:llama3-8b): its GPU load test (no second weight copy), `kiln bench engine` at concurrency
-#       1,16,64 (64 tokens, no HF/llama.cpp) -> engine-8b.json/.txt, and `kiln profile --engine --batch 64`
-#       (decode tok/s, share of kernel time in Kiln kernels) -> engine-8b-profile.txt
-# No phase named = env tests verify. Results go to $OUT (default ./out); commit the JSON/PNG under
-# bench/results/ named by date and GPU. Uses the machine's own torch/triton/jax: src on PYTHONPATH, no
-# pip install (the GPU image has no network). Packages the image lacks (gguf) can be carried as wheels in
-# .wheels/ (carry it): they are installed with --no-index when present.
+# The GPU check: what a short visit to an H100/H200 machine (the device tool's `run`) runs, in phases
+# that each end well inside the tool's 10-minute cut. docs/gpu_runbook.md gives the calls in order.
+#
+#   bash scripts/gpu_check.sh [--dry-run | --list] [PHASE ...]      (no PHASE = env tests verify)
+#
+# Phases, in the order they matter (correctness first); `--list` prints each step and its limit:
+#   env     commit, GPU, CPU and ISA, torch/triton/jax versions, optional packages -> env.json
+#   tests   GPU tests: kernels in parallel (pytest-xdist when installed), then timing-sensitive ones
+#   verify  `kiln verify --device cuda` per backend (triton, triton_tma, pallas_gpu), side by side
+#   bench   the kernel benchmark suite (llm shapes): attention, GEMMs, the rest, one after another
+#   engine  8B-shaped Llama with random bf16 weights (random:llama3-8b): `kiln bench engine` at
+#           concurrency 1,16,64 and `kiln profile --engine --batch 64`
+# Each step runs under `timeout -s INT` (SIGINT: pytest still writes its summary and junit XML,
+# `kiln verify` its table and the JSON it rewrites after every row), SIGKILL 10 s later. The limits
+# of the phases asked for must add up to at most KILN_CALL_LIMIT_S (540 s), else nothing runs.
+#
+# The machine's image has torch/triton/jax/pytest but no network and no gguf: wheels carried in an
+# ignored .wheels/ folder are installed with `pip install --no-index --no-deps --target` and put on
+# PYTHONPATH with src/ (Kiln itself is not installed). Fetch them here, once (Python 3.12, x86-64):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .wheels gguf==0.19.0
+# (gguf's own needs, numpy/pyyaml/requests/tqdm, are in the image; fastapi/uvicorn/openai are not
+# needed: the server tests are not run there and skip without them.)
+# The commit: KILN_COMMIT, else the .kiln-commit file that scripts/write_kiln_commit.sh writes here
+# before the copy (the copy has no .git): carry it.
+#
+# Results: $OUT (default ./out) gets at most 8 files: <date>-<gpu>-<phases>-logs.tar.gz (every log,
+# junit XML and JSON of this call), <date>-<gpu>-<phases>-summary.json (each step's limit, exit
+# status, seconds, and the environment), and up to 6 result JSONs named <date>-<gpu>-<what>.json,
+# ready for bench/results/. The exit status is 0 only when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-unset TRITON_INTERPRET KILN_BACKEND
-PY=python3
-if [ -d .wheels ]; then $PY -m pip install -q --no-index --no-deps .wheels/*.whl 2>&1 | tail -2; fi
+ROOT=$PWD
+PY=${PYTHON:-python3}
+CALL_LIMIT_S=${KILN_CALL_LIMIT_S:-540}
+KILL_AFTER_S=10
+MODE=run
+case "${1:-}" in
+  --dry-run) MODE=dry; shift ;;
+  --list) MODE=list; shift ;;
+  -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
+esac
+ALL_PHASES=(env tests verify bench engine)
+RUNBOOK_CALLS=("env tests verify" "env bench" "env engine")  # docs/gpu_runbook.md: one device call each
 phases=("$@")
-[ ${#phases[@]} -gt 0 ] || phases=(env tests verify)
+if [ ${#phases[@]} -eq 0 ] && [ "$MODE" != run ]; then
+  phases=("${ALL_PHASES[@]}")  # list or dry-run everything; each runbook call is checked against the limit
+  calls=("${RUNBOOK_CALLS[@]}")
+else
+  [ ${#phases[@]} -gt 0 ] || phases=(env tests verify)
+  [ "${phases[0]}" = env ] || phases=(env "${phases[@]}")  # every call records where it ran
+  calls=("${phases[*]}")
+fi
+for phase in "${phases[@]}"; do
+  case "$phase" in env | tests | verify | bench | engine) ;; *) echo "unknown phase $phase" >&2; exit 2 ;; esac
+done
 
-bench() {  # bench NAME OP...
-  local name=$1; shift
-  timeout 540 $PY -m kiln.cli bench --suite llm --op "$@" --out "$OUT" --suffix "$name" 2>&1 | tail -60 | tee "$OUT/bench-$name.txt"
+OUT=${OUT:-$ROOT/out}
+CALL=$(IFS=-; echo "${phases[*]}")  # file names there: letters, digits, . _ - only
+WORK=${KILN_WORK:-/tmp/kiln-gpu-check}/$CALL-$(date -u +%H%M%S)
+DATE=$(date -u +%F)
+unset TRITON_INTERPRET KILN_BACKEND
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false  # jax beside torch: no 75% grab
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+if [ "$MODE" = dry ]; then export CUDA_VISIBLE_DEVICES="" KILN_REQUIRE_COMMIT=1; fi  # never the GPU
+
+failures=0
+phase_cost=0  # seconds the current phase may take: its steps' limits + the SIGKILL grace of each
+group_max=-1  # inside a parallel group: the longest step's cost
+
+step() {  # step NAME LIMIT_S CMD...: run CMD under its limit, or (dry) check it, or (list) show it
+  local name=$1 limit=$2; shift 2
+  local cost=$((limit + KILL_AFTER_S))
+  if [ "$group_max" -ge 0 ]; then
+    [ "$cost" -gt "$group_max" ] && group_max=$cost
+  else
+    phase_cost=$((phase_cost + cost))
+  fi
+  printf '  %-18s %4ss  %s\n' "$name" "$limit" "$*"
+  [ "$MODE" = list ] && return 0
+  if [ "$MODE" = dry ]; then
+    dry_check "$name" "$@" || { echo "  DRY-RUN FAILED: $name" >&2; failures=$((failures + 1)); }
+    return 0
+  fi
+  if [ "$group_max" -ge 0 ]; then
+    run_step "$name" "$limit" "$@" >"$WORK/$name.log" 2>&1 &
+  else
+    run_step "$name" "$limit" "$@" 2>&1 | tee "$WORK/$name.log"
+    pack
+  fi
 }
 
-for phase in "${phases[@]}"; do
-  echo "=== phase $phase ($(date -u +%H:%M:%S))"
-  case "$phase" in
-    env)
-      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.csv"
-      $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee "$OUT/versions.txt"
-      ;;
-    tests)  # every kernel test on the GPU (the `device` fixture is CUDA there), GPU-only tests included
-      timeout 420 $PY -m pytest -q -p no:cacheprovider tests/ops tests/verify tests/bench tests/tune tests/jax tests/engine/test_cuda_graphs.py \
-        --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
-      ;;
-    verify)
-      timeout 300 $PY -m kiln.cli verify --device cuda --json "$OUT/verify.json" 2>/dev/null | tail -80 | tee "$OUT/verify.txt"
-      ;;
-    bench-attention) bench attention flash_attention paged_decode_attention paged_prefill_attention write_kv_cache ;;
-    bench-gemm) bench gemm linear linear_silu_mul fp8_linear int8_linear int4_linear gguf_linear ;;
-    bench-rest) bench rest rms_norm layer_norm softmax rotary_embedding silu_and_mul fused_moe moe_route ;;
-    engine)  # issue #6's GPU target: decode at batch 64 on an 8B-shaped Llama with random weights
-      timeout 60 $PY -m pytest -q -p no:cacheprovider -m gpu tests/loaders/test_random_weights.py 2>&1 | tail -5 | tee "$OUT/engine-8b-load.txt"
-      timeout 310 $PY -m kiln.cli bench engine --model random:llama3-8b --device cuda --concurrency 1,16,64 \
-        --max-tokens 64 --num-prompts 64 --hf-batches '' --json "$OUT/engine-8b.json" 2>&1 | tail -30 | tee "$OUT/engine-8b.txt"
-      timeout 210 $PY -m kiln.cli profile --engine --model random:llama3-8b --batch 64 --device cuda --top 40 \
-        2>&1 | grep -v '^USDT' | tail -80 | tee "$OUT/engine-8b-profile.txt"
-      ;;
-    *) echo "unknown phase $phase"; exit 2 ;;
+run_step() {  # the command under timeout; its status and time go to steps.tsv
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS rc
+  case "$1" in
+    kiln) shift; timeout -s INT -k "$KILL_AFTER_S" "$limit" $PY scripts/gpu_check.py kiln "$@" ;;
+    pytest) shift; timeout -s INT -k "$KILL_AFTER_S" "$limit" $PY -m pytest "$@" ;;
+    py) shift; timeout -s INT -k "$KILL_AFTER_S" "$limit" $PY "$@" ;;
+    *) timeout -s INT -k "$KILL_AFTER_S" "$limit" "$@" ;;
   esac
+  rc=$?
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "gpu_check: $name stopped at its ${limit}s limit (exit $rc)"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$current_phase" "$name" "$limit" "$rc" "$((SECONDS - start))" \
+    "$name.log" >>"$WORK/steps.tsv"
+  echo "gpu_check: $name exit $rc after $((SECONDS - start))s"
+  return $rc
+}
+
+dry_check() {  # what each kind of step can show without CUDA: it parses, imports, collects
+  local name=$1; shift
+  case "$1" in
+    kiln)
+      shift
+      while [ "$1" != -- ]; do shift; done  # --stamp/--partial: files of the real run
+      $PY scripts/gpu_check.py dry "$@" ;;
+    pytest)  # collection only, serially: import errors and missing packages show up here
+      shift
+      local args=() arg rc
+      for arg in "$@"; do case "$arg" in --junitxml=*) ;; *) args+=("$arg") ;; esac; done
+      [ -n "$(xdist_args)" ] && args+=(-n 0)
+      $PY -m pytest --collect-only -q "${args[@]}" >"$WORK/collect-$name.log" 2>&1
+      rc=$?
+      grep -vE '^tests/' "$WORK/collect-$name.log" | grep -v '^$'
+      return $rc ;;
+    py) shift; $PY "$@" ;;  # a script that touches no GPU runs as it is
+    *) command -v "$1" >/dev/null || [ "$1" = nvidia-smi ] ;;  # the GPU machine has nvidia-smi
+  esac
+}
+
+parallel() {  # parallel begin | end: the steps between run side by side; the group costs its longest
+  if [ "$1" = begin ]; then group_max=0; return; fi
+  phase_cost=$((phase_cost + group_max))
+  group_max=-1
+  if [ "$MODE" = run ]; then
+    wait  # each step's exit status is in steps.tsv
+    for log in "${group_logs[@]}"; do
+      echo "--- $log (last 40 lines; the whole log is in the tarball)"
+      tail -n 40 "$WORK/$log"
+    done
+    pack
+  fi
+  group_logs=()
+}
+group_logs=()
+
+xdist_args() {  # pytest-xdist when installed: 8 workers of the 16 cores (Triton compiles on the CPU)
+  if $PY -c "import xdist" 2>/dev/null; then echo "-n 8 --dist loadfile"; fi
+}
+
+phase_env() {
+  step gpu-name 10 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  step env 30 py scripts/gpu_check.py env "$WORK/env.json"
+}
+
+phase_tests() {
+  local common=(-q -p no:cacheprovider -o junit_family=xunit2 --durations=20)
+  # kernel tests on their own data: safe to spread over workers sharing the GPU
+  # shellcheck disable=SC2046
+  step tests-kernels 170 pytest "${common[@]}" $(xdist_args) --junitxml="$WORK/tests-kernels.xml" \
+    tests/ops tests/verify tests/tune tests/jax
+  # timings, memory peaks, CUDA graphs and the profiler: alone on the GPU
+  step tests-timing 90 pytest "${common[@]}" --junitxml="$WORK/tests-timing.xml" \
+    tests/bench tests/profile tests/engine/test_cuda_graphs.py tests/loaders/test_random_weights.py \
+    tests/loaders/test_gguf_loader.py
+}
+
+phase_verify() {  # one process per backend, side by side; each rewrites its JSON after every row
+  parallel begin
+  for backend in triton triton_tma pallas_gpu; do
+    group_logs+=("verify-$backend.log")
+    step "verify-$backend" 170 kiln -- verify --device cuda --backend "$backend" \
+      --json "$WORK/verify-$backend.json"
+  done
+  parallel end
+}
+
+phase_bench() {  # one after another (timings must not share the GPU); most important ops first
+  bench_step bench-attention 120 attention \
+    flash_attention paged_decode_attention paged_prefill_attention write_kv_cache
+  bench_step bench-gemm 150 gemm linear linear_silu_mul fp8_linear int8_linear int4_linear gguf_linear
+  bench_step bench-rest 110 rest rms_norm layer_norm softmax rotary_embedding silu_and_mul fused_moe moe_route
+}
+
+bench_step() {  # bench_step NAME LIMIT SUFFIX OP...: `kiln bench` keeps its cases so far in a partial JSON
+  local name=$1 limit=$2 suffix=$3; shift 3
+  step "$name" "$limit" kiln --partial "$WORK/bench/$suffix-partial.json" -- \
+    bench --suite llm --device cuda --out "$WORK/bench" --suffix "$suffix" --op "$@"
+}
+
+phase_engine() {
+  step engine-8b 250 kiln --stamp "$WORK/engine-8b.json" -- bench engine --model random:llama3-8b \
+    --device cuda --concurrency 1,16,64 --max-tokens 64 --num-prompts 64 --hf-batches '' \
+    --json "$WORK/engine-8b.json"
+  step engine-8b-profile 130 kiln -- profile --engine --model random:llama3-8b --batch 64 \
+    --device cuda --top 40
+}
+
+declare -A BUDGET=([env]=60 [tests]=290 [verify]=190 [bench]=420 [engine]=420)
+
+pack() {  # every file of this call into $OUT: logs tarball, summary, up to 6 result JSONs
+  local prefix="$DATE-$GPU_SLUG"
+  $PY scripts/gpu_check.py summary "$WORK" "$WORK/summary.json" || true
+  cp "$WORK/summary.json" "$OUT/$prefix-$CALL-summary.json" 2>/dev/null
+  tar -czf "$OUT/$prefix-$CALL-logs.tar.gz" -C "$WORK" . 2>/dev/null
+  local n=0 f base
+  for f in "$WORK"/verify-*.json "$WORK"/bench/*.json "$WORK"/engine-*.json; do
+    [ -f "$f" ] || continue
+    base=$(basename "$f")
+    case "$base" in "$DATE"-*) ;; *) base="$prefix-$base" ;; esac
+    if [ $n -lt 6 ]; then cp "$f" "$OUT/$base"; n=$((n + 1)); fi
+  done
+}
+
+# The plan, checked before anything runs: each phase within its budget, each call within the limit
+declare -A COST
+plan_ok=1
+for phase in "${ALL_PHASES[@]}"; do
+  phase_cost=0
+  saved_mode=$MODE; MODE=list
+  "phase_$phase" >/dev/null
+  MODE=$saved_mode
+  COST[$phase]=$phase_cost
+  if [ "$phase_cost" -gt "${BUDGET[$phase]}" ]; then
+    echo "phase $phase: its steps take up to ${phase_cost}s, over its budget of ${BUDGET[$phase]}s" >&2
+    plan_ok=0
+  fi
+  if [ "${BUDGET[$phase]}" -gt "$CALL_LIMIT_S" ]; then
+    echo "phase $phase: budget ${BUDGET[$phase]}s is over the ${CALL_LIMIT_S}s a call may take" >&2
+    plan_ok=0
+  fi
 done
+for call in "${calls[@]}"; do
+  total=0
+  for phase in $call; do total=$((total + COST[$phase])); done
+  echo "=== call \`bash scripts/gpu_check.sh ${call#env }\`: up to ${total}s of the ${CALL_LIMIT_S}s a call may take"
+  if [ "$total" -gt "$CALL_LIMIT_S" ]; then
+    echo "phases $call take up to ${total}s together, over the ${CALL_LIMIT_S}s a call may take:" \
+      "split them over several calls (docs/gpu_runbook.md)" >&2
+    plan_ok=0
+  fi
+done
+
+[ "$plan_ok" = 1 ] || exit 2
+if [ "$MODE" = run ]; then
+  mkdir -p "$OUT" "$WORK/bench"
+  GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+  GPU_SLUG=$(echo "${GPU_NAME:-gpu}" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]+/-/g; s/^-|-$//g')
+  trap pack EXIT
+else  # dry run and list: a scratch folder, and the packing rehearsed into a scratch $OUT
+  WORK=$(mktemp -d)
+  OUT=$WORK/out GPU_SLUG=dry-run
+  mkdir -p "$OUT"
+  trap 'rm -rf "$WORK"' EXIT
+fi
+
+if [ -d .wheels ] && compgen -G ".wheels/*.whl" >/dev/null; then
+  echo "=== wheels: $(cd .wheels && echo *.whl)"
+  if $PY -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .wheels/*.whl \
+    >"$WORK/wheels.log" 2>&1; then
+    export PYTHONPATH="$PYTHONPATH:$WORK/site"
+  else
+    echo "gpu_check: installing .wheels failed (see wheels.log):" >&2; cat "$WORK/wheels.log" >&2
+    failures=$((failures + 1))
+  fi
+fi
+
+echo "=== gpu_check $MODE: ${phases[*]}, results in ${OUT}"
+for current_phase in "${phases[@]}"; do
+  phase_cost=0
+  echo "=== phase $current_phase: budget ${BUDGET[$current_phase]}s, steps up to ${COST[$current_phase]}s" \
+    "(each limit + ${KILL_AFTER_S}s SIGKILL grace), $(date -u +%H:%M:%S)"
+  "phase_$current_phase"
+  if [ "$MODE" = run ]; then
+    while IFS=$'\t' read -r _ name _ rc _ _; do
+      [ "$rc" = 0 ] || { echo "=== FAILED: $name (exit $rc)"; }
+    done < <(grep -P "^$current_phase\t" "$WORK/steps.tsv" 2>/dev/null)
+  fi
+done
+
+if [ "$MODE" = run ]; then
+  pack
+  failures=$((failures + $(awk -F'\t' '$4 != 0' "$WORK/steps.tsv" 2>/dev/null | wc -l)))
+  echo "=== done: $failures failed step(s); files in $OUT:"; ls -la "$OUT"
+elif [ "$MODE" = dry ]; then
+  pack  # the packing too: at most 8 files of at most 16 MiB come back from $OUT
+  files=$(find "$OUT" -type f | wc -l)
+  big=$(find "$OUT" -type f -size +16M | wc -l)
+  echo "  pack: $files files in \$OUT ($(cd "$OUT" && echo *))"
+  odd=$(find "$OUT" -type f | sed 's|.*/||' | grep -cvE '^[A-Za-z0-9._-]+$')
+  if [ "$files" -gt 8 ] || [ "$big" -gt 0 ] || [ "$odd" -gt 0 ]; then
+    echo "  DRY-RUN FAILED: pack leaves $files files ($big over 16 MiB, $odd with characters other than" \
+      "letters, digits, . _ -); at most 8 such files come back" >&2
+    failures=$((failures + 1))
+  fi
+  echo "=== dry run: $failures problem(s)"
+fi
+[ "$failures" -eq 0 ]

@@ -35,7 +35,7 @@ def ceilings_cache(tmp_path_factory):
 def isolated_caches(ceilings_cache, tmp_path, monkeypatch):
     """No test touches ~/.cache: device ceilings are measured once per session into a temp file, and
     the tuning cache is a fresh temp file per test."""
-    import kiln.tune.cache as tune_cache
+    import kiln.ops.tuned_configs as tune_cache
 
     monkeypatch.setenv("KILN_CEILINGS_CACHE", str(ceilings_cache))
     monkeypatch.setenv("KILN_TUNE_CACHE", str(tmp_path / "tune.json"))

@@ -20,7 +20,10 @@ SUBCOMMANDS = [
 
 def _prepare_environment(argv: list[str]) -> None:
     """Without a GPU, `kiln verify/tune` check the Triton kernels through Triton's interpreter;
-    that must be decided before any kernel module is imported."""
+    that must be decided before any kernel module is imported. `kiln tune aot` compiles the kernels
+    instead, which the interpreter cannot."""
+    if argv[:2] == ["tune", "aot"]:
+        return
     if argv and argv[0] in ("verify", "tune") and "TRITON_INTERPRET" not in os.environ:
         import torch
 
@@ -46,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["tune"]:
+        from kiln.tune.cli import expand_op_shorthand
+
+        argv = ["tune", *expand_op_shorthand(argv[1:])]
     _prepare_environment(argv)
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)

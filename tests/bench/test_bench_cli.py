@@ -1,17 +1,19 @@
-import argparse
 import json
-import sys
-import types
 
-import kiln.bench.cli as bench_cli
+import pytest
+
+from kiln.bench import engine as bench_engine
 from kiln.bench import results
+from kiln.bench import serve as bench_serve
+from kiln.bench import tp as bench_tp
 from kiln.cli import main
 
 SHAPES = '[{"rows": 3, "hidden": 257, "residual": true}, {"rows": 1, "hidden": 64}]'
 
 
 def test_bench_rms_norm_on_cpu_writes_json_markdown_and_png(tmp_path, capsys):
-    rc = main(["bench", "--op", "rms_norm", "--shapes", SHAPES, "--reps", "3", "--out", str(tmp_path)])
+    argv = ["bench", "--op", "rms_norm", "--shapes", SHAPES, "--reps", "3", "--out", str(tmp_path)]
+    rc = main([*argv, "--device", "cpu"])  # CPU timings asserted below, also on a machine with a GPU
     assert rc == 0
     (json_path,) = tmp_path.glob("*.json")
     payload = results.load(json_path)
@@ -31,25 +33,36 @@ def test_bench_with_no_runnable_case_exits_2(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_engine_and_serve_subcommands_delegate_their_arguments(monkeypatch):
+def test_engine_serve_and_tp_subcommands_parse_their_own_options(monkeypatch):
     seen = {}
-    fake = types.ModuleType("kiln.server.benchmark")
-    fake.add_arguments = lambda parser: parser.add_argument("--num-requests", type=int, default=1)
 
-    def run(args: argparse.Namespace) -> int:
-        seen["n"] = args.num_requests
-        return 0
+    def recorder(name):
+        def run(args):
+            seen[name] = args
+            return 0
 
-    fake.run = run
-    monkeypatch.setitem(sys.modules, "kiln.server.benchmark", fake)
-    assert main(["bench", "serve", "--num-requests", "7"]) == 0
-    assert seen == {"n": 7}
+        return run
+
+    for name, module in (("engine", bench_engine), ("serve", bench_serve), ("tp", bench_tp)):
+        monkeypatch.setattr(module, "run", recorder(name))
+    assert main(["bench", "serve", "--requests", "7", "--concurrency", "2", "4"]) == 0
+    assert main(["bench", "engine", "--max-tokens", "5", "--hf-batches", "", "--decode-loop"]) == 0
+    assert main(["bench", "tp", "--tp", "4"]) == 0
+    assert seen["serve"].requests == 7 and seen["serve"].concurrency == [2, 4]
+    assert seen["engine"].max_tokens == 5 and seen["engine"].hf_batches == "" and seen["engine"].decode_loop
+    assert seen["tp"].tp == 4 and seen["tp"].max_tokens == 64
+    # each run sees only its own options (they are the result JSON's "config"), not `kiln bench`'s
+    assert "suite" not in vars(seen["engine"]) and "func" not in vars(seen["serve"])
+    assert set(vars(seen["tp"])) == {"tp", "model", "max_tokens", "device"}
 
 
-def test_missing_delegate_module_prints_a_message_and_exits_2(monkeypatch, capsys):
-    monkeypatch.setitem(bench_cli.DELEGATES, "engine", "kiln.no_such_module.benchmark")
-    assert main(["bench", "engine", "--help"]) == 2
-    assert "not available in this build" in capsys.readouterr().err
+def test_benchmark_subcommands_reject_options_they_do_not_have(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "serve", "--num-requests", "7"])
+    assert exit_info.value.code == 2 and "--num-requests" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "engine", "--help"])
+    assert exit_info.value.code == 0 and "--hf-batches" in capsys.readouterr().out
 
 
 def test_bench_json_is_plain_json(tmp_path):

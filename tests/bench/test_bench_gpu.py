@@ -7,7 +7,7 @@ from kiln.bench.ceilings import measure_ceilings
 from kiln.bench.runner import bench_case
 from kiln.bench.suites import Case
 from kiln.bench.timing import time_fn
-from kiln.ops.norm.spec import RMS_NORM
+from kiln.ops.norm.rms_norm import RMS_NORM
 from kiln.profile.profiler import profile_op
 
 CUDA = torch.device("cuda")

@@ -7,7 +7,7 @@ from kiln.bench import results
 from kiln.bench.ceilings import Ceilings
 from kiln.bench.runner import bench
 from kiln.bench.suites import Case
-from kiln.ops.norm.spec import RMS_NORM
+from kiln.ops.norm.rms_norm import RMS_NORM
 
 CEILINGS = Ceilings("CPU test", bandwidth_gbs=10.0, matmul_tflops={"float32": 0.1})
 

@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo, loopback): TP 2 gives the same logits (within tolerance) and
 the same greedy tokens as TP 1, on tiny random Llama (GQA with fewer kv heads than ranks) and Qwen2
 (q/k/v biases, tied embeddings, uneven vocabulary split) checkpoints and on the embedded SmolLM2
-(9 q / 3 kv heads split unevenly, GGUF Q4_1 blocks sharded with their scales)."""
+(9 q / 3 kv heads split unevenly, GGUF Q4_1 blocks sharded with their scales) in every CPU weight
+format the engine config can ask for."""
 
 import os
 
@@ -19,8 +20,8 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33, 7, 8, 9, 10, 11, 12, 13, 14], [2, 3, 4]]
 
 
-def _compare(path, prompts, tol, num_kv_blocks=32):
-    config = EngineConfig(model=path, device="cpu", num_kv_blocks=num_kv_blocks)
+def _compare(path, prompts, tol, num_kv_blocks=32, min_margin=1e-2, **options):
+    config = EngineConfig(model=path, device="cpu", num_kv_blocks=num_kv_blocks, **options)
     single = LLMEngine(config)
     single_logits = record_logits(single)
     single_tokens = run_to_completion(single, prompts, GREEDY)
@@ -31,7 +32,7 @@ def _compare(path, prompts, tol, num_kv_blocks=32):
     # greedy tokens can only be compared where TP 1's choice is not a near-tie
     top2 = [logits.topk(2, dim=-1).values for logits in single_logits]
     margin = min(float((t[:, 0] - t[:, 1]).min()) for t in top2)
-    assert margin > 1e-2, f"the test prompts hit a near-tie (top-2 margin {margin:.1e}); pick other prompts"
+    assert margin > min_margin, f"the prompts hit a near-tie (top-2 margin {margin:.1e}); pick other prompts"
     assert tp_tokens == single_tokens
     assert len(tp_logits) == len(single_logits)
     worst = max(
@@ -55,6 +56,9 @@ def test_tp2_qwen2_with_biases_tied_embeddings_and_uneven_vocab_matches_tp1(tmp_
     _compare(path, PROMPTS, tol=1e-5)
 
 
+SMOLLM2_PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 4649, 314, 253]]
+
+
 def test_tp2_embedded_smollm2_matches_tp1():
     from kiln.loaders import default_model_path
 
@@ -62,8 +66,35 @@ def test_tp2_embedded_smollm2_matches_tp1():
     # o_proj / down_proj sums (fp16 2^-11, bf16 2^-8 relative) before the fp32 all-reduce, where TP 1
     # rounds the whole sum once; over 30 layers that moves logits by up to ~1e-2 relative (measured
     # 1.6e-3 with int4 weights, 4.6e-4 with fp16), far below what flips these (checked) argmaxes.
-    worst = _compare(default_model_path(), [[1, 504, 3458, 282, 4649, 314], [1, 4649, 314, 253]], tol=3e-2)
+    worst = _compare(default_model_path(), SMOLLM2_PROMPTS, tol=3e-2)
     print(f"worst relative logits error TP2 vs TP1: {worst:.2e}")
+
+
+@pytest.mark.parametrize(
+    "cpu_format, lm_head_format, tol",
+    [
+        # fp32 weights and activations: TP only reorders the o_proj / down_proj sums (TP 2 that ignored
+        # the options and ran the GGUF fp16 default instead would be 1.5e-3 away)
+        ("fp32", "fp32", 1e-5),
+        # rounded partial sums, as in the default (fp16) test above: the greedy tokens must agree
+        ("bf16", "bf16", 3e-2),
+        # int4 rounds activations and each rank's partial outputs to bf16 (2^-9) in every layer, where
+        # TP 1 rounds the whole sum once: measured 3.1e-2, the size of int4's own error against fp32
+        ("int4", None, 5e-2),
+    ],
+)
+def test_tp2_embedded_smollm2_honours_the_cpu_weight_formats(cpu_format, lm_head_format, tol):
+    from kiln.loaders import default_model_path
+
+    options = {"cpu_format": cpu_format, "lm_head_format": lm_head_format}
+    worst = _compare(default_model_path(), SMOLLM2_PROMPTS, tol=tol, **options)
+    print(f"{cpu_format} / {lm_head_format}: worst relative logits error TP2 vs TP1: {worst:.2e}")
+
+
+def test_tp2_random_weights_model_loads_through_the_same_path_and_matches_tp1():
+    # random:<preset> has no file: every rank draws the same seeded tensors and keeps its slices.
+    # Its N(0, 0.02^2) weights give flat logits (top-2 margins ~1e-2), still 1e4 x the fp32 TP error.
+    _compare("random:tiny", PROMPTS, tol=1e-5, min_margin=5e-3)
 
 
 def test_tp_engine_rejects_a_model_it_cannot_split_before_starting_workers(tmp_path):

@@ -1,13 +1,10 @@
-"""`kiln generate` streams text and ends with the TTFT / tok/s line; the engine benchmark measures
-and tabulates (both driven with the toy model in place of the loader)."""
-
-import argparse
+"""`kiln generate` streams text and ends with the TTFT / tok/s line (driven with the toy model in
+place of the loader). The engine benchmark's tests are tests/bench/test_engine.py."""
 
 import pytest
 
 import kiln.loaders
 from kiln.cli import build_parser
-from kiln.engine import benchmark
 
 from .toy_model import toy_loaded
 
@@ -40,25 +37,6 @@ def test_generate_rejects_bad_sampling_arguments(toy_loader, capsys):
     args = build_parser().parse_args(["generate", "hi", "--top-p", "0"])
     assert args.func(args) == 2
     assert "top_p" in capsys.readouterr().err
-
-
-def test_engine_benchmark_measures_every_concurrency_and_summarizes(toy_loader):
-    parser = argparse.ArgumentParser()
-    benchmark.add_arguments(parser)
-    args = parser.parse_args(
-        ["--max-tokens", "5", "--prompt-len", "7", "--concurrency", "1,3", "--num-prompts", "4"]
-    )
-    results = benchmark.bench_kiln(args, toy_loader, [1, 3])
-    assert [(r.scenario, r.concurrency, r.output_tokens) for r in results] == [
-        ("single-stream", 1, 5),
-        ("concurrent", 3, 15),
-        ("offline", 4, 20),
-    ]
-    assert all(r.tok_per_s > 0 and r.ttft_ms > 0 and r.tpot_ms > 0 for r in results)
-    table = benchmark.markdown(results)
-    assert table.count("\n") == len(results) + 1 and "| kiln | concurrent | 3 | 15 |" in table
-    summary = benchmark.comparisons(results)
-    assert summary["single_stream_tok_s"] == results[0].tok_per_s
 
 
 def test_generate_reports_a_missing_model_file_without_a_traceback(capsys):

@@ -1,9 +1,21 @@
-"""CUDA-graph decode: padded batch sizes, and (GPU only) graphs give the eager path's greedy tokens."""
+"""CUDA-graph decode: padded batch sizes, a failed capture is recorded as a fallback, and (GPU only)
+graphs give the eager path's greedy tokens on the random:tiny model (no model file needed)."""
+
+import types
 
 import pytest
+import torch
 
+from kiln import fallbacks
 from kiln.engine import LLM, SamplingParams
-from kiln.engine.cuda_graphs import graph_batch_sizes
+from kiln.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+
+
+@pytest.fixture
+def no_fallbacks():
+    fallbacks.clear()
+    yield
+    fallbacks.clear()
 
 
 def test_graph_batch_sizes_cover_every_batch_up_to_max_num_seqs():
@@ -14,18 +26,37 @@ def test_graph_batch_sizes_cover_every_batch_up_to_max_num_seqs():
         assert sizes[-1] < max_num_seqs + 16
 
 
+def test_failed_capture_is_recorded_as_a_fallback_to_eager(no_fallbacks):
+    def forward(*args):
+        raise RuntimeError("op is not graph-safe")
+
+    runner = types.SimpleNamespace(
+        model=types.SimpleNamespace(forward=forward),
+        device=torch.device("cpu"),
+        max_model_len=64,
+        block_size=16,
+        kv_caches=[],
+    )
+    with pytest.raises(RuntimeError, match="not graph-safe"):
+        DecodeGraphs(runner, max_num_seqs=4)
+    (entry,) = fallbacks.taken()
+    assert entry["kind"] == fallbacks.CUDA_GRAPH_TO_EAGER and "not graph-safe" in entry["detail"]
+
+
 @pytest.mark.gpu
-def test_cuda_graph_decode_matches_eager_greedy_tokens():
+def test_cuda_graph_decode_matches_eager_greedy_tokens(no_fallbacks):
     from kiln.loaders import load_model
 
-    loaded = load_model(device="cuda")
+    # float32: random weights give near-tied logits, which bf16 rounding could flip between the paths
+    loaded = load_model("random:tiny", device="cuda", dtype=torch.float32)
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     graphed = LLM(loaded=loaded, device="cuda", max_num_seqs=8, num_kv_blocks=256)
-    assert graphed.engine.runner.graphs is not None, "CUDA graph capture failed (see the warning log)"
+    assert graphed.engine.runner.graphs is not None, f"CUDA graph capture failed: {fallbacks.taken()}"
     eager = LLM(loaded=loaded, device="cuda", max_num_seqs=8, num_kv_blocks=256, enforce_eager=True)
     ours = graphed.generate(prompts, params)
     ref = eager.generate(prompts, params)
-    # bf16 batch-size-dependent kernels may flip a near-tie late; the first tokens must agree
+    # batch-size-dependent kernels may still flip a near-tie late; the first tokens must agree
     for a, b in zip(ours, ref, strict=True):
         assert a.token_ids[:8] == b.token_ids[:8]
+    assert fallbacks.taken() == []

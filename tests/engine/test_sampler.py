@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kiln.engine.sampler import Sampler
+from kiln.engine.sampler import Sampler, SamplingError
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.sequence import Sequence
 
@@ -128,3 +128,56 @@ def test_top_k_wider_than_the_vocabulary_keeps_every_token():
     row = torch.zeros(VOCAB)
     tokens = draw(row, SamplingParams(temperature=1.0, top_k=10 * VOCAB), draws=2000)
     assert len(set(tokens)) > VOCAB * 0.9
+
+
+def test_temperature_near_zero_takes_the_argmax():
+    """T = 1e-40 is below float32's smallest normal number: logits / T overflowed to inf and
+    softmax gave NaN (then token 0). The limit T -> 0 is greedy."""
+    logits = random_logits(4, seed=5)
+    params = [SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-30, top_k=5)]
+    params += [SamplingParams(temperature=1e-40, top_p=0.9, seed=7), SamplingParams(temperature=1e-6)]
+    tokens, _ = Sampler(torch.device("cpu"), seed=1)(logits, seqs_for(params))
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_top_p_near_zero_keeps_only_the_top_token():
+    """top_p = 1e-50 is 0 in float32: every token, the top one included, was dropped."""
+    row = random_logits(1, seed=6)[0]
+    for top_p in (1e-50, 1e-8):
+        tokens = draw(row, SamplingParams(temperature=1.0, top_p=top_p), draws=50)
+        assert set(tokens) == {int(row.argmax())}
+
+
+def test_a_request_whose_seed_the_generator_refuses_fails_alone_and_draws_nothing():
+    """seed 2**64 (past what torch.Generator takes) raised inside the batch and failed every request.
+    Now the sampler names the failing request, before any generator advanced: the same batch without
+    it samples exactly what it would have."""
+    logits = random_logits(3, seed=8)
+    good = SamplingParams(temperature=1.0, seed=11)
+    bad = SamplingParams(temperature=1.0, seed=5)
+    bad.seed = 2**64  # past SamplingParams' own check, as a bug elsewhere could do
+    healthy, poisoned = seqs_for([good, SamplingParams(temperature=1.0)]), seqs_for([bad])[0]
+    poisoned.request_id = "poisoned"
+    sampler = Sampler(torch.device("cpu"), seed=2)
+    with pytest.raises(SamplingError) as info:
+        sampler(logits, [healthy[0], poisoned, healthy[1]])
+    assert list(info.value.failures) == ["poisoned"] and "seed" in info.value.failures["poisoned"]
+    retried, _ = sampler(logits[[0, 2]], healthy)
+    fresh, _ = Sampler(torch.device("cpu"), seed=2)(logits[[0, 2]], seqs_for([good, SamplingParams()]))
+    assert retried == fresh
+
+
+def test_sampling_params_refuse_seeds_the_generator_cannot_take():
+    for seed in (2**64, -(2**63) - 1, True, 1.5):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=seed)
+    for seed in (0, -1, 2**64 - 1, -(2**63)):
+        SamplingParams(seed=seed)  # the whole range torch.Generator.manual_seed takes
+
+
+def test_huge_top_k_and_logprobs_past_the_vocabulary_do_not_break_the_batch():
+    logits = random_logits(2, seed=9)
+    params = [SamplingParams(temperature=1.0, top_k=10**30), SamplingParams(temperature=0.0, logprobs=10)]
+    params[1].logprobs = VOCAB * 3  # past any check: the sampler still must not raise
+    tokens, logprobs = Sampler(torch.device("cpu"))(logits, seqs_for(params))
+    assert 0 <= tokens[0] < VOCAB and len(logprobs[1]) == VOCAB

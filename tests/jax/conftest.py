@@ -1,6 +1,12 @@
 """Shared helpers for the JAX backend tests (each test module skips itself visibly without jax)."""
 
+import os
+
 import pytest
+
+# A GPU jaxlib takes 75% of the GPU's memory at its first use; the torch tests in the same process
+# (and the other xdist workers on the GPU machine) need theirs. Read when jax starts its backend.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 @pytest.fixture

@@ -159,7 +159,7 @@ def test_pallas_llama_layer_decode_step_over_shuffled_paged_cache(layer0):
 
 
 def test_pallas_llama_layer_matches_kilns_torch_llama_layer(layer0):
-    """Kiln's own torch LlamaDecoderLayer (kiln.models, GGUF loader un-permutes Q/K and rotates NeoX
+    """Kiln's own torch decoder layer (kiln.models, GGUF loader un-permutes Q/K and rotates NeoX
     pairs) against the kiln.jax layer on the raw GGUF rows with GPT-J pairs: the same function."""
     models = pytest.importorskip("kiln.models.llama")
     from kiln.loaders import default_model_path
@@ -171,8 +171,10 @@ def test_pallas_llama_layer_matches_kilns_torch_llama_layer(layer0):
     tokens, cpu = 13, torch.device("cpu")
     model_config, store, _, inv_freq = load_gguf(default_model_path())
     rotary = RotaryEmbedding(model_config.head_dim, 64, model_config.rope_theta, None, cpu, inv_freq=inv_freq)
-    opts = {"device": cpu, "dtype": torch.float32, "cpu_format": "fp32"}
-    layer = models.LlamaDecoderLayer(model_config, 0, store, rotary, opts)
+    opts = models.LayerOptions(cpu, torch.float32, "fp32")
+    layer = models.build_decoder_layer(
+        model_config, 0, store, rotary, opts, models.build_gated_mlp(model_config, 0, store, opts)
+    )
     x = jax.random.normal(jax.random.key(4), (tokens, config.hidden_size), jnp.float32)
     positions = jnp.arange(tokens, dtype=jnp.int32)
     cache_shape = (3, 16, config.num_kv_heads, config.head_dim)

@@ -30,7 +30,7 @@ CASES = [
         torch.bfloat16,
     ),
     (
-        "flash_attention",
+        "flash_attention_with_lse",
         {
             "seqlens_q": [29],
             "seqlens_k": [29],
@@ -39,7 +39,6 @@ CASES = [
             "head_dim": 128,
             "sliding_window": 7,
             "softcap": 5.0,
-            "return_lse": True,
         },
         torch.float16,
     ),  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 Q = GGMLQuantizationType
@@ -57,9 +57,38 @@ def llama3_rope_freq_factors(config) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def write_tiny_gguf(hf_model, path, *, arch="llama", tied=False, skip=(), vocab_tokens=None) -> dict:
+def set_metadata(writer: GGUFWriter, key: str, value) -> None:
+    """Write (or overwrite) one metadata key, its GGUF type from the Python type; None drops it."""
+    if value is None:
+        writer.kv_data[0].pop(key, None)
+        return
+
+    def kind(v):
+        if isinstance(v, bool):
+            return GGUFValueType.BOOL
+        if isinstance(v, int):
+            return GGUFValueType.UINT64 if v >= 0 else GGUFValueType.INT64
+        if isinstance(v, float):
+            return GGUFValueType.FLOAT64
+        if isinstance(v, str):
+            return GGUFValueType.STRING
+        return GGUFValueType.ARRAY
+
+    vtype = kind(value)
+    sub_type = None
+    if vtype is GGUFValueType.ARRAY:  # one type for all elements: signed if any is negative
+        sub_type = kind(min(value)) if value and all(type(v) is int for v in value) else kind(value[0])
+    writer.kv_data[0].pop(key, None)
+    writer.add_key_value(key, value, vtype, sub_type)
+
+
+def write_tiny_gguf(
+    hf_model, path, *, arch="llama", tied=False, skip=(), vocab_tokens=None, overrides=None
+) -> dict:
     """Write `hf_model` (a transformers LlamaForCausalLM) to `path`; returns {hf_name: tensor} of the
-    weights as stored (after quantization), for loading the same values back into transformers."""
+    weights as stored (after quantization), for loading the same values back into transformers.
+    overrides: metadata key -> value written instead (its GGUF type from the Python type; None drops
+    the key), for files with broken metadata."""
     c = hf_model.config
     sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
     writer = GGUFWriter(str(path), arch)
@@ -79,6 +108,8 @@ def write_tiny_gguf(hf_model, path, *, arch="llama", tied=False, skip=(), vocab_
     writer.add_token_merges([])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
+    for key, value in (overrides or {}).items():
+        set_metadata(writer, key, value)
     stored = {}
 
     def add(gguf_name, hf_name, qtype, permute_heads=None):

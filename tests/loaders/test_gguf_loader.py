@@ -5,12 +5,14 @@ same (quantized-then-dequantized) weights."""
 import pytest
 import torch
 
-from kiln.loaders import load_model
-from kiln.loaders.gguf import load_gguf, unpermute_rows
-from kiln.models import LlamaForCausalLM, ModelLoadError
-from kiln.models.weights import GGUFWeight
-from tests.loaders.gguf_tiny import llama_cpp_permute, write_tiny_gguf
-from tests.models.helpers import greedy, prompt_logits
+pytest.importorskip("gguf")
+
+from kiln.loaders import load_model  # noqa: E402
+from kiln.loaders.gguf import load_gguf, unpermute_rows  # noqa: E402
+from kiln.models import LlamaForCausalLM, ModelLoadError  # noqa: E402
+from kiln.models.weights import GGUFWeight  # noqa: E402
+from tests.loaders.gguf_tiny import llama_cpp_permute, write_tiny_gguf  # noqa: E402
+from tests.models.helpers import greedy, prompt_logits  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 

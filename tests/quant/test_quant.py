@@ -1,12 +1,13 @@
 import math
 
-import gguf
 import numpy as np
 import pytest
 import torch
-from gguf.quants import quantize as gguf_package_quantize
 
-import kiln.quant as q
+gguf = pytest.importorskip("gguf")
+from gguf.quants import quantize as gguf_package_quantize  # noqa: E402
+
+import kiln.quant as q  # noqa: E402
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])

@@ -1,6 +1,9 @@
 """A tiny stand-in for LLMEngine's step API, for server tests that need no model: each step gives
 every running request (at most max_num_seqs, in arrival order) one token, the next letter of
-"abcdefghij..." as text; `fail_next_step` makes one step raise; `step_delay` slows steps down."""
+"abcdefghij..." as text; a sampled request's seed goes to a torch.Generator as in the real sampler;
+`fail_next_step` makes one step raise; `poisoned_prompts` (token-id tuples)
+make every step that batches such a request raise a SamplingError naming it, before anything advances,
+as the real sampler does for a seed it cannot use; `step_delay` slows steps down."""
 
 from __future__ import annotations
 
@@ -8,13 +11,17 @@ import threading
 import time
 from types import SimpleNamespace
 
+import torch
+
 from kiln.engine.outputs import EngineStats, RequestOutput
+from kiln.engine.sampler import SamplingError
 
 
 class FakeTokenizer:
     eos_token_ids = [0]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        text.encode("utf-8")  # like a real (Rust) tokenizer, it takes only valid Unicode
         return [1 + ord(c) % 90 for c in text]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -27,12 +34,15 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, max_num_seqs: int = 4, max_model_len: int = 1024, step_delay: float = 0.005):
+    def __init__(
+        self, max_num_seqs: int = 4, max_model_len: int = 1024, step_delay: float = 0.005, tokenizer=None
+    ):
         self.config = SimpleNamespace(max_num_seqs=max_num_seqs)
-        self.tokenizer = FakeTokenizer()
+        self.tokenizer = tokenizer or FakeTokenizer()
         self.max_model_len = max_model_len
         self.step_delay = step_delay
         self.fail_next_step = False
+        self.poisoned_prompts: set[tuple[int, ...]] = set()
         self.requests: dict[str, dict] = {}  # insertion order = arrival order
         self.aborted: list[str] = []
         self.batches: list[list[str]] = []  # request ids of each step's batch
@@ -47,6 +57,7 @@ class FakeEngine:
             "params": params,
             "tokens": [],
             "t0": time.perf_counter(),
+            "generator": None,
         }
 
     def abort_request(self, request_id) -> None:
@@ -64,6 +75,16 @@ class FakeEngine:
             self.fail_next_step = False
             raise RuntimeError("injected engine failure")
         batch = list(self.requests)[: self.config.max_num_seqs]
+        poisoned = {
+            r: "poisoned" for r in batch if tuple(self.requests[r]["prompt"]) in self.poisoned_prompts
+        }
+        if poisoned:
+            raise SamplingError(poisoned)
+        for request_id in batch:  # what the sampler does with a seed (it raises on one out of range)
+            req = self.requests[request_id]
+            params = req["params"]
+            if params.seed is not None and params.temperature > 0 and req["generator"] is None:
+                req["generator"] = torch.Generator().manual_seed(params.seed)
         self.batches.append(batch)
         outputs = []
         now = time.perf_counter()

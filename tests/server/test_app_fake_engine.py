@@ -1,6 +1,7 @@
 """Server mechanics against a fake engine (no model): continuous batching across clients, one engine
-thread, engine failures answered (500 / error event) without killing the loop, bounded queue -> 503,
-API keys -> 401, per-app metrics registries."""
+thread, engine failures answered (500 / error event) without killing the loop, one request's sampling
+failure answered without touching the others, bounded queue -> 503 (a request larger than the whole
+queue -> 400), API keys -> 401, per-app metrics registries."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ import json
 import threading
 import time
 
-import httpx
 import pytest
 
-from kiln.server.app import create_app
-from kiln.server.launch import ServerThread
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
 
-from .fake_engine import FakeEngine
+from kiln.server.app import create_app  # noqa: E402
+from kiln.server.launch import ServerThread  # noqa: E402
+
+from .fake_engine import FakeEngine  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -101,6 +105,50 @@ def test_engine_failure_mid_stream_sends_an_error_event_then_done(server, engine
     assert httpx.post(f"{server.url}/v1/completions", json=completion(), timeout=10).status_code == 200
 
 
+def test_a_request_failing_in_the_sampler_fails_alone_and_the_other_streams_finish():
+    """A step that raises SamplingError names the requests it could not sample: only those fail (500 /
+    error event); the streams batched with them run to their last token. (Before, every request in
+    flight got an error event and no finish.)"""
+    engine = FakeEngine(max_num_seqs=8, step_delay=0.01)
+    engine.poisoned_prompts.add(tuple(engine.tokenizer.encode("poison")))
+    srv = serve(engine)
+    texts, finishes, errors = {}, {}, []
+
+    def stream(name):
+        body = completion(name, 30, stream=True)
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=30) as r:
+            for event in sse_payloads(r):
+                if event == "[DONE]":
+                    break
+                if "error" in event:
+                    errors.append((name, event))
+                    continue
+                choice = event["choices"][0]
+                texts[name] = texts.get(name, "") + choice["text"]
+                finishes[name] = choice["finish_reason"]
+
+    try:
+        streams = [threading.Thread(target=stream, args=(f"s{i}",)) for i in range(3)]
+        for t in streams:
+            t.start()
+        deadline = time.monotonic() + 5
+        while len(engine.requests) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        bad = httpx.post(f"{srv.url}/v1/completions", json=completion("poison", 30), timeout=30)
+        bad_stream = httpx.post(f"{srv.url}/v1/completions", json=completion("poison", 30, stream=True))
+        for t in streams:
+            t.join()
+    finally:
+        srv.stop()
+    assert bad.status_code == 500 and bad.json()["error"]["code"] == "engine_error"
+    assert "poisoned" in bad.json()["error"]["message"]
+    assert '"engine_error"' in bad_stream.text and bad_stream.text.endswith("data: [DONE]\n\n")
+    assert errors == []
+    assert texts == {f"s{i}": "abcdefghijklmnopqrstuvwxyzabcd" for i in range(3)}  # all 30 tokens
+    assert finishes == {f"s{i}": "length" for i in range(3)}
+    assert not engine.requests  # the poisoned ones were aborted in the engine
+
+
 def test_a_request_arriving_mid_generation_joins_the_running_batch():
     engine = FakeEngine(max_num_seqs=4, step_delay=0.05)  # the long request runs ~3 s
     server = serve(engine)
@@ -171,7 +219,8 @@ def test_n_greater_than_queue_capacity_is_rejected_not_queued():
     srv = serve(FakeEngine(max_num_seqs=2), max_queue=1)
     try:
         r = httpx.post(f"{srv.url}/v1/completions", json=completion(n=4), timeout=10)
-        assert r.status_code == 503
+        # it could never run, whatever the load: 400, not 503's "retry later"
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_sequences"
         assert httpx.post(f"{srv.url}/v1/completions", json=completion(n=3), timeout=10).status_code == 200
     finally:
         srv.stop()

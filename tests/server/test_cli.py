@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.cli import build_parser, main
-from kiln.server import cli as serve_cli
-from kiln.server.launch import served_model_name
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from kiln.cli import build_parser, main  # noqa: E402
+from kiln.server import cli as serve_cli  # noqa: E402
+from kiln.server.launch import served_model_name  # noqa: E402
 
 
 def test_kiln_serve_parses_its_options():
@@ -69,3 +72,24 @@ def test_build_off_main_thread_reraises_the_builders_error():
 
     with pytest.raises(ValueError, match="malformed model file"):
         build_off_main_thread(build)
+
+
+def test_kiln_serve_gives_a_bad_model_files_named_error_on_one_line_and_exits_1(tmp_path, capsys):
+    """A named load error used to come wrapped in a traceback."""
+    import os
+
+    path = tmp_path / "noise.gguf"
+    path.write_bytes(os.urandom(4096))
+    assert main(["serve", "--model", str(path), "--device", "cpu", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kiln serve: ") and "noise.gguf: not a readable GGUF file" in last
+
+
+def test_kiln_serve_limit_options():
+    args = build_parser().parse_args(["serve", "--max-body-bytes", "1000", "--allow-special-tokens-in-chat"])
+    assert args.max_body_bytes == 1000 and args.allow_special_tokens_in_chat
+    args = build_parser().parse_args(["serve"])
+    assert args.max_body_bytes is None and not args.allow_special_tokens_in_chat
+    assert main(["serve", "--max-body-bytes", "-1"]) == 2

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
-import openai
 import pytest
 
-from kiln.engine import LLM, SamplingParams
-from kiln.server.app import DEFAULT_MODEL_NAME as MODEL
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from kiln.engine import LLM, SamplingParams  # noqa: E402
+from kiln.server.app import DEFAULT_MODEL_NAME as MODEL  # noqa: E402
 
 KEY = "test-key"
 PROMPTS = ["def add(a, b):", "The capital of France is", "Once upon a time, a small dragon"]

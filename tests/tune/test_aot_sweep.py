@@ -1,6 +1,7 @@
 """Every Triton launch Kiln's ops make compiles for an H100 (sm_90) without a GPU, with the installed
-Triton (`python -m kiln.tune.aot`). The sweep runs in a subprocess without TRITON_INTERPRET (the test
-session sets it, and interpreted kernels cannot be compiled). By default a subset (each op's smallest
+Triton (`kiln tune aot`, alias `python -m kiln.tune.aot`). The sweep runs in a subprocess without
+TRITON_INTERPRET (the test session sets it, and interpreted kernels cannot be compiled; `kiln tune aot`
+must not set it either, as `kiln tune OP` does without a GPU). By default a subset (each op's smallest
 and largest bench shape, bf16 and fp8, two specs per kernel; under a minute); KILN_AOT_FULL=1 runs
 every bench and fuzz shape in every dtype."""
 
@@ -24,7 +25,7 @@ def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
 def test_every_recorded_launch_compiles_for_sm90(tmp_path):
     full = os.environ.get("KILN_AOT_FULL") == "1"
     out = tmp_path / "aot.json"
-    args = ["-m", "kiln.tune.aot", "--json", str(out)]
+    args = ["-m", "kiln.cli", "tune", "aot", "--json", str(out)]
     proc = _run(args if full else [*args, "--quick", "--per-kernel", "2"], timeout=3600 if full else 600)
     report = json.loads(out.read_text()) if out.exists() else None
     assert report is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -45,7 +46,7 @@ def test_every_recorded_launch_compiles_for_sm90(tmp_path):
 _RECORDER_SCRIPT = textwrap.dedent(
     """
     import json, torch, triton, triton.language as tl
-    from kiln.tune.aot import compile_spec, record_launches
+    from kiln.tune.aot.record import compile_spec, record_launches
 
     @triton.jit
     def scale_kernel(x_ptr, out_ptr, n, stride, factor, BLOCK: tl.constexpr, FLAG: tl.constexpr = True):
@@ -84,3 +85,13 @@ def test_recorder_specializes_launches_like_a_real_launch_and_runs_nothing(tmp_p
     # x[1:] is 2 bytes off 16, n = 4095 is odd, stride 1 is a constexpr (Triton specializes 1)
     assert set(attrs2) == {"(1,)"} and sig2["stride"] == "constexpr" and consts2["(3,)"] == "1"
     assert options2 == {}
+
+
+def test_python_m_kiln_tune_aot_is_the_same_command():
+    alias, command = (
+        _run([*args, "--help"], timeout=120)
+        for args in (["-m", "kiln.tune.aot"], ["-m", "kiln.cli", "tune", "aot"])
+    )
+    assert alias.returncode == 0 and command.returncode == 0, alias.stderr[-2000:] + command.stderr[-2000:]
+    options = "[--op OP] [--suite SUITE] [--fuzz FUZZ] [--quick]"
+    assert options in " ".join(alias.stdout.split()) and options in " ".join(command.stdout.split())

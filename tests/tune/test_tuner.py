@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+import kiln.ops.tuned_configs as tune_cache
 import kiln.tune
-import kiln.tune.cache as tune_cache
 from kiln.cli import main
 from kiln.ops import registry
 from kiln.ops.alloc import empty_like
@@ -19,7 +19,7 @@ from kiln.ops.testing import randn
 from kiln.tune.runner import tune_shape
 from kiln.tune.search import candidates
 
-CPU = torch.device("cpu")
+CPU = torch.device("cpu")  # the planted Python ops; Triton ones run on the `device` fixture's device
 
 
 @triton.jit
@@ -61,10 +61,10 @@ def make_spec(name, impl_name, fn, configs, is_available=registry.always_availab
     return spec
 
 
-def test_triton_tuner_rejects_the_fast_wrong_config_and_skips_the_crash():
+def test_triton_tuner_rejects_the_fast_wrong_config_and_skips_the_crash(device):
     spec = make_spec("planted_scale", "triton", scale_triton, SCALE_CONFIGS, triton_available)
     shape = {"n": 1000}  # 1000 % 512 = 488 elements that the floor grid leaves unwritten
-    result = tune_shape(spec, "triton", shape, torch.float32, CPU, timing_kwargs={"reps": 3})
+    result = tune_shape(spec, "triton", shape, torch.float32, device, timing_kwargs={"reps": 3})
     by_block = {t.config["BLOCK"]: t for t in result.trials}
     assert by_block[512].status == "wrong" and by_block[512].median_ms is None
     assert by_block[3].status == "crashed" and by_block[3].note
@@ -72,7 +72,7 @@ def test_triton_tuner_rejects_the_fast_wrong_config_and_skips_the_crash():
     assert result.best.config in SCALE_CONFIGS[:2]
     assert result.best.median_ms == min(by_block[64].median_ms, by_block[256].median_ms)
     # the launcher now finds the winner through the cache (same shape bucket: 1000 and 700 -> 1024)
-    assert kiln.tune.lookup("planted_scale", torch.float32, {"n": 700}) == result.best.config
+    assert kiln.tune.lookup("planted_scale", torch.float32, {"n": 700}, device) == result.best.config
     stored = json.loads(tune_cache.user_cache_path().read_text())["entries"][result.cache_key]
     assert stored["config"] == result.best.config and stored["candidates"] == 4
 
@@ -123,20 +123,23 @@ def test_search_strategies():
         candidates(space, "genetic")
 
 
-def test_tune_command_stores_and_exports_the_shipped_format(tmp_path, monkeypatch, capsys):
+def test_tune_command_stores_and_exports_the_shipped_format(tmp_path, monkeypatch, capsys, device):
     spec = make_spec("planted_scale", "triton", scale_triton, SCALE_CONFIGS, triton_available)
     monkeypatch.setitem(registry._REGISTRY, "planted_scale", spec)
     monkeypatch.setattr(tune_cache, "SHIPPED_DIR", tmp_path / "configs")
-    rc = main(["tune", "planted_scale", "--shapes", '{"n": 777}', "--reps", "3", "--export"])
+    argv = ["tune", "planted_scale", "--shapes", '{"n": 777}', "--reps", "3", "--export"]
+    rc = main([*argv, "--device", device.type])
     out = capsys.readouterr().out
     assert rc == 0 and "wrong" in out and "crashed" in out and "stored as" in out
-    shipped = tmp_path / "configs" / "cpu.json"
+    shipped = tune_cache.shipped_path(device)  # cpu.json here, e.g. nvidia-h100-80gb-hbm3.json on an H100
+    assert shipped.parent == tmp_path / "configs"
     entries = json.loads(shipped.read_text())["entries"]
     (key,) = entries
-    assert key.startswith("cpu|triton-") and "|planted_scale|float32|n=1024" in key
+    assert key.startswith(f"{tune_cache.device_name(device)}|triton-")
+    assert "|planted_scale|float32|n=1024" in key
     # with the user cache gone, the launcher falls back to the shipped file
     tune_cache.user_cache_path().unlink()
     monkeypatch.setattr(tune_cache, "_user_entries", None)
-    assert kiln.tune.lookup("planted_scale", torch.float32, {"n": 777}) == entries[key]["config"]
-    x = torch.randn(777)
+    assert kiln.tune.lookup("planted_scale", torch.float32, {"n": 777}, device) == entries[key]["config"]
+    x = torch.randn(777, device=device)
     torch.testing.assert_close(scale_triton(x), x * 2 + 1)

@@ -3,17 +3,25 @@
 kiln bench [--suite llm] [--op NAME ...] [--dtype NAME ...] [--shapes JSON|FILE|SUITE] [--backend NAME]
            [--out DIR] [--suffix TEXT] [--no-baselines] [--device cuda|cpu] [--reps N]
 kiln bench compare OLD.json NEW.json [--threshold 0.05]
-kiln bench engine ...   (kiln.engine.benchmark)
-kiln bench serve ...    (kiln.server.benchmark)
+kiln bench engine ...   the engine's throughput and latency vs HF transformers; --decode-loop: one
+                        sequence through the model alone (kiln.bench.engine)
+kiln bench serve ...    load test of `kiln serve` over loopback HTTP (kiln.bench.serve)
+kiln bench tp ...       decode speed of TP 1 vs TP N (kiln.bench.tp)
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
-DELEGATES = {"engine": "kiln.engine.benchmark", "serve": "kiln.server.benchmark"}
+from kiln.bench import engine, serve, tp
+
+# subcommand -> (module with add_arguments(parser) and run(args), help); heavy imports stay inside run
+BENCHMARKS = {
+    "engine": (engine, "the engine's throughput and latency vs HF transformers (--decode-loop: the model)"),
+    "serve": (serve, "load test of `kiln serve` over loopback HTTP"),
+    "tp": (tp, "decode speed of TP 1 vs TP N, all-reduce time per decode step"),
+}
 
 
 def add_parser(subparsers) -> None:
@@ -38,7 +46,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--reps", type=int, default=None, help="timing samples per case (default 50 CUDA, 5 CPU)")
     p.add_argument("--refresh-ceilings", action="store_true", help="re-measure the device ceilings")
     p.set_defaults(func=run)
-    sub = p.add_subparsers(dest="bench_command", metavar="{compare,engine,serve}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{compare,engine,serve,tp}")
     c = sub.add_parser("compare", help="flag regressions between two result files (exit 1 if any)")
     c.add_argument("old", help="baseline result JSON")
     c.add_argument("new", help="new result JSON")
@@ -49,11 +57,17 @@ def add_parser(subparsers) -> None:
         help="smallest relative slow-down that counts (the runs' spread can raise it)",
     )
     c.set_defaults(func=run_compare)
-    for name, module in DELEGATES.items():
-        # Parsed lazily by the delegate's own parser, so `kiln` starts without importing the engine.
-        d = sub.add_parser(name, add_help=False, prefix_chars="\0", help=f"delegates to {module}")
-        d.add_argument("delegate_args", nargs=argparse.REMAINDER)
-        d.set_defaults(func=run_delegate, delegate=name)
+    for name, (module, help_text) in BENCHMARKS.items():
+        b = sub.add_parser(
+            name,
+            prog=f"kiln bench {name}",
+            help=help_text,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(b)
+        own = tuple(vars(b.parse_args([])))  # the benchmark's own option names (none is required)
+        b.set_defaults(func=_benchmark_runner(module.run, own))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,19 +135,11 @@ def run_compare(args: argparse.Namespace) -> int:
     return exit_code(rows)
 
 
-def run_delegate(args: argparse.Namespace) -> int:
-    module_name = DELEGATES[args.delegate]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
-            print(
-                f"kiln bench {args.delegate}: {module_name} is not available in this build yet "
-                f"(it provides add_arguments(parser) and run(args))",
-                file=sys.stderr,
-            )
-            return 2
-        raise
-    parser = argparse.ArgumentParser(prog=f"kiln bench {args.delegate}")
-    module.add_arguments(parser)
-    return int(module.run(parser.parse_args(args.delegate_args)) or 0)
+def _benchmark_runner(run_benchmark, options: tuple[str, ...]):
+    """`run_benchmark` called with only its own options: the namespace also holds the op benchmark's
+    (`kiln bench --suite ...`), which must not reach the result JSON's "config"."""
+
+    def run_with_own_options(args: argparse.Namespace) -> int:
+        return int(run_benchmark(argparse.Namespace(**{k: getattr(args, k) for k in options})) or 0)
+
+    return run_with_own_options

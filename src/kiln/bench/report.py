@@ -25,8 +25,10 @@ def format_markdown(payload: dict) -> str:
         f"jax {meta['jax']}",
         f"- backend: {meta.get('backend', 'dispatch')}, shapes: {meta['suite']}",
         f"- measured ceilings: {ceil['bandwidth_gbs']:.1f} GB/s, matmul TFLOP/s: {tflops} ({ceil['method']})",
-        "",
     ]
+    taken = meta.get("environment", {}).get("fallbacks", [])
+    lines += [f"- FALLBACK taken: {entry['kind']} ({entry['detail']})" for entry in taken]
+    lines.append("")
     baseline_names = sorted({name for case in payload["cases"] for name in case["baselines"]})
     header = [
         "op",
@@ -42,7 +44,8 @@ def format_markdown(payload: dict) -> str:
     ] + [f"vs {name}" for name in baseline_names]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for case in payload["cases"]:
-        row = [case["op"], _shape(case["shape"]), case["dtype"], case["backend"]]
+        backend = case["backend"] + (" (FALLBACK)" if case.get("fallback") else "")
+        row = [case["op"], _shape(case["shape"]), case["dtype"], backend]
         if case["error"]:
             row += [f"error: {case['error'][:80]}"] + [""] * (len(header) - 5)
         else:

@@ -6,16 +6,21 @@ Schema (version 1):
   "metadata": {"date", "device", "device_type" ("cuda"|"cpu"), "device_name", "driver", "cuda",
                "torch", "triton", "jax", "python", "git_commit", "git_dirty", "timing" (what the
                numbers are: "CPU timings" or "CUDA timings"), "suite", "backend" (the one forced
-               with --backend, or "dispatch")},
+               with --backend, or "dispatch"),
+               "environment" (kiln.environment: commit and its source, GPU, CPU model and ISA flags,
+               versions, and "fallbacks": every kiln.fallbacks entry the process took)},
   "ceilings": {"device_name", "bandwidth_gbs", "matmul_tflops": {dtype: TFLOP/s}, "method", "measured_at"},
   "cases": [{
       "op", "shape" (dict), "dtype", "backend", "method" (cuda-graph|cuda-events|cpu-wallclock),
       "median_ms", "p20_ms", "p80_ms", "rel_spread", "reps", "copies",
       "flops", "bytes", "tflops", "gbps", "intensity", "roofline_bound_ms", "roofline_fraction", "limiter",
       "baselines": {name: {"median_ms", "p20_ms", "p80_ms", "speedup"} or {"error"}},
-      "error" (null, or why the case did not run: then the timing fields are null)
+      "error" (null, or why the case did not run: then the timing fields are null),
+      "fallback" (null, or the fallback that replaced the asked-for kernel, e.g. "gemm_tma->pointer: ...":
+                  then "backend" is "<asked>-><what ran>", e.g. "triton->triton_pointer")
   }]
 }
+Files written before "environment" and "fallback" existed still load: both are optional.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kiln import fallbacks
+from kiln.environment import environment
 
 KIND = "kiln-bench"
 SCHEMA_VERSION = 1
@@ -73,23 +81,8 @@ METADATA_FIELDS = (
     "suite",
     "backend",
 )
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except Exception:  # not installed, or broken: the metadata says so instead of failing the run
-        return None
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
+# optional fields, checked when present
+OPTIONAL_CASE_FIELDS: dict[str, type | tuple[type, ...]] = {"fallback": (str, type(None))}
 
 
 def _driver() -> str | None:
@@ -108,8 +101,9 @@ def _driver() -> str | None:
 def collect_metadata(
     device: torch.device, device_name: str, suite: str | None, backend: str | None = None
 ) -> dict[str, Any]:
-    """Run metadata; `backend` is the implementation forced with --backend, None = dispatch's choice."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    """Run metadata; `backend` is the implementation forced with --backend, None = dispatch's choice.
+    The commit comes from kiln.environment (KILN_COMMIT, git, or the .kiln-commit file)."""
+    env = environment()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": str(device),
@@ -118,15 +112,31 @@ def collect_metadata(
         "driver": _driver() if device.type == "cuda" else None,
         "cuda": torch.version.cuda,
         "torch": torch.__version__,
-        "triton": _version("triton"),
-        "jax": _version("jax"),
+        "triton": env["triton"],
+        "jax": env["jax"],
         "python": platform.python_version(),
-        "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(status) if status is not None else None,
+        "git_commit": env["git_commit"],
+        "git_dirty": env["git_dirty"],
         "timing": "CUDA timings" if device.type == "cuda" else "CPU timings",
         "suite": suite,
         "backend": backend or "dispatch",
+        "environment": env,
     }
+
+
+def mark_fallbacks(cases: list[dict], taken: list[dict]) -> list[dict]:
+    """Every case of an (op, backend) that a recorded fallback replaced (kiln.fallbacks.REPLACES) gets
+    `fallback` ("kind: detail") and `backend` "<asked>-><what ran>" (e.g. "triton->triton_pointer"),
+    so it is neither reported nor compared under the kernel's own name; every other case gets
+    `fallback: None`."""
+    for case in cases:
+        case.setdefault("fallback", None)
+        hit = fallbacks.replacement(case["op"], case["backend"], taken) if case["error"] is None else None
+        if hit is not None:
+            entry, ran = hit
+            case["fallback"] = f"{entry['kind']}: {entry['detail']}"
+            case["backend"] = f"{case['backend']}->{ran}"
+    return cases
 
 
 def device_slug(name: str) -> str:
@@ -141,12 +151,17 @@ def result_filename(metadata: dict, suffix: str | None = None) -> str:
 
 
 def make_payload(metadata: dict, ceilings: dict, cases: list[dict]) -> dict:
+    """The result file's content. The fallbacks taken by now (the run is over) go into
+    metadata.environment.fallbacks and mark the cases they affected (mark_fallbacks)."""
+    taken = fallbacks.taken()
+    if "environment" in metadata:
+        metadata = {**metadata, "environment": {**metadata["environment"], "fallbacks": taken}}
     payload = {
         "kind": KIND,
         "schema_version": SCHEMA_VERSION,
         "metadata": metadata,
         "ceilings": ceilings,
-        "cases": cases,
+        "cases": mark_fallbacks(cases, taken),
     }
     validate(payload)
     return payload
@@ -172,6 +187,11 @@ def validate(payload: dict) -> None:
             if name not in case:
                 raise ValueError(f"kiln bench result: case {i} lacks {name!r}")
             if not isinstance(case[name], types):
+                raise ValueError(
+                    f"kiln bench result: case {i} field {name!r} has type {type(case[name]).__name__}"
+                )
+        for name, types in OPTIONAL_CASE_FIELDS.items():
+            if name in case and not isinstance(case[name], types):
                 raise ValueError(
                     f"kiln bench result: case {i} field {name!r} has type {type(case[name]).__name__}"
                 )

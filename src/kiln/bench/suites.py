@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.ops.registry import OpSpec, all_ops
+from kiln.ops import OpSpec, all_ops
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """TensorParallelEngine: the LLMEngine of rank 0 with the model split over `tp_size` processes.
 
-Rank 0 (this process) owns the scheduler, block manager, sampler and tokenizer; every step it
-broadcasts the flat batch (token ids, positions, attention metadata, sampled rows) to the workers,
-and all ranks run their shard of the forward pass together (all-reduces inside the model, logits
-gathered to rank 0). Workers are spawned on this machine (torch.multiprocessing), or already running
+Rank 0 (this process) owns the scheduler, block manager, sampler and tokenizer. Every rank loads its
+shard with the same kiln.loaders.load_model call (the EngineConfig's dtype and CPU weight formats,
+`tp_group` = the group); rank 0's LLMEngine is an ordinary one over its shard whose model runner
+broadcasts each step's inputs (StepBroadcaster, the runner's before_forward hook) to the workers, and
+all ranks run their shard of the forward pass together (all-reduces inside the model, logits gathered
+to rank 0, which samples). Workers are spawned on this machine (torch.multiprocessing), or already running
 under torchrun (env RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; this process must be RANK 0).
 
 Failure: before each step the spawned workers' liveness is checked; a collective that a dead or hung
@@ -30,62 +32,31 @@ from kiln.distributed.groups import (
     init_tp_group,
     launched_by_torchrun,
 )
-from kiln.distributed.model import build_shard, load_tokenizer, open_checkpoint
-from kiln.distributed.sharding import ShardPlan
-from kiln.distributed.worker import agree_on_blocks, spawn_main
-from kiln.engine.config import EngineConfig, kv_block_bytes, num_kv_blocks_for
+from kiln.distributed.worker import agree_on_blocks, load_shard, spawn_main
+from kiln.engine.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.model_runner import ModelInputs
 from kiln.engine.outputs import RequestOutput
-from kiln.loaders import LoadedModel
+from kiln.loaders import open_checkpoint
+from kiln.models.layers.tp import TPGroup
+from kiln.models.sharding import ShardPlan
 
 
-class TensorParallelRunner:
-    """Wraps rank 0's ModelRunner: same prepare / sample, plus the broadcast of each step's batch.
-    Other attributes (kv_caches, sampler, ...) are the wrapped runner's."""
+class StepBroadcaster:
+    """Rank 0's ModelRunner hook (before_forward): sends each step's inputs, on the CPU, to the other
+    ranks, which run the same step on them (worker.serve_steps)."""
 
-    def __init__(self, runner, group):
-        self._runner = runner
-        self._group = group
+    def __init__(self, group: TPGroup):
+        self.group = group
 
-    def __getattr__(self, name):
-        return getattr(self._runner, name)
-
-    @torch.inference_mode()
-    def run(self, batch):
-        runner = self._runner
-        input_ids, positions, metadata, sample_rows, sample_seqs = runner.prepare(batch)
-        message = ("step", input_ids, positions, metadata, sample_rows)
-        if input_ids.device.type != "cpu":
-            message = ("step", input_ids.cpu(), positions.cpu(), _metadata_to(metadata, "cpu"), sample_rows)
-        broadcast_object(message, self._group)
-        hidden = runner.model.forward(input_ids, positions, runner.kv_caches, metadata)
-        tokens = [None] * len(batch)
-        logprobs = [None] * len(batch)
-        if not sample_seqs:
-            return tokens, logprobs
-        if len(sample_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, device=hidden.device)]
-        logits = runner.model.compute_logits(hidden)
-        sampled, sampled_logprobs = runner.sampler(logits, sample_seqs)
-        where = {id(seq): i for i, seq in enumerate(batch.seqs)}
-        for seq, token, lp in zip(sample_seqs, sampled, sampled_logprobs, strict=True):
-            tokens[where[id(seq)]] = token
-            logprobs[where[id(seq)]] = lp
-        return tokens, logprobs
-
-
-def _metadata_to(metadata, device):
-    changes = {
-        f.name: getattr(metadata, f.name).to(device)
-        for f in dataclasses.fields(metadata)
-        if isinstance(getattr(metadata, f.name), torch.Tensor)
-    }
-    return dataclasses.replace(metadata, **changes)
+    def __call__(self, inputs: ModelInputs) -> None:
+        broadcast_object(("step", inputs.to("cpu")), self.group)
 
 
 class TensorParallelEngine(LLMEngine):
     """LLMEngine over `tp_size` ranks (rank 0 = this process). Same step-level API, plus shutdown()
-    and use as a context manager.
+    and use as a context manager; honours the same EngineConfig (CUDA graphs excepted: they would
+    capture the collectives without the workers, so it runs eagerly).
 
     timeout_s: how long a collective may wait for a worker before the step fails;
     startup_timeout_s: how long to wait for all workers to join.
@@ -112,36 +83,20 @@ class TensorParallelEngine(LLMEngine):
         atexit.register(self.shutdown)
         try:
             # fail on an unsplittable model before any process starts
-            checkpoint = open_checkpoint(config.model)
-            tokenizer = load_tokenizer(checkpoint)
-            plan = ShardPlan(checkpoint.config, tp_size)
+            checkpoint = open_checkpoint(config.model, device, config.dtype)
+            ShardPlan(checkpoint.config, tp_size)
             self._start_workers(tp_size, device, timeout_s, startup_timeout_s)
-            dtype = config.dtype or _default_dtype(device)
-            setup = {
-                "engine_config": config,
-                "path": checkpoint.path,
-                "device_type": device.type,
-                "dtype": dtype,
-                "eos_token_ids": list(checkpoint.config.eos_token_ids),
-            }
-            broadcast_object(setup, self.group, setup=True)
-            error, model, num_blocks = None, None, 0
+            broadcast_object({"engine_config": config, "path": checkpoint.path}, self.group, setup=True)
+            error, loaded, num_blocks = None, None, 0
             try:
-                model = build_shard(checkpoint, plan, self.group, device, dtype)
-                c = model.config
-                block_bytes = kv_block_bytes(
-                    c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, model.kv_cache_dtype
-                )
-                num_blocks = num_kv_blocks_for(config, device, block_bytes)
+                loaded, num_blocks = load_shard(config, checkpoint, device, self.group)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 raise
             finally:
                 num_blocks = agree_on_blocks(error, num_blocks, self.group)
-            # CUDA graphs would capture the collectives without the workers: run eagerly
             config = dataclasses.replace(config, num_kv_blocks=num_blocks, enforce_eager=True)
-            super().__init__(config, loaded=LoadedModel(model, tokenizer, model.config))
-            self.runner = TensorParallelRunner(self.runner, self.group)
+            super().__init__(config, loaded=loaded, before_forward=StepBroadcaster(self.group))
         except BaseException:
             self.shutdown()
             raise
@@ -240,9 +195,3 @@ class TensorParallelEngine(LLMEngine):
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def _default_dtype(device: torch.device) -> torch.dtype:
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32

@@ -12,6 +12,9 @@ Three gloo/NCCL groups over the same ranks:
   - `setup_group` (gloo, `startup_timeout_s`) carries the one-off setup exchange (loading a shard may
     take long on some rank).
 
+The group handle (`TPGroup`) and the collectives the layers run live below the models, in
+kiln.models.layers.tp; this module creates and destroys the groups.
+
 Rendezvous: spawned workers use tcp://127.0.0.1:<free port>; under torchrun the standard env vars
 (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) with init_method env://.
 """
@@ -20,11 +23,12 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from kiln.models.layers.tp import TPGroup
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_IDLE_TIMEOUT_S = 20 * 24 * 3600.0  # gloo keeps milliseconds in 32 bits somewhere: stay < 24.8 days
@@ -33,23 +37,6 @@ DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel worker died, hung past the collective timeout, or failed to start."""
-
-
-@dataclass
-class TPGroup:
-    """This process's place in the tensor-parallel group."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device_group: object
-    cpu_group: object
-    setup_group: object
-    timeout_s: float
-
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
 
 
 def free_port() -> int:

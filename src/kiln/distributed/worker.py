@@ -1,17 +1,17 @@
 """Tensor-parallel workers (ranks 1..N-1): build this rank's shard, then replay rank 0's steps.
 
 Protocol (rank 0 broadcasts, see engine.py; setup over the setup_group, steps over the cpu_group):
-  setup: the EngineConfig and checkpoint path -> every rank builds its shard and proposes a KV block
-         count; all ranks exchange (error or None, num_blocks) and use the smallest count;
-  ("step", input_ids, positions, attn_metadata, sample_rows) -> model.forward (joining the
-         all-reduces) and, when rows are sampled, compute_logits (joining the logits gather);
+  setup: the EngineConfig and checkpoint path -> every rank loads its shard (kiln.loaders.load_model
+         with the group: the same options on every rank) and proposes a KV block count; all ranks
+         exchange (error or None, num_blocks) and use the smallest count;
+  ("step", ModelInputs) -> ModelRunner.execute: the forward pass (joining the all-reduces) and, when
+         rows are sampled, compute_logits (joining the logits gather);
   ("stop",) -> leave the loop.
 A worker started by `spawn` also watches its parent and exits when it dies (no orphans).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
 import sys
@@ -29,29 +29,29 @@ from kiln.distributed.groups import (
     init_tp_group,
     launched_by_torchrun,
 )
+from kiln.engine.config import EngineConfig, num_kv_blocks_for_model
+from kiln.engine.model_runner import ModelRunner
+from kiln.loaders import Checkpoint, LoadedModel, load_model
 
 
 def rank_device(device_type: str, group: TPGroup) -> torch.device:
     return torch.device("cuda", group.local_rank) if device_type == "cuda" else torch.device("cpu")
 
 
-def build_rank(setup: dict, group: TPGroup):
-    """(model, num_blocks this rank can hold) for the setup message rank 0 broadcast."""
-    from kiln.distributed.model import build_shard, open_checkpoint
-    from kiln.distributed.sharding import ShardPlan
-    from kiln.engine.config import kv_block_bytes, num_kv_blocks_for
-
-    config = setup["engine_config"]
-    device = rank_device(setup["device_type"], group)
-    checkpoint = open_checkpoint(setup["path"])
-    checkpoint.config.eos_token_ids = list(setup["eos_token_ids"])
-    plan = ShardPlan(checkpoint.config, group.world_size)
-    model = build_shard(checkpoint, plan, group, device, setup["dtype"])
-    c = model.config
-    block_bytes = kv_block_bytes(
-        c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, model.kv_cache_dtype
+def load_shard(
+    config: EngineConfig, model: str | Checkpoint, device: torch.device, group: TPGroup
+) -> tuple[LoadedModel, int]:
+    """(this rank's shard of the model, the KV blocks this rank can hold): what every rank, rank 0
+    included, loads, with the engine config's options."""
+    loaded = load_model(
+        model,
+        device,
+        config.dtype,
+        cpu_format=config.cpu_format,
+        lm_head_format=config.lm_head_format,
+        tp_group=group,
     )
-    return model, num_kv_blocks_for(config, device, block_bytes)
+    return loaded, num_kv_blocks_for_model(config, device, loaded.model)
 
 
 def agree_on_blocks(error: str | None, num_blocks: int, group: TPGroup) -> int:
@@ -64,49 +64,37 @@ def agree_on_blocks(error: str | None, num_blocks: int, group: TPGroup) -> int:
     return min(n for _, n in reports)
 
 
-def serve_steps(model, kv_caches, group: TPGroup, device: torch.device) -> None:
+def serve_steps(runner: ModelRunner, group: TPGroup, device: torch.device) -> None:
     """Replay rank 0's steps until it says stop."""
-    with torch.inference_mode():
-        while True:
-            msg = broadcast_object(None, group)
-            if msg[0] == "stop":
-                return
-            _, input_ids, positions, metadata, sample_rows = msg
-            if device.type != "cpu":
-                input_ids, positions = input_ids.to(device), positions.to(device)
-                metadata = dataclasses.replace(
-                    metadata,
-                    **{
-                        f.name: getattr(metadata, f.name).to(device)
-                        for f in dataclasses.fields(metadata)
-                        if isinstance(getattr(metadata, f.name), torch.Tensor)
-                    },
-                )
-            hidden = model.forward(input_ids, positions, kv_caches, metadata)
-            if sample_rows:
-                if len(sample_rows) != hidden.shape[0]:
-                    hidden = hidden[torch.tensor(sample_rows, device=hidden.device)]
-                model.compute_logits(hidden)
+    while True:
+        msg = broadcast_object(None, group)
+        if msg[0] == "stop":
+            return
+        runner.execute(msg[1].to(device))
 
 
 def run_worker(group: TPGroup, device_type: str) -> None:
     """Everything a worker rank does after joining the group."""
     setup = broadcast_object(None, group, setup=True)
-    model, num_blocks, error = None, 0, None
+    config: EngineConfig = setup["engine_config"]
+    device = rank_device(device_type, group)
+    loaded, num_blocks, error = None, 0, None
     try:
-        model, num_blocks = build_rank(setup, group)
+        loaded, num_blocks = load_shard(config, setup["path"], device, group)
     except Exception:
         error = traceback.format_exc()
     num_blocks = agree_on_blocks(error, num_blocks, group)
-    device = rank_device(device_type, group)
-    c = model.config
-    shape = (num_blocks, setup["engine_config"].block_size, c.num_kv_heads, c.head_dim)
-    kv_caches = [
-        (torch.zeros(shape, dtype=model.kv_cache_dtype, device=device),
-         torch.zeros(shape, dtype=model.kv_cache_dtype, device=device))
-        for _ in range(c.num_layers)
-    ]  # fmt: skip
-    serve_steps(model, kv_caches, group, device)
+    # rank 0's runner has the same cache; only CUDA graphs would read max_model_len, and TP runs eagerly
+    runner = ModelRunner(
+        loaded.model,
+        device,
+        num_blocks,
+        config.block_size,
+        config.max_num_seqs,
+        max_model_len=num_blocks * config.block_size,
+        enforce_eager=True,
+    )
+    serve_steps(runner, group, device)
 
 
 def _exit_when_parent_dies() -> None:

@@ -98,3 +98,13 @@ def num_kv_blocks_for(config: EngineConfig, device: torch.device, block_bytes: i
             "raise kv_cache_bytes / gpu_memory_utilization"
         )
     return blocks
+
+
+def num_kv_blocks_for_model(config: EngineConfig, device: torch.device, model) -> int:
+    """How many KV blocks of `model` (its config's layers and kv heads, its kv_cache_dtype) fit the
+    configured budget."""
+    c = model.config
+    block_bytes = kv_block_bytes(
+        c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, model.kv_cache_dtype
+    )
+    return num_kv_blocks_for(config, device, block_bytes)

@@ -4,12 +4,16 @@ A decode step of a small model is dominated by kernel launch overhead; a capture
 all of the step's kernels in one launch. Inputs live in static buffers that each replay reads, so
 a step copies its real inputs in and pads the rest (slot -1: write nothing; seq_len 1 on block 0:
 read one harmless slot). Only used on CUDA (not testable on the CPU-only CI machine).
+
+A capture that fails is recorded in kiln.fallbacks (CUDA_GRAPH_TO_EAGER) before the error reaches
+ModelRunner, which then decodes eagerly: a benchmark of that engine must not be reported as graphed.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kiln import fallbacks
 from kiln.models.attention_metadata import AttentionMetadata
 
 
@@ -22,6 +26,14 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, runner, max_num_seqs: int):
+        try:
+            self._capture(runner, max_num_seqs)
+        except Exception as exc:  # the caller runs eagerly: say so where results are written
+            detail = f"DecodeGraphs(max_num_seqs={max_num_seqs}): {exc!r}"
+            fallbacks.record(fallbacks.CUDA_GRAPH_TO_EAGER, detail)
+            raise
+
+    def _capture(self, runner, max_num_seqs: int) -> None:
         self.runner = runner
         model = runner.model
         device = runner.device

@@ -7,11 +7,12 @@ check stops -> RequestOutputs for the requests that advanced.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from kiln.engine.block_manager import BlockManager
-from kiln.engine.config import EngineConfig, kv_block_bytes, num_kv_blocks_for
+from kiln.engine.config import EngineConfig, num_kv_blocks_for_model
 from kiln.engine.detokenizer import IncrementalDetokenizer
-from kiln.engine.model_runner import ModelRunner
+from kiln.engine.model_runner import ModelInputs, ModelRunner
 from kiln.engine.outputs import EngineStats, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
@@ -20,32 +21,33 @@ from kiln.engine.sequence import Sequence
 
 class LLMEngine:
     """The engine. `loaded` (a kiln.loaders LoadedModel: .model, .tokenizer, .config) skips loading
-    config.model, so several engines can share one loaded model (its weights are read-only)."""
+    config.model, so several engines can share one loaded model (its weights are read-only).
+    `before_forward` is the model runner's hook (see ModelRunner; tensor parallelism's rank 0 passes
+    its broadcast of each step's inputs)."""
 
-    def __init__(self, config: EngineConfig | None = None, loaded=None):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        loaded=None,
+        *,
+        before_forward: Callable[[ModelInputs], None] | None = None,
+    ):
         self.config = config = config or EngineConfig()
         self.device = config.resolved_device()
         if loaded is None:
             from kiln.loaders import load_model
 
-            formats = {"cpu_format": config.cpu_format, "lm_head_format": config.lm_head_format}
             loaded = load_model(
                 config.model,
                 device=str(self.device),
                 dtype=config.dtype,
-                **{k: v for k, v in formats.items() if v is not None},
+                cpu_format=config.cpu_format,
+                lm_head_format=config.lm_head_format,
             )
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         model_config = self.model.config
-        block_bytes = kv_block_bytes(
-            model_config.num_layers,
-            config.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            self.model.kv_cache_dtype,
-        )
-        num_blocks = num_kv_blocks_for(config, self.device, block_bytes)
+        num_blocks = num_kv_blocks_for_model(config, self.device, self.model)
         # a single request must always fit the whole cache, else preemption could never make room
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings,
@@ -71,6 +73,7 @@ class LLMEngine:
             self.max_model_len,
             enforce_eager=config.enforce_eager,
             seed=config.seed,
+            before_forward=before_forward,
         )
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []

@@ -4,14 +4,23 @@ All tokens of a step go through the model as one flat batch (no padding between 
 out sequence by sequence and described by one AttentionMetadata. Logits are computed only for the
 last scheduled token of each sequence whose prefill is complete with this step. On CUDA, decode-only
 steps replay CUDA graphs captured for padded batch sizes 1, 2, 4, 8, 16, 32, 64, ...
+
+One step: prepare (batch -> ModelInputs) -> before_forward hook (tensor parallelism: rank 0
+broadcasts the inputs to the other ranks, which run `execute` on them) -> execute (forward and the
+sampled rows' logits) -> sample. The model runs inside `kiln.ops.trusted_inputs()`: its ops' arguments
+are built here and by the model, so the public ops skip re-validating them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+import kiln.ops
 from kiln.engine.sampler import Sampler
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.models.attention_metadata import AttentionMetadata
@@ -19,11 +28,44 @@ from kiln.models.attention_metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class ModelInputs:
+    """One step's flat batch, all a rank needs to run its model.
+
+    input_ids, positions: int64 [T]; attn_metadata: the batch layout; sample_rows: the rows of the T
+    tokens whose logits are wanted (the last token of each sequence that samples this step).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    sample_rows: list[int]
+
+    def to(self, device: torch.device | str) -> ModelInputs:
+        """The same inputs with every tensor on `device` (self when they are there already)."""
+        if self.input_ids.device == torch.device(device):
+            return self
+        metadata = self.attn_metadata
+        moved = {
+            f.name: getattr(metadata, f.name).to(device)
+            for f in dataclasses.fields(metadata)
+            if isinstance(getattr(metadata, f.name), torch.Tensor)
+        }
+        return ModelInputs(
+            self.input_ids.to(device),
+            self.positions.to(device),
+            dataclasses.replace(metadata, **moved),
+            self.sample_rows,
+        )
+
+
 class ModelRunner:
     """Owns the model, its paged KV cache and the sampler.
 
     kv_caches: per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
     of model.kv_cache_dtype on the model's device.
+    before_forward: called with each step's ModelInputs before the model runs (rank 0 of a
+    tensor-parallel group broadcasts them there).
     """
 
     def __init__(
@@ -36,8 +78,10 @@ class ModelRunner:
         max_model_len: int,
         enforce_eager: bool = False,
         seed: int = 0,
+        before_forward: Callable[[ModelInputs], None] | None = None,
     ):
         self.model = model
+        self.before_forward = before_forward
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -55,14 +99,14 @@ class ModelRunner:
             from kiln.engine.cuda_graphs import DecodeGraphs
 
             try:
-                self.graphs = DecodeGraphs(self, max_num_seqs)
+                with kiln.ops.trusted_inputs():  # capture the same calls the eager steps make
+                    self.graphs = DecodeGraphs(self, max_num_seqs)
             except Exception as exc:  # capture needs every op to be graph-safe; eager still works
                 logger.warning("CUDA graph capture failed (%s); running eagerly", exc)
                 self.graphs = None
 
-    def prepare(self, batch: ScheduledBatch):
-        """Flatten the batch: input_ids int64 [T], positions int64 [T], AttentionMetadata, and the
-        row indices (into the T tokens) whose logits are needed, with their sequences."""
+    def prepare(self, batch: ScheduledBatch) -> tuple[ModelInputs, list]:
+        """Flatten the batch: its ModelInputs, and the sequences of its sample_rows (same order)."""
         size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -104,24 +148,36 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
-        return ids, pos, metadata, sample_rows, sample_seqs
+        return ModelInputs(ids, pos, metadata, sample_rows), sample_seqs
+
+    @torch.inference_mode()
+    def execute(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """Run the model on one step's inputs: float32 logits [len(sample_rows), vocab] (under tensor
+        parallelism, on rank 0), or None when no row samples. Every rank of a group calls it."""
+        metadata = inputs.attn_metadata
+        with kiln.ops.trusted_inputs():
+            if self.graphs is not None and metadata.decode_only and self.graphs.fits(metadata.num_seqs):
+                hidden = self.graphs.run(inputs.input_ids, inputs.positions, metadata)
+            else:
+                hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
+            if not inputs.sample_rows:
+                return None
+            if len(inputs.sample_rows) != hidden.shape[0]:
+                hidden = hidden[torch.tensor(inputs.sample_rows, device=hidden.device)]
+            return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int | None], list[dict[int, float] | None]]:
         """One model step. Returns, per scheduled seq, its new token (None while its prefill is still
         incomplete) and its logprobs entry (None unless requested)."""
-        input_ids, positions, metadata, sample_rows, sample_seqs = self.prepare(batch)
-        if self.graphs is not None and metadata.decode_only and self.graphs.fits(len(batch)):
-            hidden = self.graphs.run(input_ids, positions, metadata)
-        else:
-            hidden = self.model.forward(input_ids, positions, self.kv_caches, metadata)
+        inputs, sample_seqs = self.prepare(batch)
+        if self.before_forward is not None:
+            self.before_forward(inputs)
+        logits = self.execute(inputs)
         tokens: list[int | None] = [None] * len(batch)
         logprobs: list[dict[int, float] | None] = [None] * len(batch)
-        if not sample_seqs:
+        if logits is None:
             return tokens, logprobs
-        if len(sample_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, device=hidden.device)]
-        logits = self.model.compute_logits(hidden)
         sampled, sampled_logprobs = self.sampler(logits, sample_seqs)
         where = {id(seq): i for i, seq in enumerate(batch.seqs)}
         for seq, token, lp in zip(sample_seqs, sampled, sampled_logprobs, strict=True):

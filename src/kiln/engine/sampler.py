@@ -5,6 +5,14 @@ over the top-k-renormalized distribution), then min-p (drop tokens below min_p *
 probability), then one draw. The draw is an exponential race, argmax(p / E) with E ~ Exp(1) i.i.d.,
 which samples exactly p; a request with a seed draws its E from its own torch.Generator, so its
 tokens depend only on its seed and its logits, never on what else is in the batch.
+
+Numerics: the logits are shifted by their row maximum before dividing by the temperature, and the
+temperature is clamped to float32's smallest normal number, so temperature -> 0 gives the argmax
+(never inf / inf = NaN); top-p always keeps the top token, so top_p -> 0 keeps just it.
+
+Isolation: per-request set-up that can fail (a seed the generator refuses) runs for every row before
+anything is drawn; a failure raises SamplingError naming those requests, with no generator advanced,
+so the caller can drop them and run the same step again for the rest.
 """
 
 from __future__ import annotations
@@ -12,6 +20,19 @@ from __future__ import annotations
 import torch
 
 from kiln.engine.sequence import Sequence
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+class SamplingError(RuntimeError):
+    """Sampling could not start for some requests of the batch (nothing was drawn for any row).
+
+    failures: request_id -> what went wrong. The other requests are untouched: the step can be run
+    again without the failed ones and samples exactly what it would have."""
+
+    def __init__(self, failures: dict[str, str]):
+        self.failures = dict(failures)
+        super().__init__("; ".join(f"{rid}: {why}" for rid, why in self.failures.items()))
 
 
 class Sampler:
@@ -28,6 +49,7 @@ class Sampler:
         if all(p.greedy for p in params):
             tokens = logits.argmax(dim=-1)
         else:
+            self._make_generators(seqs, logits.device)
             tokens = self._sample(logits, seqs)
         token_list = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(seqs)
@@ -35,13 +57,32 @@ class Sampler:
             logprobs = self._logprobs(logits, tokens, params)
         return token_list, logprobs
 
+    @staticmethod
+    def _make_generators(seqs: list[Sequence], device: torch.device) -> None:
+        """Seed the generator of every seeded sampling row that has none yet; SamplingError names the
+        rows whose seed the generator refuses. Runs before any draw, so a failure advances nothing."""
+        failures = {}
+        for seq in seqs:
+            params = seq.params
+            if params.seed is None or params.greedy or seq.generator is not None:
+                continue
+            try:
+                seq.generator = torch.Generator(device=device).manual_seed(params.seed)
+            except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
+                failures[seq.request_id] = f"cannot seed a generator with seed={params.seed!r} ({exc})"
+        if failures:
+            raise SamplingError(failures)
+
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
         vocab = logits.shape[1]
         device = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=device)
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
-        scaled = logits.float() / temps[:, None]
+        # (logits - max) / T is <= 0 and finite or -inf: the top token stays at 0 however small T is
+        logits = logits.float()
+        shifted = logits - logits.amax(dim=-1, keepdim=True)
+        scaled = shifted / temps.clamp_min(_TINY)[:, None]
         sampling = [p for p in params if not p.greedy]
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampling):
             scaled = self._filter(scaled, params, sampling, vocab)
@@ -55,8 +96,6 @@ class Sampler:
             noise[unseeded] = rows.exponential_(generator=self.generator)
         for i, seq in enumerate(seqs):
             if seq.params.seed is not None:
-                if seq.generator is None:
-                    seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
                 noise[i].exponential_(generator=seq.generator)
         choice = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), choice)
@@ -72,12 +111,14 @@ class Sampler:
         else:
             ranked, order = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(width, device=device)[None, :]
-        k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
         ranked = ranked.masked_fill(rank >= k[:, None], float("-inf"))
         probs = ranked.softmax(dim=-1)
         top_p = torch.tensor([p.top_p for p in params], device=device)
-        # keep a token while the mass ranked strictly above it is below top_p (the first always stays)
-        ranked = ranked.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], float("-inf"))
+        # keep a token while the mass ranked strictly above it is below top_p; the first always stays
+        # (top_p can round to 0 in float32, and 0 >= 0 would drop it)
+        beyond = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (rank > 0)
+        ranked = ranked.masked_fill(beyond, float("-inf"))
         min_p = torch.tensor([p.min_p for p in params], device=device)
         ranked = ranked.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
         return torch.full_like(scaled, float("-inf")).scatter_(1, order, ranked)
@@ -86,7 +127,7 @@ class Sampler:
     def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params) -> list[dict[int, float] | None]:
         logp = logits.float().log_softmax(dim=-1)
         chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
-        max_n = max(p.logprobs or 0 for p in params)
+        max_n = min(max(p.logprobs or 0 for p in params), logp.shape[1])
         top_vals, top_ids = logp.topk(max_n, dim=-1) if max_n > 0 else (None, None)
         out: list[dict[int, float] | None] = []
         token_list = tokens.tolist()

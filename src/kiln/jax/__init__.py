@@ -16,9 +16,9 @@ import os
 # torch shares the GPU with JAX here: do not let XLA grab most of its memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+from kiln.ops import all_ops  # noqa: E402
 from kiln.ops.jax_bridge import jax_function  # noqa: E402
 from kiln.ops.pallas_common import IMPLEMENTATIONS, default_implementation, tpu_interpreter  # noqa: E402
-from kiln.ops.registry import all_ops  # noqa: E402
 
 IMPLEMENTED: dict[str, tuple[str, ...]] = {}
 for _name, _spec in all_ops().items():
@@ -26,10 +26,14 @@ for _name, _spec in all_ops().items():
         globals()[_name] = jax_function(_spec)
         IMPLEMENTED[_name] = tuple(_spec.jax_implementations)
 
-# TRANSITION: hand-written entries of ops whose JAX kernels have not moved beside their spec yet.
-from kiln.jax.attention import flash_attention, paged_decode_attention  # noqa: E402,F401
-from kiln.jax.elementwise import gelu_tanh_and_mul, rope, silu_and_mul, softmax  # noqa: E402,F401
-from kiln.jax.gemm import matmul, w8a16_matmul  # noqa: E402,F401
-from kiln.ops.rope.pallas import rope_cos_sin_cache  # noqa: E402,F401
+# kiln.jax.flash_attention keeps the padded-batch layout (the op itself is varlen).
+from kiln.jax.attention_layouts import flash_attention  # noqa: E402,F401
+
+# The GEMMs' older JAX names: matmul = linear, w8a16_matmul = w8a16_linear.
+from kiln.jax.gemm_layouts import matmul, w8a16_matmul  # noqa: E402,F401
+
+# The old rotary names: rope = rotary_embedding, and the cos/sin table as a jax array.
+from kiln.jax.rope_layouts import rope, rope_cos_sin_cache  # noqa: E402,F401
 
 __all__ = ["IMPLEMENTATIONS", "IMPLEMENTED", "default_implementation", "tpu_interpreter", *IMPLEMENTED]
+__all__ += ["flash_attention", "matmul", "rope", "rope_cos_sin_cache", "w8a16_matmul"]

@@ -37,10 +37,10 @@ LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "gate_up", "do
 def _attention_inputs(x, positions, weights, config, cos_sin_cache, implementation):
     tokens, gemm = x.shape[0], implementation
     a = kjax.rms_norm(x, weights["attn_norm"], config.rms_norm_eps, implementation=implementation)
-    q = kjax.matmul(a, weights["wq"], implementation=gemm).reshape(tokens, config.num_heads, -1)
-    k = kjax.matmul(a, weights["wk"], implementation=gemm).reshape(tokens, config.num_kv_heads, -1)
-    v = kjax.matmul(a, weights["wv"], implementation=gemm).reshape(tokens, config.num_kv_heads, -1)
-    q, k = kjax.rope(
+    q = kjax.linear(a, weights["wq"], implementation=gemm).reshape(tokens, config.num_heads, -1)
+    k = kjax.linear(a, weights["wk"], implementation=gemm).reshape(tokens, config.num_kv_heads, -1)
+    v = kjax.linear(a, weights["wv"], implementation=gemm).reshape(tokens, config.num_kv_heads, -1)
+    q, k = kjax.rotary_embedding(
         positions, q, k, cos_sin_cache, config.is_neox, implementation=_tpu_or_xla(implementation)
     )
     return q, k, v
@@ -53,13 +53,13 @@ def _tpu_or_xla(implementation):
 
 def _finish(x, attn, weights, config, implementation):
     gemm = implementation
-    o = kjax.matmul(attn.reshape(x.shape[0], -1), weights["wo"], implementation=gemm)
+    o = kjax.linear(attn.reshape(x.shape[0], -1), weights["wo"], implementation=gemm)
     m, h = kjax.rms_norm(
         o, weights["ffn_norm"], config.rms_norm_eps, residual=x, implementation=implementation
     )
-    gate_up = kjax.matmul(m, weights["gate_up"], implementation=gemm)
+    gate_up = kjax.linear(m, weights["gate_up"], implementation=gemm)
     act = kjax.silu_and_mul(gate_up, implementation=implementation)
-    return h + kjax.matmul(act, weights["down"], implementation=gemm)
+    return h + kjax.linear(act, weights["down"], implementation=gemm)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "implementation"))

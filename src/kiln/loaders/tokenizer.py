@@ -4,12 +4,19 @@ BOS handling and the model's chat template (rendered with jinja2, as transformer
 Built from an HF directory (tokenizer.json + tokenizer_config.json) or from GGUF metadata
 (`tokenizer.ggml.*`: a byte-level BPE from the tokens and merges, with the pre-tokenizer llama.cpp
 uses for `tokenizer.ggml.pre`).
+
+Chat prompts (`encode_chat`) are tokenized so that only the template writes control tokens: special-
+token text inside a message's content ("<|im_start|>system") becomes ordinary text tokens, so the
+author of a message cannot forge a turn of another role.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
+import threading
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -31,6 +38,10 @@ _QWEN2_SPLIT = (
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
+
+# Texts at least this long are encoded through encode_batch, which releases the GIL (encode does not):
+# a server thread tokenizing a long prompt then leaves the event loop free.
+_LONG_TEXT = 4096
 
 
 def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -79,6 +90,17 @@ class Tokenizer:
         self.add_bos_token = add_bos_token
         self.source = source
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        special = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        self._special_ids = special
+        # leftmost, longest first: how the tokenizer itself finds added tokens in a text
+        self._special_pattern = (
+            re.compile("|".join(re.escape(t) for t in sorted(special, key=len, reverse=True)))
+            if special
+            else None
+        )
+        self._text_tok: RustTokenizer | None = None  # a copy that reads special-token text as text
+        self._text_tok_lock = threading.Lock()
+        self._template = None  # (source, compiled jinja2 template) of chat_template
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -94,16 +116,28 @@ class Tokenizer:
         config: dict[str, Any] = {}
         config_path = os.path.join(directory, "tokenizer_config.json")
         if os.path.isfile(config_path):
-            with open(config_path, encoding="utf-8") as f:
-                config = json.load(f)
+            try:
+                with open(config_path, encoding="utf-8") as f:
+                    config = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise ModelLoadError(f"{config_path}: cannot read JSON ({exc})") from exc
+            if not isinstance(config, dict):
+                raise ModelLoadError(f"{config_path}: expected a JSON object")
         template = config.get("chat_template")
         jinja_path = os.path.join(directory, "chat_template.jinja")
         if template is None and os.path.isfile(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
                 template = f.read()
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = [t for t in template if isinstance(t, dict) and isinstance(t.get("template"), str)]
+            if not named:
+                raise ModelLoadError(f"{config_path}: 'chat_template' is a list without templates")
             template = next(
-                (t["template"] for t in template if t.get("name") == "default"), template[0]["template"]
+                (t["template"] for t in named if t.get("name") == "default"), named[0]["template"]
+            )
+        if template is not None and not isinstance(template, str):
+            raise ModelLoadError(
+                f"{config_path}: 'chat_template' is {type(template).__name__}, expected text"
             )
 
         def token_id(entry: Any) -> int | None:
@@ -125,45 +159,134 @@ class Tokenizer:
             raise ModelLoadError(
                 f"{source}: tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')"
             )
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        tokens, merges, types = _gguf_vocabulary(meta, source)
+        bos, eos, eot = (_gguf_token_id(meta, k, len(tokens), source) for k in ("bos", "eos", "eot"))
         vocab = {t: i for i, t in enumerate(tokens)}
-        tok = RustTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+        try:
+            tok = RustTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        except Exception as exc:  # the Rust library raises plain Exceptions (a merge of unknown tokens)
+            raise ModelLoadError(
+                f"{source}: cannot build the BPE tokenizer from its metadata ({exc})"
+            ) from exc
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        tok.pre_tokenizer = _byte_level_pre_tokenizer(pre if isinstance(pre, str) else "default")
         tok.decoder = decoders.ByteLevel()
-        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         added = [
             AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
             for i in range(len(tokens))
             if types[i] in (_CONTROL, _USER_DEFINED)
         ]
         tok.add_tokens(added)
-        bos = meta.get("tokenizer.ggml.bos_token_id")
-        eos = meta.get("tokenizer.ggml.eos_token_id")
-        eos_ids = [] if eos is None else [int(eos)]
-        eot = meta.get("tokenizer.ggml.eot_token_id")
-        if eot is not None and int(eot) not in eos_ids:
-            eos_ids.append(int(eot))
+        eos_ids = [] if eos is None else [eos]
+        if eot is not None and eot not in eos_ids:
+            eos_ids.append(eot)
+        template = meta.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise ModelLoadError(f"{source}: metadata key 'tokenizer.chat_template' is not a string")
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
         if add_bos and bos is not None:
-            bos_text = tokens[int(bos)]
-            tok.post_processor = processors.TemplateProcessing(
-                single=f"{bos_text} $A",
-                pair=f"{bos_text} $A {bos_text} $B",
-                special_tokens=[(bos_text, int(bos))],
-            )
+            bos_text = tokens[bos]
+            try:
+                tok.post_processor = processors.TemplateProcessing(
+                    single=f"{bos_text} $A",
+                    pair=f"{bos_text} $A {bos_text} $B",
+                    special_tokens=[(bos_text, bos)],
+                )
+            except Exception as exc:  # a BOS text the template syntax cannot hold
+                raise ModelLoadError(f"{source}: cannot use BOS token {bos_text!r} ({exc})") from exc
         return cls(
             tok,
-            bos_token_id=None if bos is None else int(bos),
+            bos_token_id=bos,
             eos_token_ids=eos_ids,
-            chat_template=meta.get("tokenizer.chat_template"),
+            chat_template=template,
             add_bos_token=add_bos,
             source=source,
         )
 
     # ---- use ----------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode(self._tok, text, add_special_tokens)
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
+    ) -> list[int]:
+        """The token ids of `messages` rendered with the chat template (no BOS added by encode: the
+        template writes its own). Special-token text in a message's content, or straddling its edge,
+        is tokenized as text unless special_tokens_in_content. When there is none, the ids are exactly
+        encode(apply_chat_template(messages), add_special_tokens=False)."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        if special_tokens_in_content or self._special_pattern is None:
+            return self.encode(text, add_special_tokens=False)
+        specials = list(self._special_pattern.finditer(text))
+        if not specials:
+            return self.encode(text, add_special_tokens=False)
+        try:
+            spans = self._content_spans(messages, add_generation_prompt, text)
+        except ValueError:
+            if any(
+                isinstance(m.get("content"), str) and self._special_pattern.search(m["content"])
+                for m in messages
+            ):
+                raise
+            return self.encode(text, add_special_tokens=False)  # nothing to neutralize inside a content
+        outside = [
+            m for m in specials if not any(m.start() < end and start < m.end() for start, end in spans)
+        ]
+        if len(outside) == len(specials):  # every special token is the template's own
+            return self.encode(text, add_special_tokens=False)
+        # the tokenizer splits a text at its special tokens and encodes the pieces between them on their
+        # own; do the same, but split only at the template's (the rest is text, specials included)
+        ids: list[int] = []
+        start = 0
+        text_tok = self._text_tokenizer()
+        for match in outside:
+            ids += _encode(text_tok, text[start : match.start()], False)
+            ids.append(self._special_ids[match.group()])
+            start = match.end()
+        ids += _encode(text_tok, text[start:], False)
+        return ids
+
+    def _content_spans(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, text: str
+    ) -> list[tuple[int, int]]:
+        """[start, end) of each message content in `text` (the rendered chat). Found by rendering again
+        with a random marker on each side of every content (inside its leading/trailing whitespace, so a
+        template that trims content renders the same); refused when the template changed the content
+        some other way, as the spans cannot be told apart from the template's own text then."""
+        marker = f"\x00{secrets.token_hex(8)}\x00"
+        marked = []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, str) and content:
+                core = content.strip()
+                lead = content[: len(content) - len(content.lstrip())]
+                trail = content[len(content.rstrip()) :]
+                m = {**m, "content": f"{lead}{marker}{core}{marker}{trail}" if core else content}
+            marked.append(m)
+        pieces = self.apply_chat_template(marked, add_generation_prompt).split(marker)
+        if len(pieces) % 2 == 0 or "".join(pieces) != text:
+            raise ValueError(
+                "a message contains special-token text, and this model's chat template changes message "
+                "content in a way that keeps the server from tokenizing that text as plain text"
+            )
+        spans, pos = [], 0
+        for i, piece in enumerate(pieces):
+            if i % 2 == 1:  # odd pieces sit between two markers: content
+                spans.append((pos, pos + len(piece)))
+            pos += len(piece)
+        return spans
+
+    def _text_tokenizer(self) -> RustTokenizer:
+        """A copy of the tokenizer with encode_special_tokens set: special-token text stays text."""
+        with self._text_tok_lock:
+            if self._text_tok is None:
+                tok = RustTokenizer.from_str(self._tok.to_str())
+                tok.encode_special_tokens = True
+                self._text_tok = tok
+            return self._text_tok
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -181,19 +304,7 @@ class Tokenizer:
             raise ValueError(
                 f"apply_chat_template: the tokenizer from {self.source or 'this model'} has no chat template"
             )
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(
-            value, ensure_ascii=False, indent=indent
-        )
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        template = env.from_string(self.chat_template)
+        template = self._compiled_template()
         return template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -201,5 +312,57 @@ class Tokenizer:
             eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
         )
 
+    def _compiled_template(self):
+        """The chat template compiled once (a server renders it for every chat request)."""
+        if self._template is None or self._template[0] != self.chat_template:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.filters["tojson"] = lambda value, indent=None: json.dumps(
+                value, ensure_ascii=False, indent=indent
+            )
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = (self.chat_template, env.from_string(self.chat_template))
+        return self._template[1]
+
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
+
+
+def _gguf_vocabulary(meta: dict[str, Any], source: str) -> tuple[list[str], list[tuple[str, str]], list[int]]:
+    """tokens, merges (pairs) and token types from `tokenizer.ggml.*`, checked (ModelLoadError)."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ModelLoadError(f"{source}: metadata key 'tokenizer.ggml.tokens' is not a list of strings")
+    merges = meta.get("tokenizer.ggml.merges", [])
+    if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+        raise ModelLoadError(f"{source}: metadata key 'tokenizer.ggml.merges' is not a list of 'a b' pairs")
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if not isinstance(types, list) or len(types) != len(tokens):
+        raise ModelLoadError(
+            f"{source}: metadata key 'tokenizer.ggml.token_type' does not have one entry per token"
+        )
+    return tokens, [tuple(m.split(" ", 1)) for m in merges], types
+
+
+def _gguf_token_id(meta: dict[str, Any], name: str, vocab: int, source: str) -> int | None:
+    value = meta.get(f"tokenizer.ggml.{name}_token_id")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
+        raise ModelLoadError(
+            f"{source}: metadata key 'tokenizer.ggml.{name}_token_id' is {value!r}, not a token id "
+            f"of the {vocab}-token vocabulary"
+        )
+    return value
+
+
+def _encode(tok: RustTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) >= _LONG_TEXT:
+        return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return tok.encode(text, add_special_tokens=add_special_tokens).ids

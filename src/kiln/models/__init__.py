@@ -1,4 +1,5 @@
-"""Kiln's models: the Llama family (llama.py), their layers (layers/), config and registry."""
+"""Kiln's models: the Llama family (llama.py) and its MoE variants (mixtral.py, qwen2_moe.py), their
+layers (layers/), how a checkpoint is split over tensor-parallel ranks (sharding.py), config and registry."""
 
 from kiln.models.attention_metadata import AttentionMetadata
 from kiln.models.config import ModelConfig, ModelLoadError

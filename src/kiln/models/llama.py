@@ -6,74 +6,145 @@ Qwen2 (q/k/v biases, tied embeddings), one implementation with config switches.
     out = rms_norm(h, r)                      (r: the residual stream, updated in place by rms_norm)
     logits = out @ W_lm^T                     (W_lm = the embedding when tied)
 
-Weights come from a WeightStore under HF names (GGUF names are mapped by the GGUF loader).
+A decoder layer is built from its parts, `DecoderLayer(attn, mlp, ...)`: the MLP is the dense gated
+MLP here, a mixture of experts in the MoE models (kiln.models.mixtral, qwen2_moe), which pass their
+own `build_mlp`. Weights come from a WeightStore under HF names (GGUF names are mapped by the GGUF
+loader). With a `tp_group` the model holds this rank's shard (kiln.models.sharding): its heads, MLP
+columns and vocabulary rows, with the communicating layers built as such.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
+import kiln.ops
 from kiln.models.attention_metadata import AttentionMetadata
 from kiln.models.config import ModelConfig
-from kiln.models.layers import GatedMLP, Linear, PagedAttention, RotaryEmbedding, VocabEmbedding
-from kiln.models.layers.torch_ops import op
+from kiln.models.layers import (
+    GatedMLP,
+    PagedAttention,
+    ParallelLMHead,
+    RotaryEmbedding,
+    TPGroup,
+    VocabParallelEmbedding,
+)
+from kiln.models.sharding import ShardedWeightStore, ShardPlan
 from kiln.models.weights import WeightStore
 
 
-class LlamaDecoderLayer(torch.nn.Module):
+@dataclass(frozen=True)
+class LayerOptions:
+    """How a model's layers are built: device, activation dtype, CPU weight format (see
+    kiln.models.layers.linear) and tensor-parallel group (None = one process)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    cpu_format: str | None = None
+    tp_group: TPGroup | None = None
+
+
+# (config, layer index, weights, options) -> the layer's MLP module, x [T, hidden] -> [T, hidden]
+MlpBuilder = Callable[[ModelConfig, int, WeightStore, LayerOptions], torch.nn.Module]
+
+
+def build_attention(
+    config: ModelConfig, index: int, weights: WeightStore, rotary: RotaryEmbedding, opts: LayerOptions
+) -> PagedAttention:
+    """Layer `index`'s self-attention (`model.layers.{index}.self_attn.*`), with config's head counts."""
+    c, p = config, f"model.layers.{index}.self_attn."
+    hidden, q_size, kv_size = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    bias = None
+    if c.attention_bias:
+        bias = [
+            weights.get(p + f"{name}_proj.bias", (size,))
+            for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size))
+        ]
+    return PagedAttention(
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        q=weights.get(p + "q_proj.weight", (q_size, hidden)),
+        k=weights.get(p + "k_proj.weight", (kv_size, hidden)),
+        v=weights.get(p + "v_proj.weight", (kv_size, hidden)),
+        o=weights.get(p + "o_proj.weight", (hidden, q_size)),
+        qkv_bias=bias,
+        rotary=rotary,
+        sliding_window=c.layer_sliding_window(index),
+        device=opts.device,
+        dtype=opts.dtype,
+        cpu_format=opts.cpu_format,
+        tp_group=opts.tp_group,
+    )
+
+
+def build_gated_mlp(config: ModelConfig, index: int, weights: WeightStore, opts: LayerOptions) -> GatedMLP:
+    """Layer `index`'s dense SwiGLU MLP (`model.layers.{index}.mlp.{gate,up,down}_proj`)."""
+    p, hidden, inter = f"model.layers.{index}.mlp.", config.hidden_size, config.intermediate_size
+    return GatedMLP(
+        weights.get(p + "gate_proj.weight", (inter, hidden)),
+        weights.get(p + "up_proj.weight", (inter, hidden)),
+        weights.get(p + "down_proj.weight", (hidden, inter)),
+        device=opts.device,
+        dtype=opts.dtype,
+        cpu_format=opts.cpu_format,
+        tp_group=opts.tp_group,
+    )
+
+
+class DecoderLayer(torch.nn.Module):
+    """A pre-norm decoder layer around the attention and MLP it is given (dense or MoE).
+
+    input_layernorm, post_attention_layernorm: RMSNorm weights [hidden] in the activation dtype.
+    """
+
     def __init__(
-        self, config: ModelConfig, index: int, weights: WeightStore, rotary: RotaryEmbedding, opts: dict
+        self,
+        attn: PagedAttention,
+        mlp: torch.nn.Module,
+        input_layernorm: torch.Tensor,
+        post_attention_layernorm: torch.Tensor,
+        eps: float,
     ):
         super().__init__()
-        c, p = config, f"model.layers.{index}."
-        hidden, q_size, kv_size = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        device, dtype = opts["device"], opts["dtype"]
-        bias = None
-        if c.attention_bias:
-            bias = [
-                weights.get(p + f"self_attn.{name}_proj.bias", (size,))
-                for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size))
-            ]
-        self.input_layernorm = weights.get(p + "input_layernorm.weight", (hidden,)).to(device, dtype)
-        self.post_attention_layernorm = weights.get(p + "post_attention_layernorm.weight", (hidden,)).to(
-            device, dtype
-        )
-        self.self_attn = PagedAttention(
-            num_heads=c.num_heads,
-            num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            q=weights.get(p + "self_attn.q_proj.weight", (q_size, hidden)),
-            k=weights.get(p + "self_attn.k_proj.weight", (kv_size, hidden)),
-            v=weights.get(p + "self_attn.v_proj.weight", (kv_size, hidden)),
-            o=weights.get(p + "self_attn.o_proj.weight", (hidden, q_size)),
-            qkv_bias=bias,
-            rotary=rotary,
-            sliding_window=c.layer_sliding_window(index),
-            device=device,
-            dtype=dtype,
-            cpu_format=opts["cpu_format"],
-        )
-        self.mlp = GatedMLP(
-            weights.get(p + "mlp.gate_proj.weight", (c.intermediate_size, hidden)),
-            weights.get(p + "mlp.up_proj.weight", (c.intermediate_size, hidden)),
-            weights.get(p + "mlp.down_proj.weight", (hidden, c.intermediate_size)),
-            device=device,
-            dtype=dtype,
-            cpu_format=opts["cpu_format"],
-        )
-        self.eps = c.rms_norm_eps
-        self._rms_norm = op("rms_norm", device)
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+        self.eps = eps
 
     def forward(self, positions, hidden, residual, kv_cache, attn_metadata):
         """hidden, residual [T, hidden]; residual None on the first layer. Returns (hidden, residual)."""
         if residual is None:
             residual = hidden
-            hidden = self._rms_norm(hidden, self.input_layernorm, self.eps)
+            hidden = kiln.ops.rms_norm(hidden, self.input_layernorm, self.eps)
         else:
-            hidden, residual = self._rms_norm(hidden, self.input_layernorm, self.eps, residual)
+            hidden, residual = kiln.ops.rms_norm(hidden, self.input_layernorm, self.eps, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
-        hidden, residual = self._rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
+        hidden, residual = kiln.ops.rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
         return self.mlp(hidden), residual
+
+
+def build_decoder_layer(
+    config: ModelConfig,
+    index: int,
+    weights: WeightStore,
+    rotary: RotaryEmbedding,
+    opts: LayerOptions,
+    mlp: torch.nn.Module,
+) -> DecoderLayer:
+    """Layer `index` of a Llama-family checkpoint (its norms and attention) around `mlp`."""
+    p, hidden = f"model.layers.{index}.", config.hidden_size
+    return DecoderLayer(
+        build_attention(config, index, weights, rotary, opts),
+        mlp,
+        weights.get(p + "input_layernorm.weight", (hidden,)).to(opts.device, opts.dtype),
+        weights.get(p + "post_attention_layernorm.weight", (hidden,)).to(opts.device, opts.dtype),
+        config.rms_norm_eps,
+    )
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -81,11 +152,16 @@ class LlamaForCausalLM(torch.nn.Module):
 
     forward(input_ids int64 [T], positions int64 [T], kv_caches: one (key_cache, value_cache) per layer,
             attn_metadata) -> hidden [T, hidden_size] in model.dtype
-    compute_logits(hidden [N, hidden_size]) -> float32 [N, vocab_size]
+    compute_logits(hidden [N, hidden_size]) -> float32 [N, vocab_size] (under tensor parallelism: on
+            rank 0; the other ranks get their vocabulary slice)
 
     dtype: activation dtype (float32 on CPU by default); kv_cache_dtype: what the engine should allocate.
     cpu_format: how CPU linear weights are kept ("int4" for GGUF Q4 weights, else "fp32"/"fp16"/"bf16");
     lm_head_format: the same for the LM head.
+    tp_group: build this rank's shard of the model (`weights` are the whole checkpoint's; each tensor is
+    sliced as it is read). model.config then has the rank's head and intermediate sizes (the KV cache
+    is per rank) but the full vocab_size.
+    build_mlp: each layer's MLP (MoE models pass theirs).
     """
 
     def __init__(
@@ -98,17 +174,27 @@ class LlamaForCausalLM(torch.nn.Module):
         cpu_format: str | None = None,
         lm_head_format: str | None = None,
         rope_inv_freq: torch.Tensor | None = None,
+        tp_group: TPGroup | None = None,
+        build_mlp: MlpBuilder = build_gated_mlp,
     ):
         super().__init__()
         device = torch.device(device)
-        self.config = config
+        vocab_start, vocab_sizes = 0, None
+        if tp_group is not None:
+            plan = ShardPlan(config, tp_group.world_size)
+            weights = ShardedWeightStore(weights, plan, tp_group.rank)
+            vocab_start, vocab_sizes = plan.shards[tp_group.rank].vocab[0], plan.vocab_sizes
+            config = dataclasses.replace(plan.rank_config(tp_group.rank), vocab_size=config.vocab_size)
+        self.config = c = config
         self.dtype = dtype
         self.kv_cache_dtype = dtype
         self.device = device
-        opts = {"device": device, "dtype": dtype, "cpu_format": cpu_format}
-        c = config
-        embed = weights.get("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
-        self.embed_tokens = VocabEmbedding(embed, device=device, dtype=dtype)
+        opts = LayerOptions(device, dtype, cpu_format, tp_group)
+        local_vocab = c.vocab_size if vocab_sizes is None else vocab_sizes[tp_group.rank]
+        embed = weights.get("model.embed_tokens.weight", (local_vocab, c.hidden_size))
+        self.embed_tokens = VocabParallelEmbedding(
+            embed, device=device, dtype=dtype, vocab_start=vocab_start, tp_group=tp_group
+        )
         self.rotary = RotaryEmbedding(
             c.head_dim,
             c.max_position_embeddings,
@@ -118,15 +204,22 @@ class LlamaForCausalLM(torch.nn.Module):
             inv_freq=rope_inv_freq,
         )
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(c, i, weights, self.rotary, opts) for i in range(c.num_layers)
+            build_decoder_layer(c, i, weights, self.rotary, opts, build_mlp(c, i, weights, opts))
+            for i in range(c.num_layers)
         )
         self.norm = weights.get("model.norm.weight", (c.hidden_size,)).to(device, dtype)
         head = embed
         if not c.tie_word_embeddings or "lm_head.weight" in weights:
-            head = weights.get("lm_head.weight", (c.vocab_size, c.hidden_size))
-        self.lm_head = Linear(head, None, device=device, dtype=dtype, cpu_format=lm_head_format or cpu_format)
+            head = weights.get("lm_head.weight", (local_vocab, c.hidden_size))
+        self.lm_head = ParallelLMHead(
+            head,
+            device=device,
+            dtype=dtype,
+            cpu_format=lm_head_format or cpu_format,
+            vocab_sizes=vocab_sizes,
+            tp_group=tp_group,
+        )
         self.eps = c.rms_norm_eps
-        self._rms_norm = op("rms_norm", device)
 
     @torch.inference_mode()
     def forward(
@@ -145,7 +238,7 @@ class LlamaForCausalLM(torch.nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
-        hidden, _ = self._rms_norm(hidden, self.norm, self.eps, residual)
+        hidden, _ = kiln.ops.rms_norm(hidden, self.norm, self.eps, residual)
         return hidden
 
     @torch.inference_mode()

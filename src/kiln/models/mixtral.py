@@ -3,8 +3,9 @@
     per layer:  h, r = rms_norm(h, r);  h = attn(h);  h, r = rms_norm(h, r);  h = moe(h)
     moe(x) = sum_{j < top_k} w_j(x) * expert_{e_j(x)}(x)   with (w, e) = moe_route(x @ W_router^T)
 Attention, norms, rotary, embedding and LM head are the Llama family's (kiln.models.llama / layers);
-only the MLP differs. Experts are kept stacked, `w_gate_up [E, 2I, hidden]` (gate rows then up rows)
-and `w_down [E, hidden, I]`, the layout `kiln.ops.fused_moe` takes.
+only the MLP differs: the model passes `build_mixtral_moe` as its `build_mlp`, and each
+`DecoderLayer(attn, mlp)` gets a SparseMoE. Experts are kept stacked, `w_gate_up [E, 2I, hidden]`
+(gate rows then up rows) and `w_down [E, hidden, I]`, the layout `kiln.ops.fused_moe` takes.
 
 Checkpoint names (HF): `model.layers.{i}.block_sparse_moe.gate.weight` [E, hidden] (the router) and
 `...block_sparse_moe.experts.{e}.w1|w3|w2.weight` (gate, up, down); or transformers-5's
@@ -13,18 +14,23 @@ Checkpoint names (HF): `model.layers.{i}.block_sparse_moe.gate.weight` [E, hidde
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 
 import torch
 
 import kiln.ops
 from kiln.models.config import ModelConfig
-from kiln.models.layers import Linear, PagedAttention, RotaryEmbedding
-from kiln.models.layers.torch_ops import op
-from kiln.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from kiln.models.layers import Linear
+from kiln.models.llama import LayerOptions, LlamaForCausalLM
 from kiln.models.weights import GGUFWeight, Weight, WeightStore
 
 EXPERT_FORMATS = (None, "fp8")
+
+
+def check_expert_format(expert_format: str | None) -> str | None:
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"expert_format must be one of {EXPERT_FORMATS}, got {expert_format!r}")
+    return expert_format
 
 
 def _dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -79,15 +85,11 @@ class SparseMoE(torch.nn.Module):
         expert_format: str | None = None,
     ):
         super().__init__()
-        if expert_format not in EXPERT_FORMATS:
-            raise ValueError(
-                f"SparseMoE: expert_format must be one of {EXPERT_FORMATS}, got {expert_format!r}"
-            )
+        check_expert_format(expert_format)
         self.router = Linear(router, None, device=device, dtype=dtype)
         self.w_gate_up_scale = self.w_down_scale = None
-        if (
-            expert_format == "fp8"
-        ):  # quantized where the weights are, so full-width copies never reach the GPU
+        if expert_format == "fp8":
+            # quantized where the weights are, so full-width copies never reach the GPU
             w_gate_up, self.w_gate_up_scale = kiln.ops.quantize_experts_fp8(w_gate_up)
             w_down, self.w_down_scale = kiln.ops.quantize_experts_fp8(w_down)
             self.w_gate_up_scale = self.w_gate_up_scale.to(device)
@@ -105,132 +107,40 @@ class SparseMoE(torch.nn.Module):
         )
 
 
-def build_attention(
-    config: ModelConfig, index: int, weights: WeightStore, rotary: RotaryEmbedding, opts: dict
-) -> PagedAttention:
-    """Layer `index`'s self-attention, exactly as the Llama family builds it."""
-    c, p = config, f"model.layers.{index}.self_attn."
-    hidden, q_size, kv_size = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    bias = None
-    if c.attention_bias:
-        bias = [
-            weights.get(p + f"{n}_proj.bias", (s,))
-            for n, s in (("q", q_size), ("k", kv_size), ("v", kv_size))
-        ]
-    return PagedAttention(
-        num_heads=c.num_heads,
-        num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        q=weights.get(p + "q_proj.weight", (q_size, hidden)),
-        k=weights.get(p + "k_proj.weight", (kv_size, hidden)),
-        v=weights.get(p + "v_proj.weight", (kv_size, hidden)),
-        o=weights.get(p + "o_proj.weight", (hidden, q_size)),
-        qkv_bias=bias,
-        rotary=rotary,
-        sliding_window=c.layer_sliding_window(index),
-        device=opts["device"],
-        dtype=opts["dtype"],
-        cpu_format=opts["cpu_format"],
+def build_mixtral_moe(
+    config: ModelConfig, index: int, weights: WeightStore, opts: LayerOptions, *, expert_format: str | None
+) -> SparseMoE:
+    """Layer `index`'s sparse MLP: softmax routing over `num_local_experts`, top `num_experts_per_tok`,
+    weights renormalized over the chosen experts."""
+    extra, hidden, inter = config.extra, config.hidden_size, config.intermediate_size
+    num_experts = int(extra["num_local_experts"])
+    prefix = f"model.layers.{index}.block_sparse_moe."
+    if prefix + "gate.weight" not in weights:  # transformers-5 names
+        prefix = f"model.layers.{index}.mlp."
+    w_gate_up, w_down = load_experts(
+        weights, prefix, ("w1", "w3", "w2"), num_experts, hidden, inter, opts.dtype
+    )
+    return SparseMoE(
+        weights.get(prefix + "gate.weight", (num_experts, hidden)),
+        w_gate_up,
+        w_down,
+        top_k=int(extra["num_experts_per_tok"]),
+        renormalize=True,
+        device=opts.device,
+        dtype=opts.dtype,
+        expert_format=expert_format,
     )
 
 
-class MoeDecoderLayer(LlamaDecoderLayer):
-    """A Llama decoder layer (same norms, attention and forward) around a given MLP module."""
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral-8x7B / 8x22B: a Llama-family model whose every MLP is a SparseMoE.
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        index: int,
-        weights: WeightStore,
-        rotary: RotaryEmbedding,
-        opts: dict,
-        mlp: torch.nn.Module,
-    ):
-        torch.nn.Module.__init__(self)  # LlamaDecoderLayer.__init__ would load a dense MLP
-        hidden, p = config.hidden_size, f"model.layers.{index}."
-        device, dtype = opts["device"], opts["dtype"]
-        self.input_layernorm = weights.get(p + "input_layernorm.weight", (hidden,)).to(device, dtype)
-        self.post_attention_layernorm = weights.get(p + "post_attention_layernorm.weight", (hidden,)).to(
-            device, dtype
-        )
-        self.self_attn = build_attention(config, index, weights, rotary, opts)
-        self.mlp = mlp
-        self.eps = config.rms_norm_eps
-        self._rms_norm = op("rms_norm")
-
-
-class MoeForCausalLM(LlamaForCausalLM):
-    """A Llama-family model whose layers come from `build_layer` (MoE models override it).
-
-    Same constructor, forward and compute_logits as LlamaForCausalLM: the embedding, rotary, final
-    norm and LM head are built by it; then the layers are built here. `expert_format="fp8"` keeps the
-    routed experts in FP8 (see SparseMoE).
+    Same arguments as LlamaForCausalLM, plus expert_format: None keeps the routed experts in the model
+    dtype, "fp8" in FP8 (see SparseMoE).
     """
 
     def __init__(
-        self,
-        config: ModelConfig,
-        weights: WeightStore,
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        cpu_format: str | None = None,
-        lm_head_format: str | None = None,
-        rope_inv_freq: torch.Tensor | None = None,
-        expert_format: str | None = None,
+        self, config: ModelConfig, weights: WeightStore, *, expert_format: str | None = None, **kwargs
     ):
-        config = self.adjust_config(config)
-        super().__init__(
-            dataclasses.replace(config, num_layers=0),
-            weights,
-            device=device,
-            dtype=dtype,
-            cpu_format=cpu_format,
-            lm_head_format=lm_head_format,
-            rope_inv_freq=rope_inv_freq,
-        )
-        self.config = config
-        opts = {
-            "device": torch.device(device),
-            "dtype": dtype,
-            "cpu_format": cpu_format,
-            "expert_format": expert_format,
-        }
-        self.layers = torch.nn.ModuleList(
-            self.build_layer(config, i, weights, opts) for i in range(config.num_layers)
-        )
-
-    @classmethod
-    def adjust_config(cls, config: ModelConfig) -> ModelConfig:
-        return config
-
-    def build_layer(
-        self, config: ModelConfig, index: int, weights: WeightStore, opts: dict
-    ) -> torch.nn.Module:
-        raise NotImplementedError
-
-
-class MixtralForCausalLM(MoeForCausalLM):
-    """Mixtral-8x7B / 8x22B: every layer sparse, softmax routing over `num_local_experts`, top
-    `num_experts_per_tok`, weights renormalized over the chosen experts."""
-
-    def build_layer(self, config, index, weights, opts):
-        extra, hidden, inter = config.extra, config.hidden_size, config.intermediate_size
-        num_experts = int(extra["num_local_experts"])
-        prefix = f"model.layers.{index}.block_sparse_moe."
-        if prefix + "gate.weight" not in weights:  # transformers-5 names
-            prefix = f"model.layers.{index}.mlp."
-        w_gate_up, w_down = load_experts(
-            weights, prefix, ("w1", "w3", "w2"), num_experts, hidden, inter, opts["dtype"]
-        )
-        moe = SparseMoE(
-            weights.get(prefix + "gate.weight", (num_experts, hidden)),
-            w_gate_up,
-            w_down,
-            top_k=int(extra["num_experts_per_tok"]),
-            renormalize=True,
-            device=opts["device"],
-            dtype=opts["dtype"],
-            expert_format=opts["expert_format"],
-        )
-        return MoeDecoderLayer(config, index, weights, self.rotary, opts, moe)
+        build_mlp = functools.partial(build_mixtral_moe, expert_format=check_expert_format(expert_format))
+        super().__init__(config, weights, build_mlp=build_mlp, **kwargs)

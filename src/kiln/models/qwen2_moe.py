@@ -11,12 +11,15 @@ Attention has q/k/v biases (`qkv_bias`, default true), like Qwen2.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from kiln.models.config import ModelConfig
 from kiln.models.layers import GatedMLP, Linear
-from kiln.models.mixtral import MoeDecoderLayer, MoeForCausalLM, SparseMoE, load_experts
+from kiln.models.llama import LayerOptions, LlamaForCausalLM, build_gated_mlp
+from kiln.models.mixtral import SparseMoE, check_expert_format, load_experts
+from kiln.models.weights import WeightStore
 
 
 class SharedExpertMoE(SparseMoE):
@@ -32,60 +35,65 @@ class SharedExpertMoE(SparseMoE):
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
-def _mlp(weights, prefix, inter, hidden, opts) -> GatedMLP:
+def _shared_expert(
+    weights: WeightStore, prefix: str, inter: int, hidden: int, opts: LayerOptions
+) -> GatedMLP:
     return GatedMLP(
         weights.get(prefix + "gate_proj.weight", (inter, hidden)),
         weights.get(prefix + "up_proj.weight", (inter, hidden)),
         weights.get(prefix + "down_proj.weight", (hidden, inter)),
-        device=opts["device"],
-        dtype=opts["dtype"],
-        cpu_format=opts["cpu_format"],
+        device=opts.device,
+        dtype=opts.dtype,
+        cpu_format=opts.cpu_format,
     )
 
 
-class Qwen2MoeForCausalLM(MoeForCausalLM):
-    @classmethod
-    def adjust_config(cls, config: ModelConfig) -> ModelConfig:
-        return dataclasses.replace(config, attention_bias=bool(config.extra.get("qkv_bias", True)))
+def build_qwen2_moe_mlp(
+    config: ModelConfig, index: int, weights: WeightStore, opts: LayerOptions, *, expert_format: str | None
+) -> torch.nn.Module:
+    """Layer `index`'s MLP: a SharedExpertMoE where the config makes the layer sparse, else the dense
+    gated MLP of `intermediate_size`."""
+    extra, hidden = config.extra, config.hidden_size
+    prefix = f"model.layers.{index}.mlp."
+    num_experts = int(extra.get("num_experts", 0))
+    sparse = (
+        index not in (extra.get("mlp_only_layers") or [])
+        and num_experts > 0
+        and (index + 1) % int(extra.get("decoder_sparse_step", 1)) == 0
+    )
+    if not sparse:
+        return build_gated_mlp(config, index, weights, opts)
+    inter = int(extra["moe_intermediate_size"])
+    w_gate_up, w_down = load_experts(
+        weights, prefix, ("gate_proj", "up_proj", "down_proj"), num_experts, hidden, inter, opts.dtype
+    )
+    shared_inter = int(extra["shared_expert_intermediate_size"])
+    return SharedExpertMoE(
+        weights.get(prefix + "gate.weight", (num_experts, hidden)),
+        w_gate_up,
+        w_down,
+        top_k=int(extra["num_experts_per_tok"]),
+        renormalize=bool(extra.get("norm_topk_prob", False)),
+        device=opts.device,
+        dtype=opts.dtype,
+        expert_format=expert_format,
+        shared=_shared_expert(weights, prefix + "shared_expert.", shared_inter, hidden, opts),
+        shared_gate=Linear(
+            weights.get(prefix + "shared_expert_gate.weight", (1, hidden)),
+            None,
+            device=opts.device,
+            dtype=opts.dtype,
+        ),
+    )
 
-    def build_layer(self, config, index, weights, opts):
-        extra, hidden = config.extra, config.hidden_size
-        prefix = f"model.layers.{index}.mlp."
-        num_experts = int(extra.get("num_experts", 0))
-        sparse = (
-            index not in (extra.get("mlp_only_layers") or [])
-            and num_experts > 0
-            and (index + 1) % int(extra.get("decoder_sparse_step", 1)) == 0
-        )
-        if not sparse:
-            return MoeDecoderLayer(
-                config,
-                index,
-                weights,
-                self.rotary,
-                opts,
-                _mlp(weights, prefix, config.intermediate_size, hidden, opts),
-            )
-        inter = int(extra["moe_intermediate_size"])
-        w_gate_up, w_down = load_experts(
-            weights, prefix, ("gate_proj", "up_proj", "down_proj"), num_experts, hidden, inter, opts["dtype"]
-        )
-        shared_inter = int(extra["shared_expert_intermediate_size"])
-        moe = SharedExpertMoE(
-            weights.get(prefix + "gate.weight", (num_experts, hidden)),
-            w_gate_up,
-            w_down,
-            top_k=int(extra["num_experts_per_tok"]),
-            renormalize=bool(extra.get("norm_topk_prob", False)),
-            device=opts["device"],
-            dtype=opts["dtype"],
-            expert_format=opts["expert_format"],
-            shared=_mlp(weights, prefix + "shared_expert.", shared_inter, hidden, opts),
-            shared_gate=Linear(
-                weights.get(prefix + "shared_expert_gate.weight", (1, hidden)),
-                None,
-                device=opts["device"],
-                dtype=opts["dtype"],
-            ),
-        )
-        return MoeDecoderLayer(config, index, weights, self.rotary, opts, moe)
+
+class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    """Qwen2-MoE: a Llama-family model with q/k/v biases (`qkv_bias`, default true) whose MLPs come from
+    build_qwen2_moe_mlp. Same arguments as LlamaForCausalLM, plus expert_format (see SparseMoE)."""
+
+    def __init__(
+        self, config: ModelConfig, weights: WeightStore, *, expert_format: str | None = None, **kwargs
+    ):
+        config = dataclasses.replace(config, attention_bias=bool(config.extra.get("qkv_bias", True)))
+        build_mlp = functools.partial(build_qwen2_moe_mlp, expert_format=check_expert_format(expert_format))
+        super().__init__(config, weights, build_mlp=build_mlp, **kwargs)

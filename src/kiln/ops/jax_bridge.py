@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import pkgutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kiln.ops import pallas_common
-
 if TYPE_CHECKING:
     import jax
 
-    from kiln.ops.registry import Implementation, OpSpec
+    from kiln.ops.registry import OpSpec
 
 DESCRIPTIONS = {
     "pallas_tpu": "Pallas Mosaic TPU kernel (TPU interpreter on the CPU)",
@@ -50,13 +49,10 @@ def load_jax_backends() -> None:
     if _loaded or not jax_installed():
         return
     _loaded = True
-    import kiln.ops
-
-    for module in pkgutil.walk_packages(kiln.ops.__path__, "kiln.ops."):
+    ops_dir = os.path.dirname(os.path.abspath(__file__))  # the kiln.ops package, without importing it
+    for module in pkgutil.walk_packages([ops_dir], "kiln.ops."):
         if module.name.rsplit(".", 1)[-1] in DESCRIPTIONS:
             importlib.import_module(module.name)
-    # TRANSITION: ops not yet moved to per-op JAX backend files (removed once every family is moved)
-    importlib.import_module("kiln.jax.backends")
 
 
 # ---- torch <-> jax --------------------------------------------------------------------------------
@@ -86,7 +82,7 @@ def to_torch(array: jax.Array, like: torch.Tensor | None = None) -> torch.Tensor
     return torch.from_dlpack(array)
 
 
-def _available(implementation: str) -> Callable[[torch.device | None], bool]:
+def available(implementation: str) -> Callable[[torch.device | None], bool]:
     """CPU tensors: every implementation (Pallas interpreted off its accelerator; a TPU gets the
     data moved to it). CUDA tensors: pallas_gpu and xla, when jax has a GPU backend."""
 
@@ -95,6 +91,8 @@ def _available(implementation: str) -> Callable[[torch.device | None], bool]:
             return False
         if device is None or device.type == "cpu":
             return True
+        from kiln.ops import pallas_common
+
         return device.type == "cuda" and implementation != "pallas_tpu" and pallas_common.on_gpu()
 
     return available
@@ -104,6 +102,8 @@ def _compute_device(implementation: str) -> jax.Device | None:
     """Where the jax arrays must live for a compiled Pallas kernel: the TPU for pallas_tpu on a TPU
     host, the GPU for pallas_gpu on a GPU host; None (stay where DLPack put them) otherwise."""
     import jax
+
+    from kiln.ops import pallas_common
 
     if implementation == "pallas_tpu" and pallas_common.on_tpu():
         return jax.devices()[0]
@@ -117,9 +117,8 @@ def _num_outputs(spec: OpSpec) -> int:
     return len(schema.returns)
 
 
-def torch_implementation(spec: OpSpec, implementation: str) -> Implementation:
-    """The torch-facing implementation `implementation` of `spec`, over its JAX function."""
-    from kiln.ops.registry import Implementation
+def torch_function(spec: OpSpec, implementation: str) -> Callable[..., Any]:
+    """The torch-facing function of implementation `implementation` of `spec`, over its JAX function."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         bound = spec.bind(args, kwargs)
@@ -145,13 +144,14 @@ def torch_implementation(spec: OpSpec, implementation: str) -> Implementation:
         return op_result
 
     run.__name__ = f"{spec.name}_{implementation}"
-    available = _available(implementation)
-    return Implementation(implementation, run, available, description=DESCRIPTIONS[implementation])
+    return run
 
 
 def jax_function(spec: OpSpec) -> Callable[..., Any]:
     """The `kiln.jax.<name>` entry point of `spec` (see the module docstring). Returns the op's
     outputs followed by the new values of the in-place arguments (a lone array when that is one)."""
+    from kiln.ops import pallas_common
+
     available = tuple(spec.jax_implementations)
 
     def entry(*args: Any, implementation: str | None = None, **kwargs: Any) -> Any:

@@ -31,6 +31,7 @@ import contextlib
 import functools
 import inspect
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -159,6 +160,7 @@ class OpSpec:
 
     def __post_init__(self) -> None:
         self._selected: dict[tuple, Implementation] = {}
+        self.source_file: str | None = None
 
     # ---- implementations -------------------------------------------------------------------------
 
@@ -180,7 +182,14 @@ class OpSpec:
         from kiln.ops import jax_bridge
 
         if implementation not in self.implementations:
-            self.register(jax_bridge.torch_implementation(self, implementation))
+            self.register(
+                Implementation(
+                    implementation,
+                    jax_bridge.torch_function(self, implementation),
+                    jax_bridge.available(implementation),
+                    description=jax_bridge.DESCRIPTIONS[implementation],
+                )
+            )
         return fn
 
     def output_tensors(self, result: Any, inputs: Inputs) -> tuple[torch.Tensor, ...]:
@@ -282,8 +291,23 @@ def _python_signature(name: str, schema: str) -> inspect.Signature:
     for arg in parsed.arguments:
         kind = inspect.Parameter.KEYWORD_ONLY if arg.kwarg_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
         default = arg.default_value if arg.has_default_value() else inspect.Parameter.empty
+        if str(arg.real_type) == "ScalarType" and isinstance(default, int):
+            default = _dtype_of_scalar_type(default)
         params.append(inspect.Parameter(arg.name, kind, default=default))
     return inspect.Signature(params)
+
+
+def _dtype_of_scalar_type(number: int) -> torch.dtype:
+    """The torch.dtype of a schema's `ScalarType x=bfloat16` default, which the parser stores as its
+    c10::ScalarType number (15): found by parsing each dtype's name the same way."""
+    for dtype in (value for value in vars(torch).values() if isinstance(value, torch.dtype)):
+        try:
+            parsed = torch._C.parse_schema(f"kiln::_(ScalarType d={str(dtype)[len('torch.'):]}) -> ()")
+        except RuntimeError:
+            continue
+        if parsed.arguments[0].default_value == number:
+            return dtype
+    raise ValueError(f"no torch dtype has ScalarType number {number}")
 
 
 # ---- the registry ------------------------------------------------------------------------------
@@ -309,6 +333,7 @@ def define_op(spec: OpSpec, module: str | None = None) -> Callable[..., Any]:
     if spec.schema is None or spec.fake is None:
         raise ValueError(f"{spec.name}: define_op needs a schema and a fake")
     register_op(spec)
+    spec.source_file = sys._getframe(1).f_globals.get("__file__")  # the spec.py that defined it (docs)
     signature = spec.signature
 
     def public(*args: Any, **kwargs: Any) -> Any:
@@ -330,10 +355,12 @@ def _define_custom_op(spec: OpSpec, public: Callable[..., Any]) -> None:
     _LIBRARY.define(f"{spec.name}{spec.schema}")
     public_result = spec.public_result
 
+    returns_nothing = not torch._C.parse_schema(f"kiln::{spec.name}{spec.schema}").returns
+
     def real(*args: Any, **kwargs: Any) -> Any:
         result = public(*args, **kwargs)
         if public_result is not None:
-            result = _op_result_from_public(result)
+            result = None if returns_nothing else _op_result_from_public(result)
         return result
 
     def fake(*args: Any, **kwargs: Any) -> Any:
@@ -346,23 +373,6 @@ def _define_custom_op(spec: OpSpec, public: Callable[..., Any]) -> None:
 
 def _op_result_from_public(result: Any) -> Any:
     # A public result that adds in-place arguments to the op's (rms_norm's (y, residual)): the op's
-    # own outputs come first, and a custom op may not return its inputs.
+    # own outputs come first, and a custom op may not return its inputs (an op that only writes in
+    # place, like rotary_embedding returning (q, k), returns None).
     return result[0] if isinstance(result, tuple) else result
-
-
-def get_op(name: str) -> OpSpec:
-    all_ops()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown op {name!r}; registered ops: {', '.join(sorted(_REGISTRY))}") from None
-
-
-def all_ops() -> dict[str, OpSpec]:
-    """Every registered op: imports `kiln.ops` (each op registers itself) and, when jax is installed,
-    each op's JAX backends (`kiln.ops.jax_bridge.load_jax_backends`)."""
-    import kiln.ops  # noqa: F401
-    from kiln.ops import jax_bridge
-
-    jax_bridge.load_jax_backends()
-    return dict(sorted(_REGISTRY.items()))

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
             report = engine_profile.report
         else:
             from kiln.bench.suites import default_dtypes, dtype_from_name
-            from kiln.ops.registry import get_op
+            from kiln.ops import get_op
             from kiln.profile.profiler import profile_op
 
             spec = get_op(args.op)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kiln.bench.ceilings import Ceilings, measure_ceilings
-from kiln.ops.registry import all_ops
+from kiln.ops import all_ops
 from kiln.profile.ranges import range as profile_range
 from kiln.profile.ranges import session
 

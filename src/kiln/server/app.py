@@ -3,17 +3,22 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or SSE with `stream: true`),
 GET /v1/models, GET /health, GET /metrics (Prometheus text).
 
-Errors always use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for malformed
-JSON, wrong types, unknown model, max_tokens <= 0 or past the context length; 401 for a missing or
-wrong API key (when one is set); 503 when the bounded queue is full; 500 when the engine fails
-while the request is in flight. A client that disconnects gets its sequences aborted (KV blocks freed).
+Errors always use OpenAI's body {"error": {"message", "type", "param", "code"}} (docs/server.md lists
+them): 400 for malformed JSON, wrong types (strict: `true` is not an integer), values out of range,
+unknown model, a request that could never fit the server, max_tokens past the context length; 401 for a
+missing or wrong API key (when one is set); 413 for a body over max_body_bytes (checked before it is
+read); 503 when the bounded queue is full; 500 when the engine fails while the request is in flight,
+or on a bug (the message then says only that; the details go to the log). A client that disconnects
+gets its sequences aborted (KV blocks freed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import itertools
+import logging
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -28,6 +33,9 @@ from kiln.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.server.serving import APIError, OpenAIServing, bad_request, collect, stream_events
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: ~1M tokens of text, far past any context length served here
+
+log = logging.getLogger("kiln.server")
 
 
 def create_app(
@@ -35,15 +43,20 @@ def create_app(
     model_name: str = DEFAULT_MODEL_NAME,
     api_key: str | None = None,
     max_queue: int | None = None,
+    max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+    allow_special_tokens_in_chat: bool = False,
 ) -> FastAPI:
     """Build the app around `engine` (an LLMEngine, or anything with its step API).
 
     max_queue: sequences allowed to wait beyond engine.config.max_num_seqs before 503 (None = 4x that).
+    max_body_bytes: larger request bodies get 413 before they are read (None = no limit).
+    allow_special_tokens_in_chat: let special-token text in chat message content (`<|im_start|>`)
+        become control tokens; by default it is tokenized as the text it is.
     The engine loop thread starts with the app (lifespan) and stops with it.
     """
     metrics = ServerMetrics()
     async_engine = AsyncEngine(engine, metrics, max_queue)
-    serving = OpenAIServing(async_engine, model_name)
+    serving = OpenAIServing(async_engine, model_name, allow_special_tokens_in_chat)
     counter = itertools.count()
 
     @asynccontextmanager
@@ -53,6 +66,7 @@ def create_app(
             yield
         finally:
             async_engine.stop()
+            serving.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kiln serve", lifespan=lifespan)
     app.state.async_engine = async_engine
@@ -62,6 +76,9 @@ def create_app(
         metrics.requests_rejected.labels(str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    if max_body_bytes is not None:
+        app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, reject=error_response)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return error_response(exc)
@@ -69,25 +86,27 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            loc = []  # its loc is a character position, not a parameter
-            message = (
-                f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+        # a union field reports one error per member: prefer a value error over "not that type"
+        first = next((e for e in errors if not e["type"].endswith("_type")), errors[0] if errors else {})
+        if first.get("type") == "json_invalid":  # its loc is a character position, not a parameter
+            error = first.get("ctx", {}).get("error", first.get("msg"))
+            return error_response(
+                bad_request(f"the request body is not valid JSON: {error}", None, "json_invalid")
             )
-        else:
-            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-        return error_response(bad_request(message, ".".join(loc) or None, first.get("type")))
+        param = _param_name(first.get("loc", ()))
+        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        return error_response(bad_request(f"{param or 'body'}: {message}", param, first.get("type")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status_code, str(exc.detail), kind))
+        code = "request_too_large" if exc.status_code == 413 else None
+        return error_response(APIError(exc.status_code, str(exc.detail), kind, None, code))
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        return error_response(APIError(500, f"internal error: {exc}", "server_error"))
+    async def _unexpected(request: Request, exc: Exception):  # outside the routes (their own guard)
+        log.error("kiln serve: unexpected error on %s", request.url.path, exc_info=exc)
+        return error_response(_internal_error())
 
     def check_auth(request: Request) -> None:
         """A route dependency: runs before the body is parsed, so a keyless bad request gets 401."""
@@ -122,7 +141,7 @@ def create_app(
         except EngineError as exc:
             raise APIError(500, str(exc), "server_error", None, "engine_error") from exc
         except ValueError as exc:  # the engine's own checks
-            raise bad_request(str(exc)) from exc
+            raise bad_request(str(exc), None, "invalid_value") from exc
         released = False
 
         def release():
@@ -162,18 +181,24 @@ def create_app(
             release()
         if finals is None:  # client gone: nobody to answer
             return Response(status_code=499)
-        body = serving.final_response(request_id, finals, chat, top_n, prompt_tokens, echo_texts)
+        body = await serving.off_loop(
+            serving.final_response, request_id, finals, chat, top_n, prompt_tokens, echo_texts
+        )
         return JSONResponse(body)
 
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
+    @_guarded
     async def completions(req: protocol.CompletionRequest, request: Request):
-        prompts = serving.completion_prompts(req)
-        subs = serving.build(
-            req, prompts, _max_tokens(req.max_tokens, 16), req.logprobs, f"cmpl{next(counter)}"
-        )
+        # the cheap checks first: nothing is tokenized for a request refused anyway
+        serving.check_model(req.model)
+        max_tokens = _max_tokens(req.max_tokens, 16)
+        texts = serving.prompt_texts(req)
+        serving.check_fits(len(texts), req.n)
+        prompts = await serving.completion_prompts(texts)
+        subs = serving.build(req, prompts, max_tokens, req.logprobs, f"cmpl{next(counter)}")
         echo_texts = None
         if req.echo:
-            texts = [serving.tokenizer.decode(p) for p in prompts]
+            texts = await serving.off_loop(lambda: [serving.tokenizer.decode(p) for p in prompts])
             echo_texts = [texts[i // req.n] for i in range(len(subs))]
         return await run(
             request,
@@ -187,11 +212,15 @@ def create_app(
         )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
+    @_guarded
     async def chat_completions(req: protocol.ChatCompletionRequest, request: Request):
-        prompt = serving.chat_prompt(req)
+        serving.check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = _max_tokens(max_tokens, None)
+        serving.check_fits(1, req.n)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        subs = serving.build(req, [prompt], _max_tokens(max_tokens, None), top_n, f"chat{next(counter)}")
+        prompt = await serving.chat_prompt(req)
+        subs = serving.build(req, [prompt], max_tokens, top_n, f"chat{next(counter)}")
         return await run(
             request,
             subs,
@@ -224,6 +253,80 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _guarded(route):
+    """A route whose unexpected exceptions become a logged 500 with a generic message: the exception
+    text stays in the log, and (unlike Starlette's catch-all, which re-raises) the connection stays
+    open for the client's next request."""
+
+    @functools.wraps(route)
+    async def guarded(*args, **kwargs):
+        try:
+            return await route(*args, **kwargs)
+        except (APIError, StarletteHTTPException, RequestValidationError):
+            raise
+        except Exception as exc:
+            log.error("kiln serve: unexpected error in %s", route.__name__, exc_info=exc)
+            raise _internal_error() from exc
+
+    return guarded
+
+
+def _internal_error() -> APIError:
+    return APIError(
+        500, "internal server error (the server log has the details)", "server_error", None, "internal_error"
+    )
+
+
+def _param_name(loc) -> str | None:
+    """A pydantic error location as the request parameter it names ("messages[0].content"): the field
+    names and list indices, without "body" and union-member tags such as "list[int]"."""
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif part in protocol.FIELD_NAMES:
+            name += f".{part}" if name else part
+    return name or None
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 for a request body over max_bytes. A declared Content-Length over the limit
+    is refused before anything is read; a chunked body is counted as it arrives and refused once over
+    (FastAPI re-raises the HTTPException from its body reader, so the app's handler answers)."""
+
+    def __init__(self, app, max_bytes: int, reject):
+        self.app, self.max_bytes, self.reject = app, max_bytes, reject
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413,
+            f"the request body is larger than this server's limit of {self.max_bytes} bytes "
+            "(kiln serve --max-body-bytes)",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers", ())).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self.reject(self._too_large())(scope, receive, send)
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise StarletteHTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, counted_receive, send)
 
 
 def _max_tokens(value: int | None, default: int | None) -> int | None:

@@ -8,9 +8,14 @@ request that owns it (`loop.call_soon_threadsafe`). Queue items are `(choice_ind
 or `(choice_index, EngineError)`.
 
 Admission: at most `capacity` sequences (max_num_seqs running + max_queue waiting) may be in flight;
-`submit` raises QueueFull past that, so the waiting queue is bounded (the app answers 503).
-If `engine.step()` raises, every sequence the engine holds gets an EngineError (the app answers 500
-or an error event), the engine is told to abort them, and the loop carries on with the next requests.
+`submit` raises QueueFull past that, so the waiting queue is bounded (the app answers 503), and
+ValueError for a request of more sequences than the capacity itself (it could never run: 400).
+
+Failures: if `engine.step()` raises a SamplingError, which names the requests it failed for and has
+advanced nothing, only those requests get an EngineError (and are aborted in the engine); the next step
+runs the others as if they had never been batched with them. Any other exception from the step fails
+every sequence the engine holds (the app answers 500 or an error event), the engine is told to abort
+them, and the loop carries on with the next requests.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from kiln.engine.sampler import SamplingError
 from kiln.engine.sampling_params import SamplingParams
 from kiln.server.metrics import ServerMetrics
 
@@ -93,7 +99,13 @@ class AsyncEngine:
     # ---- requests (event loop side) ----
     async def submit(self, subs: list[SubRequest]) -> asyncio.Queue:
         """Add the sub-requests to the engine; returns the queue their outputs arrive on.
-        Raises QueueFull when over capacity, ValueError when the engine rejects one (none stay added)."""
+        Raises QueueFull when over capacity, ValueError when the request could never fit or the engine
+        rejects one (none stay added)."""
+        if len(subs) > self.capacity:
+            raise ValueError(
+                f"the request asks for {len(subs)} sequences (prompts x n); this server runs at most "
+                f"{self.capacity} at once (running + queued): send fewer prompts or a smaller n"
+            )
         if self.in_flight + len(subs) > self.capacity:
             raise QueueFull(
                 f"the server is at capacity ({self.in_flight} sequences in flight, limit {self.capacity}); "
@@ -144,6 +156,10 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 self._dispatch(outputs)
                 self.metrics.set_engine_stats(self.engine.stats())
+            except SamplingError as exc:  # those requests only: the step redoes the others
+                log.error("kiln serve: failing requests the sampler could not serve: %s", exc)
+                self.metrics.engine_errors.inc()
+                self._fail_requests(exc.failures)
             except Exception as exc:  # the loop must outlive any engine failure
                 log.exception("kiln serve: engine step failed; failing the requests in flight")
                 self.metrics.engine_errors.inc()
@@ -194,6 +210,17 @@ class AsyncEngine:
                 if out.finished_time is not None:
                     metrics.e2e_latency.observe(max(0.0, out.finished_time - out.arrival_time))
             self._call(route.queue.put_nowait, (route.index, out))
+
+    def _fail_requests(self, failures: dict[str, str]) -> None:
+        """Answer just these requests with an EngineError and abort them in the engine."""
+        for request_id, why in failures.items():
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                log.exception("kiln serve: abort of %s failed", request_id)
+            route = self._routes.pop(request_id, None)
+            if route is not None:
+                self._call(route.queue.put_nowait, (route.index, EngineError(f"request failed: {why}")))
 
     def _fail_all(self, exc: Exception, include_pending: bool = False) -> None:
         """Answer every request the engine holds with an EngineError and abort it there. Requests whose

@@ -21,6 +21,18 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--max-queue", type=int, default=None, help="sequences allowed to wait beyond that before 503 (4x)"
     )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="larger request bodies get 413 before they are read (default 4 MiB; 0 = no limit)",
+    )
+    parser.add_argument(
+        "--allow-special-tokens-in-chat",
+        action="store_true",
+        help="let special-token text in chat message content (<|im_start|>) become control tokens "
+        "(default: it is tokenized as text, so a user cannot forge a turn)",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument(
         "--kv-cache-bytes", type=int, default=None, help="KV-cache budget (default: engine's)"
@@ -39,12 +51,17 @@ def run(args: argparse.Namespace) -> int:
 
     from kiln.engine.config import EngineConfig
     from kiln.engine.llm_engine import LLMEngine
-    from kiln.server.app import create_app
+    from kiln.models.config import ModelLoadError
+    from kiln.server.app import DEFAULT_MAX_BODY_BYTES, create_app
     from kiln.server.launch import build_off_main_thread, served_model_name
 
     if args.max_queue is not None and args.max_queue < 0:
         print("kiln serve: --max-queue must be >= 0", file=sys.stderr)
         return 2
+    if args.max_body_bytes is not None and args.max_body_bytes < 0:
+        print("kiln serve: --max-body-bytes must be >= 0 (0 = no limit)", file=sys.stderr)
+        return 2
+    max_body_bytes = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else (args.max_body_bytes or None)
     try:
         config = EngineConfig(
             model=args.model,
@@ -57,16 +74,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"kiln serve: {exc}", file=sys.stderr)
         return 2
     print("kiln serve: loading model ...", file=sys.stderr, flush=True)
-    if args.tp > 1:  # tensor parallelism: None on a torchrun rank > 0, which served rank 0 and is done
-        from kiln.distributed.launch import start_engine
+    try:
+        if args.tp > 1:  # tensor parallelism: None on a torchrun rank > 0, which served rank 0 and is done
+            from kiln.distributed.launch import start_engine
 
-        engine = start_engine(config, args.tp)
-        if engine is None:
-            return 0
-    else:
-        engine = build_off_main_thread(LLMEngine, config)
+            engine = start_engine(config, args.tp)
+            if engine is None:
+                return 0
+        else:
+            engine = build_off_main_thread(LLMEngine, config)
+    except ModelLoadError as exc:  # a bad model file: its one-line, named error is the whole story
+        print("kiln serve: " + " ".join(str(exc).splitlines()), file=sys.stderr)
+        return 1
     name = args.served_model_name or served_model_name(args.model)
-    app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue)
+    app = create_app(
+        engine,
+        model_name=name,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_body_bytes=max_body_bytes,
+        allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
+    )
     print(f"kiln serve: {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

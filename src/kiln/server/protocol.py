@@ -1,6 +1,8 @@
 """OpenAI API request/response shapes for /v1/completions and /v1/chat/completions.
 
-Requests are pydantic models: a field of the wrong type fails validation (-> 400 from app.py).
+Requests are pydantic models with strict types: a field of the wrong type (JSON `true` for an integer,
+`"2"` for a number), out of its range, or text that is not valid Unicode fails validation (-> 400 from
+app.py, `param` naming the field).
 Responses are plain dicts built by the helpers at the bottom (they are serialized once, straight to
 JSON, which keeps the streaming path cheap). Fields Kiln does not implement (presence/frequency
 penalties, tools, ...) are accepted and ignored, as OpenAI clients send some of them by default.
@@ -10,13 +12,43 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    field_validator,
+)
+
+from kiln.engine.sampling_params import SEED_MAX, SEED_MIN
+
+MAX_STOP_STRINGS = 16  # each is searched for after every token: a long list slows the whole batch
+
+
+def _valid_text(text: str) -> str:
+    """JSON allows lone surrogates ("\\ud800"), which are not Unicode text: no tokenizer takes them."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"contains a lone surrogate ({text[exc.start]!r} at character {exc.start}), not valid Unicode"
+            ) from None
+    return text
+
+
+# Strict types: JSON true is not 1, "2" is not 2 (a float field still takes a JSON integer).
+Text = Annotated[str, AfterValidator(_valid_text)]
+Float = Annotated[float, Strict()]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
@@ -24,19 +56,33 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
-    max_tokens: int | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = -1  # not in OpenAI's API; vLLM's extension
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=16)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    model: Text
+    max_tokens: StrictInt | None = None
+    temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = -1  # not in OpenAI's API; vLLM's extension: -1 (off) or >= 1
+    min_p: Float = Field(default=0.0, ge=0.0, le=1.0)
+    n: StrictInt = Field(default=1, ge=1, le=16)
+    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: Text | list[Text] | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # vLLM's extension; benchmarks use it for fixed-length outputs
-    user: str | None = None
+    ignore_eos: StrictBool = False  # vLLM's extension; benchmarks use it for fixed-length outputs
+    user: Text | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_on_or_off(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("expected -1 (no top-k filter) or an integer >= 1")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, value):
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+        return value
 
     def stop_list(self) -> list[str] | None:
         if self.stop is None:
@@ -46,19 +92,30 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. `prompt` is text or token ids (one prompt per request).
+    """POST /v1/completions. `prompt` is text or token ids (one prompt per request), or a list of texts.
     `logprobs`: None or the number of top alternatives per token (0..20)."""
 
-    prompt: str | list[int] | list[str]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    prompt: Text | list[StrictInt] | list[Text]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    echo: StrictBool = False
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_are_text(cls, value):
+        if isinstance(value, list):
+            for part in value:
+                if part.get("type") == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise ValueError("a part of type 'text' needs a string 'text'")
+                    _valid_text(part["text"])
+        return value
 
     def text(self) -> str:
         """The message's text (OpenAI's list-of-parts form: the "text" parts joined)."""
@@ -66,16 +123,33 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+        return "".join(p["text"] for p in self.content if p.get("type") == "text")
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions. `logprobs` is a bool; `top_logprobs` the alternatives per token."""
+    """POST /v1/chat/completions. `logprobs` is a bool; `top_logprobs` the alternatives per token
+    (OpenAI's rule: only with logprobs true)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_completion_tokens: int | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: StrictInt | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value, info):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+
+# every field name of the request models: what an error's `param` may name (pydantic's error locations
+# also hold union-member tags such as "list[int]", which are not parameters)
+FIELD_NAMES = frozenset(
+    name
+    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, StreamOptions)
+    for name in model.model_fields
+)
 
 
 def new_id(prefix: str) -> str:

@@ -1,20 +1,34 @@
 """OpenAI completions and chat completions on top of AsyncEngine: request -> engine sub-requests
 (one per prompt x choice), then the engine outputs -> a JSON response or a server-sent-event stream.
 
-Validation that needs the model (unknown model name, context length, empty prompt) happens here,
-before anything reaches the engine, as APIError(400). Greedy choices are what `kiln.LLM.generate`
-returns for the same token ids: the server adds nothing to the prompt but the chat template.
+Validation that needs the model happens here, before anything reaches the engine, as APIError(400):
+the cheap checks (model name, whether the request's sequences could ever fit) before tokenizing, the
+rest (context length, empty prompt, token ids in the vocabulary) after. Tokenization and the final
+response's detokenization run on a small thread pool, never on the event loop, so a long prompt
+stalls neither /health nor the streams; after a large prompt the freed memory is handed back to the
+OS. Greedy choices are what `kiln.LLM.generate` returns for the same token ids: the server adds
+nothing to the prompt but the chat template. In chat messages, text that looks like a special token
+(`<|im_start|>`) is tokenized as text, unless the app allows special tokens in content.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
+import functools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from kiln.engine.sampling_params import SamplingParams
 from kiln.server import protocol
 from kiln.server.async_engine import AsyncEngine, SubRequest
+
+# prompts of at least this many characters (in one request) are followed by a malloc_trim: the
+# tokenizer's transient buffers (~80 bytes a character) would otherwise stay in the process's RSS
+_LARGE_PROMPT_CHARS = 1 << 20
 
 
 class APIError(Exception):
@@ -37,15 +51,24 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 class OpenAIServing:
     """Turns validated protocol requests into engine work and engine outputs into OpenAI responses."""
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str):
+    def __init__(
+        self, async_engine: AsyncEngine, model_name: str, allow_special_tokens_in_chat: bool = False
+    ):
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.tokenizer = self.engine.tokenizer
         self.model_name = model_name
         self.max_model_len = int(self.engine.max_model_len)
+        self.allow_special_tokens_in_chat = allow_special_tokens_in_chat
+        # two threads: a long prompt being tokenized leaves one for everybody else
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-tokenize")
 
-    # ---- request -> sub-requests ----
-    def _check_model(self, model: str) -> None:
+    async def off_loop(self, fn: Callable, *args):
+        """fn(*args) on the tokenizer threads (the event loop keeps serving meanwhile)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args))
+
+    # ---- cheap checks, before tokenizing ----
+    def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(
                 400,
@@ -55,40 +78,77 @@ class OpenAIServing:
                 "model_not_found",
             )
 
-    def completion_prompts(self, req: protocol.CompletionRequest) -> list[list[int]]:
+    def check_fits(self, num_prompts: int, n: int) -> None:
+        """A request of more sequences than the server ever holds at once can never run: 400 (not the
+        503 "retry later" of a full queue)."""
+        capacity = self.async_engine.capacity
+        if num_prompts * n > capacity:
+            raise bad_request(
+                f"the request asks for {num_prompts * n} sequences ({num_prompts} prompts x n={n}); this "
+                f"server runs at most {capacity} at once (running + queued): send fewer prompts or a "
+                "smaller n",
+                "n" if n > 1 else "prompt",
+                "too_many_sequences",
+            )
+
+    @staticmethod
+    def prompt_texts(req: protocol.CompletionRequest) -> list[str] | list[list[int]]:
+        """The prompts of a completion request, as texts, or as one list of token ids."""
         prompt = req.prompt
         if isinstance(prompt, str):
-            prompts = [prompt]
-        elif prompt and all(isinstance(p, int) for p in prompt):
+            return [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
-        else:
-            prompts = list(prompt)
-        if not prompts:
+        if not prompt:
             raise bad_request(
                 "prompt is empty; give a string, a list of strings or a list of token ids", "prompt"
             )
-        return [self.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+        return list(prompt)
 
-    def chat_prompt(self, req: protocol.ChatCompletionRequest) -> list[int]:
+    # ---- tokenization (on the tokenizer threads) ----
+    async def completion_prompts(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
+        if prompts and not isinstance(prompts[0], str):
+            return prompts
+        return await self.off_loop(self._encode_texts, prompts)
+
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        ids = [self.tokenizer.encode(t, add_special_tokens=True) for t in texts]
+        if sum(map(len, texts)) >= _LARGE_PROMPT_CHARS:
+            release_freed_memory()
+        return ids
+
+    async def chat_prompt(self, req: protocol.ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as exc:  # the template raises on conversations it does not accept
-            raise bad_request(f"messages: the chat template rejected them: {exc}", "messages") from exc
-        # the template writes its own special tokens; don't let encode add a second BOS
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return await self.off_loop(self._encode_chat, messages)
 
+    def _encode_chat(self, messages: list[dict]) -> list[int]:
+        encode_chat = getattr(self.tokenizer, "encode_chat", None)
+        try:
+            if encode_chat is not None:  # kiln's Tokenizer: content text is never a special token
+                ids = encode_chat(
+                    messages,
+                    add_generation_prompt=True,
+                    special_tokens_in_content=self.allow_special_tokens_in_chat,
+                )
+            else:  # tokenizers without that (random-weight models): plain template + encode
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                # the template writes its own special tokens; don't let encode add a second BOS
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+        except ValueError as exc:  # the template raises on conversations it does not accept
+            raise bad_request(f"messages: {exc}", "messages") from exc
+        except Exception as exc:  # jinja2's TemplateError and the like
+            raise bad_request(f"messages: the chat template rejected them: {exc}", "messages") from exc
+        if sum(len(m["content"]) for m in messages) >= _LARGE_PROMPT_CHARS:
+            release_freed_memory()
+        return ids
+
+    # ---- request -> sub-requests ----
     def build(self, req, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, tag: str):
         """Sub-requests for every prompt x choice; validates lengths and sampling fields (400 on error)."""
-        self._check_model(req.model)
         subs = []
         for p, prompt_ids in enumerate(prompts):
             if not prompt_ids:
                 raise bad_request("prompt is empty after tokenization", "prompt")
-            vocab = getattr(getattr(self.engine, "model", None), "config", None)
-            vocab = getattr(vocab, "vocab_size", None)
-            if vocab is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
-                raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
             room = self.max_model_len - len(prompt_ids)
             tokens = room if max_tokens is None else max_tokens
             if tokens < 1 or len(prompt_ids) + tokens > self.max_model_len:
@@ -99,6 +159,10 @@ class OpenAIServing:
                     "max_tokens" if max_tokens is not None and room > 0 else "prompt",
                     "context_length_exceeded",
                 )
+            vocab = getattr(getattr(self.engine, "model", None), "config", None)
+            vocab = getattr(vocab, "vocab_size", None)
+            if vocab is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
+                raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
             for i in range(req.n):
                 try:
                     params = SamplingParams(
@@ -107,14 +171,15 @@ class OpenAIServing:
                         top_p=req.top_p,
                         top_k=req.top_k,
                         min_p=req.min_p,
-                        # distinct seeds, else n seeded choices would all be the same sample
-                        seed=None if req.seed is None else req.seed + i,
+                        # distinct seeds, else n seeded choices would all be the same sample; modulo
+                        # 2**64 stays in the generator's range (it reads a negative seed the same way)
+                        seed=None if req.seed is None else (req.seed + i) % 2**64,
                         stop=req.stop_list(),
                         ignore_eos=req.ignore_eos,
                         logprobs=logprobs,
                     )
-                except ValueError as exc:
-                    raise bad_request(str(exc)) from exc
+                except ValueError as exc:  # protocol.py checked the fields first: a backstop
+                    raise bad_request(str(exc), None, "invalid_value") from exc
                 subs.append(SubRequest(f"{tag}-{p}-{i}", prompt_ids, params, index=p * req.n + i))
         return subs
 
@@ -179,6 +244,23 @@ class OpenAIServing:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def release_freed_memory() -> None:
+    """Give the memory freed after a large request back to the OS (glibc's malloc_trim; a no-op
+    elsewhere). Without it a 20 MB prompt left the process ~2 GB larger for good."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return None
 
 
 async def collect(queue: asyncio.Queue, count: int) -> list:

@@ -1,5 +1,5 @@
 """Autotuning (`kiln tune`) and the persistent per-device config cache kernels read at run time."""
 
-from kiln.tune.cache import export, lookup, store
+from kiln.ops.tuned_configs import export, lookup, store
 
 __all__ = ["export", "lookup", "store"]

@@ -1,38 +1,66 @@
-"""`kiln tune OP [--dtype NAME ...] [--shapes JSON|FILE|SUITE] [--budget N] [--strategy exhaustive|random]
-[--backend NAME] [--export [PATH]]`: tune an op's declared configs per shape and store the winners."""
+"""`kiln tune`: autotune an op, or compile every Triton launch for sm_90.
+
+kiln tune OP [--dtype NAME ...] [--shapes JSON|FILE|SUITE] [--budget N] [--strategy exhaustive|random]
+             [--backend NAME] [--export [PATH]]
+    tune an op's declared configs per shape and store the winners (short for `kiln tune op OP ...`)
+kiln tune aot [--op NAME ...] [--quick] [--per-kernel N] [--json PATH]
+    compile every Triton launch Kiln's ops make for sm_90 (H100), without a GPU (kiln.tune.aot)
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+SUBCOMMANDS = ("op", "aot")
+
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("tune", help="autotune an op's configs (each candidate verified before timing)")
-    p.add_argument("op", help="op name, e.g. rms_norm")
-    p.add_argument(
+    p = subparsers.add_parser(
+        "tune",
+        help="autotune an op's configs (each candidate verified before timing), or the sm_90 AOT sweep",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="tune_command", required=True, metavar="{OP,aot}")
+    o = sub.add_parser("op", prog="kiln tune", help="tune one op (`kiln tune OP ...`)")
+    o.add_argument("op", help="op name, e.g. rms_norm")
+    o.add_argument(
         "--dtype", action="extend", nargs="+", help="dtype name(s); default bf16 on CUDA, fp32 on CPU"
     )
-    p.add_argument("--shapes", default=None, help="JSON shape dict/list, a .json file, or a suite name")
-    p.add_argument("--suite", default="llm", help="shape suite when --shapes is not given")
-    p.add_argument(
+    o.add_argument("--shapes", default=None, help="JSON shape dict/list, a .json file, or a suite name")
+    o.add_argument("--suite", default="llm", help="shape suite when --shapes is not given")
+    o.add_argument(
         "--backend", default=None, help="implementation to tune (default: triton, else the tunable one)"
     )
-    p.add_argument("--strategy", choices=("exhaustive", "random"), default="exhaustive")
-    p.add_argument("--budget", type=int, default=None, help="most candidates per shape")
-    p.add_argument("--seed", type=int, default=0, help="seed for inputs and random sampling")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--reps", type=int, default=None, help="timing samples per candidate")
-    p.add_argument("--no-save", action="store_true", help="report only; do not write the tuning cache")
-    p.add_argument(
+    o.add_argument("--strategy", choices=("exhaustive", "random"), default="exhaustive")
+    o.add_argument("--budget", type=int, default=None, help="most candidates per shape")
+    o.add_argument("--seed", type=int, default=0, help="seed for inputs and random sampling")
+    o.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    o.add_argument("--reps", type=int, default=None, help="timing samples per candidate")
+    o.add_argument("--no-save", action="store_true", help="report only; do not write the tuning cache")
+    o.add_argument(
         "--export",
         nargs="?",
         const="",
         default=None,
         metavar="PATH",
-        help="also write the winners in the shipped format (default src/kiln/tune/configs/<device>.json)",
+        help="also write the winners in the shipped format (default kiln/ops/shipped_configs/<device>.json)",
     )
-    p.set_defaults(func=run)
+    o.set_defaults(func=run)
+    from kiln.tune.aot import sweep
+
+    a = sub.add_parser("aot", prog="kiln tune aot", help=sweep.DESCRIPTION, description=sweep.DESCRIPTION)
+    sweep.add_arguments(a)
+    a.set_defaults(func=sweep.run)
+
+
+def expand_op_shorthand(argv: list[str]) -> list[str]:
+    """`kiln tune OP ...` -> `kiln tune op OP ...`: an op name is not a subcommand argparse could list,
+    and argparse has no default subcommand. `argv` starts after "tune"."""
+    if argv and (argv[0] in SUBCOMMANDS or argv[0] in ("-h", "--help")):
+        return argv
+    return ["op", *argv]
 
 
 def _tunable_backend(spec, requested: str | None) -> str:
@@ -49,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from kiln.bench.suites import default_dtypes, dtype_from_name, parse_shapes
-    from kiln.ops.registry import get_op
-    from kiln.tune.cache import export
+    from kiln.ops import get_op
+    from kiln.ops.tuned_configs import export
     from kiln.tune.runner import tune_shape
     from kiln.verify.runner import backend_dtypes
 

@@ -19,7 +19,7 @@ import torch
 from kiln.bench.runner import make_input_sets
 from kiln.bench.timing import time_fn
 from kiln.ops.registry import Implementation, OpSpec
-from kiln.tune.cache import store
+from kiln.ops.tuned_configs import store
 from kiln.tune.search import candidates as choose_candidates
 from kiln.verify.runner import dtype_name, run_case
 

@@ -28,20 +28,36 @@ def run(args: argparse.Namespace) -> int:
         from kiln.verify.quant_model_cli import run_cli
 
         return run_cli(args)
-    from kiln.verify.report import format_table, status, write_json
+    import torch
+
+    from kiln.verify.report import format_fallbacks, format_table, status, write_json
     from kiln.verify.runner import verify
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    done = []
 
     def progress(row):
         print(f"  {row.op:<28} {row.backend:<11} {row.dtype:<9} {status(row)}", file=sys.stderr, flush=True)
+        done.append(row)
+        if args.json:  # after every row: a run stopped by a time limit keeps what finished
+            write_json(done, args.json, device, complete=False)
 
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    rows = verify(args.op, args.backend, args.dtype, device, args.seed, progress=progress)
+    try:
+        rows = verify(args.op, args.backend, args.dtype, device, args.seed, progress=progress)
+    except KeyboardInterrupt:  # SIGINT, e.g. `timeout -s INT`: report what finished, then stop
+        print(f"\nkiln verify: interrupted after {len(done)} rows", file=sys.stderr)
+        rows, interrupted = done, True
+    else:
+        interrupted = False
     print(format_table(rows))
+    notes = format_fallbacks(rows)
+    if notes:
+        print(notes)
     if args.json:
-        write_json(rows, args.json, device)
+        write_json(rows, args.json, device, complete=not interrupted)
     ran = [r for r in rows if not r.skipped]
     failed = [r for r in ran if not r.passed]
     print(f"\n{len(ran) - len(failed)} passed, {len(failed)} failed, {len(rows) - len(ran)} skipped")
+    if interrupted:
+        return 130
     return 1 if failed or not ran else 0

@@ -183,8 +183,11 @@ def run_prompt(model: torch.nn.Module, token_ids: list[int], block_size: int = 1
 
     hooks = [layer.register_forward_hook(capture) for layer in model.layers]
     try:
-        hidden = model(torch.tensor(token_ids, dtype=torch.int64), positions, kv_caches, metadata)
-        logits = model.compute_logits(hidden)
+        import kiln.ops
+
+        with kiln.ops.trusted_inputs():  # the arguments are built here, as the engine's runner does
+            hidden = model(torch.tensor(token_ids, dtype=torch.int64), positions, kv_caches, metadata)
+            logits = model.compute_logits(hidden)
     finally:
         for hook in hooks:
             hook.remove()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import platform
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from kiln import fallbacks
+from kiln.environment import environment
 from kiln.verify.runner import Row
 
 
@@ -44,16 +45,47 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
-def write_json(rows: list[Row], path: str | Path, device: str) -> None:
+def format_fallbacks(rows: list[Row]) -> str:
+    """One line per recorded fallback (kiln.fallbacks) and the rows it replaced; "" when none."""
+    lines = []
+    for entry in fallbacks.taken():
+        hit = [f"{r.op}/{r.backend}" for r in rows if fallbacks.replacement(r.op, r.backend, [entry])]
+        replaced = sorted(set(hit))
+        lines.append(
+            f"FALLBACK {entry['kind']} taken ({entry['detail']})"
+            + (f": {', '.join(replaced)} checked the replacement, not the kernel" if replaced else "")
+        )
+    return "\n".join(lines)
+
+
+def row_json(row: Row, entries: list[dict]) -> dict:
+    """A row as JSON; a row whose implementation a fallback replaced gets `fallback` and a backend
+    "<asked>-><what ran>" (kiln.fallbacks.replacement)."""
+    out = dict(asdict(row), passed=row.passed, fallback=None)
+    hit = fallbacks.replacement(row.op, row.backend, entries) if not row.skipped else None
+    if hit is not None:
+        entry, ran = hit
+        out["fallback"] = f"{entry['kind']}: {entry['detail']}"
+        out["backend"] = f"{row.backend}->{ran}"
+    return out
+
+
+def write_json(rows: list[Row], path: str | Path, device: str, complete: bool = True) -> None:
+    """The results so far: `complete` is False while `kiln verify` is still running (it rewrites the file
+    after each row, so a run that is stopped keeps what finished) and when it was interrupted."""
+    env = environment()
     payload = {
         "kind": "kiln-verify",
         "version": 1,
+        "complete": complete,
         "device": device,
-        "device_name": torch.cuda.get_device_name()
-        if device.startswith("cuda")
-        else platform.processor() or "cpu",
+        "device_name": env["gpu_name"] if device.startswith("cuda") else env["cpu_model"] or "cpu",
         "torch": torch.__version__,
-        "rows": [dict(asdict(r), passed=r.passed) for r in rows],
+        "environment": env,
+        "rows": [row_json(r, env["fallbacks"]) for r in rows],
     }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=2, default=str))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(payload, indent=2, default=str))
+    partial.replace(path)  # a reader (or a kill) never sees half a file

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
+from kiln.ops import OpSpec, all_ops
 from kiln.ops.alloc import poisoned
-from kiln.ops.registry import OpSpec, all_ops, triton_interpreting
+from kiln.ops.registry import triton_interpreting
 from kiln.verify.compare import relative_error
 
 

@@ -4,22 +4,30 @@ Per step: qkv = x @ Wqkv^T (+ b); rotate q and k in place; write this step's k, 
 attn_metadata.slot_mapping; then attend to the whole context from the cache (paged_decode_attention
 when every sequence has one new token, else paged_prefill_attention, which covers chunked prefill
 and mixed batches); o_proj.
+
+Under tensor parallelism the layer is built with this rank's head counts (whole GQA groups, see
+kiln.models.sharding): qkv_proj is column-parallel over its heads' rows, o_proj row-parallel over
+their columns (summed over the ranks); the KV cache holds only this rank's kv heads.
 """
 
 from __future__ import annotations
 
 import torch
 
+import kiln.ops
 from kiln.models.attention_metadata import AttentionMetadata
 from kiln.models.layers.linear import Linear
+from kiln.models.layers.parallel_linear import RowParallelLinear
 from kiln.models.layers.rotary import RotaryEmbedding
-from kiln.models.layers.torch_ops import op
+from kiln.models.layers.tp import TPGroup
 from kiln.models.weights import Weight, cat_rows
 
 
 class PagedAttention(torch.nn.Module):
     """hidden [T, hidden] -> [T, hidden].
 
+    num_heads, num_kv_heads: this rank's (all of them in one process); q [num_heads * head_dim, hidden],
+    k and v [num_kv_heads * head_dim, hidden], o [hidden, num_heads * head_dim]: this rank's slices.
     kv_cache: (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; this
     step's keys and values are written into it in place.
     """
@@ -40,6 +48,7 @@ class PagedAttention(torch.nn.Module):
         device: torch.device,
         dtype: torch.dtype,
         cpu_format: str | None = None,
+        tp_group: TPGroup | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -48,13 +57,12 @@ class PagedAttention(torch.nn.Module):
         self.qkv_proj = Linear(
             cat_rows([q, k, v], dtype), bias, device=device, dtype=dtype, cpu_format=cpu_format
         )
-        self.o_proj = Linear(o, None, device=device, dtype=dtype, cpu_format=cpu_format)
+        self.o_proj = RowParallelLinear(
+            o, None, device=device, dtype=dtype, cpu_format=cpu_format, tp_group=tp_group
+        )
         self.rotary = rotary
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
-        self._write_kv_cache = op("write_kv_cache", device)
-        self._decode = op("paged_decode_attention", device)
-        self._prefill = op("paged_prefill_attention", device)
 
     def forward(
         self,
@@ -71,9 +79,9 @@ class PagedAttention(torch.nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         key_cache, value_cache = kv_cache
-        self._write_kv_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        kiln.ops.write_kv_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
         if attn_metadata.decode_only:
-            out = self._decode(
+            out = kiln.ops.paged_decode_attention(
                 q,
                 key_cache,
                 value_cache,
@@ -83,7 +91,7 @@ class PagedAttention(torch.nn.Module):
                 sliding_window=self.sliding_window,
             )
         else:
-            out = self._prefill(
+            out = kiln.ops.paged_prefill_attention(
                 q,
                 key_cache,
                 value_cache,

@@ -1,22 +1,89 @@
-"""Token embedding (and the LM head that may share its weights)."""
+"""Token embedding and LM head, split over the vocabulary under tensor parallelism.
+
+Rank r owns vocabulary rows [v0, v1) of the embedding table (and of the LM head, tied or not).
+  embedding: each rank looks up the ids it owns, writes zeros for the others, and one all-reduce sums
+             the ranks' rows (exactly one rank contributes each token's row);
+  LM head:   each rank computes logits for its vocabulary slice; they are gathered, in rank order,
+             to rank 0, which samples (the other ranks never need full logits).
+With `tp_group=None` (one process) the table and the head are whole and nothing is exchanged.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kiln.models.layers.linear import Linear
+from kiln.models.layers.tp import TPGroup, all_reduce, gather_to_first
 from kiln.models.weights import GGUFWeight, Weight
 
 
-class VocabEmbedding(torch.nn.Module):
-    """input_ids int64 [T] -> [T, hidden] in `dtype` (GGUF-quantized tables are dequantized once)."""
+class VocabParallelEmbedding(torch.nn.Module):
+    """input_ids int64 [T] (global ids) -> [T, hidden] in `dtype` (GGUF-quantized tables are
+    dequantized once).
 
-    def __init__(self, weight: Weight, *, device: torch.device, dtype: torch.dtype):
+    weight: the table's rows [vocab_end - vocab_start, hidden] this process holds (all of them
+    without a tp_group); vocab_start: the first one's id.
+    """
+
+    def __init__(
+        self,
+        weight: Weight,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        vocab_start: int = 0,
+        tp_group: TPGroup | None = None,
+    ):
         super().__init__()
         if isinstance(weight, GGUFWeight):
             weight = weight.dequantize(torch.float32)
         self.weight = weight.to(device=device, dtype=dtype).contiguous()
         self.num_embeddings, self.embedding_dim = self.weight.shape
+        self.vocab_start = vocab_start
+        self.vocab_end = vocab_start + self.num_embeddings
+        self.tp_group = tp_group
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_group is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows.masked_fill_(outside[:, None], 0.0)
+        return all_reduce(rows, self.tp_group)
+
+    def extra_repr(self) -> str:
+        group = self.tp_group
+        where = "" if group is None else f", rank={group.rank}/{group.world_size}"
+        return f"vocab=[{self.vocab_start}, {self.vocab_end}), dim={self.embedding_dim}{where}"
+
+
+class ParallelLMHead(Linear):
+    """hidden [N, hidden] -> logits [N, vocab] on rank 0 (rank order = vocabulary order); the other
+    ranks return their local slice [N, v1 - v0] (only rank 0 samples).
+
+    weight: this rank's LM-head rows; vocab_sizes: every rank's slice length (with a tp_group).
+    Other arguments as Linear's.
+    """
+
+    def __init__(
+        self,
+        weight: Weight,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        cpu_format: str | None = None,
+        vocab_sizes: list[int] | None = None,
+        tp_group: TPGroup | None = None,
+    ):
+        super().__init__(weight, None, device=device, dtype=dtype, cpu_format=cpu_format)
+        self.vocab_sizes = list(vocab_sizes) if vocab_sizes is not None else [self.out_features]
+        self.tp_group = tp_group
+
+    def forward(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        logits = super().forward(hidden, out_dtype)
+        if self.tp_group is None:
+            return logits
+        parts = gather_to_first(logits, self.vocab_sizes, self.tp_group)
+        return logits if parts is None else torch.cat(parts, dim=-1)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from kiln.models.layers.torch_ops import op
+import kiln.ops
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -33,12 +33,11 @@ class RotaryEmbedding(torch.nn.Module):
             angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq.double()[None, :]
             cache = torch.cat([angles.cos(), angles.sin()], dim=-1).float()
         else:
-            cache = op("rope_cos_sin_cache")(rotary_dim, max_position, base, scaling, torch.float32, None)
+            cache = kiln.ops.rope_cos_sin_cache(rotary_dim, max_position, base, scaling, torch.float32, None)
         self.cos_sin_cache = cache.to(device)
-        self._rotate = op("rotary_embedding", device)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [T]; q [T, Hq, D], k [T, Hk, D], rotated in place and returned."""
-        return self._rotate(positions, q, k, self.cos_sin_cache, True)
+        return kiln.ops.rotary_embedding(positions, q, k, self.cos_sin_cache, True)

@@ -1,12 +1,16 @@
 """Argument checks shared by the attention ops: every failure is a ValueError naming the op, the
-argument and the fix, raised before any kernel launches."""
+argument and the fix, raised before any kernel launches.
+
+Written against shapes and dtypes (dtypes compared by name, devices only for torch tensors), so the
+same checks validate jax arrays and tracers for `kiln.jax`; checks of index values run only on
+torch tensors whose values the host may read (`host_checkable`)."""
 
 from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from kiln.ops.checks import FLOAT_DTYPES, check_tensor
+from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of, dtype_name
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -14,14 +18,23 @@ CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES + (torch.float64,)
 QUERY_DTYPES = FLOAT_DTYPES + (torch.float64,)  # float64 only for the verifier's reference
 
 
-def _dtype(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
+def is_fp8(dtype: object) -> bool:
+    """Whether a torch or jax dtype is one of the fp8 cache dtypes."""
+    return dtype_name(dtype) in {dtype_name(d) for d in FP8_DTYPES}
 
 
-def host_checkable(tensor: torch.Tensor) -> bool:
+def unit_last_stride(tensor: object) -> bool:
+    """A unit stride along the last dim (jax arrays are always row-major)."""
+    return not isinstance(tensor, torch.Tensor) or tensor.stride(-1) == 1
+
+
+def host_checkable(tensor: object) -> bool:
     """Whether checks that read tensor values on the host may run: on real CPU tensors always; on a
     GPU only outside CUDA-graph capture (where reading would be illegal); never on fake or meta
-    tensors (torch.compile tracing through the custom ops' fake implementations)."""
+    tensors (torch.compile tracing through the custom ops' fake implementations) nor on jax arrays
+    (tracers under jit)."""
+    if not isinstance(tensor, torch.Tensor):
+        return False
     if tensor.device.type == "meta" or is_fake(tensor):
         return False
     return tensor.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
@@ -60,7 +73,7 @@ def check_attention_options(
 
 
 def check_cu_seqlens(
-    op: str, name: str, cu_seqlens: object, num_seqs: int | None, device: torch.device
+    op: str, name: str, cu_seqlens: object, num_seqs: int | None, device: torch.device | None
 ) -> int:
     """int32 `[B+1]`; returns B."""
     cu_seqlens = check_tensor(op, name, cu_seqlens, ndim=1, dtypes=(torch.int32,), device=device)
@@ -102,20 +115,21 @@ def check_paged_cache(
 ) -> tuple[int, int]:
     """`[num_blocks, block_size, Hkv, D]` caches in q's dtype (or fp8 with float32 `[Hkv]` scales).
     Returns (block_size, num_kv_heads)."""
-    device = q.device
+    device = device_of(q)
     key_cache = check_tensor(op, "key_cache", key_cache, ndim=4, dtypes=CACHE_DTYPES, device=device)
     value_cache = check_tensor(op, "value_cache", value_cache, ndim=4, dtypes=CACHE_DTYPES, device=device)
-    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+    same_dtype = dtype_name(key_cache.dtype) == dtype_name(value_cache.dtype)
+    if tuple(key_cache.shape) != tuple(value_cache.shape) or not same_dtype:
         raise ValueError(
-            f"{op}: key_cache {tuple(key_cache.shape)} {_dtype(key_cache.dtype)} and value_cache "
-            f"{tuple(value_cache.shape)} {_dtype(value_cache.dtype)} must have one shape and dtype"
+            f"{op}: key_cache {tuple(key_cache.shape)} {dtype_name(key_cache.dtype)} and value_cache "
+            f"{tuple(value_cache.shape)} {dtype_name(value_cache.dtype)} must have one shape and dtype"
         )
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     if block_size <= 0 or block_size & (block_size - 1):
         raise ValueError(f"{op}: key_cache block_size (dim 1) is {block_size}, expected a power of two")
     if head_dim != q.shape[-1]:
         raise ValueError(f"{op}: key_cache has head_dim {head_dim}, expected q's head_dim {q.shape[-1]}")
-    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+    if not (unit_last_stride(key_cache) and unit_last_stride(value_cache)):
         raise ValueError(f"{op}: key_cache and value_cache need a contiguous head_dim (stride 1)")
     check_heads(op, q.shape[-2], num_kv_heads)
     check_scales(op, key_cache, k_scale, v_scale, num_kv_heads, q.dtype)
@@ -131,15 +145,15 @@ def check_scales(
     data_dtype: torch.dtype,
 ) -> None:
     """fp8 caches need float32 `[Hkv]` k_scale and v_scale; other caches take none, match the data dtype."""
-    if key_cache.dtype in FP8_DTYPES:
+    if is_fp8(key_cache.dtype):
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if scale is None:
                 raise ValueError(
-                    f"{op}: the cache is {_dtype(key_cache.dtype)}, so {name} "
+                    f"{op}: the cache is {dtype_name(key_cache.dtype)}, so {name} "
                     f"(float32 [{num_kv_heads}]) is required"
                 )
             check_tensor(
-                op, name, scale, ndim=1, dtypes=(torch.float32, torch.float64), device=key_cache.device
+                op, name, scale, ndim=1, dtypes=(torch.float32, torch.float64), device=device_of(key_cache)
             )
             if scale.shape[0] != num_kv_heads:
                 raise ValueError(
@@ -149,17 +163,22 @@ def check_scales(
     if k_scale is not None or v_scale is not None:
         raise ValueError(
             f"{op}: k_scale/v_scale apply only to float8_e4m3fn caches; "
-            f"the cache is {_dtype(key_cache.dtype)}"
+            f"the cache is {dtype_name(key_cache.dtype)}"
         )
-    if key_cache.dtype != data_dtype:
+    if dtype_name(key_cache.dtype) != dtype_name(data_dtype):
         raise ValueError(
-            f"{op}: key_cache is {_dtype(key_cache.dtype)} but the data is {_dtype(data_dtype)}; "
+            f"{op}: key_cache is {dtype_name(key_cache.dtype)} but the data is {dtype_name(data_dtype)}; "
             "use one dtype (or a float8_e4m3fn cache with scales)"
         )
 
 
 def check_block_tables(
-    op: str, block_tables: object, seq_lens: object, num_seqs: int, block_size: int, device: torch.device
+    op: str,
+    block_tables: object,
+    seq_lens: object,
+    num_seqs: int,
+    block_size: int,
+    device: torch.device | None,
 ) -> None:
     """int32 `[num_seqs, max_blocks]` and int32 `[num_seqs]`, with every sequence fitting its table row."""
     block_tables = check_tensor(
@@ -171,7 +190,7 @@ def check_block_tables(
             f"{op}: block_tables has {block_tables.shape[0]} rows and seq_lens {seq_lens.shape[0]} entries, "
             f"expected num_seqs {num_seqs}"
         )
-    if block_tables.stride(-1) != 1:
+    if not unit_last_stride(block_tables):
         raise ValueError(f"{op}: block_tables rows must be contiguous")
     if num_seqs and host_checkable(seq_lens):
         longest = int(seq_lens.max())

@@ -1,14 +1,19 @@
-"""GEMM ops (see docs/contracts.md): dense, FP8 / INT8 (W8A8), int4 (W4A16) and GGUF block GEMMs.
-Specs in *_spec.py, Triton backends in *_triton.py (shared tiling in tiling.py; the dense GEMM's
-Hopper TMA variant in dense_tma.py), CPU paths in cpu.py."""
+"""GEMM ops: dense (linear, linear_silu_mul), FP8 / INT8 W8A8 (quantize_*, *_linear), int4 W4A16,
+GGUF blocks and W8A16. One folder per op (spec.py + a file per backend); what the family shares:
+shapes.py (bench/fuzz shapes, tolerances, FLOP/byte models), tiling.py (the Triton tiling, split-K
+and launch configs), scaled.py + scaled_triton.py (the W8A8 ops' contract and kernels),
+gguf_blocks.py + gguf_triton.py (the GGUF weight contract and block decoder)."""
 
-# Importing the backends registers them; library registers torch.ops.kiln.* for the public functions.
-from kiln.ops.gemm import cpu, dense_triton, gguf_triton, int4_triton, library, scaled_triton  # noqa: F401
-from kiln.ops.gemm.dense_spec import linear, linear_silu_mul
-from kiln.ops.gemm.fp8_spec import fp8_linear, quantize_fp8
-from kiln.ops.gemm.gguf_spec import gguf_dequantize, gguf_linear
-from kiln.ops.gemm.int4_spec import int4_linear
-from kiln.ops.gemm.int8_spec import int8_linear, quantize_int8
+from kiln.ops.gemm.fp8_linear import fp8_linear
+from kiln.ops.gemm.gguf_dequantize import gguf_dequantize
+from kiln.ops.gemm.gguf_linear import gguf_linear
+from kiln.ops.gemm.int4_linear import int4_linear
+from kiln.ops.gemm.int8_linear import int8_linear
+from kiln.ops.gemm.linear import linear
+from kiln.ops.gemm.linear_silu_mul import linear_silu_mul
+from kiln.ops.gemm.quantize_fp8 import quantize_fp8
+from kiln.ops.gemm.quantize_int8 import quantize_int8
+from kiln.ops.gemm.w8a16_linear import w8a16_linear
 
 __all__ = [
     "fp8_linear",
@@ -22,5 +27,3 @@ __all__ = [
     "quantize_int8",
     "w8a16_linear",
 ]
-
-from kiln.ops.gemm.w8a16 import w8a16_linear  # noqa: E402

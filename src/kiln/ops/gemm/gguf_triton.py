@@ -1,57 +1,34 @@
-"""Triton kernels for GGUF Q4_0 / Q4_1 / Q8_0 weights read straight from the file's uint8 blocks.
+"""Triton device functions that read GGUF Q4_0 / Q4_1 / Q8_0 weights straight from the file's uint8
+blocks (the layout: ../gguf_blocks.py and kiln.quant.gguf_blocks); gguf_dequantize's and
+gguf_linear's kernels call them.
 
-`_dequant(row_ptr, k, mask, QTYPE)` turns raw bytes into float32 weights for any broadcast shape of
-(row base pointer, k index): block k // 32 of the row starts at byte (k // 32) * BLOCK_BYTES; its fp16
-scale is two little-endian bytes reassembled and bitcast; weight j of the block is byte 2 + j (Q8_0,
-as int8) or the low (j < 16) / high (j >= 16) nibble of byte 2 + j % 16 (Q4_0; Q4_1 after its fp16 min).
-Three kernels use it:
-  * `_dequantize_kernel`: one [BLOCK_N, BLOCK_K] tile of W per program (gguf_dequantize);
-  * `_gguf_gemv_kernel` (decode, M <= GEMV_MAX_M): one x row and BLOCK_N outputs per program, split
-    along K; per-block integer dot products, scaled once per block (no tl.dot, so no 16-row padding);
-  * `_gguf_gemm_kernel` (prefill): the tiled/grouped/split-K GEMM of tiling.py with the weight tile
-    dequantized in registers and rounded to x's dtype for tl.dot.
+`dequantize_at(row_ptr, k, mask, QTYPE)` turns raw bytes into float32 weights for any broadcast shape
+of (row base pointer, k index): block k // 32 of the row starts at byte (k // 32) * BLOCK_BYTES; its
+fp16 scale is two little-endian bytes reassembled and bitcast (`fp16_at`); weight j of the block is
+byte 2 + j (Q8_0, as int8) or the low (j < 16) / high (j >= 16) nibble of byte 2 + j % 16 (Q4_0;
+Q4_1 after its fp16 min).
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.alloc import empty
-from kiln.ops.checks import contiguous_rows
-from kiln.ops.gemm.gguf_spec import GGUF_DEQUANTIZE, GGUF_LINEAR
-from kiln.ops.gemm.tiling import (
-    config_space,
-    k_range,
-    kernel_options,
-    launch_grid,
-    partials_buffer,
-    reduce_split_k,
-    resolve_config,
-    store_tile,
-    tile_options,
-    tile_program,
-)
-from kiln.ops.registry import Implementation, triton_available
-from kiln.quant.gguf_blocks import BLOCK_BYTES
-
-GEMV_MAX_M = 4
-
 
 @triton.jit
-def _fp16_at(ptr, mask):
+def fp16_at(ptr, mask):
+    """The little-endian fp16 at byte pointers `ptr` (any shape), as float32; 0 where masked."""
     lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
     hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
     return ((hi << 8) | lo).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _dequant(row_ptr, k, mask, QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+def dequantize_at(row_ptr, k, mask, QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr):
     """float32 weights at column k of the rows starting at row_ptr (broadcast shapes); 0 where masked."""
     block = row_ptr + (k // 32) * BLOCK_BYTES
     j = k % 32
-    d = _fp16_at(block, mask)
+    d = fp16_at(block, mask)
     if QTYPE == "Q8_0":
         q = tl.load(block + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         w = q * d
@@ -60,158 +37,8 @@ def _dequant(row_ptr, k, mask, QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr):
         q = (byte >> ((j // 16) * 4).to(tl.uint8)) & 0xF
         w = (q.to(tl.int32) - 8).to(tl.float32) * d
     else:  # Q4_1
-        m = _fp16_at(block + 2, mask)
+        m = fp16_at(block + 2, mask)
         byte = tl.load(block + 4 + (j % 16), mask=mask, other=0)
         q = (byte >> ((j // 16) * 4).to(tl.uint8)) & 0xF
         w = d * q.to(tl.float32) + m
     return w
-
-
-@triton.jit
-def _dequantize_kernel(
-    qweight_ptr, out_ptr, N, K, stride_qn, stride_on,
-    QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    rows = qweight_ptr + offs_n[:, None].to(tl.int64) * stride_qn
-    w = _dequant(rows, offs_k[None, :], mask, QTYPE, BLOCK_BYTES)
-    out = out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :]
-    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _gguf_gemv_kernel(
-    x_ptr, qweight_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K,
-    stride_xm, stride_qn, stride_om, stride_on,
-    QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-):  # fmt: skip
-    """Decode GEMV over [BLOCK_N rows, BLOCK_K / 32 blocks, 32 weights] tiles: each block's scale is
-    loaded once, the integer quants are dotted with x inside the block first and scaled after
-    (sum_j d * q_j * x_j = d * sum_j q_j * x_j; Q4_1 adds m * sum_j x_j), as llama.cpp's vec_dot does."""
-    NUM_BLOCKS: tl.constexpr = BLOCK_K // 32
-    pid_n = tl.program_id(0)
-    row = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    k_start, k_end = k_range(pid_k, K, BLOCK_K, SPLIT_K)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = qweight_ptr + offs_n.to(tl.int64) * stride_qn
-    j = tl.arange(0, 32)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        blocks = k0 // 32 + tl.arange(0, NUM_BLOCKS)
-        b_mask = blocks * 32 < k_end  # K is a multiple of 32: whole blocks are in or out
-        x = tl.load(
-            x_ptr + row.to(tl.int64) * stride_xm + blocks[:, None] * 32 + j[None, :],
-            mask=b_mask[:, None],
-            other=0.0,
-        ).to(tl.float32)  # [NUM_BLOCKS, 32]
-        base = rows[:, None] + blocks[None, :] * BLOCK_BYTES  # [BLOCK_N, NUM_BLOCKS]
-        mask = n_mask[:, None] & b_mask[None, :]
-        d = _fp16_at(base, mask)
-        if QTYPE == "Q8_0":
-            q = tl.load(base[:, :, None] + 2 + j[None, None, :], mask=mask[:, :, None], other=0)
-            block_dot = tl.sum(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :, :], axis=2)
-            acc += tl.sum(d * block_dot, axis=1)
-        else:
-            first = 4 if QTYPE == "Q4_1" else 2
-            byte = tl.load(base[:, :, None] + first + (j % 16)[None, None, :], mask=mask[:, :, None], other=0)
-            q = ((byte >> ((j // 16) * 4).to(tl.uint8)[None, None, :]) & 0xF).to(tl.float32)
-            block_dot = tl.sum(q * x[None, :, :], axis=2)
-            if QTYPE == "Q4_0":
-                acc += tl.sum(d * (block_dot - 8.0 * tl.sum(x, axis=1)[None, :]), axis=1)
-            else:
-                m = _fp16_at(base + 2, mask)
-                acc += tl.sum(d * block_dot + m * tl.sum(x, axis=1)[None, :], axis=1)
-    m_idx = row + tl.arange(0, 1)
-    store_tile(acc[None, :], out_ptr, bias_ptr, partial_ptr, m_idx, offs_n, M, N, stride_om, stride_on, pid_k,
-               HAS_BIAS, SPLIT_K)  # fmt: skip
-
-
-@triton.jit
-def _gguf_gemm_kernel(
-    x_ptr, qweight_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K,
-    stride_xm, stride_qn, stride_om, stride_on,
-    QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
-):  # fmt: skip
-    offs_m, offs_n, m_mask, n_mask, pid_k, k_start, k_end = tile_program(
-        M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K
-    )
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    cols = qweight_ptr + offs_n[None, :].to(tl.int64) * stride_qn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = _dequant(cols, offs_k[:, None], k_mask[:, None] & n_mask[None, :], QTYPE, BLOCK_BYTES)
-        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
-    store_tile(acc, out_ptr, bias_ptr, partial_ptr, offs_m, offs_n, M, N, stride_om, stride_on, pid_k,
-               HAS_BIAS, SPLIT_K)  # fmt: skip
-
-
-def gguf_dequantize_triton(qweight, qtype, dtype=torch.float32):
-    N = qweight.shape[0]
-    K = qweight.shape[1] // BLOCK_BYTES[qtype] * 32
-    out = empty((N, K), dtype, qweight.device)
-    if N == 0 or K == 0:
-        return out
-    qweight = contiguous_rows(qweight)
-    block_n, block_k = 32, 128
-    _dequantize_kernel[(triton.cdiv(N, block_n), triton.cdiv(K, block_k))](
-        qweight, out, N, K, qweight.stride(0), out.stride(0),
-        QTYPE=qtype, BLOCK_BYTES=BLOCK_BYTES[qtype], BLOCK_N=block_n, BLOCK_K=block_k,
-        enable_fp_fusion=False,  # d * q + m exactly as ggml rounds it (no FMA): bit-exact float32
-    )  # fmt: skip
-    return out
-
-
-def gguf_linear_triton(x, qweight, qtype, bias=None, config: dict | None = None):
-    K = x.shape[-1]
-    x2 = contiguous_rows(x.reshape(-1, K))
-    M, N = x2.shape[0], qweight.shape[0]
-    out = empty((M, N), x.dtype, x.device)
-    if M == 0 or N == 0:
-        return out.reshape(*x.shape[:-1], N)
-    qweight = contiguous_rows(qweight)
-    shape = {"M": M, "N": N, "K": K, "qtype": qtype}
-    # The tiled GEMM keeps a dequantized [BLOCK_K, BLOCK_N] tile in registers: at BLOCK_K 128 (the
-    # small-M default) Triton 3.6 spills it on sm_90 (424-616 bytes for Q4_1; python -m kiln.tune.aot).
-    cfg = resolve_config("gguf_linear", x.dtype, shape, config, x.device, min_block_k=32,
-                         wide_operands=x.dtype == torch.float32,
-                         max_block_k=64 if M > GEMV_MAX_M else None)  # fmt: skip
-    bias_arg = bias.contiguous() if bias is not None else out
-    common = dict(QTYPE=qtype, BLOCK_BYTES=BLOCK_BYTES[qtype], HAS_BIAS=bias is not None)
-    if M <= GEMV_MAX_M:
-        split_k = cfg["SPLIT_K"]
-        partials = partials_buffer(cfg, M, N, x.device)
-        _gguf_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), M, split_k)](
-            x2, qweight, bias_arg, out, partials if partials is not None else out, M, N, K,
-            x2.stride(0), qweight.stride(0), out.stride(0), out.stride(1),
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split_k, **common, **kernel_options(cfg),
-        )  # fmt: skip
-    else:
-        partials = partials_buffer(cfg, M, N, x.device)
-        _gguf_gemm_kernel[launch_grid(cfg, M, N)](
-            x2, qweight, bias_arg, out, partials if partials is not None else out, M, N, K,
-            x2.stride(0), qweight.stride(0), out.stride(0), out.stride(1),
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common, **tile_options(cfg),
-        )  # fmt: skip
-    reduce_split_k(partials, out, bias)
-    return out.reshape(*x.shape[:-1], N)
-
-
-def _gguf_configs(shape, dtype):
-    return config_space(shape, dtype, min_block_k=32)
-
-
-GGUF_DEQUANTIZE.register(Implementation("triton", gguf_dequantize_triton, triton_available))
-GGUF_LINEAR.register(
-    Implementation("triton", gguf_linear_triton, triton_available, configs=_gguf_configs,
-                   description="raw GGUF blocks dequantized in registers; GEMV for M <= 4, tiled GEMM above")
-)  # fmt: skip

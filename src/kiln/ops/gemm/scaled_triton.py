@@ -1,4 +1,5 @@
 """Triton W8A8 kernels shared by FP8 (e4m3) and INT8: activation quantization and the scaled GEMM.
+quantize_fp8, quantize_int8, fp8_linear and int8_linear (their triton.py) launch these.
 
 Quantization: one program per row. Per token, the program finds the row's amax, writes the scale
 and writes the rounded row (amax + scale + cast fused in one kernel). Per tensor needs the amax of
@@ -21,8 +22,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.alloc import empty
-from kiln.ops.gemm.fp8_spec import AMAX_FLOOR, FP8_DTYPE, FP8_LINEAR, FP8_MAX, QUANTIZE_FP8
-from kiln.ops.gemm.int8_spec import INT8_LINEAR, INT8_MAX, QUANTIZE_INT8
+from kiln.ops.gemm.scaled import AMAX_FLOOR
 from kiln.ops.gemm.tiling import (
     config_space,
     launch_grid,
@@ -33,7 +33,6 @@ from kiln.ops.gemm.tiling import (
     tile_options,
     tile_program,
 )
-from kiln.ops.registry import Implementation, triton_available
 
 MAX_BLOCK = 4096
 
@@ -104,7 +103,9 @@ def _quantize_rows_kernel(
         tl.store(q_ptr + row * stride_qm + cols, v.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def _quantize(x, per_token: bool, qdtype: torch.dtype, qmax: float):
+def quantize_rows(x, per_token: bool, qdtype: torch.dtype, qmax: float):
+    """x [M, K] -> (q [M, K] of qdtype, float32 scale [M, 1] per token or [1] per tensor), with
+    scale = max(amax, AMAX_FLOOR) / qmax; fp8 rounds to nearest even, int8 half away from zero."""
     M, K = x.shape
     q = empty((M, K), qdtype, x.device)
     scale = empty((M, 1) if per_token else (1,), torch.float32, x.device)
@@ -132,14 +133,6 @@ def _quantize(x, per_token: bool, qdtype: torch.dtype, qmax: float):
         num_warps=min(max(block // 512, 1), 8),
     )
     return q, scale
-
-
-def quantize_fp8_triton(x, per_token=True):
-    return _quantize(x, per_token, FP8_DTYPE, FP8_MAX)
-
-
-def quantize_int8_triton(x):
-    return _quantize(x, True, torch.int8, INT8_MAX)
 
 
 @triton.jit
@@ -209,7 +202,9 @@ def _scaled_linear_kernel(
     )
 
 
-def _scaled_linear(op, x_q, x_scale, w_q, w_scale, bias, out_dtype, config):
+def scaled_linear(op, x_q, x_scale, w_q, w_scale, bias, out_dtype, config):
+    """(x_q [M, K] * x_scale) @ (w_q [N, K] * w_scale)^T + bias -> [M, N] in out_dtype; int32
+    accumulation for int8 operands, float32 for fp8; `config` None: tuned or heuristic."""
     M, K = x_q.shape
     N = w_q.shape[0]
     out = empty((M, N), out_dtype, x_q.device)
@@ -250,35 +245,6 @@ def _scaled_linear(op, x_q, x_scale, w_q, w_scale, bias, out_dtype, config):
     return out
 
 
-def fp8_linear_triton(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16, config=None):
-    return _scaled_linear("fp8_linear", x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, config)
-
-
-def int8_linear_triton(x_int8, x_scale, w_int8, w_scale, bias=None, out_dtype=torch.bfloat16, config=None):
-    return _scaled_linear("int8_linear", x_int8, x_scale, w_int8, w_scale, bias, out_dtype, config)
-
-
-def _int8_configs(shape, dtype):
+def scaled_linear_configs(shape, dtype):
+    """The tuning space: tl.dot on 8-bit operands needs BLOCK_K >= 32."""
     return config_space(shape, dtype, min_block_k=32)
-
-
-QUANTIZE_FP8.register(Implementation("triton", quantize_fp8_triton, triton_available))
-QUANTIZE_INT8.register(Implementation("triton", quantize_int8_triton, triton_available))
-FP8_LINEAR.register(
-    Implementation(
-        "triton",
-        fp8_linear_triton,
-        triton_available,
-        configs=_int8_configs,
-        description="fp8 tl.dot, fp32 accumulation, scale epilogue, split-K",
-    )
-)
-INT8_LINEAR.register(
-    Implementation(
-        "triton",
-        int8_linear_triton,
-        triton_available,
-        configs=_int8_configs,
-        description="int8 tl.dot, int32 accumulation, scale epilogue, split-K",
-    )
-)

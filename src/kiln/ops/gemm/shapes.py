@@ -43,6 +43,12 @@ def gemm_flops(shape: dict, dtype: torch.dtype) -> float:
     return 2.0 * shape["M"] * shape["N"] * shape["K"]
 
 
+def dense_gemm_bytes(shape: dict, dtype: torch.dtype, weight_rows: int = 1) -> float:
+    """x, the [weight_rows * N, K] weight and the output read/written once in `dtype` (+ the bias)."""
+    M, N, K = shape["M"], shape["N"], shape["K"]
+    return (M * K + weight_rows * N * K + M * N + (N if shape.get("bias") else 0)) * element_size(dtype)
+
+
 def fuzz_scaled_gemm_shapes(rng) -> list[dict]:
     """fuzz_gemm_shapes for the W8A8 GEMMs (fp8_linear, int8_linear): bias on every other shape,
     per-token x per-channel scales on two of three (per-tensor on the rest)."""

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.alloc import empty
-from kiln.tune import lookup
+from kiln.ops.tuned_configs import lookup
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages")
 

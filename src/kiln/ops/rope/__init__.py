@@ -1,8 +1,7 @@
-"""Rotary position embedding: the cos/sin cache (cache.py), the in-place rotation (spec.py),
-its backends beside them."""
+"""Rotary position embedding: the cos/sin cache (cache.py, a plain helper built once per model) and
+the in-place rotation op (rotary_embedding/: spec + one file per backend)."""
 
-from kiln.ops.rope import cpu, triton  # noqa: F401  (registers the implementations)
 from kiln.ops.rope.cache import rope_cos_sin_cache
-from kiln.ops.rope.spec import rotary_embedding
+from kiln.ops.rope.rotary_embedding import rotary_embedding
 
 __all__ = ["rope_cos_sin_cache", "rotary_embedding"]

@@ -1,6 +1,5 @@
-"""Softmax over the last dim (with temperature): spec in spec.py, backends beside it."""
+"""Softmax over the last dim (with temperature): softmax/ holds its spec and one file per backend."""
 
-from kiln.ops.softmax import cpu, triton  # noqa: F401  (registers the implementations)
-from kiln.ops.softmax.spec import softmax
+from kiln.ops.softmax.softmax import softmax
 
 __all__ = ["softmax"]

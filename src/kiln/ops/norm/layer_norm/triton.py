@@ -11,7 +11,7 @@ from kiln.ops.checks import check_block_config
 from kiln.ops.norm.common import MAX_BLOCK_N, rows
 from kiln.ops.norm.layer_norm.spec import LAYER_NORM
 from kiln.ops.registry import Implementation, triton_available
-from kiln.tune import lookup
+from kiln.ops.tuned_configs import lookup
 
 
 @triton.jit

@@ -1,0 +1,258 @@
+"""How a Llama-family checkpoint is split over `tp` ranks: the plan (which heads, MLP columns and
+vocabulary rows each rank owns), the slicing of one tensor (GGUF blocks with their scales included),
+and the WeightStore view that hands a rank only its slices. `LlamaForCausalLM(..., tp_group=g)` builds
+its layers over that view with the rank's sizes (kiln.models.layers.tp, parallel_linear, embedding).
+
+Attention is split by whole GQA groups (a kv head and the q heads that read it), so every rank's
+attention is a smaller GQA attention of the same kind:
+  - num_kv_heads >= tp: kv heads split as evenly as possible, uneven when tp does not divide them
+    (SmolLM2-135M, 9 q / 3 kv heads, tp 2: rank 0 gets 2 groups = 6 q + 2 kv heads, rank 1 gets 3 + 1);
+  - num_kv_heads < tp:  each kv head is replicated on tp / num_kv_heads ranks, which split its q heads
+    (tp must be a multiple of num_kv_heads, and a group must have at least that many q heads).
+The MLP is split along the intermediate size in 32-column units (whole GGUF blocks of down_proj's
+inputs), the vocabulary (embedding and LM head rows) in 16-row units (int4 packing wants N % 16 == 0),
+where the sizes allow.
+
+Per rank: q/k/v rows (and biases) of its heads; o_proj columns of its q heads; gate/up rows and
+down_proj columns of its intermediate slice; embedding / LM-head rows of its vocabulary slice.
+Norms are replicated.
+
+Quantized weights shard together with their scales: GGUF blocks cover 32 consecutive inputs of one
+output row, so a row slice is free and a column slice must start and end on a 32-element boundary;
+int4_linear weights likewise on group boundaries (shard_int4); fp8 weights keep their per-channel
+(row slice) or per-tensor scales (shard_fp8). The loaders hand out GGUF blocks or float tensors today,
+so TP uses shard_rows / shard_cols; the int4 / fp8 helpers are for checkpoints stored in those formats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import torch
+
+from kiln.models.config import ModelConfig, ModelLoadError
+from kiln.models.weights import GGUF_BLOCK_BYTES, GGUF_BLOCK_SIZE, GGUFWeight, Weight, WeightStore
+
+TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def shard_rows(weight: Weight, start: int, end: int) -> Weight:
+    """Rows [start, end) of a matrix [out, in] (GGUF blocks included) or elements of a vector [out]."""
+    if isinstance(weight, GGUFWeight):
+        data = weight.data[start:end].contiguous()
+        return GGUFWeight(weight.qtype, data, (end - start, weight.shape[1]))
+    return weight[start:end].contiguous()
+
+
+def shard_cols(weight: Weight, start: int, end: int, what: str = "weight") -> Weight:
+    """Columns [start, end) of a matrix [out, in]. GGUF blocks: start and end must be multiples of 32
+    (a block's scale covers 32 inputs), else ValueError."""
+    if not isinstance(weight, GGUFWeight):
+        return weight[:, start:end].contiguous()
+    if start % GGUF_BLOCK_SIZE or end % GGUF_BLOCK_SIZE:
+        raise ValueError(
+            f"tensor parallel: cannot shard {what} ({weight.qtype}) along its inputs at [{start}, {end}): "
+            f"GGUF blocks hold {GGUF_BLOCK_SIZE} inputs, so shard boundaries must be multiples of "
+            f"{GGUF_BLOCK_SIZE}; use a tp size that divides the heads / intermediate size accordingly"
+        )
+    n, k = weight.shape
+    block_bytes = GGUF_BLOCK_BYTES[weight.qtype]
+    blocks = weight.data.view(n, k // GGUF_BLOCK_SIZE, block_bytes)
+    data = blocks[:, start // GGUF_BLOCK_SIZE : end // GGUF_BLOCK_SIZE].reshape(n, -1).contiguous()
+    return GGUFWeight(weight.qtype, data, (n, end - start))
+
+
+def shard_int4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    in_features: int,
+    axis: int,
+    start: int,
+    end: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slice of an int4_linear weight (qweight int32 [N, ceil(K/8)] packed along K, scales / zeros
+    [N, G]) with its group scales and zero points. axis 0: output rows [start, end); axis 1: inputs
+    [start, end), which must lie on group boundaries (end may be K, where the last group is short)."""
+    if axis == 0:
+        return qweight[start:end].contiguous(), scales[start:end].contiguous(), zeros[start:end].contiguous()
+    if start % group_size or (end % group_size and end != in_features):
+        raise ValueError(
+            f"tensor parallel: cannot shard an int4 weight along its inputs at [{start}, {end}): boundaries "
+            f"must be multiples of its group_size {group_size} (or K={in_features})"
+        )
+    g0, g1 = start // group_size, -(-end // group_size)
+    words = qweight[:, start // 8 : -(-end // 8)].contiguous()  # group_size is a multiple of 8
+    return words, scales[:, g0:g1].contiguous(), zeros[:, g0:g1].contiguous()
+
+
+def shard_fp8(
+    weight: torch.Tensor, scale: torch.Tensor, axis: int, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slice of an fp8_linear weight (e4m3 [N, K]) with its scale (per output channel [N, 1], or one
+    per tensor [1]): output rows take their channels' scales; an input slice keeps them all."""
+    if axis == 0:
+        per_channel = scale.numel() > 1
+        return weight[start:end].contiguous(), scale[start:end].contiguous() if per_channel else scale
+    return weight[:, start:end].contiguous(), scale
+
+
+def split_evenly(total: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
+    """[start, end) ranges covering 0..total in `parts` pieces of whole `unit`s, sizes differing by at
+    most one unit, larger pieces first (total must be a multiple of unit)."""
+    units = total // unit
+    base, extra = divmod(units, parts)
+    ranges, start = [], 0
+    for p in range(parts):
+        size = (base + (1 if p < extra else 0)) * unit
+        ranges.append((start, start + size))
+        start += size
+    return ranges
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """One rank's slices: q heads [q0, q1), kv heads [kv0, kv1), intermediate [i0, i1), vocab [v0, v1)."""
+
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]
+
+
+def _head_ranges(num_heads: int, num_kv_heads: int, tp: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"tensor parallel: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+        )
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= tp:
+        return [((g0 * group, g1 * group), (g0, g1)) for g0, g1 in split_evenly(num_kv_heads, tp)]
+    if tp % num_kv_heads:
+        raise ValueError(
+            f"tensor parallel: tp={tp} ranks cannot share {num_kv_heads} kv heads evenly; use a tp size "
+            f"that is at most {num_kv_heads} or a multiple of it"
+        )
+    replicas = tp // num_kv_heads
+    if group < replicas:
+        raise ValueError(
+            f"tensor parallel: tp={tp} gives each kv head {replicas} ranks but it has only {group} q heads; "
+            f"use tp <= {num_heads}"
+        )
+    out = []
+    for rank in range(tp):
+        kv, part = divmod(rank, replicas)
+        a, b = split_evenly(group, replicas)[part]
+        out.append(((kv * group + a, kv * group + b), (kv, kv + 1)))
+    return out
+
+
+def _unit(total: int, tp: int, preferred: int) -> int:
+    # whole GGUF blocks / int4-packable row counts when the size allows, else any split (dense weights;
+    # a GGUF down_proj then fails in shard_cols with the reason)
+    return preferred if total % preferred == 0 and total // preferred >= tp else 1
+
+
+class ShardPlan:
+    """The split of `config` over `tp` ranks (ValueError for what cannot be split; see module doc)."""
+
+    def __init__(self, config: ModelConfig, tp: int):
+        if tp < 1:
+            raise ValueError(f"tensor parallel: tp={tp}, expected >= 1")
+        if config.architecture not in TP_ARCHITECTURES:
+            raise ValueError(
+                f"tensor parallel: architecture {config.architecture!r} is not supported (supported: "
+                f"{', '.join(TP_ARCHITECTURES)}); run it with tp 1"
+            )
+        self.config, self.tp = config, tp
+        heads = _head_ranges(config.num_heads, config.num_kv_heads, tp)
+        inter = split_evenly(config.intermediate_size, tp, _unit(config.intermediate_size, tp, 32))
+        vocab = split_evenly(config.vocab_size, tp, _unit(config.vocab_size, tp, 16))
+        if any(b == a for a, b in inter) or any(b == a for a, b in vocab):
+            raise ValueError(
+                f"tensor parallel: tp={tp} leaves a rank with no MLP columns or vocabulary rows "
+                f"(intermediate_size={config.intermediate_size}, vocab_size={config.vocab_size})"
+            )
+        self.shards = [RankShard(q, kv, i, v) for (q, kv), i, v in zip(heads, inter, vocab, strict=True)]
+
+    @property
+    def vocab_sizes(self) -> list[int]:
+        return [s.vocab[1] - s.vocab[0] for s in self.shards]
+
+    @property
+    def max_kv_heads(self) -> int:
+        return max(s.kv_heads[1] - s.kv_heads[0] for s in self.shards)
+
+    def rank_config(self, rank: int) -> ModelConfig:
+        """The config rank `rank`'s model is built with: its head counts, intermediate and vocab slices."""
+        s = self.shards[rank]
+        return dataclasses.replace(
+            self.config,
+            num_heads=s.q_heads[1] - s.q_heads[0],
+            num_kv_heads=s.kv_heads[1] - s.kv_heads[0],
+            intermediate_size=s.intermediate[1] - s.intermediate[0],
+            vocab_size=s.vocab[1] - s.vocab[0],
+            eos_token_ids=list(self.config.eos_token_ids),
+        )
+
+
+_LAYER_TENSOR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
+_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+class ShardedWeightStore:
+    """A WeightStore view that returns rank `rank`'s slice of every tensor (the full tensor is read,
+    sliced, and dropped, one tensor at a time). Shapes asked for are the rank's shapes."""
+
+    def __init__(self, inner: WeightStore, plan: ShardPlan, rank: int):
+        self.inner, self.plan, self.rank = inner, plan, rank
+        self.source = inner.source
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.inner
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def get_optional(self, name: str, shape: tuple[int, ...]) -> Weight | None:
+        return self.get(name, shape) if name in self.inner else None
+
+    def _rule(self, name: str) -> tuple[int, int, int, int] | None:
+        """(axis, full size along it, start, end) of the slice of `name`, None when replicated."""
+        c, s = self.plan.config, self.plan.shards[self.rank]
+        d = c.head_dim
+        if name in _VOCAB_TENSORS:
+            return (0, c.vocab_size, *s.vocab)
+        match = _LAYER_TENSOR.match(name)
+        if match is None:
+            return None
+        proj = match.group(2)
+        q0, q1 = s.q_heads[0] * d, s.q_heads[1] * d
+        kv0, kv1 = s.kv_heads[0] * d, s.kv_heads[1] * d
+        rules = {
+            "q": (0, c.num_heads * d, q0, q1),
+            "k": (0, c.num_kv_heads * d, kv0, kv1),
+            "v": (0, c.num_kv_heads * d, kv0, kv1),
+            "o": (1, c.num_heads * d, q0, q1),
+            "gate": (0, c.intermediate_size, *s.intermediate),
+            "up": (0, c.intermediate_size, *s.intermediate),
+            "down": (1, c.intermediate_size, *s.intermediate),
+        }
+        return rules.get(proj)
+
+    def get(self, name: str, shape: tuple[int, ...]) -> Weight:
+        rule = self._rule(name)
+        if rule is None:
+            return self.inner.get(name, shape)
+        axis, full, start, end = rule
+        if len(shape) <= axis or shape[axis] != end - start:
+            raise ModelLoadError(
+                f"{self.source}: rank {self.rank} asked for {name!r} with shape {tuple(shape)}, but its "
+                f"shard along dim {axis} is [{start}, {end})"
+            )
+        full_shape = tuple(full if i == axis else n for i, n in enumerate(shape))
+        weight = self.inner.get(name, full_shape)
+        return shard_rows(weight, start, end) if axis == 0 else shard_cols(weight, start, end, name)

@@ -1,0 +1,61 @@
+"""gelu_tanh_and_mul: the gated tanh-GELU of an MLP's fused gate/up projection (Gemma).
+
+    x: [..., 2*d]  float32 / float16 / bfloat16 (gate and up halves concatenated)
+    y = gelu_tanh(x[..., :d]) * x[..., d:],
+    gelu_tanh(a) = 0.5 * a * (1 + tanh(sqrt(2/pi) * (a + 0.044715 a^3)))
+    Returns y [..., d] in x's dtype; math in float32, one rounding of the output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ops.activation.gated import (
+    DTYPES,
+    SCHEMA,
+    TOLERANCE,
+    fake_gated,
+    fuzz_shapes,
+    gated_bytes,
+    llm_shapes,
+    make_inputs,
+    validate_gated,
+)
+from kiln.ops.registry import OpSpec, define_op
+from kiln.ops.testing import compute_dtype
+
+
+def gelu_tanh_and_mul_reference(x):
+    xf = x.to(compute_dtype(x.dtype))
+    d = x.shape[-1] // 2
+    return (torch.nn.functional.gelu(xf[..., :d], approximate="tanh") * xf[..., d:]).to(x.dtype)
+
+
+def validate_gelu_tanh_and_mul(x) -> None:
+    validate_gated("gelu_tanh_and_mul", x)
+
+
+def _torch_eager(x):
+    d = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+GELU_TANH_AND_MUL = OpSpec(
+    name="gelu_tanh_and_mul",
+    description="gelu_tanh(gate) * up over x = [gate | up] on the last dim",
+    reference=gelu_tanh_and_mul_reference,
+    make_inputs=make_inputs,
+    fuzz_shapes=fuzz_shapes,
+    dtypes=DTYPES,
+    tolerance=TOLERANCE,
+    flops=lambda s, dtype: 9 * s["rows"] * s["d"],
+    bytes=gated_bytes,
+    bench_shapes={"llm": llm_shapes()},
+    baselines={"torch_eager": _torch_eager},
+    schema=SCHEMA,
+    validate=validate_gelu_tanh_and_mul,
+    fake=fake_gated,
+    doc=__doc__,
+)
+
+gelu_tanh_and_mul = define_op(GELU_TANH_AND_MUL, "kiln.ops")

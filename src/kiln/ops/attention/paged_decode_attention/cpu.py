@@ -1,0 +1,103 @@
+"""Fast CPU paged_decode_attention: the whole batch in one call. Gather every sequence's blocks
+(padded to the longest context) with one index_select per cache, zero the slots past each
+sequence's length, then one SDPA with a key-padding mask (explicit float32 scores when soft-capping).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.attention.cpu_sdpa import compute_dtype
+from kiln.ops.attention.paged_decode_attention.spec import PAGED_DECODE_ATTENTION
+from kiln.ops.registry import Implementation, cpu_only
+
+
+def _decode_batched(
+    q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale, v_scale
+):
+    """All sequences at once, padded to the longest context, one SDPA call with a key-padding mask.
+
+    Measured (SmolLM2 9:3 heads, head_dim 64, one thread, best of 60, shared machine so +-30%):
+    fp32 batch 1: 0.05 / 0.09 / 0.29 ms at context 128 / 512 / 2048, same as a per-sequence SDPA
+    loop or explicit matmuls; batch 16 (ragged contexts): 0.24 / 1.05 ms at 128 / 512 against
+    0.57 / 1.5 ms for the loop. bf16 inputs: the same call in float32 (the gather converts) is
+    3-15x faster than bf16 SDPA with a mask, so half inputs compute in float32 too."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    lens = seq_lens.to(torch.int64)
+    lens_list = lens.tolist()
+    longest = max(lens_list)
+    num_blocks = -(-longest // block_size)
+    # Padding entries of the block table may hold anything: clamp them into range; what they gather
+    # is zeroed below.
+    blocks = block_tables[:, :num_blocks].long().clamp(0, key_cache.shape[0] - 1).reshape(-1)
+    dtype = compute_dtype(q)
+    # A sequence shorter than the longest gathers slots past its length, which the contract never
+    # reads and which may hold anything, NaN included. Masking the scores is not enough (SDPA adds
+    # the mask to a NaN score, and probability 0 times a NaN value is NaN), so they are zeroed: one
+    # fill per short sequence (10-30x cheaper than a boolean-mask write over the batch; measured
+    # +0.1 ms at batch 16 / context 128, within noise at context 512). A single sequence gathers
+    # exactly its own tokens: nothing to zero, the path is unchanged.
+    short = [(b, length) for b, length in enumerate(lens_list) if length < longest]
+
+    def gather(cache, cache_scale):
+        tokens = cache.index_select(0, blocks).view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+        tokens = tokens[:, :longest].to(dtype)
+        if cache_scale is not None:
+            tokens = tokens * cache_scale.to(dtype)[:, None]
+        for b, length in short:  # tokens is this call's own gathered copy
+            tokens[b, length:] = 0
+        return tokens.transpose(1, 2)  # [B, Hkv, L, D]
+
+    k, v = gather(key_cache, k_scale), gather(value_cache, v_scale)
+    positions = torch.arange(longest, device=q.device)[None, :]
+    visible = positions < lens[:, None]
+    if sliding_window is not None:
+        visible &= positions > lens[:, None] - 1 - sliding_window
+    scale = head_dim**-0.5 if scale is None else scale
+    group = num_heads // num_kv_heads
+    if softcap is None:
+        # One sequence without a window sees every gathered key: no mask, SDPA's faster unmasked path.
+        mask = None if num_seqs == 1 and sliding_window is None else visible[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q.to(dtype).view(num_seqs, num_heads, 1, head_dim),
+            k,
+            v,
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
+    # Soft-capping needs the scores: [B, Hkv, G, D] @ [B, Hkv, D, L] per GQA group.
+    scores = (
+        torch.matmul(q.to(dtype).view(num_seqs, num_kv_heads, group, head_dim), k.transpose(2, 3)) * scale
+    )
+    scores = torch.tanh(scores / softcap) * softcap
+    scores.masked_fill_(~visible[:, None, None, :], -math.inf)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def paged_decode_attention_cpu(
+    q,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    scale=None,
+    sliding_window=None,
+    softcap=None,
+    k_scale=None,
+    v_scale=None,
+):
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    return _decode_batched(
+        q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale, v_scale
+    )
+
+
+PAGED_DECODE_ATTENTION.register(Implementation("cpu", paged_decode_attention_cpu, cpu_only))

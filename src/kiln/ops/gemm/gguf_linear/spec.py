@@ -1,0 +1,79 @@
+"""gguf_linear: the fused GGUF block dequant + GEMM, weights read as stored in the file.
+
+    x:       [..., K] float32 / float16 / bfloat16; K a multiple of 32 (GGUF's block size)
+    qweight: uint8 [N, row_bytes] of Q4_0 / Q4_1 / Q8_0 blocks (formats: gguf_dequantize's spec)
+    qtype:   "Q4_0", "Q4_1" or "Q8_0"
+    bias:    [N] in x's dtype, or None
+    y = x @ W^T + bias, [..., N] in x's dtype; W decoded in float32, accumulation in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
+from kiln.ops.gemm.gguf_blocks import QTYPES, make_gguf_weight, packed_bytes, validate_gguf_weight
+from kiln.ops.gemm.shapes import GEMM_TOLERANCE, fuzz_gemm_shapes, gemm_flops, llm_shapes
+from kiln.ops.registry import OpSpec, define_op
+from kiln.ops.testing import element_size, randn
+from kiln.quant.gguf_blocks import BLOCK_SIZE, dequantize_blocks
+
+
+def gguf_linear_reference(x, qweight, qtype, bias=None):
+    out = x @ dequantize_blocks(qweight, qtype, x.dtype).T
+    return out if bias is None else out + bias
+
+
+def validate_gguf_linear(x, qweight, qtype, bias) -> None:
+    op = "gguf_linear"
+    check_tensor(op, "x", x, min_ndim=1, dtypes=FLOAT_DTYPES + (torch.float64,))
+    validate_gguf_weight(op, qweight, qtype, x.shape[-1], device_of(x))
+    if bias is not None:
+        check_tensor(op, "bias", bias, ndim=1, dtypes=(x.dtype,), device=device_of(x))
+        if bias.shape[0] != qweight.shape[0]:
+            raise ValueError(
+                f"{op}: bias has {bias.shape[0]} elements, expected out-features {qweight.shape[0]}"
+            )
+
+
+def _make_inputs(shape, dtype, device, generator):
+    return {
+        "x": randn((shape["M"], shape["K"]), dtype, device, generator),
+        "qweight": make_gguf_weight(shape, device, generator),
+        "qtype": shape["qtype"],
+        "bias": randn((shape["N"],), dtype, device, generator) if shape.get("bias") else None,
+    }
+
+
+def _fuzz_shapes(rng):
+    shapes = fuzz_gemm_shapes(rng, k_multiple=BLOCK_SIZE)
+    return [{**s, "qtype": QTYPES[i % 3], "bias": i % 2 == 1} for i, s in enumerate(shapes)] + [
+        {"M": 1, "N": 45, "K": 160, "qtype": q} for q in QTYPES
+    ]
+
+
+def _torch_dequant_matmul(x, qweight, qtype, bias=None):
+    return torch.nn.functional.linear(x, dequantize_blocks(qweight, qtype, x.dtype), bias)
+
+
+GGUF_LINEAR = OpSpec(
+    name="gguf_linear",
+    description="fused GGUF block dequant + GEMM (GEMV path for decode)",
+    reference=gguf_linear_reference,
+    make_inputs=_make_inputs,
+    fuzz_shapes=_fuzz_shapes,
+    dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    # Weights dequantized in float32 and rounded to x's dtype for the dot: as a dense GEMM.
+    tolerance=GEMM_TOLERANCE,
+    flops=gemm_flops,
+    bytes=lambda s, dtype: packed_bytes(s) + (s["M"] * s["K"] + s["M"] * s["N"]) * element_size(dtype),
+    bench_shapes={"llm": [{**s, "qtype": q} for s in llm_shapes() for q in ("Q4_1", "Q8_0")]},
+    baselines={"torch_dequant_matmul": _torch_dequant_matmul},
+    gpu_only_dtypes={"triton": (torch.bfloat16,)},
+    schema="(Tensor x, Tensor qweight, str qtype, Tensor? bias=None) -> Tensor",
+    validate=validate_gguf_linear,
+    fake=lambda x, qweight, qtype, bias: x.new_empty((*x.shape[:-1], qweight.shape[0])),
+    doc=__doc__,
+)
+
+gguf_linear = define_op(GGUF_LINEAR, "kiln.ops")

@@ -1,0 +1,58 @@
+"""quantize_int8: symmetric per-token INT8 activation quantization, amax + scale + round fused.
+
+    x: [M, K] float32 / float16 / bfloat16
+    -> (x_int8 [M, K] int8, scale float32 [M, 1]) with scale = max(amax_row, 1e-12) / 127 and
+    x_int8 = round-half-away-from-zero(x / scale), so x ~= x_int8 * scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ops.checks import FLOAT_DTYPES, check_tensor
+from kiln.ops.gemm.scaled import AMAX_FLOOR, INT8_MAX, make_quantize_inputs
+from kiln.ops.gemm.shapes import fuzz_quantize_shapes, quantize_bytes, quantize_flops
+from kiln.ops.registry import OpSpec, define_op
+from kiln.ops.testing import compute_dtype
+
+
+def round_half_away(v: torch.Tensor) -> torch.Tensor:
+    """C's roundf: ties go away from zero (what the kernels do)."""
+    return torch.sign(v) * torch.floor(v.abs() + 0.5)
+
+
+def quantize_int8_reference(x):
+    xf = x.to(compute_dtype(x.dtype))
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR) / INT8_MAX
+    return round_half_away(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def validate_quantize_int8(x) -> None:
+    check_tensor("quantize_int8", "x", x, ndim=2, dtypes=FLOAT_DTYPES + (torch.float64,))
+
+
+def _fake(x):
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+QUANTIZE_INT8 = OpSpec(
+    name="quantize_int8",
+    description="fused per-token amax + scale + round to int8 (symmetric)",
+    reference=quantize_int8_reference,
+    make_inputs=make_quantize_inputs,
+    fuzz_shapes=fuzz_quantize_shapes,
+    dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    # float32 vs float64 division: an element can round the other way only within ~1e-7 of a .5 tie
+    # (one int8 step in a rare element); the scale is one float32 rounding.
+    tolerance={torch.float32: 5e-3, torch.float16: 5e-3, torch.bfloat16: 5e-3},
+    flops=quantize_flops,
+    bytes=quantize_bytes,
+    outputs=lambda result, inputs: result,
+    bench_shapes={"llm": [{"M": m, "K": k} for k in (4096, 14336, 576) for m in (1, 64, 2048, 8192)]},
+    schema="(Tensor x) -> (Tensor, Tensor)",
+    validate=validate_quantize_int8,
+    fake=_fake,
+    doc=__doc__,
+)
+
+quantize_int8 = define_op(QUANTIZE_INT8, "kiln.ops")

@@ -1,3 +1,0 @@
-"""sampling ops (see docs/contracts.md)."""
-
-__all__: list[str] = []

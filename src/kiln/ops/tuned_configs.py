@@ -1,0 +1,148 @@
+"""The persistent autotuning cache that kernels read at run time (so production start-up does no tuning).
+
+Keyed by (device name, Triton version, op, dtype, shape bucket). Two layers, the first match wins:
+  1. the user's cache, `$KILN_TUNE_CACHE` or ~/.cache/kiln/tune.json (written by `kiln tune`);
+  2. caches shipped with Kiln under kiln/ops/shipped_configs/*.json (tuned on real GPUs and committed).
+A launcher calls `lookup(op, dtype, shape)` with the same shape dict its OpSpec uses, and falls back
+to its heuristic when that returns None.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Tuned on real GPUs and committed, one JSON per device.
+SHIPPED_DIR = Path(__file__).parent / "shipped_configs"
+
+
+def device_name(device: torch.device | None = None) -> str:
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return "none"
+
+
+def shape_bucket(shape: dict[str, Any]) -> str:
+    """Integers round up to the next power of two (so nearby shapes share a config); other values
+    (flags, strings) are kept as they are. Deterministic key order."""
+    parts = []
+    for key in sorted(shape):
+        value = shape[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            parts.append(f"{key}={value}")
+        else:
+            parts.append(f"{key}={1 << max(value - 1, 0).bit_length()}")
+    return ",".join(parts)
+
+
+def cache_key(op: str, dtype: torch.dtype, shape: dict[str, Any], device: torch.device | None = None) -> str:
+    dtype_name = str(dtype).replace("torch.", "")
+    return f"{device_name(device)}|triton-{triton_version()}|{op}|{dtype_name}|{shape_bucket(shape)}"
+
+
+def user_cache_path() -> Path:
+    return Path(os.environ.get("KILN_TUNE_CACHE", Path.home() / ".cache" / "kiln" / "tune.json"))
+
+
+def _read(path: Path) -> dict[str, dict]:
+    try:
+        return json.loads(path.read_text()).get("entries", {})
+    except FileNotFoundError:
+        return {}
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"kiln tune cache {path} is malformed ({exc}); delete it or fix it") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped() -> dict[str, dict]:
+    entries: dict[str, dict] = {}
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        entries.update(_read(path))
+    return entries
+
+
+_user_entries: dict[str, dict] | None = None
+
+
+def _user() -> dict[str, dict]:
+    global _user_entries
+    if _user_entries is None:
+        _user_entries = _read(user_cache_path())
+    return _user_entries
+
+
+def lookup(
+    op: str, dtype: torch.dtype, shape: dict[str, Any], device: torch.device | None = None
+) -> dict | None:
+    """The tuned config for this op/dtype/shape bucket on this device, or None (use the heuristic)."""
+    key = cache_key(op, dtype, shape, device)
+    entry = _user().get(key) or _shipped().get(key)
+    return dict(entry["config"]) if entry else None
+
+
+def store(
+    op: str,
+    dtype: torch.dtype,
+    shape: dict[str, Any],
+    config: dict,
+    meta: dict | None = None,
+    path: Path | None = None,
+    device: torch.device | None = None,
+) -> str:
+    """Record a tuned config (with optional metadata such as its time) in the user's cache."""
+    global _user_entries
+    path = path or user_cache_path()
+    entries = _read(path)
+    key = cache_key(op, dtype, shape, device)
+    entries[key] = {"config": config, **(meta or {})}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"version": 1, "entries": entries}, indent=2, sort_keys=True))
+    tmp.replace(path)
+    _user_entries = None
+    return key
+
+
+def shipped_path(device: torch.device | None = None) -> Path:
+    """Where the shipped cache for this device lives: kiln/ops/shipped_configs/<device-slug>.json."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
+    return SHIPPED_DIR / f"{slug}.json"
+
+
+def export(
+    keys: list[str] | None = None, path: Path | None = None, device: torch.device | None = None
+) -> Path:
+    """Copy tuned entries from the user's cache into a shipped cache file (default `shipped_path`),
+    merged with what that file already holds. `keys`: the entries to copy (default: every entry of
+    this device). Returns the path written."""
+    path = Path(path) if path is not None else shipped_path(device)
+    user = _read(user_cache_path())
+    if keys is None:
+        prefix = f"{device_name(device)}|"
+        keys = [key for key in user if key.startswith(prefix)]
+    missing = [key for key in keys if key not in user]
+    if missing:
+        raise ValueError(f"kiln tune export: {len(missing)} key(s) not in {user_cache_path()}: {missing[0]}")
+    entries = _read(path)
+    entries.update({key: user[key] for key in keys})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"version": 1, "entries": entries}, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    _shipped.cache_clear()
+    return path

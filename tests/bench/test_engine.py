@@ -1,0 +1,73 @@
+"""`kiln bench engine`: the engine runs measure every concurrency and summarize (the toy model), the
+--decode-loop mode times one token per step through the model alone, and a whole run writes the
+JSON report with the benchmark's own options only (a random-weight tiny Llama, no baselines)."""
+
+import argparse
+import json
+
+import torch
+from engine.toy_model import toy_loaded  # tests/engine/toy_model.py
+
+from kiln.bench import engine as benchmark
+from kiln.cli import main
+from kiln.loaders import load_model
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    benchmark.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_engine_benchmark_measures_every_concurrency_and_summarizes():
+    args = _args(["--max-tokens", "5", "--prompt-len", "7", "--concurrency", "1,3", "--num-prompts", "4"])
+    results = benchmark.bench_kiln(args, toy_loaded(), [1, 3])
+    assert [(r.scenario, r.concurrency, r.output_tokens) for r in results] == [
+        ("single-stream", 1, 5),
+        ("concurrent", 3, 15),
+        ("offline", 4, 20),
+    ]
+    assert all(r.tok_per_s > 0 and r.ttft_ms > 0 and r.tpot_ms > 0 for r in results)
+    table = benchmark.markdown(results)
+    assert table.count("\n") == len(results) + 1 and "| kiln | concurrent | 3 | 15 |" in table
+    summary = benchmark.comparisons(results)
+    assert summary["single_stream_tok_s"] == results[0].tok_per_s
+
+
+def test_decode_loop_prefills_once_then_decodes_one_token_per_step():
+    loaded = load_model("random:tiny", device="cpu")
+    tokens_per_forward = []
+    loaded.model.register_forward_hook(lambda module, args, output: tokens_per_forward.append(len(args[0])))
+    prompt = list(range(100, 111))
+    wall_tok_s, cpu_tok_s = benchmark.decode_tokens_per_second(loaded.model, prompt, steps=6)
+    # the prompt in one forward, 4 warm-up steps, then the 6 timed ones
+    assert tokens_per_forward == [len(prompt)] + [1] * (4 + 6)
+    assert wall_tok_s > 0 and cpu_tok_s > 0
+
+
+def test_decode_loop_mode_writes_one_result_and_its_summary(tmp_path):
+    out = tmp_path / "decode.json"
+    argv = ["bench", "engine", "--model", "random:tiny", "--device", "cpu", "--decode-loop"]
+    assert main([*argv, "--max-tokens", "5", "--prompt-len", "8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (result,) = report["results"]
+    assert (result["system"], result["scenario"], result["output_tokens"]) == ("kiln", "decode-loop", 5)
+    assert result["tok_per_s"] == report["summary"]["decode_loop_tok_s"] > 0
+    assert report["summary"]["decode_loop_cpu_ms_per_token"] > 0
+    assert report["config"]["decode_loop"] is True
+
+
+def test_engine_run_reports_machine_config_results_and_summary(tmp_path):
+    out = tmp_path / "engine.json"
+    argv = ["bench", "engine", "--model", "random:tiny", "--device", "cpu", "--concurrency", "1,2"]
+    argv += ["--num-prompts", "2", "--max-tokens", "4", "--prompt-len", "8", "--hf-batches", ""]
+    assert main([*argv, "--no-llama-cpp", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report) == ["machine", "config", "model", "results", "summary"]
+    assert report["machine"]["torch_threads"] == torch.get_num_threads()
+    # the options of `kiln bench engine` only: none of the op benchmark's (`kiln bench --suite ...`)
+    own = vars(_args([]))
+    assert report["config"].keys() == own.keys() and report["config"]["concurrency"] == "1,2"
+    scenarios = [(r["scenario"], r["concurrency"], r["output_tokens"]) for r in report["results"]]
+    assert scenarios == [("single-stream", 1, 4), ("concurrent", 2, 8), ("offline", 2, 8)]
+    assert report["summary"]["single_stream_tok_s"] == report["results"][0]["tok_per_s"]

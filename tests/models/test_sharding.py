@@ -1,0 +1,169 @@
+"""How checkpoints are split over tensor-parallel ranks: head / MLP / vocabulary ranges, GGUF block
+slicing with their scales, and the sharded WeightStore (no processes: pure slicing)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kiln.models.config import ModelConfig
+from kiln.models.sharding import ShardedWeightStore, ShardPlan, shard_cols, shard_rows, split_evenly
+from kiln.models.weights import GGUFWeight, WeightStore
+
+
+def _config(**overrides):
+    base = dict(
+        architecture="LlamaForCausalLM", vocab_size=160, hidden_size=64, intermediate_size=96,
+        num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+    )  # fmt: skip
+    return ModelConfig(**{**base, **overrides})
+
+
+def _random_gguf(n, k, qtype, seed=0):
+    """Random block bytes with finite fp16 scales (and mins for Q4_1)."""
+    from kiln.models.weights import GGUF_BLOCK_BYTES
+
+    g = torch.Generator().manual_seed(seed)
+    nb, bb = k // 32, GGUF_BLOCK_BYTES[qtype]
+    data = torch.randint(0, 256, (n, nb, bb), generator=g, dtype=torch.int32).to(torch.uint8)
+    scale_bytes = (torch.rand(n, nb, 1, generator=g) * 0.1 + 0.01).half().view(torch.uint8)
+    data[..., 0:2] = scale_bytes.view(n, nb, 2)
+    if qtype == "Q4_1":
+        data[..., 2:4] = (torch.randn(n, nb, 1, generator=g) * 0.1).half().view(torch.uint8).view(n, nb, 2)
+    return GGUFWeight(qtype, data.reshape(n, nb * bb), (n, k))
+
+
+def test_split_evenly_covers_everything_with_larger_pieces_first():
+    assert split_evenly(9, 2) == [(0, 5), (5, 9)]
+    assert split_evenly(1536, 3, unit=32) == [(0, 512), (512, 1024), (1024, 1536)]
+    assert split_evenly(96, 2, unit=32) == [(0, 64), (64, 96)]
+
+
+def test_smollm2_heads_split_unevenly_by_whole_gqa_groups():
+    plan = ShardPlan(_config(num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576), 2)
+    assert [s.q_heads for s in plan.shards] == [(0, 6), (6, 9)]
+    assert [s.kv_heads for s in plan.shards] == [(0, 2), (2, 3)]
+    # every rank keeps the model's GQA ratio (3 q heads per kv head)
+    for rank in range(2):
+        c = plan.rank_config(rank)
+        assert c.num_heads == 3 * c.num_kv_heads
+
+
+def test_fewer_kv_heads_than_ranks_replicates_kv_heads_and_splits_their_q_heads():
+    plan = ShardPlan(_config(num_heads=4, num_kv_heads=1), 2)
+    assert [s.kv_heads for s in plan.shards] == [(0, 1), (0, 1)]
+    assert [s.q_heads for s in plan.shards] == [(0, 2), (2, 4)]
+    plan = ShardPlan(_config(num_heads=8, num_kv_heads=2), 4)
+    assert [s.kv_heads for s in plan.shards] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [s.q_heads for s in plan.shards] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+@pytest.mark.parametrize(
+    "overrides, tp, message",
+    [
+        (dict(num_heads=6, num_kv_heads=2), 3, "cannot share 2 kv heads"),
+        (dict(num_heads=2, num_kv_heads=1), 4, "only 2 q heads"),
+        (dict(architecture="MixtralForCausalLM"), 2, "run it with tp 1"),
+        (dict(intermediate_size=1), 2, "no MLP columns"),
+    ],
+)
+def test_unsplittable_models_are_rejected_with_the_reason(overrides, tp, message):
+    with pytest.raises(ValueError, match=message):
+        ShardPlan(_config(**overrides), tp)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_column_shards_keep_their_block_scales(qtype):
+    weight = _random_gguf(8, 128, qtype)
+    full = weight.dequantize()
+    torch.testing.assert_close(shard_cols(weight, 32, 96).dequantize(), full[:, 32:96], rtol=0, atol=0)
+    torch.testing.assert_close(shard_rows(weight, 3, 7).dequantize(), full[3:7], rtol=0, atol=0)
+
+
+def test_gguf_column_shard_off_a_block_boundary_is_rejected():
+    with pytest.raises(ValueError, match="multiples of 32"):
+        shard_cols(_random_gguf(4, 128, "Q4_1"), 16, 80, "o_proj")
+
+
+def test_sharded_store_slices_reassemble_every_tensor():
+    c = _config(num_heads=4, num_kv_heads=2, attention_bias=True)
+    d, h, i, v = c.head_dim, c.hidden_size, c.intermediate_size, c.vocab_size
+    p = "model.layers.0."
+    shapes = {
+        p + "self_attn.q_proj.weight": (4 * d, h), p + "self_attn.q_proj.bias": (4 * d,),
+        p + "self_attn.k_proj.weight": (2 * d, h), p + "self_attn.v_proj.weight": (2 * d, h),
+        p + "self_attn.o_proj.weight": (h, 4 * d), p + "mlp.gate_proj.weight": (i, h),
+        p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
+        p + "input_layernorm.weight": (h,), "model.embed_tokens.weight": (v, h),
+    }  # fmt: skip
+    tensors = {name: torch.randn(shape) for name, shape in shapes.items()}
+    store = WeightStore("test", {n: (t.shape, lambda t=t: t) for n, t in tensors.items()})
+    plan = ShardPlan(c, 2)
+    parts = {name: [] for name in tensors}
+    for rank in range(2):
+        rc = plan.rank_config(rank)
+        local = {
+            "q": (rc.num_heads * d, h), "k": (rc.num_kv_heads * d, h), "v": (rc.num_kv_heads * d, h),
+            "o": (h, rc.num_heads * d), "gate": (rc.intermediate_size, h), "up": (rc.intermediate_size, h),
+            "down": (h, rc.intermediate_size),
+        }  # fmt: skip
+        sharded = ShardedWeightStore(store, plan, rank)
+        for name, shape in shapes.items():
+            proj = name.rsplit(".", 2)[-2].removesuffix("_proj")
+            want = local.get(proj, shape)
+            if name.endswith(".bias"):
+                want = (want[0],)
+            if name == "model.embed_tokens.weight":
+                want = (rc.vocab_size, h)
+            parts[name].append(sharded.get(name, want))
+    for name, full in tensors.items():
+        if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+            torch.testing.assert_close(torch.cat(parts[name], dim=1), full, rtol=0, atol=0)
+        elif name.endswith("layernorm.weight"):
+            assert all(torch.equal(part, full) for part in parts[name])
+        else:
+            torch.testing.assert_close(torch.cat(parts[name], dim=0), full, rtol=0, atol=0)
+
+
+def test_rank_config_keeps_everything_but_the_split_sizes():
+    c = _config(num_heads=9, num_kv_heads=3, hidden_size=576, head_dim=64, intermediate_size=1536)
+    rc = ShardPlan(c, 2).rank_config(1)
+    assert (rc.num_heads, rc.num_kv_heads, rc.intermediate_size, rc.vocab_size) == (3, 1, 768, 80)
+    assert dataclasses.replace(rc, num_heads=9, num_kv_heads=3, intermediate_size=1536, vocab_size=160) == c
+
+
+@pytest.mark.parametrize("K", [256, 200])  # 200: a short last group
+def test_int4_shards_keep_their_group_scales_and_zero_points(K):
+    from kiln.models.sharding import shard_int4
+    from kiln.quant.int4 import dequantize_int4, quantize_int4
+
+    weight = torch.randn(48, K, generator=torch.Generator().manual_seed(1))
+    qweight, scales, zeros = quantize_int4(weight, group_size=64)
+    full = dequantize_int4(qweight, scales, zeros, 64, K)
+    rows = shard_int4(qweight, scales, zeros, 64, K, 0, 16, 40)
+    torch.testing.assert_close(dequantize_int4(*rows, 64, K), full[16:40], rtol=0, atol=0)
+    for start, end in ((0, 128), (128, K)):
+        cols = shard_int4(qweight, scales, zeros, 64, K, 1, start, end)
+        torch.testing.assert_close(
+            dequantize_int4(*cols, 64, end - start), full[:, start:end], rtol=0, atol=0
+        )
+    with pytest.raises(ValueError, match="group_size 64"):
+        shard_int4(qweight, scales, zeros, 64, K, 1, 32, 128)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_fp8_shards_keep_their_scales(per_channel):
+    from kiln.models.sharding import shard_fp8
+
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    scale = (
+        weight.abs().amax(dim=1, keepdim=True) / 448.0
+        if per_channel
+        else weight.abs().amax().reshape(1) / 448
+    )
+    w8 = (weight / scale).to(torch.float8_e4m3fn)
+    full = w8.float() * scale
+    w, s = shard_fp8(w8, scale, 0, 8, 20)
+    torch.testing.assert_close(w.float() * s, full[8:20], rtol=0, atol=0)
+    w, s = shard_fp8(w8, scale, 1, 16, 48)
+    torch.testing.assert_close(w.float() * s, full[:, 16:48], rtol=0, atol=0)

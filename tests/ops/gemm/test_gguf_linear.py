@@ -1,0 +1,105 @@
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import kiln.ops
+from kiln.ops.gemm.gguf_linear import GGUF_LINEAR
+from kiln.ops.gemm.gguf_linear.triton import gguf_linear_triton
+from kiln.verify import assert_close, run_case
+
+QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def seed() -> int:
+    return random.randrange(2**31)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"M": 1, "N": 45, "K": 160, "qtype": "Q4_0", "bias": True},  # GEMV
+        {"M": 3, "N": 70, "K": 96, "qtype": "Q4_1"},  # GEMV, several rows
+        {"M": 1, "N": 37, "K": 224, "qtype": "Q8_0"},
+        {"M": 17, "N": 33, "K": 64, "qtype": "Q4_1", "bias": True},  # tiled GEMM
+        {"M": 20, "N": 19, "K": 128, "qtype": "Q8_0"},
+    ],
+)
+def test_gguf_linear_matches_float64_reference(backend, dtype, shape, device):
+    case = run_case(GGUF_LINEAR, backend, shape, dtype, device, seed())
+    assert case.passed, case
+
+
+@pytest.mark.parametrize("M", [1, 9])  # GEMV and GEMM paths
+def test_gguf_linear_split_k_on_embedded_model_weight(smollm2_gguf_tensors, M, device):
+    gguf = pytest.importorskip("gguf")
+    tensor = smollm2_gguf_tensors["blk.0.attn_k.weight"]  # [192, 576] Q4_1
+    qweight = torch.from_numpy(np.array(tensor.data)).to(device)
+    w = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type)).double().to(device)
+    x = torch.randn(M, 576, device=device)
+    config = {
+        "BLOCK_M": 16,
+        "BLOCK_N": 64,
+        "BLOCK_K": 64,
+        "GROUP_M": 8,
+        "SPLIT_K": 4,
+        "num_warps": 4,
+        "num_stages": 2,
+    }
+    out = gguf_linear_triton(x, qweight, "Q4_1", config=config)
+    assert_close(out, x.double() @ w.T, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            (torch.randn(2, 40), torch.zeros(3, 20, dtype=torch.uint8), "Q4_1"),
+            "K=40 must be a multiple of 32",
+        ),
+        (
+            (torch.randn(2, 64), torch.zeros(3, 40, dtype=torch.uint8), "Q4_0"),
+            "not whole 18-byte Q4_0 blocks",
+        ),
+        ((torch.randn(2, 64), torch.zeros(3, 34, dtype=torch.uint8), "Q8_0"), "expected K/32 \\* 34 = 68"),
+        ((torch.randn(2, 64), torch.zeros(3, 68, dtype=torch.uint8), "Q6_K"), "qtype 'Q6_K' unsupported"),
+        ((torch.randn(2, 64), torch.zeros(3, 68, dtype=torch.int8), "Q8_0"), "qweight has dtype int8"),
+    ],
+)
+def test_gguf_linear_rejects_bad_input(args, message):
+    with pytest.raises(ValueError, match=message):
+        kiln.ops.gguf_linear(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("M", [1, 300])
+def test_gguf_linear_bfloat16_on_gpu(qtype, M):
+    case = run_case(GGUF_LINEAR, "triton", {"M": M, "N": 1000, "K": 576, "qtype": qtype}, torch.bfloat16,
+                    torch.device("cuda"), seed())  # fmt: skip
+    assert case.passed, case
+
+
+def test_verifier_inputs_catch_a_swapped_nibble_order():
+    # A kernel reading weight j + 16 from the low nibble (the classic GGUF mistake) must fail the spec's
+    # comparison: the fuzz inputs are not symmetric enough to hide it.
+    import dataclasses
+
+    from kiln.ops.registry import Implementation
+    from kiln.quant.gguf_blocks import dequantize_blocks
+
+    def swapped(x, qweight, qtype, bias=None):
+        blocks = qweight.reshape(qweight.shape[0], -1, 20).clone()
+        qs = blocks[..., 4:]
+        blocks[..., 4:] = (qs >> 4) | (qs << 4)
+        return x @ dequantize_blocks(blocks.reshape(qweight.shape), qtype, x.dtype).T
+
+    spec = dataclasses.replace(GGUF_LINEAR, implementations={})
+    spec.register(Implementation("planted", swapped))
+    case = run_case(
+        spec, "planted", {"M": 3, "N": 20, "K": 64, "qtype": "Q4_1"}, torch.float32, torch.device("cpu"), 7
+    )
+    assert not case.passed and case.error > 0.1

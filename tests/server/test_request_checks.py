@@ -1,0 +1,198 @@
+"""Request checks against a fake engine (no model): strict types, ranges and cross-field rules give 400
+with the parameter named; cheap checks (model, size of the request) run before tokenization; a body
+over the limit gets 413 before it is read; text that is not Unicode and unexpected errors leave the
+connection usable, and a 500 says nothing of the exception."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from kiln.server.app import create_app
+from kiln.server.launch import ServerThread
+
+from .fake_engine import FakeEngine, FakeTokenizer
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def completion(**fields):
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 2, **fields}
+
+
+def chat(**fields):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+
+
+class CountingTokenizer(FakeTokenizer):
+    """Counts encode calls; raises on the text "explode" (an unexpected bug inside the server)."""
+
+    def __init__(self):
+        self.encoded = 0
+
+    def encode(self, text, add_special_tokens=True):
+        if text == "explode":
+            raise RuntimeError("secret internal detail")
+        self.encoded += 1
+        return super().encode(text, add_special_tokens)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return CountingTokenizer()
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    # capacity: 2 running + 1 queued sequences
+    srv = ServerThread(
+        create_app(FakeEngine(max_num_seqs=2, tokenizer=tokenizer), model_name=MODEL, max_queue=1)
+    ).start()
+    yield srv
+    srv.stop()
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param, error
+    return error
+
+
+BAD_FIELDS = {
+    # strict types: JSON true is not an integer, "2" is not a number
+    "max_tokens_true": ("/v1/completions", completion(max_tokens=True), "max_tokens"),
+    "n_string": ("/v1/completions", completion(n="2"), "n"),
+    "temperature_string": ("/v1/completions", completion(temperature="0.5"), "temperature"),
+    "temperature_true": ("/v1/completions", completion(temperature=True), "temperature"),
+    "stream_string": ("/v1/completions", completion(stream="true"), "stream"),
+    "echo_one": ("/v1/completions", completion(echo=1), "echo"),
+    "logprobs_true": ("/v1/completions", completion(logprobs=True), "logprobs"),
+    "seed_float": ("/v1/completions", completion(seed=1.0), "seed"),
+    "prompt_ids_with_a_bool": ("/v1/completions", completion(prompt=[1, True]), "prompt"),
+    "chat_logprobs_one": ("/v1/chat/completions", chat(logprobs=1), "logprobs"),
+    "include_usage_string": (
+        "/v1/completions",
+        completion(stream=True, stream_options={"include_usage": "yes"}),
+        "stream_options.include_usage",
+    ),
+    # ranges: what the generator takes, what the filters mean
+    "seed_past_the_generator": ("/v1/completions", completion(seed=2**64, temperature=1), "seed"),
+    "seed_below_the_generator": ("/v1/completions", completion(seed=-(2**63) - 1), "seed"),
+    "top_k_zero": ("/v1/completions", completion(top_k=0), "top_k"),
+    "top_k_minus_two": ("/v1/completions", completion(top_k=-2), "top_k"),
+    "too_many_stop_strings": ("/v1/completions", completion(stop=["x"] * 17), "stop"),
+    "chat_text_part_not_text": (
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+        "messages[0].content",
+    ),
+    # OpenAI's rule: top_logprobs only with logprobs
+    "top_logprobs_without_logprobs": ("/v1/chat/completions", chat(top_logprobs=2), "top_logprobs"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FIELDS))
+def test_bad_field_gets_400_naming_the_parameter(server, case):
+    path, body, param = BAD_FIELDS[case]
+    assert_openai_error(httpx.post(f"{server.url}{path}", json=body, timeout=10), 400, param)
+
+
+def test_accepted_edges_of_the_ranges(server):
+    # the top of the seed range with n = 2: the second choice's seed wraps to 0
+    r = httpx.post(f"{server.url}/v1/completions", json=completion(seed=2**64 - 1, n=2, temperature=1))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    for body in (completion(temperature=1), completion(top_k=-1), completion(top_k=10**30)):
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=10).status_code == 200
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat(logprobs=True, top_logprobs=2))
+    assert r.status_code == 200
+
+
+def test_a_request_that_can_never_fit_is_400_and_is_not_tokenized(server, tokenizer):
+    """100 prompts x n = 16 can never run on a server holding 3 sequences: not 503 "retry later"."""
+    before = tokenizer.encoded
+    r = httpx.post(f"{server.url}/v1/completions", json=completion(prompt=["x"] * 100, n=16), timeout=10)
+    error = assert_openai_error(r, 400, "n")
+    assert error["code"] == "too_many_sequences" and "1600" in error["message"]
+    assert_openai_error(
+        httpx.post(f"{server.url}/v1/completions", json=completion(prompt=["x"] * 4)), 400, "prompt"
+    )
+    assert_openai_error(httpx.post(f"{server.url}/v1/chat/completions", json=chat(n=4)), 400, "n")
+    assert tokenizer.encoded == before
+
+
+def test_unknown_model_is_refused_before_tokenizing(server, tokenizer):
+    before = tokenizer.encoded
+    r = httpx.post(f"{server.url}/v1/completions", json=completion(model="gpt-4", prompt="long " * 10_000))
+    assert assert_openai_error(r, 400, "model")["code"] == "model_not_found"
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat(model="gpt-4"))
+    assert assert_openai_error(r, 400, "model")["code"] == "model_not_found"
+    assert tokenizer.encoded == before
+
+
+def local_port(r: httpx.Response) -> int:
+    return r.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", completion(prompt="a\ud800"), "prompt"),
+        ("/v1/completions", completion(prompt=["ok", "\udfff"]), "prompt[1]"),
+        (
+            "/v1/chat/completions",
+            chat(messages=[{"role": "user", "content": "\ud800"}]),
+            "messages[0].content",
+        ),
+        ("/v1/completions", completion(stop="\ud83d"), "stop"),
+    ],
+)
+def test_lone_surrogate_gets_400_and_the_connection_stays_open(server, path, body, param):
+    """JSON may spell a lone surrogate, which is not Unicode: it gave a 500 with the exception's text
+    and a closed connection."""
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        raw = json.dumps(body)  # ensure_ascii spells the surrogate "\\ud800", as a client would
+        r = client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert_openai_error(r, 400, param)
+        again = client.post("/v1/completions", json=completion())
+        assert again.status_code == 200 and local_port(again) == local_port(r)
+
+
+def test_unexpected_error_is_a_500_that_hides_the_exception_and_keeps_the_connection(server):
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        r = client.post("/v1/completions", json=completion(prompt="explode"))
+        error = assert_openai_error(r, 500)
+        assert error["code"] == "internal_error" and "secret" not in r.text
+        again = client.post("/v1/completions", json=completion())
+        assert again.status_code == 200 and local_port(again) == local_port(r)
+
+
+def test_body_over_the_limit_gets_413_before_it_is_read():
+    tokenizer = CountingTokenizer()
+    srv = ServerThread(
+        create_app(FakeEngine(tokenizer=tokenizer), model_name=MODEL, max_body_bytes=1000)
+    ).start()
+    try:
+        big = completion(prompt="x" * 2000)
+        r = httpx.post(f"{srv.url}/v1/completions", json=big)
+        assert assert_openai_error(r, 413)["code"] == "request_too_large"
+
+        def chunks():  # no Content-Length: counted as it arrives
+            yield b'{"model": "%s", "prompt": "' % MODEL.encode()
+            for _ in range(20):
+                yield b"x" * 100
+            yield b'"}'
+
+        r = httpx.post(
+            f"{srv.url}/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert assert_openai_error(r, 413)["code"] == "request_too_large"
+        assert tokenizer.encoded == 0
+        fits = completion(prompt="x" * 800)
+        assert httpx.post(f"{srv.url}/v1/completions", json=fits, timeout=10).status_code == 200
+        assert 'kiln_requests_rejected_total{status="413"} 2.0' in httpx.get(f"{srv.url}/metrics").text
+    finally:
+        srv.stop()
