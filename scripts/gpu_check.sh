@@ -203,7 +203,7 @@ pack() {  # every file of this call into $OUT: logs tarball, summary, up to 6 re
   local prefix="$DATE-$GPU_SLUG"
   $PY scripts/gpu_check.py summary "$WORK" "$WORK/summary.json" || true
   cp "$WORK/summary.json" "$OUT/$prefix-$CALL-summary.json" 2>/dev/null
-  tar -czf "$OUT/$prefix-$CALL-logs.tar.gz" -C "$WORK" . 2>/dev/null
+  tar -czf "$OUT/$prefix-$CALL-logs.tar.gz" -C "$WORK" --exclude=./site --exclude=./out . 2>/dev/null
   local n=0 f base
   for f in "$WORK"/verify-*.json "$WORK"/bench/*.json "$WORK"/engine-*.json; do
     [ -f "$f" ] || continue
@@ -242,7 +242,7 @@ for call in "${calls[@]}"; do
   fi
 done
 
-[ "$plan_ok" = 1 ] || exit 2
+[ "$plan_ok" = 1 ] || [ "$MODE" = list ] || exit 2  # a list still shows the plan that is refused
 if [ "$MODE" = run ]; then
   mkdir -p "$OUT" "$WORK/bench"
   GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
@@ -255,7 +255,7 @@ else  # dry run and list: a scratch folder, and the packing rehearsed into a scr
   trap 'rm -rf "$WORK"' EXIT
 fi
 
-if [ -d .wheels ] && compgen -G ".wheels/*.whl" >/dev/null; then
+if [ "$MODE" != list ] && [ -d .wheels ] && compgen -G ".wheels/*.whl" >/dev/null; then
   echo "=== wheels: $(cd .wheels && echo *.whl)"
   if $PY -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .wheels/*.whl \
     >"$WORK/wheels.log" 2>&1; then
@@ -296,4 +296,4 @@ elif [ "$MODE" = dry ]; then
   fi
   echo "=== dry run: $failures problem(s)"
 fi
-[ "$failures" -eq 0 ]
+[ "$failures" -eq 0 ] && [ "$plan_ok" = 1 ]

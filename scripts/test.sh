@@ -5,5 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-"${PYTHON:-python3}" -m ruff check src tests
+"${PYTHON:-python3}" -m ruff check src tests scripts
+# The API reference builds in strict mode: a broken reference or a stale page fails the run.
+"${PYTHON:-python3}" -m mkdocs build --strict --quiet --site-dir build/site
 exec "${PYTHON:-python3}" -m pytest -q -n 2 --durations=25 tests "$@"

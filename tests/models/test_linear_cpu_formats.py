@@ -1,16 +1,19 @@
 """The CPU Linear layer's dense formats: fp32 and bf16 through a oneDNN-packed weight, fp16 through the
 fp16 GEMV for one row and a packed float32 copy of the same fp16-rounded weights for several rows, and
-the plain F.linear fallbacks when oneDNN is missing."""
+the plain F.linear fallbacks when oneDNN is missing (the layouts: kiln.ops.gemm.weight_formats; the op
+they run through: tests/ops/gemm/test_prepared_linear.py)."""
 
 import pytest
 import torch
 
-from kiln.models.layers import onednn_linear
 from kiln.models.layers.linear import Linear
+from kiln.ops.gemm import weight_formats
 from kiln.verify import assert_close
 
 CPU = torch.device("cpu")
-needs_onednn = pytest.mark.skipif(not onednn_linear.available(), reason="this torch build has no oneDNN")
+needs_onednn = pytest.mark.skipif(
+    not weight_formats.onednn_available(), reason="this torch build has no oneDNN"
+)
 
 
 def _layer(fmt, bias=True, out_features=96, in_features=80):
@@ -29,7 +32,7 @@ def _ref(x, weight, bias):
 @pytest.mark.parametrize("bias", [True, False])
 def test_fp32_cpu_linear_runs_packed_and_matches_float64(rows, bias):
     layer, weight, b = _layer("fp32", bias)
-    assert layer.onednn_weight is not None and layer.weight is None  # one copy of the weights
+    assert layer.prepared.layout == "onednn" and layer.weight is None  # one copy of the weights
     x = torch.randn(rows, 80)
     y = layer(x)
     assert y.dtype == torch.float32 and y.shape == (rows, 96)
@@ -39,7 +42,8 @@ def test_fp32_cpu_linear_runs_packed_and_matches_float64(rows, bias):
 @needs_onednn
 def test_fp16_cpu_linear_one_row_and_many_rows_agree_with_the_float64_product():
     layer, _, _ = _layer("fp16")
-    assert layer.weight.dtype == torch.float16 and layer.onednn_weight.dtype == torch.float32
+    assert layer.prepared.layout == "fp16_onednn"
+    assert layer.weight.dtype == torch.float16 and layer.prepared.tensors[1].dtype == torch.float32
     x = torch.randn(7, 80)
     ref = _ref(x, layer.weight, layer.bias)  # the fp16-rounded weights are the model's weights
     many = layer(x)
@@ -56,7 +60,7 @@ def test_bf16_cpu_linear_is_packed_and_within_bf16_rounding():
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN has no bf16 path on this CPU (needs avx512bw/vl/dq or avx_ne_convert)")
     layer, weight, b = _layer("bf16")
-    assert layer.onednn_weight.dtype == torch.bfloat16
+    assert layer.prepared.layout == "onednn" and layer.prepared.tensors[0].dtype == torch.bfloat16
     x = torch.randn(5, 80)
     y = layer(x)
     assert y.dtype == torch.float32
@@ -64,16 +68,16 @@ def test_bf16_cpu_linear_is_packed_and_within_bf16_rounding():
 
 
 def test_without_onednn_the_layers_fall_back_to_f_linear(monkeypatch):
-    monkeypatch.setattr(onednn_linear, "pack", lambda weight: None)
+    monkeypatch.setattr(weight_formats, "onednn_pack", lambda weight: None)
     for fmt in ("fp32", "fp16"):
         layer, weight, b = _layer(fmt)
-        assert layer.onednn_weight is None
+        assert layer.prepared.layout == {"fp32": "dense", "fp16": "fp16_rows"}[fmt]
         x = torch.randn(6, 80)
         tol = 1e-6 if fmt == "fp32" else 2e-3
         assert_close(layer(x), _ref(x, weight, b), tol, f"{fmt} fallback, 6 rows")
         assert_close(layer(x[:1]), _ref(x[:1], weight, b), tol, f"{fmt} fallback, 1 row")
     layer, _, _ = _layer("fp16")
-    assert torch.equal(layer.rows_weight, layer.weight.float())
+    assert torch.equal(layer.prepared.tensors[1], layer.weight.float())
 
 
 @needs_onednn
@@ -100,9 +104,9 @@ def test_a_weight_onednn_cannot_pack_here_falls_back_instead_of_failing(monkeypa
     def refuse(weight):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
 
-    monkeypatch.setattr(onednn_linear, "available", lambda: True)
+    monkeypatch.setattr(weight_formats, "onednn_available", lambda: True)
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
     layer, weight, b = _layer("bf16")
-    assert layer.onednn_weight is None and layer.weight.dtype == torch.bfloat16
+    assert layer.prepared.layout == "dense" and layer.weight.dtype == torch.bfloat16
     x = torch.randn(4, 80)
     assert_close(layer(x), _ref(x, weight, b), 1.6e-2, "bf16 without oneDNN packing")

@@ -3,15 +3,16 @@
 
 import pytest
 import torch
-import transformers
 
-from kiln.loaders.safetensors import load_safetensors_dir
-from kiln.models.mixtral import MixtralForCausalLM, SparseMoE
-from kiln.models.qwen2_moe import Qwen2MoeForCausalLM, SharedExpertMoE
-from kiln.models.registry import get_model_class
-from kiln.ops.moe.fused_moe import quantize_experts_fp8
-from kiln.verify import assert_close
-from tests.models.helpers import greedy, prompt_logits
+transformers = pytest.importorskip("transformers")
+
+from kiln.loaders.safetensors import load_safetensors_dir  # noqa: E402
+from kiln.models.mixtral import MixtralForCausalLM, SparseMoE  # noqa: E402
+from kiln.models.qwen2_moe import Qwen2MoeForCausalLM, SharedExpertMoE  # noqa: E402
+from kiln.models.registry import get_model_class  # noqa: E402
+from kiln.ops.moe.fused_moe import quantize_experts_fp8  # noqa: E402
+from kiln.verify import assert_close  # noqa: E402
+from tests.models.helpers import greedy, prompt_logits  # noqa: E402
 
 COMMON = dict(
     vocab_size=128, hidden_size=128, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,

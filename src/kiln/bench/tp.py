@@ -21,8 +21,8 @@ PROMPT = "Explain in a few sentences why the sky is blue."
 
 def decode_rate(engine, max_tokens: int, timed: bool) -> dict:
     """Greedy decode of one request; tokens/s after the first token (+ all-reduce time when timed)."""
-    from kiln.distributed.collectives import time_all_reduces
     from kiln.engine.sampling_params import SamplingParams
+    from kiln.models.layers.tp import time_all_reduces
 
     prompt = engine.tokenizer.encode(PROMPT, add_special_tokens=True)
     engine.add_request(

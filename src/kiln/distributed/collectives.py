@@ -12,9 +12,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from kiln.models.layers.tp import TPGroup, time_all_reduces
+from kiln.models.layers.tp import TPGroup
 
-__all__ = ["all_gather_object", "broadcast_object", "time_all_reduces"]
+__all__ = ["all_gather_object", "broadcast_object"]
 
 
 def broadcast_object(obj: Any, group: TPGroup, setup: bool = False) -> Any:

@@ -56,9 +56,6 @@ class LLM:
         """Generate replies to conversations ([{"role": ..., "content": ...}, ...]) via the chat template."""
         if messages_list and isinstance(messages_list[0], dict):
             messages_list = [messages_list]
-        prompts = []
-        for messages in messages_list:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            # the template writes its own special tokens; don't let encode add a second BOS
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        # Message content is tokenized as text: typed special-token text cannot forge a turn.
+        prompts = [self.tokenizer.encode_chat(conversation) for conversation in messages_list]
         return self.generate(prompts, params)

@@ -211,6 +211,10 @@ class RandomTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         raise ValueError(f"apply_chat_template: the random model {self.source} has no chat template")
 
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
 
 def load_random(
     spec: str, device: torch.device, dtype: torch.dtype

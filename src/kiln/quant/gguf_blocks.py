@@ -7,10 +7,13 @@ A quantized [N, K] tensor is stored row by row, each row K/32 blocks of 32 weigh
 Nibble order (as ggml and `gguf.quants`): byte j holds weight j in its low nibble and weight j + 16
 in its high nibble. Decoding in float32 reproduces `gguf.quants.dequantize` bit for bit; the encoders
 are ggml's reference round-to-nearest quantizers (as `gguf.quants.quantize`).
-Other GGML types decode through the `gguf` package (`dequantize_any`).
+Other GGML types decode through the `gguf` package (`dequantize_any`). `GGUFWeight` is one such matrix
+as a checkpoint hands it over (the loaders make them; kiln.ops.gemm.weight_formats prepares them).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -102,3 +105,66 @@ def dequantize_any(data: np.ndarray | torch.Tensor, qtype: str) -> torch.Tensor:
         raise ValueError(f"dequantize_any: unknown GGML type {qtype!r}") from None
     array = data.detach().cpu().numpy() if isinstance(data, torch.Tensor) else np.asarray(data)
     return torch.from_numpy(np.ascontiguousarray(dequantize(array, ggml_type), dtype=np.float32))
+
+
+@dataclass
+class GGUFWeight:
+    """A [out_features, in_features] matrix stored as GGUF blocks.
+
+    qtype: "Q4_0" | "Q4_1" | "Q8_0"; data: uint8 [out_features, in_features / 32 * block_bytes].
+    """
+
+    qtype: str
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float matrix [out_features, in_features] (exact: fp16 scales times small integers)."""
+        n, k = self.shape
+        blocks = self.data.view(n, k // BLOCK_SIZE, BLOCK_BYTES[self.qtype])
+        d = blocks[..., 0:2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
+        # One float32 buffer, filled and scaled in place: load time is dominated by these passes.
+        q = torch.empty(blocks.shape[:2] + (BLOCK_SIZE,), dtype=torch.float32)
+        if self.qtype == "Q8_0":
+            q.copy_(blocks[..., 2:].contiguous().view(torch.int8))
+            return q.mul_(d).view(n, k).to(dtype)
+        qs = blocks[..., -16:]
+        q[..., :16] = qs & 0x0F  # low nibbles: weights 0..15 of the block
+        q[..., 16:] = qs >> 4  # high nibbles: weights 16..31
+        if self.qtype == "Q4_0":
+            return q.sub_(8.0).mul_(d).view(n, k).to(dtype)
+        m = blocks[..., 2:4].contiguous().view(torch.float16).to(torch.float32)
+        return q.mul_(d).add_(m).view(n, k).to(dtype)
+
+    def nibbles(self) -> torch.Tensor:
+        """Q4_0 / Q4_1 quants as int32 [out_features, in_features] in 0..15: byte j of a block holds
+        weight j in its low nibble and weight j + 16 in its high nibble."""
+        n, k = self.shape
+        nb = k // BLOCK_SIZE
+        qs = self.data.view(n, nb, BLOCK_BYTES[self.qtype])[..., -16:]
+        return torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, k).to(torch.int32)
+
+    def scales_and_mins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-block (d, m) float32 [out_features, in_features / 32] with weight = d * q + m (q in 0..15)."""
+        n, k = self.shape
+        blocks = self.data.view(n, k // BLOCK_SIZE, BLOCK_BYTES[self.qtype])
+        d = blocks[..., 0:2].contiguous().view(torch.float16).to(torch.float32).squeeze(-1)
+        if self.qtype == "Q4_0":
+            return d, -8.0 * d
+        m = blocks[..., 2:4].contiguous().view(torch.float16).to(torch.float32).squeeze(-1)
+        return d, m
+
+    def as_q4_1(self) -> GGUFWeight:
+        """The same matrix as Q4_1 blocks (a Q4_0 block is d * (q - 8): Q4_1 with m = -8d, exact in fp16)."""
+        if self.qtype != "Q4_0":
+            return self
+        n, k = self.shape
+        blocks = self.data.view(n, k // BLOCK_SIZE, BLOCK_BYTES["Q4_0"])
+        d = blocks[..., 0:2].contiguous().view(torch.float16)
+        m = (d.to(torch.float32) * -8.0).to(torch.float16).view(torch.uint8)
+        data = torch.cat([blocks[..., 0:2], m, blocks[..., 2:]], dim=-1).reshape(n, -1)
+        return GGUFWeight("Q4_1", data, self.shape)
+
+    def rows(self, index: torch.Tensor) -> GGUFWeight:
+        """The matrix with its output rows reordered by `index` (blocks never straddle rows)."""
+        return GGUFWeight(self.qtype, self.data[index].contiguous(), (int(index.numel()), self.shape[1]))

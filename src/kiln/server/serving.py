@@ -112,7 +112,10 @@ class OpenAIServing:
         return await self.off_loop(self._encode_texts, prompts)
 
     def _encode_texts(self, texts: list[str]) -> list[list[int]]:
-        ids = [self.tokenizer.encode(t, add_special_tokens=True) for t in texts]
+        try:
+            ids = [self.tokenizer.encode(t, add_special_tokens=True) for t in texts]
+        except ValueError as exc:  # a tokenizer that refuses a text (the random models' "<id>" syntax)
+            raise bad_request(f"prompt: {exc}", "prompt") from exc
         if sum(map(len, texts)) >= _LARGE_PROMPT_CHARS:
             release_freed_memory()
         return ids

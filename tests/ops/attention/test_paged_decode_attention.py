@@ -38,7 +38,7 @@ def test_paged_decode_matches_float64_reference(backend, dtype, shape, device):
     block_size=st.sampled_from([8, 16, 32]),
     window=st.one_of(st.none(), st.integers(1, 50)),
 )
-def test_paged_decode_triton_fuzzed_shapes(context_lens, group, block_size, window):
+def test_paged_decode_triton_fuzzed_shapes(context_lens, group, block_size, window, device):
     shape = {
         "context_lens": context_lens,
         "num_heads": 8,
@@ -47,7 +47,6 @@ def test_paged_decode_triton_fuzzed_shapes(context_lens, group, block_size, wind
         "block_size": block_size,
         "sliding_window": window,
     }
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # no fixtures under hypothesis
     case = run_case(PAGED_DECODE_ATTENTION, "triton", shape, torch.float32, device, random.randrange(2**31))
     assert case.passed, case
 

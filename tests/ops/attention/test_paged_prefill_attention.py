@@ -36,7 +36,7 @@ def test_paged_prefill_matches_float64_reference(backend, dtype, shape, device):
     block_size=st.sampled_from([8, 16, 32]),
     window=st.one_of(st.none(), st.integers(1, 50)),
 )
-def test_paged_prefill_triton_fuzzed_shapes(lens, group, block_size, window):
+def test_paged_prefill_triton_fuzzed_shapes(lens, group, block_size, window, device):
     shape = {
         "query_lens": [q for q, _ in lens],
         "context_lens": [q + extra for q, extra in lens],
@@ -46,7 +46,6 @@ def test_paged_prefill_triton_fuzzed_shapes(lens, group, block_size, window):
         "block_size": block_size,
         "sliding_window": window,
     }
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # no fixtures under hypothesis
     case = run_case(PAGED_PREFILL_ATTENTION, "triton", shape, torch.float32, device, random.randrange(2**31))
     assert case.passed, case
 

@@ -36,9 +36,9 @@ def test_layer_norm_matches_float64_reference(backend, dtype, shape, device):
 
 @settings(max_examples=6, deadline=None)
 @given(rows=st.integers(1, 40), hidden=st.integers(2, 2500), bias=st.booleans())
-def test_layer_norm_triton_fuzzed_shapes(rows, hidden, bias):
+def test_layer_norm_triton_fuzzed_shapes(rows, hidden, bias, device):
     shape = {"rows": rows, "hidden": hidden, "bias": bias}
-    case = run_case(LAYER_NORM, "triton", shape, torch.float32, torch.device("cpu"), seed=_seed())
+    case = run_case(LAYER_NORM, "triton", shape, torch.float32, device, seed=_seed())
     assert case.passed, case
 
 
@@ -93,7 +93,7 @@ def test_layer_norm_rejects_non_positive_eps():
         kiln.ops.layer_norm(torch.randn(2, 8), torch.randn(8), None, eps=0.0)
 
 
-def test_layer_norm_tuning_configs_of_each_block_size_are_correct():
+def test_layer_norm_tuning_configs_of_each_block_size_are_correct(device):
     shape = {"rows": 3, "hidden": 2500}
     impl = LAYER_NORM.implementations["triton"]
     configs = impl.configs(shape, torch.float32)
@@ -102,7 +102,7 @@ def test_layer_norm_tuning_configs_of_each_block_size_are_correct():
     for config in by_block.values():
         pinned = Implementation("pinned", functools.partial(impl.fn, config=config))
         spec = dataclasses.replace(LAYER_NORM, implementations={"pinned": pinned})
-        case = run_case(spec, "pinned", shape, torch.float32, torch.device("cpu"), seed=_seed())
+        case = run_case(spec, "pinned", shape, torch.float32, device, seed=_seed())
         assert case.passed, (config, case)
 
 

@@ -31,11 +31,9 @@ def test_rms_norm_matches_float64_reference(backend, dtype, shape, device):
 
 @settings(max_examples=8, deadline=None)
 @given(rows=st.integers(1, 40), hidden=st.integers(1, 2500), residual=st.booleans())
-def test_rms_norm_triton_fuzzed_shapes(rows, hidden, residual):
+def test_rms_norm_triton_fuzzed_shapes(rows, hidden, residual, device):
     shape = {"rows": rows, "hidden": hidden, "residual": residual}
-    case = run_case(
-        RMS_NORM, "triton", shape, torch.float32, torch.device("cpu"), seed=random.randrange(2**31)
-    )
+    case = run_case(RMS_NORM, "triton", shape, torch.float32, device, seed=random.randrange(2**31))
     assert case.passed, case
 
 

@@ -1,8 +1,9 @@
-"""GEMM ops: dense (linear, linear_silu_mul), FP8 / INT8 W8A8 (quantize_*, *_linear), int4 W4A16,
-GGUF blocks and W8A16. One folder per op (spec.py + a file per backend); what the family shares:
-shapes.py (bench/fuzz shapes, tolerances, FLOP/byte models), tiling.py (the Triton tiling, split-K
-and launch configs), scaled.py + scaled_triton.py (the W8A8 ops' contract and kernels),
-gguf_blocks.py + gguf_triton.py (the GGUF weight contract and block decoder)."""
+"""GEMM ops: dense (linear, linear_silu_mul), weights prepared at load (prepared_linear), FP8 / INT8
+W8A8 (quantize_*, *_linear), int4 W4A16, GGUF blocks and W8A16. One folder per op (spec.py + a file
+per backend); what the family shares: shapes.py (bench/fuzz shapes, tolerances, FLOP/byte models),
+tiling.py (the Triton tiling, split-K and launch configs), scaled.py + scaled_triton.py (the W8A8 ops'
+contract and kernels), gguf_blocks.py + gguf_triton.py (the GGUF weight contract and block decoder),
+weight_formats.py (the layouts prepared_linear reads: oneDNN-packed, fp16 GEMV, int4, GGUF blocks)."""
 
 from kiln.ops.gemm.fp8_linear import fp8_linear
 from kiln.ops.gemm.gguf_dequantize import gguf_dequantize
@@ -11,6 +12,7 @@ from kiln.ops.gemm.int4_linear import int4_linear
 from kiln.ops.gemm.int8_linear import int8_linear
 from kiln.ops.gemm.linear import linear
 from kiln.ops.gemm.linear_silu_mul import linear_silu_mul
+from kiln.ops.gemm.prepared_linear import prepared_linear
 from kiln.ops.gemm.quantize_fp8 import quantize_fp8
 from kiln.ops.gemm.quantize_int8 import quantize_int8
 from kiln.ops.gemm.w8a16_linear import w8a16_linear
@@ -23,6 +25,7 @@ __all__ = [
     "int8_linear",
     "linear",
     "linear_silu_mul",
+    "prepared_linear",
     "quantize_fp8",
     "quantize_int8",
     "w8a16_linear",

@@ -39,8 +39,15 @@ class DriveError:
     error: str
 
 
+# Ops whose "triton" implementation launches no kernel of its own: prepared_linear hands its CUDA
+# layouts to linear / gguf_linear (swept directly), and its inputs made here are CPU layouts.
+DELEGATING_OPS = ("prepared_linear",)
+
+
 def triton_backends(spec) -> dict:
     """name -> callable: the op's Triton implementations and its Triton baselines."""
+    if spec.name in DELEGATING_OPS:
+        return {}
     backends = {name: impl.fn for name, impl in spec.implementations.items() if name.startswith("triton")}
     backends.update({name: fn for name, fn in spec.baselines.items() if name.startswith("triton")})
     return backends

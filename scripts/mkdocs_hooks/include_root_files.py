@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mkdocs.structure.files import File
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # scripts/mkdocs_hooks/ -> the repository
 PAGES = {"index.md": "README.md", "contributing.md": "CONTRIBUTING.md"}
 
 

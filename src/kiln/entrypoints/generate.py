@@ -65,10 +65,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     tokenizer = engine.tokenizer
     if args.chat:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
-        )
-        prompt = tokenizer.encode(text, add_special_tokens=False)
+        # the prompt is tokenized as text: typed special-token text cannot forge a turn
+        prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     else:
         prompt = tokenizer.encode(args.prompt, add_special_tokens=True)
     start = time.perf_counter()

@@ -1,0 +1,97 @@
+"""CPU prepared_linear: one kernel per layout (kiln.ops.gemm.weight_formats packs the weights).
+
+  "onednn"       oneDNN's prepacked linear (as weight_formats.onednn_linear) in the packed dtype (fp32:
+                 MKL sgemm's arithmetic, 3-4x faster at decode sizes; bf16: x and output in bf16);
+  "fp16_onednn"  one row: PyTorch's fp16 GEMV (x rounded to fp16; reads half the bytes of fp32);
+                 several rows: the packed float32 copy of the same fp16 values;
+  "fp16_rows"    the same without oneDNN: several rows through F.linear on the float32 copy;
+  "int4"         PyTorch's weight-packed int4 CPU matmul, group size 32, bfloat16 activations (its
+                 fast path); the bias is added in float32;
+  "dense"        F.linear in the matrix's dtype;
+  "gguf_*"       kiln.ops.gguf_linear (CUDA's layout; runs here too, decoding the blocks every call).
+Each converts x only where the layout computes in another dtype, and the result to out_dtype (no
+copy when the dtypes already agree).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.gemm.gguf_linear import gguf_linear
+from kiln.ops.gemm.prepared_linear.spec import PREPARED_LINEAR
+from kiln.ops.gemm.weight_formats import GGUF_LAYOUTS, INT4_GROUP_SIZE
+from kiln.ops.registry import Implementation, cpu_only
+
+# Each kernel is flat (no helper calls): the engine makes ~120 of these calls per decode step.
+
+
+def _as(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+
+
+def _dense(x, weight, bias, out_dtype):
+    matrix = weight[0]
+    return F.linear(x.to(matrix.dtype), matrix, bias).to(out_dtype)
+
+
+def _onednn(x, weight, bias, out_dtype):
+    packed = weight[0]
+    x = x.to(packed.dtype).contiguous()
+    return torch.ops.mkldnn._linear_pointwise(x, packed, _as(bias, packed.dtype), "none", [], "").to(
+        out_dtype
+    )
+
+
+def _fp16_onednn(x, weight, bias, out_dtype):
+    if x.shape[0] > 1:
+        packed = weight[1]
+        x = x.to(packed.dtype).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, _as(bias, packed.dtype), "none", [], "")
+        return y.to(out_dtype)
+    matrix = weight[0]
+    return F.linear(x.to(matrix.dtype), matrix, bias).to(out_dtype)
+
+
+def _fp16_rows(x, weight, bias, out_dtype):
+    if x.shape[0] > 1:
+        return F.linear(x.float(), weight[1], _as(bias, torch.float32)).to(out_dtype)
+    matrix = weight[0]
+    return F.linear(x.to(matrix.dtype), matrix, bias).to(out_dtype)
+
+
+def _int4(x, weight, bias, out_dtype):
+    packed, scales_and_zeros = weight
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(torch.bfloat16), packed, INT4_GROUP_SIZE, scales_and_zeros
+    )
+    if bias is not None:
+        y = y.float().add_(bias)
+    return y.to(out_dtype)
+
+
+def _gguf(qtype):
+    def run(x, weight, bias, out_dtype):
+        return gguf_linear(x, weight[0], qtype, bias).to(out_dtype)
+
+    return run
+
+
+KERNELS = {
+    "dense": _dense,
+    "onednn": _onednn,
+    "fp16_onednn": _fp16_onednn,
+    "fp16_rows": _fp16_rows,
+    "int4": _int4,
+    **{layout: _gguf(qtype) for layout, qtype in GGUF_LAYOUTS.items()},
+}
+
+
+def prepared_linear_cpu(x, layout, weight, bias=None, out_dtype=None):
+    return KERNELS[layout](x, weight, bias, out_dtype or x.dtype)
+
+
+PREPARED_LINEAR.register(
+    Implementation("cpu", prepared_linear_cpu, cpu_only,
+                   description="oneDNN-packed fp32/bf16, fp16 GEMV + packed fp32 copy, int4 CPU matmul")
+)  # fmt: skip

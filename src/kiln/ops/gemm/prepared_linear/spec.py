@@ -1,0 +1,224 @@
+"""prepared_linear: y = x @ W^T (+ bias) with W packed once, at load, for the device that runs it
+(kiln.ops.gemm.weight_formats: the layouts, `prepare_linear_weight`). The model's Linear layers call
+it on every step, so `kiln verify` / `kiln bench` check and time the engine's own path.
+
+    x:         [M, K] float32 / float16 / bfloat16
+    layout:    a PreparedLinearWeight's layout ("dense", "onednn", "fp16_onednn", "fp16_rows", "int4",
+               "gguf_Q4_0", "gguf_Q4_1", "gguf_Q8_0")
+    weight:    its tensors (PreparedLinearWeight.tensors), W standing for [N, K]
+    bias:      [N] in the layout's bias dtype (PreparedLinearWeight.bias_dtype), or None
+    out_dtype: the result's dtype (None: x's)
+    y = x @ W^T + bias, [M, N]. Where the layout computes in a narrower dtype (its compute_dtype: fp16
+    for one-row "fp16_*" inputs, bf16 for "int4" and bf16 "onednn"), x is rounded to it first.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
+from kiln.ops.gemm.gguf_blocks import make_gguf_weight, validate_gguf_weight
+from kiln.ops.gemm.shapes import GEMM_TOLERANCE, SMOLLM2_135M, gemm_flops
+from kiln.ops.gemm.weight_formats import (
+    GGUF_LAYOUTS,
+    INT4_GROUP_SIZE,
+    LAYOUTS,
+    prepare_linear_weight,
+    prepared_matrix,
+)
+from kiln.ops.registry import OpSpec, define_op
+from kiln.ops.testing import element_size, randn
+from kiln.quant.gguf_blocks import GGUFWeight
+
+
+def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
+    """In float64 from the matrix the prepared weight stands for (float64 x stays float64: the
+    verifier's reference; otherwise the result is rounded to out_dtype / x's dtype once)."""
+    matrix = prepared_matrix(layout, weight).to(x.device)
+    y = x.to(torch.float64) @ matrix.T
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y if x.dtype == torch.float64 else y.to(out_dtype or x.dtype)
+
+
+def _in_features(layout: str, weight) -> int | None:
+    if layout == "int4":
+        return weight[1].shape[0] * INT4_GROUP_SIZE  # scales_and_zeros [K / 32, N, 2]
+    if layout in GGUF_LAYOUTS:
+        return None  # validate_gguf_weight checks the blocks against x
+    return weight[0].shape[1]
+
+
+def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
+    op = "prepared_linear"
+    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if layout not in LAYOUTS:
+        raise ValueError(f"{op}: unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
+    if len(weight) != LAYOUTS[layout]:
+        raise ValueError(f"{op}: layout {layout!r} holds {LAYOUTS[layout]} tensors, got {len(weight)}")
+    device = device_of(x)
+    if layout == "int4":
+        check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.uint8,), device=device)
+        check_tensor(op, "weight[1]", weight[1], ndim=3, dtypes=(torch.bfloat16,), device=device)
+    elif layout in GGUF_LAYOUTS:
+        validate_gguf_weight(op, weight[0], GGUF_LAYOUTS[layout], x.shape[-1], device)
+    else:
+        for i, tensor in enumerate(weight):
+            check_tensor(op, f"weight[{i}]", tensor, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+    in_features = _in_features(layout, weight)
+    if in_features is not None and in_features != x.shape[-1]:
+        raise ValueError(f"{op}: x has {x.shape[-1]} in-features, the {layout!r} weight {in_features}")
+    if bias is not None:
+        # F.linear adds a bias of the matrix's dtype, gguf_linear one of x's; the others convert it
+        bias_dtypes = {"dense": weight[0].dtype, "fp16_onednn": torch.float16, "fp16_rows": torch.float16}
+        expected = x.dtype if layout in GGUF_LAYOUTS else bias_dtypes.get(layout)
+        check_tensor(
+            op, "bias", bias, ndim=1, dtypes=(expected,) if expected else FLOAT_DTYPES, device=device
+        )
+        if bias.shape[0] != weight[0].shape[0]:
+            raise ValueError(
+                f"{op}: bias has {bias.shape[0]} elements, expected out-features {weight[0].shape[0]}"
+            )
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: out_dtype {out_dtype}, expected one of float32, float16, bfloat16 or None")
+
+
+def _fake(x, layout, weight, bias, out_dtype):
+    return x.new_empty((x.shape[0], weight[0].shape[0]), dtype=out_dtype or x.dtype)
+
+
+# ---- inputs: a weight prepared as the engine prepares it, for the device it runs on ----------------
+#
+# A shape asks for what the loader asks for: "format" is the cpu_format, "source" the checkpoint
+# weight ("float", or GGUF blocks "Q4_0" / "Q4_1" / "Q8_0"). On the CPU that gives the CPU layouts; on
+# CUDA the same shape gives "gguf_*" (GGUF sources) or "dense" (float sources), as for the engine.
+
+_BASELINE_MATRICES: dict[int, torch.Tensor] = {}  # id(weight[0]) -> its float32 matrix, while it lives
+
+
+def _make_inputs(shape, dtype, device, generator):
+    M, N, K = shape["M"], shape["N"], shape["K"]
+    source = shape.get("source", "float")
+    if source == "float":
+        weight = randn((N, K), torch.float32, "cpu", generator, scale=K**-0.5)
+    else:
+        blocks = make_gguf_weight({"N": N, "K": K, "qtype": source}, "cpu", generator)
+        weight = GGUFWeight(source, blocks, (N, K))
+    prepared = prepare_linear_weight(weight, device=device, dtype=dtype, cpu_format=shape["format"])
+    matrix = weight if source == "float" else weight.dequantize(torch.float32)
+    _remember_matrix(prepared.tensors[0], matrix.to(device))
+    return {
+        "x": randn((M, K), dtype, device, generator),
+        "layout": prepared.layout,
+        "weight": list(prepared.tensors),
+        "bias": randn((N,), prepared.bias_dtype, device, generator) if shape.get("bias") else None,
+        "out_dtype": torch.float32 if shape.get("float32_out") else None,
+    }
+
+
+def _remember_matrix(key: torch.Tensor, matrix: torch.Tensor) -> None:
+    _BASELINE_MATRICES[id(key)] = matrix
+    weakref.finalize(key, _BASELINE_MATRICES.pop, id(key), None)
+
+
+# (format, source) pairs: every CPU layout (fp16 one-row and multi-row; bf16 "onednn" where this CPU
+# packs bf16, else "dense"; int4 from both Q4 types), GGUF sources kept dense on the CPU, "gguf_*" and
+# "dense" on CUDA.
+_FUZZ_FORMATS = (
+    ("fp32", "float"),
+    ("fp16", "float"),
+    ("bf16", "float"),
+    ("int4", "Q4_0"),
+    ("int4", "Q4_1"),
+    ("fp16", "Q8_0"),
+    ("fp32", "Q4_1"),
+)
+
+
+def _fuzz_shapes(rng):
+    shapes = []
+    for i, (fmt, source) in enumerate(_FUZZ_FORMATS):
+        n = 16 * rng.randint(1, 6) if fmt == "int4" else rng.randint(1, 100)  # int4 packs 16 rows at once
+        k = 32 * rng.randint(1, 8) if source != "float" else rng.randint(1, 300)  # GGUF: whole blocks
+        for m in (1, rng.randint(2, 70)):
+            shapes.append(
+                {"M": m, "N": n, "K": k, "format": fmt, "source": source, "bias": (i + m) % 2 == 1,
+                 "float32_out": i % 3 == 1}
+            )  # fmt: skip
+    return shapes
+
+
+def _case_tolerance(shape, dtype) -> float:
+    """The result is rounded to x's dtype (GEMM_TOLERANCE[dtype]), and inside the layout: "bf16" and
+    "int4" round x (and their output) to bfloat16 (unit roundoff 2^-9; int4's scales and zeros are
+    bf16 too, but the reference reads those stored values); "fp16" rounds a one-row x and its output
+    to float16 (2^-11); "fp16" for several rows and "fp32" compute in float32 on the stored values.
+    (On CUDA every format prepares to "dense" / "gguf_*" in x's dtype: the bound is then loose.)"""
+    fmt = shape["format"]
+    if fmt in ("bf16", "int4"):
+        inside = GEMM_TOLERANCE[torch.bfloat16]
+    elif fmt == "fp16" and shape["M"] == 1:
+        inside = GEMM_TOLERANCE[torch.float16]
+    else:
+        inside = GEMM_TOLERANCE[torch.float32]
+    return max(GEMM_TOLERANCE[dtype], inside)
+
+
+def _weight_bytes(shape) -> float:
+    """Bytes the CPU layout reads per call: fp32 / bf16 the matrix; fp16 the fp16 matrix for one row,
+    its float32 copy for more; int4 the nibbles and a bf16 (scale, zero) per 32 weights."""
+    N, K, fmt = shape["N"], shape["K"], shape["format"]
+    if fmt == "int4":
+        return N * K / 2 + N * K / 32 * 4
+    if fmt == "fp16":
+        return N * K * (2 if shape["M"] == 1 else 4)
+    return N * K * (2 if fmt == "bf16" else 4)
+
+
+def _bytes(shape, dtype) -> float:
+    M, N, K = shape["M"], shape["N"], shape["K"]
+    return _weight_bytes(shape) + (M * K + M * N) * element_size(dtype)
+
+
+def _torch_linear_fp32(x, layout, weight, bias=None, out_dtype=None):
+    """F.linear with the float32 matrix: what a layer without a prepared weight would run."""
+    matrix = _BASELINE_MATRICES.get(id(weight[0]))
+    if matrix is None:
+        matrix = prepared_matrix(layout, weight).to(device=x.device, dtype=torch.float32)
+        _remember_matrix(weight[0], matrix)
+    y = torch.nn.functional.linear(x.float(), matrix, None if bias is None else bias.float())
+    return y.to(out_dtype or x.dtype)
+
+
+# The engine's CPU GEMMs: SmolLM2-135M's projections at decode sizes, in each CPU format.
+_BENCH_FORMATS = (("fp32", "float"), ("fp16", "float"), ("bf16", "float"), ("int4", "Q4_1"))
+
+PREPARED_LINEAR = OpSpec(
+    name="prepared_linear",
+    description="y = x @ W^T (+ bias), W prepared at load (oneDNN-packed, fp16 GEMV, int4, GGUF blocks)",
+    reference=prepared_linear_reference,
+    make_inputs=_make_inputs,
+    fuzz_shapes=_fuzz_shapes,
+    dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    tolerance=GEMM_TOLERANCE,
+    case_tolerance=_case_tolerance,
+    flops=gemm_flops,
+    bytes=_bytes,
+    bench_shapes={
+        "llm": [
+            {"M": m, "N": n, "K": k, "format": fmt, "source": source}
+            for k, n in SMOLLM2_135M
+            for m in (1, 16, 64)
+            for fmt, source in _BENCH_FORMATS
+        ]
+    },
+    baselines={"torch_linear_fp32": _torch_linear_fp32},
+    schema="(Tensor x, str layout, Tensor[] weight, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor",
+    validate=validate_prepared_linear,
+    fake=_fake,
+    doc=__doc__,
+)
+
+prepared_linear = define_op(PREPARED_LINEAR, "kiln.ops")

@@ -1,0 +1,39 @@
+"""CUDA prepared_linear: the layouts `prepare_linear_weight` makes for CUDA run on other ops' Triton
+kernels: "gguf_*" (GGUF blocks as stored in the file) on kiln.ops.gguf_linear, "dense" (a matrix in the
+model dtype) on kiln.ops.linear (F.linear, i.e. cuBLAS, when x comes in another dtype). The CPU
+layouts (oneDNN blocks, torch's int4 packing) cannot run here: prepare the weight for CUDA."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from kiln.ops.gemm.gguf_linear import gguf_linear
+from kiln.ops.gemm.linear import linear
+from kiln.ops.gemm.prepared_linear.spec import PREPARED_LINEAR
+from kiln.ops.gemm.weight_formats import GGUF_LAYOUTS
+from kiln.ops.registry import Implementation
+
+
+def prepared_linear_triton(x, layout, weight, bias=None, out_dtype=None):
+    out_dtype = out_dtype or x.dtype
+    qtype = GGUF_LAYOUTS.get(layout)
+    if qtype is not None:
+        return gguf_linear(x, weight[0], qtype, bias).to(out_dtype)
+    if layout != "dense":
+        raise ValueError(
+            f"prepared_linear: layout {layout!r} is a CPU layout; prepare the weight for {x.device}"
+        )
+    matrix = weight[0]
+    if matrix.dtype != x.dtype:
+        return F.linear(x.to(matrix.dtype), matrix, bias).to(out_dtype)
+    return linear(x, matrix, bias).to(out_dtype)
+
+
+def _cuda(device) -> bool:
+    return device is not None and device.type == "cuda"
+
+
+PREPARED_LINEAR.register(
+    Implementation("triton", prepared_linear_triton, _cuda,
+                   description="gguf_* -> gguf_linear, dense -> linear (their Triton kernels)")
+)  # fmt: skip

@@ -1,0 +1,213 @@
+"""Linear weights prepared once, at load, for the device that runs them: the layouts
+`kiln.ops.prepared_linear` reads, and `prepare_linear_weight`, which packs a checkpoint weight into one.
+
+The model's Linear layers hold a PreparedLinearWeight and call `kiln.ops.prepared_linear` on every
+step, so what `kiln verify --op prepared_linear` checks and `kiln bench --op prepared_linear` times is
+the path the engine runs. A layout is a name and a list of tensors, W the matrix [N, K] = [out, in]:
+
+    layout          tensors                                     prepared_linear runs
+    "dense"         [W] in the weight dtype                     CPU: F.linear; CUDA: kiln.ops.linear
+    "onednn"        [oneDNN's blocked copy of W] fp32 / bf16    torch.ops.mkldnn._linear_pointwise
+    "fp16_onednn"   [W fp16, blocked fp32 copy of its values]   1 row: fp16 GEMV; more rows: the copy
+    "fp16_rows"     [W fp16, plain fp32 copy of its values]     1 row: fp16 GEMV; more rows: fp32 F.linear
+    "int4"          [nibbles uint8 [N, K/2] in torch's CPU      torch's int4 CPU matmul, groups of 32,
+                     packing, scales_and_zeros bf16 [K/32, N, 2]] bfloat16 activations
+    "gguf_Q4_0" / "gguf_Q4_1" / "gguf_Q8_0"
+                    [uint8 blocks [N, row_bytes] as in the file] kiln.ops.gguf_linear
+
+How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMATS):
+  - CUDA: GGUF blocks stay blocks ("gguf_*"); anything else is "dense" in the model dtype;
+  - CPU, "int4", GGUF Q4_0/Q4_1 with N % 16 == 0: "int4". A Q4_1 block w = d*q + m (q in 0..15) is
+    torch's (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0: m = -8d, so zero = 0): the
+    packed nibbles are the GGUF ones; scale and zero are rounded to bfloat16 (the kernel's fast path);
+  - CPU otherwise: dense in the format's dtype (GGUF blocks dequantized), reordered once for oneDNN:
+    PyTorch's default CPU GEMM for F.linear (MKL sgemm) is slow on the skinny inputs of decode: on
+    the 2-core AVX-512 machine this project measures on, 3072x576 at 16 rows takes 0.43 ms through MKL
+    and 0.13 ms through oneDNN with a pre-reordered weight (the LM head 49152x576: 13.2 ms vs 3.1 ms),
+    with the same float32 arithmetic. "fp32" keeps only that packed copy; "fp16" keeps the fp16 matrix
+    for one-row inputs (PyTorch's fp16 GEMV reads half the bytes) and a packed float32 copy of the same
+    fp16-rounded values for several rows (PyTorch's CPU fp16 GEMM is slow beyond one row); "bf16"
+    packs the bf16 matrix. Without oneDNN's prepacked-linear ops (or where it cannot pack, e.g. bf16
+    on a CPU without avx512bw/vl/dq or avx_ne_convert) the plain matrices serve F.linear instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kiln.quant.gguf_blocks import KERNEL_QTYPES, GGUFWeight, dequantize_blocks
+
+CPU_WEIGHT_FORMATS = ("int4", "fp16", "bf16", "fp32")
+FORMAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+INT4_GROUP_SIZE = 32  # one GGUF block per group
+
+GGUF_LAYOUTS = {f"gguf_{qtype}": qtype for qtype in KERNEL_QTYPES}
+# layout -> how many tensors it holds
+LAYOUTS = {
+    "dense": 1,
+    "onednn": 1,
+    "fp16_onednn": 2,
+    "fp16_rows": 2,
+    "int4": 2,
+    **dict.fromkeys(GGUF_LAYOUTS, 1),
+}
+
+
+@dataclass(frozen=True)
+class PreparedLinearWeight:
+    """A [out_features, in_features] weight in one of LAYOUTS (the module docstring), on its device.
+
+    compute_dtype: the activation dtype its kernel consumes (None: whatever x is); passing it as
+    prepared_linear's out_dtype lets layers that share it skip conversions between them.
+    bias_dtype: the dtype a bias is kept in for this layout.
+    """
+
+    layout: str
+    tensors: tuple[torch.Tensor, ...]
+    shape: tuple[int, int]
+    compute_dtype: torch.dtype | None
+    bias_dtype: torch.dtype
+
+    @property
+    def kind(self) -> str:
+        """How the weight is stored: "gguf" (file blocks), "int4" (repacked nibbles) or "dense"."""
+        if self.layout in GGUF_LAYOUTS:
+            return "gguf"
+        return "int4" if self.layout == "int4" else "dense"
+
+    @property
+    def matrix(self) -> torch.Tensor | None:
+        """The plain [out, in] float matrix when the layout keeps one ("dense", "fp16_*"), else None."""
+        return self.tensors[0] if self.layout in ("dense", "fp16_onednn", "fp16_rows") else None
+
+
+def prepare_linear_weight(
+    weight: torch.Tensor | GGUFWeight,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    cpu_format: str | None = None,
+) -> PreparedLinearWeight:
+    """Pack `weight` (float [out, in] or GGUF blocks) for `device`, once (see the module docstring).
+
+    dtype: the model's activation dtype; cpu_format: one of CPU_WEIGHT_FORMATS or None (the model
+    dtype). "int4" applies to GGUF Q4_0/Q4_1 weights only; others fall back to a dense `dtype` matrix.
+    """
+    device = torch.device(device)
+    if cpu_format is not None and cpu_format not in CPU_WEIGHT_FORMATS:
+        raise ValueError(
+            f"prepare_linear_weight: cpu_format {cpu_format!r}, expected one of {CPU_WEIGHT_FORMATS}"
+        )
+    shape = (int(weight.shape[0]), int(weight.shape[1]))
+    if device.type == "cuda" and isinstance(weight, GGUFWeight):
+        return PreparedLinearWeight(f"gguf_{weight.qtype}", (weight.data.to(device),), shape, None, dtype)
+    if device.type == "cpu" and cpu_format == "int4" and int4_packable(weight):
+        return PreparedLinearWeight("int4", pack_int4(weight), shape, torch.bfloat16, dtype)
+    weight_dtype = (
+        dtype if device.type != "cpu" or cpu_format in (None, "int4") else FORMAT_DTYPES[cpu_format]
+    )
+    if isinstance(weight, GGUFWeight):
+        weight = weight.dequantize(torch.float32)
+    matrix = weight.to(device=device, dtype=weight_dtype).contiguous()
+    if device.type != "cpu":
+        return PreparedLinearWeight("dense", (matrix,), shape, weight_dtype, weight_dtype)
+    if matrix.dtype == torch.float16:
+        packed = onednn_pack(matrix.float())
+        if packed is None:
+            return PreparedLinearWeight(
+                "fp16_rows", (matrix, matrix.float()), shape, weight_dtype, weight_dtype
+            )
+        return PreparedLinearWeight("fp16_onednn", (matrix, packed), shape, weight_dtype, weight_dtype)
+    packed = onednn_pack(matrix)
+    if packed is None:
+        return PreparedLinearWeight("dense", (matrix,), shape, weight_dtype, weight_dtype)
+    return PreparedLinearWeight("onednn", (packed,), shape, weight_dtype, weight_dtype)
+
+
+# ---- oneDNN: the weight reordered once (the ops PyTorch's inductor uses for frozen CPU linears) ----
+
+
+@functools.cache
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN and its prepacked-linear ops."""
+    try:
+        ops = torch.ops.mkldnn
+        return torch.backends.mkldnn.is_available() and all(
+            hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise")
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [out, in] float32/bfloat16 on the CPU -> oneDNN's blocked copy of it (an opaque tensor
+    only `onednn_linear` can read), or None when oneDNN is not available or cannot pack this weight here."""
+    if not onednn_available() or weight.device.type != "cpu":
+        return None
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2 or 0 in weight.shape:
+        return None
+    try:  # bf16 needs avx512bw/vl/dq or avx_ne_convert; the op raises on other CPUs
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+    except RuntimeError:
+        return None
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y [M, out] = x [M, in] @ W^T + bias with W as returned by `onednn_pack`; x has the packed
+    weight's dtype, bias [out] too (or None)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+# ---- int4: GGUF Q4 blocks in torch's weight-packed int4 CPU matmul ----------------------------------
+
+
+def int4_packable(weight: torch.Tensor | GGUFWeight) -> bool:
+    # torch's CPU packing needs out_features % 16 == 0; GGUF rows are whole 32-blocks already.
+    return isinstance(weight, GGUFWeight) and weight.qtype in ("Q4_0", "Q4_1") and weight.shape[0] % 16 == 0
+
+
+def pack_int4(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed nibbles, scales_and_zeros bf16 [in / 32, out, 2]) of a Q4_0 / Q4_1 GGUFWeight."""
+    scale, minimum = weight.scales_and_mins()  # [out, in / 32]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.nibbles(), 1)
+    zero = minimum + 8.0 * scale
+    # in the activation dtype the kernel runs in (bfloat16: its fast path)
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return packed, scales_and_zeros
+
+
+# ---- what a prepared weight stands for --------------------------------------------------------------
+
+
+def prepared_matrix(layout: str, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The float64 [out, in] matrix a prepared weight stands for, exactly (the verifier's reference and
+    the benchmark's baseline start from it). Opaque packings are read back through their own kernel
+    on an identity matrix, which moves each stored value unchanged (one product with 1, sums of zeros):
+    oneDNN's blocked copy directly; int4's nibbles q with scale 1 and zero 8 (w = q), after which
+    (q - 8) * scale + zero is computed here in float64."""
+    if layout in GGUF_LAYOUTS:
+        return dequantize_blocks(tensors[0], GGUF_LAYOUTS[layout], torch.float64)
+    if layout == "onednn":
+        packed = tensors[0]
+        identity = torch.eye(packed.shape[1], dtype=packed.dtype)
+        return onednn_linear(identity, packed, None).T.to(torch.float64)
+    if layout == "int4":
+        packed, scales_and_zeros = tensors
+        groups, n = scales_and_zeros.shape[:2]
+        k = groups * INT4_GROUP_SIZE
+        unit = torch.tensor([1.0, 8.0], dtype=torch.bfloat16).expand(groups, n, 2).contiguous()
+        identity = torch.eye(k, dtype=torch.bfloat16)
+        q = torch.ops.aten._weight_int4pack_mm_for_cpu(identity, packed, INT4_GROUP_SIZE, unit).T
+        scale, zero = (
+            scales_and_zeros.to(torch.float64)
+            .transpose(0, 1)
+            .repeat_interleave(INT4_GROUP_SIZE, 1)
+            .unbind(-1)
+        )
+        return (q.to(torch.float64) - 8.0) * scale + zero
+    if layout in LAYOUTS:  # "dense", "fp16_*": the plain matrix comes first
+        return tensors[0].to(torch.float64)
+    raise ValueError(f"prepared_matrix: unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")

@@ -1,0 +1,183 @@
+"""prepared_linear: the engine's Linear path, one weight layout per device, against float64 from the
+matrix each layout stands for (and, for the int4 repacking, from the GGUF blocks it came from)."""
+
+import random
+
+import pytest
+import torch
+
+import kiln.ops
+from kiln.models.layers.linear import Linear
+from kiln.ops.gemm import weight_formats
+from kiln.ops.gemm.prepared_linear import PREPARED_LINEAR
+from kiln.ops.gemm.prepared_linear.spec import _torch_linear_fp32
+from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
+from kiln.quant import dequantize_blocks, quantize_blocks
+from kiln.quant.gguf_blocks import GGUFWeight
+from kiln.verify import assert_close, run_case
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(not weight_formats.onednn_available(), reason="no oneDNN in this torch")
+
+
+def seed() -> int:
+    return random.randrange(2**31)
+
+
+def _gguf(qtype, n=48, k=96, generator=None):
+    weight = torch.randn(n, k, generator=generator) / 8
+    return GGUFWeight(qtype, quantize_blocks(weight, qtype), (n, k))
+
+
+def _layouts_made_by_fuzz_shapes(dtype):
+    return {
+        PREPARED_LINEAR.make_inputs(shape, dtype, CPU, torch.Generator().manual_seed(0))["layout"]
+        for shape in PREPARED_LINEAR.fuzz_shapes(random.Random(0))
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_every_fuzz_case_on_the_cpu_backend_matches_float64(dtype):
+    for shape in PREPARED_LINEAR.fuzz_shapes(random.Random(seed())):
+        case = run_case(PREPARED_LINEAR, "cpu", shape, dtype, CPU, seed())
+        assert case.passed, case
+
+
+@needs_onednn
+def test_the_fuzz_shapes_reach_every_cpu_layout_with_one_and_several_rows():
+    shapes = PREPARED_LINEAR.fuzz_shapes(random.Random(0))
+    assert _layouts_made_by_fuzz_shapes(torch.float32) >= {"onednn", "fp16_onednn", "int4"}
+    for fmt in ("fp32", "fp16", "bf16", "int4"):
+        rows = {s["M"] > 1 for s in shapes if s["format"] == fmt}
+        assert rows == {False, True}, fmt
+    assert {s["source"] for s in shapes if s["format"] == "int4"} == {"Q4_0", "Q4_1"}
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("fmt", ["fp32", "fp16"])
+def test_the_layouts_without_onednn_match_float64(monkeypatch, fmt, rows):
+    monkeypatch.setattr(weight_formats, "onednn_pack", lambda weight: None)
+    shape = {"M": rows, "N": 37, "K": 53, "format": fmt, "source": "float", "bias": True}
+    case = run_case(PREPARED_LINEAR, "cpu", shape, torch.float32, CPU, seed())
+    assert case.passed, case
+    prepared = prepare_linear_weight(torch.randn(37, 53), device=CPU, dtype=torch.float32, cpu_format=fmt)
+    assert prepared.layout == {"fp32": "dense", "fp16": "fp16_rows"}[fmt]
+
+
+@needs_onednn
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_a_onednn_packed_weight_reads_back_exactly(fmt):
+    weight = torch.randn(40, 72)
+    prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format=fmt)
+    if prepared.layout != "onednn":
+        pytest.skip("oneDNN cannot pack bf16 on this CPU")
+    stored = weight.to(weight_formats.FORMAT_DTYPES[fmt]).double()
+    assert torch.equal(prepared_matrix(prepared.layout, prepared.tensors), stored)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int4_holds_the_gguf_nibbles_with_bf16_scales_and_zeros(qtype):
+    gguf = _gguf(qtype, generator=torch.Generator().manual_seed(1))
+    prepared = prepare_linear_weight(gguf, device=CPU, dtype=torch.float32, cpu_format="int4")
+    assert prepared.layout == "int4" and prepared.compute_dtype == torch.bfloat16
+    # w = d * q + m = (q - 8) * d + (m + 8d), the scale and zero rounded to bf16 once (the kernel's dtype)
+    d, m = gguf.scales_and_mins()
+    scale = d.bfloat16().double().repeat_interleave(32, 1)
+    zero = (m + 8.0 * d).bfloat16().double().repeat_interleave(32, 1)
+    expected = (gguf.nibbles().double() - 8.0) * scale + zero
+    assert torch.equal(prepared_matrix(prepared.layout, prepared.tensors), expected)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int4_output_matches_float64_from_the_gguf_blocks(qtype, rows):
+    g = torch.Generator().manual_seed(2)
+    gguf = _gguf(qtype, generator=g)
+    prepared = prepare_linear_weight(gguf, device=CPU, dtype=torch.float32, cpu_format="int4")
+    x, bias = torch.randn(rows, 96, generator=g), torch.randn(48, generator=g)
+    y = kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors, bias)
+    ref = x.double() @ dequantize_blocks(gguf.data, qtype, torch.float64).T + bias.double()
+    # bf16 activations, scales, zeros and output: each 2^-9 relative (GEMM_TOLERANCE's bf16 bound)
+    assert y.dtype == torch.float32
+    assert_close(y, ref, 1.6e-2, f"int4 from {qtype}, {rows} rows")
+
+
+@pytest.mark.parametrize(
+    "fmt, source", [("fp32", "float"), ("fp16", "float"), ("bf16", "float"), ("int4", "Q4_1")]
+)
+def test_zero_rows_give_an_empty_result(fmt, source):
+    inputs = PREPARED_LINEAR.make_inputs(
+        {"M": 0, "N": 32, "K": 64, "format": fmt, "source": source, "bias": True},
+        torch.float32,
+        CPU,
+        torch.Generator().manual_seed(0),
+    )
+    assert kiln.ops.prepared_linear(**inputs).shape == (0, 32)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "int4"])
+def test_linear_forward_is_the_public_op_and_trusted_calls_skip_validation(monkeypatch, fmt):
+    layer = Linear(_gguf("Q4_1"), torch.randn(48), device=CPU, dtype=torch.float32, cpu_format=fmt)
+    x = torch.randn(3, 96)
+    prepared = layer.prepared
+    expected = kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors, layer.bias, torch.float16)
+
+    def refuse(*args):
+        raise AssertionError("validated inside trusted_inputs()")
+
+    monkeypatch.setattr(PREPARED_LINEAR, "validate", refuse)
+    with kiln.ops.trusted_inputs():
+        assert torch.equal(layer(x, out_dtype=torch.float16), expected)
+    with pytest.raises(AssertionError, match="validated"):
+        layer(x)
+
+
+def test_arguments_are_validated_naming_the_problem():
+    prepared = prepare_linear_weight(torch.randn(24, 64), device=CPU, dtype=torch.float32, cpu_format="fp16")
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="unknown layout 'packed'"):
+        kiln.ops.prepared_linear(x, "packed", prepared.tensors)
+    with pytest.raises(ValueError, match="holds 2 tensors, got 1"):
+        kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors[:1])
+    with pytest.raises(ValueError, match="x has 63 in-features"):
+        kiln.ops.prepared_linear(torch.randn(2, 63), prepared.layout, prepared.tensors)
+    with pytest.raises(ValueError, match="bias has dtype float32"):  # fp16 layouts keep an fp16 bias
+        kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors, torch.randn(24))
+    with pytest.raises(ValueError, match="bias has 23 elements"):
+        kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors, torch.randn(23).half())
+    with pytest.raises(ValueError, match="x must have 2 dims"):
+        kiln.ops.prepared_linear(x[None], prepared.layout, prepared.tensors)
+
+
+def test_unknown_cpu_format_is_refused_at_prepare():
+    with pytest.raises(ValueError, match="cpu_format 'int8'"):
+        prepare_linear_weight(torch.randn(8, 8), device=CPU, dtype=torch.float32, cpu_format="int8")
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "int4"])
+def test_custom_op_schema_and_fake_pass_opcheck(monkeypatch, fmt):
+    # oneDNN's opaque tensors have no fake counterpart: opcheck the plain and int4 layouts
+    monkeypatch.setattr(weight_formats, "onednn_pack", lambda weight: None)
+    prepared = prepare_linear_weight(_gguf("Q4_0"), device=CPU, dtype=torch.float32, cpu_format=fmt)
+    args = (torch.randn(3, 96), prepared.layout, list(prepared.tensors), None, torch.float32)
+    torch.library.opcheck(torch.ops.kiln.prepared_linear.default, args)
+
+
+def test_the_bench_baseline_is_f_linear_on_the_float32_matrix():
+    shape = {"M": 4, "N": 48, "K": 64, "format": "int4", "source": "Q4_1", "bias": True}
+    inputs = PREPARED_LINEAR.make_inputs(shape, torch.float32, CPU, torch.Generator().manual_seed(0))
+    ref = PREPARED_LINEAR.reference(**inputs)
+    assert_close(_torch_linear_fp32(**inputs), ref, 1.6e-2, "baseline")  # GGUF weights, not bf16 scales
+    assert set(PREPARED_LINEAR.baselines) == {"torch_linear_fp32"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_stay_blocks_on_cuda_and_match_float64(qtype):
+    cuda = torch.device("cuda")
+    prepared = prepare_linear_weight(_gguf(qtype), device=cuda, dtype=torch.float32, cpu_format="int4")
+    assert prepared.layout == f"gguf_{qtype}" and prepared.kind == "gguf"
+    for rows in (1, 7):
+        shape = {"M": rows, "N": 48, "K": 96, "format": "fp32", "source": qtype, "bias": True}
+        case = run_case(PREPARED_LINEAR, "triton", shape, torch.float32, cuda, seed())
+        assert case.passed, case
