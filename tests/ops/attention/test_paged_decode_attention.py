@@ -181,3 +181,20 @@ def test_paged_decode_long_context_batch_one_on_gpu():
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         case = run_case(PAGED_DECODE_ATTENTION, "triton", shape, dtype, torch.device("cuda"), 99)
         assert case.passed, case
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("bad_entry", [1000, 2**31 - 1, -1])
+def test_paged_decode_rejects_a_block_table_entry_outside_the_cache(backend, bad_entry, device, monkeypatch):
+    # Before the check, 1000 / 2**31-1 segfaulted the Triton kernel and the CPU path silently read the
+    # last block; -1 gave wrong values. Entries past a sequence's length stay free (padding).
+    monkeypatch.setenv("KILN_BACKEND", backend)
+    q = torch.randn(2, 4, 64, device=device)
+    cache = torch.randn(4, 16, 2, 64, device=device)
+    seq_lens = torch.tensor([20, 30], dtype=torch.int32, device=device)
+    bad = torch.tensor([[0, 1], [2, bad_entry]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"block_tables\[1, 1\] = .* outside the cache's 4 blocks"):
+        kiln.ops.paged_decode_attention(q, cache, cache.clone(), bad, seq_lens)
+    padded = torch.tensor([[0, bad_entry], [2, 1]], dtype=torch.int32, device=device)
+    out = kiln.ops.paged_decode_attention(q, cache, cache.clone(), padded, seq_lens.new_tensor([16, 30]))
+    assert out.isfinite().all()

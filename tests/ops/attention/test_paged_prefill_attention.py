@@ -115,3 +115,15 @@ def test_paged_prefill_rejects_bad_input(overrides, message):
 def test_paged_prefill_bfloat16_on_gpu(shape):
     case = run_case(PAGED_PREFILL_ATTENTION, "triton", shape, torch.bfloat16, torch.device("cuda"), 1234)
     assert case.passed, case
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_paged_prefill_rejects_a_block_table_entry_outside_the_cache(backend, device, monkeypatch):
+    monkeypatch.setenv("KILN_BACKEND", backend)
+    q = torch.randn(5, 4, 64, device=device)  # 3 new tokens of a 20-token sequence, 2 of a 30-token one
+    cache = torch.randn(4, 16, 2, 64, device=device)
+    cu_seqlens_q = torch.tensor([0, 3, 5], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([20, 30], dtype=torch.int32, device=device)
+    block_tables = torch.tensor([[0, 1], [2, -7]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"block_tables\[1, 1\] = -7 is outside the cache's 4 blocks"):
+        kiln.ops.paged_prefill_attention(q, cache, cache.clone(), block_tables, cu_seqlens_q, seq_lens, 3)

@@ -179,8 +179,12 @@ def check_block_tables(
     num_seqs: int,
     block_size: int,
     device: torch.device | None,
+    num_blocks: int | None = None,
 ) -> None:
-    """int32 `[num_seqs, max_blocks]` and int32 `[num_seqs]`, with every sequence fitting its table row."""
+    """int32 `[num_seqs, max_blocks]` and int32 `[num_seqs]`, with every sequence fitting its table row
+    and, given the cache's `num_blocks`, every entry a sequence reads (the first ceil(seq_len /
+    block_size) of its row) in [0, num_blocks): a kernel would otherwise read outside the cache.
+    Entries past a sequence's length are never read and may hold anything (padding)."""
     block_tables = check_tensor(
         op, "block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device
     )
@@ -202,3 +206,15 @@ def check_block_tables(
             )
         if int(seq_lens.min()) < 1:
             raise ValueError(f"{op}: seq_lens must be >= 1, got {int(seq_lens.min())}")
+        if num_blocks is not None and host_checkable(block_tables):
+            pages_read = (seq_lens.to(torch.int64) + block_size - 1) // block_size  # [num_seqs]
+            columns = torch.arange(block_tables.shape[1], device=block_tables.device)
+            read = columns[None, :] < pages_read[:, None]
+            bad = read & ((block_tables < 0) | (block_tables >= num_blocks))
+            if bool(bad.any()):
+                seq, column = (int(i) for i in bad.nonzero()[0])
+                raise ValueError(
+                    f"{op}: block_tables[{seq}, {column}] = {int(block_tables[seq, column])} is outside the "
+                    f"cache's {num_blocks} blocks (sequence {seq} reads its first {int(pages_read[seq])} "
+                    "entries)"
+                )

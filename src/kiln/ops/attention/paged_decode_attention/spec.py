@@ -57,7 +57,7 @@ def validate_paged_decode_attention(
 ) -> None:
     q = check_query(OP, "q", q)
     block_size, _ = check_paged_cache(OP, key_cache, value_cache, k_scale, v_scale, q)
-    check_block_tables(OP, block_tables, seq_lens, q.shape[0], block_size, device_of(q))
+    check_block_tables(OP, block_tables, seq_lens, q.shape[0], block_size, device_of(q), key_cache.shape[0])
     check_attention_options(OP, scale, sliding_window, softcap)
 
 

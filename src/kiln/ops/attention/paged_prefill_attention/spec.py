@@ -84,7 +84,7 @@ def validate_paged_prefill_attention(
     q = check_query(OP, "q", q)
     block_size, _ = check_paged_cache(OP, key_cache, value_cache, k_scale, v_scale, q)
     num_seqs = check_cu_seqlens(OP, "cu_seqlens_q", cu_seqlens_q, None, device_of(q))
-    check_block_tables(OP, block_tables, seq_lens, num_seqs, block_size, device_of(q))
+    check_block_tables(OP, block_tables, seq_lens, num_seqs, block_size, device_of(q), key_cache.shape[0])
     if not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
         raise ValueError(f"{OP}: max_seqlen_q must be a non-negative int, got {max_seqlen_q!r}")
     check_lengths(OP, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "query")
