@@ -178,7 +178,7 @@ phase_verify() {  # one process per backend, side by side; each rewrites its JSO
 
 phase_bench() {  # one after another (timings must not share the GPU); most important ops first
   bench_step bench-attention 120 attention \
-    flash_attention paged_decode_attention paged_prefill_attention write_kv_cache
+    flash_attention flash_attention_with_lse paged_decode_attention paged_prefill_attention write_kv_cache
   bench_step bench-gemm 150 gemm linear linear_silu_mul fp8_linear int8_linear int4_linear gguf_linear
   bench_step bench-rest 110 rest rms_norm layer_norm softmax rotary_embedding silu_and_mul fused_moe moe_route
 }
