@@ -112,13 +112,11 @@ def _compute_device(implementation: str) -> jax.Device | None:
     return None
 
 
-def _num_outputs(spec: OpSpec) -> int:
-    schema = torch._C.parse_schema(f"kiln::{spec.name}{spec.schema}")
-    return len(schema.returns)
-
-
 def torch_function(spec: OpSpec, implementation: str) -> Callable[..., Any]:
     """The torch-facing function of implementation `implementation` of `spec`, over its JAX function."""
+    n_out = spec.num_outputs
+    names = list(spec.signature.parameters)
+    written_positions = [names.index(name) for name in spec.mutated_args]
 
     def run(*args: Any, **kwargs: Any) -> Any:
         bound = spec.bind(args, kwargs)
@@ -127,10 +125,8 @@ def torch_function(spec: OpSpec, implementation: str) -> Callable[..., Any]:
         jax_args = [to_jax(a, device) if isinstance(a, torch.Tensor) else a for a in bound]
         result = spec.jax_implementations[implementation](*jax_args)
         results = list(result) if isinstance(result, (tuple, list)) else [result]
-        n_out = _num_outputs(spec)
         outputs = [to_torch(r, like) for r in results[:n_out]]
-        names = list(spec.signature.parameters)
-        written = [bound[names.index(n)] for n in spec.mutated_args if bound[names.index(n)] is not None]
+        written = [bound[i] for i in written_positions if bound[i] is not None]
         if len(results) != n_out + len(written):
             raise RuntimeError(
                 f"{spec.name}/{implementation}: returned {len(results)} arrays, expected {n_out} outputs "

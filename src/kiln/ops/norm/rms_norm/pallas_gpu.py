@@ -5,26 +5,14 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kiln.ops.norm.rms_norm.spec import RMS_NORM
-from kiln.ops.norm.rms_norm.xla import _normalize, over_rows
+from kiln.ops.norm.rms_norm.xla import over_rows, rows_kernel
 from kiln.ops.pallas_common import gpu_interpret, pad_to, squeezed
 
 # ---- GPU (Pallas Triton): one program per row. Triton blocks are powers of two, so the hidden
 # dim is zero-padded to the next power of two.
-
-
-def _gpu_kernel(*refs, eps: float, hidden: int, has_residual: bool):
-    if has_residual:
-        x_ref, r_ref, w_ref, y_ref, s_ref = refs
-        s = x_ref[...].astype(jnp.float32) + r_ref[...].astype(jnp.float32)
-        s_ref[...] = s.astype(s_ref.dtype)
-    else:
-        x_ref, w_ref, y_ref = refs
-        s = x_ref[...].astype(jnp.float32)
-    y_ref[...] = _normalize(s, w_ref[...].astype(jnp.float32), eps, hidden).astype(y_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
@@ -43,7 +31,7 @@ def _rms_norm_gpu(x, weight, residual, eps, interpret):
     from jax.experimental.pallas import triton as plgpu
 
     outs = pl.pallas_call(
-        functools.partial(_gpu_kernel, eps=eps, hidden=hidden, has_residual=residual is not None),
+        functools.partial(rows_kernel, eps=eps, hidden=hidden, has_residual=residual is not None),
         out_shape=(out_shape, out_shape) if residual is not None else out_shape,
         grid=(rows,),
         in_specs=in_specs,

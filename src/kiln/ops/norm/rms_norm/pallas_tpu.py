@@ -5,26 +5,14 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kiln.ops.norm.rms_norm.spec import RMS_NORM
-from kiln.ops.norm.rms_norm.xla import _normalize, over_rows
+from kiln.ops.norm.rms_norm.xla import over_rows, rows_kernel
 from kiln.ops.pallas_common import pad_to, round_up, row_block, tpu_interpret, tpu_params
 
 # ---- TPU (Mosaic): a program owns `block_rows` full rows; the whole row is one block (last dim =
 # the full hidden size, which Mosaic accepts), rows are padded to a multiple of block_rows.
-
-
-def _tpu_kernel(*refs, eps: float, hidden: int, has_residual: bool):
-    if has_residual:
-        x_ref, r_ref, w_ref, y_ref, s_ref = refs
-        s = x_ref[...].astype(jnp.float32) + r_ref[...].astype(jnp.float32)
-        s_ref[...] = s.astype(s_ref.dtype)
-    else:
-        x_ref, w_ref, y_ref = refs
-        s = x_ref[...].astype(jnp.float32)
-    y_ref[...] = _normalize(s, w_ref[...].astype(jnp.float32), eps, hidden).astype(y_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
@@ -42,7 +30,7 @@ def _rms_norm_tpu(x, weight, residual, eps, interpret):
     in_specs.append(pl.BlockSpec((1, hidden), lambda i: (0, 0)))
     out_shape = jax.ShapeDtypeStruct((padded_rows, hidden), x.dtype)
     outs = pl.pallas_call(
-        functools.partial(_tpu_kernel, eps=eps, hidden=hidden, has_residual=residual is not None),
+        functools.partial(rows_kernel, eps=eps, hidden=hidden, has_residual=residual is not None),
         out_shape=(out_shape, out_shape) if residual is not None else out_shape,
         grid=(padded_rows // block_rows,),
         in_specs=in_specs,

@@ -22,6 +22,19 @@ def _normalize(s, w, eps: float, hidden: int):
     return s * inv_rms * w
 
 
+def rows_kernel(*refs, eps: float, hidden: int, has_residual: bool):
+    """The Pallas kernel body both Pallas backends run on their blocks of rows: refs are
+    (x, [residual,] weight, y[, new residual])."""
+    if has_residual:
+        x_ref, r_ref, w_ref, y_ref, s_ref = refs
+        s = x_ref[...].astype(jnp.float32) + r_ref[...].astype(jnp.float32)
+        s_ref[...] = s.astype(s_ref.dtype)
+    else:
+        x_ref, w_ref, y_ref = refs
+        s = x_ref[...].astype(jnp.float32)
+    y_ref[...] = _normalize(s, w_ref[...].astype(jnp.float32), eps, hidden).astype(y_ref.dtype)
+
+
 def over_rows(kernel, x, weight, eps, residual):
     """Run a [rows, hidden] kernel on [..., hidden] arrays (no launch for zero rows)."""
     shape, hidden = x.shape, x.shape[-1]
