@@ -131,7 +131,7 @@ _AOT_SCRIPT = textwrap.dedent(
            "v_scale_ptr": "*fp32",
            **ints("stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_kc_block", "stride_kc_slot",
                   "stride_kc_head", "stride_vc_block", "stride_vc_slot", "stride_vc_head", "num_kv_heads",
-                  "head_dim")},
+                  "head_dim", "num_slots")},
           {"BLOCK_SIZE": 16, "QUANTIZE": True, "BLOCK_H": 8, "BLOCK_D": 128}, num_warps=4)
     for paged, cache, head_dim, window, softcap, lse in (
         (False, "*bf16", 128, False, False, True), (True, "*fp8e4nv", 80, True, True, False),
@@ -142,7 +142,7 @@ _AOT_SCRIPT = textwrap.dedent(
                "block_tables_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
                **ints("stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
                       "stride_vt", "stride_vh", "stride_ot", "stride_oh", "stride_lse_h", "stride_bt",
-                      "num_queries_per_kv"),
+                      "num_blocks", "table_width", "num_queries_per_kv"),
                "sm_scale": "fp32", "softcap": "fp32", "window": "i32"},
               {"HEAD_DIM": head_dim, "PAGED": paged, "PAGE_SIZE": 16, "CAUSAL": True, "HAS_WINDOW": window,
                "HAS_SOFTCAP": softcap, "HAS_KV_SCALE": cache == "*fp8e4nv", "RETURN_LSE": lse, "IEEE": False,
@@ -154,7 +154,8 @@ _AOT_SCRIPT = textwrap.dedent(
                "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                **ints("stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
                       "stride_vt", "stride_vh", "stride_bt", "stride_ob", "stride_oh", "stride_pb",
-                      "stride_ph", "stride_ps", "stride_lb", "stride_lh", "num_queries_per_kv"),
+                      "stride_ph", "stride_ps", "stride_lb", "stride_lh", "num_blocks", "table_width",
+                      "num_queries_per_kv"),
                "sm_scale": "fp32", "softcap": "fp32", "window": "i32", "partition_size": "i32"},
               {"HEAD_DIM": 128, "PAGE_SIZE": 16, "HAS_WINDOW": not single, "HAS_SOFTCAP": not single,
                "HAS_KV_SCALE": cache == "*fp8e4nv", "IEEE": False, "SINGLE_SPLIT": single, "BLOCK_G": 16,

@@ -26,8 +26,8 @@ from kiln.ops.registry import triton_interpreting
 @triton.jit
 def _load_kv_tile(
     base_ptr, head_offset, offs_n, offs_d, k_start, k_len, seq, block_tables_ptr, stride_bt, stride_block,
-    stride_token, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    stride_token, num_blocks, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    MASK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N, BLOCK_D] keys (or values) of tokens offs_n; zeros past k_len and past HEAD_DIM."""
     in_range = offs_n < k_len
@@ -36,6 +36,9 @@ def _load_kv_tile(
             block = tl.load(block_tables_ptr + seq * stride_bt + offs_n // PAGE_SIZE, mask=in_range, other=0)
         else:
             block = tl.load(block_tables_ptr + seq * stride_bt + offs_n // PAGE_SIZE)
+        # Unchecked tables (kiln.ops.trusted_inputs) may hold entries outside the cache: clamped, a bad
+        # entry gives wrong values for its own sequence but never a read outside the cache.
+        block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
         rows = block.to(tl.int64) * stride_block + (offs_n % PAGE_SIZE) * stride_token
     else:
         rows = (k_start + offs_n).to(tl.int64) * stride_token
@@ -53,8 +56,8 @@ def _load_kv_tile(
 @triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q, lo, hi, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start, k_len, seq,
-    block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
-    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, num_blocks, qk_scale, softcap,
+    window, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -65,7 +68,7 @@ def _attend_tiles(
         offs_n = start + tl.arange(0, BLOCK_N)
         k = _load_kv_tile(
             k_ptr, k_head_offset, offs_n, offs_d, k_start, k_len, seq, block_tables_ptr, stride_bt, stride_kb,
-            stride_kt, HEAD_DIM, PAGED, PAGE_SIZE, MASKED, BLOCK_D,
+            stride_kt, num_blocks, HEAD_DIM, PAGED, PAGE_SIZE, MASKED, BLOCK_D,
         ).to(q.dtype)  # fmt: skip
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -92,7 +95,7 @@ def _attend_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_kv_tile(
             v_ptr, v_head_offset, offs_n, offs_d, k_start, k_len, seq, block_tables_ptr, stride_bt, stride_vb,
-            stride_vt, HEAD_DIM, PAGED, PAGE_SIZE, MASKED, BLOCK_D,
+            stride_vt, num_blocks, HEAD_DIM, PAGED, PAGE_SIZE, MASKED, BLOCK_D,
         ).to(q.dtype)  # fmt: skip
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
@@ -106,10 +109,11 @@ def _attend_tiles(
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seq_lens_ptr, block_tables_ptr,
     k_scale_ptr, v_scale_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-    stride_vh, stride_ot, stride_oh, stride_lse_h, stride_bt, num_queries_per_kv, sm_scale, softcap, window,
-    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KV_SCALE: tl.constexpr, RETURN_LSE: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_vh, stride_ot, stride_oh, stride_lse_h, stride_bt, num_blocks, table_width, num_queries_per_kv,
+    sm_scale, softcap, window, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
+    RETURN_LSE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # Heaviest (last, under causality) query tiles first, so the tail of the grid is short work.
     tile_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -122,7 +126,7 @@ def _prefill_kernel(
         return
     if PAGED:
         k_start = 0
-        k_len = tl.load(seq_lens_ptr + seq)
+        k_len = tl.minimum(tl.load(seq_lens_ptr + seq), table_width * PAGE_SIZE)  # never past the table row
     else:
         k_start = tl.load(cu_seqlens_k_ptr + seq)
         k_len = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
@@ -169,19 +173,21 @@ def _prefill_kernel(
     v_head_offset = kv_head.to(tl.int64) * stride_vh
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, lo, full_lo, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start, k_len,
-        seq, block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap,
-        window, HEAD_DIM, PAGED, PAGE_SIZE, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_D,
-    )  # fmt: skip
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, full_lo, full_hi, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start,
-        k_len, seq, block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-        softcap, window, HEAD_DIM, PAGED, PAGE_SIZE, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, IEEE, BLOCK_N,
+        seq, block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, num_blocks, qk_scale,
+        softcap, window, HEAD_DIM, PAGED, PAGE_SIZE, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, IEEE, BLOCK_N,
         BLOCK_D,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, full_lo, full_hi, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start,
+        k_len, seq, block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, num_blocks,
+        qk_scale, softcap, window, HEAD_DIM, PAGED, PAGE_SIZE, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, IEEE,
+        BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, full_hi, hi, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start, k_len,
-        seq, block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap,
-        window, HEAD_DIM, PAGED, PAGE_SIZE, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_D,
+        seq, block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, num_blocks, qk_scale,
+        softcap, window, HEAD_DIM, PAGED, PAGE_SIZE, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, IEEE, BLOCK_N,
+        BLOCK_D,
     )  # fmt: skip
 
     # A query that sees no key at all (only possible with k_len < q_len) gets 0 and lse -inf.
@@ -260,7 +266,8 @@ def launch_prefill(
         seq_lens if paged else cu_seqlens_q, block_tables if paged else cu_seqlens_q,
         k_scale.float() if has_scale else q, v_scale.float() if has_scale else q, q.stride(0), q.stride(1),
         *strides_k, *strides_v, out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0,
-        block_tables.stride(0) if paged else 0, num_heads // num_kv_heads,
+        block_tables.stride(0) if paged else 0, k.shape[0] if paged else 1,
+        block_tables.shape[1] if paged else 0, num_heads // num_kv_heads,
         head_dim**-0.5 if scale is None else scale, float(softcap) if softcap is not None else 1.0,
         int(sliding_window) if sliding_window is not None else 0, HEAD_DIM=head_dim, PAGED=paged,
         PAGE_SIZE=page_size, CAUSAL=causal, HAS_WINDOW=sliding_window is not None,

@@ -33,15 +33,15 @@ def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
     part_out_ptr, part_lse_ptr, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
     stride_vh, stride_bt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    num_queries_per_kv, sm_scale, softcap, window, partition_size, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
-    IEEE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    num_blocks, table_width, num_queries_per_kv, sm_scale, softcap, window, partition_size,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_KV_SCALE: tl.constexpr, IEEE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), table_width * PAGE_SIZE)  # never past the table row
     start = split * partition_size
     end = tl.minimum(start + partition_size, seq_len)
     if HAS_WINDOW:  # tiles wholly before the window are never loaded
@@ -71,7 +71,10 @@ def _decode_partition_kernel(
     for tile in range(start, end, BLOCK_N):
         offs_n = tile + tl.arange(0, BLOCK_N)
         in_range = offs_n < end
-        block = tl.load(table + offs_n // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
+        block = tl.load(table + offs_n // PAGE_SIZE, mask=in_range, other=0)
+        # Unchecked tables (kiln.ops.trusted_inputs) may hold entries outside the cache: clamped, a bad
+        # entry gives wrong values for its own sequence but never a read outside the cache.
+        block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
         kv_mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(
             k_head + block[:, None] * stride_kb + (offs_n % PAGE_SIZE)[:, None] * stride_kt + offs_d[None, :],
@@ -244,8 +247,8 @@ def paged_decode_attention_triton(
         v_scale.float() if has_scale else q, out, part_out, part_lse, q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
         value_cache.stride(1), value_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        *part_strides, group, head_dim**-0.5 if scale is None else scale,
-        float(softcap) if softcap is not None else 1.0,
+        *part_strides, key_cache.shape[0], block_tables.shape[1], group,
+        head_dim**-0.5 if scale is None else scale, float(softcap) if softcap is not None else 1.0,
         int(sliding_window) if sliding_window is not None else 0, partition, HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         HAS_KV_SCALE=has_scale, IEEE=q.dtype == torch.float32, SINGLE_SPLIT=single,

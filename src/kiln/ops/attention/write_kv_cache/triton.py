@@ -32,12 +32,16 @@ def _round_to_e4m3(x):
 def _write_kv_cache_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, stride_kt,
     stride_kh, stride_vt, stride_vh, stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block,
-    stride_vc_slot, stride_vc_head, num_kv_heads, head_dim, BLOCK_SIZE: tl.constexpr, QUANTIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_vc_slot, stride_vc_head, num_kv_heads, head_dim, num_slots, BLOCK_SIZE: tl.constexpr,
+    QUANTIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
+    # Negative slots are padding; a slot past the cache (possible only unchecked, inside
+    # kiln.ops.trusted_inputs) is dropped rather than written outside the cache.
     if slot < 0:
+        return
+    if slot >= num_slots:
         return
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
@@ -81,8 +85,9 @@ def write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_sc
         key, value, key_cache, value_cache, slot_mapping, k_scale.float() if quantize else key,
         v_scale.float() if quantize else value, key.stride(0), key.stride(1), value.stride(0),
         value.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
-        value_cache.stride(1), value_cache.stride(2), num_kv_heads, head_dim, BLOCK_SIZE=key_cache.shape[1],
-        QUANTIZE=quantize, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 2048 else 2,
+        value_cache.stride(1), value_cache.stride(2), num_kv_heads, head_dim,
+        key_cache.shape[0] * key_cache.shape[1], BLOCK_SIZE=key_cache.shape[1], QUANTIZE=quantize,
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 2048 else 2,
     )  # fmt: skip
 
 
