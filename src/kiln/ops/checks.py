@@ -7,6 +7,7 @@ only (pass `device_of(x)`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -75,6 +76,18 @@ def check_same_dtype(op: str, **tensors: torch.Tensor) -> None:
     if len(set(dtypes.values())) > 1:
         listing = ", ".join(f"{n}={d}" for n, d in dtypes.items())
         raise ValueError(f"{op}: tensors must share one dtype, got {listing}")
+
+
+def check_nonempty_rows(op: str, x: object) -> None:
+    """Rows of zero width have no scale (amax over nothing): a named error, the same on every backend."""
+    if x.shape[-1] == 0:
+        raise ValueError(f"{op}: x has shape {tuple(x.shape)}; the last dim (scaled over) must be non-empty")
+
+
+def as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """[..., n] -> [rows, n], a view where possible. Unlike `reshape(-1, n)` it also takes n == 0
+    (a zero-width row is still a row: rms_norm over hidden 0 returns [rows, 0], a GEMM with K 0 zeros)."""
+    return tensor.reshape(math.prod(tensor.shape[:-1]), tensor.shape[-1])
 
 
 def contiguous_rows(tensor: torch.Tensor) -> torch.Tensor:

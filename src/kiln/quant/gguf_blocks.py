@@ -47,6 +47,9 @@ def dequantize_blocks(qweight: torch.Tensor, qtype: str, dtype: torch.dtype = to
     """uint8 [N, row_bytes] -> [N, K] in `dtype`. Computed in float32 (float64 when asked for it),
     the same operations as ggml, so float32 output is bit-exact with `gguf.quants.dequantize`."""
     compute = torch.float64 if dtype == torch.float64 else torch.float32
+    if qweight.numel() == 0 and qtype in KERNEL_QTYPES:  # torch cannot reinterpret empty byte views
+        K = qweight.shape[1] // BLOCK_BYTES[qtype] * BLOCK_SIZE
+        return torch.empty(qweight.shape[0], K, dtype=dtype, device=qweight.device)
     blocks = _blocks(qweight, qtype)
     d = _half(blocks[..., 0:2]).to(compute)
     if qtype == "Q8_0":
@@ -70,6 +73,8 @@ def quantize_blocks(weight: torch.Tensor, qtype: str) -> torch.Tensor:
     N, K = weight.shape
     if K % BLOCK_SIZE:
         raise ValueError(f"quantize_blocks: K={K} must be a multiple of {BLOCK_SIZE} for GGUF blocks")
+    if N == 0 and qtype in KERNEL_QTYPES:
+        return torch.empty(0, K // BLOCK_SIZE * BLOCK_BYTES[qtype], dtype=torch.uint8, device=weight.device)
     x = weight.detach().to(device="cpu", dtype=torch.float32).reshape(N, K // BLOCK_SIZE, BLOCK_SIZE)
     if qtype == "Q8_0":
         d = x.abs().amax(-1, keepdim=True) / 127

@@ -34,7 +34,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def unpack_int4(qweight: torch.Tensor, K: int) -> torch.Tensor:
     """int32 [N, words] -> uint8 [N, K] values 0..15."""
     nibbles = (qweight.unsqueeze(-1) >> NIBBLE_SHIFTS.to(qweight.device)) & 0xF
-    return nibbles.reshape(qweight.shape[0], -1)[:, :K].to(torch.uint8)
+    return nibbles.reshape(qweight.shape[0], qweight.shape[1] * 8)[:, :K].to(torch.uint8)
 
 
 def expand_groups(t: torch.Tensor, group_size: int, K: int) -> torch.Tensor:

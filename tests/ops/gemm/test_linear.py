@@ -5,6 +5,7 @@ import torch
 
 import kiln.ops
 import kiln.ops.tuned_configs
+import kiln.tune
 from kiln.ops.gemm.linear import LINEAR
 from kiln.ops.gemm.linear.triton import linear_triton
 from kiln.verify import assert_close, run_case

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.alloc import empty
-from kiln.ops.checks import check_block_config
+from kiln.ops.checks import as_rows, check_block_config
 from kiln.ops.tuned_configs import lookup
 
 MAX_BLOCK_D = 1024
@@ -67,7 +67,7 @@ def launch_gated(x, activation: str, op: str, config: dict | None):
     """act(x[..., :d]) * x[..., d:] for x [..., 2*d] with ACTIVATION = `activation` ("silu" or
     "gelu_tanh"); `op` names the tuned configs to look up and the errors."""
     d = x.shape[-1] // 2
-    x2 = x.reshape(-1, 2 * d)
+    x2 = as_rows(x)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]

@@ -38,6 +38,8 @@ def validate_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_
     value = check_tensor(OP, "value", value, ndim=3, dtypes=(key.dtype,), device=device_of(key))
     if tuple(value.shape) != tuple(key.shape):
         raise ValueError(f"{OP}: value has shape {tuple(value.shape)}, expected key's {tuple(key.shape)}")
+    if key.shape[1] == 0 or key.shape[2] == 0:
+        raise ValueError(f"{OP}: key has shape {tuple(key.shape)}; num_kv_heads and head_dim must be >= 1")
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         cache = check_tensor(OP, name, cache, ndim=4, device=device_of(key))
         if tuple(cache.shape[2:]) != tuple(key.shape[1:]):

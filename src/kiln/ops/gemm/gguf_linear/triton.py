@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.alloc import empty
-from kiln.ops.checks import contiguous_rows
+from kiln.ops.checks import as_rows, contiguous_rows
 from kiln.ops.gemm.gguf_linear.spec import GGUF_LINEAR
 from kiln.ops.gemm.gguf_triton import dequantize_at, fp16_at
 from kiln.ops.gemm.tiling import (
@@ -111,10 +111,15 @@ def _gguf_gemm_kernel(
 
 def gguf_linear_triton(x, qweight, qtype, bias=None, config: dict | None = None):
     K = x.shape[-1]
-    x2 = contiguous_rows(x.reshape(-1, K))
+    x2 = contiguous_rows(as_rows(x))
     M, N = x2.shape[0], qweight.shape[0]
     out = empty((M, N), x.dtype, x.device)
     if M == 0 or N == 0:
+        return out.reshape(*x.shape[:-1], N)
+    if K == 0:  # an empty sum, as torch's matmul gives
+        out.zero_()
+        if bias is not None:
+            out += bias
         return out.reshape(*x.shape[:-1], N)
     qweight = contiguous_rows(qweight)
     shape = {"M": M, "N": N, "K": K, "qtype": qtype}

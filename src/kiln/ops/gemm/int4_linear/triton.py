@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.alloc import empty
-from kiln.ops.checks import contiguous_rows
+from kiln.ops.checks import as_rows, contiguous_rows
 from kiln.ops.gemm.int4_linear.spec import INT4_LINEAR
 from kiln.ops.gemm.tiling import (
     config_space,
@@ -70,7 +70,7 @@ def _int4_linear_kernel(
 
 def int4_linear_triton(x, qweight, scales, zeros, group_size, config: dict | None = None):
     K = x.shape[-1]
-    x2 = x.reshape(-1, K)
+    x2 = as_rows(x)
     M, N = x2.shape[0], qweight.shape[0]
     out = empty((M, N), x.dtype, x.device)
     if M == 0 or N == 0 or K == 0:

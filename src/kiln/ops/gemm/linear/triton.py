@@ -26,6 +26,7 @@ import triton.language as tl
 
 from kiln import fallbacks
 from kiln.ops.alloc import empty
+from kiln.ops.checks import as_rows
 from kiln.ops.gemm.linear.spec import LINEAR
 from kiln.ops.gemm.linear.triton_tma import launch_linear_tma, tma_device, tma_eligible, use_tma
 from kiln.ops.gemm.tiling import (
@@ -112,7 +113,7 @@ def launch_dense(op: str, x, weight, bias, silu_mul: bool, config, kernel: str =
     `silu_mul`. kernel: "auto" (triton_tma.use_tma decides), "tma" (TMA whenever eligible) or
     "pointer"."""
     K = x.shape[-1]
-    x2 = x.reshape(-1, K)
+    x2 = as_rows(x)
     M = x2.shape[0]
     N = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = empty((M, N), x.dtype, x.device)

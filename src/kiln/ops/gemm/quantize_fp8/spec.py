@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.checks import FLOAT_DTYPES, check_tensor
+from kiln.ops.checks import FLOAT_DTYPES, check_nonempty_rows, check_tensor
 from kiln.ops.gemm.scaled import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, make_quantize_inputs
 from kiln.ops.gemm.shapes import fuzz_quantize_shapes, quantize_bytes, quantize_flops
 from kiln.ops.registry import OpSpec, define_op
@@ -27,6 +27,7 @@ def quantize_fp8_reference(x, per_token=True):
 
 def validate_quantize_fp8(x, per_token) -> None:
     check_tensor("quantize_fp8", "x", x, ndim=2, dtypes=FLOAT_DTYPES + (torch.float64,))
+    check_nonempty_rows("quantize_fp8", x)
 
 
 def _fake(x, per_token):

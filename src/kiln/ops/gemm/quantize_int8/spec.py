@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.checks import FLOAT_DTYPES, check_tensor
+from kiln.ops.checks import FLOAT_DTYPES, check_nonempty_rows, check_tensor
 from kiln.ops.gemm.scaled import AMAX_FLOOR, INT8_MAX, make_quantize_inputs
 from kiln.ops.gemm.shapes import fuzz_quantize_shapes, quantize_bytes, quantize_flops
 from kiln.ops.registry import OpSpec, define_op
@@ -29,6 +29,7 @@ def quantize_int8_reference(x):
 
 def validate_quantize_int8(x) -> None:
     check_tensor("quantize_int8", "x", x, ndim=2, dtypes=FLOAT_DTYPES + (torch.float64,))
+    check_nonempty_rows("quantize_int8", x)
 
 
 def _fake(x):

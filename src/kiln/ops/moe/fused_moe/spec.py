@@ -120,6 +120,8 @@ def validate_fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_s
             f"{OP}: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
             f"must both be [num_tokens={x.shape[0]}, top_k]"
         )
+    if topk_ids.shape[1] == 0:
+        raise ValueError(f"{OP}: topk_ids has shape {tuple(topk_ids.shape)}; top_k must be >= 1")
     check_expert_ids(topk_ids, num_experts)
 
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.alloc import empty_like
-from kiln.ops.checks import check_block_config
+from kiln.ops.checks import as_rows, check_block_config
 from kiln.ops.registry import Implementation, triton_available
 from kiln.ops.softmax.softmax.spec import SOFTMAX
 from kiln.ops.tuned_configs import lookup
@@ -91,7 +91,7 @@ def _resolve_config(config, dtype, rows, cols, device):
 
 def softmax_triton(x, temperature=1.0, config: dict | None = None):
     n_cols = x.shape[-1]
-    x2 = x.reshape(-1, n_cols)
+    x2 = as_rows(x)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = empty_like(x2)
