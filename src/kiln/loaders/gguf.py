@@ -21,6 +21,13 @@ import numpy as np
 import torch
 
 from kiln.loaders.config_checks import check_model_config, is_int
+from kiln.loaders.gguf_gemma3 import (
+    GEMMA3_NORM_SHIFT,
+    GEMMA3_PER_LAYER,
+    complete_gemma3_config,
+    is_shifted_norm,
+)
+from kiln.loaders.gguf_moe import EXPERT_TENSOR_NAMES, apply_moe_metadata, stack_expert_tensors
 from kiln.models.config import ModelConfig, ModelLoadError
 from kiln.models.weights import GGUFWeight, WeightStore, numpy_to_torch
 
@@ -30,6 +37,12 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
+GGUF_ARCHITECTURES["phi3"] = "Phi3ForCausalLM"
+# Qwen3 (q/k norms, Q/K not permuted) and the MoE archs (kiln.loaders.gguf_moe; a "llama" file with
+# experts is a Mixtral)
+GGUF_ARCHITECTURES.update(
+    qwen3="Qwen3ForCausalLM", qwen3moe="Qwen3MoeForCausalLM", qwen2moe="Qwen2MoeForCausalLM"
+)
 _PERMUTED_QK = ("llama", "mistral")  # archs whose converter permutes Q/K rows
 
 _TOP_LEVEL = {
@@ -48,17 +61,25 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_PER_LAYER["attn_qkv"] = "self_attn.qkv_proj"  # Phi-3's fused q/k/v rows
+_PER_LAYER.update(attn_q_norm="self_attn.q_norm", attn_k_norm="self_attn.k_norm")  # Qwen3
+_PER_LAYER.update(EXPERT_TENSOR_NAMES)  # routers, stacked experts, shared experts
+# names that mean something else in one architecture: Phi-3's ffn_up holds the gate rows, then the up rows
+_ARCH_PER_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+GGUF_ARCHITECTURES["gemma3"] = "Gemma3ForCausalLM"
+_ARCH_PER_LAYER["gemma3"] = GEMMA3_PER_LAYER  # Gemma's four norms per layer and q/k norms
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _KEPT_AS_BLOCKS = ("Q4_0", "Q4_1", "Q8_0")
 
 
-def hf_tensor_name(name: str) -> str:
-    """GGUF tensor name -> HF name (unknown names are kept as they are)."""
+def hf_tensor_name(name: str, arch: str | None = None) -> str:
+    """GGUF tensor name -> HF name in GGUF architecture `arch` (unknown names are kept as they are)."""
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name]
     match = _BLOCK_NAME.match(name)
-    if match and match.group(2) in _PER_LAYER:
-        return f"model.layers.{match.group(1)}.{_PER_LAYER[match.group(2)]}.{match.group(3)}"
+    per_layer = {**_PER_LAYER, **_ARCH_PER_LAYER.get(arch, {})}
+    if match and match.group(2) in per_layer:
+        return f"model.layers.{match.group(1)}.{per_layer[match.group(2)]}.{match.group(3)}"
     return name
 
 
@@ -149,8 +170,31 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], source: s
         bos_token_id=bos,
         eos_token_ids=[] if eos is None else [eos],
         extra={"gguf_architecture": arch},
+        rotary_dim=rotary_dim_from_metadata(meta, arch, hidden // num_heads, source),
     )
+    if config.rotary_dim == config.head_dim:
+        config.rotary_dim = None
+    config = apply_moe_metadata(config, meta, tensor_names, source)
+    if arch == "gemma3":
+        complete_gemma3_config(config, meta, source)
     return check_model_config(config, source, keys)
+
+
+def rotary_dim_from_metadata(
+    meta: dict[str, Any], arch: str, default_head_dim: int, source: str
+) -> int | None:
+    """`<arch>.rope.dimension_count` (the dims of a head that RoPE rotates; Phi-4-mini's is 3/4 of
+    head_dim), checked even and within the head; None when absent."""
+    value = meta.get(f"{arch}.rope.dimension_count")
+    if value is None:
+        return None
+    head_dim = meta.get(f"{arch}.attention.key_length", default_head_dim)
+    if not is_int(value) or value < 2 or value % 2 or (is_int(head_dim) and value > head_dim):
+        raise ModelLoadError(
+            f"{source}: metadata key '{arch}.rope.dimension_count' is {value!r}, expected an even "
+            f"integer in [2, head_dim={head_dim}]"
+        )
+    return int(value)
 
 
 def open_gguf(path: str) -> tuple[Any, dict[str, Any]]:
@@ -199,7 +243,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, WeightStore, dict[str, Any], torc
     def loader(tensor):
         qtype = GGMLQuantizationType(tensor.tensor_type).name
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
-        hf_name = hf_tensor_name(tensor.name)
+        hf_name = hf_tensor_name(tensor.name, arch)
         permute_heads = None
         if arch in _PERMUTED_QK and re.search(r"self_attn\.(q|k)_proj\.(weight|bias)$", hf_name):
             permute_heads = config.num_heads if ".q_proj." in hf_name else config.num_kv_heads
@@ -220,6 +264,8 @@ def load_gguf(path: str) -> tuple[ModelConfig, WeightStore, dict[str, Any], torc
             if permute_heads is not None:
                 index = unpermute_rows(permute_heads, shape[0])
                 weight = weight.rows(index) if isinstance(weight, GGUFWeight) else weight[index].contiguous()
+            if arch == "gemma3" and is_shifted_norm(hf_name):
+                weight = weight - GEMMA3_NORM_SHIFT  # stored as 1 + w; float32 here
             return weight
 
         return hf_name, shape, load
@@ -228,6 +274,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, WeightStore, dict[str, Any], torc
     for tensor in reader.tensors:
         hf_name, shape, load = loader(tensor)
         loaders[hf_name] = (shape, load)
+    loaders = stack_expert_tensors(loaders, path)
     rope_inv_freq = None
     if "rope_freqs.weight" in loaders:
         # Llama 3.1 GGUFs carry the llama3 rope scaling as per-frequency divisors.
@@ -240,4 +287,36 @@ def load_gguf(path: str) -> tuple[ModelConfig, WeightStore, dict[str, Any], torc
         dim = config.head_dim
         base = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         rope_inv_freq = base / factors.double()
+    if "rope_factors_long.weight" in loaders or "rope_factors_short.weight" in loaders:
+        config.rope_scaling = longrope_from_gguf(config, meta, loaders, path)
     return config, WeightStore(path, loaders), meta, rope_inv_freq
+
+
+def longrope_from_gguf(config: ModelConfig, meta: dict[str, Any], loaders: dict, path: str) -> dict[str, Any]:
+    """Phi-3's LongRoPE scaling dict (kiln.ops.rope.longrope) from llama.cpp's `rope_factors_short` /
+    `rope_factors_long` tensors ([rotary_dim / 2] each), `<arch>.rope.scaling.original_context_length`
+    and `<arch>.rope.scaling.attn_factor` (the cos/sin multiplier; absent: the LongRoPE default)."""
+    arch = config.extra["gguf_architecture"]
+    pairs = (config.rotary_dim or config.head_dim) // 2
+    scaling: dict[str, Any] = {"rope_type": "longrope"}
+    for kind in ("short", "long"):
+        name = f"rope_factors_{kind}.weight"
+        if name not in loaders:
+            raise ModelLoadError(f"{path}: tensor {name!r} is missing (LongRoPE needs both factor tables)")
+        shape, load = loaders[name]
+        if shape != (pairs,):
+            raise ModelLoadError(f"{path}: tensor {name!r} has shape {shape}, expected ({pairs},)")
+        scaling[f"{kind}_factor"] = [float(v) for v in load().reshape(-1).tolist()]
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if not is_int(original) or original < 2:
+        raise ModelLoadError(
+            f"{path}: metadata key '{arch}.rope.scaling.original_context_length' is {original!r}, "
+            "expected an integer >= 2 (LongRoPE needs it)"
+        )
+    scaling["original_max_position_embeddings"] = int(original)
+    attn_factor = meta.get(f"{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        if isinstance(attn_factor, bool) or not isinstance(attn_factor, int | float) or not attn_factor > 0:
+            raise ModelLoadError(f"{path}: metadata key '{arch}.rope.scaling.attn_factor' is {attn_factor!r}")
+        scaling["attention_factor"] = float(attn_factor)
+    return scaling

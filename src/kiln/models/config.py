@@ -42,6 +42,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     layer_types: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    rotary_dim: int | None = None  # dims of each head that RoPE rotates (None: all, head_dim)
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (None = full attention)."""
@@ -68,6 +69,7 @@ class ModelConfig:
 
         num_heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
+        hf = _split_layer_type_keys(hf, source)
         rope = dict(hf.get("rope_parameters") or {})
         rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
         scaling = hf.get("rope_scaling") or rope or None
@@ -78,6 +80,11 @@ class ModelConfig:
             scaling.pop("rope_theta", None)
             if scaling.get("rope_type", "default") == "default":
                 scaling = None
+        if scaling is not None and (
+            scaling.get("rope_type") in ("longrope", "su")
+            or (hf.get("model_type") == "phi3" and scaling.get("rope_type") == "yarn")
+        ):
+            scaling = _longrope_scaling(scaling, hf)
         sliding_window = hf.get("sliding_window")
         if hf.get("use_sliding_window") is False:
             sliding_window = None  # Qwen2 writes a window but only uses it with use_sliding_window
@@ -106,4 +113,66 @@ class ModelConfig:
             hidden_act=hf.get("hidden_act", "silu"),
             layer_types=list(layer_types) if layer_types else None,
             extra=dict(hf),
+            rotary_dim=_rotary_dim(hf, rope, num_heads, hidden, source),
         )
+
+
+def _longrope_scaling(scaling: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's LongRoPE dict as kiln.ops.rope.longrope takes it, completed the way transformers does:
+    "su" (and Phi-3's "yarn") mean longrope; original_max_position_embeddings from the top level of the
+    config first (transformers' priority), else the dict, else Phi3Config's 4096; factor, when absent,
+    max_position_embeddings / original_max_position_embeddings."""
+    scaling = dict(scaling, rope_type="longrope")
+    original = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    scaling["original_max_position_embeddings"] = int(original or 4096)
+    if scaling.get("factor") is None:
+        max_positions = int(hf.get("max_position_embeddings", 2048))
+        scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
+    return scaling
+
+
+def _rotary_dim(
+    hf: dict[str, Any], rope: dict[str, Any], num_heads: int, hidden: int, source: str
+) -> int | None:
+    """head_dim * partial_rotary_factor (Phi-4-mini rotates 3/4 of each head); None when it is 1."""
+    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if factor is None or float(factor) == 1.0:
+        return None
+    head_dim = int(hf.get("head_dim") or hidden // num_heads)
+    rotary_dim = int(head_dim * float(factor))
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ModelLoadError(
+            f"{source}: partial_rotary_factor {factor!r} gives {rotary_dim} rotary dims of head_dim "
+            f"{head_dim}, expected an even number in [2, head_dim]"
+        )
+    return rotary_dim
+
+
+def _split_layer_type_keys(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """A copy of `hf` in the flat form from_hf reads, for configs with two kinds of layers (Gemma 3):
+    transformers 5.x `rope_parameters` {"full_attention": {...}, "sliding_attention": {...}} become
+    the full-attention layers' rope_parameters plus `rope_local_base_freq` (the sliding layers' theta,
+    as Gemma 3's 4.x configs name it; their rope must be unscaled); Gemma's `hidden_activation` is
+    read as `hidden_act`; a gemma3_text config without `layer_types` gets them from
+    `sliding_window_pattern` (every pattern-th layer global, default 6, as transformers does)."""
+    hf = dict(hf)
+    rope = hf.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        local = rope.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(
+                f"{source}: rope_parameters.sliding_attention has rope_type {local['rope_type']!r}; only "
+                "unscaled rope is supported for sliding-window layers"
+            )
+        if "rope_theta" in local:
+            hf["rope_local_base_freq"] = float(local["rope_theta"])
+        hf["rope_parameters"] = dict(rope["full_attention"])
+    if "hidden_act" not in hf and "hidden_activation" in hf:
+        hf["hidden_act"] = hf["hidden_activation"]
+    if hf.get("model_type") == "gemma3_text" and not hf.get("layer_types"):
+        pattern = int(hf.get("sliding_window_pattern") or 6)
+        layers = int(hf.get("num_hidden_layers") or 0)
+        hf["layer_types"] = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+        ]
+    return hf

@@ -49,12 +49,22 @@ class LayerOptions:
 
 # (config, layer index, weights, options) -> the layer's MLP module, x [T, hidden] -> [T, hidden]
 MlpBuilder = Callable[[ModelConfig, int, WeightStore, LayerOptions], torch.nn.Module]
+# (config, layer index, weights, rotary, options) -> the layer's self-attention
+AttentionBuilder = Callable[[ModelConfig, int, WeightStore, RotaryEmbedding, LayerOptions], PagedAttention]
 
 
 def build_attention(
-    config: ModelConfig, index: int, weights: WeightStore, rotary: RotaryEmbedding, opts: LayerOptions
+    config: ModelConfig,
+    index: int,
+    weights: WeightStore,
+    rotary: RotaryEmbedding,
+    opts: LayerOptions,
+    *,
+    qk_norm: bool = False,
 ) -> PagedAttention:
-    """Layer `index`'s self-attention (`model.layers.{index}.self_attn.*`), with config's head counts."""
+    """Layer `index`'s self-attention (`model.layers.{index}.self_attn.*`), with config's head counts.
+    qk_norm: also read `self_attn.{q,k}_norm.weight` [head_dim] and RMSNorm each q / k head before
+    RoPE (Qwen3)."""
     c, p = config, f"model.layers.{index}.self_attn."
     hidden, q_size, kv_size = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     bias = None
@@ -63,6 +73,11 @@ def build_attention(
             weights.get(p + f"{name}_proj.bias", (size,))
             for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size))
         ]
+    qk_norm_weights = None
+    if qk_norm:
+        qk_norm_weights = tuple(
+            weights.get(p + f"{name}_norm.weight", (c.head_dim,)).to(opts.device, opts.dtype) for name in "qk"
+        )
     return PagedAttention(
         num_heads=c.num_heads,
         num_kv_heads=c.num_kv_heads,
@@ -78,6 +93,8 @@ def build_attention(
         dtype=opts.dtype,
         cpu_format=opts.cpu_format,
         tp_group=opts.tp_group,
+        qk_norm=qk_norm_weights,
+        qk_norm_eps=c.rms_norm_eps,
     )
 
 
@@ -135,11 +152,13 @@ def build_decoder_layer(
     rotary: RotaryEmbedding,
     opts: LayerOptions,
     mlp: torch.nn.Module,
+    build_attn: AttentionBuilder = build_attention,
 ) -> DecoderLayer:
-    """Layer `index` of a Llama-family checkpoint (its norms and attention) around `mlp`."""
+    """Layer `index` of a Llama-family checkpoint (its norms and the attention `build_attn` makes)
+    around `mlp`."""
     p, hidden = f"model.layers.{index}.", config.hidden_size
     return DecoderLayer(
-        build_attention(config, index, weights, rotary, opts),
+        build_attn(config, index, weights, rotary, opts),
         mlp,
         weights.get(p + "input_layernorm.weight", (hidden,)).to(opts.device, opts.dtype),
         weights.get(p + "post_attention_layernorm.weight", (hidden,)).to(opts.device, opts.dtype),
@@ -162,6 +181,7 @@ class LlamaForCausalLM(torch.nn.Module):
     sliced as it is read). model.config then has the rank's head and intermediate sizes (the KV cache
     is per rank) but the full vocab_size.
     build_mlp: each layer's MLP (MoE models pass theirs).
+    build_attn: each layer's self-attention (Qwen3 passes build_attention with its q/k norms).
     """
 
     def __init__(
@@ -176,6 +196,7 @@ class LlamaForCausalLM(torch.nn.Module):
         rope_inv_freq: torch.Tensor | None = None,
         tp_group: TPGroup | None = None,
         build_mlp: MlpBuilder = build_gated_mlp,
+        build_attn: AttentionBuilder = build_attention,
     ):
         super().__init__()
         device = torch.device(device)
@@ -196,7 +217,7 @@ class LlamaForCausalLM(torch.nn.Module):
             embed, device=device, dtype=dtype, vocab_start=vocab_start, tp_group=tp_group
         )
         self.rotary = RotaryEmbedding(
-            c.head_dim,
+            c.rotary_dim or c.head_dim,
             c.max_position_embeddings,
             c.rope_theta,
             c.rope_scaling,
@@ -204,7 +225,7 @@ class LlamaForCausalLM(torch.nn.Module):
             inv_freq=rope_inv_freq,
         )
         self.layers = torch.nn.ModuleList(
-            build_decoder_layer(c, i, weights, self.rotary, opts, build_mlp(c, i, weights, opts))
+            build_decoder_layer(c, i, weights, self.rotary, opts, build_mlp(c, i, weights, opts), build_attn)
             for i in range(c.num_layers)
         )
         self.norm = weights.get("model.norm.weight", (c.hidden_size,)).to(device, dtype)

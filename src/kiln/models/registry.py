@@ -4,9 +4,13 @@ kiln.models.layers: `MODEL_REGISTRY["MixtralForCausalLM"] = MixtralForCausalLM`)
 from __future__ import annotations
 
 from kiln.models.config import ModelLoadError
+from kiln.models.gemma3 import Gemma3ForCausalLM
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.mixtral import MixtralForCausalLM
+from kiln.models.phi3 import Phi3ForCausalLM
 from kiln.models.qwen2_moe import Qwen2MoeForCausalLM
+from kiln.models.qwen3 import Qwen3ForCausalLM
+from kiln.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -14,6 +18,10 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

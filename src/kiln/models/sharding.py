@@ -36,6 +36,14 @@ from kiln.models.config import ModelConfig, ModelLoadError
 from kiln.models.weights import GGUF_BLOCK_BYTES, GGUF_BLOCK_SIZE, GGUFWeight, Weight, WeightStore
 
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Phi-3 is split like Llama: kiln.models.phi3 names the row blocks of its fused qkv / gate_up tensors
+# as q/k/v and gate/up, which the rules below slice.
+TP_ARCHITECTURES += ("Phi3ForCausalLM",)
+# Qwen3 is split like Llama; its q/k norm weights ([head_dim], shared by every head) are replicated.
+TP_ARCHITECTURES += ("Qwen3ForCausalLM",)
+# Gemma 3 is split like Llama (kiln.models.gemma3 builds over the same ShardedWeightStore); its four
+# norms per layer and q/k norms are replicated.
+TP_ARCHITECTURES += ("Gemma3ForCausalLM",)
 
 
 def shard_rows(weight: Weight, start: int, end: int) -> Weight:

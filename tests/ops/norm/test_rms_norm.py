@@ -88,3 +88,47 @@ def test_rms_norm_bfloat16_on_gpu(shape):
         RMS_NORM, "triton", shape, torch.bfloat16, torch.device("cuda"), seed=random.randrange(2**31)
     )
     assert case.passed, case
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"rows": 15, "hidden": 64, "offset": True},  # per-head q/k norm: [T * H, head_dim]
+        {"rows": 3, "hidden": 1000, "residual": True, "offset": True},
+        {"rows": 2, "hidden": 9001, "residual": True, "offset": True},  # looped path
+    ],
+)
+def test_rms_norm_weight_offset_matches_float64_reference(backend, dtype, shape, device):
+    case = run_case(RMS_NORM, backend, shape, dtype, device, seed=random.randrange(2**31))
+    assert case.passed, case
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_rms_norm_weight_offset_one_matches_transformers_gemma3_norm(backend, device, monkeypatch):
+    """Gemma's (1 + weight) norm, the offset added in float32: bfloat16 weights near 0 give what
+    transformers' Gemma3RMSNorm gives, not the coarser bfloat16 rounding of 1 + weight."""
+    modeling = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
+    monkeypatch.setenv("KILN_BACKEND", backend)
+    hidden = 96
+    norm = modeling.Gemma3RMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.01 * torch.randn(hidden))
+    x = torch.randn(7, hidden, dtype=torch.float32)
+    weight = norm.weight.detach().to(device)
+    ref = norm(x)
+    out = kiln.ops.rms_norm(x.to(device), weight, 1e-6, weight_offset=1.0).cpu()
+    assert_close(out, ref, 1e-5, "float32 Gemma norm")
+    # fp32 activations with a weight in bfloat16 storage is the bf16 checkpoint case: HF adds
+    # 1 in float32 as we do; rounding 1 + w to bfloat16 first would be off by ~2^-9.
+    norm_bf16 = norm.to(torch.bfloat16)
+    x16 = x.to(torch.bfloat16)
+    ref16 = norm_bf16(x16)
+    out16 = kiln.ops.rms_norm(x16.to(device), norm_bf16.weight.detach().to(device), 1e-6, weight_offset=1.0)
+    assert_close(out16.cpu().float(), ref16.float(), 1e-2, "bfloat16 Gemma norm")
+
+
+def test_rms_norm_rejects_non_finite_weight_offset():
+    with pytest.raises(ValueError, match="weight_offset must be a finite number"):
+        kiln.ops.rms_norm(torch.randn(2, 8), torch.randn(8), weight_offset=float("nan"))

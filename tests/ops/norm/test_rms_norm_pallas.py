@@ -22,6 +22,7 @@ CPU = torch.device("cpu")
         {"rows": 1, "hidden": 1},
         {"rows": 7, "hidden": 576, "residual": True},  # rows padded to the sublane tile
         {"rows": 37, "hidden": 1000},  # hidden not a lane multiple: full-dim block
+        {"rows": 9, "hidden": 256, "residual": True, "offset": True},  # Gemma's (1 + weight)
     ],
 )
 def test_rms_norm_jax_backends_match_float64_reference(backend, dtype, shape):

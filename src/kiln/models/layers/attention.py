@@ -30,6 +30,9 @@ class PagedAttention(torch.nn.Module):
     k and v [num_kv_heads * head_dim, hidden], o [hidden, num_heads * head_dim]: this rank's slices.
     kv_cache: (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; this
     step's keys and values are written into it in place.
+    scale: the attention scores' scale (None = head_dim ** -0.5; Gemma 3: query_pre_attn_scalar ** -0.5).
+    qk_norm: (q_weight, k_weight), each [head_dim]: RMSNorm every q and k head (eps `qk_norm_eps`)
+    before RoPE, fused with it in `kiln.ops.qk_norm_rope` (Qwen3); None = RoPE only.
     """
 
     def __init__(
@@ -49,6 +52,9 @@ class PagedAttention(torch.nn.Module):
         dtype: torch.dtype,
         cpu_format: str | None = None,
         tp_group: TPGroup | None = None,
+        scale: float | None = None,
+        qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+        qk_norm_eps: float = 1e-6,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -61,7 +67,8 @@ class PagedAttention(torch.nn.Module):
             o, None, device=device, dtype=dtype, cpu_format=cpu_format, tp_group=tp_group
         )
         self.rotary = rotary
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         self.sliding_window = sliding_window
 
     def forward(
@@ -77,7 +84,13 @@ class PagedAttention(torch.nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        if self.qk_norm is None:
+            q, k = self.rotary(positions, q, k)
+        else:
+            q_weight, k_weight = self.qk_norm
+            q, k = kiln.ops.qk_norm_rope(
+                positions, q, k, q_weight, k_weight, self.rotary.cos_sin_cache, self.qk_norm_eps, True
+            )
         key_cache, value_cache = kv_cache
         kiln.ops.write_kv_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
         if attn_metadata.decode_only:

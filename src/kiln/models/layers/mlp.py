@@ -14,11 +14,15 @@ from kiln.models.layers.parallel_linear import RowParallelLinear
 from kiln.models.layers.tp import TPGroup
 from kiln.models.weights import Weight, cat_rows
 
+# activation name -> the fused gated op: "silu" (SwiGLU), "gelu_tanh" (GeGLU with tanh GELU, Gemma)
+GATED_ACTIVATIONS = {"silu": kiln.ops.silu_and_mul, "gelu_tanh": kiln.ops.gelu_tanh_and_mul}
+
 
 class GatedMLP(torch.nn.Module):
     """x [T, hidden] -> [T, hidden]. gate_up rows 0..I-1 are gate, I..2I-1 up (silu_and_mul's layout).
 
     gate, up [I, hidden] and down [hidden, I]: this rank's slices (I = its intermediate size).
+    activation: a key of GATED_ACTIVATIONS ("silu" by default).
     """
 
     def __init__(
@@ -31,8 +35,13 @@ class GatedMLP(torch.nn.Module):
         dtype: torch.dtype,
         cpu_format: str | None = None,
         tp_group: TPGroup | None = None,
+        activation: str = "silu",
     ):
         super().__init__()
+        if activation not in GATED_ACTIVATIONS:
+            known = ", ".join(GATED_ACTIVATIONS)
+            raise ValueError(f"GatedMLP: activation {activation!r} is not supported (supported: {known})")
+        self.act_and_mul = GATED_ACTIVATIONS[activation]
         self.gate_up_proj = Linear(
             cat_rows([gate, up], dtype), None, device=device, dtype=dtype, cpu_format=cpu_format
         )
@@ -45,4 +54,4 @@ class GatedMLP(torch.nn.Module):
         # silu_and_mul into down_proj: two conversions fewer per layer, and down_proj would round its
         # input to that dtype anyway.
         gate_up = self.gate_up_proj(x, out_dtype=self.gate_up_proj.compute_dtype)
-        return self.down_proj(kiln.ops.silu_and_mul(gate_up), out_dtype=x.dtype)
+        return self.down_proj(self.act_and_mul(gate_up), out_dtype=x.dtype)

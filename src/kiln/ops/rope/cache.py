@@ -11,6 +11,10 @@ rope_cos_sin_cache(rotary_dim, max_position, base, scaling, dtype, device)
        wavelength w_i = 2*pi / f_i, frequencies with w_i < L / high_freq_factor are kept, those with
        w_i > L / low_freq_factor are divided by factor, and those in between are blended,
        (1 - t) * f_i / factor + t * f_i with t = (L / w_i - low_freq_factor) / (high - low).
+      {"rope_type": "longrope" (or "su"), "short_factor", "long_factor",
+       "original_max_position_embeddings", ...}: Phi-3's LongRoPE, frequencies divided per pair by the
+       short factors below position L and by the long ones from L on, cos and sin multiplied by an
+       attention factor (kiln.ops.rope.longrope has the rule and why the choice is by position).
 The angles p * f_i are computed in float64 (then rounded once to `dtype`): in float32 a position
 of 100k times a frequency of ~1 is off by ~1e-2 radians.
 """
@@ -21,18 +25,24 @@ import math
 
 import torch
 
-SCALING_TYPES = ("default", "linear", "llama3")
+from kiln.ops.rope.longrope import longrope_cos_sin
+
+SCALING_TYPES = ("default", "linear", "llama3", "longrope")
+LONGROPE_ALIASES = ("longrope", "su")  # early Phi-3 configs say "su"
 
 
 def rope_inv_freq(rotary_dim: int, base: float = 10000.0, scaling: dict | None = None) -> torch.Tensor:
     """The `rotary_dim // 2` (scaled) inverse frequencies, float64 `[rotary_dim // 2]` on the CPU."""
     op = "rope_cos_sin_cache"
-    if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"{op}: rotary_dim must be a positive even int, got {rotary_dim!r}")
-    if not base > 0:
-        raise ValueError(f"{op}: base must be positive, got {base!r}")
+    _check_dim_and_base(rotary_dim, base)
     inv_freq = 1.0 / (float(base) ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-    rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = _rope_type(scaling)
+    if rope_type == "longrope":
+        raise ValueError(
+            f"{op}: longrope frequencies depend on the position (short factors below "
+            "original_max_position_embeddings, long ones after); use rope_cos_sin_cache or "
+            "kiln.ops.rope.longrope.longrope_inv_freqs"
+        )
     if rope_type not in SCALING_TYPES:
         raise ValueError(
             f"{op}: scaling rope_type {rope_type!r} is not supported (supported: {SCALING_TYPES})"
@@ -54,6 +64,18 @@ def rope_inv_freq(rotary_dim: int, base: float = 10000.0, scaling: dict | None =
     blended = (1 - blend) * inv_freq / factor + blend * inv_freq
     scaled = torch.where(wavelen > old_context / low, inv_freq / factor, blended)
     return torch.where(wavelen < old_context / high, inv_freq, scaled)
+
+
+def _check_dim_and_base(rotary_dim: int, base: float) -> None:
+    if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rope_cos_sin_cache: rotary_dim must be a positive even int, got {rotary_dim!r}")
+    if not base > 0:
+        raise ValueError(f"rope_cos_sin_cache: base must be positive, got {base!r}")
+
+
+def _rope_type(scaling: dict | None) -> str:
+    rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+    return "longrope" if rope_type in LONGROPE_ALIASES else rope_type
 
 
 def _scaling_value(scaling: dict, key: str) -> float:
@@ -83,6 +105,9 @@ def rope_cos_sin_cache(
         raise ValueError(
             f"rope_cos_sin_cache: dtype {dtype} is not a float dtype (use float32, float16 or bfloat16)"
         )
+    if _rope_type(scaling) == "longrope":
+        _check_dim_and_base(rotary_dim, base)
+        return longrope_cos_sin(rotary_dim, max_position, base, scaling).to(dtype=dtype, device=device)
     inv_freq = rope_inv_freq(rotary_dim, base, scaling)
     angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype=dtype, device=device)

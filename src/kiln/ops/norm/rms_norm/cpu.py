@@ -1,4 +1,5 @@
-"""Fast CPU RMSNorm: PyTorch's fused CPU operator, statistics in float32."""
+"""Fast CPU RMSNorm: PyTorch's fused CPU operator, statistics in float32; a weight offset (Gemma's
+1 + weight) is added to a float32 copy of the weight."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from kiln.ops.norm.rms_norm.spec import RMS_NORM
 from kiln.ops.registry import Implementation, cpu_only
 
 
-def rms_norm_cpu(x, weight, eps=1e-6, residual=None):
+def rms_norm_cpu(x, weight, eps=1e-6, residual=None, weight_offset=0.0):
     if residual is not None:
         residual.add_(x)
         x = residual
+    if weight_offset != 0.0:
+        weight = weight.float() + weight_offset
     if x.dtype == torch.float32:
         out = torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
     else:

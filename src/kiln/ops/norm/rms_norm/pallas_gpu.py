@@ -44,14 +44,16 @@ def _rms_norm_gpu(x, weight, residual, eps, interpret):
     return outs[0][:, :hidden], outs[1][:, :hidden]
 
 
-def rms_norm_pallas_gpu(x, weight, eps: float = 1e-6, residual=None, *, interpret=None):
+def rms_norm_pallas_gpu(
+    x, weight, eps: float = 1e-6, residual=None, weight_offset: float = 0.0, *, interpret=None
+):
     """x, residual [..., hidden], weight [hidden]; the Pallas Triton kernel (interpreted off-GPU)."""
     interpret = gpu_interpret() if interpret is None else interpret
 
     def kernel(x2, w, e, r):
         return _rms_norm_gpu(x2, w, r, eps=e, interpret=interpret)
 
-    return over_rows(kernel, x, weight, eps, residual)
+    return over_rows(kernel, x, weight, eps, residual, weight_offset)
 
 
 RMS_NORM.register_jax("pallas_gpu", rms_norm_pallas_gpu)

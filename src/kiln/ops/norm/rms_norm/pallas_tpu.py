@@ -43,14 +43,16 @@ def _rms_norm_tpu(x, weight, residual, eps, interpret):
     return outs[0][:rows], outs[1][:rows]
 
 
-def rms_norm_pallas_tpu(x, weight, eps: float = 1e-6, residual=None, *, interpret=None):
+def rms_norm_pallas_tpu(
+    x, weight, eps: float = 1e-6, residual=None, weight_offset: float = 0.0, *, interpret=None
+):
     """x, residual [..., hidden], weight [hidden]; the Mosaic TPU kernel (interpreted off-TPU)."""
     interpret = tpu_interpret() if interpret is None else interpret
 
     def kernel(x2, w, e, r):
         return _rms_norm_tpu(x2, w, r, eps=e, interpret=interpret)
 
-    return over_rows(kernel, x, weight, eps, residual)
+    return over_rows(kernel, x, weight, eps, residual, weight_offset)
 
 
 RMS_NORM.register_jax("pallas_tpu", rms_norm_pallas_tpu)

@@ -1,6 +1,7 @@
 """Triton RMSNorm. One program owns one row: it loads the row (and the residual), writes the sum back
 as the new residual, reduces the sum of squares in float32 and writes the normalized row. Rows
-longer than BLOCK_N are handled by looping over column blocks."""
+longer than BLOCK_N are handled by looping over column blocks. The weight is scaled as
+(weight_offset + weight) in float32 (Gemma's norm: offset 1)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.alloc import empty_like
+from kiln.ops.checks import as_rows
 from kiln.ops.norm.common import MAX_BLOCK_N, rows
 from kiln.ops.norm.rms_norm.spec import RMS_NORM
 from kiln.ops.registry import Implementation, triton_available
@@ -24,6 +26,7 @@ def _rms_norm_kernel(
     out_row_stride,
     n_cols,
     eps,
+    weight_offset,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
@@ -40,7 +43,7 @@ def _rms_norm_kernel(
             x += tl.load(res_row + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(res_row + cols, x.to(residual_ptr.dtype.element_ty), mask=mask)
         inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
         tl.store(out_row + cols, (x * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
     else:
         # Two passes over the row: the first stores the residual sum and accumulates squares,
@@ -62,16 +65,16 @@ def _rms_norm_kernel(
                 x = tl.load(res_row + c, mask=mask, other=0.0).to(tl.float32)
             else:
                 x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(weight_ptr + c, mask=mask, other=0.0).to(tl.float32) + weight_offset
             tl.store(out_row + c, (x * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_triton(x, weight, eps=1e-6, residual=None):
+def rms_norm_triton(x, weight, eps=1e-6, residual=None, weight_offset=0.0):
     hidden = x.shape[-1]
     x2 = rows(x)
     res2 = None
     if residual is not None:
-        res2 = residual.view(-1, hidden) if residual.is_contiguous() else None
+        res2 = as_rows(residual) if residual.is_contiguous() else None
         if res2 is None:
             raise ValueError("rms_norm: residual must be contiguous (it is updated in place)")
     out = empty_like(x2)
@@ -89,6 +92,7 @@ def rms_norm_triton(x, weight, eps=1e-6, residual=None):
         out.stride(0),
         hidden,
         eps,
+        float(weight_offset),
         HAS_RESIDUAL=res2 is not None,
         BLOCK_N=block_n,
         SINGLE_BLOCK=hidden <= block_n,

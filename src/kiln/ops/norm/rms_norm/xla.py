@@ -1,8 +1,9 @@
 """rms_norm in plain jax.numpy (XLA fuses it into one pass), and what the Pallas kernels share.
 
     x, residual [..., hidden] f32/f16/bf16, weight [hidden]
-    s = x + residual (the new residual stream), y = s * rsqrt(mean(s^2) + eps) * weight
-Statistics in float32. The mean divides by the true hidden size, so zero padding never changes it.
+    s = x + residual (the new residual stream), y = s * rsqrt(mean(s^2) + eps) * (offset + weight)
+Statistics in float32; a nonzero weight_offset is added to a float32 copy of the weight. The mean
+divides by the true hidden size, so zero padding never changes it.
 Each backend returns y, or (y, s) with a residual (the op's output, then the in-place argument).
 """
 
@@ -35,8 +36,11 @@ def rows_kernel(*refs, eps: float, hidden: int, has_residual: bool):
     y_ref[...] = _normalize(s, w_ref[...].astype(jnp.float32), eps, hidden).astype(y_ref.dtype)
 
 
-def over_rows(kernel, x, weight, eps, residual):
-    """Run a [rows, hidden] kernel on [..., hidden] arrays (no launch for zero rows)."""
+def over_rows(kernel, x, weight, eps, residual, weight_offset=0.0):
+    """Run a [rows, hidden] kernel on [..., hidden] arrays (no launch for zero rows); the kernel
+    sees the weight with `weight_offset` already added (in float32)."""
+    if weight_offset != 0.0:
+        weight = weight.astype(jnp.float32) + weight_offset
     shape, hidden = x.shape, x.shape[-1]
     x2 = x.reshape(-1, hidden)
     if x2.shape[0] == 0:
@@ -56,8 +60,10 @@ def _rms_norm_xla(x, weight, residual, eps):
     return y if residual is None else (y, s.astype(x.dtype))
 
 
-def rms_norm_xla(x, weight, eps: float = 1e-6, residual=None):
-    return over_rows(lambda x2, w, e, r: _rms_norm_xla(x2, w, r, eps=e), x, weight, eps, residual)
+def rms_norm_xla(x, weight, eps: float = 1e-6, residual=None, weight_offset: float = 0.0):
+    return over_rows(
+        lambda x2, w, e, r: _rms_norm_xla(x2, w, r, eps=e), x, weight, eps, residual, weight_offset
+    )
 
 
 RMS_NORM.register_jax("xla", rms_norm_xla)
