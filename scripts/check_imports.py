@@ -12,7 +12,8 @@ would be a cycle). `from kiln.a import b` is an edge to `kiln.a.b` when that is 
 `kiln.a`.
 
 The direction (docs/architecture.md): server and entrypoints (`kiln generate`) -> distributed ->
-engine -> loaders (checkpoint files into models) -> models -> ops -> quant; kiln.jax over ops; the
+engine -> loaders (checkpoint files into models) -> models -> ops -> quant; kiln.jax and kiln.patch
+(Kiln's kernels swapped into Hugging Face models) over ops only; the
 tooling (bench, verify, profile, tune) on top of everything. A package never imports one above it. (The tuning
 cache that kernels read at run time is `kiln.ops.tuned_configs`; `kiln.tune` is the tuner.)
 The `kiln` package itself and `kiln.cli` (the entry point that imports every subcommand) are left out
@@ -39,12 +40,13 @@ _DIRECTLY_ABOVE = {
     "kiln.loaders": {"kiln.models"},
     "kiln.models": {"kiln.ops", "kiln.quant"},
     "kiln.jax": {"kiln.ops"},
+    "kiln.patch": {"kiln.ops"},
     "kiln.ops": {"kiln.quant"},
 }
 TOOLING = ("kiln.bench", "kiln.verify", "kiln.profile", "kiln.tune")
 RUNTIME = (
     "kiln.ops", "kiln.models", "kiln.engine", "kiln.server", "kiln.distributed", "kiln.loaders",
-    "kiln.quant", "kiln.jax", "kiln.entrypoints",
+    "kiln.quant", "kiln.jax", "kiln.entrypoints", "kiln.patch",
 )  # fmt: skip
 ROOT_MODULES = ("kiln", "kiln.cli")
 

@@ -167,7 +167,7 @@ _AOT_SCRIPT = textwrap.dedent(
               {"HAS_BIAS": single, "BLOCK_N": 1024, "SINGLE_BLOCK": single})
         build("norm.rms_norm", "_rms_norm_kernel",
               {"x_ptr": bf16, "residual_ptr": bf16, "weight_ptr": bf16, "out_ptr": bf16, **rows,
-               "residual_row_stride": i32, "n_cols": i32, "eps": "fp32"},
+               "residual_row_stride": i32, "n_cols": i32, "eps": "fp32", "weight_offset": "fp32"},
               {"HAS_RESIDUAL": single, "BLOCK_N": 1024, "SINGLE_BLOCK": single})
         build("rope.rotary_embedding", "_rotary_kernel",
               {"positions_ptr": "*i64", "q_ptr": bf16, "k_ptr": bf16, "cache_ptr": "*fp32",

@@ -1,0 +1,194 @@
+"""fused_linear_cross_entropy: loss and gradients against torch's cross_entropy on full float64
+logits, the autograd formula (gradcheck in float64), chunking, torch.compile, and peak memory."""
+
+import random
+
+import pytest
+import torch
+
+import kiln.ops
+from kiln.ops.autograd import fused_linear_cross_entropy_loss
+from kiln.ops.loss.fused_linear_cross_entropy import FUSED_LINEAR_CROSS_ENTROPY
+from kiln.ops.loss.fused_linear_cross_entropy.cpu import fused_linear_cross_entropy_cpu
+from kiln.ops.loss.fused_linear_cross_entropy.spec import fused_linear_cross_entropy_reference
+from kiln.ops.loss.fused_linear_cross_entropy.triton import fused_linear_cross_entropy_triton
+from kiln.verify import assert_close, run_case
+
+
+def _seed():
+    return random.randrange(2**31)
+
+
+SHAPES = [
+    {"tokens": 37, "hidden": 24, "vocab": 301, "ignored": True},
+    {"tokens": 19, "hidden": 16, "vocab": 517, "label_smoothing": 0.1, "bias": True},
+    {"tokens": 23, "hidden": 32, "vocab": 129, "z_loss": 1e-3, "reduction": "sum", "ignored": True},
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_linear_cross_entropy_matches_float64_reference_fp32(backend, shape, device):
+    case = run_case(FUSED_LINEAR_CROSS_ENTROPY, backend, shape, torch.float32, device, seed=_seed())
+    assert case.passed, case
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_linear_cross_entropy_half_precision_everything_at_once(backend, dtype, device):
+    shape = {
+        "tokens": 29,
+        "hidden": 40,
+        "vocab": 613,
+        "ignored": True,
+        "label_smoothing": 0.05,
+        "z_loss": 1e-4,
+    }
+    case = run_case(FUSED_LINEAR_CROSS_ENTROPY, backend, {**shape, "bias": True}, dtype, device, seed=_seed())
+    assert case.passed, case
+
+
+@pytest.mark.parametrize("impl", [fused_linear_cross_entropy_triton, fused_linear_cross_entropy_cpu])
+def test_chunks_of_odd_sizes_give_the_same_loss_and_gradients(impl, device):
+    # 13 tokens in chunks of 4 (the last one short) and of 1: chunk boundaries change nothing.
+    inputs = FUSED_LINEAR_CROSS_ENTROPY.make_inputs(
+        {"tokens": 13, "hidden": 8, "vocab": 70, "ignored": True, "label_smoothing": 0.2, "z_loss": 1e-2},
+        torch.float32,
+        device,
+        torch.Generator().manual_seed(_seed()),
+    )
+    expected = fused_linear_cross_entropy_reference(**{k: _f64(v) for k, v in inputs.items()})
+    for chunk in (4, 1):
+        got = impl(**inputs, config={"chunk_tokens": chunk})
+        for out, ref in zip(got[:3], expected[:3], strict=True):
+            assert_close(out, ref, 2e-5, f"chunk_tokens={chunk}")
+
+
+def test_ignored_tokens_get_zero_gradient_and_no_loss(device):
+    inputs = FUSED_LINEAR_CROSS_ENTROPY.make_inputs(
+        {"tokens": 9, "hidden": 8, "vocab": 33}, torch.float32, device, torch.Generator().manual_seed(_seed())
+    )
+    inputs["labels"][[1, 4, 8]] = -100
+    loss, grad_hidden, _, _ = kiln.ops.fused_linear_cross_entropy(**inputs)
+    assert torch.equal(grad_hidden[[1, 4, 8]], torch.zeros_like(grad_hidden[[1, 4, 8]]))
+    kept = [0, 2, 3, 5, 6, 7]
+    full = torch.nn.functional.cross_entropy(
+        inputs["hidden"][kept].double() @ inputs["weight"].double().T, inputs["labels"][kept]
+    )
+    assert_close(loss, full, 1e-6, "loss over the kept tokens")
+
+
+def test_gradcheck_float64_with_every_option(monkeypatch):
+    monkeypatch.setenv("KILN_BACKEND", "cpu")  # the CPU path keeps float64 throughout
+    g = torch.Generator().manual_seed(_seed())
+    hidden = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(11, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (7,), generator=g)
+    labels[3] = -100
+
+    def loss(hidden, weight, bias):
+        return fused_linear_cross_entropy_loss(
+            hidden, weight, labels, bias, label_smoothing=0.1, z_loss=0.05, reduction="mean"
+        )
+
+    assert torch.autograd.gradcheck(loss, (hidden, weight, bias))
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_backward_scales_the_gradients_by_the_incoming_gradient(backend, device, monkeypatch):
+    monkeypatch.setenv("KILN_BACKEND", backend)
+    inputs = FUSED_LINEAR_CROSS_ENTROPY.make_inputs(
+        {"tokens": 11, "hidden": 12, "vocab": 90, "bias": True, "reduction": "sum"},
+        torch.float32,
+        device,
+        torch.Generator().manual_seed(_seed()),
+    )
+    leaves = {k: inputs[k].requires_grad_() for k in ("hidden", "weight", "bias")}
+    (0.37 * fused_linear_cross_entropy_loss(**inputs)).backward()
+    _, *ref_grads = fused_linear_cross_entropy_reference(**{k: _f64(v) for k, v in inputs.items()})
+    for (name, leaf), ref in zip(leaves.items(), ref_grads, strict=True):
+        assert_close(leaf.grad, 0.37 * ref, 2e-5, name)
+
+
+def test_torch_compile_fullgraph_backpropagates_through_the_loss(monkeypatch):
+    monkeypatch.setenv("KILN_BACKEND", "cpu")
+    g = torch.Generator().manual_seed(_seed())
+    hidden = torch.randn(6, 8, generator=g, requires_grad=True)
+    weight = torch.randn(40, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 40, (6,), generator=g)
+
+    def step(hidden, weight):
+        return fused_linear_cross_entropy_loss(torch.tanh(hidden), weight, labels, label_smoothing=0.1)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled(hidden, weight).backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    torch.nn.functional.cross_entropy(torch.tanh(h64) @ w64.T, labels, label_smoothing=0.1).backward()
+    assert_close(hidden.grad, h64.grad, 2e-5, "grad_hidden")
+    assert_close(weight.grad, w64.grad, 2e-5, "grad_weight")
+
+
+def _peak_cpu_bytes(fn) -> int:
+    """Peak of PyTorch's CPU allocations while fn runs (the profiler's allocation events, in order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+def test_fused_peak_memory_is_far_below_materialized_logits(monkeypatch):
+    monkeypatch.setenv("KILN_BACKEND", "cpu")
+    tokens, hidden_size, vocab = 1024, 64, 8192  # fp32 logits: 32 MiB
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=g, requires_grad=True)
+    weight = (torch.randn(vocab, hidden_size, generator=g) * 0.1).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+
+    def unfused():
+        torch.nn.functional.cross_entropy(hidden @ weight.T, labels).backward()
+
+    def fused():
+        fused_linear_cross_entropy_loss(hidden, weight, labels).backward()
+
+    unfused_peak = _peak_cpu_bytes(unfused)
+    fused_peak = _peak_cpu_bytes(fused)
+    logits_bytes = tokens * vocab * 4
+    assert unfused_peak >= logits_bytes  # the measurement sees the logits when they exist
+    # The fused path holds the gradients (grad_weight 2 MiB, grad_hidden 256 KiB) and one chunk.
+    assert fused_peak < logits_bytes / 4, (fused_peak, unfused_peak)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"labels": torch.zeros(4, dtype=torch.int64)}, "labels has 4 tokens"),
+        ({"labels": torch.zeros(5)}, "labels has dtype float32"),
+        ({"weight": torch.randn(7, 6)}, "weight has last dim 6"),
+        ({"reduction": "none"}, "reduction must be one of mean, sum"),
+        ({"label_smoothing": 1.5}, "label_smoothing must be in"),
+        ({"z_loss": -1.0}, "z_loss must be"),
+        ({"bias": torch.randn(8)}, "bias has 8 elements"),
+    ],
+)
+def test_bad_arguments_raise_value_errors_that_name_them(change, message):
+    args = {
+        "hidden": torch.randn(5, 4),
+        "weight": torch.randn(7, 4),
+        "labels": torch.zeros(5, dtype=torch.int64),
+    }
+    with pytest.raises(ValueError, match=message):
+        kiln.ops.fused_linear_cross_entropy(**{**args, **change})
+
+
+def _f64(value):
+    return value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
