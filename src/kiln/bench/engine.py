@@ -12,6 +12,9 @@ are skipped.
 (forward of one token + logits + argmax) straight on a paged KV cache, without the engine's
 scheduler, sampler or detokenizer; it also reports process CPU time per token, which stays
 meaningful on a shared machine where other processes inflate wall time.
+
+`--speculative ngram|draft` times speculative decoding against the same engine without it instead
+(single stream, a repetitive task; kiln.bench.engine_speculative).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from kiln.engine.speculative.args import add_speculative_arguments
 
 # CPU single-stream and 16-way targets on the reference 2-core machine (tok/s)
 TARGET_SINGLE_TOK_S = 68.0
@@ -80,6 +85,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="time single-sequence decode through the model alone (no engine, no baselines); "
         "JSON default bench/results/engine_decode_<device>.json",
+    )
+    add_speculative_arguments(parser)  # --speculative: speed-up vs no speculation, same run
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=None,
+        help="--speculative draft: the target's first N layers as draft",
+    )
+    parser.add_argument(
+        "--spec-repeats", type=int, default=2, help="--speculative: rounds over the task prompts"
     )
 
 
@@ -327,6 +342,16 @@ def run(args: argparse.Namespace) -> int:
     if args.decode_loop:
         results, summary = bench_decode_loop(args, loaded)
         return _report(args, device, model_path, results, summary, f"engine_decode_{device}.json")
+    if args.speculative:
+        from kiln.bench.engine_speculative import bench_speculative
+
+        rows, summary = bench_speculative(args, loaded, model_path, device)
+        results = [Result(**row) for row in rows]
+        for result in results:
+            _progress(result)
+        return _report(
+            args, device, model_path, results, summary, f"engine_spec_{args.speculative}_{device}.json"
+        )
     results = bench_kiln(args, loaded, concurrencies)
     del loaded
     if is_random_spec(model_path):

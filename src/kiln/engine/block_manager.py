@@ -134,6 +134,14 @@ class BlockManager:
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             seq.block_table.append(self._take_free_block())
 
+    def trim(self, seq: Sequence, num_positions: int) -> None:
+        """Release the blocks of seq's table past the first num_positions positions (speculative
+        tokens that were rejected: their KV is garbage and their blocks were never named)."""
+        keep = -(-num_positions // self.block_size)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+        del seq.block_hashes[keep:]
+
     def register_computed_blocks(self, seq: Sequence) -> None:
         """After a step: name every newly completed full block of seq so later requests can share it."""
         if not self.enable_prefix_caching:

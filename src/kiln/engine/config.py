@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.engine.speculative.config import SpeculativeConfig
+
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32, small on a 24 GiB box
 
 
@@ -24,6 +26,7 @@ class EngineConfig:
     enforce_eager: on CUDA, skip CUDA-graph capture.
     cpu_format, lm_head_format: how the loader keeps CPU linear / LM-head weights ("int4", "fp16",
         "bf16", "fp32"; None = the loader's default), see kiln.models.layers.linear.
+    speculative: speculative decoding (kiln.engine.speculative.SpeculativeConfig), None = off.
     """
 
     model: str | None = None
@@ -41,6 +44,7 @@ class EngineConfig:
     seed: int = 0
     cpu_format: str | None = None
     lm_head_format: str | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -2,6 +2,11 @@
 
 One step = schedule -> model runner (one flat batch) -> sampler -> append tokens, detokenize,
 check stops -> RequestOutputs for the requests that advanced.
+
+With speculative decoding (EngineConfig.speculative) a proposer fills the proposal slots the
+scheduler gave decoding sequences before the model runs; the runner verifies them in the same
+forward pass, so a step can append several tokens to a request; they are detokenized and checked
+for stop strings one at a time, and those after a stop are dropped.
 """
 
 from __future__ import annotations
@@ -57,12 +62,14 @@ class LLMEngine:
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or model_config.eos_token_ids or [])
         self.eos_token_ids = eos
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        spec = config.speculative
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.token_budget(self.device),
             max_model_len=self.max_model_len,
             eos_token_ids=eos,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
         self.runner = ModelRunner(
             self.model,
@@ -75,6 +82,14 @@ class LLMEngine:
             seed=config.seed,
             before_forward=before_forward,
         )
+        self.proposer = None
+        if spec is not None:
+            from kiln.engine.speculative import make_proposer
+
+            self.proposer = make_proposer(spec, self)
+        self.spec_proposed_tokens = 0
+        self.spec_accepted_tokens = 0
+        self.spec_verify_steps = 0  # sequence-steps that verified at least one proposal
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.prompt_tokens_total = 0
@@ -132,28 +147,64 @@ class LLMEngine:
                 # can't happen while add_request caps prompt + max_tokens at what the cache holds
                 raise RuntimeError("LLMEngine: the next waiting request does not fit the empty KV cache")
             return outputs
+        if self.proposer is not None:
+            self._propose(batch)
         tokens, logprobs = self.runner.run(batch)
-        for seq, lp in zip(batch.seqs, logprobs, strict=True):
-            if lp is not None:
-                seq.logprobs.append(lp)
+        num_before = [seq.num_tokens for seq in batch.seqs]
+        for seq, new in zip(batch.seqs, tokens, strict=True):
+            if seq.spec_token_ids:
+                self.spec_verify_steps += 1
+                self.spec_accepted_tokens += len(new) - 1
         advanced = self.scheduler.postprocess(batch, tokens)
         now = time.perf_counter()
+        new_logprobs = {id(seq): lp for seq, lp in zip(batch.seqs, logprobs, strict=True)}
+        first_new = {id(seq): n for seq, n in zip(batch.seqs, num_before, strict=True)}
         for seq in advanced:
-            self.generation_tokens_total += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if seq.finish_reason == "stop":  # ended by EOS or a stop token, which are not text
-                seq.detokenizer.add_tokens([], final=True)
-            elif seq.detokenizer.add_tokens([seq.token_ids[-1]], final=seq.is_finished):
-                if seq.is_finished:  # hit max_tokens with the same token: the stop string wins
-                    seq.finish_reason = "stop"
-                else:
-                    self.scheduler.finish(seq, "stop")
+            self._emit(seq, first_new[id(seq)], new_logprobs[id(seq)])
             if seq.is_finished:
                 seq.finished_time = now
                 self.requests.pop(seq.request_id, None)
             outputs.append(self._output(seq))
+        if self.proposer is not None:
+            self.proposer.release_finished()
         return outputs
+
+    def _propose(self, batch) -> None:
+        """Fill the proposal slots the scheduler gave (batch.spec_caps) and shrink the batch to them."""
+        for seq in batch.seqs:  # a step that raised may have left the last proposals behind
+            seq.spec_token_ids = []
+            seq.spec_draft_probs = None
+        slots = [i for i, cap in enumerate(batch.spec_caps) if cap]
+        if not slots:
+            return
+        seqs = [batch.seqs[i] for i in slots]
+        proposals = self.proposer.propose(seqs, [batch.spec_caps[i] for i in slots], self.runner.sampler)
+        for i, seq, proposal in zip(slots, seqs, proposals, strict=True):
+            seq.spec_token_ids = list(proposal.token_ids)
+            seq.spec_draft_probs = proposal.draft_probs
+            batch.num_tokens[i] = seq.num_uncomputed_tokens + len(seq.spec_token_ids)
+            self.spec_proposed_tokens += len(seq.spec_token_ids)
+
+    def _emit(self, seq: Sequence, first_new: int, logprobs: list | None) -> None:
+        """Detokenize seq's tokens from index first_new on, one at a time; a stop string ends the
+        request at the token that completed it and drops the tokens after it."""
+        new = seq.token_ids[first_new:]
+        for i, token in enumerate(new):
+            last = i == len(new) - 1
+            self.generation_tokens_total += 1
+            if logprobs is not None and seq.logprobs is not None:
+                seq.logprobs.append(logprobs[i])
+            if last and seq.finish_reason == "stop":  # ended by EOS or a stop token, which are not text
+                seq.detokenizer.add_tokens([], final=True)
+            elif seq.detokenizer.add_tokens([token], final=last and seq.is_finished):
+                del seq.token_ids[first_new + i + 1 :]
+                if seq.is_finished:  # ended by max_tokens (or EOS) further on: the stop string wins
+                    seq.finish_reason = "stop"
+                else:
+                    self.scheduler.finish(seq, "stop")
+                return
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(
@@ -182,4 +233,7 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            spec_proposed_tokens=self.spec_proposed_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_verify_steps=self.spec_verify_steps,
         )

@@ -2,8 +2,10 @@
 
 All tokens of a step go through the model as one flat batch (no padding between sequences), laid
 out sequence by sequence and described by one AttentionMetadata. Logits are computed only for the
-last scheduled token of each sequence whose prefill is complete with this step. On CUDA, decode-only
-steps replay CUDA graphs captured for padded batch sizes 1, 2, 4, 8, 16, 32, 64, ...
+last scheduled token of each sequence whose prefill is complete with this step, and, for a sequence
+verifying k proposed tokens (speculative decoding: its last token plus the k proposals are the
+step's k + 1 queries, attending over its paged cache like a prefill chunk), for all k + 1 of them.
+On CUDA, decode-only steps replay CUDA graphs captured for padded batch sizes 1, 2, 4, 8, 16, 32, 64, ...
 
 One step: prepare (batch -> ModelInputs) -> before_forward hook (tensor parallelism: rank 0
 broadcasts the inputs to the other ranks, which run `execute` on them) -> execute (forward and the
@@ -23,6 +25,7 @@ import torch
 import kiln.ops
 from kiln.engine.sampler import Sampler
 from kiln.engine.scheduler import ScheduledBatch
+from kiln.engine.speculative.verify import verify_proposals
 from kiln.models.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -33,7 +36,8 @@ class ModelInputs:
     """One step's flat batch, all a rank needs to run its model.
 
     input_ids, positions: int64 [T]; attn_metadata: the batch layout; sample_rows: the rows of the T
-    tokens whose logits are wanted (the last token of each sequence that samples this step).
+    tokens whose logits are wanted (the last token of each sequence that samples this step; every
+    token of a sequence that verifies proposals).
     """
 
     input_ids: torch.Tensor
@@ -106,7 +110,8 @@ class ModelRunner:
                 self.graphs = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ModelInputs, list]:
-        """Flatten the batch: its ModelInputs, and the sequences of its sample_rows (same order)."""
+        """Flatten the batch: its ModelInputs, and the sequences of its sample_rows (same order; a
+        sequence with proposals, seq.spec_token_ids, owns 1 + len(spec_token_ids) consecutive rows)."""
         size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -119,7 +124,13 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + n
             table = seq.block_table
-            if n == 1:
+            spec = seq.spec_token_ids
+            if spec:  # verify: the last token, then the proposals (n == 1 + len(spec))
+                input_ids.append(seq.token_ids[start])
+                input_ids.extend(spec)
+                positions.extend(range(start, end))
+                slot_mapping.extend(table[p // size] * size + p % size for p in range(start, end))
+            elif n == 1:
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
                 slot_mapping.append(table[start // size] * size + start % size)
@@ -131,7 +142,10 @@ class ModelRunner:
                     slot_mapping.extend(range(base + max(start, b * size), base + min(end, (b + 1) * size)))
             seq_lens.append(end)
             cu_seqlens_q.append(cu_seqlens_q[-1] + n)
-            if end == seq.num_tokens:
+            if spec:
+                sample_rows.extend(range(cu_seqlens_q[-2], cu_seqlens_q[-1]))
+                sample_seqs.append(seq)
+            elif end == seq.num_tokens:
                 sample_rows.append(cu_seqlens_q[-1] - 1)
                 sample_seqs.append(seq)
         width = max(len(seq.block_table) for seq in batch.seqs)
@@ -167,20 +181,41 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[int | None], list[dict[int, float] | None]]:
-        """One model step. Returns, per scheduled seq, its new token (None while its prefill is still
-        incomplete) and its logprobs entry (None unless requested)."""
+    def run(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:
+        """One model step. Returns, per scheduled seq, its new tokens ([] while its prefill is still
+        incomplete; a verifying seq's accepted proposals and then one more token) and their logprobs
+        entries (None unless requested)."""
         inputs, sample_seqs = self.prepare(batch)
         if self.before_forward is not None:
             self.before_forward(inputs)
         logits = self.execute(inputs)
-        tokens: list[int | None] = [None] * len(batch)
-        logprobs: list[dict[int, float] | None] = [None] * len(batch)
+        tokens: list[list[int]] = [[] for _ in batch.seqs]
+        logprobs: list[list[dict[int, float]] | None] = [None] * len(batch)
         if logits is None:
             return tokens, logprobs
-        sampled, sampled_logprobs = self.sampler(logits, sample_seqs)
+        # seed every request's generator before anything is drawn (SamplingError leaves all untouched)
+        self.sampler.make_generators(sample_seqs, logits.device)
         where = {id(seq): i for i, seq in enumerate(batch.seqs)}
-        for seq, token, lp in zip(sample_seqs, sampled, sampled_logprobs, strict=True):
-            tokens[where[id(seq)]] = token
-            logprobs[where[id(seq)]] = lp
+        plain = [i for i, seq in enumerate(sample_seqs) if not seq.spec_token_ids]
+        starts, row = [], 0
+        for seq in sample_seqs:
+            starts.append(row)
+            row += 1 + len(seq.spec_token_ids)
+        if plain:
+            plain_seqs = [sample_seqs[i] for i in plain]
+            plain_logits = logits if len(plain) == len(logits) else logits[[starts[i] for i in plain]]
+            sampled, sampled_logprobs = self.sampler(plain_logits, plain_seqs)
+            for seq, token, lp in zip(plain_seqs, sampled, sampled_logprobs, strict=True):
+                tokens[where[id(seq)]] = [token]
+                logprobs[where[id(seq)]] = None if lp is None else [lp]
+        if len(plain) < len(sample_seqs):
+            spec = [i for i in range(len(sample_seqs)) if sample_seqs[i].spec_token_ids]
+            spec_seqs = [sample_seqs[i] for i in spec]
+            spec_logits = [
+                logits[starts[i] : starts[i] + 1 + len(sample_seqs[i].spec_token_ids)] for i in spec
+            ]
+            emitted, emitted_logprobs = verify_proposals(self.sampler, spec_logits, spec_seqs)
+            for seq, new, lp in zip(spec_seqs, emitted, emitted_logprobs, strict=True):
+                tokens[where[id(seq)]] = new
+                logprobs[where[id(seq)]] = lp
         return tokens, logprobs

@@ -43,4 +43,9 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    # speculative decoding: tokens proposed, of those accepted by the target, and sequence-steps that
+    # verified proposals (acceptance rate = accepted / proposed)
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
     extra: dict = field(default_factory=dict)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.sequence import Sequence
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -54,7 +55,7 @@ class Sampler:
         token_list = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(seqs)
         if any(p.logprobs is not None for p in params):
-            logprobs = self._logprobs(logits, tokens, params)
+            logprobs = self.token_logprobs(logits, tokens, params)
         return token_list, logprobs
 
     @staticmethod
@@ -73,11 +74,21 @@ class Sampler:
         if failures:
             raise SamplingError(failures)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        params = [s.params for s in seqs]
+    def generator_for(self, seq: Sequence) -> torch.Generator:
+        """The generator seq's random draws come from: its own when it has a seed, else the shared one."""
+        return seq.generator if seq.params.seed is not None else self.generator
+
+    def make_generators(self, seqs: list[Sequence], device: torch.device) -> None:
+        """Seed the per-request generators of seeded sampling rows (SamplingError as in __call__)."""
+        self._make_generators(seqs, device)
+
+    @classmethod
+    def probs(cls, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution each row samples from: float32 [N, vocab], softmax of logits [N, vocab]
+        divided by the row's temperature, after its top-k, top-p and min-p filters (greedy rows get
+        temperature 1 and no filters; callers take their argmax instead)."""
         vocab = logits.shape[1]
         device = logits.device
-        greedy = torch.tensor([p.greedy for p in params], device=device)
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
         # (logits - max) / T is <= 0 and finite or -inf: the top token stays at 0 however small T is
         logits = logits.float()
@@ -85,8 +96,15 @@ class Sampler:
         scaled = shifted / temps.clamp_min(_TINY)[:, None]
         sampling = [p for p in params if not p.greedy]
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampling):
-            scaled = self._filter(scaled, params, sampling, vocab)
-        probs = scaled.softmax(dim=-1)
+            scaled = cls._filter(scaled, params, sampling, vocab)
+        return scaled.softmax(dim=-1)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        vocab = logits.shape[1]
+        device = logits.device
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        probs = self.probs(logits, params)
         # the noise is indexed by token id, never by rank or batch row, so a seeded request draws the
         # same token whatever filters the other rows of its batch use
         noise = torch.empty_like(probs)
@@ -124,7 +142,10 @@ class Sampler:
         return torch.full_like(scaled, float("-inf")).scatter_(1, order, ranked)
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params) -> list[dict[int, float] | None]:
+    def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params) -> list[dict[int, float] | None]:
+        """Per row of logits [N, vocab] (float32), for chosen tokens int64 [N]: None when params[i].logprobs
+        is None, else {token id: logprob} of the top params[i].logprobs tokens and the chosen one
+        (natural log of the unmodified distribution)."""
         logp = logits.float().log_softmax(dim=-1)
         chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
         max_n = min(max(p.logprobs or 0 for p in params), logp.shape[1])

@@ -6,12 +6,17 @@ through, then new requests from the waiting queue, until `max_num_batched_tokens
 When a running sequence needs a KV block and none is free, the newest running request is
 preempted by recomputation: its blocks are freed, and it goes back to the front of the waiting
 queue with its generated tokens kept in token_ids, to be prefilled again when blocks free up.
+
+Speculative decoding (num_speculative_tokens > 0): a decoding sequence may also get up to that many
+slots for proposed tokens (batch.spec_caps), capped by the token budget, its max_tokens and
+max_model_len, and dropped rather than preempting anyone when the blocks are short. After the step
+only the verified tokens count as computed, and blocks past them are released.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.sequence import Sequence, SequenceStatus
@@ -19,10 +24,14 @@ from kiln.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: seqs[i] computes num_tokens[i] tokens from its num_computed_tokens on."""
+    """One step's work: seqs[i] computes num_tokens[i] tokens from its num_computed_tokens on.
+
+    spec_caps[i] (empty = no speculation) of those are slots for proposed tokens: the engine fills
+    seqs[i].spec_token_ids with at most that many and lowers num_tokens[i] to 1 + how many it got."""
 
     seqs: list[Sequence]
     num_tokens: list[int]
+    spec_caps: list[int] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -40,6 +49,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: list[int] | tuple[int, ...] = (),
+        num_speculative_tokens: int = 0,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -49,6 +59,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_speculative_tokens = num_speculative_tokens
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -69,6 +80,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted a moment ago to make room for an older one
             n = min(seq.num_uncomputed_tokens, budget)
+            cap = self._spec_cap(seq, budget)
+            if cap and self.block_manager.can_allocate(seq, n + cap):  # never preempt for a guess
+                n += cap
             while not self.block_manager.can_allocate(seq, n):
                 victim = max(self.running, key=lambda s: s.arrival_index)  # the newest, maybe seq itself
                 if id(victim) in scheduled:  # already in this step (decodes go first): take it back out
@@ -95,7 +109,23 @@ class Scheduler:
             self.running.append(seq)
             scheduled[id(seq)] = (seq, n)
             budget -= n
-        return ScheduledBatch([s for s, _ in scheduled.values()], [n for _, n in scheduled.values()])
+        seqs = [s for s, _ in scheduled.values()]
+        num_tokens = [n for _, n in scheduled.values()]
+        spec_caps = []
+        if self.num_speculative_tokens:
+            spec_caps = [
+                n - s.num_uncomputed_tokens if n > s.num_uncomputed_tokens else 0
+                for s, n in scheduled.values()
+            ]
+        return ScheduledBatch(seqs, num_tokens, spec_caps)
+
+    def _spec_cap(self, seq: Sequence, budget: int) -> int:
+        """Proposal slots for a decoding seq: what the budget leaves after its own token, and never
+        more than the tokens it may still emit (the verify step adds one token of its own)."""
+        if not self.num_speculative_tokens or seq.num_uncomputed_tokens != 1:
+            return 0
+        remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        return max(0, min(self.num_speculative_tokens, budget - 1, remaining - 1))
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -105,25 +135,48 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- after the model ran ----
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Advance each scheduled seq by its computed tokens, append sampled tokens (None = prefill
-        not finished yet), stop on EOS / stop token / length. Returns the seqs that got a token."""
+    def postprocess(self, batch: ScheduledBatch, sampled: list) -> list[Sequence]:
+        """Advance each scheduled seq past its computed tokens and append what it sampled.
+
+        sampled[i]: None or [] (prefill not finished yet), a token id, or a list of token ids: a
+        speculative step's verified proposals followed by one token of the target's own. Tokens are
+        checked one by one for EOS / stop token / length, and those after the one that ends the
+        request are dropped. Returns the seqs that got a token."""
         advanced = []
-        for seq, n, token in zip(batch.seqs, batch.num_tokens, sampled, strict=True):
-            seq.num_computed_tokens += n
+        spec_caps = batch.spec_caps or [0] * len(batch)
+        for seq, n, new, cap in zip(batch.seqs, batch.num_tokens, sampled, spec_caps, strict=True):
+            tokens = [] if new is None else [new] if isinstance(new, int) else list(new)
+            num_spec = len(seq.spec_token_ids)
+            first_new = seq.num_tokens
+            seq.token_ids.extend(tokens)  # before registering: verified proposals are computed tokens
+            rejected = num_spec - (len(tokens) - 1) if num_spec else 0
+            seq.spec_token_ids = []
+            seq.spec_draft_probs = None
+            seq.num_computed_tokens += n - rejected
+            if cap:  # keep the slot of the next position (the new token); free the rejected / unused tail
+                self.block_manager.trim(seq, seq.num_computed_tokens + 1)
             self.block_manager.register_computed_blocks(seq)
-            if token is None:
+            if not tokens:
                 continue
-            seq.token_ids.append(token)
             advanced.append(seq)
-            params = seq.params
-            if not params.ignore_eos and token in self.eos_token_ids:
-                self.finish(seq, "stop")
-            elif params.stop_token_ids and token in params.stop_token_ids:
-                self.finish(seq, "stop")
-            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                self.finish(seq, "length")
+            for i, token in enumerate(tokens):
+                reason = self._stop_reason(seq, token, first_new + i + 1)
+                if reason is not None:
+                    del seq.token_ids[first_new + i + 1 :]
+                    self.finish(seq, reason)
+                    break
         return advanced
+
+    def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
+        """Why seq ends with `token` as its num_tokens-th token, or None to go on."""
+        params = seq.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if params.stop_token_ids and token in params.stop_token_ids:
+            return "stop"
+        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End seq (stop, length or abort) and give its blocks back."""

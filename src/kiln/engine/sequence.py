@@ -24,6 +24,8 @@ class Sequence:
 
     token_ids: prompt then output tokens. The first num_computed_tokens of them have their KV in the
     cache (blocks in block_table, block i holds positions [i * block_size, (i + 1) * block_size)).
+    During a speculative step the block table also covers the positions of spec_token_ids; the
+    scheduler trims it back to the verified tokens afterwards.
     After preemption by recomputation the KV is dropped (num_computed_tokens = 0) and the whole of
     token_ids, generated tokens included, is prefilled again as if it were the prompt.
     """
@@ -46,6 +48,10 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.detokenizer = None  # set by the engine (kiln.engine.detokenizer.IncrementalDetokenizer)
+        # speculative decoding: this step's proposed tokens (never part of token_ids, whose KV they get
+        # only once verified), and the draft's distributions they were drawn from (None = deterministic)
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

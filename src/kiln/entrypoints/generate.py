@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from kiln.engine.speculative.args import add_speculative_arguments, speculative_config_from_args
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -28,6 +30,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument(  # tensor parallelism (kiln.distributed; README: Tensor parallelism)
         "--tp", type=int, default=1, help="tensor-parallel processes (spawned here, or under torchrun)"
     )
+    add_speculative_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -46,12 +49,13 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             ignore_eos=args.ignore_eos,
         )
+        speculative = speculative_config_from_args(args)
     except ValueError as exc:
         print(f"kiln generate: {exc}", file=sys.stderr)
         return 2
     print("loading model ...", file=sys.stderr, flush=True)
     try:
-        config = EngineConfig(model=args.model, device=args.device, max_num_seqs=1)
+        config = EngineConfig(model=args.model, device=args.device, max_num_seqs=1, speculative=speculative)
         if args.tp > 1:  # tensor parallelism: None on a torchrun rank > 0, which served rank 0 and is done
             from kiln.distributed.launch import start_engine
 
@@ -94,4 +98,11 @@ def run(args: argparse.Namespace) -> int:
         f"{n / (end - start):.1f} tok/s overall | {n} tokens generated ({out.finish_reason}) | "
         f"prompt {len(prompt)} tokens"
     )
+    if speculative is not None:
+        stats = engine.stats()
+        rate = stats.spec_accepted_tokens / stats.spec_proposed_tokens if stats.spec_proposed_tokens else 0.0
+        print(
+            f"--- speculative ({speculative.method}, k={speculative.num_speculative_tokens}): "
+            f"{stats.spec_accepted_tokens}/{stats.spec_proposed_tokens} proposed tokens accepted ({rate:.1%})"
+        )
     return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kiln.engine.speculative.args import add_speculative_arguments, speculative_config_from_args
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -43,6 +45,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument(  # tensor parallelism (kiln.distributed; README: Tensor parallelism)
         "--tp", type=int, default=1, help="tensor-parallel processes (spawned here, or under torchrun)"
     )
+    add_speculative_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -69,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_bytes=args.kv_cache_bytes,
             max_model_len=args.max_model_len,
             device=args.device,
+            speculative=speculative_config_from_args(args),
         )
     except ValueError as exc:
         print(f"kiln serve: {exc}", file=sys.stderr)

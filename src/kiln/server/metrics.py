@@ -43,6 +43,11 @@ class _EngineStatsCollector:
                 "prompt tokens served from the prefix cache / prompt tokens looked up",
                 s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
             ),
+            (
+                "kiln_spec_decode_acceptance_rate",
+                "speculative decoding: proposed tokens the target accepted / tokens proposed",
+                s.spec_accepted_tokens / s.spec_proposed_tokens if s.spec_proposed_tokens else 0.0,
+            ),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
@@ -59,6 +64,21 @@ class _EngineStatsCollector:
                 "kiln_prefix_cache_hits",
                 "prompt tokens whose KV came from the prefix cache",
                 s.prefix_cache_hits,
+            ),
+            (
+                "kiln_spec_decode_proposed_tokens",
+                "speculative decoding: tokens proposed",
+                s.spec_proposed_tokens,
+            ),
+            (
+                "kiln_spec_decode_accepted_tokens",
+                "speculative decoding: proposed tokens the target accepted",
+                s.spec_accepted_tokens,
+            ),
+            (
+                "kiln_spec_decode_verify_steps",
+                "speculative decoding: sequence-steps that verified proposals",
+                s.spec_verify_steps,
             ),
         ]
         for name, doc, value in counters:
