@@ -16,7 +16,8 @@ Head dims: 64, 80, 96, 128, 256. GQA/MQA: query head h reads kv head h // (num_h
 
 Ops, one folder each (spec.py, then one file per backend: triton.py, cpu.py, pallas_tpu.py,
 pallas_gpu.py, xla.py where they exist): write_kv_cache/, flash_attention/ (also
-flash_attention_with_lse, the same kernel returning the LSE), paged_prefill_attention/,
+flash_attention_with_lse, the same kernel returning the LSE), flash_attention_backward/ (its
+gradients from the saved LSE), paged_prefill_attention/,
 paged_decode_attention/. Shared by the family: reference.py (the float64 math every op is checked
 against), validate.py (argument checks), paged_inputs.py (input makers), triton_prefill.py (the
 FlashAttention-2 Triton kernel behind flash_attention and paged_prefill_attention), cpu_sdpa.py (the
@@ -24,12 +25,14 @@ CPU attention of one sequence), jax_common.py (what the JAX backends share).
 """
 
 from kiln.ops.attention.flash_attention import flash_attention, flash_attention_with_lse
+from kiln.ops.attention.flash_attention_backward import flash_attention_backward
 from kiln.ops.attention.paged_decode_attention import paged_decode_attention
 from kiln.ops.attention.paged_prefill_attention import paged_prefill_attention
 from kiln.ops.attention.write_kv_cache import write_kv_cache
 
 __all__ = [
     "flash_attention",
+    "flash_attention_backward",
     "flash_attention_with_lse",
     "paged_decode_attention",
     "paged_prefill_attention",

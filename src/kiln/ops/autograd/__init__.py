@@ -2,7 +2,7 @@
 torch.compile(fullgraph=True) both differentiate through the kernels.
 
     functional ops given an autograd formula:  torch.ops.kiln.silu_and_mul, .gelu_tanh_and_mul,
-        .layer_norm, .softmax, .fused_linear_cross_entropy
+        .layer_norm, .softmax, .fused_linear_cross_entropy, .flash_attention_with_lse
     functional twins of the in-place ops (torch.library only differentiates functional ops):
         torch.ops.kiln.rms_norm_functional, .add_rms_norm_functional, .rotary_embedding_functional
 
@@ -12,6 +12,7 @@ functions below (functional.py) are the entry points training code calls.
 """
 
 from kiln.ops.autograd import (  # noqa: F401  (register the formulas)
+    attention_backward,
     cross_entropy_backward,
     gated_backward,
     norm_backward,
@@ -19,6 +20,7 @@ from kiln.ops.autograd import (  # noqa: F401  (register the formulas)
     softmax_backward,
 )
 from kiln.ops.autograd.functional import (
+    flash_attention,
     fused_linear_cross_entropy_loss,
     gelu_tanh_and_mul,
     layer_norm,
@@ -29,6 +31,7 @@ from kiln.ops.autograd.functional import (
 )
 
 __all__ = [
+    "flash_attention",
     "fused_linear_cross_entropy_loss",
     "gelu_tanh_and_mul",
     "layer_norm",

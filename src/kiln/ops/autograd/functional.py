@@ -81,3 +81,29 @@ def fused_linear_cross_entropy_loss(
     args = (hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, reduction)
     FUSED_LINEAR_CROSS_ENTROPY.check(*args)
     return torch.ops.kiln.fused_linear_cross_entropy(*args)[0]
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = True,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Varlen attention (see kiln.ops.flash_attention: q [total_q, H, D], k/v [total_k, Hkv, D], int32
+    cu_seqlens), differentiable in q, k and v: out [total_q, H, D], or with return_lse (out, lse
+    float32 [H, total_q]), the LSE differentiable too. Runs flash_attention_with_lse, whose saved LSE
+    the backward (kiln.ops.flash_attention_backward) recomputes the probabilities from. The custom op
+    validates the arguments itself (its fake too, under torch.compile)."""
+    options = (causal, scale, sliding_window, softcap)
+    out, lse = torch.ops.kiln.flash_attention_with_lse(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options
+    )
+    return (out, lse) if return_lse else out
