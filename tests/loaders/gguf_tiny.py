@@ -1,6 +1,7 @@
 """Write a tiny HF Llama as a GGUF file the way llama.cpp's converter does (Q/K rows permuted for
 its rope layout, per-tensor quantization types, byte-level BPE tokenizer metadata) — test input for
-Kiln's GGUF loader that covers Q4_0 / Q4_1 / Q8_0 / F16 / F32 tensors in a few kilobytes."""
+Kiln's GGUF loader that covers Q4_0 / Q4_1 / Q8_0 / F16 / F32 tensors in a few kilobytes (other
+types, the K-quants included, through `tensor_types`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
+
+from kiln.quant.gguf_blocks import K_QUANTS, quantize_blocks
 
 Q = GGMLQuantizationType
 # Mixed on purpose: every kind of tensor the loader handles appears at least once.
@@ -27,13 +30,22 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def quantize_any(w: np.ndarray, qtype) -> np.ndarray:
+    """The GGUF blocks of float32 `w`: the gguf package's encoder; for the K-quants, which it cannot
+    encode, Kiln's round-to-nearest one (the blocks are then read back by gguf's decoder)."""
+    if qtype.name in K_QUANTS:
+        weight = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        return quantize_blocks(weight, qtype.name).numpy()
+    return quantize(w.astype(np.float32), qtype)
+
+
 def roundtrip(w: np.ndarray, qtype) -> np.ndarray:
     """What a float matrix becomes after storing it as `qtype`."""
     if qtype == Q.F32:
         return w.astype(np.float32)
     if qtype == Q.F16:
         return w.astype(np.float16).astype(np.float32)
-    return dequantize(quantize(w.astype(np.float32), qtype), qtype).reshape(w.shape)
+    return dequantize(quantize_any(w, qtype), qtype).reshape(w.shape)
 
 
 def llama3_rope_freq_factors(config) -> np.ndarray:
@@ -83,12 +95,14 @@ def set_metadata(writer: GGUFWriter, key: str, value) -> None:
 
 
 def write_tiny_gguf(
-    hf_model, path, *, arch="llama", tied=False, skip=(), vocab_tokens=None, overrides=None
+    hf_model, path, *, arch="llama", tied=False, skip=(), vocab_tokens=None, overrides=None, tensor_types=None
 ) -> dict:
     """Write `hf_model` (a transformers LlamaForCausalLM) to `path`; returns {hf_name: tensor} of the
     weights as stored (after quantization), for loading the same values back into transformers.
     overrides: metadata key -> value written instead (its GGUF type from the Python type; None drops
-    the key), for files with broken metadata."""
+    the key), for files with broken metadata. tensor_types: GGUF short name -> type, replacing
+    TENSOR_TYPES' entries (K-quants need in-features that are multiples of 256)."""
+    types = {**TENSOR_TYPES, **(tensor_types or {})}
     c = hf_model.config
     sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
     writer = GGUFWriter(str(path), arch)
@@ -122,19 +136,19 @@ def write_tiny_gguf(
         if qtype in (Q.F32, Q.F16):
             writer.add_tensor(gguf_name, w.astype(np.float32 if qtype == Q.F32 else np.float16))
         else:
-            writer.add_tensor(gguf_name, quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
+            writer.add_tensor(gguf_name, quantize_any(w, qtype), raw_dtype=qtype)
 
     if c.rope_parameters.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freq_factors(c))
-    add("token_embd.weight", "model.embed_tokens.weight", TENSOR_TYPES["token_embd"])
+    add("token_embd.weight", "model.embed_tokens.weight", types["token_embd"])
     add("output_norm.weight", "model.norm.weight", Q.F32)
     if not tied:
-        add("output.weight", "lm_head.weight", TENSOR_TYPES["output"])
+        add("output.weight", "lm_head.weight", types["output"])
     for i in range(c.num_hidden_layers):
         for short, hf_short in HF_NAMES.items():
             hf_name = f"model.layers.{i}.{hf_short}.weight"
             heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}.get(short)
-            qtype = TENSOR_TYPES.get(short, Q.F32)
+            qtype = types.get(short, Q.F32)
             add(f"blk.{i}.{short}.weight", hf_name, qtype, heads)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -10,7 +10,7 @@ from gguf.quants import quantize as gguf_package_quantize  # noqa: E402
 import kiln.quant as q  # noqa: E402
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_gguf_encoders_are_byte_identical_to_the_gguf_package(qtype):
     w = np.random.default_rng(0).standard_normal((11, 160)).astype(np.float32)
     w[3, 32:64] = 0.0  # an all-zero block: scale 0 must not divide by zero

@@ -1,8 +1,10 @@
 """GGUF checkpoints (llama.cpp's format) through the `gguf` package's GGUFReader.
 
 Config and tokenizer come from the metadata (`<arch>.*`, `tokenizer.ggml.*`, `tokenizer.chat_template`);
-tensors are renamed to HF names. Q4_0 / Q4_1 / Q8_0 matrices stay as their raw blocks (GGUFWeight),
-other quantized types are dequantized with `gguf.quants.dequantize`.
+tensors are renamed to HF names. Matrices in the block types Kiln's GEMMs read (Q4_0 / Q4_1 / Q5_0 /
+Q8_0 and the K-quants Q4_K / Q5_K / Q6_K: kiln.quant.gguf_blocks.KERNEL_QTYPES) stay as their raw
+blocks (GGUFWeight; how each device runs them: kiln.ops.gemm.weight_formats); other quantized types
+are dequantized with `gguf.quants.dequantize`.
 
 llama.cpp's converter permutes the rows of the Llama Q and K projections (to pair adjacent dims for its
 rope); we undo it so the rows are HF's again and NeoX-style (half-split) rope is right.
@@ -30,6 +32,7 @@ from kiln.loaders.gguf_gemma3 import (
 from kiln.loaders.gguf_moe import EXPERT_TENSOR_NAMES, apply_moe_metadata, stack_expert_tensors
 from kiln.models.config import ModelConfig, ModelLoadError
 from kiln.models.weights import GGUFWeight, WeightStore, numpy_to_torch
+from kiln.quant.gguf_blocks import KERNEL_QTYPES
 
 # GGUF general.architecture -> HF architecture (Mistral GGUFs say "llama").
 GGUF_ARCHITECTURES = {
@@ -69,7 +72,7 @@ _ARCH_PER_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 GGUF_ARCHITECTURES["gemma3"] = "Gemma3ForCausalLM"
 _ARCH_PER_LAYER["gemma3"] = GEMMA3_PER_LAYER  # Gemma's four norms per layer and q/k norms
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-_KEPT_AS_BLOCKS = ("Q4_0", "Q4_1", "Q8_0")
+_KEPT_AS_BLOCKS = KERNEL_QTYPES
 
 
 def hf_tensor_name(name: str, arch: str | None = None) -> str:

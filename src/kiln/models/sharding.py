@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.models.config import ModelConfig, ModelLoadError
-from kiln.models.weights import GGUF_BLOCK_BYTES, GGUF_BLOCK_SIZE, GGUFWeight, Weight, WeightStore
+from kiln.models.weights import GGUF_BLOCK_BYTES, GGUFWeight, Weight, WeightStore
 
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Phi-3 is split like Llama: kiln.models.phi3 names the row blocks of its fused qkv / gate_up tensors
@@ -55,20 +55,21 @@ def shard_rows(weight: Weight, start: int, end: int) -> Weight:
 
 
 def shard_cols(weight: Weight, start: int, end: int, what: str = "weight") -> Weight:
-    """Columns [start, end) of a matrix [out, in]. GGUF blocks: start and end must be multiples of 32
-    (a block's scale covers 32 inputs), else ValueError."""
+    """Columns [start, end) of a matrix [out, in]. GGUF blocks: start and end must be multiples of the
+    block (32 inputs; 256 for the K-quants' super-blocks), else ValueError."""
     if not isinstance(weight, GGUFWeight):
         return weight[:, start:end].contiguous()
-    if start % GGUF_BLOCK_SIZE or end % GGUF_BLOCK_SIZE:
+    qk = weight.block_weights
+    if start % qk or end % qk:
         raise ValueError(
             f"tensor parallel: cannot shard {what} ({weight.qtype}) along its inputs at [{start}, {end}): "
-            f"GGUF blocks hold {GGUF_BLOCK_SIZE} inputs, so shard boundaries must be multiples of "
-            f"{GGUF_BLOCK_SIZE}; use a tp size that divides the heads / intermediate size accordingly"
+            f"GGUF {weight.qtype} blocks hold {qk} inputs, so shard boundaries must be multiples of "
+            f"{qk}; use a tp size that divides the heads / intermediate size accordingly"
         )
     n, k = weight.shape
     block_bytes = GGUF_BLOCK_BYTES[weight.qtype]
-    blocks = weight.data.view(n, k // GGUF_BLOCK_SIZE, block_bytes)
-    data = blocks[:, start // GGUF_BLOCK_SIZE : end // GGUF_BLOCK_SIZE].reshape(n, -1).contiguous()
+    blocks = weight.data.view(n, k // qk, block_bytes)
+    data = blocks[:, start // qk : end // qk].reshape(n, -1).contiguous()
     return GGUFWeight(weight.qtype, data, (n, end - start))
 
 

@@ -3,6 +3,8 @@ and report the error per named weight (the engine calls `quantization_report` la
 
 Formats: "int4_g32", "int4_g64", "int4_g128" (int4_linear), "fp8" (fp8_linear, per channel),
 "int8" (int8_linear, per channel), "Q4_0", "Q4_1", "Q8_0" (gguf_linear; K a multiple of 32).
+`quantize_weight` / `dequantize_weight` / `roundtrip` also take the other GGUF block types of
+gguf_linear ("Q5_0"; "Q4_K", "Q5_K", "Q6_K" with K a multiple of 256), which FORMATS leaves out.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def quantization_report(
     weights: Mapping[str, torch.Tensor], formats: Iterable[str] = FORMATS
 ) -> dict[str, dict[str, dict[str, float]]]:
     """{weight name: {format: {"snr_db", "cosine", "max_abs_error"}}} for 2-D weights. GGUF formats
-    are skipped for a weight whose K is not a multiple of 32."""
+    are skipped for a weight whose K is not a multiple of their block (32; 256 for the K-quants)."""
     report: dict[str, dict[str, dict[str, float]]] = {}
     for name, weight in weights.items():
         if weight.dim() != 2:
@@ -67,7 +69,7 @@ def quantization_report(
             )
         row = {}
         for fmt in formats:
-            if fmt in gguf_blocks.KERNEL_QTYPES and weight.shape[1] % gguf_blocks.BLOCK_SIZE:
+            if fmt in gguf_blocks.KERNEL_QTYPES and weight.shape[1] % gguf_blocks.block_weights(fmt):
                 continue
             row[fmt] = error_metrics(weight.float(), roundtrip(weight, fmt))
         report[name] = row

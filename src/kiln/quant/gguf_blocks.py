@@ -1,12 +1,28 @@
-"""GGUF (ggml) block codecs for Q4_0, Q4_1 and Q8_0, in torch, byte-compatible with the file format.
+"""GGUF (ggml) block codecs in torch, byte-compatible with the file format.
 
-A quantized [N, K] tensor is stored row by row, each row K/32 blocks of 32 weights:
-    Q4_0: d fp16 (2 bytes) | 16 bytes of nibbles             w = d * (q - 8)        18 bytes / block
-    Q4_1: d fp16 | m fp16  | 16 bytes of nibbles             w = d * q + m          20 bytes / block
-    Q8_0: d fp16 | 32 int8                                   w = d * q              34 bytes / block
-Nibble order (as ggml and `gguf.quants`): byte j holds weight j in its low nibble and weight j + 16
-in its high nibble. Decoding in float32 reproduces `gguf.quants.dequantize` bit for bit; the encoders
-are ggml's reference round-to-nearest quantizers (as `gguf.quants.quantize`).
+A quantized [N, K] tensor is stored row by row, each row K / QK blocks of QK weights (QK = 32, or
+256 for the K-quants' super-blocks); fp16 values are little-endian, offsets in bytes:
+    Q4_0: d | 16 bytes of nibbles                           w = d * (q - 8)              18 B / 32
+    Q4_1: d | m | 16 bytes of nibbles                       w = d * q + m                20 B / 32
+    Q5_0: d | qh uint32 (bit j: bit 4 of q_j) | 16 nibbles  w = d * (q - 16)             22 B / 32
+    Q8_0: d | 32 int8                                       w = d * q                    34 B / 32
+    Q4_K: d | dmin | 12 bytes of 6-bit (sc, m) x 8 | 128 nibbles
+          8 sub-blocks of 32:                               w = (d * sc) * q - dmin * m  144 B / 256
+    Q5_K: as Q4_K, then 32 bytes qh (bit s of byte j: bit 4 of weight j of sub-block s), then the
+          128 bytes of low nibbles                          (q in 0..31)                 176 B / 256
+    Q6_K: 128 bytes low nibbles | 64 bytes 2-bit highs | 16 int8 scales | d
+          16 sub-blocks of 16:                              w = (d * sc) * (q - 32)      210 B / 256
+Nibble order (as ggml and `gguf.quants`): in the 32-blocks byte j holds weight j (low nibble) and
+j + 16 (high); a K-quant's 32 bytes c of nibbles hold sub-block 2c (low) and 2c + 1 (high). Q4_K's
+(sc, m) of sub-block s < 4 are the low 6 bits of bytes s and s + 4; of s >= 4, the nibbles of byte
+s + 4 with bits 6-7 of bytes s - 4 and s as their top bits. Q6_K: weight 128h + 64t + i has its low
+nibble in byte 64h + i (t = 0 low, 1 high), weight 128h + 32u + i its top 2 bits at bit 2u of byte
+128 + 32h + i.
+Decoding in float32 reproduces `gguf.quants.dequantize` bit for bit (each product of an fp16 scale and
+small integers is exact; Q4_1 / Q4_K round once, as ggml). The encoders: Q4_0 / Q4_1 / Q5_0 / Q8_0 are
+ggml's reference round-to-nearest quantizers (as `gguf.quants.quantize`); the gguf package has no
+K-quant encoder, so Q4_K / Q5_K / Q6_K are encoded here by plain round-to-nearest (min/max scales per
+sub-block, no search as llama.cpp's quantize does): valid blocks, a little less accurate than llama.cpp's.
 Other GGML types decode through the `gguf` package (`dequantize_any`). `GGUFWeight` is one such matrix
 as a checkpoint hands it over (the loaders make them; kiln.ops.gemm.weight_formats prepares them).
 """
@@ -18,18 +34,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-BLOCK_SIZE = 32
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+BLOCK_SIZE = 32  # weights per block of the 32-block types (Q4_0, Q4_1, Q5_0, Q8_0)
+QK_K = 256  # weights per K-quant super-block
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q8_0": 32, "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 KERNEL_QTYPES = tuple(BLOCK_BYTES)
 
 
+def block_weights(qtype: str) -> int:
+    """Weights per block of `qtype` (32; 256 for the K-quants): K must be a multiple of it."""
+    return BLOCK_WEIGHTS[qtype]
+
+
 def row_bytes(qtype: str, K: int) -> int:
-    """Bytes of one quantized row of K weights (K a multiple of 32)."""
-    return K // BLOCK_SIZE * BLOCK_BYTES[qtype]
+    """Bytes of one quantized row of K weights (K a multiple of block_weights(qtype))."""
+    return K // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]
 
 
 def _blocks(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
-    """uint8 [N, row_bytes] -> [N, K/32, block_bytes]."""
+    """uint8 [N, row_bytes] -> [N, K / QK, block_bytes]."""
     return qweight.reshape(qweight.shape[0], -1, BLOCK_BYTES[qtype])
 
 
@@ -43,24 +67,65 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
 
+def _bits(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """uint8 [..., n] -> [..., 8 / width, n]: field t of every byte (bits t*width .. (t+1)*width - 1)."""
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=packed.device)
+    return (packed.unsqueeze(-2) >> shifts[:, None]) & ((1 << width) - 1)
+
+
+def _k4_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 scale bytes [..., 12] -> (sc, m) uint8 [..., 8], 6 bits each."""
+    a, b, c = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([a & 63, (c & 0x0F) | ((a >> 6) << 4)], dim=-1)
+    m = torch.cat([b & 63, (c >> 4) | ((b >> 6) << 4)], dim=-1)
+    return sc, m
+
+
+def _dequantize_k(blocks: torch.Tensor, qtype: str, compute: torch.dtype) -> torch.Tensor:
+    """K-quant super-blocks [N, nb, block_bytes] -> [N, nb, 256] in `compute`."""
+    n, nb = blocks.shape[:2]
+    if qtype == "Q6_K":
+        low = _bits(blocks[..., 0:128].reshape(n, nb, 2, 64), 4)  # [n, nb, 2 halves, 2, 64]
+        high = _bits(blocks[..., 128:192].reshape(n, nb, 2, 32), 2)  # [n, nb, 2 halves, 4, 32]
+        q = (low.reshape(n, nb, 256) | (high.reshape(n, nb, 256) << 4)).to(torch.int8) - 32
+        d = _half(blocks[..., 208:210]).to(compute) * blocks[..., 192:208].contiguous().view(torch.int8)
+        return (d[..., None] * q.reshape(n, nb, 16, 16).to(compute)).reshape(n, nb, 256)
+    d, dmin = _half(blocks[..., 0:2]).to(compute), _half(blocks[..., 2:4]).to(compute)
+    sc, m = _k4_scales_mins(blocks[..., 4:16])
+    qs = blocks[..., -128:].reshape(n, nb, 4, 32)
+    q = _bits(qs, 4).reshape(n, nb, 8, 32)  # chunk c: sub-blocks 2c (low nibbles), 2c + 1 (high)
+    if qtype == "Q5_K":
+        q = q | (_bits(blocks[..., 16:48], 1) << 4)  # bit s of byte j: sub-block s, weight j
+    scale = (d * sc.to(compute))[..., None]
+    offset = (dmin * m.to(compute))[..., None]
+    return (scale * q.to(compute) - offset).reshape(n, nb, 256)
+
+
 def dequantize_blocks(qweight: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 [N, row_bytes] -> [N, K] in `dtype`. Computed in float32 (float64 when asked for it),
     the same operations as ggml, so float32 output is bit-exact with `gguf.quants.dequantize`."""
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    if qweight.numel() == 0 and qtype in KERNEL_QTYPES:  # torch cannot reinterpret empty byte views
-        K = qweight.shape[1] // BLOCK_BYTES[qtype] * BLOCK_SIZE
+    if qtype not in KERNEL_QTYPES:
+        raise ValueError(f"dequantize_blocks: qtype {qtype!r} unsupported, expected one of {KERNEL_QTYPES}")
+    if qweight.numel() == 0:  # torch cannot reinterpret empty byte views
+        K = qweight.shape[1] // BLOCK_BYTES[qtype] * BLOCK_WEIGHTS[qtype]
         return torch.empty(qweight.shape[0], K, dtype=dtype, device=qweight.device)
     blocks = _blocks(qweight, qtype)
+    if qtype in K_QUANTS:
+        return _dequantize_k(blocks, qtype, compute).reshape(qweight.shape[0], -1).to(dtype)
     d = _half(blocks[..., 0:2]).to(compute)
     if qtype == "Q8_0":
         w = blocks[..., 2:].contiguous().view(torch.int8).to(compute) * d
     elif qtype == "Q4_0":
         w = (_nibbles(blocks[..., 2:]).to(torch.int8) - 8).to(compute) * d
-    elif qtype == "Q4_1":
+    elif qtype == "Q5_0":
+        # bit 4 of q_j: bit j % 8 of byte j // 8
+        high = _bits(blocks[..., 2:6], 1).transpose(-1, -2).reshape(*blocks.shape[:2], 32)
+        q = (_nibbles(blocks[..., 6:]) | (high << 4)).to(torch.int8) - 16
+        w = q.to(compute) * d
+    else:  # Q4_1
         m = _half(blocks[..., 2:4]).to(compute)
         w = d * _nibbles(blocks[..., 4:]).to(compute) + m
-    else:
-        raise ValueError(f"dequantize_blocks: qtype {qtype!r} unsupported, expected one of {KERNEL_QTYPES}")
     return w.reshape(qweight.shape[0], -1).to(dtype)
 
 
@@ -68,33 +133,87 @@ def _round_half_away(v: torch.Tensor) -> torch.Tensor:
     return torch.sign(v) * torch.floor(v.abs() + 0.5)
 
 
+def _pack_bits(fields: torch.Tensor, width: int) -> torch.Tensor:
+    """uint8 [..., 8 / width, n] fields -> [..., n] bytes, field t at bits t*width (inverse of _bits)."""
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=fields.device)
+    return (fields << shifts[:, None]).sum(dim=-2, dtype=torch.uint8)
+
+
+def _safe_inverse(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v == 0, torch.zeros_like(v), 1 / torch.where(v == 0, torch.ones_like(v), v))
+
+
+def _quantize_k(x: torch.Tensor, qtype: str) -> list[torch.Tensor]:
+    """float32 super-blocks [N, nb, 256] -> the byte fields of `qtype`, in block order."""
+    n, nb = x.shape[:2]
+    if qtype == "Q6_K":
+        sub = x.reshape(n, nb, 16, 16)
+        imax = sub.abs().argmax(-1, keepdim=True)
+        scale = torch.gather(sub, -1, imax).squeeze(-1) / -32  # the signed extreme maps to q = 0
+        d = (scale.abs().amax(-1, keepdim=True) / 127).half()
+        sc = _round_half_away(scale * _safe_inverse(d.float())).clamp(-127, 127)
+        step = (d.float() * sc)[..., None]
+        q = _round_half_away(sub * _safe_inverse(step)).clamp(-32, 31) + 32
+        q = q.to(torch.uint8).reshape(n, nb, 256)
+        low = _pack_bits((q & 0x0F).reshape(n, nb, 2, 2, 64), 4).reshape(n, nb, 128)
+        high = _pack_bits((q >> 4).reshape(n, nb, 2, 4, 32), 2).reshape(n, nb, 64)
+        return [low, high, sc.to(torch.int8).view(torch.uint8), d.view(torch.uint8)]
+    qmax = 31 if qtype == "Q5_K" else 15
+    sub = x.reshape(n, nb, 8, 32)
+    lo = sub.amin(-1).clamp(max=0.0)
+    scale, mins = (sub.amax(-1) - lo) / qmax, -lo
+    d = (scale.amax(-1, keepdim=True) / 63).half()
+    dmin = (mins.amax(-1, keepdim=True) / 63).half()
+    sc = _round_half_away(scale * _safe_inverse(d.float())).clamp(0, 63).to(torch.uint8)
+    m = _round_half_away(mins * _safe_inverse(dmin.float())).clamp(0, 63).to(torch.uint8)
+    step = (d.float() * sc)[..., None]
+    offset = (dmin.float() * m)[..., None]
+    q = _round_half_away((sub + offset) * _safe_inverse(step)).clamp(0, qmax).to(torch.uint8)
+    scales = torch.cat(
+        [sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+         (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], dim=-1,
+    )  # fmt: skip
+    nibbles = _pack_bits((q & 0x0F).reshape(n, nb, 4, 2, 32), 4).reshape(n, nb, 128)
+    parts = [d.view(torch.uint8), dmin.view(torch.uint8), scales]
+    if qtype == "Q5_K":
+        parts.append(_pack_bits(q >> 4, 1))  # [n, nb, 8 sub-blocks, 32] -> 32 bytes
+    return parts + [nibbles]
+
+
 def quantize_blocks(weight: torch.Tensor, qtype: str) -> torch.Tensor:
-    """float [N, K] (K a multiple of 32) -> uint8 [N, row_bytes] in the GGUF block layout."""
+    """float [N, K] (K a multiple of block_weights(qtype)) -> uint8 [N, row_bytes] in the GGUF layout."""
     N, K = weight.shape
-    if K % BLOCK_SIZE:
-        raise ValueError(f"quantize_blocks: K={K} must be a multiple of {BLOCK_SIZE} for GGUF blocks")
-    if N == 0 and qtype in KERNEL_QTYPES:
-        return torch.empty(0, K // BLOCK_SIZE * BLOCK_BYTES[qtype], dtype=torch.uint8, device=weight.device)
-    x = weight.detach().to(device="cpu", dtype=torch.float32).reshape(N, K // BLOCK_SIZE, BLOCK_SIZE)
-    if qtype == "Q8_0":
+    if qtype not in KERNEL_QTYPES:
+        raise ValueError(f"quantize_blocks: qtype {qtype!r} unsupported, expected one of {KERNEL_QTYPES}")
+    qk = BLOCK_WEIGHTS[qtype]
+    if K % qk:
+        raise ValueError(f"quantize_blocks: K={K} must be a multiple of {qk} for GGUF {qtype} blocks")
+    if N == 0:
+        return torch.empty(0, K // qk * BLOCK_BYTES[qtype], dtype=torch.uint8, device=weight.device)
+    x = weight.detach().to(device="cpu", dtype=torch.float32).reshape(N, K // qk, qk)
+    if qtype in K_QUANTS:
+        parts = _quantize_k(x, qtype)
+    elif qtype == "Q8_0":
         d = x.abs().amax(-1, keepdim=True) / 127
         inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
         q = _round_half_away(x * inv).to(torch.int8).view(torch.uint8)
         parts = [d.half().view(torch.uint8), q]
-    elif qtype == "Q4_0":
+    elif qtype in ("Q4_0", "Q5_0"):
+        half_range = 8 if qtype == "Q4_0" else 16
         imax = x.abs().argmax(-1, keepdim=True)
-        d = torch.gather(x, -1, imax) / -8  # the signed extreme maps to q = 0
+        d = torch.gather(x, -1, imax) / -half_range  # the signed extreme maps to q = 0
         inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-        q = torch.trunc(x * inv + 8.5).clamp(0, 15).to(torch.uint8)
-        parts = [d.half().view(torch.uint8), q[..., :16] | (q[..., 16:] << 4)]
-    elif qtype == "Q4_1":
+        q = torch.trunc(x * inv + (half_range + 0.5)).clamp(0, 2 * half_range - 1).to(torch.uint8)
+        nibbles = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)
+        parts = [d.half().view(torch.uint8), nibbles]
+        if qtype == "Q5_0":  # bit 4 of q_j at bit j % 8 of byte j // 8
+            parts.insert(1, _pack_bits((q >> 4).reshape(N, -1, 4, 8).transpose(-1, -2), 1))
+    else:  # Q4_1
         lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
         d = (hi - lo) / 15
         inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
         q = torch.trunc((x - lo) * inv + 0.5).clamp(0, 15).to(torch.uint8)
         parts = [d.half().view(torch.uint8), lo.half().view(torch.uint8), q[..., :16] | (q[..., 16:] << 4)]
-    else:
-        raise ValueError(f"quantize_blocks: qtype {qtype!r} unsupported, expected one of {KERNEL_QTYPES}")
     return torch.cat(parts, dim=-1).reshape(N, -1).to(weight.device)
 
 
@@ -116,7 +235,7 @@ def dequantize_any(data: np.ndarray | torch.Tensor, qtype: str) -> torch.Tensor:
 class GGUFWeight:
     """A [out_features, in_features] matrix stored as GGUF blocks.
 
-    qtype: "Q4_0" | "Q4_1" | "Q8_0"; data: uint8 [out_features, in_features / 32 * block_bytes].
+    qtype: one of KERNEL_QTYPES; data: uint8 [out_features, row_bytes(qtype, in_features)].
     """
 
     qtype: str
@@ -124,8 +243,10 @@ class GGUFWeight:
     shape: tuple[int, int]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float matrix [out_features, in_features] (exact: fp16 scales times small integers)."""
+        """The float matrix [out_features, in_features] (as `gguf.quants.dequantize`, then `dtype`)."""
         n, k = self.shape
+        if self.qtype not in ("Q4_0", "Q4_1", "Q8_0"):
+            return dequantize_blocks(self.data.view(n, -1), self.qtype, torch.float32).to(dtype)
         blocks = self.data.view(n, k // BLOCK_SIZE, BLOCK_BYTES[self.qtype])
         d = blocks[..., 0:2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
         # One float32 buffer, filled and scaled in place: load time is dominated by these passes.
@@ -142,16 +263,26 @@ class GGUFWeight:
         return q.mul_(d).add_(m).view(n, k).to(dtype)
 
     def nibbles(self) -> torch.Tensor:
-        """Q4_0 / Q4_1 quants as int32 [out_features, in_features] in 0..15: byte j of a block holds
-        weight j in its low nibble and weight j + 16 in its high nibble."""
+        """Q4_0 / Q4_1 / Q4_K quants as int32 [out_features, in_features] in 0..15: byte j of a block
+        holds weight j in its low nibble and weight j + 16 in its high nibble (Q4_K: the module
+        docstring's order)."""
         n, k = self.shape
+        if self.qtype == "Q4_K":
+            qs = self.data.view(n, k // QK_K, BLOCK_BYTES["Q4_K"])[..., 16:].reshape(n, -1, 4, 32)
+            return _bits(qs, 4).reshape(n, k).to(torch.int32)
         nb = k // BLOCK_SIZE
         qs = self.data.view(n, nb, BLOCK_BYTES[self.qtype])[..., -16:]
         return torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, k).to(torch.int32)
 
     def scales_and_mins(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-block (d, m) float32 [out_features, in_features / 32] with weight = d * q + m (q in 0..15)."""
+        """Per-32-weight (d, m) float32 [out_features, in_features / 32] with weight = d * q + m (q in
+        0..15): Q4_0, Q4_1, and Q4_K's sub-blocks (d = d * sc, m = -dmin * m, both exact in float32)."""
         n, k = self.shape
+        if self.qtype == "Q4_K":
+            blocks = self.data.view(n, k // QK_K, BLOCK_BYTES["Q4_K"])
+            d, dmin = _half(blocks[..., 0:2]).float(), _half(blocks[..., 2:4]).float()
+            sc, m = _k4_scales_mins(blocks[..., 4:16])
+            return (d * sc.float()).reshape(n, -1), (-(dmin * m.float())).reshape(n, -1)
         blocks = self.data.view(n, k // BLOCK_SIZE, BLOCK_BYTES[self.qtype])
         d = blocks[..., 0:2].contiguous().view(torch.float16).to(torch.float32).squeeze(-1)
         if self.qtype == "Q4_0":
@@ -169,6 +300,11 @@ class GGUFWeight:
         m = (d.to(torch.float32) * -8.0).to(torch.float16).view(torch.uint8)
         data = torch.cat([blocks[..., 0:2], m, blocks[..., 2:]], dim=-1).reshape(n, -1)
         return GGUFWeight("Q4_1", data, self.shape)
+
+    @property
+    def block_weights(self) -> int:
+        """Weights per block (32, or 256 for the K-quants): column slices must fall on multiples of it."""
+        return BLOCK_WEIGHTS[self.qtype]
 
     def rows(self, index: torch.Tensor) -> GGUFWeight:
         """The matrix with its output rows reordered by `index` (blocks never straddle rows)."""

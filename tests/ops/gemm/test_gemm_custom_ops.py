@@ -129,6 +129,18 @@ _AOT_SCRIPT = textwrap.dedent(
     build("gguf_dequantize.triton", "_dequantize_kernel",
           {"qweight_ptr": "*u8", "out_ptr": "*fp32", "N": i32, "K": i32, "stride_qn": i32, "stride_on": i32},
           {"QTYPE": "Q8_0", "BLOCK_BYTES": 34, "BLOCK_N": 32, "BLOCK_K": 128})
+    # Q5_0 and the K-quant super-blocks (per-weight decode of 6-bit / int8 sub-block scales)
+    for qtype, block_bytes in (("Q5_0", 22), ("Q4_K", 144), ("Q5_K", 176), ("Q6_K", 210)):
+        build("gguf_linear.triton", "_gguf_gemv_kernel", gguf,
+              {"QTYPE": qtype, "BLOCK_BYTES": block_bytes, "HAS_BIAS": True, "BLOCK_N": 64, "BLOCK_K": 128,
+               "SPLIT_K": 4})
+        build("gguf_linear.triton", "_gguf_gemm_kernel", gguf,
+              {"QTYPE": qtype, "BLOCK_BYTES": block_bytes, "HAS_BIAS": False, "DOT_PRECISION": "tf32",
+               **tiles, "SPLIT_K": 1})
+        build("gguf_dequantize.triton", "_dequantize_kernel",
+              {"qweight_ptr": "*u8", "out_ptr": "*bf16", "N": i32, "K": i32, "stride_qn": i32,
+               "stride_on": i32},
+              {"QTYPE": qtype, "BLOCK_BYTES": block_bytes, "BLOCK_N": 32, "BLOCK_K": 128})
     build("tiling", "split_k_reduce_kernel",
           {"partial_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "M": i32, "N": i32,
            "stride_om": i32, "stride_on": i32},

@@ -50,7 +50,8 @@ def test_the_fuzz_shapes_reach_every_cpu_layout_with_one_and_several_rows():
     for fmt in ("fp32", "fp16", "bf16", "int4"):
         rows = {s["M"] > 1 for s in shapes if s["format"] == fmt}
         assert rows == {False, True}, fmt
-    assert {s["source"] for s in shapes if s["format"] == "int4"} == {"Q4_0", "Q4_1"}
+    assert {s["source"] for s in shapes if s["format"] == "int4"} == {"Q4_0", "Q4_1", "Q4_K"}
+    assert _layouts_made_by_fuzz_shapes(torch.float32) >= {"gguf_Q5_K"}  # cpu_format "gguf"
 
 
 @pytest.mark.parametrize("rows", [1, 6])

@@ -12,14 +12,21 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
     "fp16_rows"     [W fp16, plain fp32 copy of its values]     1 row: fp16 GEMV; more rows: fp32 F.linear
     "int4"          [nibbles uint8 [N, K/2] in torch's CPU      torch's int4 CPU matmul, groups of 32,
                      packing, scales_and_zeros bf16 [K/32, N, 2]] bfloat16 activations
-    "gguf_Q4_0" / "gguf_Q4_1" / "gguf_Q8_0"
-                    [uint8 blocks [N, row_bytes] as in the file] kiln.ops.gguf_linear
+    "gguf_<qtype>"  [uint8 blocks [N, row_bytes] as in the file] kiln.ops.gguf_linear
+                    (qtype Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)
 
 How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMATS):
-  - CUDA: GGUF blocks stay blocks ("gguf_*"); anything else is "dense" in the model dtype;
-  - CPU, "int4", GGUF Q4_0/Q4_1 with N % 16 == 0: "int4". A Q4_1 block w = d*q + m (q in 0..15) is
-    torch's (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0: m = -8d, so zero = 0): the
-    packed nibbles are the GGUF ones; scale and zero are rounded to bfloat16 (the kernel's fast path);
+  - CUDA: GGUF blocks stay blocks ("gguf_*", the K-quants included); anything else is "dense" in the
+    model dtype;
+  - CPU, "int4", GGUF Q4_0/Q4_1/Q4_K with N % 16 == 0: "int4". A Q4_1 block w = d*q + m (q in 0..15)
+    is torch's (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0: m = -8d, so zero = 0; a
+    Q4_K sub-block of 32: d = d*sc, m = -dmin*m): the packed nibbles are the GGUF ones; scale and
+    zero are rounded to bfloat16 (the kernel's fast path);
+  - CPU, "gguf", GGUF blocks: kept as the file's blocks ("gguf_*", as on CUDA), run by gguf_linear's
+    CPU path, which decodes the whole matrix on every call: the least memory, not the fastest;
+  - CPU, GGUF blocks otherwise (every other type, the K-quants included): dequantized once, here, to
+    the format's dense layout below (logged once per type): faster than decoding the blocks on every
+    call, which is all gguf_linear's CPU path can do;
   - CPU otherwise: dense in the format's dtype (GGUF blocks dequantized), reordered once for oneDNN:
     PyTorch's default CPU GEMM for F.linear (MKL sgemm) is slow on the skinny inputs of decode: on
     the 2-core AVX-512 machine this project measures on, 3072x576 at 16 rows takes 0.43 ms through MKL
@@ -34,15 +41,18 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from kiln.quant.gguf_blocks import KERNEL_QTYPES, GGUFWeight, dequantize_blocks
 
-CPU_WEIGHT_FORMATS = ("int4", "fp16", "bf16", "fp32")
+CPU_WEIGHT_FORMATS = ("int4", "fp16", "bf16", "fp32", "gguf")
 FORMAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-INT4_GROUP_SIZE = 32  # one GGUF block per group
+INT4_GROUP_SIZE = 32  # one GGUF block (a Q4_K sub-block) per group
+INT4_QTYPES = ("Q4_0", "Q4_1", "Q4_K")
+logger = logging.getLogger(__name__)
 
 GGUF_LAYOUTS = {f"gguf_{qtype}": qtype for qtype in KERNEL_QTYPES}
 # layout -> how many tensors it holds
@@ -94,7 +104,8 @@ def prepare_linear_weight(
     """Pack `weight` (float [out, in] or GGUF blocks) for `device`, once (see the module docstring).
 
     dtype: the model's activation dtype; cpu_format: one of CPU_WEIGHT_FORMATS or None (the model
-    dtype). "int4" applies to GGUF Q4_0/Q4_1 weights only; others fall back to a dense `dtype` matrix.
+    dtype). "int4" applies to GGUF Q4_0/Q4_1/Q4_K weights only, "gguf" to GGUF weights; others fall
+    back to a dense `dtype` matrix.
     """
     device = torch.device(device)
     if cpu_format is not None and cpu_format not in CPU_WEIGHT_FORMATS:
@@ -102,14 +113,15 @@ def prepare_linear_weight(
             f"prepare_linear_weight: cpu_format {cpu_format!r}, expected one of {CPU_WEIGHT_FORMATS}"
         )
     shape = (int(weight.shape[0]), int(weight.shape[1]))
-    if device.type == "cuda" and isinstance(weight, GGUFWeight):
+    if isinstance(weight, GGUFWeight) and (device.type == "cuda" or cpu_format == "gguf"):
         return PreparedLinearWeight(f"gguf_{weight.qtype}", (weight.data.to(device),), shape, None, dtype)
     if device.type == "cpu" and cpu_format == "int4" and int4_packable(weight):
         return PreparedLinearWeight("int4", pack_int4(weight), shape, torch.bfloat16, dtype)
     weight_dtype = (
-        dtype if device.type != "cpu" or cpu_format in (None, "int4") else FORMAT_DTYPES[cpu_format]
+        dtype if device.type != "cpu" or cpu_format in (None, "int4", "gguf") else FORMAT_DTYPES[cpu_format]
     )
     if isinstance(weight, GGUFWeight):
+        _log_dequantized_at_load(weight.qtype, device.type, cpu_format or str(weight_dtype))
         weight = weight.dequantize(torch.float32)
     matrix = weight.to(device=device, dtype=weight_dtype).contiguous()
     if device.type != "cpu":
@@ -125,6 +137,14 @@ def prepare_linear_weight(
     if packed is None:
         return PreparedLinearWeight("dense", (matrix,), shape, weight_dtype, weight_dtype)
     return PreparedLinearWeight("onednn", (packed,), shape, weight_dtype, weight_dtype)
+
+
+@functools.cache
+def _log_dequantized_at_load(qtype: str, device_type: str, fmt: str) -> None:
+    logger.info(
+        "GGUF %s weights on %s: dequantized once at load to %s (no %s kernel reads %s blocks faster)",
+        qtype, device_type, fmt, device_type.upper(), qtype,
+    )  # fmt: skip
 
 
 # ---- oneDNN: the weight reordered once (the ops PyTorch's inductor uses for frozen CPU linears) ----
@@ -166,11 +186,11 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def int4_packable(weight: torch.Tensor | GGUFWeight) -> bool:
     # torch's CPU packing needs out_features % 16 == 0; GGUF rows are whole 32-blocks already.
-    return isinstance(weight, GGUFWeight) and weight.qtype in ("Q4_0", "Q4_1") and weight.shape[0] % 16 == 0
+    return isinstance(weight, GGUFWeight) and weight.qtype in INT4_QTYPES and weight.shape[0] % 16 == 0
 
 
 def pack_int4(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed nibbles, scales_and_zeros bf16 [in / 32, out, 2]) of a Q4_0 / Q4_1 GGUFWeight."""
+    """(packed nibbles, scales_and_zeros bf16 [in / 32, out, 2]) of a Q4_0 / Q4_1 / Q4_K GGUFWeight."""
     scale, minimum = weight.scales_and_mins()  # [out, in / 32]
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.nibbles(), 1)
     zero = minimum + 8.0 * scale

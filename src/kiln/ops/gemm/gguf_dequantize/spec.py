@@ -1,16 +1,20 @@
 """gguf_dequantize: GGUF block-quantized weights as stored in the file -> dense [N, K].
 
-    qweight: uint8 [N, row_bytes], row_bytes = K / 32 * block bytes
+    qweight: uint8 [N, row_bytes], row_bytes = K / QK * block bytes
     qtype:   the GGML type's name
     dtype:   the output dtype (float32 / float16 / bfloat16, default float32)
     -> [N, K] in dtype.
-Block formats (32 weights per block, one output row's K/32 blocks contiguous; see kiln.quant.gguf_blocks):
-    Q4_0: fp16 d, 16 bytes of nibbles        w = d * (q - 8)      18 bytes
-    Q4_1: fp16 d, fp16 m, 16 bytes           w = d * q + m        20 bytes
-    Q8_0: fp16 d, 32 int8                    w = d * q            34 bytes
-Byte j of a block's nibbles holds weight j (low nibble) and weight j + 16 (high nibble).
-Q4_0 / Q4_1 / Q8_0 run the kernels (float32 math without FMA contraction: float32 output is bit-exact
-with `gguf.quants.dequantize`). Any other GGML type name ("Q6_K", "Q5_0", "F16", ...) falls back to
+Block formats (one output row's K / QK blocks contiguous; the byte layouts: kiln.quant.gguf_blocks):
+    Q4_0: fp16 d, 16 bytes of nibbles               w = d * (q - 8)                 18 bytes / 32
+    Q4_1: fp16 d, fp16 m, 16 bytes                  w = d * q + m                   20 bytes / 32
+    Q5_0: fp16 d, 4 bytes of 5th bits, 16 bytes     w = d * (q - 16)                22 bytes / 32
+    Q8_0: fp16 d, 32 int8                           w = d * q                       34 bytes / 32
+    Q4_K: fp16 d, dmin, 8 x 6-bit (sc, m), nibbles  w = (d * sc) * q - dmin * m     144 bytes / 256
+    Q5_K: Q4_K + 32 bytes of 5th bits               (q in 0..31)                    176 bytes / 256
+    Q6_K: 4 + 2 bits, 16 int8 sc, fp16 d            w = (d * sc) * (q - 32)         210 bytes / 256
+K-quant super-blocks hold 256 weights: their K is a multiple of 256.
+These run the kernels (float32 math without FMA contraction: float32 output is bit-exact with
+`gguf.quants.dequantize`). Any other GGML type name ("Q5_1", "IQ4_XS", "F16", ...) falls back to
 `gguf.quants.dequantize` on the host, then moves to qweight's device.
 """
 
@@ -22,7 +26,7 @@ from kiln.ops.checks import FLOAT_DTYPES, check_tensor
 from kiln.ops.gemm.gguf_blocks import QTYPES, make_gguf_weight, packed_bytes, validate_gguf_weight
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import element_size
-from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_SIZE, dequantize_blocks
+from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, K_QUANTS, dequantize_blocks
 
 
 def gguf_dequantize_reference(qweight, qtype, dtype=torch.float32):
@@ -42,7 +46,7 @@ def validate_gguf_dequantize(qweight, qtype, dtype) -> None:
 
 def _fake(qweight, qtype, dtype):
     if qtype in QTYPES:
-        block, type_size = BLOCK_SIZE, BLOCK_BYTES[qtype]
+        block, type_size = BLOCK_WEIGHTS[qtype], BLOCK_BYTES[qtype]
     else:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -64,23 +68,33 @@ def _fuzz_shapes(rng):
         {"N": 33, "K": 320},
         {"N": rng.randint(1, 60), "K": 32 * rng.randint(1, 12)},
     ]
-    return [{**s, "qtype": q} for s in shapes for q in QTYPES]
+    super_blocks = [
+        {"N": 1, "K": 256},
+        {"N": 9, "K": 512},
+        {"N": rng.randint(1, 40), "K": 256 * rng.randint(1, 3)},
+    ]
+    return [{**s, "qtype": q} for q in QTYPES for s in (super_blocks if q in K_QUANTS else shapes)]
 
 
 GGUF_DEQUANTIZE = OpSpec(
     name="gguf_dequantize",
-    description="GGUF Q4_0/Q4_1/Q8_0 blocks -> dense [N, K]",
+    description="GGUF Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K blocks -> dense [N, K]",
     reference=gguf_dequantize_reference,
     make_inputs=_make_inputs,
     fuzz_shapes=_fuzz_shapes,
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
-    # d*q is exact in float32 (11 + 5 bits); Q4_1's "+ m" rounds once (2^-24); halves round the
-    # output once (2^-11, 2^-8).
+    # d*q is exact in float32 (11 + 5 bits; K-quants' (d*sc)*q at most 11 + 8 + 6 bits); Q4_1's
+    # "+ m" and Q4_K / Q5_K's "- dmin*m" round once (2^-24); halves round the output once (2^-11, 2^-8).
     tolerance={torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3},
     flops=lambda s, dtype: 2.0 * s["N"] * s["K"],
     bytes=lambda s, dtype: packed_bytes(s) + s["N"] * s["K"] * element_size(dtype),
     bench_shapes={
-        "llm": [{"N": n, "K": k, "qtype": q} for k, n in ((4096, 14336), (576, 49152)) for q in QTYPES]
+        "llm": [
+            {"N": n, "K": k, "qtype": q}
+            for k, n in ((4096, 14336), (576, 49152))
+            for q in QTYPES
+            if k % BLOCK_WEIGHTS[q] == 0  # SmolLM2's K = 576 is not whole K-quant super-blocks
+        ]
     },
     schema="(Tensor qweight, str qtype, ScalarType dtype=float32) -> Tensor",
     validate=validate_gguf_dequantize,

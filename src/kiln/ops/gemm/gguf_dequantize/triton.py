@@ -14,7 +14,7 @@ from kiln.ops.gemm.gguf_blocks import QTYPES, dequantize_on_host
 from kiln.ops.gemm.gguf_dequantize.spec import GGUF_DEQUANTIZE
 from kiln.ops.gemm.gguf_triton import dequantize_at
 from kiln.ops.registry import Implementation, triton_available
-from kiln.quant.gguf_blocks import BLOCK_BYTES
+from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
 
 
 @triton.jit
@@ -35,7 +35,7 @@ def gguf_dequantize_triton(qweight, qtype, dtype=torch.float32):
     if qtype not in QTYPES:
         return dequantize_on_host(qweight, qtype, dtype)
     N = qweight.shape[0]
-    K = qweight.shape[1] // BLOCK_BYTES[qtype] * 32
+    K = qweight.shape[1] // BLOCK_BYTES[qtype] * BLOCK_WEIGHTS[qtype]
     out = empty((N, K), dtype, qweight.device)
     if N == 0 or K == 0:
         return out

@@ -1,8 +1,9 @@
 """gguf_linear: the fused GGUF block dequant + GEMM, weights read as stored in the file.
 
-    x:       [..., K] float32 / float16 / bfloat16; K a multiple of 32 (GGUF's block size)
-    qweight: uint8 [N, row_bytes] of Q4_0 / Q4_1 / Q8_0 blocks (formats: gguf_dequantize's spec)
-    qtype:   "Q4_0", "Q4_1" or "Q8_0"
+    x:       [..., K] float32 / float16 / bfloat16; K a multiple of the qtype's block: 32, or 256 for
+             the K-quants (their super-block size)
+    qweight: uint8 [N, row_bytes] of GGUF blocks (formats: gguf_dequantize's spec)
+    qtype:   "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K" or "Q6_K"
     bias:    [N] in x's dtype, or None
     y = x @ W^T + bias, [..., N] in x's dtype; W decoded in float32, accumulation in float32.
 """
@@ -12,11 +13,13 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
-from kiln.ops.gemm.gguf_blocks import QTYPES, make_gguf_weight, packed_bytes, validate_gguf_weight
-from kiln.ops.gemm.shapes import GEMM_TOLERANCE, fuzz_gemm_shapes, gemm_flops, llm_shapes
+from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
+from kiln.ops.gemm.shapes import GEMM_TOLERANCE, LLAMA3_8B, fuzz_gemm_shapes, gemm_flops, llm_shapes
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import element_size, randn
-from kiln.quant.gguf_blocks import BLOCK_SIZE, dequantize_blocks
+from kiln.quant.gguf_blocks import BLOCK_SIZE, K_QUANTS, QK_K, dequantize_blocks
+
+QTYPES_32 = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def gguf_linear_reference(x, qweight, qtype, bias=None):
@@ -47,9 +50,29 @@ def _make_inputs(shape, dtype, device, generator):
 
 def _fuzz_shapes(rng):
     shapes = fuzz_gemm_shapes(rng, k_multiple=BLOCK_SIZE)
-    return [{**s, "qtype": QTYPES[i % 3], "bias": i % 2 == 1} for i, s in enumerate(shapes)] + [
-        {"M": 1, "N": 45, "K": 160, "qtype": q} for q in QTYPES
+    legacy = [{**s, "qtype": QTYPES_32[i % 3], "bias": i % 2 == 1} for i, s in enumerate(shapes)] + [
+        {"M": 1, "N": 45, "K": 160, "qtype": q} for q in QTYPES_32
     ]
+    # K-quants: K in whole 256-weight super-blocks; decode (GEMV) and tiled-GEMM row counts
+    super_blocks = [
+        {"M": 1, "N": 37, "K": 512, "qtype": "Q4_K", "bias": True},
+        {"M": 3, "N": 29, "K": 256, "qtype": "Q5_K"},
+        {"M": 17, "N": 21, "K": 256, "qtype": "Q6_K", "bias": True},
+        {"M": 9, "N": 19, "K": 512, "qtype": "Q5_0"},
+        {"M": rng.randint(1, 40), "N": rng.randint(1, 60), "K": QK_K * rng.randint(1, 2),
+         "qtype": K_QUANTS[rng.randrange(3)]},
+    ]  # fmt: skip
+    return legacy + super_blocks
+
+
+def _bench_shapes():
+    """The 32-block types on every llm shape; the K-quants (what Q4_K_M files hold) at decode
+    (M = 1..16) and prefill sizes of Llama-3-8B's projections (every K a multiple of 256)."""
+    legacy = [{**s, "qtype": q} for s in llm_shapes() for q in ("Q4_1", "Q8_0")]
+    k_quants = [
+        {"M": m, "N": n, "K": k, "qtype": q} for k, n in LLAMA3_8B for m in (1, 4, 16, 2048) for q in K_QUANTS
+    ]
+    return legacy + k_quants
 
 
 def _torch_dequant_matmul(x, qweight, qtype, bias=None):
@@ -67,7 +90,7 @@ GGUF_LINEAR = OpSpec(
     tolerance=GEMM_TOLERANCE,
     flops=gemm_flops,
     bytes=lambda s, dtype: packed_bytes(s) + (s["M"] * s["K"] + s["M"] * s["N"]) * element_size(dtype),
-    bench_shapes={"llm": [{**s, "qtype": q} for s in llm_shapes() for q in ("Q4_1", "Q8_0")]},
+    bench_shapes={"llm": _bench_shapes()},
     baselines={"torch_dequant_matmul": _torch_dequant_matmul},
     gpu_only_dtypes={"triton": (torch.bfloat16,)},
     schema="(Tensor x, Tensor qweight, str qtype, Tensor? bias=None) -> Tensor",

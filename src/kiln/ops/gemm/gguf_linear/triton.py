@@ -1,8 +1,10 @@
-"""Triton gguf_linear: GGUF Q4_0 / Q4_1 / Q8_0 weights read straight from the file's uint8 blocks,
-decoded in registers by ../gguf_triton.py (never written to memory as floats).
+"""Triton gguf_linear: GGUF weights (Q4_0 / Q4_1 / Q5_0 / Q8_0, K-quants Q4_K / Q5_K / Q6_K) read
+straight from the file's uint8 blocks, decoded in registers by ../gguf_triton.py (never written to
+memory as floats).
 
   * `_gguf_gemv_kernel` (decode, M <= GEMV_MAX_M): one x row and BLOCK_N outputs per program, split
-    along K; per-block integer dot products, scaled once per block (no tl.dot, so no 16-row padding);
+    along K; Q4_0 / Q4_1 / Q8_0: per-block integer dot products, scaled once per block (no tl.dot, so
+    no 16-row padding); Q5_0 and the K-quants: each weight decoded (`dequantize_at`), then the dot;
   * `_gguf_gemm_kernel` (prefill): the tiled/grouped/split-K GEMM of ../tiling.py with the weight
     tile dequantized in registers and rounded to x's dtype for tl.dot.
 """
@@ -57,24 +59,29 @@ def _gguf_gemv_kernel(
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         blocks = k0 // 32 + tl.arange(0, NUM_BLOCKS)
-        b_mask = blocks * 32 < k_end  # K is a multiple of 32: whole blocks are in or out
+        b_mask = blocks * 32 < k_end  # K is a multiple of 32: whole 32-weight runs are in or out
         x = tl.load(
             x_ptr + row.to(tl.int64) * stride_xm + blocks[:, None] * 32 + j[None, :],
             mask=b_mask[:, None],
             other=0.0,
         ).to(tl.float32)  # [NUM_BLOCKS, 32]
-        base = rows[:, None] + blocks[None, :] * BLOCK_BYTES  # [BLOCK_N, NUM_BLOCKS]
+        base = rows[:, None] + blocks[None, :] * BLOCK_BYTES  # [BLOCK_N, NUM_BLOCKS] (32-block types)
         mask = n_mask[:, None] & b_mask[None, :]
-        d = fp16_at(base, mask)
-        if QTYPE == "Q8_0":
+        if QTYPE == "Q5_0" or QTYPE == "Q4_K" or QTYPE == "Q5_K" or QTYPE == "Q6_K":
+            # the decoded [BLOCK_N, NUM_BLOCKS, 32] tile (K-quants: 32 weights of a super-block each)
+            k = (blocks[:, None] * 32 + j[None, :])[None, :, :]
+            w = dequantize_at(rows[:, None, None], k, mask[:, :, None], QTYPE, BLOCK_BYTES)
+            acc += tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
+        elif QTYPE == "Q8_0":
             q = tl.load(base[:, :, None] + 2 + j[None, None, :], mask=mask[:, :, None], other=0)
             block_dot = tl.sum(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :, :], axis=2)
-            acc += tl.sum(d * block_dot, axis=1)
+            acc += tl.sum(fp16_at(base, mask) * block_dot, axis=1)
         else:
             first = 4 if QTYPE == "Q4_1" else 2
             byte = tl.load(base[:, :, None] + first + (j % 16)[None, None, :], mask=mask[:, :, None], other=0)
             q = ((byte >> ((j // 16) * 4).to(tl.uint8)[None, None, :]) & 0xF).to(tl.float32)
             block_dot = tl.sum(q * x[None, :, :], axis=2)
+            d = fp16_at(base, mask)
             if QTYPE == "Q4_0":
                 acc += tl.sum(d * (block_dot - 8.0 * tl.sum(x, axis=1)[None, :]), axis=1)
             else:
@@ -125,9 +132,12 @@ def gguf_linear_triton(x, qweight, qtype, bias=None, config: dict | None = None)
     shape = {"M": M, "N": N, "K": K, "qtype": qtype}
     # The tiled GEMM keeps a dequantized [BLOCK_K, BLOCK_N] tile in registers: at BLOCK_K 128 (the
     # small-M default) Triton 3.6 spills it on sm_90 (424-616 bytes for Q4_1; python -m kiln.tune.aot).
+    # The GEMV's per-weight decode of Q6_K / Q5_0 at BLOCK_K 128 holds a [64, 4, 32] tile of decoded
+    # weights and their bit fields: 255 registers and 272 spill bytes for Q6_K on sm_90 (Q4_K: 96).
+    heavy_decode = M <= GEMV_MAX_M and qtype in ("Q6_K", "Q5_0")
     cfg = resolve_config("gguf_linear", x.dtype, shape, config, x.device, min_block_k=32,
                          wide_operands=x.dtype == torch.float32,
-                         max_block_k=64 if M > GEMV_MAX_M else None)  # fmt: skip
+                         max_block_k=64 if M > GEMV_MAX_M or heavy_decode else None)  # fmt: skip
     bias_arg = bias.contiguous() if bias is not None else out
     common = dict(QTYPE=qtype, BLOCK_BYTES=BLOCK_BYTES[qtype], HAS_BIAS=bias is not None)
     if M <= GEMV_MAX_M:

@@ -4,7 +4,7 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
 
     x:         [M, K] float32 / float16 / bfloat16
     layout:    a PreparedLinearWeight's layout ("dense", "onednn", "fp16_onednn", "fp16_rows", "int4",
-               "gguf_Q4_0", "gguf_Q4_1", "gguf_Q8_0")
+               "gguf_<qtype>" for the GGUF block types of kiln.ops.gguf_linear)
     weight:    its tensors (PreparedLinearWeight.tensors), W standing for [N, K]
     bias:      [N] in the layout's bias dtype (PreparedLinearWeight.bias_dtype), or None
     out_dtype: the result's dtype (None: x's)
@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
-from kiln.ops.gemm.gguf_blocks import make_gguf_weight, validate_gguf_weight
+from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
 from kiln.ops.gemm.shapes import GEMM_TOLERANCE, SMOLLM2_135M, gemm_flops
 from kiln.ops.gemm.weight_formats import (
     GGUF_LAYOUTS,
@@ -30,7 +30,7 @@ from kiln.ops.gemm.weight_formats import (
 )
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import element_size, randn
-from kiln.quant.gguf_blocks import GGUFWeight
+from kiln.quant.gguf_blocks import K_QUANTS, QK_K, GGUFWeight
 
 
 def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
@@ -92,8 +92,9 @@ def _fake(x, layout, weight, bias, out_dtype):
 # ---- inputs: a weight prepared as the engine prepares it, for the device it runs on ----------------
 #
 # A shape asks for what the loader asks for: "format" is the cpu_format, "source" the checkpoint
-# weight ("float", or GGUF blocks "Q4_0" / "Q4_1" / "Q8_0"). On the CPU that gives the CPU layouts; on
-# CUDA the same shape gives "gguf_*" (GGUF sources) or "dense" (float sources), as for the engine.
+# weight ("float", or GGUF blocks "Q4_0" / "Q4_1" / "Q8_0" / "Q4_K" / ...). On the CPU that gives the
+# CPU layouts; on CUDA the same shape gives "gguf_*" (GGUF sources) or "dense" (float sources), as
+# for the engine.
 
 _BASELINE_MATRICES: dict[int, torch.Tensor] = {}  # id(weight[0]) -> its float32 matrix, while it lives
 
@@ -124,8 +125,8 @@ def _remember_matrix(key: torch.Tensor, matrix: torch.Tensor) -> None:
 
 
 # (format, source) pairs: every CPU layout (fp16 one-row and multi-row; bf16 "onednn" where this CPU
-# packs bf16, else "dense"; int4 from both Q4 types), GGUF sources kept dense on the CPU, "gguf_*" and
-# "dense" on CUDA.
+# packs bf16, else "dense"; int4 from the three Q4 types), GGUF sources kept dense on the CPU or as
+# blocks ("gguf"), "gguf_*" and "dense" on CUDA.
 _FUZZ_FORMATS = (
     ("fp32", "float"),
     ("fp16", "float"),
@@ -134,6 +135,9 @@ _FUZZ_FORMATS = (
     ("int4", "Q4_1"),
     ("fp16", "Q8_0"),
     ("fp32", "Q4_1"),
+    ("int4", "Q4_K"),
+    ("fp16", "Q6_K"),
+    ("gguf", "Q5_K"),
 )
 
 
@@ -142,6 +146,8 @@ def _fuzz_shapes(rng):
     for i, (fmt, source) in enumerate(_FUZZ_FORMATS):
         n = 16 * rng.randint(1, 6) if fmt == "int4" else rng.randint(1, 100)  # int4 packs 16 rows at once
         k = 32 * rng.randint(1, 8) if source != "float" else rng.randint(1, 300)  # GGUF: whole blocks
+        if source in K_QUANTS:
+            k = QK_K * rng.randint(1, 2)  # whole super-blocks
         for m in (1, rng.randint(2, 70)):
             shapes.append(
                 {"M": m, "N": n, "K": k, "format": fmt, "source": source, "bias": (i + m) % 2 == 1,
@@ -168,8 +174,10 @@ def _case_tolerance(shape, dtype) -> float:
 
 def _weight_bytes(shape) -> float:
     """Bytes the CPU layout reads per call: fp32 / bf16 the matrix; fp16 the fp16 matrix for one row,
-    its float32 copy for more; int4 the nibbles and a bf16 (scale, zero) per 32 weights."""
+    its float32 copy for more; int4 the nibbles and a bf16 (scale, zero) per 32 weights; gguf the blocks."""
     N, K, fmt = shape["N"], shape["K"], shape["format"]
+    if fmt == "gguf":
+        return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
     if fmt == "int4":
         return N * K / 2 + N * K / 32 * 4
     if fmt == "fp16":

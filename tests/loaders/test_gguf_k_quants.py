@@ -1,0 +1,115 @@
+"""A tiny Llama GGUF whose matrices are GGUF K-quants (Q4_K, Q5_K, Q6_K, the tensor types of a Q4_K_M
+file): Kiln keeps them as blocks and matches transformers loading the same file (transformers
+dequantizes with the `gguf` package, the reference we did not write).
+
+The gguf package cannot encode K-quants, so the file's blocks come from Kiln's round-to-nearest encoder
+(tests/loaders/gguf_tiny.py); the reference never reads them through Kiln's decoder. Hidden and
+intermediate sizes are multiples of 256 (one super-block holds 256 inputs)."""
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from kiln.loaders.gguf import load_gguf  # noqa: E402
+from kiln.models import LlamaForCausalLM  # noqa: E402
+from tests.loaders.gguf_tiny import write_tiny_gguf  # noqa: E402
+from tests.loaders.test_gguf_loader import tiny_llama  # noqa: E402
+from tests.models.helpers import greedy, prompt_logits  # noqa: E402
+
+PROMPT = [3, 17, 29, 4, 4, 60, 11, 2, 45, 31, 8]
+# Kiln decodes the blocks to the same float32 values as gguf (bit-exact), so against transformers in
+# float32 only the summation order differs: a few float32 roundings per dot product, ~1e-6 relative.
+TOL = 1e-5
+# Every matrix a K-quant (the fused q/k/v and gate/up rows share a type, so they stay one block matrix).
+K_QUANT_TYPES = {
+    "attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q4_K, "attn_output": Q.Q5_K,
+    "ffn_gate": Q.Q5_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K, "token_embd": Q.Q6_K, "output": Q.Q4_K,
+}  # fmt: skip
+LAYOUTS = {
+    "qkv": "gguf_Q4_K", "o": "gguf_Q5_K", "gate_up": "gguf_Q5_K", "down": "gguf_Q6_K", "head": "gguf_Q4_K",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory):
+    """(path of the file, transformers' model loaded from it, its float32 logits over PROMPT)."""
+    folder = tmp_path_factory.mktemp("k_quants")
+    hf = tiny_llama(
+        seed=3, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+    )
+    write_tiny_gguf(hf, folder / "tiny-k.gguf", tensor_types=K_QUANT_TYPES)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), gguf_file="tiny-k.gguf", dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([PROMPT])).logits[0]
+    return folder / "tiny-k.gguf", ref_model, ref
+
+
+def _layouts(model) -> dict[str, str]:
+    layer = model.layers[0]
+    return {
+        "qkv": layer.self_attn.qkv_proj.prepared.layout,
+        "o": layer.self_attn.o_proj.prepared.layout,
+        "gate_up": layer.mlp.gate_up_proj.prepared.layout,
+        "down": layer.mlp.down_proj.prepared.layout,
+        "head": model.lm_head.prepared.layout,
+    }
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(((out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max())
+
+
+def test_k_quant_gguf_kept_as_blocks_matches_transformers_loading_the_same_file(k_quant_gguf):
+    path, ref_model, ref = k_quant_gguf
+    config, weights, _, _ = load_gguf(str(path))
+    # "gguf": every matrix stays the file's blocks and runs on gguf_linear (as on CUDA)
+    model = LlamaForCausalLM(config, weights, cpu_format="gguf", lm_head_format="gguf")
+    assert _layouts(model) == LAYOUTS
+    assert all(model.layers[i].mlp.down_proj.format == "gguf" for i in range(config.num_layers))
+    assert _relative_error(prompt_logits(model, PROMPT, block_size=4), ref) < TOL
+    with torch.no_grad():
+        theirs = ref_model.generate(torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert greedy(model, PROMPT, 6, block_size=4) == theirs[0, len(PROMPT) :].tolist()
+
+
+def test_k_quant_gguf_default_cpu_path_dequantizes_once_at_load_and_says_so(k_quant_gguf, caplog):
+    path, _, ref = k_quant_gguf
+    config, weights, _, _ = load_gguf(str(path))
+    with caplog.at_level(logging.INFO, logger="kiln.ops.gemm.weight_formats"):
+        model = LlamaForCausalLM(config, weights, cpu_format="fp32", lm_head_format="fp32")
+    assert {model.layers[0].mlp.down_proj.format, model.lm_head.format} == {"dense"}
+    logged = caplog.text
+    assert "GGUF Q6_K weights on cpu: dequantized once at load to fp32" in logged, logged
+    assert "GGUF Q4_K weights on cpu" in logged and "GGUF Q5_K weights on cpu" in logged
+    assert _relative_error(prompt_logits(model, PROMPT, block_size=4), ref) < TOL
+
+
+def test_k_quant_gguf_int4_cpu_format_packs_q4_k_and_stays_close(k_quant_gguf):
+    path, _, ref = k_quant_gguf
+    config, weights, _, _ = load_gguf(str(path))
+    model = LlamaForCausalLM(config, weights, cpu_format="int4", lm_head_format="int4")
+    assert model.layers[0].self_attn.qkv_proj.format == "int4"  # Q4_K sub-blocks as int4 groups of 32
+    assert model.lm_head.format == "int4"
+    assert model.layers[0].mlp.down_proj.format == "dense"  # Q6_K: no 4-bit packing, dense
+    # bf16 activations (cpu_format "bf16" alone: ~3e-2 on this model) and a bf16 (scale, zero) per
+    # group of 32 (zero = 8 d*sc - dmin*m rounds at 2^-9 of its size): measured 5.8e-2
+    assert _relative_error(prompt_logits(model, PROMPT, block_size=4), ref) < 1e-1
+
+
+@pytest.mark.gpu
+def test_k_quant_gguf_on_cuda_runs_gguf_linear_on_the_blocks(k_quant_gguf):
+    path, _, ref = k_quant_gguf
+    config, weights, _, _ = load_gguf(str(path))
+    for dtype, tol in ((torch.float16, 5e-3), (torch.bfloat16, 3e-2)):  # 2^-11 / 2^-8 activation roundings
+        model = LlamaForCausalLM(config, weights, device="cuda", dtype=dtype)
+        assert _layouts(model) == LAYOUTS
+        out = prompt_logits(model, PROMPT, block_size=4).cpu()
+        assert _relative_error(out, ref) < tol, dtype
