@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kiln.engine.speculative.args import add_speculative_arguments
+from kiln.environment import environment
 
 # CPU single-stream and 16-way targets on the reference 2-core machine (tok/s)
 TARGET_SINGLE_TOK_S = 68.0
@@ -384,6 +385,8 @@ def _report(args, device: str, model_path: str, results: list[Result], summary: 
             "torch_threads": torch.get_num_threads(),
             "device": device,
         },
+        # commit, CPU model and ISA flags, GPU, versions: a speed means something only on its host
+        "environment": environment(),
         "config": dict(vars(args)),
         "model": model_path,
         "results": [asdict(r) for r in results],

@@ -3,7 +3,7 @@
 the implementation for the tensors' device and dtype. Each family package lists its public functions
 in `__all__`; they are all re-exported here, with `all_ops()` / `get_op(name)` over the registry."""
 
-from kiln.ops import activation, attention, gemm, loss, moe, norm, rope, softmax
+from kiln.ops import activation, attention, gemm, loss, moe, norm, rope, sampling, softmax
 from kiln.ops.activation import *  # noqa: F401,F403
 from kiln.ops.attention import *  # noqa: F401,F403
 from kiln.ops.gemm import *  # noqa: F401,F403
@@ -12,9 +12,10 @@ from kiln.ops.moe import *  # noqa: F401,F403
 from kiln.ops.norm import *  # noqa: F401,F403
 from kiln.ops.registry import _REGISTRY, OpSpec, trusted_inputs
 from kiln.ops.rope import *  # noqa: F401,F403
+from kiln.ops.sampling import *  # noqa: F401,F403
 
 # Captured before the last star import: the function kiln.ops.softmax shadows the softmax package.
-_FAMILIES = (activation, attention, gemm, loss, moe, norm, rope, softmax)
+_FAMILIES = (activation, attention, gemm, loss, moe, norm, rope, sampling, softmax)
 from kiln.ops import autograd  # noqa: E402,F401  (registers the backward formulas on the custom ops)
 from kiln.ops.softmax import *  # noqa: F401,F403,E402
 
