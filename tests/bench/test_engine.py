@@ -65,7 +65,7 @@ def test_engine_run_reports_machine_config_results_and_summary(tmp_path):
     report = json.loads(out.read_text())
     assert list(report) == ["machine", "environment", "config", "model", "results", "summary"]
     assert report["machine"]["torch_threads"] == torch.get_num_threads()
-    assert {"commit", "cpu_model", "cpu_flags", "gpu_name"} <= report["environment"].keys()
+    assert {"git_commit", "cpu_model", "cpu_flags", "gpu_name"} <= report["environment"].keys()
     # the options of `kiln bench engine` only: none of the op benchmark's (`kiln bench --suite ...`)
     own = vars(_args([]))
     assert report["config"].keys() == own.keys() and report["config"]["concurrency"] == "1,2"
