@@ -18,6 +18,12 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        # The context window may start inside a byte-fallback character (SentencePiece <0xNN> pieces):
+        # decoded, that partial character would turn the whole run into U+FFFD; start after it.
+        while self.prefix_offset < self.read_offset and self._decode(
+            self.ids[self.prefix_offset : self.read_offset]
+        ).startswith(_REPLACEMENT):
+            self.prefix_offset += 1
         self.text = ""
         self.stop = stop or []
         self.max_stop_len = max((len(s) for s in self.stop), default=0)

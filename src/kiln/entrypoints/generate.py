@@ -70,7 +70,13 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = engine.tokenizer
     if args.chat:
         # the prompt is tokenized as text: typed special-token text cannot forge a turn
-        prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        try:
+            prompt = tokenizer.encode_chat(
+                [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+            )
+        except ValueError as exc:  # e.g. a checkpoint without a chat template
+            print(f"kiln generate: {exc}", file=sys.stderr)
+            return 2
     else:
         prompt = tokenizer.encode(args.prompt, add_special_tokens=True)
     start = time.perf_counter()

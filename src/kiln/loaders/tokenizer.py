@@ -2,8 +2,9 @@
 BOS handling and the model's chat template (rendered with jinja2, as transformers does).
 
 Built from an HF directory (tokenizer.json + tokenizer_config.json) or from GGUF metadata
-(`tokenizer.ggml.*`: a byte-level BPE from the tokens and merges, with the pre-tokenizer llama.cpp
-uses for `tokenizer.ggml.pre`).
+(`tokenizer.ggml.*`): a byte-level BPE ("gpt2") from the tokens and merges, with the pre-tokenizer
+llama.cpp uses for `tokenizer.ggml.pre`, or a SentencePiece vocabulary ("llama", see
+kiln.loaders.tokenizer_spm).
 
 Chat prompts (`encode_chat`) are tokenized so that only the template writes control tokens: special-
 token text inside a message's content ("<|im_start|>system") becomes ordinary text tokens, so the
@@ -24,6 +25,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as RustTokenizer
 
+from kiln.loaders.tokenizer_spm import sentencepiece_tokenizer
 from kiln.models.config import ModelLoadError
 
 # GPT-2's split pattern (what ByteLevel(use_regex=True) applies) and the Llama-3 / Qwen2 one.
@@ -153,53 +155,40 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], source: str = "") -> Tokenizer:
-        """From GGUF `tokenizer.ggml.*` metadata (byte-level BPE vocabularies, "gpt2" model)."""
+        """From GGUF `tokenizer.ggml.*` metadata: byte-level BPE ("gpt2") or SentencePiece ("llama",
+        kiln.loaders.tokenizer_spm) vocabularies."""
         model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise ModelLoadError(
-                f"{source}: tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')"
+                f"{source}: tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' or "
+                "SentencePiece 'llama')"
             )
         tokens, merges, types = _gguf_vocabulary(meta, source)
         bos, eos, eot = (_gguf_token_id(meta, k, len(tokens), source) for k in ("bos", "eos", "eot"))
-        vocab = {t: i for i, t in enumerate(tokens)}
-        try:
-            tok = RustTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        except Exception as exc:  # the Rust library raises plain Exceptions (a merge of unknown tokens)
-            raise ModelLoadError(
-                f"{source}: cannot build the BPE tokenizer from its metadata ({exc})"
-            ) from exc
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        tok.pre_tokenizer = _byte_level_pre_tokenizer(pre if isinstance(pre, str) else "default")
-        tok.decoder = decoders.ByteLevel()
-        added = [
-            AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
-            for i in range(len(tokens))
-            if types[i] in (_CONTROL, _USER_DEFINED)
-        ]
-        tok.add_tokens(added)
+        if model == "llama":
+            file_merges = merges if "tokenizer.ggml.merges" in meta else None
+            tok = sentencepiece_tokenizer(meta, tokens, types, file_merges, source)
+        else:
+            tok = _byte_level_tokenizer(meta, tokens, merges, types, source)
         eos_ids = [] if eos is None else [eos]
         if eot is not None and eot not in eos_ids:
             eos_ids.append(eot)
         template = meta.get("tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
             raise ModelLoadError(f"{source}: metadata key 'tokenizer.chat_template' is not a string")
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-        if add_bos and bos is not None:
-            bos_text = tokens[bos]
-            try:
-                tok.post_processor = processors.TemplateProcessing(
-                    single=f"{bos_text} $A",
-                    pair=f"{bos_text} $A {bos_text} $B",
-                    special_tokens=[(bos_text, bos)],
-                )
-            except Exception as exc:  # a BOS text the template syntax cannot hold
-                raise ModelLoadError(f"{source}: cannot use BOS token {bos_text!r} ({exc})") from exc
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama"))
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+        first = (tokens[bos], bos) if add_bos and bos is not None else None
+        last = (tokens[eos], eos) if add_eos and eos is not None else None
+        if first or last:
+            tok.post_processor = _edge_token_processor(first, last, source)
         return cls(
             tok,
             bos_token_id=bos,
             eos_token_ids=eos_ids,
             chat_template=template,
-            add_bos_token=add_bos,
+            add_bos_token=first is not None,
             source=source,
         )
 
@@ -332,6 +321,44 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
+
+
+def _byte_level_tokenizer(
+    meta: dict[str, Any], tokens: list[str], merges: list[tuple[str, str]], types: list[int], source: str
+) -> RustTokenizer:
+    """A byte-level BPE ("gpt2" vocabularies) with llama.cpp's pre-tokenizer for `tokenizer.ggml.pre`."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    try:
+        tok = RustTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    except Exception as exc:  # the Rust library raises plain Exceptions (a merge of unknown tokens)
+        raise ModelLoadError(f"{source}: cannot build the BPE tokenizer from its metadata ({exc})") from exc
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(pre if isinstance(pre, str) else "default")
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens(
+        [
+            AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
+            for i in range(len(tokens))
+            if types[i] in (_CONTROL, _USER_DEFINED)
+        ]
+    )
+    return tok
+
+
+def _edge_token_processor(
+    first: tuple[str, int] | None, last: tuple[str, int] | None, source: str
+) -> processors.TemplateProcessing:
+    """Put the (text, id) token `first` (BOS) before and `last` (EOS) after every encoded text."""
+    head = f"{first[0]} " if first else ""
+    tail = f" {last[0]}" if last else ""
+    try:
+        return processors.TemplateProcessing(
+            single=f"{head}$A{tail}",
+            pair=f"{head}$A{tail} {head}$B{tail}",
+            special_tokens=list(dict.fromkeys(t for t in (first, last) if t)),
+        )
+    except Exception as exc:  # a token text the template syntax cannot hold
+        raise ModelLoadError(f"{source}: cannot put tokens {first} / {last} around the text ({exc})") from exc
 
 
 def _gguf_vocabulary(meta: dict[str, Any], source: str) -> tuple[list[str], list[tuple[str, str]], list[int]]:
