@@ -111,3 +111,15 @@ def rope_cos_sin_cache(
     inv_freq = rope_inv_freq(rotary_dim, base, scaling)
     angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype=dtype, device=device)
+
+
+def rope_tuning_shape(q, k, cos_sin_cache, is_neox) -> dict:
+    """The tuning-cache shape dict of rotary_embedding and qk_norm_rope (their specs share the keys) for
+    q [T, Hq, D], k [T, Hkv, D] and a [max_position, rotary_dim] cache; keys left out at their default."""
+    shape = {"tokens": q.shape[0], "q_heads": q.shape[1], "kv_heads": k.shape[1], "head_dim": q.shape[2]}
+    shape["max_position"] = cos_sin_cache.shape[0]
+    if cos_sin_cache.shape[1] != q.shape[2]:
+        shape["rotary_dim"] = cos_sin_cache.shape[1]
+    if not is_neox:
+        shape["is_neox"] = False
+    return shape

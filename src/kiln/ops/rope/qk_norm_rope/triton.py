@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kiln.ops.checks import check_block_config
 from kiln.ops.registry import Implementation, triton_available
+from kiln.ops.rope.cache import rope_tuning_shape
 from kiln.ops.rope.qk_norm_rope.spec import QK_NORM_ROPE
 from kiln.ops.tuned_configs import lookup
 
@@ -133,17 +134,6 @@ def _heuristic(n_q_heads: int, n_k_heads: int, block_d: int) -> dict:
     return {"BLOCK_H": block_h, "num_warps": max(min(block_h * block_d // 512, 8), 1)}
 
 
-def _tuning_shape(q, k, cos_sin_cache, is_neox) -> dict:
-    """The spec's shape dict for these tensors (keys left out where the spec leaves them at default)."""
-    shape = {"tokens": q.shape[0], "q_heads": q.shape[1], "kv_heads": k.shape[1], "head_dim": q.shape[2]}
-    shape["max_position"] = cos_sin_cache.shape[0]
-    if cos_sin_cache.shape[1] != q.shape[2]:
-        shape["rotary_dim"] = cos_sin_cache.shape[1]
-    if not is_neox:
-        shape["is_neox"] = False
-    return shape
-
-
 def qk_norm_rope_triton(
     positions, q, k, q_weight, k_weight, cos_sin_cache, eps=1e-6, is_neox=True, config: dict | None = None
 ):
@@ -156,7 +146,7 @@ def qk_norm_rope_triton(
         cos_sin_cache = cos_sin_cache.contiguous()  # read-only: a copy is harmless here
     block_d = triton.next_power_of_2(head_dim)
     if config is None:
-        config = lookup("qk_norm_rope", q.dtype, _tuning_shape(q, k, cos_sin_cache, is_neox), q.device)
+        config = lookup("qk_norm_rope", q.dtype, rope_tuning_shape(q, k, cos_sin_cache, is_neox), q.device)
     config = check_block_config(
         "qk_norm_rope", config or _heuristic(n_q_heads, n_k_heads, block_d), ("BLOCK_H",)
     )

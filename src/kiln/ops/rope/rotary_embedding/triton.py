@@ -13,6 +13,7 @@ import triton.language as tl
 
 from kiln.ops.checks import check_block_config
 from kiln.ops.registry import Implementation, triton_available
+from kiln.ops.rope.cache import rope_tuning_shape
 from kiln.ops.rope.rotary_embedding.spec import ROTARY_EMBEDDING
 from kiln.ops.tuned_configs import lookup
 
@@ -108,17 +109,6 @@ def _heuristic(n_q_heads: int, n_k_heads: int, block_r: int) -> dict:
     return {"BLOCK_H": block_h, "num_warps": max(min(block_h * block_r // 256, 8), 1)}
 
 
-def _tuning_shape(q, k, cos_sin_cache, is_neox) -> dict:
-    """The spec's shape dict for these tensors (keys left out where the spec leaves them at default)."""
-    shape = {"tokens": q.shape[0], "q_heads": q.shape[1], "kv_heads": k.shape[1], "head_dim": q.shape[2]}
-    shape["max_position"] = cos_sin_cache.shape[0]
-    if cos_sin_cache.shape[1] != q.shape[2]:
-        shape["rotary_dim"] = cos_sin_cache.shape[1]
-    if not is_neox:
-        shape["is_neox"] = False
-    return shape
-
-
 def rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox=True, config: dict | None = None):
     tokens = positions.shape[0]
     n_q_heads, n_k_heads = q.shape[1], k.shape[1]
@@ -129,7 +119,8 @@ def rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox=True, config
         cos_sin_cache = cos_sin_cache.contiguous()  # read-only: a copy is harmless here
     block_r = triton.next_power_of_2(half_rotary)
     if config is None:
-        config = lookup("rotary_embedding", q.dtype, _tuning_shape(q, k, cos_sin_cache, is_neox), q.device)
+        shape = rope_tuning_shape(q, k, cos_sin_cache, is_neox)
+        config = lookup("rotary_embedding", q.dtype, shape, q.device)
     config = check_block_config(
         "rotary_embedding", config or _heuristic(n_q_heads, n_k_heads, block_r), ("BLOCK_H",)
     )
