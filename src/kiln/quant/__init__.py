@@ -1,6 +1,6 @@
 """Weight quantization: quantizers and codecs for every format Kiln's GEMMs take (int4 group-wise,
 FP8/INT8 per channel, GGUF blocks (Q4_0/Q4_1/Q5_0/Q8_0, Q4_K/Q5_K/Q6_K) and `GGUFWeight`, a matrix
-of them) and error metrics (SNR dB, cosine, max abs error)."""
+of them, 2:4 structured sparsity: kiln.quant.sparse24) and error metrics (SNR dB, cosine, max abs error)."""
 
 from kiln.quant.formats import FORMATS, dequantize_weight, quantization_report, quantize_weight, roundtrip
 from kiln.quant.gguf_blocks import GGUFWeight, dequantize_any, dequantize_blocks, quantize_blocks

@@ -1,7 +1,9 @@
 """Quantization error through a whole model (`kiln verify --quant-model [PATH] --format FMT`).
 
 The "original" is the checkpoint's weights in float32 (a GGUF file's blocks dequantized). For a format
-of `kiln.quant` (int4 group-wise, FP8/INT8 per channel, GGUF Q4_0/Q4_1/Q8_0):
+of `kiln.quant` (int4 group-wise, FP8/INT8 per channel, GGUF Q4_0/Q4_1/Q8_0, 2:4 sparsity by magnitude)
+or "sparse24_wanda" (2:4 by Wanda's |weight| x input-column norm, the norms measured by the float model
+on kiln/verify/texts/calibration.txt):
   1. weight level: every linear weight of the decoder layers (2-D tensors named `model.layers.*`;
      embeddings and LM head stay float, as quantized checkpoints usually keep them) is quantized,
      dequantized and compared with the original: SNR dB, cosine, max abs error per tensor;
@@ -9,7 +11,9 @@ of `kiln.quant` (int4 group-wise, FP8/INT8 per channel, GGUF Q4_0/Q4_1/Q8_0):
      (linear weights replaced by their quantize->dequantize versions). Each decoder layer's output
      hidden state (the residual stream after the layer, float32 [T, hidden]) of the copy is compared
      with the float model's: SNR, cosine, worst per-token cosine. Then the final logits [T, vocab]:
-     mean and worst per-position cosine, and top-1 agreement over the prompt's positions.
+     mean and worst per-position cosine, and top-1 agreement over the prompt's positions;
+  3. perplexity of the float model and of each copy on kiln/verify/texts/perplexity.txt (a short text
+     written for Kiln, never used for calibration): exp(mean next-token negative log-likelihood).
 Both models run in float32 on the CPU, so every difference is the quantization's.
 Floors, tables, JSON and the CLI: kiln.verify.quant_model_cli.
 """
@@ -35,7 +39,11 @@ FORMAT_NAMES = {
     "q4_0": "Q4_0",
     "q4_1": "Q4_1",
     "q8_0": "Q8_0",
+    "sparse24": "sparse24",
+    "sparse24-wanda": "sparse24_wanda",
 }
+TEXTS = os.path.join(os.path.dirname(__file__), "texts")
+MAX_PERPLEXITY_TOKENS = 512
 DEFAULT_PROMPT = (
     "The quick brown fox jumps over the lazy dog. Quantization stores each weight in a few bits; "
     "the question is how much of the model's output survives it."
@@ -47,9 +55,9 @@ Quantizer = Callable[[torch.Tensor, str], torch.Tensor]
 
 def format_name(name: str) -> str:
     """'int4-g128' | 'int4_g128' | 'q4_0' | 'Q4_0' ... -> the kiln.quant format name."""
-    if name in FORMATS:
+    if name in FORMATS or name == "sparse24_wanda":
         return name
-    key = name.strip().lower().replace("_g", "-g")
+    key = name.strip().lower().replace("_g", "-g").replace("_wanda", "-wanda")
     if key not in FORMAT_NAMES:
         raise ValueError(f"quant_model: unknown --format {name!r}, expected one of {', '.join(FORMAT_NAMES)}")
     return FORMAT_NAMES[key]
@@ -99,6 +107,15 @@ class Checkpoint:
     model_class: type
     rope_inv_freq: torch.Tensor | None
     token_ids: list[int]
+    perplexity_ids: list[int] = field(default_factory=list)  # the perplexity text's tokens
+    calibration_ids: list[int] = field(default_factory=list)  # Wanda's calibration text's tokens
+    float_perplexity: float = float("nan")  # the unquantized model's, on the perplexity text
+
+
+def read_text(name: str) -> str:
+    """A text shipped in kiln/verify/texts ("perplexity.txt", "calibration.txt")."""
+    with open(os.path.join(TEXTS, name), encoding="utf-8") as f:
+        return f.read()
 
 
 def load_checkpoint(path: str | None = None, prompt: str = DEFAULT_PROMPT) -> Checkpoint:
@@ -125,12 +142,22 @@ def load_checkpoint(path: str | None = None, prompt: str = DEFAULT_PROMPT) -> Ch
     else:
         config, store, meta, rope_inv_freq = load_gguf(path)
         tokenizer = Tokenizer.from_gguf_metadata(meta, source=path)
-    token_ids = tokenizer.encode(prompt) if tokenizer is not None else []
-    if not token_ids:
-        generator = torch.Generator().manual_seed(0)
-        token_ids = torch.randint(0, config.vocab_size, (32,), generator=generator).tolist()
+    generator = torch.Generator().manual_seed(0)
+
+    def encode(text: str, fallback_length: int) -> list[int]:
+        ids = tokenizer.encode(text) if tokenizer is not None else []
+        if not ids:  # no tokenizer: fixed pseudo-random ids stand in
+            ids = torch.randint(0, config.vocab_size, (fallback_length,), generator=generator).tolist()
+        return ids
+
+    token_ids = encode(prompt, 32)
+    perplexity_ids = encode(read_text("perplexity.txt"), 128)[:MAX_PERPLEXITY_TOKENS]
+    calibration_ids = encode(read_text("calibration.txt"), 128)[:MAX_PERPLEXITY_TOKENS]
     model_class = get_model_class(config.architecture, path)
-    return Checkpoint(path, config, FloatWeights(store), model_class, rope_inv_freq, token_ids)
+    weights = FloatWeights(store)
+    return Checkpoint(
+        path, config, weights, model_class, rope_inv_freq, token_ids, perplexity_ids, calibration_ids
+    )
 
 
 def build_model(ckpt: Checkpoint, weights: FloatWeights, num_layers: int | None = None) -> torch.nn.Module:
@@ -155,26 +182,12 @@ def build_model(ckpt: Checkpoint, weights: FloatWeights, num_layers: int | None 
     return model.eval()
 
 
-def run_prompt(model: torch.nn.Module, token_ids: list[int], block_size: int = 16):
+def run_prompt(model: torch.nn.Module, token_ids: list[int]):
     """One prefill of `token_ids` -> (per-layer hidden states, each float32 [T, hidden], logits float32
     [T, vocab]). A layer's hidden state is its output plus the residual it carries (the model fuses
     that add into the next rms_norm), i.e. HF's hidden_states[i + 1]."""
-    from kiln.models import AttentionMetadata
+    from kiln.models.calibration import prefill
 
-    c, T = model.config, len(token_ids)
-    num_blocks = -(-T // block_size)
-    shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-    kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(len(model.layers))]
-    positions = torch.arange(T, dtype=torch.int64)
-    metadata = AttentionMetadata(
-        slot_mapping=positions.clone(),  # blocks in order: slot = position
-        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None, :],
-        seq_lens=torch.tensor([T], dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32),
-        max_seqlen_q=T,
-        max_seqlen_k=T,
-        decode_only=T == 1,
-    )
     states: list[torch.Tensor] = []
 
     def capture(module, inputs, output):
@@ -183,10 +196,8 @@ def run_prompt(model: torch.nn.Module, token_ids: list[int], block_size: int = 1
 
     hooks = [layer.register_forward_hook(capture) for layer in model.layers]
     try:
-        import kiln.ops
-
-        with kiln.ops.trusted_inputs():  # the arguments are built here, as the engine's runner does
-            hidden = model(torch.tensor(token_ids, dtype=torch.int64), positions, kv_caches, metadata)
+        hidden = prefill(model, token_ids)
+        with torch.inference_mode():
             logits = model.compute_logits(hidden)
     finally:
         for hook in hooks:
@@ -209,6 +220,7 @@ class FormatReport:
     logits_min_cosine: float = float("nan")
     logits_snr_db: float = float("nan")
     top1_agreement: float = float("nan")  # fraction of positions whose argmax token matches
+    perplexity: float = float("nan")  # on kiln/verify/texts/perplexity.txt
 
     def weight_stat(self, metric: str, how: str) -> float:
         """worst ("min" for snr/cosine, "max" for max_abs_error) or "mean" of a weight metric."""
@@ -233,6 +245,37 @@ def weight_errors(
     return metrics, approx
 
 
+def perplexity(model: torch.nn.Module, token_ids: list[int]) -> float:
+    """exp(mean negative log-likelihood of token t + 1 given tokens 0..t) over `token_ids` (>= 2)."""
+    from kiln.models.calibration import prefill
+
+    if len(token_ids) < 2:
+        return float("nan")
+    with torch.inference_mode():
+        logits = model.compute_logits(prefill(model, token_ids)).double()
+    target = torch.tensor(token_ids[1:], dtype=torch.int64)
+    return torch.nn.functional.cross_entropy(logits[:-1], target).exp().item()
+
+
+def wanda_weights(
+    ckpt: Checkpoint, linear_names: list[str], num_layers: int | None
+) -> dict[str, torch.Tensor]:
+    """{name: the 2:4 Wanda-pruned float32 weight} with input norms measured by the float model on the
+    calibration text."""
+    from kiln.models.calibration import checkpoint_input_norms
+    from kiln.quant.sparse24 import prune_24, wanda_scores
+
+    model = build_model(ckpt, ckpt.weights, num_layers)
+    norms = checkpoint_input_norms(model, [ckpt.calibration_ids])
+    pruned = {}
+    for name in linear_names:
+        weight = ckpt.weights.cache[name]
+        if name not in norms:
+            raise ValueError(f"quant_model: no calibration input norm for {name} (sparse24-wanda)")
+        pruned[name] = prune_24(weight, wanda_scores(weight, norms[name]))
+    return pruned
+
+
 def measure_format(
     ckpt: Checkpoint,
     fmt: str,
@@ -240,14 +283,21 @@ def measure_format(
     linear_names: list[str],
     quantizer: Quantizer | None = None,
     num_layers: int | None = None,
+    approximations: dict[str, torch.Tensor] | None = None,
 ) -> FormatReport:
-    """Quantize the linear weights `linear_names` with `quantizer`, report them, run the fake-quant
-    model on the prompt and compare with `reference` (the float model's run_prompt output)."""
+    """Quantize the linear weights `linear_names` with `quantizer` (or take their `approximations`,
+    name -> float32 weight), report them, run the fake-quant model on the prompt and compare with
+    `reference` (the float model's run_prompt output); its perplexity on the shipped text."""
     report = FormatReport(fmt)
     originals = {name: ckpt.weights.cache[name] for name in linear_names}
-    report.weights, overrides = weight_errors(originals, fmt, quantizer)
+    if approximations is None:
+        report.weights, overrides = weight_errors(originals, fmt, quantizer)
+    else:
+        overrides = {name: approximations[name].float() for name in linear_names}
+        report.weights = {name: error_metrics(originals[name], overrides[name]) for name in linear_names}
     model = build_model(ckpt, FloatWeights(ckpt.weights.store, overrides, ckpt.weights.cache), num_layers)
     states, logits = run_prompt(model, ckpt.token_ids)
+    report.perplexity = perplexity(model, ckpt.perplexity_ids)
     ref_states, ref_logits = reference
     for ref, got in zip(ref_states, states, strict=True):
         metrics = error_metrics(ref, got)
@@ -270,23 +320,30 @@ def quant_model_report(
     quantizer: Quantizer | None = None,
 ) -> tuple[Checkpoint, list[FormatReport]]:
     """Weight and activation reports of `formats` (any spelling format_name takes) for the model at
-    `path` (None: the embedded SmolLM2 GGUF). The float model runs once; each format builds one copy.
-    GGUF formats need every linear weight's K to be a multiple of 32 (ValueError otherwise)."""
+    `path` (None: the embedded SmolLM2 GGUF); the unquantized model's perplexity goes to
+    ckpt.float_perplexity. The float model runs once; each format builds one copy.
+    GGUF formats need every linear weight's K to be a multiple of 32, sparse24 of 4 (ValueError)."""
     formats = [format_name(f) for f in formats]
     ckpt = load_checkpoint(path, prompt)
     float_model = build_model(ckpt, ckpt.weights, num_layers)
     reference = run_prompt(float_model, ckpt.token_ids)
+    ckpt.float_perplexity = perplexity(float_model, ckpt.perplexity_ids)
     linear_names = list(
         dict.fromkeys(n for n in ckpt.weights.used if is_linear_weight(n, ckpt.weights.cache[n]))
     )
     del float_model
     for fmt in formats:
-        if fmt.startswith("Q"):
-            bad = [n for n in linear_names if ckpt.weights.cache[n].shape[1] % 32]
-            if bad:
-                raise ValueError(
-                    f"quant_model: format {fmt} needs in_features a multiple of 32; {bad[0]} has shape "
-                    f"{tuple(ckpt.weights.cache[bad[0]].shape)}: choose an int4/int8/fp8 format"
-                )
-    reports = [measure_format(ckpt, fmt, reference, linear_names, quantizer, num_layers) for fmt in formats]
+        multiple = 32 if fmt.startswith("Q") else 4 if fmt.startswith("sparse24") else 1
+        bad = [n for n in linear_names if ckpt.weights.cache[n].shape[1] % multiple]
+        if bad:
+            raise ValueError(
+                f"quant_model: format {fmt} needs in_features a multiple of {multiple}; {bad[0]} has shape "
+                f"{tuple(ckpt.weights.cache[bad[0]].shape)}: choose an int4/int8/fp8 format"
+            )
+    reports = []
+    for fmt in formats:
+        approximations = wanda_weights(ckpt, linear_names, num_layers) if fmt == "sparse24_wanda" else None
+        reports.append(
+            measure_format(ckpt, fmt, reference, linear_names, quantizer, num_layers, approximations)
+        )
     return ckpt, reports

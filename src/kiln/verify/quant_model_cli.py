@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.environment import environment
 from kiln.verify.quant_model import FORMAT_NAMES, Checkpoint, FormatReport, quant_model_report
 
 
@@ -21,7 +22,7 @@ def check_floors(
     a NaN anywhere is always a violation."""
     failures = []
     for r in reports:
-        values = [r.logits_cosine, r.logits_snr_db, r.top1_agreement]
+        values = [r.logits_cosine, r.logits_snr_db, r.top1_agreement, r.perplexity]
         values += [v for m in list(r.weights.values()) + r.layers for v in m.values()]
         if any(v != v for v in values):
             failures.append(f"{r.format}: NaN in the metrics")
@@ -53,12 +54,12 @@ def format_tables(reports: list[FormatReport], per_tensor: bool = False) -> str:
     parts = [
         _table(
             ("format", "weights", "worst SNR dB", "mean SNR dB", "worst cos", "max abs err",
-             "logits cos", "worst pos cos", "top-1"),
+             "logits cos", "worst pos cos", "top-1", "perplexity"),
             [
                 (r.format, str(len(r.weights)), f"{r.weight_stat('snr_db', 'min'):.2f}",
                  f"{r.weight_stat('snr_db', 'mean'):.2f}", f"{r.weight_stat('cosine', 'min'):.6f}",
                  f"{r.weight_stat('max_abs_error', 'max'):.3e}", f"{r.logits_cosine:.5f}",
-                 f"{r.logits_min_cosine:.5f}", f"{r.top1_agreement:.3f}")
+                 f"{r.logits_min_cosine:.5f}", f"{r.top1_agreement:.3f}", f"{r.perplexity:.3f}")
                 for r in reports
             ],
         )
@@ -111,6 +112,7 @@ def to_json(ckpt: Checkpoint, reports: list[FormatReport], floors: dict, failure
                 "logits_min_cosine": r.logits_min_cosine,
                 "logits_snr_db": r.logits_snr_db,
                 "top1_agreement": r.top1_agreement,
+                "perplexity": r.perplexity,
                 "layers": r.layers,
                 "weights": r.weights,
             }
@@ -120,8 +122,11 @@ def to_json(ckpt: Checkpoint, reports: list[FormatReport], floors: dict, failure
         "version": 1,
         "model": ckpt.source,
         "prompt_tokens": len(ckpt.token_ids),
+        "perplexity_tokens": len(ckpt.perplexity_ids),
+        "float_perplexity": ckpt.float_perplexity,
         "num_layers": len(reports[0].layers) if reports else 0,
         "torch": torch.__version__,
+        "environment": environment(),
         "floors": floors,
         "failures": failures,
         "passed": not failures,
@@ -140,6 +145,10 @@ def run_cli(args) -> int:
     floors = {"min_cosine": args.min_cosine, "min_top1": args.min_top1, "min_weight_snr": args.min_weight_snr}
     failures = check_floors(reports, **floors)
     print(f"model: {ckpt.source} ({len(reports[0].layers)} layers, prompt of {len(ckpt.token_ids)} tokens)")
+    print(
+        f"float32 perplexity on the shipped text ({len(ckpt.perplexity_ids)} tokens): "
+        f"{ckpt.float_perplexity:.3f}"
+    )
     print(format_tables(reports, per_tensor=args.per_tensor))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

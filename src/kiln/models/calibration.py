@@ -1,0 +1,100 @@
+"""Calibration: run a Kiln model over token ids once, outside the engine, and measure what pruning and
+quantization methods need from its activations (Wanda's per-column input norms).
+
+`prefill` builds the attention metadata of one sequence laid out in blocks 0, 1, ... of a fresh KV cache;
+`checkpoint_input_norms` maps the norms of each fused Linear's input back to the checkpoint's weight names
+(q/k/v share the fused QKV projection's input, gate/up the fused gate/up projection's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+import kiln.ops
+from kiln.models.attention_metadata import AttentionMetadata
+
+# checkpoint projection (under model.layers.{i}.) -> the Kiln module that consumes its input
+_LLAMA_LINEARS = {
+    "self_attn.q_proj": "self_attn.qkv_proj",
+    "self_attn.k_proj": "self_attn.qkv_proj",
+    "self_attn.v_proj": "self_attn.qkv_proj",
+    "self_attn.o_proj": "self_attn.o_proj",
+    "mlp.gate_proj": "mlp.gate_up_proj",
+    "mlp.up_proj": "mlp.gate_up_proj",
+    "mlp.down_proj": "mlp.down_proj",
+}
+
+
+def prefill(model: torch.nn.Module, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """One prefill of `token_ids` on a fresh KV cache on the model's device: hidden [T, hidden]."""
+    c, T = model.config, len(token_ids)
+    if T == 0:
+        raise ValueError("prefill: no tokens")
+    device = torch.device(getattr(model, "device", "cpu"))
+    num_blocks = -(-T // block_size)
+    shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+    dtype = getattr(model, "kv_cache_dtype", torch.float32)
+    kv_caches = [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(len(model.layers))
+    ]
+    positions = torch.arange(T, dtype=torch.int64, device=device)
+    metadata = AttentionMetadata(
+        slot_mapping=positions.clone(),  # blocks in order: slot = position
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+        seq_lens=torch.tensor([T], dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32, device=device),
+        max_seqlen_q=T,
+        max_seqlen_k=T,
+        decode_only=T == 1,
+    )
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+    with torch.inference_mode(), kiln.ops.trusted_inputs():  # the metadata is built here, correctly
+        return model(ids, positions, kv_caches, metadata)
+
+
+def linear_input_norms(model: torch.nn.Module, prompts: Iterable[list[int]]) -> dict[str, torch.Tensor]:
+    """{module name (as in model.named_modules()): float32 [in_features] L2 norm of each input column
+    over every token of `prompts`} for every module with `in_features` under model.layers."""
+    squares: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def record(module, inputs):
+            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
+            total = x.square().sum(0)
+            squares[name] = squares[name] + total if name in squares else total
+
+        return record
+
+    handles = [
+        module.register_forward_pre_hook(hook(name))
+        for name, module in model.named_modules()
+        if name.startswith("layers.") and hasattr(module, "in_features")
+    ]
+    try:
+        for token_ids in prompts:
+            prefill(model, token_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: total.sqrt().cpu() for name, total in squares.items()}
+
+
+def checkpoint_input_norms(model: torch.nn.Module, prompts: Iterable[list[int]]) -> dict[str, torch.Tensor]:
+    """{checkpoint weight name, e.g. "model.layers.3.mlp.up_proj.weight": float32 [in_features]} for the
+    dense Llama-family projections (Llama, Mistral, Qwen2, SmolLM2). Other layouts (MoE experts, Phi-3's
+    fused checkpoint tensors) raise ValueError naming the module."""
+    norms = linear_input_norms(model, prompts)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(len(model.layers)):
+        for projection, module in _LLAMA_LINEARS.items():
+            key = f"layers.{i}.{module}"
+            if key not in norms:
+                raise ValueError(
+                    f"checkpoint_input_norms: layer {i} has no {module} Linear (architecture "
+                    f"{model.config.architecture!r}); only dense Llama-family layers are mapped"
+                )
+            out[f"model.layers.{i}.{projection}.weight"] = norms[key]
+    return out
