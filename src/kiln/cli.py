@@ -14,6 +14,7 @@ SUBCOMMANDS = [
     "kiln.tune.cli",
     "kiln.profile.cli",
     "kiln.entrypoints.generate",
+    "kiln.entrypoints.sparsify",
     "kiln.server.cli",
 ]
 

@@ -8,12 +8,15 @@ quantization methods need from its activations (Wanda's per-column input norms).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
 
 import kiln.ops
 from kiln.models.attention_metadata import AttentionMetadata
+
+TEXTS = os.path.join(os.path.dirname(__file__), "texts")
 
 # checkpoint projection (under model.layers.{i}.) -> the Kiln module that consumes its input
 _LLAMA_LINEARS = {
@@ -25,6 +28,14 @@ _LLAMA_LINEARS = {
     "mlp.up_proj": "mlp.gate_up_proj",
     "mlp.down_proj": "mlp.down_proj",
 }
+
+
+def read_text(name: str) -> str:
+    """A text shipped with Kiln: "calibration.txt" (mixed prose, Q&A, code: what calibration runs on by
+    default) or "perplexity.txt" (prose written for Kiln, never calibrated on: `kiln verify --quant-model`
+    measures perplexity on it)."""
+    with open(os.path.join(TEXTS, name), encoding="utf-8") as f:
+        return f.read()
 
 
 def prefill(model: torch.nn.Module, token_ids: list[int], block_size: int = 16) -> torch.Tensor:

@@ -3,7 +3,7 @@
 The "original" is the checkpoint's weights in float32 (a GGUF file's blocks dequantized). For a format
 of `kiln.quant` (int4 group-wise, FP8/INT8 per channel, GGUF Q4_0/Q4_1/Q8_0, 2:4 sparsity by magnitude)
 or "sparse24_wanda" (2:4 by Wanda's |weight| x input-column norm, the norms measured by the float model
-on kiln/verify/texts/calibration.txt):
+on kiln/models/texts/calibration.txt):
   1. weight level: every linear weight of the decoder layers (2-D tensors named `model.layers.*`;
      embeddings and LM head stay float, as quantized checkpoints usually keep them) is quantized,
      dequantized and compared with the original: SNR dB, cosine, max abs error per tensor;
@@ -12,7 +12,7 @@ on kiln/verify/texts/calibration.txt):
      hidden state (the residual stream after the layer, float32 [T, hidden]) of the copy is compared
      with the float model's: SNR, cosine, worst per-token cosine. Then the final logits [T, vocab]:
      mean and worst per-position cosine, and top-1 agreement over the prompt's positions;
-  3. perplexity of the float model and of each copy on kiln/verify/texts/perplexity.txt (a short text
+  3. perplexity of the float model and of each copy on kiln/models/texts/perplexity.txt (a short text
      written for Kiln, never used for calibration): exp(mean next-token negative log-likelihood).
 Both models run in float32 on the CPU, so every difference is the quantization's.
 Floors, tables, JSON and the CLI: kiln.verify.quant_model_cli.
@@ -42,7 +42,6 @@ FORMAT_NAMES = {
     "sparse24": "sparse24",
     "sparse24-wanda": "sparse24_wanda",
 }
-TEXTS = os.path.join(os.path.dirname(__file__), "texts")
 MAX_PERPLEXITY_TOKENS = 512
 DEFAULT_PROMPT = (
     "The quick brown fox jumps over the lazy dog. Quantization stores each weight in a few bits; "
@@ -112,18 +111,13 @@ class Checkpoint:
     float_perplexity: float = float("nan")  # the unquantized model's, on the perplexity text
 
 
-def read_text(name: str) -> str:
-    """A text shipped in kiln/verify/texts ("perplexity.txt", "calibration.txt")."""
-    with open(os.path.join(TEXTS, name), encoding="utf-8") as f:
-        return f.read()
-
-
 def load_checkpoint(path: str | None = None, prompt: str = DEFAULT_PROMPT) -> Checkpoint:
     """A GGUF file or HF directory (default: the embedded SmolLM2 GGUF) through Kiln's loaders; the
     prompt tokenized by its tokenizer (a checkpoint without one gets 32 fixed pseudo-random ids)."""
     from kiln.loaders import Tokenizer, default_model_path
     from kiln.loaders.gguf import load_gguf
     from kiln.loaders.safetensors import load_safetensors_dir
+    from kiln.models.calibration import read_text
     from kiln.models.config import ModelLoadError
     from kiln.models.registry import get_model_class
 
@@ -220,7 +214,7 @@ class FormatReport:
     logits_min_cosine: float = float("nan")
     logits_snr_db: float = float("nan")
     top1_agreement: float = float("nan")  # fraction of positions whose argmax token matches
-    perplexity: float = float("nan")  # on kiln/verify/texts/perplexity.txt
+    perplexity: float = float("nan")  # on kiln/models/texts/perplexity.txt
 
     def weight_stat(self, metric: str, how: str) -> float:
         """worst ("min" for snr/cosine, "max" for max_abs_error) or "mean" of a weight metric."""
