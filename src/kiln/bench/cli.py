@@ -2,6 +2,8 @@
 
 kiln bench [--suite llm] [--op NAME ...] [--dtype NAME ...] [--shapes JSON|FILE|SUITE] [--backend NAME]
            [--out DIR] [--suffix TEXT] [--no-baselines] [--device cuda|cpu] [--reps N]
+kiln bench --backward [--op NAME ...] [--no-compile] ...   forward+backward of the ops with a backward
+                        vs torch autograd (eager, torch.compile), with peak memory (kiln.bench.backward)
 kiln bench compare OLD.json NEW.json [--threshold 0.05]
 kiln bench engine ...   the engine's throughput and latency vs HF transformers; --decode-loop: one
                         sequence through the model alone (kiln.bench.engine)
@@ -45,6 +47,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-plot", action="store_true", help="skip the roofline PNG")
     p.add_argument("--reps", type=int, default=None, help="timing samples per case (default 50 CUDA, 5 CPU)")
     p.add_argument("--refresh-ceilings", action="store_true", help="re-measure the device ceilings")
+    p.add_argument(
+        "--backward",
+        action="store_true",
+        help="time forward+backward (and peak memory) of the ops with a backward against torch autograd",
+    )
+    p.add_argument(
+        "--no-compile", action="store_true", help="with --backward: skip the torch.compile baseline"
+    )
     p.set_defaults(func=run)
     sub = p.add_subparsers(dest="bench_command", metavar="{compare,engine,serve,tp}")
     c = sub.add_parser("compare", help="flag regressions between two result files (exit 1 if any)")
@@ -79,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     from kiln.bench.suites import resolve_cases
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.backward:
+        from kiln.bench.backward import run_backward
+
+        return run_backward(args, device)
     try:
         cases = resolve_cases(args.op, args.suite, args.shapes, args.dtype, device)
     except ValueError as exc:

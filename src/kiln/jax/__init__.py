@@ -8,6 +8,9 @@ without this device's kernel runs xla); naming a Pallas backend off its accelera
 Pallas's interpreter. Arguments the torch op writes in place (rms_norm's residual, rotary's q and k)
 come back as new arrays after the outputs, since JAX arrays are immutable.
 
+`kiln.jax.rms_norm`, `silu_and_mul` and `gelu_tanh_and_mul` are differentiable (`jax.grad`): a
+`jax.custom_vjp` whose backward is a Pallas kernel (kiln.jax.autodiff, kiln.jax.backward_pallas).
+
 `kiln.jax.IMPLEMENTED` maps each op to its JAX implementations.
 """
 
@@ -26,8 +29,10 @@ for _name, _spec in all_ops().items():
         globals()[_name] = jax_function(_spec)
         IMPLEMENTED[_name] = tuple(_spec.jax_implementations)
 
+# rms_norm and the gated activations are differentiable: jax.custom_vjp with Pallas backward kernels.
 # kiln.jax.flash_attention keeps the padded-batch layout (the op itself is varlen).
 from kiln.jax.attention_layouts import flash_attention  # noqa: E402,F401
+from kiln.jax.autodiff import gelu_tanh_and_mul, rms_norm, silu_and_mul  # noqa: E402,F401
 
 # The GEMMs' older JAX names: matmul = linear, w8a16_matmul = w8a16_linear.
 from kiln.jax.gemm_layouts import matmul, w8a16_matmul  # noqa: E402,F401

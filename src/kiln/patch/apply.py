@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kiln.patch import replacements
+from kiln.patch import attention, replacements
 
 # config.model_type -> the class-name prefix of its transformers modeling module
 SUPPORTED_MODEL_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -22,8 +22,9 @@ _rope_users: dict[str, int] = {}  # modeling module name -> patched models using
 
 
 def apply(model: torch.nn.Module) -> torch.nn.Module:
-    """Swap `model`'s RMSNorms, SiLU MLPs, rotary embedding and (for a *ForCausalLM) loss for Kiln's,
-    in place. `model`: a transformers Llama / Mistral / Qwen2 model (any head). Returns the model.
+    """Swap `model`'s RMSNorms, SiLU MLPs, rotary embedding, attention (attn_implementation "kiln":
+    kiln/patch/attention.py) and (for a *ForCausalLM) loss for Kiln's, in place. `model`: a
+    transformers Llama / Mistral / Qwen2 model (any head). Returns the model.
     Raises ValueError for another architecture, a non-SiLU MLP, or a model patched already."""
     model_type, modeling = _supported(model)
     if hasattr(model, _STATE_ATTR):
@@ -44,6 +45,9 @@ def apply(model: torch.nn.Module) -> torch.nn.Module:
         model.forward = types.MethodType(replacements.causal_lm_forward, model)
         swapped.append(model)
     _swap_rope(modeling)
+    attention.register()
+    model._kiln_original_attn_implementation = model.config._attn_implementation
+    model.config._attn_implementation = attention.NAME
     # A patched model that is garbage-collected unpatched gives its share of the rope swap back.
     release_rope = weakref.finalize(model, _restore_rope, modeling.__name__)
     setattr(model, _STATE_ATTR, (release_rope, swapped))
@@ -60,6 +64,8 @@ def revert(model: torch.nn.Module) -> torch.nn.Module:
         del module.forward  # the instance attribute; the class's forward shows through again
     if hasattr(model, "_kiln_original_forward"):
         del model._kiln_original_forward
+    model.config._attn_implementation = model._kiln_original_attn_implementation
+    del model._kiln_original_attn_implementation
     release_rope()
     delattr(model, _STATE_ATTR)
     return model

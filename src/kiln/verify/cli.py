@@ -1,4 +1,6 @@
-"""`kiln verify [--op NAME] [--backend NAME] [--dtype NAME] [--json PATH]`, and
+"""`kiln verify [--op NAME] [--backend NAME] [--dtype NAME] [--json PATH]`,
+`kiln verify --grad [--op NAME] [--backend triton|cpu] [--dtype NAME] [--json PATH]` (every
+backward against float64 autograd: kiln.verify.grad), and
 `kiln verify --quant-model [PATH] --format FMT [--json PATH]` (kiln.verify.quant_model_cli)."""
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--seed", type=int, default=None, help="seed for shapes and inputs (default: fresh)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
+    p.add_argument(
+        "--grad",
+        action="store_true",
+        help="check the backward of every differentiable op (gradients of each input) instead",
+    )
     from kiln.verify.quant_model_cli import add_arguments
 
     add_arguments(p)  # --quant-model mode
@@ -28,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
         from kiln.verify.quant_model_cli import run_cli
 
         return run_cli(args)
+    if args.grad:
+        return run_grad(args)
     import torch
 
     from kiln.verify.report import format_fallbacks, format_table, status, write_json
@@ -60,4 +69,38 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{len(ran) - len(failed)} passed, {len(failed)} failed, {len(rows) - len(ran)} skipped")
     if interrupted:
         return 130
+    return 1 if failed or not ran else 0
+
+
+def run_grad(args: argparse.Namespace) -> int:
+    """`kiln verify --grad`: exit 1 when any gradient fails (or nothing ran), 2 on bad arguments."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from kiln.verify.grad import format_grad_table, grad_json, status, verify_grad
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    def progress(row):
+        print(
+            f"  {row.op:<28} {row.input:<9} {row.backend:<7} {row.dtype:<9} {status(row)}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    try:
+        rows = verify_grad(args.op, args.backend, args.dtype, device, args.seed, progress=progress)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(format_grad_table(rows))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(grad_json(rows, device), indent=2, default=str))
+    ran = [r for r in rows if not r.skipped]
+    failed = [r for r in ran if not r.passed]
+    print(f"\n{len(ran) - len(failed)} passed, {len(failed)} failed, {len(rows) - len(ran)} skipped")
     return 1 if failed or not ran else 0
