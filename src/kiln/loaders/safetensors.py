@@ -1,9 +1,11 @@
 """HF checkpoints: config.json + model.safetensors, or shards listed in model.safetensors.index.json.
 
-Only safetensors are read (never pickle). Tensors are opened lazily (memory-mapped) and loaded one
-at a time as the model is built. Headers are validated first (every entry's dtype, shape and byte
-range; ranges contiguous, not overlapping, inside the file) and config.json's types and sizes, so a
-malformed or truncated file fails with a ModelLoadError naming it, the tensor or the key.
+Only safetensors are read (never pickle). Quantized checkpoints (config.json `quantization_config`:
+compressed-tensors, block FP8, AWQ, GPTQ) are read through kiln.loaders.quantized. Tensors are
+opened lazily (memory-mapped) and loaded one at a time as the model is built. Headers are validated
+first (every entry's dtype, shape and byte range; ranges contiguous, not overlapping, inside the
+file) and config.json's types and sizes, so a malformed or truncated file fails with a
+ModelLoadError naming it, the tensor or the key.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import os
 
 from kiln.loaders.config_checks import HF_KEYS, check_hf_config, check_model_config, is_int, json_type
+from kiln.loaders.quantized import quantized_loaders
 from kiln.models.config import ModelConfig, ModelLoadError
 from kiln.models.weights import WeightStore
 
@@ -159,4 +162,5 @@ def load_safetensors_dir(directory: str) -> tuple[ModelConfig, WeightStore]:
                 raise ModelLoadError(f"{path}: tensor {name!r} is in more than one shard")
             shape = tuple(handle.get_slice(name).get_shape())
             loaders[name] = (shape, lambda handle=handle, name=name: handle.get_tensor(name))
-    return config, WeightStore(directory, loaders)
+    # a quantization_config: each quantized Linear's tensors become one weight (kiln.loaders.quantized)
+    return config, WeightStore(directory, quantized_loaders(hf, loaders, directory))

@@ -1,7 +1,9 @@
 """Checkpoint tensors as the model builders see them.
 
 `GGUFWeight` (defined in kiln.quant.gguf_blocks, re-exported here) is a GGUF-quantized matrix kept as
-its raw blocks (one output row's blocks contiguous, the layout `kiln.ops.gguf_linear` takes).
+its raw blocks (one output row's blocks contiguous, the layout `kiln.ops.gguf_linear` takes);
+`ScaledWeight`, `BlockFP8Weight`, `Int4Weight` (kiln.quant.linear_weights) are quantized checkpoint
+weights (compressed-tensors, block FP8, AWQ, GPTQ) as kiln.loaders.quantized combines them.
 `WeightStore` maps HF-style tensor names ("model.layers.0.self_attn.q_proj.weight") to lazily loaded
 tensors; it checks shapes and raises a ModelLoadError naming the file and tensor for anything missing
 or mis-shaped.
@@ -16,13 +18,20 @@ import torch
 
 from kiln.models.config import ModelLoadError
 from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_SIZE, GGUFWeight  # noqa: F401  (re-exported)
+from kiln.quant.linear_weights import (  # noqa: F401  (re-exported)
+    QUANTIZED_WEIGHT_TYPES,
+    BlockFP8Weight,
+    Int4Weight,
+    ScaledWeight,
+    cat_quantized_rows,
+)
 
 # GGUF block constants under their model-side names (kiln.quant.gguf_blocks is the codec).
 GGUF_BLOCK_BYTES = BLOCK_BYTES
 GGUF_BLOCK_SIZE = BLOCK_SIZE
 
 
-Weight = torch.Tensor | GGUFWeight
+Weight = torch.Tensor | GGUFWeight | ScaledWeight | BlockFP8Weight | Int4Weight
 
 
 def weight_shape(weight: Weight) -> tuple[int, ...]:
@@ -31,7 +40,13 @@ def weight_shape(weight: Weight) -> tuple[int, ...]:
 
 def cat_rows(weights: list[Weight], dtype: torch.dtype) -> Weight:
     """Stack matrices along the output dim (fused QKV, gate/up). GGUF blocks of one type stay blocks
-    (Q4_0 next to Q4_1 becomes Q4_1); other mixes are dequantized to `dtype`."""
+    (Q4_0 next to Q4_1 becomes Q4_1); quantized checkpoint weights stay quantized where their formats
+    stack (kiln.quant.linear_weights.cat_quantized_rows: W8A8 rows with their per-channel scales, int4
+    groups, whole FP8 blocks); other mixes are dequantized to `dtype`."""
+    if all(isinstance(w, QUANTIZED_WEIGHT_TYPES) for w in weights):
+        stacked = cat_quantized_rows(weights)
+        if stacked is not None:
+            return stacked
     if all(isinstance(w, GGUFWeight) for w in weights):
         qtypes = {w.qtype for w in weights}
         if qtypes == {"Q4_0", "Q4_1"}:
@@ -39,7 +54,10 @@ def cat_rows(weights: list[Weight], dtype: torch.dtype) -> Weight:
         if len(qtypes) == 1:
             data = torch.cat([w.data for w in weights], dim=0)
             return GGUFWeight(weights[0].qtype, data, (data.shape[0], weights[0].shape[1]))
-    dense = [w.dequantize(dtype) if isinstance(w, GGUFWeight) else w.to(dtype) for w in weights]
+    dense = [
+        w.dequantize(dtype) if isinstance(w, (GGUFWeight, *QUANTIZED_WEIGHT_TYPES)) else w.to(dtype)
+        for w in weights
+    ]
     return torch.cat(dense, dim=0)
 
 

@@ -14,6 +14,8 @@ every nibble names two distinct positions. fp16 values plus metadata take 9/16 o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 GROUP = 4
@@ -114,3 +116,27 @@ def decompress_24(values: torch.Tensor, meta: torch.Tensor, dtype: torch.dtype |
     dense = torch.zeros(N, G, GROUP, dtype=dtype or values.dtype, device=values.device)
     dense.scatter_(2, idx, values.reshape(N, G, 2).to(dense.dtype))
     return dense.reshape(N, K)
+
+
+@dataclass
+class Sparse24Weight:
+    """A 2:4 sparse [N, K] weight in sparse24_linear's layout (the module docstring), as a checkpoint
+    written by `kiln sparsify` hands it over: values [N, K/2], meta uint8 [N, ceil(K/8)]."""
+
+    values: torch.Tensor
+    meta: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.values.shape[0]), 2 * int(self.values.shape[1]))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense [N, K] matrix (exact)."""
+        return decompress_24(self.values, self.meta, dtype)
+
+    def rows(self, index: torch.Tensor | slice) -> Sparse24Weight:
+        return Sparse24Weight(self.values[index].contiguous(), self.meta[index].contiguous())
+
+    def to(self, dtype: torch.dtype) -> Sparse24Weight:
+        """The kept values in `dtype` (the positions are unchanged)."""
+        return Sparse24Weight(self.values.to(dtype), self.meta)

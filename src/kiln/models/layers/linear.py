@@ -21,7 +21,8 @@ __all__ = ["CPU_WEIGHT_FORMATS", "Linear"]
 class Linear(torch.nn.Module):
     """y [M, out_features] = x [M, in_features] @ W^T + bias, in x's dtype.
 
-    weight: float tensor [out, in] or GGUFWeight; bias: [out] or None.
+    weight: float tensor [out, in], GGUFWeight, or a quantized checkpoint weight (ScaledWeight,
+    BlockFP8Weight, Int4Weight: kiln.quant.linear_weights); bias: [out] or None.
     dtype: the activation dtype; cpu_format: how CPU weights are kept (CPU_WEIGHT_FORMATS: "int4"
     applies to GGUF Q4 weights only, others fall back to dense "fp32"/"fp16"/"bf16"); None = the model
     dtype for dense weights.
@@ -46,7 +47,8 @@ class Linear(torch.nn.Module):
 
     @property
     def format(self) -> str:
-        """How the weight is stored: "gguf", "int4" or "dense" (PreparedLinearWeight.kind)."""
+        """How the weight is stored: "gguf", "int4", "fp8", "int8", "w4a16", "fp8_block" or "dense"
+        (PreparedLinearWeight.kind)."""
         return self.prepared.kind
 
     @property

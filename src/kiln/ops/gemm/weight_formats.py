@@ -14,8 +14,16 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      packing, scales_and_zeros bf16 [K/32, N, 2]] bfloat16 activations
     "gguf_<qtype>"  [uint8 blocks [N, row_bytes] as in the file] kiln.ops.gguf_linear
                     (qtype Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)
+    "fp8_*", "int8_*", "w4a16_*", "fp8_block*": quantized checkpoint weights (compressed-tensors,
+                    block FP8, AWQ, GPTQ), see kiln.ops.gemm.quantized_layouts: fp8_linear /
+                    int8_linear after quantizing x, int4_linear, fp8_block_linear
 
 How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMATS):
+  - quantized checkpoint weights (kiln.quant.linear_weights): W8A8 (ScaledWeight) and block FP8
+    (BlockFP8Weight) run their layouts on either device, activations quantized as the format says
+    (the CPU keeps the weight's values in float32); W4A16 (Int4Weight) runs int4_linear on CUDA; on
+    the CPU it is dequantized once to the dense layouts below (logged once per format), except with
+    cpu_format "int4" where torch's int4 CPU packing takes it (quantized_layouts.int4_cpu_packable);
   - CUDA: GGUF blocks stay blocks ("gguf_*", the K-quants included); anything else is "dense" in the
     model dtype;
   - CPU, "int4", GGUF Q4_0/Q4_1/Q4_K with N % 16 == 0: "int4". A Q4_1 block w = d*q + m (q in 0..15)
@@ -46,7 +54,19 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.ops.gemm.quantized_layouts import (
+    QUANTIZED_LAYOUTS,
+    W4A16_LAYOUTS,
+    W8A8_LAYOUTS,
+    fp8_block_layout,
+    int4_cpu_packable,
+    int4_cpu_scales_and_zeros,
+    quantized_matrix,
+    w4a16_layout,
+    w8a8_layout,
+)
 from kiln.quant.gguf_blocks import KERNEL_QTYPES, GGUFWeight, dequantize_blocks
+from kiln.quant.linear_weights import QUANTIZED_WEIGHT_TYPES, BlockFP8Weight, Int4Weight, ScaledWeight
 
 CPU_WEIGHT_FORMATS = ("int4", "fp16", "bf16", "fp32", "gguf")
 FORMAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -63,6 +83,7 @@ LAYOUTS = {
     "fp16_rows": 2,
     "int4": 2,
     **dict.fromkeys(GGUF_LAYOUTS, 1),
+    **QUANTIZED_LAYOUTS,
 }
 
 
@@ -83,9 +104,16 @@ class PreparedLinearWeight:
 
     @property
     def kind(self) -> str:
-        """How the weight is stored: "gguf" (file blocks), "int4" (repacked nibbles) or "dense"."""
+        """How the weight is stored: "gguf" (file blocks), "int4" (repacked nibbles), "fp8" / "int8"
+        (W8A8), "w4a16" (int4_linear), "fp8_block" or "dense"."""
         if self.layout in GGUF_LAYOUTS:
             return "gguf"
+        if self.layout in W8A8_LAYOUTS:
+            return W8A8_LAYOUTS[self.layout][0]
+        if self.layout in W4A16_LAYOUTS:
+            return "w4a16"
+        if self.layout.startswith("fp8_block"):
+            return "fp8_block"
         return "int4" if self.layout == "int4" else "dense"
 
     @property
@@ -95,17 +123,18 @@ class PreparedLinearWeight:
 
 
 def prepare_linear_weight(
-    weight: torch.Tensor | GGUFWeight,
+    weight: torch.Tensor | GGUFWeight | ScaledWeight | BlockFP8Weight | Int4Weight,
     *,
     device: torch.device,
     dtype: torch.dtype,
     cpu_format: str | None = None,
 ) -> PreparedLinearWeight:
-    """Pack `weight` (float [out, in] or GGUF blocks) for `device`, once (see the module docstring).
+    """Pack `weight` (float [out, in], GGUF blocks or a quantized checkpoint weight) for `device`,
+    once (see the module docstring).
 
     dtype: the model's activation dtype; cpu_format: one of CPU_WEIGHT_FORMATS or None (the model
-    dtype). "int4" applies to GGUF Q4_0/Q4_1/Q4_K weights only, "gguf" to GGUF weights; others fall
-    back to a dense `dtype` matrix.
+    dtype). "int4" applies to GGUF Q4_0/Q4_1/Q4_K and int4 checkpoint weights only, "gguf" to GGUF
+    weights; others fall back to a dense `dtype` matrix.
     """
     device = torch.device(device)
     if cpu_format is not None and cpu_format not in CPU_WEIGHT_FORMATS:
@@ -113,6 +142,13 @@ def prepare_linear_weight(
             f"prepare_linear_weight: cpu_format {cpu_format!r}, expected one of {CPU_WEIGHT_FORMATS}"
         )
     shape = (int(weight.shape[0]), int(weight.shape[1]))
+    if isinstance(weight, QUANTIZED_WEIGHT_TYPES):
+        prepared = _prepare_quantized(weight, shape, device, dtype, cpu_format)
+        if prepared is not None:
+            return prepared
+        fmt = type(weight).__name__
+        _log_dequantized_at_load(fmt, device.type, cpu_format or str(dtype))
+        weight = weight.dequantize(torch.float32)
     if isinstance(weight, GGUFWeight) and (device.type == "cuda" or cpu_format == "gguf"):
         return PreparedLinearWeight(f"gguf_{weight.qtype}", (weight.data.to(device),), shape, None, dtype)
     if device.type == "cpu" and cpu_format == "int4" and int4_packable(weight):
@@ -139,11 +175,31 @@ def prepare_linear_weight(
     return PreparedLinearWeight("onednn", (packed,), shape, weight_dtype, weight_dtype)
 
 
+def _prepare_quantized(weight, shape, device, dtype, cpu_format) -> PreparedLinearWeight | None:
+    """The quantized layout of a checkpoint weight on `device`, or None where it is dequantized
+    (W4A16 / block FP8 on the CPU)."""
+    if isinstance(weight, ScaledWeight):
+        layout, tensors = w8a8_layout(weight, device)
+        return PreparedLinearWeight(layout, tensors, shape, None, dtype)
+    if isinstance(weight, BlockFP8Weight):
+        layout, tensors = fp8_block_layout(weight, device)
+        return PreparedLinearWeight(layout, tensors, shape, None, dtype)
+    if device.type != "cpu":
+        layout, tensors = w4a16_layout(weight, device)
+        return PreparedLinearWeight(layout, tensors, shape, None, dtype)
+    if isinstance(weight, Int4Weight) and cpu_format == "int4" and int4_cpu_packable(weight):
+        nibbles, scales_and_zeros = int4_cpu_scales_and_zeros(weight)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1)
+        return PreparedLinearWeight("int4", (packed, scales_and_zeros), shape, torch.bfloat16, dtype)
+    return None
+
+
 @functools.cache
 def _log_dequantized_at_load(qtype: str, device_type: str, fmt: str) -> None:
+    what = f"GGUF {qtype}" if qtype in KERNEL_QTYPES else qtype
     logger.info(
-        "GGUF %s weights on %s: dequantized once at load to %s (no %s kernel reads %s blocks faster)",
-        qtype, device_type, fmt, device_type.upper(), qtype,
+        "%s weights on %s: dequantized once at load to %s (no %s kernel runs them faster)",
+        what, device_type, fmt, device_type.upper(),
     )  # fmt: skip
 
 
@@ -202,12 +258,15 @@ def pack_int4(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- what a prepared weight stands for --------------------------------------------------------------
 
 
-def prepared_matrix(layout: str, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+def prepared_matrix(
+    layout: str, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], in_features: int | None = None
+) -> torch.Tensor:
     """The float64 [out, in] matrix a prepared weight stands for, exactly (the verifier's reference and
     the benchmark's baseline start from it). Opaque packings are read back through their own kernel
     on an identity matrix, which moves each stored value unchanged (one product with 1, sums of zeros):
     oneDNN's blocked copy directly; int4's nibbles q with scale 1 and zero 8 (w = q), after which
-    (q - 8) * scale + zero is computed here in float64."""
+    (q - 8) * scale + zero is computed here in float64. in_features: K, which the "w4a16_*" packing
+    does not record exactly (quantized_layouts.quantized_matrix)."""
     if layout in GGUF_LAYOUTS:
         return dequantize_blocks(tensors[0], GGUF_LAYOUTS[layout], torch.float64)
     if layout == "onednn":
@@ -228,6 +287,8 @@ def prepared_matrix(layout: str, tensors: list[torch.Tensor] | tuple[torch.Tenso
             .unbind(-1)
         )
         return (q.to(torch.float64) - 8.0) * scale + zero
+    if layout in QUANTIZED_LAYOUTS:
+        return quantized_matrix(layout, tensors, in_features)
     if layout in LAYOUTS:  # "dense", "fp16_*": the plain matrix comes first
         return tensors[0].to(torch.float64)
     raise ValueError(f"prepared_matrix: unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")

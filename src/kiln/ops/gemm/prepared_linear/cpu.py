@@ -8,7 +8,10 @@
   "int4"         PyTorch's weight-packed int4 CPU matmul, group size 32, bfloat16 activations (its
                  fast path); the bias is added in float32;
   "dense"        F.linear in the matrix's dtype;
-  "gguf_*"       kiln.ops.gguf_linear (CUDA's layout; runs here too, decoding the blocks every call).
+  "gguf_*"       kiln.ops.gguf_linear (CUDA's layout; runs here too, decoding the blocks every call);
+  quantized checkpoint layouts (kiln.ops.gemm.quantized_layouts.run_quantized): W8A8 quantizes x
+                 (quantize_fp8 / quantize_int8) and multiplies by the float32 copy of the weight's
+                 values; "w4a16_*" and "fp8_block*" run int4_linear's / fp8_block_linear's CPU paths.
 Each converts x only where the layout computes in another dtype, and the result to out_dtype (no
 copy when the dtypes already agree).
 """
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 
 from kiln.ops.gemm.gguf_linear import gguf_linear
 from kiln.ops.gemm.prepared_linear.spec import PREPARED_LINEAR
+from kiln.ops.gemm.quantized_layouts import QUANTIZED_LAYOUTS, run_quantized
 from kiln.ops.gemm.weight_formats import GGUF_LAYOUTS, INT4_GROUP_SIZE
 from kiln.ops.registry import Implementation, cpu_only
 
@@ -84,11 +88,15 @@ KERNELS = {
     "fp16_rows": _fp16_rows,
     "int4": _int4,
     **{layout: _gguf(qtype) for layout, qtype in GGUF_LAYOUTS.items()},
+    **dict.fromkeys(QUANTIZED_LAYOUTS, run_quantized),
 }
 
 
 def prepared_linear_cpu(x, layout, weight, bias=None, out_dtype=None):
-    return KERNELS[layout](x, weight, bias, out_dtype or x.dtype)
+    kernel = KERNELS[layout]
+    if kernel is run_quantized:
+        return run_quantized(x, layout, weight, bias, out_dtype or x.dtype)
+    return kernel(x, weight, bias, out_dtype or x.dtype)
 
 
 PREPARED_LINEAR.register(

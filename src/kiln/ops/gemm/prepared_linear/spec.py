@@ -4,12 +4,15 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
 
     x:         [M, K] float32 / float16 / bfloat16
     layout:    a PreparedLinearWeight's layout ("dense", "onednn", "fp16_onednn", "fp16_rows", "int4",
-               "gguf_<qtype>" for the GGUF block types of kiln.ops.gguf_linear)
+               "gguf_<qtype>" for the GGUF block types of kiln.ops.gguf_linear; the quantized
+               checkpoint layouts of kiln.ops.gemm.quantized_layouts: "fp8_dynamic", "fp8_static",
+               "int8_dynamic", "int8_static", "w4a16_g<gs>[_perm]", "fp8_block<bn>x<bk>")
     weight:    its tensors (PreparedLinearWeight.tensors), W standing for [N, K]
     bias:      [N] in the layout's bias dtype (PreparedLinearWeight.bias_dtype), or None
     out_dtype: the result's dtype (None: x's)
     y = x @ W^T + bias, [M, N]. Where the layout computes in a narrower dtype (its compute_dtype: fp16
     for one-row "fp16_*" inputs, bf16 for "int4" and bf16 "onednn"), x is rounded to it first.
+    The W8A8 and block-FP8 layouts quantize x as their checkpoint format says (the reference does too).
 """
 
 from __future__ import annotations
@@ -20,6 +23,17 @@ import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
 from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
+from kiln.ops.gemm.quantized_layouts import (
+    FP8_BLOCK_LAYOUTS,
+    QDTYPES,
+    QUANTIZED_LAYOUTS,
+    W4A16_LAYOUTS,
+    W8A8_LAYOUTS,
+    fp8_block_layout,
+    quantized_reference_input,
+    w4a16_layout,
+    w8a8_layout,
+)
 from kiln.ops.gemm.shapes import GEMM_TOLERANCE, SMOLLM2_135M, gemm_flops
 from kiln.ops.gemm.weight_formats import (
     GGUF_LAYOUTS,
@@ -31,13 +45,17 @@ from kiln.ops.gemm.weight_formats import (
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import element_size, randn
 from kiln.quant.gguf_blocks import K_QUANTS, QK_K, GGUFWeight
+from kiln.quant.int4 import quantize_int4
+from kiln.quant.linear_weights import BlockFP8Weight, Int4Weight, ScaledWeight
+from kiln.quant.scaled import quantize_fp8_per_channel, quantize_int8_per_channel
 
 
 def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
     """In float64 from the matrix the prepared weight stands for (float64 x stays float64: the
     verifier's reference; otherwise the result is rounded to out_dtype / x's dtype once)."""
-    matrix = prepared_matrix(layout, weight).to(x.device)
-    y = x.to(torch.float64) @ matrix.T
+    matrix = prepared_matrix(layout, weight, x.shape[-1]).to(x.device)
+    xq = quantized_reference_input(layout, weight, x) if layout in QUANTIZED_LAYOUTS else x.to(torch.float64)
+    y = xq @ matrix.T
     if bias is not None:
         y = y + bias.to(torch.float64)
     return y if x.dtype == torch.float64 else y.to(out_dtype or x.dtype)
@@ -46,9 +64,55 @@ def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
 def _in_features(layout: str, weight) -> int | None:
     if layout == "int4":
         return weight[1].shape[0] * INT4_GROUP_SIZE  # scales_and_zeros [K / 32, N, 2]
-    if layout in GGUF_LAYOUTS:
-        return None  # validate_gguf_weight checks the blocks against x
+    if layout in GGUF_LAYOUTS or layout in W4A16_LAYOUTS:
+        return None  # validate_gguf_weight / _validate_w4a16 check the packing against x
     return weight[0].shape[1]
+
+
+def _validate_quantized(op, layout, weight, K, device) -> None:
+    """Shapes and dtypes of the quantized checkpoint layouts (kiln.ops.gemm.quantized_layouts)."""
+    n = weight[0].shape[0]
+    if layout in W8A8_LAYOUTS:
+        qdtype = QDTYPES[W8A8_LAYOUTS[layout][0]]
+        check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(qdtype, torch.float32), device=device)
+        check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
+        if tuple(weight[1].shape) != (n, 1):
+            raise ValueError(f"{op}: {layout} w_scale has shape {tuple(weight[1].shape)}, expected ({n}, 1)")
+        if len(weight) == 3:
+            check_tensor(op, "weight[2]", weight[2], ndim=1, dtypes=(torch.float32,), device=device)
+            if weight[2].shape[0] != 1:
+                raise ValueError(f"{op}: {layout} x_scale has {weight[2].shape[0]} elements, expected 1")
+    elif layout in W4A16_LAYOUTS:
+        group_size, permuted = W4A16_LAYOUTS[layout]
+        check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int32,), device=device)
+        check_tensor(
+            op, "weight[1]", weight[1], ndim=2, dtypes=FLOAT_DTYPES + (torch.float64,), device=device
+        )
+        check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(torch.uint8,), device=device)
+        words, groups = -(-K // 8), -(-K // group_size)
+        for name, t, cols in (
+            ("qweight", weight[0], words),
+            ("scales", weight[1], groups),
+            ("zeros", weight[2], groups),
+        ):
+            if tuple(t.shape) != (n, cols):
+                raise ValueError(
+                    f"{op}: {layout} {name} has shape {tuple(t.shape)}, expected ({n}, {cols}) for K={K}"
+                )
+        if permuted:
+            check_tensor(op, "weight[3]", weight[3], ndim=1, dtypes=(torch.int64,), device=device)
+            if weight[3].shape[0] != K:
+                raise ValueError(f"{op}: {layout} perm has {weight[3].shape[0]} elements, expected K={K}")
+    else:
+        bn, bk = FP8_BLOCK_LAYOUTS[layout]
+        w_dtypes = (torch.float8_e4m3fn, torch.float32)  # float32: the CPU's dequantized copy
+        check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=w_dtypes, device=device)
+        check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
+        if weight[0].shape[1] != K:
+            raise ValueError(f"{op}: x has {K} in-features, the {layout!r} weight {weight[0].shape[1]}")
+        expected = (-(-n // bn), -(-K // bk))
+        if tuple(weight[1].shape) != expected:
+            raise ValueError(f"{op}: {layout} scale has shape {tuple(weight[1].shape)}, expected {expected}")
 
 
 def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
@@ -64,6 +128,8 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
         check_tensor(op, "weight[1]", weight[1], ndim=3, dtypes=(torch.bfloat16,), device=device)
     elif layout in GGUF_LAYOUTS:
         validate_gguf_weight(op, weight[0], GGUF_LAYOUTS[layout], x.shape[-1], device)
+    elif layout in QUANTIZED_LAYOUTS:
+        _validate_quantized(op, layout, weight, x.shape[-1], device)
     else:
         for i, tensor in enumerate(weight):
             check_tensor(op, f"weight[{i}]", tensor, ndim=2, dtypes=FLOAT_DTYPES, device=device)
@@ -102,6 +168,8 @@ _BASELINE_MATRICES: dict[int, torch.Tensor] = {}  # id(weight[0]) -> its float32
 def _make_inputs(shape, dtype, device, generator):
     M, N, K = shape["M"], shape["N"], shape["K"]
     source = shape.get("source", "float")
+    if source in _QUANTIZED_SOURCES:
+        return _make_quantized_inputs(shape, dtype, device, generator)
     if source == "float":
         weight = randn((N, K), torch.float32, "cpu", generator, scale=K**-0.5)
     else:
@@ -115,6 +183,52 @@ def _make_inputs(shape, dtype, device, generator):
         "layout": prepared.layout,
         "weight": list(prepared.tensors),
         "bias": randn((N,), prepared.bias_dtype, device, generator) if shape.get("bias") else None,
+        "out_dtype": torch.float32 if shape.get("float32_out") else None,
+    }
+
+
+# Quantized checkpoint sources: the weight a checkpoint of that format holds (random values quantized
+# by Kiln's own quantizers into that format), placed in its kernel layout on the device (format
+# "kernel"; the loader's CPU choices for them are tested with the loaders).
+_QUANTIZED_SOURCES = (
+    "fp8_dynamic", "fp8_static", "int8_dynamic", "int8_static", "w4a16_g32", "w4a16_g128",
+    "w4a16_g64_perm", "fp8_block128x128",
+)  # fmt: skip
+
+
+def _quantized_weight(source, N, K, generator):
+    weight = randn((N, K), torch.float32, "cpu", generator, scale=K**-0.5)
+    if source.startswith(("fp8_dynamic", "fp8_static", "int8_")):
+        quantize = quantize_fp8_per_channel if source.startswith("fp8") else quantize_int8_per_channel
+        data, scale = quantize(weight)
+        input_scale = torch.tensor([4.0 / (448.0 if source.startswith("fp8") else 127.0)])
+        return ScaledWeight(source.split("_")[0], data, scale, input_scale if "static" in source else None)
+    if source.startswith("w4a16"):
+        group_size, permuted = W4A16_LAYOUTS[source]
+        qweight, scales, zeros = quantize_int4(weight, group_size)
+        perm = torch.randperm(K, generator=generator) if permuted else None
+        return Int4Weight(qweight, scales, zeros, group_size, K, perm)
+    bn, bk = FP8_BLOCK_LAYOUTS[source]
+    scale = 0.5 + torch.rand((-(-N // bn), -(-K // bk)), generator=generator)
+    data = randn((N, K), torch.float32, "cpu", generator, scale=40.0).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return BlockFP8Weight(data, scale * K**-0.5 / 40.0, (bn, bk))
+
+
+def _make_quantized_inputs(shape, dtype, device, generator):
+    M, N, K, source = shape["M"], shape["N"], shape["K"], shape["source"]
+    weight = _quantized_weight(source, N, K, generator)
+    if isinstance(weight, ScaledWeight):
+        layout, tensors = w8a8_layout(weight, device)
+    elif isinstance(weight, Int4Weight):
+        layout, tensors = w4a16_layout(weight, device)
+    else:
+        layout, tensors = fp8_block_layout(weight, device)
+    _remember_matrix(tensors[0], weight.dequantize(torch.float32).to(device))
+    return {
+        "x": randn((M, K), dtype, device, generator),
+        "layout": layout,
+        "weight": list(tensors),
+        "bias": randn((N,), dtype, device, generator) if shape.get("bias") else None,
         "out_dtype": torch.float32 if shape.get("float32_out") else None,
     }
 
@@ -153,6 +267,15 @@ def _fuzz_shapes(rng):
                 {"M": m, "N": n, "K": k, "format": fmt, "source": source, "bias": (i + m) % 2 == 1,
                  "float32_out": i % 3 == 1}
             )  # fmt: skip
+    for i, source in enumerate(_QUANTIZED_SOURCES):
+        n, k = rng.randint(1, 70), rng.randint(1, 300)
+        if source.startswith("fp8_block"):
+            n, k = rng.randint(100, 300), rng.randint(100, 300)  # partial blocks in both directions
+        for m in (1, rng.randint(2, 40)):
+            shapes.append(
+                {"M": m, "N": n, "K": k, "format": "kernel", "source": source, "bias": (i + m) % 2 == 0,
+                 "float32_out": i % 3 == 2}
+            )  # fmt: skip
     return shapes
 
 
@@ -163,6 +286,10 @@ def _case_tolerance(shape, dtype) -> float:
     to float16 (2^-11); "fp16" for several rows and "fp32" compute in float32 on the stored values.
     (On CUDA every format prepares to "dense" / "gguf_*" in x's dtype: the bound is then loose.)"""
     fmt = shape["format"]
+    if fmt == "kernel":
+        # the reference quantizes x as the kernel does (a tie resolved differently moves one
+        # element by one step: rare); int4_linear rounds the dequantized weight to x's dtype.
+        return max(GEMM_TOLERANCE[dtype], GEMM_TOLERANCE[torch.float32])
     if fmt in ("bf16", "int4"):
         inside = GEMM_TOLERANCE[torch.bfloat16]
     elif fmt == "fp16" and shape["M"] == 1:
@@ -176,6 +303,11 @@ def _weight_bytes(shape) -> float:
     """Bytes the CPU layout reads per call: fp32 / bf16 the matrix; fp16 the fp16 matrix for one row,
     its float32 copy for more; int4 the nibbles and a bf16 (scale, zero) per 32 weights; gguf the blocks."""
     N, K, fmt = shape["N"], shape["K"], shape["format"]
+    if fmt == "kernel":
+        source = shape["source"]
+        if source.startswith("w4a16"):
+            return N * K / 2 + N * -(-K // W4A16_LAYOUTS[source][0]) * 3
+        return N * K * (4 if source.startswith(("fp8_d", "fp8_s", "int8")) else 1)  # CPU: float32 values
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
     if fmt == "int4":
@@ -194,7 +326,7 @@ def _torch_linear_fp32(x, layout, weight, bias=None, out_dtype=None):
     """F.linear with the float32 matrix: what a layer without a prepared weight would run."""
     matrix = _BASELINE_MATRICES.get(id(weight[0]))
     if matrix is None:
-        matrix = prepared_matrix(layout, weight).to(device=x.device, dtype=torch.float32)
+        matrix = prepared_matrix(layout, weight, x.shape[-1]).to(device=x.device, dtype=torch.float32)
         _remember_matrix(weight[0], matrix)
     y = torch.nn.functional.linear(x.float(), matrix, None if bias is None else bias.float())
     return y.to(out_dtype or x.dtype)

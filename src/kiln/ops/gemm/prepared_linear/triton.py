@@ -1,6 +1,8 @@
 """CUDA prepared_linear: the layouts `prepare_linear_weight` makes for CUDA run on other ops' Triton
 kernels: "gguf_*" (GGUF blocks as stored in the file) on kiln.ops.gguf_linear, "dense" (a matrix in the
-model dtype) on kiln.ops.linear (F.linear, i.e. cuBLAS, when x comes in another dtype). The CPU
+model dtype) on kiln.ops.linear (F.linear, i.e. cuBLAS, when x comes in another dtype), the quantized
+checkpoint layouts (kiln.ops.gemm.quantized_layouts) on quantize_fp8 / quantize_int8 + fp8_linear /
+int8_linear, int4_linear and fp8_block_linear. The CPU
 layouts (oneDNN blocks, torch's int4 packing) cannot run here: prepare the weight for CUDA."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 from kiln.ops.gemm.gguf_linear import gguf_linear
 from kiln.ops.gemm.linear import linear
 from kiln.ops.gemm.prepared_linear.spec import PREPARED_LINEAR
+from kiln.ops.gemm.quantized_layouts import QUANTIZED_LAYOUTS, run_quantized
 from kiln.ops.gemm.weight_formats import GGUF_LAYOUTS
 from kiln.ops.registry import Implementation
 
@@ -19,6 +22,8 @@ def prepared_linear_triton(x, layout, weight, bias=None, out_dtype=None):
     qtype = GGUF_LAYOUTS.get(layout)
     if qtype is not None:
         return gguf_linear(x, weight[0], qtype, bias).to(out_dtype)
+    if layout in QUANTIZED_LAYOUTS:
+        return run_quantized(x, layout, weight, bias, out_dtype)
     if layout != "dense":
         raise ValueError(
             f"prepared_linear: layout {layout!r} is a CPU layout; prepare the weight for {x.device}"

@@ -1,0 +1,273 @@
+"""Quantized HF checkpoints: config.json's `quantization_config` read, and each quantized Linear's
+stored tensors combined into one weight under its `<module>.weight` name, so model code reads
+`weights.get("...q_proj.weight", (N, K))` for quantized and dense checkpoints alike.
+
+    quant_method          tensors of a module                          becomes
+    "compressed-tensors"  FP8  weight, weight_scale (+ input_scale)    ScaledWeight "fp8"
+                          INT8 weight, weight_scale (+ input_scale)    ScaledWeight "int8"
+                          int4 weight_packed, weight_scale,            Int4Weight (W4A16)
+                               weight_shape (+ weight_zero_point)
+                          FP8 block weight, weight_scale               BlockFP8Weight
+    "fp8"                 weight, weight_scale_inv [N/bn, K/bk]        BlockFP8Weight
+                          (weight_block_size [bn, bk])
+                          weight, weight_scale (+ input_scale)         ScaledWeight "fp8" (per tensor)
+    "awq" (version gemm)  qweight, qzeros, scales                      Int4Weight
+    "gptq" (bits 4)       qweight, qzeros, scales, g_idx               Int4Weight (act-order: perm)
+Weight-only FP8 / INT8 (no activation quantization in the scheme) are dequantized here, once, to
+the checkpoint's float dtype: no Kiln kernel takes 8-bit weights with unquantized activations for
+these formats. Anything else (another quant_method, bit width, strategy, a Linear whose tensors
+disagree with the config) is a ModelLoadError naming the tensor, the format and what is supported.
+How each weight runs per device: kiln.ops.gemm.weight_formats.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+
+import torch
+
+from kiln.models.config import ModelLoadError
+from kiln.quant.awq import awq_to_int4
+from kiln.quant.compressed_tensors import block_fp8_weight, pack_quantized_int4, scaled_weight
+from kiln.quant.gptq import gptq_to_int4
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED = {
+    "compressed-tensors": "FP8 (tensor/channel weights, dynamic per-token or static per-tensor "
+    "activations), INT8 W8A8 (channel/tensor weights), W4A16 pack-quantized (4-bit, group 32/64/128 or "
+    "multiples of 128, symmetric or asymmetric), FP8 block weights",
+    "fp8": "block FP8 (weight_block_size 128x128, weight_scale_inv) or per-tensor FP8 (weight_scale)",
+    "awq": "4-bit GEMM version (qweight/qzeros/scales)",
+    "gptq": "4-bit (qweight/qzeros/scales/g_idx, sym or asym, act-order)",
+}
+# stored suffix -> the module's tensors each method reads
+_MARKERS = {
+    "compressed-tensors": ("weight_scale", "weight_packed"),
+    "fp8": ("weight_scale_inv", "weight_scale"),
+    "awq": ("qweight",),
+    "gptq": ("qweight",),
+}
+
+Loaders = dict[str, tuple[tuple[int, ...], Callable[[], object]]]
+
+
+def quantized_loaders(hf: dict, loaders: Loaders, source: str) -> Loaders:
+    """`loaders` (name -> (shape, load)) with every quantized Linear's tensors replaced by one entry
+    `<module>.weight` -> ((N, K), load the combined weight). Unchanged without a quantization_config."""
+    qc = hf.get("quantization_config")
+    if qc is None:
+        return loaders
+    where = f"{source}/config.json"
+    if not isinstance(qc, dict) or not isinstance(qc.get("quant_method"), str):
+        raise ModelLoadError(f"{where}: quantization_config must be an object with a quant_method")
+    method = qc["quant_method"]
+    if method not in SUPPORTED:
+        supported = "; ".join(f"{m}: {what}" for m, what in SUPPORTED.items())
+        raise ModelLoadError(f"{where}: quant_method {method!r} is not supported. Kiln loads {supported}")
+    modules = sorted(
+        {name.rsplit(".", 1)[0] for name in loaders if name.rsplit(".", 1)[-1] in _MARKERS[method]}
+    )
+    out = dict(loaders)
+    for module in modules:
+        build = _builder(method, qc, module, loaders, source)
+        if build is None:
+            continue
+        shape, load, consumed = build
+        for name in consumed:
+            out.pop(name, None)
+        out[f"{module}.weight"] = (shape, _named(load, module, method, source))
+    if modules:
+        logger.info("%s: %d quantized linear weights (%s)", source, len(modules), method)
+    return out
+
+
+def _named(load: Callable[[], object], module: str, method: str, source: str) -> Callable[[], object]:
+    def run():
+        try:
+            return load()
+        except ValueError as exc:
+            raise ModelLoadError(
+                f"{source}: {method} weight {module!r}: {exc}. Kiln loads {SUPPORTED[method]}"
+            ) from exc
+
+    return run
+
+
+def _unsupported(source: str, module: str, method: str, what: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{source}: tensor {module + '.weight'!r}: {method} {what} is not supported. "
+        f"Kiln loads {SUPPORTED[method]}"
+    )
+
+
+def _builder(method, qc, module, loaders, source):
+    """(shape, load, consumed names) for one module, or None where it is not a quantized Linear."""
+    get = {name: load for name, (_, load) in loaders.items()}
+    shapes = {name: shape for name, (shape, _) in loaders.items()}
+
+    def tensor(suffix: str, required: bool = True) -> Callable[[], torch.Tensor] | None:
+        name = f"{module}.{suffix}"
+        if name not in get:
+            if required:
+                raise ModelLoadError(f"{source}: missing tensor {name!r} ({method} checkpoint)")
+            return None
+        return get[name]
+
+    def names(*suffixes: str) -> list[str]:
+        return [f"{module}.{s}" for s in suffixes if f"{module}.{s}" in get]
+
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc, module, tensor, names, shapes, source)
+    if method == "fp8":
+        return _fp8(qc, module, tensor, names, shapes, source)
+    bits = qc.get("bits", qc.get("w_bit", 4))
+    if bits != 4:
+        raise _unsupported(source, module, method, f"bits={bits}")
+    group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    qweight_shape = shapes[f"{module}.qweight"]
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise _unsupported(source, module, method, f"version {version!r}")
+        shape = (qweight_shape[1] * 8, qweight_shape[0])
+        q, z, s = tensor("qweight"), tensor("qzeros"), tensor("scales")
+        return shape, lambda: awq_to_int4(q(), z(), s(), group_size), names("qweight", "qzeros", "scales")
+    shape = (qweight_shape[1], qweight_shape[0] * 8)
+    q, z, s, g = tensor("qweight"), tensor("qzeros"), tensor("scales"), tensor("g_idx", False)
+    plus_one = qc.get("checkpoint_format", "gptq") != "gptq_v2"
+    desc_act = bool(qc.get("desc_act", False))
+
+    def load_gptq():
+        return gptq_to_int4(
+            q(), z(), s(), g() if g is not None and desc_act else None, group_size, zeros_plus_one=plus_one
+        )
+
+    return shape, load_gptq, names("qweight", "qzeros", "scales", "g_idx")
+
+
+def _scheme_for(qc: dict, module: str):
+    """The config group whose targets match `module` ("Linear", "re:<regex>" or a name), or None
+    when the module is ignored or matched by no group."""
+    for pattern in qc.get("ignore") or []:
+        if _matches(pattern, module):
+            return None
+    for group in (qc.get("config_groups") or {}).values():
+        if any(_matches(t, module) or t == "Linear" for t in group.get("targets") or []):
+            return group
+    return None
+
+
+def _matches(pattern: str, module: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return module == pattern or module.endswith("." + pattern)
+
+
+def _compressed_tensors(qc, module, tensor, names, shapes, source):
+    method = "compressed-tensors"
+    group = _scheme_for(qc, module)
+    if group is None:
+        return None
+    weights = group.get("weights") or {}
+    acts = group.get("input_activations")
+    fmt = group.get("format") or qc.get("format")
+    wtype, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+    describe = f"{fmt} {wtype} {bits}-bit {strategy} weights with {_describe_acts(acts)}"
+    if fmt == "pack-quantized" and wtype == "int" and bits == 4 and acts is None:
+        if strategy not in ("group", "channel"):
+            raise _unsupported(source, module, method, describe)
+        group_size = int(weights.get("group_size") or -1) if strategy == "group" else -1
+        packed, scale = tensor("weight_packed"), tensor("weight_scale")
+        zp = tensor("weight_zero_point") if not weights.get("symmetric", True) else None
+        rows, words = shapes[f"{module}.weight_packed"]
+        shape_t = tensor("weight_shape", False)
+        # weight_shape holds K exactly (2 values, read now for the WeightStore's shape check)
+        k = int(shape_t()[1]) if shape_t is not None else words * 8
+
+        def load_int4():
+            return pack_quantized_int4(packed(), scale(), k, group_size, zp() if zp else None, module)
+
+        consumed = names("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+        return (rows, k), load_int4, consumed
+    if fmt not in ("float-quantized", "naive-quantized", "int-quantized") or bits != 8:
+        raise _unsupported(source, module, method, describe)
+    qtype = {"float": "fp8", "int": "int8"}.get(wtype)
+    if qtype is None or not weights.get("symmetric", True):
+        raise _unsupported(source, module, method, describe)
+    w, scale = tensor("weight"), tensor("weight_scale")
+    shape = tuple(shapes[f"{module}.weight"])
+    consumed = names("weight", "weight_scale", "weight_zero_point", "input_scale", "input_zero_point")
+    if strategy == "block":
+        block = tuple(weights.get("block_structure") or ())
+        if qtype != "fp8" or len(block) != 2 or not _block_acts(acts, block[1]):
+            raise _unsupported(source, module, method, describe)
+        return shape, lambda: block_fp8_weight(w(), scale(), block, module), consumed
+    if strategy not in ("tensor", "channel"):
+        raise _unsupported(source, module, method, describe)
+    if acts is None:  # weight-only 8-bit: dequantized (see the module docstring)
+        return (
+            shape,
+            _dequantized(lambda: scaled_weight(qtype, w(), scale(), None, module), source, describe),
+            consumed,
+        )
+    if acts.get("type") != wtype or acts.get("num_bits") != 8 or not acts.get("symmetric", True):
+        raise _unsupported(source, module, method, describe)
+    if acts.get("dynamic") is True and acts.get("strategy") == "token":
+        return shape, lambda: scaled_weight(qtype, w(), scale(), None, module), consumed
+    if acts.get("dynamic") is False and acts.get("strategy") == "tensor":
+        x_scale = tensor("input_scale")
+        return shape, lambda: scaled_weight(qtype, w(), scale(), x_scale(), module), consumed
+    raise _unsupported(source, module, method, describe)
+
+
+def _describe_acts(acts) -> str:
+    if acts is None:
+        return "unquantized activations"
+    kind = "dynamic" if acts.get("dynamic") else "static"
+    return f"{kind} {acts.get('type')} {acts.get('num_bits')}-bit {acts.get('strategy')} activations"
+
+
+def _block_acts(acts, block_k) -> bool:
+    return (
+        acts is not None and acts.get("type") == "float" and acts.get("num_bits") == 8
+        and bool(acts.get("dynamic")) and acts.get("strategy") == "group"
+        and acts.get("group_size") == block_k
+    )  # fmt: skip
+
+
+def _dequantized(load, source, describe):
+    def run():
+        weight = load()
+        logger.info("%s: %s: dequantized once at load (no kernel for this scheme)", source, describe)
+        return weight.dequantize(torch.float32)
+
+    return run
+
+
+def _fp8(qc, module, tensor, names, shapes, source):
+    method = "fp8"
+    if f"{module}.weight" not in shapes:
+        return None
+    block = qc.get("weight_block_size")
+    w = tensor("weight")
+    shape = tuple(shapes[f"{module}.weight"])
+    if block is not None:
+        if len(block) != 2:
+            raise _unsupported(source, module, method, f"weight_block_size {block}")
+        scale = tensor("weight_scale_inv", False) or tensor("weight_scale")
+        return (
+            shape,
+            lambda: block_fp8_weight(w(), scale(), tuple(block), module),
+            names("weight", "weight_scale_inv", "weight_scale"),
+        )
+    scale = tensor("weight_scale")
+    static = qc.get("activation_scheme", "dynamic") == "static"
+    x_scale = tensor("input_scale") if static else None
+    return (
+        shape,
+        lambda: scaled_weight("fp8", w(), scale(), x_scale() if x_scale else None, module),
+        names("weight", "weight_scale", "input_scale"),
+    )
