@@ -104,3 +104,24 @@ def test_unsupported_quantization_fails_at_load_naming_tensor_format_and_support
     _edit_config(tmp_path, lambda qc: qc.update(quant_method="bitsandbytes"))
     with pytest.raises(ModelLoadError, match=r"quant_method 'bitsandbytes' is not supported.*awq"):
         load_safetensors_dir(str(tmp_path))
+
+
+@pytest.mark.parametrize("preset", ["FP8_DYNAMIC", "W8A8", "W4A16"])
+def test_llm_generates_from_a_quantized_checkpoint_like_transformers(preset, tmp_path):
+    """The user's path: LLM(model=DIR) with no flag, greedy tokens through the engine (paged KV,
+    scheduler, sampler) equal to transformers.generate on the same compressed-tensors files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from kiln.engine import LLM, SamplingParams
+
+    write_quantized_llama(preset, str(tmp_path))
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    theirs = theirs[0, len(PROMPT) :].tolist()
+    llm = LLM(model=str(tmp_path), device="cpu", dtype=torch.float32, num_kv_blocks=16)
+    (out,) = llm.generate([PROMPT], SamplingParams(max_tokens=len(theirs), temperature=0.0, ignore_eos=True))
+    assert len(theirs) >= 4 and out.token_ids == theirs
