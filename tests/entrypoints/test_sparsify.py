@@ -82,3 +82,57 @@ def test_bad_arguments_are_named(source, tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
     assert kiln_main(["sparsify", source, "--out", source]) == 2
     assert "--out must differ" in capsys.readouterr().err
+
+
+def _greedy(model_dir, **kwargs):
+    from kiln.engine import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, device="cpu", dtype=torch.float32, num_kv_blocks=16, **kwargs)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    (out,) = llm.generate([PROMPT], params)
+    return llm, out
+
+
+def test_compressed_checkpoint_generates_what_the_dense_pruned_one_does(source, tmp_path, monkeypatch):
+    """Through LLM(...): the compressed checkpoint (CPU: expanded once at load) and one where the 2:4
+    layout is kept and every projection runs sparse24_linear (the CUDA path, forced here) generate the
+    dense pruned checkpoint's greedy tokens, with its logprobs."""
+    from kiln.ops.gemm import weight_formats
+    from kiln.ops.gemm.quantized_layouts import sparse24_layout
+    from kiln.quant.sparse24 import Sparse24Weight
+
+    sparsify(source, str(tmp_path / "dense"), dense=True, progress=False)
+    sparsify(source, str(tmp_path / "packed"), progress=False)
+    _, dense = _greedy(str(tmp_path / "dense"))
+    llm, packed = _greedy(str(tmp_path / "packed"))
+    assert llm.engine.model.layers[0].self_attn.qkv_proj.format == "dense"  # expanded on the CPU
+    original = weight_formats._prepare_quantized
+
+    def keep_sparse(weight, shape, device, dtype, cpu_format):
+        if isinstance(weight, Sparse24Weight):
+            layout, tensors = sparse24_layout(weight, device, dtype)
+            return weight_formats.PreparedLinearWeight(layout, tensors, shape, dtype, dtype)
+        return original(weight, shape, device, dtype, cpu_format)
+
+    monkeypatch.setattr(weight_formats, "_prepare_quantized", keep_sparse)
+    llm, kernel = _greedy(str(tmp_path / "packed"))
+    model = llm.engine.model
+    assert {layer.self_attn.qkv_proj.format for layer in model.layers} == {"sparse24"}
+    assert {layer.mlp.down_proj.format for layer in model.layers} == {"sparse24"}
+    assert packed.token_ids == dense.token_ids == kernel.token_ids
+    for a, b in zip(dense.logprobs, kernel.logprobs, strict=True):
+        token = next(iter(a))
+        assert b[token] == pytest.approx(a[token], abs=1e-4)
+
+
+def test_loader_names_a_bad_sparse_checkpoint(source, tmp_path):
+    from kiln.loaders.safetensors import load_safetensors_dir
+    from kiln.models import ModelLoadError
+
+    out = tmp_path / "packed"
+    sparsify(source, str(out), progress=False)
+    config = json.loads((out / "config.json").read_text())
+    config["sparsity_config"]["format"] = "sparse-24-bitmask"
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="sparsity_config format 'sparse-24-bitmask' is not supported"):
+        load_safetensors_dir(str(out))

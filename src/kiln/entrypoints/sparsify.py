@@ -26,7 +26,8 @@ import re
 import shutil
 import sys
 
-SPARSE_FORMAT = "kiln-sparse-2:4"
+from kiln.loaders.sparse import SPARSE_FORMAT
+
 _PROJECTIONS = re.compile(
     r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$"
 )

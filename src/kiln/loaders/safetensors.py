@@ -16,6 +16,7 @@ import os
 
 from kiln.loaders.config_checks import HF_KEYS, check_hf_config, check_model_config, is_int, json_type
 from kiln.loaders.quantized import quantized_loaders
+from kiln.loaders.sparse import sparse_loaders
 from kiln.models.config import ModelConfig, ModelLoadError
 from kiln.models.weights import WeightStore
 
@@ -162,5 +163,7 @@ def load_safetensors_dir(directory: str) -> tuple[ModelConfig, WeightStore]:
                 raise ModelLoadError(f"{path}: tensor {name!r} is in more than one shard")
             shape = tuple(handle.get_slice(name).get_shape())
             loaders[name] = (shape, lambda handle=handle, name=name: handle.get_tensor(name))
-    # a quantization_config: each quantized Linear's tensors become one weight (kiln.loaders.quantized)
-    return config, WeightStore(directory, quantized_loaders(hf, loaders, directory))
+    # a quantization_config / sparsity_config: each quantized or 2:4 Linear's tensors become one weight
+    # (kiln.loaders.quantized, kiln.loaders.sparse)
+    loaders = sparse_loaders(hf, quantized_loaders(hf, loaders, directory), directory)
+    return config, WeightStore(directory, loaders)

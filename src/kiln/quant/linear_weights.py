@@ -17,6 +17,8 @@ Every class has `shape` ([out, in] = [N, K]), `dequantize(dtype)` (the float mat
                      scales [N, G] float, zeros uint8 [N, G], group_size; perm int64 [K] or None: the
                      weight's inputs are stored permuted (GPTQ act-order sorted by group), so the
                      kernel reads x[:, perm]. w[:, perm] = dequantize_int4(qweight, scales, zeros).
+    Sparse24Weight   2:4 sparse (kiln.quant.sparse24, `kiln sparsify`): values [N, K/2], meta uint8
+                     [N, ceil(K/8)].                                        -> sparse24_linear
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.quant.int4 import dequantize_int4
+from kiln.quant.sparse24 import Sparse24Weight
 
 
 @dataclass
@@ -121,18 +124,26 @@ class Int4Weight:
         )
 
 
-QUANTIZED_WEIGHT_TYPES = (ScaledWeight, BlockFP8Weight, Int4Weight)
+QUANTIZED_WEIGHT_TYPES = (ScaledWeight, BlockFP8Weight, Int4Weight, Sparse24Weight)
 
 
-def cat_quantized_rows(weights: list) -> ScaledWeight | BlockFP8Weight | Int4Weight | None:
+def cat_quantized_rows(
+    weights: list,
+) -> ScaledWeight | BlockFP8Weight | Int4Weight | Sparse24Weight | None:
     """Stack quantized weights along N (fused QKV, gate/up) when their formats allow it, else None
     (the caller dequantizes). ScaledWeights of one qtype: rows and per-channel scales stack; static
     input scales must agree (q/k/v read the same input, so calibration gives them one scale; the
     largest is taken otherwise, which never clips). BlockFP8Weights: one block size, every part but
-    the last a whole number of block rows. Int4Weights: one group size and the same permutation."""
+    the last a whole number of block rows. Int4Weights: one group size and the same permutation.
+    Sparse24Weights (2:4, kiln.quant.sparse24): kept values and positions stack row-wise."""
     first = weights[0]
     if not all(type(w) is type(first) for w in weights):
         return None
+    if isinstance(first, Sparse24Weight):
+        dtype = functools.reduce(torch.promote_types, [w.values.dtype for w in weights])
+        return Sparse24Weight(
+            torch.cat([w.values.to(dtype) for w in weights]), torch.cat([w.meta for w in weights])
+        )
     if isinstance(first, ScaledWeight):
         if any(
             w.qtype != first.qtype or (w.input_scale is None) != (first.input_scale is None) for w in weights

@@ -11,6 +11,8 @@ is placed on a device, what it computes, and the float64 matrix and activations 
     "w4a16_g<gs>_perm"   + [perm int64 [K]]                            int4_linear on x[:, perm] (act-order)
     "fp8_block<bn>x<bk>" [w e4m3fn [N, K], scale f32 [N/bn, K/bk]]     fp8_block_linear (x quantized per
                                                                        token and bk-group inside the GEMM)
+    "sparse24"           [values [N, K/2] x's dtype, meta uint8        sparse24_linear (2:4 weight expanded
+                          [N, ceil(K/8)]]                              in registers)
 
 W8A8 weights: on CUDA w is the checkpoint's e4m3fn / int8 matrix; on the CPU it is the same values in
 float32 (exact), converted once here rather than on every call as fp8_linear's / int8_linear's CPU
@@ -23,7 +25,9 @@ definition); int8 scale = amax / 127.5 (half the int8 range, 255 / 2; Kiln's qua
 use amax / 127, a different grid: on the tiny test model that alone moved the logits by 16%).
 Block FP8 runs fp8_block_linear on CUDA; on the CPU its layout keeps the dequantized float32 matrix
 (block scales applied once) and quantizes x per token and group as that op does, so both devices
-compute what the checkpoint format says. W4A16 runs int4_linear on CUDA; on the CPU, where PyTorch
+compute what the checkpoint format says. 2:4 sparse weights run sparse24_linear on CUDA and are
+expanded to a dense matrix once at load on the CPU (no CPU sparse GEMM beats the dense one).
+W4A16 runs int4_linear on CUDA; on the CPU, where PyTorch
 has no faster kernel for it than a dense GEMM, the loader dequantizes it once (weight_formats;
 logged), except that `cpu_format="int4"` repacks it into torch's int4 CPU layout where it fits.
 """
@@ -39,8 +43,10 @@ from kiln.ops.gemm.fp8_linear import fp8_linear
 from kiln.ops.gemm.int4_linear import int4_linear
 from kiln.ops.gemm.int8_linear import int8_linear
 from kiln.ops.gemm.quantize_fp8 import quantize_fp8
+from kiln.ops.gemm.sparse24_linear import sparse24_linear
 from kiln.quant.int4 import GROUP_SIZES, dequantize_int4
 from kiln.quant.linear_weights import BlockFP8Weight, Int4Weight, ScaledWeight
+from kiln.quant.sparse24 import Sparse24Weight, decompress_24
 
 FP8_MAX = 448.0
 INT8_HALF_RANGE = 127.5  # (127 - (-128)) / 2: compressed-tensors' symmetric int8 scale divisor
@@ -60,6 +66,7 @@ QUANTIZED_LAYOUTS = {
     **{name: 3 if static else 2 for name, (_, static) in W8A8_LAYOUTS.items()},
     **{name: 4 if perm else 3 for name, (_, perm) in W4A16_LAYOUTS.items()},
     **dict.fromkeys(FP8_BLOCK_LAYOUTS, 2),
+    "sparse24": 2,
 }
 QDTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
@@ -97,6 +104,13 @@ def fp8_block_layout(weight: BlockFP8Weight, device: torch.device) -> tuple[str,
     if device.type == "cpu":
         data, scale = weight.dequantize(torch.float32), torch.ones_like(scale)
     return layout, (data.to(device).contiguous(), scale.to(device).contiguous())
+
+
+def sparse24_layout(
+    weight: Sparse24Weight, device: torch.device, dtype: torch.dtype
+) -> tuple[str, tuple[torch.Tensor, ...]]:
+    """(layout, tensors) of a 2:4 weight on `device`, its kept values in the activation dtype."""
+    return "sparse24", (weight.values.to(device, dtype).contiguous(), weight.meta.to(device).contiguous())
 
 
 # ---- int4 checkpoints in torch's int4 CPU layout (weight_formats' "int4", groups of 32) ------------
@@ -191,6 +205,11 @@ def run_quantized(x, layout, weight, bias, out_dtype):
         return run_w8a8(x, layout, weight, bias, out_dtype)
     if layout in W4A16_LAYOUTS:
         return run_w4a16(x, layout, weight, bias, out_dtype)
+    if layout == "sparse24":
+        values = weight[0]
+        bias = None if bias is None else bias.to(values.dtype)
+        y = sparse24_linear(x.to(values.dtype), values, weight[1], bias)
+        return y.to(out_dtype or x.dtype)
     return run_fp8_block(x, layout, weight, bias, out_dtype)
 
 
@@ -214,6 +233,8 @@ def quantized_matrix(layout: str, tensors, in_features: int | None = None) -> to
         out = torch.empty_like(w)
         out[:, tensors[3]] = w
         return out
+    if layout == "sparse24":
+        return decompress_24(tensors[0], tensors[1], torch.float64)
     bn, bk = FP8_BLOCK_LAYOUTS[layout]
     return BlockFP8Weight(tensors[0], tensors[1], (bn, bk)).dequantize(torch.float64)
 

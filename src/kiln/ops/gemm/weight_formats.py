@@ -14,9 +14,10 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      packing, scales_and_zeros bf16 [K/32, N, 2]] bfloat16 activations
     "gguf_<qtype>"  [uint8 blocks [N, row_bytes] as in the file] kiln.ops.gguf_linear
                     (qtype Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)
-    "fp8_*", "int8_*", "w4a16_*", "fp8_block*": quantized checkpoint weights (compressed-tensors,
-                    block FP8, AWQ, GPTQ), see kiln.ops.gemm.quantized_layouts: fp8_linear /
-                    int8_linear after quantizing x, int4_linear, fp8_block_linear
+    "fp8_*", "int8_*", "w4a16_*", "fp8_block*", "sparse24": quantized checkpoint weights
+                    (compressed-tensors, block FP8, AWQ, GPTQ, `kiln sparsify`'s 2:4), see
+                    kiln.ops.gemm.quantized_layouts: fp8_linear / int8_linear after quantizing x,
+                    int4_linear, fp8_block_linear, sparse24_linear
 
 How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMATS):
   - quantized checkpoint weights (kiln.quant.linear_weights): W8A8 (ScaledWeight) and block FP8
@@ -24,6 +25,8 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     (the CPU keeps the weight's values in float32); W4A16 (Int4Weight) runs int4_linear on CUDA; on
     the CPU it is dequantized once to the dense layouts below (logged once per format), except with
     cpu_format "int4" where torch's int4 CPU packing takes it (quantized_layouts.int4_cpu_packable);
+    2:4 sparse (Sparse24Weight) runs sparse24_linear on CUDA and is expanded to the dense layouts
+    below on the CPU (logged);
   - CUDA: GGUF blocks stay blocks ("gguf_*", the K-quants included); anything else is "dense" in the
     model dtype;
   - CPU, "int4", GGUF Q4_0/Q4_1/Q4_K with N % 16 == 0: "int4". A Q4_1 block w = d*q + m (q in 0..15)
@@ -62,11 +65,13 @@ from kiln.ops.gemm.quantized_layouts import (
     int4_cpu_packable,
     int4_cpu_scales_and_zeros,
     quantized_matrix,
+    sparse24_layout,
     w4a16_layout,
     w8a8_layout,
 )
 from kiln.quant.gguf_blocks import KERNEL_QTYPES, GGUFWeight, dequantize_blocks
 from kiln.quant.linear_weights import QUANTIZED_WEIGHT_TYPES, BlockFP8Weight, Int4Weight, ScaledWeight
+from kiln.quant.sparse24 import Sparse24Weight
 
 CPU_WEIGHT_FORMATS = ("int4", "fp16", "bf16", "fp32", "gguf")
 FORMAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -105,7 +110,7 @@ class PreparedLinearWeight:
     @property
     def kind(self) -> str:
         """How the weight is stored: "gguf" (file blocks), "int4" (repacked nibbles), "fp8" / "int8"
-        (W8A8), "w4a16" (int4_linear), "fp8_block" or "dense"."""
+        (W8A8), "w4a16" (int4_linear), "fp8_block", "sparse24" (2:4) or "dense"."""
         if self.layout in GGUF_LAYOUTS:
             return "gguf"
         if self.layout in W8A8_LAYOUTS:
@@ -114,6 +119,8 @@ class PreparedLinearWeight:
             return "w4a16"
         if self.layout.startswith("fp8_block"):
             return "fp8_block"
+        if self.layout == "sparse24":
+            return "sparse24"
         return "int4" if self.layout == "int4" else "dense"
 
     @property
@@ -123,7 +130,7 @@ class PreparedLinearWeight:
 
 
 def prepare_linear_weight(
-    weight: torch.Tensor | GGUFWeight | ScaledWeight | BlockFP8Weight | Int4Weight,
+    weight: torch.Tensor | GGUFWeight | ScaledWeight | BlockFP8Weight | Int4Weight | Sparse24Weight,
     *,
     device: torch.device,
     dtype: torch.dtype,
@@ -184,6 +191,11 @@ def _prepare_quantized(weight, shape, device, dtype, cpu_format) -> PreparedLine
     if isinstance(weight, BlockFP8Weight):
         layout, tensors = fp8_block_layout(weight, device)
         return PreparedLinearWeight(layout, tensors, shape, None, dtype)
+    if isinstance(weight, Sparse24Weight):
+        if device.type == "cpu":
+            return None
+        layout, tensors = sparse24_layout(weight, device, dtype)
+        return PreparedLinearWeight(layout, tensors, shape, dtype, dtype)
     if device.type != "cpu":
         layout, tensors = w4a16_layout(weight, device)
         return PreparedLinearWeight(layout, tensors, shape, None, dtype)

@@ -31,6 +31,7 @@ from kiln.ops.gemm.quantized_layouts import (
     W8A8_LAYOUTS,
     fp8_block_layout,
     quantized_reference_input,
+    sparse24_layout,
     w4a16_layout,
     w8a8_layout,
 )
@@ -48,6 +49,7 @@ from kiln.quant.gguf_blocks import K_QUANTS, QK_K, GGUFWeight
 from kiln.quant.int4 import quantize_int4
 from kiln.quant.linear_weights import BlockFP8Weight, Int4Weight, ScaledWeight
 from kiln.quant.scaled import quantize_fp8_per_channel, quantize_int8_per_channel
+from kiln.quant.sparse24 import Sparse24Weight, compress_24, prune_24
 
 
 def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
@@ -66,6 +68,8 @@ def _in_features(layout: str, weight) -> int | None:
         return weight[1].shape[0] * INT4_GROUP_SIZE  # scales_and_zeros [K / 32, N, 2]
     if layout in GGUF_LAYOUTS or layout in W4A16_LAYOUTS:
         return None  # validate_gguf_weight / _validate_w4a16 check the packing against x
+    if layout == "sparse24":
+        return 2 * weight[0].shape[1]  # values [N, K/2]
     return weight[0].shape[1]
 
 
@@ -103,6 +107,13 @@ def _validate_quantized(op, layout, weight, K, device) -> None:
             check_tensor(op, "weight[3]", weight[3], ndim=1, dtypes=(torch.int64,), device=device)
             if weight[3].shape[0] != K:
                 raise ValueError(f"{op}: {layout} perm has {weight[3].shape[0]} elements, expected K={K}")
+    elif layout == "sparse24":
+        check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=FLOAT_DTYPES, device=device)
+        check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.uint8,), device=device)
+        if tuple(weight[1].shape) != (n, -(-K // 8)):
+            raise ValueError(
+                f"{op}: sparse24 meta has shape {tuple(weight[1].shape)}, expected ({n}, {-(-K // 8)})"
+            )
     else:
         bn, bk = FP8_BLOCK_LAYOUTS[layout]
         w_dtypes = (torch.float8_e4m3fn, torch.float32)  # float32: the CPU's dequantized copy
@@ -192,7 +203,7 @@ def _make_inputs(shape, dtype, device, generator):
 # "kernel"; the loader's CPU choices for them are tested with the loaders).
 _QUANTIZED_SOURCES = (
     "fp8_dynamic", "fp8_static", "int8_dynamic", "int8_static", "w4a16_g32", "w4a16_g128",
-    "w4a16_g64_perm", "fp8_block128x128",
+    "w4a16_g64_perm", "fp8_block128x128", "sparse24",
 )  # fmt: skip
 
 
@@ -208,6 +219,8 @@ def _quantized_weight(source, N, K, generator):
         qweight, scales, zeros = quantize_int4(weight, group_size)
         perm = torch.randperm(K, generator=generator) if permuted else None
         return Int4Weight(qweight, scales, zeros, group_size, K, perm)
+    if source == "sparse24":
+        return Sparse24Weight(*compress_24(prune_24(weight)))
     bn, bk = FP8_BLOCK_LAYOUTS[source]
     scale = 0.5 + torch.rand((-(-N // bn), -(-K // bk)), generator=generator)
     data = randn((N, K), torch.float32, "cpu", generator, scale=40.0).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -221,6 +234,8 @@ def _make_quantized_inputs(shape, dtype, device, generator):
         layout, tensors = w8a8_layout(weight, device)
     elif isinstance(weight, Int4Weight):
         layout, tensors = w4a16_layout(weight, device)
+    elif isinstance(weight, Sparse24Weight):
+        layout, tensors = sparse24_layout(weight, device, dtype)
     else:
         layout, tensors = fp8_block_layout(weight, device)
     _remember_matrix(tensors[0], weight.dequantize(torch.float32).to(device))
@@ -271,6 +286,8 @@ def _fuzz_shapes(rng):
         n, k = rng.randint(1, 70), rng.randint(1, 300)
         if source.startswith("fp8_block"):
             n, k = rng.randint(100, 300), rng.randint(100, 300)  # partial blocks in both directions
+        if source == "sparse24":
+            k = 4 * rng.randint(1, 75)  # whole groups of four
         for m in (1, rng.randint(2, 40)):
             shapes.append(
                 {"M": m, "N": n, "K": k, "format": "kernel", "source": source, "bias": (i + m) % 2 == 0,
