@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
+from kiln.ops.gemm.dense_baseline import bf16_matmul
 from kiln.ops.gemm.scaled import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from kiln.ops.gemm.shapes import GEMM_TOLERANCE, LLAMA3_8B, gemm_flops
 from kiln.ops.registry import OpSpec, define_op
@@ -127,6 +128,16 @@ def _dequant_matmul(x, w_fp8, w_scale, block_n, block_k, bias=None, out_dtype=to
     return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype)).to(out_dtype)
 
 
+def _bf16_matmul(x, w_fp8, w_scale, block_n, block_k, bias=None, out_dtype=torch.bfloat16):
+    """The same layer as a bf16 GEMM on the dequantized weight (dense_baseline)."""
+    N, K = w_fp8.shape
+
+    def dense():
+        return w_fp8.to(torch.float32) * block_scales(w_scale.float(), N, K, block_n, block_k)
+
+    return bf16_matmul(x, w_fp8, dense, bias)
+
+
 FP8_BLOCK_LINEAR = OpSpec(
     name="fp8_block_linear",
     description="block-scaled FP8 W8A8 GEMM (128x128 weight blocks, x quantized per token and group)",
@@ -141,7 +152,7 @@ FP8_BLOCK_LINEAR = OpSpec(
     flops=gemm_flops,
     bytes=_bytes,
     bench_shapes={"llm": [{"M": m, "N": n, "K": k} for k, n in LLAMA3_8B for m in (1, 16, 256, 2048)]},
-    baselines={"torch_dequant_linear": _dequant_matmul},
+    baselines={"torch_dequant_linear": _dequant_matmul, "torch_bf16_matmul": _bf16_matmul},
     schema=(
         "(Tensor x, Tensor w_fp8, Tensor w_scale, int block_n, int block_k, Tensor? bias=None, "
         "ScalarType out_dtype=bfloat16) -> Tensor"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ops.gemm.dense_baseline import bf16_matmul
 from kiln.ops.gemm.scaled import (
     FP8_DTYPE,
     FP8_MAX,
@@ -59,6 +60,12 @@ def _scaled_mm(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat
     return torch._scaled_mm(x_fp8, w_fp8.T, scale_a=xs, scale_b=ws, bias=bias, out_dtype=out_dtype)
 
 
+def _bf16_matmul(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16):
+    """The same layer as a bf16 GEMM on the dequantized weight (dense_baseline)."""
+    x = x_fp8.to(torch.bfloat16) * x_scale.reshape(-1, 1).to(torch.bfloat16)
+    return bf16_matmul(x, w_fp8, lambda: w_fp8.float() * w_scale.reshape(-1, 1), bias)
+
+
 FP8_LINEAR = OpSpec(
     name="fp8_linear",
     description="(x_fp8 * x_scale) @ (w_fp8 * w_scale)^T (+ bias), per-tensor or per-token x per-channel",
@@ -71,7 +78,7 @@ FP8_LINEAR = OpSpec(
     flops=gemm_flops,
     bytes=scaled_gemm_bytes,
     bench_shapes={"llm": llm_shapes(per_token=True)},
-    baselines={"torch_scaled_mm": _scaled_mm},
+    baselines={"torch_scaled_mm": _scaled_mm, "torch_bf16_matmul": _bf16_matmul},
     schema=(
         "(Tensor x_fp8, Tensor x_scale, Tensor w_fp8, Tensor w_scale, Tensor? bias=None, "
         "ScalarType out_dtype=bfloat16) -> Tensor"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
+from kiln.ops.gemm.dense_baseline import bf16_matmul
 from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
 from kiln.ops.gemm.shapes import GEMM_TOLERANCE, LLAMA3_8B, fuzz_gemm_shapes, gemm_flops, llm_shapes
 from kiln.ops.registry import OpSpec, define_op
@@ -79,6 +80,11 @@ def _torch_dequant_matmul(x, qweight, qtype, bias=None):
     return torch.nn.functional.linear(x, dequantize_blocks(qweight, qtype, x.dtype), bias)
 
 
+def _bf16_matmul(x, qweight, qtype, bias=None):
+    """The same layer as a bf16 GEMM on the dequantized weight (dense_baseline)."""
+    return bf16_matmul(x, qweight, lambda: dequantize_blocks(qweight, qtype, torch.float32), bias)
+
+
 GGUF_LINEAR = OpSpec(
     name="gguf_linear",
     description="fused GGUF block dequant + GEMM (GEMV path for decode)",
@@ -91,7 +97,7 @@ GGUF_LINEAR = OpSpec(
     flops=gemm_flops,
     bytes=lambda s, dtype: packed_bytes(s) + (s["M"] * s["K"] + s["M"] * s["N"]) * element_size(dtype),
     bench_shapes={"llm": _bench_shapes()},
-    baselines={"torch_dequant_matmul": _torch_dequant_matmul},
+    baselines={"torch_dequant_matmul": _torch_dequant_matmul, "torch_bf16_matmul": _bf16_matmul},
     gpu_only_dtypes={"triton": (torch.bfloat16,)},
     schema="(Tensor x, Tensor qweight, str qtype, Tensor? bias=None) -> Tensor",
     validate=validate_gguf_linear,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
+from kiln.ops.gemm.dense_baseline import bf16_matmul
 from kiln.ops.gemm.shapes import GEMM_TOLERANCE, fuzz_gemm_shapes, gemm_flops, llm_shapes
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import element_size, randint, randn, uniform
@@ -81,6 +82,12 @@ def _torch_dequant_matmul(x, qweight, scales, zeros, group_size):
     return x @ dequantize_int4(qweight, scales, zeros, group_size, x.shape[-1], dtype=x.dtype).T
 
 
+def _bf16_matmul(x, qweight, scales, zeros, group_size):
+    """The same layer as a bf16 GEMM on the dequantized weight (dense_baseline)."""
+    K = x.shape[-1]
+    return bf16_matmul(x, qweight, lambda: dequantize_int4(qweight, scales, zeros, group_size, K))
+
+
 INT4_LINEAR = OpSpec(
     name="int4_linear",
     description="W4A16 group-wise asymmetric int4 (packed along K), dequantized in registers",
@@ -94,7 +101,7 @@ INT4_LINEAR = OpSpec(
     flops=gemm_flops,
     bytes=_bytes,
     bench_shapes={"llm": llm_shapes(group_size=128)},
-    baselines={"torch_dequant_matmul": _torch_dequant_matmul},
+    baselines={"torch_dequant_matmul": _torch_dequant_matmul, "torch_bf16_matmul": _bf16_matmul},
     gpu_only_dtypes={"triton": (torch.bfloat16,)},
     schema="(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size) -> Tensor",
     validate=validate_int4_linear,

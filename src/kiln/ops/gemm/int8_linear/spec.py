@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ops.gemm.dense_baseline import bf16_matmul
 from kiln.ops.gemm.scaled import make_scaled_linear_inputs, scaled_linear_fake, validate_scaled_linear
 from kiln.ops.gemm.shapes import (
     GEMM_TOLERANCE,
@@ -48,6 +49,12 @@ def _torch_int_mm(x_int8, x_scale, w_int8, w_scale, bias=None, out_dtype=torch.b
     return (out if bias is None else out + bias).to(out_dtype)
 
 
+def _bf16_matmul(x_int8, x_scale, w_int8, w_scale, bias=None, out_dtype=torch.bfloat16):
+    """The same layer as a bf16 GEMM on the dequantized weight (dense_baseline)."""
+    x = x_int8.to(torch.bfloat16) * x_scale.reshape(-1, 1).to(torch.bfloat16)
+    return bf16_matmul(x, w_int8, lambda: w_int8.float() * w_scale.reshape(-1, 1), bias)
+
+
 INT8_LINEAR = OpSpec(
     name="int8_linear",
     description="W8A8: int32-accumulated int8 GEMM with per-token x per-channel scales (+ bias)",
@@ -60,7 +67,7 @@ INT8_LINEAR = OpSpec(
     flops=gemm_flops,
     bytes=scaled_gemm_bytes,
     bench_shapes={"llm": llm_shapes(per_token=True)},
-    baselines={"torch_int_mm": _torch_int_mm},
+    baselines={"torch_int_mm": _torch_int_mm, "torch_bf16_matmul": _bf16_matmul},
     schema=(
         "(Tensor x_int8, Tensor x_scale, Tensor w_int8, Tensor w_scale, Tensor? bias=None, "
         "ScalarType out_dtype=bfloat16) -> Tensor"
