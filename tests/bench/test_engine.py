@@ -63,7 +63,11 @@ def test_engine_run_reports_machine_config_results_and_summary(tmp_path):
     argv += ["--num-prompts", "2", "--max-tokens", "4", "--prompt-len", "8", "--hf-batches", ""]
     assert main([*argv, "--no-llama-cpp", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert list(report) == ["machine", "environment", "config", "model", "results", "summary"]
+    assert list(report) == ["machine", "environment", "config", "model", "results", "summary", "kiln"]
+    # the layouts of random:tiny's 2 x 4 projections and its LM head; decode ran eagerly
+    layouts = report["kiln"]["weight_layouts"]
+    assert sum(layouts["layers"].values()) == 8 and layouts["lm_head"] in layouts["layers"]
+    assert report["kiln"]["compiled_decode"] is None
     assert report["machine"]["torch_threads"] == torch.get_num_threads()
     assert {"git_commit", "cpu_model", "cpu_flags", "gpu_name"} <= report["environment"].keys()
     # the options of `kiln bench engine` only: none of the op benchmark's (`kiln bench --suite ...`)

@@ -75,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-format", default=None, help="CPU linear weights: int4 | fp16 | bf16 | fp32")
     parser.add_argument("--lm-head-format", default=None, help="CPU LM-head weights: fp16 | bf16 | fp32")
     parser.add_argument(
+        "--compile-cpu-decode",
+        action="store_true",
+        help="CPU: decode through the compiled step (each concurrency's batch size compiles in the warm-up)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -188,16 +193,37 @@ def bench_decode_loop(args, loaded) -> tuple[list[Result], dict]:
     return [result], {"decode_loop_tok_s": wall_tok_s, "decode_loop_cpu_ms_per_token": 1e3 / cpu_tok_s}
 
 
-def bench_kiln(args, loaded, concurrencies: list[int]) -> list[Result]:
+def weight_layouts(model) -> dict:
+    """How the model's linear weights are kept: {layout: count} over its layers, and the LM head's."""
+    layouts: dict[str, int] = {}
+    for name, module in model.named_modules():
+        prepared = getattr(module, "prepared", None)
+        if prepared is not None and name != "lm_head":
+            layouts[prepared.layout] = layouts.get(prepared.layout, 0) + 1
+    head = getattr(getattr(model, "lm_head", None), "prepared", None)
+    return {"layers": layouts, "lm_head": None if head is None else head.layout}
+
+
+def bench_kiln(args, loaded, concurrencies: list[int], info: dict | None = None) -> list[Result]:
+    """Kiln's rows; `info` (when given) gets "compiled_decode": the batch sizes that ran compiled
+    (None without the compiled CPU step, "failed" when it fell back to eager)."""
     from kiln.engine.config import EngineConfig
     from kiln.engine.llm_engine import LLMEngine
 
     max_seqs = max(concurrencies + [1])
+    compile_cpu_decode = bool(getattr(args, "compile_cpu_decode", False))
     engine = LLMEngine(
-        EngineConfig(model=args.model, device=args.device, max_num_seqs=max_seqs), loaded=loaded
+        EngineConfig(
+            model=args.model, device=args.device, max_num_seqs=max_seqs, compile_cpu_decode=compile_cpu_decode
+        ),
+        loaded=loaded,
     )
     vocab = engine.model.config.vocab_size
     _run_engine(engine, _prompts(2, args.prompt_len, vocab, args.seed + 99), 8, "warmup")
+    compiled = engine.runner.compiled_decode
+    if compiled is not None:  # compile every measured batch size before timing
+        for c in concurrencies:
+            _run_engine(engine, _prompts(c, args.prompt_len, vocab, args.seed + 98), 3, f"warmup{c}")
     results = []
     for c in concurrencies:
         tokens, seconds, ttft, tpot = _run_engine(
@@ -213,6 +239,10 @@ def bench_kiln(args, loaded, concurrencies: list[int]) -> list[Result]:
             Result("kiln", "offline", args.num_prompts, tokens, seconds, tokens / seconds, ttft, tpot)
         )
         _progress(results[-1])
+    if info is not None:
+        info["compiled_decode"] = (
+            None if compiled is None else "failed" if compiled.failed else sorted(compiled.compiled_sizes)
+        )
     return results
 
 
@@ -353,7 +383,8 @@ def run(args: argparse.Namespace) -> int:
         return _report(
             args, device, model_path, results, summary, f"engine_spec_{args.speculative}_{device}.json"
         )
-    results = bench_kiln(args, loaded, concurrencies)
+    kiln_info = {"weight_layouts": weight_layouts(loaded.model)}
+    results = bench_kiln(args, loaded, concurrencies, kiln_info)
     del loaded
     if is_random_spec(model_path):
         # no file for HF transformers or llama.cpp to load: only Kiln runs a random-weight model
@@ -371,10 +402,20 @@ def run(args: argparse.Namespace) -> int:
             and model_path.endswith(".gguf")
         ):
             results += bench_llama_cpp(args, model_path, vocab)
-    return _report(args, device, model_path, results, comparisons(results), f"engine_{device}.json")
+    return _report(
+        args, device, model_path, results, comparisons(results), f"engine_{device}.json", kiln_info
+    )
 
 
-def _report(args, device: str, model_path: str, results: list[Result], summary: dict, name: str) -> int:
+def _report(
+    args,
+    device: str,
+    model_path: str,
+    results: list[Result],
+    summary: dict,
+    name: str,
+    kiln_info: dict | None = None,
+) -> int:
     """Print the table and the summary, write the JSON (--json, else bench/results/<name>)."""
     report = {
         "machine": {
@@ -391,6 +432,9 @@ def _report(args, device: str, model_path: str, results: list[Result], summary: 
         "model": model_path,
         "results": [asdict(r) for r in results],
         "summary": summary,
+        # the weight layouts the loader chose (cpu_format None: timed on this host, see
+        # kiln.loaders.cpu_format_probe) and the batch sizes whose decode ran compiled
+        "kiln": kiln_info or {},
     }
     print(markdown(results))
     print()

@@ -9,6 +9,8 @@ import torch
 from kiln.engine.speculative.config import SpeculativeConfig
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32, small on a 24 GiB box
+# EngineConfig.kv_cache_dtype's accepted names -> the cache dtype (None = the model's own)
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -23,10 +25,19 @@ class EngineConfig:
         gpu_memory_utilization share of the GPU left after the model.
     num_kv_blocks: set the number of KV blocks directly (overrides the byte budgets; tests use it).
     max_model_len: longest prompt + output; None = the model's max_position_embeddings, capped by the cache.
-    enforce_eager: on CUDA, skip CUDA-graph capture.
+    enforce_eager: skip CUDA-graph capture on CUDA, and the compiled decode step on the CPU.
+    compile_cpu_decode: on the CPU, decode through a forward compiled per padded batch size
+        (kiln.engine.cpu_compiled_step; each size compiles on its first step, tens of seconds).
     cpu_format, lm_head_format: how the loader keeps CPU linear / LM-head weights ("int4", "fp16",
         "bf16", "fp32"; None = the loader's default), see kiln.models.layers.linear.
     speculative: speculative decoding (kiln.engine.speculative.SpeculativeConfig), None = off.
+    kv_cache_dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn, one byte an
+        element: 2x the blocks of a 16-bit cache, 4x those of a float32 one for the same budget). An
+        fp8 cache has a float32 scale per kv head per layer for keys and for values (stored =
+        value / scale); the scales are 1.0, as vLLM uses when a checkpoint gives none: e4m3's
+        relative precision (2^-4) is the same for any magnitude in [2^-6, 448], and SmolLM2's keys
+        and values (measured peaks 6-20 and 0.4-12) stay inside it; values beyond 448 saturate
+        (docs/contracts.md, "FP8 KV cache", has the greedy-token agreement measured).
     """
 
     model: str | None = None
@@ -41,12 +52,19 @@ class EngineConfig:
     dtype: torch.dtype | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    compile_cpu_decode: bool = False
     seed: int = 0
     cpu_format: str | None = None
     lm_head_format: str | None = None
     speculative: SpeculativeConfig | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"EngineConfig: kv_cache_dtype={self.kv_cache_dtype!r}, expected one of "
+                + ", ".join(repr(name) for name in KV_CACHE_DTYPES)
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"EngineConfig: block_size={self.block_size}, expected a power of two")
         if self.max_num_seqs < 1:
@@ -104,11 +122,17 @@ def num_kv_blocks_for(config: EngineConfig, device: torch.device, block_bytes: i
     return blocks
 
 
+def kv_cache_dtype_for(config: EngineConfig, model) -> torch.dtype:
+    """The dtype the engine allocates `model`'s KV cache in: config.kv_cache_dtype's, or for "auto"
+    the model's own kv_cache_dtype (its activation dtype)."""
+    return KV_CACHE_DTYPES[config.kv_cache_dtype] or model.kv_cache_dtype
+
+
 def num_kv_blocks_for_model(config: EngineConfig, device: torch.device, model) -> int:
-    """How many KV blocks of `model` (its config's layers and kv heads, its kv_cache_dtype) fit the
-    configured budget."""
+    """How many KV blocks of `model` (its config's layers and kv heads, in kv_cache_dtype_for's dtype)
+    fit the configured budget."""
     c = model.config
     block_bytes = kv_block_bytes(
-        c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, model.kv_cache_dtype
+        c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, kv_cache_dtype_for(config, model)
     )
     return num_kv_blocks_for(config, device, block_bytes)

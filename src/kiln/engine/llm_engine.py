@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from kiln.engine.block_manager import BlockManager
-from kiln.engine.config import EngineConfig, num_kv_blocks_for_model
+from kiln.engine.config import EngineConfig, kv_cache_dtype_for, num_kv_blocks_for_model
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.model_runner import ModelInputs, ModelRunner
 from kiln.engine.outputs import EngineStats, RequestOutput
@@ -79,9 +79,13 @@ class LLMEngine:
             config.max_num_seqs,
             self.max_model_len,
             enforce_eager=config.enforce_eager,
+            compile_cpu_decode=config.compile_cpu_decode,
             seed=config.seed,
             before_forward=before_forward,
+            kv_cache_dtype=kv_cache_dtype_for(config, self.model),
         )
+        # per-phase wall time of every step (kiln.engine.step_times); the runner adds its phases
+        self.step_times = self.runner.step_times
         self.proposer = None
         if spec is not None:
             from kiln.engine.speculative import make_proposer
@@ -139,9 +143,15 @@ class LLMEngine:
     # ---- stepping ----
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return outputs of the requests that got a token or finished."""
+        clock = time.perf_counter
+        start = clock()
         outputs = [self._output(seq) for seq in self._aborted]
         self._aborted.clear()
         batch = self.scheduler.schedule()
+        times = self.step_times
+        times.steps += 1
+        scheduled = clock()
+        times.add("schedule", scheduled - start)
         if not batch.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
                 # can't happen while add_request caps prompt + max_tokens at what the cache holds
@@ -155,8 +165,10 @@ class LLMEngine:
             if seq.spec_token_ids:
                 self.spec_verify_steps += 1
                 self.spec_accepted_tokens += len(new) - 1
+        ran = clock()
         advanced = self.scheduler.postprocess(batch, tokens)
-        now = time.perf_counter()
+        now = clock()
+        times.add("postprocess", now - ran)
         new_logprobs = {id(seq): lp for seq, lp in zip(batch.seqs, logprobs, strict=True)}
         first_new = {id(seq): n for seq, n in zip(batch.seqs, num_before, strict=True)}
         for seq in advanced:
@@ -169,6 +181,7 @@ class LLMEngine:
             outputs.append(self._output(seq))
         if self.proposer is not None:
             self.proposer.release_finished()
+        times.add("detokenize", clock() - now)
         return outputs
 
     def _propose(self, batch) -> None:

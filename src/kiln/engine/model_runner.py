@@ -6,6 +6,8 @@ last scheduled token of each sequence whose prefill is complete with this step, 
 verifying k proposed tokens (speculative decoding: its last token plus the k proposals are the
 step's k + 1 queries, attending over its paged cache like a prefill chunk), for all k + 1 of them.
 On CUDA, decode-only steps replay CUDA graphs captured for padded batch sizes 1, 2, 4, 8, 16, 32, 64, ...
+On the CPU with compile_cpu_decode, they run a forward compiled per the same padded sizes
+(kiln.engine.cpu_compiled_step). Each step's phases are timed into `step_times` (kiln.engine.step_times).
 
 One step: prepare (batch -> ModelInputs) -> before_forward hook (tensor parallelism: rank 0
 broadcasts the inputs to the other ranks, which run `execute` on them) -> execute (forward and the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +29,9 @@ import kiln.ops
 from kiln.engine.sampler import Sampler
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.speculative.verify import verify_proposals
+from kiln.engine.step_times import StepTimes
 from kiln.models.attention_metadata import AttentionMetadata
+from kiln.ops.attention.validate import FP8_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +68,24 @@ class ModelInputs:
         )
 
 
+def allocate_layer_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple:
+    """One layer's (key_cache, value_cache) of `shape` [num_blocks, block_size, num_kv_heads, head_dim],
+    plus (k_scale, v_scale) float32 [num_kv_heads] of ones for an fp8 dtype."""
+    # zeros, not empty: masked-out lanes of a partly filled block must not hold NaN bit patterns
+    caches = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    if dtype not in FP8_DTYPES:
+        return caches
+    num_kv_heads = shape[2]
+    return (*caches, *(torch.ones(num_kv_heads, dtype=torch.float32, device=device) for _ in range(2)))
+
+
 class ModelRunner:
     """Owns the model, its paged KV cache and the sampler.
 
     kv_caches: per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
-    of model.kv_cache_dtype on the model's device.
+    of kv_cache_dtype (None = model.kv_cache_dtype) on the model's device; an fp8 cache's layers are
+    (key_cache, value_cache, k_scale, v_scale), the scales float32 [num_kv_heads] (1.0, see
+    EngineConfig.kv_cache_dtype).
     before_forward: called with each step's ModelInputs before the model runs (rank 0 of a
     tensor-parallel group broadcasts them there).
     """
@@ -83,6 +101,8 @@ class ModelRunner:
         enforce_eager: bool = False,
         seed: int = 0,
         before_forward: Callable[[ModelInputs], None] | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
+        compile_cpu_decode: bool = False,
     ):
         self.model = model
         self.before_forward = before_forward
@@ -91,13 +111,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        dtype = model.kv_cache_dtype
-        # zeros, not empty: masked-out lanes of a partly filled block must not hold NaN bit patterns
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_cache_dtype = dtype = kv_cache_dtype or model.kv_cache_dtype
+        self.num_blocks = num_blocks
+        self.kv_caches = [allocate_layer_kv_cache(shape, dtype, device) for _ in range(cfg.num_layers)]
+        logger.info("KV cache: %s", self.kv_cache_description())
         self.sampler = Sampler(device, seed)
+        self.step_times = StepTimes()  # prepare / forward / sample; the engine adds its phases
         self.graphs = None
         if device.type == "cuda" and not enforce_eager:
             from kiln.engine.cuda_graphs import DecodeGraphs
@@ -108,6 +127,20 @@ class ModelRunner:
             except Exception as exc:  # capture needs every op to be graph-safe; eager still works
                 logger.warning("CUDA graph capture failed (%s); running eagerly", exc)
                 self.graphs = None
+        self.compiled_decode = None  # CPU: decode steps through a compiled forward per batch size
+        if device.type == "cpu" and compile_cpu_decode and not enforce_eager:
+            from kiln.engine.cpu_compiled_step import CompiledDecodeSteps
+
+            self.compiled_decode = CompiledDecodeSteps(self, max_num_seqs)
+
+    def kv_cache_description(self) -> str:
+        """One line for the start-up log: blocks, tokens, dtype and bytes of the KV cache."""
+        nbytes = sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
+        dtype = str(self.kv_cache_dtype).removeprefix("torch.")
+        return (
+            f"{self.num_blocks} blocks x {self.block_size} tokens, {dtype}, "
+            f"{nbytes / (1 << 20):.1f} MiB over {len(self.kv_caches)} layers"
+        )
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ModelInputs, list]:
         """Flatten the batch: its ModelInputs, and the sequences of its sample_rows (same order; a
@@ -170,9 +203,13 @@ class ModelRunner:
         parallelism, on rank 0), or None when no row samples. Every rank of a group calls it."""
         metadata = inputs.attn_metadata
         with kiln.ops.trusted_inputs():
+            hidden = None
             if self.graphs is not None and metadata.decode_only and self.graphs.fits(metadata.num_seqs):
                 hidden = self.graphs.run(inputs.input_ids, inputs.positions, metadata)
-            else:
+            compiled = self.compiled_decode
+            if compiled is not None and metadata.decode_only and compiled.fits(metadata.num_seqs):
+                hidden = compiled.run(inputs.input_ids, inputs.positions, metadata)  # None: it failed
+            if hidden is None:
                 hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
             if not inputs.sample_rows:
                 return None
@@ -185,10 +222,16 @@ class ModelRunner:
         """One model step. Returns, per scheduled seq, its new tokens ([] while its prefill is still
         incomplete; a verifying seq's accepted proposals and then one more token) and their logprobs
         entries (None unless requested)."""
+        clock = time.perf_counter
+        start = clock()
         inputs, sample_seqs = self.prepare(batch)
         if self.before_forward is not None:
             self.before_forward(inputs)
+        prepared = clock()
         logits = self.execute(inputs)
+        executed = clock()
+        self.step_times.add("prepare", prepared - start)
+        self.step_times.add("forward", executed - prepared)
         tokens: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[dict[int, float]] | None] = [None] * len(batch)
         if logits is None:
@@ -218,4 +261,5 @@ class ModelRunner:
             for seq, new, lp in zip(spec_seqs, emitted, emitted_logprobs, strict=True):
                 tokens[where[id(seq)]] = new
                 logprobs[where[id(seq)]] = lp
+        self.step_times.add("sample", clock() - executed)  # on CUDA: includes waiting for the forward
         return tokens, logprobs

@@ -27,8 +27,17 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS up to --max-tokens")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        default="auto",
+        help="KV-cache dtype: auto = the model's; fp8 = float8_e4m3fn, 2x the blocks of a 16-bit cache",
+    )
     parser.add_argument(  # tensor parallelism (kiln.distributed; README: Tensor parallelism)
         "--tp", type=int, default=1, help="tensor-parallel processes (spawned here, or under torchrun)"
+    )
+    parser.add_argument(  # expert parallelism (docs/expert_parallel.md)
+        "--ep", type=int, default=1, help="MoE models: N ranks, each holding 1/N of the experts whole"
     )
     add_speculative_arguments(parser)
     parser.set_defaults(func=run)
@@ -55,11 +64,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print("loading model ...", file=sys.stderr, flush=True)
     try:
-        config = EngineConfig(model=args.model, device=args.device, max_num_seqs=1, speculative=speculative)
-        if args.tp > 1:  # tensor parallelism: None on a torchrun rank > 0, which served rank 0 and is done
+        config = EngineConfig(
+            model=args.model,
+            device=args.device,
+            max_num_seqs=1,
+            speculative=speculative,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        if args.tp > 1 or args.ep > 1:  # tensor / expert parallelism: None on a torchrun rank > 0 (done)
             from kiln.distributed.launch import start_engine
 
-            engine = start_engine(config, args.tp)
+            engine = start_engine(config, args.tp, ep_size=args.ep)
             if engine is None:
                 return 0
         else:
@@ -67,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # kiln.models.ModelLoadError is one: names the file and what is wrong
         print(f"kiln generate: {exc}", file=sys.stderr)
         return 2
+    print(f"KV cache: {engine.runner.kv_cache_description()}", file=sys.stderr, flush=True)
     tokenizer = engine.tokenizer
     if args.chat:
         # the prompt is tokenized as text: typed special-token text cannot forge a turn

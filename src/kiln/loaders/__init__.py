@@ -16,6 +16,7 @@ pass the opened Checkpoint to load_model.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+logger = logging.getLogger(__name__)
 
 # How GGUF weights are kept on the CPU by default. fp16 (dequantized once): the Q4/Q8 values are
 # exact in fp16 up to one rounding (2^-11); logits stay within ~1e-2 (relative L2) of HF's fp32.
@@ -145,14 +147,19 @@ def load_model(
     device: where weights and activations live; dtype: activation dtype (default float32 on CPU,
     bfloat16 on CUDA). cpu_format / lm_head_format: how CPU linear weights are stored, one of
     kiln.models.layers.linear.CPU_WEIGHT_FORMATS ("int4" applies to GGUF Q4_0/Q4_1 matrices only,
-    others are kept dense in the model dtype); defaults DEFAULT_CPU_FORMAT / DEFAULT_LM_HEAD_FORMAT for
-    GGUF files, the model dtype for HF checkpoints.
+    others are kept dense in the model dtype), or "auto". None: for GGUF files on the CPU, the format
+    a short timed probe picks on this host (kiln.loaders.cpu_format_probe, cached per CPU model; on
+    failure DEFAULT_CPU_FORMAT / DEFAULT_LM_HEAD_FORMAT), the model dtype for HF checkpoints. "auto":
+    the probe for any checkpoint.
     tp_group: build this rank's shard of the model (kiln.models.sharding: each weight is sliced as it
     is read; ValueError for a model that cannot be split over the group); None = the whole model.
     """
     device = torch.device(device)
     dtype = dtype or _default_dtype(device)
     checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path, device, dtype)
+    cpu_format, lm_head_format = _resolve_cpu_formats(
+        checkpoint, device, dtype, cpu_format, lm_head_format, tp_group
+    )
     kwargs = {"rope_inv_freq": checkpoint.rope_inv_freq} if checkpoint.rope_inv_freq is not None else {}
     with torch.inference_mode(False), torch.no_grad():
         model = checkpoint.model_class(
@@ -160,10 +167,46 @@ def load_model(
             checkpoint.weights,
             device=device,
             dtype=dtype,
-            cpu_format=cpu_format or checkpoint.default_cpu_format,
-            lm_head_format=lm_head_format or checkpoint.default_lm_head_format,
+            cpu_format=cpu_format,
+            lm_head_format=lm_head_format,
             tp_group=tp_group,
             **kwargs,
         )
     model.eval()
     return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, config=checkpoint.config)
+
+
+def _resolve_cpu_formats(
+    checkpoint: Checkpoint,
+    device: torch.device,
+    dtype: torch.dtype,
+    cpu_format: str | None,
+    lm_head_format: str | None,
+    tp_group: TPGroup | None,
+) -> tuple[str | None, str | None]:
+    """The (cpu_format, lm_head_format) the model is built with: explicit ones as given; None / "auto"
+    as load_model's docstring says."""
+
+    def wants_probe(fmt: str | None) -> bool:
+        if device.type != "cpu" or tp_group is not None:
+            return False  # a tensor-parallel rank keeps the default: ranks timing at once measure noise
+        return fmt == "auto" or (fmt is None and checkpoint.default_cpu_format is not None)
+
+    probe_layers, probe_head = wants_probe(cpu_format), wants_probe(lm_head_format)
+    chosen: tuple[str | None, str | None] = (None, None)
+    if probe_layers or probe_head:
+        from kiln.loaders.cpu_format_probe import choose_cpu_formats
+
+        try:
+            chosen = choose_cpu_formats(
+                checkpoint.weights, checkpoint.config, dtype, layers=probe_layers, lm_head=probe_head
+            )
+        except ModelLoadError as exc:  # not a Llama-style layer 0 (MoE, other names): keep the defaults
+            logger.info("CPU format probe skipped for %s: %s", checkpoint.path, exc)
+    cpu_format = chosen[0] if probe_layers else cpu_format
+    lm_head_format = chosen[1] if probe_head else lm_head_format
+    if cpu_format in (None, "auto"):
+        cpu_format = checkpoint.default_cpu_format
+    if lm_head_format in (None, "auto"):
+        lm_head_format = checkpoint.default_lm_head_format
+    return cpu_format, lm_head_format

@@ -110,6 +110,9 @@ class Implementation:
     is_available:  whether it can run for tensors on `device` (None = anywhere at all).
     configs:       the tuning search space for a shape (list of config dicts), or None if untunable.
                    A tunable `fn` accepts a `config: dict | None = None` keyword.
+    traceable:     whether torch.compile may trace into `fn` (plain tensor code, no data-dependent
+                   Python such as `.tolist()`). When False, a compiled caller gets the op as one opaque
+                   node, `torch.ops.kiln.<name>`, which runs `fn` eagerly (kiln.engine.cpu_compiled_step).
     """
 
     name: str
@@ -117,6 +120,7 @@ class Implementation:
     is_available: Callable[[torch.device | None], bool] = always_available
     configs: Callable[[Shape, torch.dtype], list[dict]] | None = None
     description: str = ""
+    traceable: bool = True
 
 
 @dataclass
@@ -176,6 +180,7 @@ class OpSpec:
     def __post_init__(self) -> None:
         self._selected: dict[tuple, Implementation] = {}
         self.source_file: str | None = None
+        self.has_untraceable = False  # an implementation is not `traceable` (checked per call)
 
     # ---- implementations -------------------------------------------------------------------------
 
@@ -183,6 +188,7 @@ class OpSpec:
         if impl.name in self.implementations:
             raise ValueError(f"{self.name}: implementation {impl.name!r} registered twice")
         self.implementations[impl.name] = impl
+        self.has_untraceable = self.has_untraceable or not impl.traceable
         self._selected.clear()
         return impl
 
@@ -375,6 +381,8 @@ def define_op(spec: OpSpec, module: str | None = None) -> Callable[..., Any]:
         # Trusted (the engine's forward): a flag, then the cached dispatch in OpSpec.__call__.
         if not getattr(state, "trusted", False):
             spec.check(*args, **kwargs)
+        if spec.has_untraceable and torch.compiler.is_compiling() and not _traceable(spec, args, kwargs):
+            return _opaque_call(spec, args, kwargs)
         return spec(*args, **kwargs)
 
     public.__name__ = public.__qualname__ = spec.name
@@ -400,11 +408,29 @@ def _define_custom_op(spec: OpSpec, public: Callable[..., Any]) -> None:
         return result
 
     def fake(*args: Any, **kwargs: Any) -> Any:
-        bound = spec.check(*args, **kwargs)
+        # traced inside trusted_inputs() (the engine's compiled decode step): shapes only, no checks
+        bound = spec.check(*args, **kwargs) if validating() else spec.bind(args, kwargs)
         return spec.fake(*bound)
 
     _LIBRARY.impl(spec.name, real, "CompositeExplicitAutograd")
     torch.library.register_fake(f"kiln::{spec.name}", fake, lib=_LIBRARY)
+
+
+def _traceable(spec: OpSpec, args: tuple, kwargs: dict) -> bool:
+    """Whether the implementation this call dispatches to may be traced by torch.compile (evaluated
+    while tracing only, so it costs nothing at run time)."""
+    tensor = _first_tensor(args, kwargs)
+    device, dtype = (None, None) if tensor is None else (tensor.device, tensor.dtype)
+    return spec.select(device, dtype=dtype).traceable
+
+
+def _opaque_call(spec: OpSpec, args: tuple, kwargs: dict) -> Any:
+    """The call as its custom op (one graph node; its implementation runs eagerly), returning what the
+    public function returns."""
+    result = getattr(torch.ops.kiln, spec.name)(*args, **kwargs)
+    if spec.public_result is None:
+        return result
+    return spec.public_result(result, spec.bind(args, kwargs))
 
 
 def _op_result_from_public(result: Any) -> Any:

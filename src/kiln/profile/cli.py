@@ -27,6 +27,12 @@ def add_parser(subparsers) -> None:
         help="engine model: GGUF, HF dir or random:<preset> (default: embedded SmolLM2)",
     )
     p.add_argument("--batch", type=int, default=4, help="engine: concurrent requests")
+    p.add_argument(
+        "--compile-cpu-decode",
+        action="store_true",
+        help="engine on the CPU: decode through the compiled step (kiln.engine.cpu_compiled_step)",
+    )
+    p.add_argument("--timed-steps", type=int, default=5, help="engine: unprofiled decode steps timed")
     p.add_argument("--trace", default=None, help="write a Chrome trace (chrome://tracing, Perfetto) here")
     p.add_argument("--top", type=int, default=30, help="kernels to list")
     p.set_defaults(func=run)
@@ -35,6 +41,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kiln.profile.engine_step import format_phases
     from kiln.profile.gap import format_gaps, format_kernels, format_ops
 
     try:
@@ -42,7 +49,13 @@ def run(args: argparse.Namespace) -> int:
             from kiln.profile.engine_step import profile_engine_step
 
             engine_profile = profile_engine_step(
-                args.model, args.batch, args.steps or 1, args.trace, device=args.device
+                args.model,
+                args.batch,
+                args.steps or 1,
+                args.trace,
+                device=args.device,
+                timed_steps=args.timed_steps,
+                compile_cpu_decode=args.compile_cpu_decode,
             )
             report = engine_profile.report
         else:
@@ -77,9 +90,12 @@ def run(args: argparse.Namespace) -> int:
         p = engine_profile
         print(
             f"\ndecode step at batch {p.batch}: {p.decode_step_ms:.2f} ms, {p.decode_tok_s:.1f} tok/s "
-            f"(unprofiled)\nkernel time in Kiln kernels (Triton): {100 * p.kiln_share:.1f}%; "
+            f"(unprofiled{', compiled' if p.compiled_decode else ''})\n"
+            f"kernel time in Kiln kernels (Triton): {100 * p.kiln_share:.1f}%; "
             f"mapped to Kiln ops: {100 * p.op_share:.1f}%"
         )
+        if p.phase_ms:
+            print("\n" + format_phases(p.phase_ms))
     if report.trace_path:
         print(f"\nwrote Chrome trace {report.trace_path}")
     return 0

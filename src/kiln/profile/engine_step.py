@@ -30,7 +30,9 @@ PROMPT = "Write a short poem about a kiln firing clay into stoneware."
 class EngineStepProfile:
     """report: the profiled decode steps. decode_step_ms / decode_tok_s: one unprofiled decode step of
     the whole batch (mean over `timed_steps`) and batch / that time. kiln_share: fraction of kernel time
-    in Kiln's Triton kernels; op_share: fraction mapped to a registered Kiln op."""
+    in Kiln's Triton kernels; op_share: fraction mapped to a registered Kiln op. phase_ms: the
+    timed steps' mean wall time per phase (kiln.engine.step_times: schedule, prepare, forward, sample,
+    postprocess, detokenize). compiled_decode: the CPU decode step ran compiled."""
 
     report: ProfileReport
     batch: int
@@ -38,6 +40,8 @@ class EngineStepProfile:
     decode_tok_s: float
     kiln_share: float
     op_share: float
+    phase_ms: dict[str, float] | None = None
+    compiled_decode: bool = False
 
 
 def kiln_triton_kernel_names() -> set[str]:
@@ -90,10 +94,12 @@ def profile_engine_step(
     trace: str | None = None,
     device: str | None = None,
     timed_steps: int = 5,
+    compile_cpu_decode: bool = False,
 ) -> EngineStepProfile:
     """Prefill `batch` identical-length requests, take one warm-up decode step, time `timed_steps`
     decode steps, then profile `steps` more (each one `engine.step()` covering the whole batch).
-    model: a GGUF file, HF dir or `random:<preset>`; device: cpu | cuda (default: cuda when present)."""
+    model: a GGUF file, HF dir or `random:<preset>`; device: cpu | cuda (default: cuda when present).
+    compile_cpu_decode: EngineConfig's (the warm-up step compiles the batch's size)."""
     try:
         import kiln.engine as engine_module
     except ModuleNotFoundError as exc:
@@ -105,7 +111,9 @@ def profile_engine_step(
         max_tokens=steps + timed_steps + 8, temperature=0.0, ignore_eos=True
     )
     engine = engine_module.LLMEngine(
-        engine_module.EngineConfig(model=model, device=resolved, max_num_seqs=max(batch, 1))
+        engine_module.EngineConfig(
+            model=model, device=resolved, max_num_seqs=max(batch, 1), compile_cpu_decode=compile_cpu_decode
+        )
     )
     waiting = {f"profile-{i}" for i in range(batch)}
     for request_id in sorted(waiting):
@@ -114,11 +122,14 @@ def profile_engine_step(
         waiting -= {out.request_id for out in engine.step()}
     engine.step()  # warm-up decode step
     _sync(resolved)
+    engine.step_times.reset()
     start = time.perf_counter()
     for _ in range(timed_steps):
         engine.step()
     _sync(resolved)
     step_s = (time.perf_counter() - start) / max(timed_steps, 1)
+    phase_ms = engine.step_times.per_step_ms()
+    compiled = engine.runner.compiled_decode
 
     def step():
         with profile_range("engine.step"):
@@ -135,4 +146,16 @@ def profile_engine_step(
         decode_tok_s=batch / step_s if timed_steps > 0 else 0.0,
         kiln_share=kiln_share,
         op_share=op_share,
+        phase_ms=phase_ms,
+        compiled_decode=compiled is not None and bool(compiled.compiled_sizes) and not compiled.failed,
     )
+
+
+def format_phases(phase_ms: dict[str, float]) -> str:
+    """The per-step phase table: milliseconds per phase, then the engine's own overhead (every phase
+    but the forward) as one line."""
+    lines = ["engine step phases (ms per step, unprofiled steps):"]
+    lines += [f"  {phase:<12} {ms:8.3f}" for phase, ms in phase_ms.items()]
+    overhead = sum(ms for phase, ms in phase_ms.items() if phase != "forward")
+    lines.append(f"  {'overhead':<12} {overhead:8.3f}   (all but forward)")
+    return "\n".join(lines)

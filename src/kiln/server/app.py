@@ -55,6 +55,10 @@ def create_app(
     The engine loop thread starts with the app (lifespan) and stops with it.
     """
     metrics = ServerMetrics()
+    runner = getattr(engine, "runner", None)
+    if runner is not None:  # an LLMEngine: its KV cache is known (and its block count) before any step
+        metrics.set_kv_cache(str(runner.kv_cache_dtype).removeprefix("torch."), runner.block_size)
+        metrics.set_engine_stats(engine.stats())
     async_engine = AsyncEngine(engine, metrics, max_queue)
     serving = OpenAIServing(async_engine, model_name, allow_special_tokens_in_chat)
     counter = itertools.count()

@@ -40,10 +40,19 @@ def add_parser(subparsers) -> None:
         "--kv-cache-bytes", type=int, default=None, help="KV-cache budget (default: engine's)"
     )
     parser.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        default="auto",
+        help="KV-cache dtype: auto = the model's; fp8 = float8_e4m3fn, 2x the blocks of a 16-bit cache",
+    )
     parser.add_argument("--served-model-name", default=None, help="the model id clients send")
     parser.add_argument("--log-level", default="info")
     parser.add_argument(  # tensor parallelism (kiln.distributed; README: Tensor parallelism)
         "--tp", type=int, default=1, help="tensor-parallel processes (spawned here, or under torchrun)"
+    )
+    parser.add_argument(  # expert parallelism (docs/expert_parallel.md)
+        "--ep", type=int, default=1, help="MoE models: N ranks, each holding 1/N of the experts whole"
     )
     add_speculative_arguments(parser)
     parser.set_defaults(func=run)
@@ -73,16 +82,17 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             device=args.device,
             speculative=speculative_config_from_args(args),
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     except ValueError as exc:
         print(f"kiln serve: {exc}", file=sys.stderr)
         return 2
     print("kiln serve: loading model ...", file=sys.stderr, flush=True)
     try:
-        if args.tp > 1:  # tensor parallelism: None on a torchrun rank > 0, which served rank 0 and is done
+        if args.tp > 1 or args.ep > 1:  # tensor / expert parallelism: None on a torchrun rank > 0 (done)
             from kiln.distributed.launch import start_engine
 
-            engine = start_engine(config, args.tp)
+            engine = start_engine(config, args.tp, ep_size=args.ep)
             if engine is None:
                 return 0
         else:
@@ -90,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     except ModelLoadError as exc:  # a bad model file: its one-line, named error is the whole story
         print("kiln serve: " + " ".join(str(exc).splitlines()), file=sys.stderr)
         return 1
+    print(f"kiln serve: KV cache: {engine.runner.kv_cache_description()}", file=sys.stderr, flush=True)
     name = args.served_model_name or served_model_name(args.model)
     app = create_app(
         engine,

@@ -138,6 +138,16 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.engine_errors = Counter("kiln_engine_errors", "engine steps that raised", registry=self.registry)
+        self.kv_cache_info = Gauge(
+            "kiln_kv_cache_info",
+            "the KV cache's element dtype and tokens per block (value 1; blocks: kiln_kv_cache_blocks_total)",
+            ["dtype", "block_size"],
+            registry=self.registry,
+        )
+
+    def set_kv_cache(self, dtype: str, block_size: int) -> None:
+        """Record the KV cache's dtype name ("float8_e4m3fn", "bfloat16", ...) and block size."""
+        self.kv_cache_info.labels(dtype, str(block_size)).set(1)
 
     def set_engine_stats(self, stats: EngineStats) -> None:
         self._engine.stats = stats

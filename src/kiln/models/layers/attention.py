@@ -29,7 +29,8 @@ class PagedAttention(torch.nn.Module):
     num_heads, num_kv_heads: this rank's (all of them in one process); q [num_heads * head_dim, hidden],
     k and v [num_kv_heads * head_dim, hidden], o [hidden, num_heads * head_dim]: this rank's slices.
     kv_cache: (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; this
-    step's keys and values are written into it in place.
+    step's keys and values are written into it in place. A float8_e4m3fn cache comes with its scales:
+    (key_cache, value_cache, k_scale, v_scale), float32 [num_kv_heads] (stored = value / scale).
     scale: the attention scores' scale (None = head_dim ** -0.5; Gemma 3: query_pre_attn_scalar ** -0.5).
     qk_norm: (q_weight, k_weight), each [head_dim]: RMSNorm every q and k head (eps `qk_norm_eps`)
     before RoPE, fused with it in `kiln.ops.qk_norm_rope` (Qwen3); None = RoPE only.
@@ -91,8 +92,14 @@ class PagedAttention(torch.nn.Module):
             q, k = kiln.ops.qk_norm_rope(
                 positions, q, k, q_weight, k_weight, self.rotary.cos_sin_cache, self.qk_norm_eps, True
             )
-        key_cache, value_cache = kv_cache
-        kiln.ops.write_kv_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        key_cache, value_cache, *scales = kv_cache
+        k_scale, v_scale = scales or (None, None)
+        kiln.ops.write_kv_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping, k_scale, v_scale)
+        out_dtype = q.dtype
+        if k_scale is not None and q.device.type != "cpu":
+            # The GPU kernels read fp8 pages as float16 next to float16 queries (the combination they
+            # are verified in); the CPU kernels compute in float32 whatever q is.
+            q = q.to(torch.float16)
         if attn_metadata.decode_only:
             out = kiln.ops.paged_decode_attention(
                 q,
@@ -102,6 +109,8 @@ class PagedAttention(torch.nn.Module):
                 attn_metadata.seq_lens,
                 scale=self.scale,
                 sliding_window=self.sliding_window,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         else:
             out = kiln.ops.paged_prefill_attention(
@@ -114,5 +123,7 @@ class PagedAttention(torch.nn.Module):
                 attn_metadata.max_seqlen_q,
                 scale=self.scale,
                 sliding_window=self.sliding_window,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.to(out_dtype).reshape(num_tokens, self.q_size))

@@ -100,4 +100,5 @@ def paged_decode_attention_cpu(
     )
 
 
-PAGED_DECODE_ATTENTION.register(Implementation("cpu", paged_decode_attention_cpu, cpu_only))
+# traceable=False: the gathered context length comes from seq_lens (a host value per step)
+PAGED_DECODE_ATTENTION.register(Implementation("cpu", paged_decode_attention_cpu, cpu_only, traceable=False))

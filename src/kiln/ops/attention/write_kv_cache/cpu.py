@@ -29,4 +29,5 @@ def write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping, k_scale
             cache[slot_mapping // block_size, slot_mapping % block_size] = data
 
 
-WRITE_KV_CACHE.register(Implementation("cpu", write_kv_cache_cpu, cpu_only))
+# traceable=False: the padding filter is data-dependent; a compiled decode step calls it as one node
+WRITE_KV_CACHE.register(Implementation("cpu", write_kv_cache_cpu, cpu_only, traceable=False))

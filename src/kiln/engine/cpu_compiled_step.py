@@ -1,0 +1,168 @@
+"""Compiled CPU decode steps: the CPU counterpart of kiln.engine.cuda_graphs.
+
+An eager decode step of a small model spends a large share of its time in Python: module calls,
+views, and the dispatch of every `kiln.ops` call (about ten per layer). Here the model's decode
+forward is compiled once per padded batch size (the same sizes as the CUDA graphs: 1, 2, 4, 8, then
+multiples of 16) with torch.compile and inductor, static shapes, and replayed per step. Dynamo traces
+through the public ops into their CPU implementations, so norms, projections, RoPE and the gated
+activation become generated code calling ATen / oneDNN directly. Implementations that are not
+`traceable` (kiln.ops.registry: the KV-cache write and paged decode attention, whose work depends on
+the step's context lengths) stay one opaque node each, `torch.ops.kiln.<op>`, run eagerly.
+
+Inputs live in static buffers, padded exactly as the CUDA graphs pad them: slot -1 writes nothing,
+seq_len 1 over block 0 reads one harmless slot. A bucket is compiled on its first step (compiling
+takes tens of seconds on a small CPU, far too long to do every bucket up front). A compile or run
+that fails is recorded in kiln.fallbacks (CPU_COMPILE_TO_EAGER), logged, and that step and every
+later one run eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from kiln import fallbacks
+from kiln.engine.cuda_graphs import graph_batch_sizes
+from kiln.models.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+CPU_COMPILE_TO_EAGER = "cpu_compile->eager"  # kiln.fallbacks kind: the compiled decode step failed
+
+# Inductor options of every compile. pattern_matcher off: its oneDNN fusions rewrite
+# mkldnn._linear_pointwise (Kiln's packed weights) into forms that only lower for weights inductor
+# froze itself; Kiln's layers are fused by hand already.
+INDUCTOR_OPTIONS = {"pattern_matcher": False}
+
+
+@functools.cache
+def _lower_runtime_packed_linear() -> None:
+    """Let inductor compile mkldnn._linear_pointwise on weights that are graph inputs.
+
+    Inductor's lowering of that op accepts only weights it packed itself (constants of a frozen
+    graph); Kiln packs at load (kiln.ops.gemm.weight_formats), so its weights are inputs. For those,
+    this lowers the op as an external call of the same ATen kernel (what eager runs); constant
+    weights keep inductor's own lowering."""
+    from torch._inductor import lowering
+    from torch._inductor.virtualized import V
+
+    op = torch.ops.mkldnn._linear_pointwise.default
+    own = lowering.lowerings.pop(op, None)
+    lowering.make_fallback(op, warn=False)
+    extern = lowering.lowerings[op]
+    if own is None:
+        return
+
+    def lower(x, weight, *args, **kwargs):
+        if weight.get_name() in V.graph.constants:
+            return own(x, weight, *args, **kwargs)
+        return extern(x, weight, *args, **kwargs)
+
+    lowering.lowerings[op] = lower
+
+
+# the compiled function's tensor arguments (CompiledDecodeSteps._decode_forward)
+STEP_ARGUMENTS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q")
+
+
+def _argument_guards_only(entries) -> list[bool]:
+    """Dynamo guard filter: keep the guards on the step's input tensors (their shapes pick the batch
+    size's graph) and on global state (grad mode and the like); drop those on the model, its weights
+    and the KV cache, which are fixed for the runner's life (checking them cost ~60 us a step on the
+    2-layer test model). Each CompiledDecodeSteps compiles in isolation (isolate_recompiles), so no
+    other runner's graph can match."""
+    return [entry.name in STEP_ARGUMENTS or entry.name == "" for entry in entries]
+
+
+class CompiledDecodeSteps:
+    """Decode-only steps of `runner.model` through a compiled forward per padded batch size.
+
+    runner: the ModelRunner (its model, kv_caches, block_size, max_model_len); max_num_seqs: the largest
+    batch to serve (the last size covers it). compile_fn: torch.compile's stand-in (tests pass one
+    that fails). `failed` turns True after a failure; the runner then decodes eagerly.
+    """
+
+    def __init__(self, runner, max_num_seqs: int, compile_fn=torch.compile):
+        self.runner = runner
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        max_bs = self.sizes[-1]
+        max_blocks = -(-runner.max_model_len // runner.block_size)
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64)
+        self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32)
+        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32)
+        self.compiled_sizes: set[int] = set()
+        self.failed = False
+        _lower_runtime_packed_linear()
+        # one compiled callable: dynamo compiles it again for each batch size (static shapes)
+        self._forward = compile_fn(
+            self._decode_forward,
+            dynamic=False,
+            fullgraph=True,
+            recompile_limit=max(8, len(self.sizes)),
+            isolate_recompiles=True,
+            options={**INDUCTOR_OPTIONS, "guard_filter_fn": _argument_guards_only},
+        )
+
+    def _decode_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+    ) -> torch.Tensor:
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=1,
+            max_seqlen_k=self.runner.max_model_len,  # a constant, as in the CUDA graphs
+            decode_only=True,
+        )
+        return self.runner.model.forward(input_ids, positions, self.runner.kv_caches, metadata)
+
+    def fits(self, num_seqs: int) -> bool:
+        return not self.failed and num_seqs <= self.sizes[-1]
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """hidden [n, hidden_size] for a decode-only step of n <= sizes[-1] sequences, or None when
+        the compiled step failed (recorded; the caller runs this step eagerly). Call inside
+        kiln.ops.trusted_inputs() and inference mode, as the eager forward."""
+        n = input_ids.shape[0]
+        bs = next(s for s in self.sizes if s >= n)
+        width = metadata.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(metadata.slot_mapping)
+        self.slot_mapping[n:bs].fill_(-1)
+        self.seq_lens[:n].copy_(metadata.seq_lens)
+        self.seq_lens[n:bs].fill_(1)
+        self.block_tables[:bs].zero_()
+        self.block_tables[:n, :width].copy_(metadata.block_tables)
+        args = (
+            self.input_ids[:bs],
+            self.positions[:bs],
+            self.slot_mapping[:bs],
+            self.block_tables[:bs],
+            self.seq_lens[:bs],
+            self.cu_seqlens_q[: bs + 1],
+        )
+        try:
+            hidden = self._forward(*args)
+        except Exception as exc:  # compile errors surface on a size's first call
+            self.failed = True
+            detail = f"CompiledDecodeSteps(batch size {bs}): {exc!r}"
+            fallbacks.record(CPU_COMPILE_TO_EAGER, detail[:2000])
+            logger.warning("compiled CPU decode step failed (%s); decoding eagerly", detail[:500])
+            return None
+        self.compiled_sizes.add(bs)
+        return hidden[:n]

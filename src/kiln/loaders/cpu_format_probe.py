@@ -1,0 +1,187 @@
+"""The CPU weight format chosen by measurement on this host, once, then cached.
+
+Which format decodes fastest depends on the CPU: PyTorch's fp16 GEMV beats oneDNN's packed fp32 on
+one AVX-512 machine and loses on another; packed bf16 needs AVX512-BF16 / AMX to pay off. So at load
+on the CPU, when no format is given, `choose_cpu_formats` times `kiln.ops.prepared_linear` on the
+model's own layer-0 projections (fused QKV, o_proj, fused gate/up, down_proj; and separately the LM
+head), one-row inputs (single-stream decode, where the formats differ most: several-row inputs run
+the same packed fp32 copy under "fp16" and "fp32"), in each candidate format, and keeps the fastest.
+
+Candidates (`KILN_CPU_FORMATS`, comma-separated, overrides them): "fp16" and "fp32" by default, the
+formats whose greedy tokens stay those of the checkpoint (fp16 holds GGUF block values to one rounding,
+fp32 exactly). "bf16" and "int4" (GGUF Q4 weights only) round activations to bfloat16 (~3e-2 logit
+error, flipping near-tied greedy choices), so they are candidates only when asked for:
+`KILN_CPU_FORMATS=fp16,fp32,bf16,int4`.
+
+The choice is cached in Kiln's tuning cache (kiln.ops.tuned_configs, `$KILN_TUNE_CACHE`), keyed by CPU
+model, thread count, torch version, the candidates and the shapes and block type timed; a later load
+reads it without timing anything. `KILN_CPU_FORMAT_PROBE=1` re-times and overwrites it; an explicit
+cpu_format skips all of this. An unreadable cache or entry is ignored with a warning (and re-timed).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import time
+import warnings
+
+import torch
+
+import kiln.ops
+from kiln.models.weights import GGUFWeight, WeightStore, cat_rows
+from kiln.ops import tuned_configs
+from kiln.ops.gemm.weight_formats import CPU_WEIGHT_FORMATS, INT4_QTYPES, prepare_linear_weight
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CANDIDATES = ("fp16", "fp32")
+CACHE_OP = "cpu_weight_format"  # the tuning cache's "op" of these entries
+REPEATS = 5  # timed passes per format; the median counts
+
+
+@functools.cache
+def cpu_model_name() -> str:
+    """The CPU's model name (/proc/cpuinfo "model name"; platform.processor() elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def candidate_formats(weights: list) -> tuple[str, ...]:
+    """The formats to time for `weights` (float tensors or GGUFWeights): KILN_CPU_FORMATS or
+    DEFAULT_CANDIDATES, without "int4" unless every weight is a GGUF Q4 matrix, without "gguf"."""
+    names = os.environ.get("KILN_CPU_FORMATS")
+    wanted = tuple(n.strip() for n in names.split(",") if n.strip()) if names else DEFAULT_CANDIDATES
+    unknown = [n for n in wanted if n not in CPU_WEIGHT_FORMATS]
+    if unknown:
+        raise ValueError(
+            f"KILN_CPU_FORMATS: unknown format(s) {unknown}, expected some of {CPU_WEIGHT_FORMATS}"
+        )
+    q4 = all(isinstance(w, GGUFWeight) and w.qtype in INT4_QTYPES for w in weights)
+    return tuple(n for n in wanted if n != "gguf" and (n != "int4" or q4))
+
+
+def time_call(fn, repeats: int = REPEATS) -> float:
+    """Median wall seconds of `fn()` over `repeats` runs after one warm-up (tests replace this)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _describe(weights: list) -> str:
+    parts = []
+    for w in weights:
+        kind = w.qtype if isinstance(w, GGUFWeight) else str(w.dtype).removeprefix("torch.")
+        parts.append(f"{w.shape[0]}x{w.shape[1]}:{kind}")
+    return ",".join(parts)
+
+
+def _time_format(weights: list, fmt: str, dtype: torch.dtype) -> float:
+    """Seconds for one pass of one-row prepared_linear calls over `weights` kept as `fmt`."""
+    prepared = [
+        prepare_linear_weight(w, device=torch.device("cpu"), dtype=dtype, cpu_format=fmt) for w in weights
+    ]
+    inputs = [torch.randn(1, p.shape[1], dtype=dtype) for p in prepared]
+
+    def one_pass():
+        with torch.inference_mode(), kiln.ops.trusted_inputs():
+            for p, x in zip(prepared, inputs, strict=True):
+                kiln.ops.prepared_linear(x, p.layout, p.tensors, None, None)
+
+    return time_call(one_pass)
+
+
+def choose_format(weights: list, dtype: torch.dtype, role: str) -> str:
+    """The fastest candidate format for `weights` (one layer's matrices, or the LM head) on this CPU,
+    from the cache when it has this key, else timed and stored. role: "layers" or "lm_head"."""
+    candidates = candidate_formats(weights)
+    if len(candidates) == 1:
+        return candidates[0]
+    key_shape = {
+        "role": role,
+        "cpu": cpu_model_name(),
+        "threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "candidates": ",".join(candidates),
+        "weights": _describe(weights),
+    }
+    cpu = torch.device("cpu")
+    if os.environ.get("KILN_CPU_FORMAT_PROBE", "0") in ("", "0"):
+        try:
+            cached = tuned_configs.lookup(CACHE_OP, dtype, key_shape, device=cpu)
+        except ValueError as exc:  # the cache file itself is unreadable
+            warnings.warn(f"CPU format probe: ignoring the tuning cache ({exc})", stacklevel=2)
+            cached = None
+        if cached is not None:
+            choice = cached.get("cpu_format")
+            if choice in candidates:
+                return choice
+            warnings.warn(
+                f"CPU format probe: ignoring a cached entry with cpu_format {choice!r} (candidates "
+                f"{candidates}); timing again",
+                stacklevel=2,
+            )
+    seconds = {fmt: _time_format(weights, fmt, dtype) for fmt in candidates}
+    choice = min(seconds, key=seconds.get)
+    logger.info(
+        "CPU format probe (%s, %s): %s -> %s",
+        role,
+        key_shape["cpu"],
+        ", ".join(f"{f} {1e3 * s:.3f} ms" for f, s in seconds.items()),
+        choice,
+    )
+    meta = {"ms": {f: round(1e3 * s, 4) for f, s in seconds.items()}}
+    try:
+        tuned_configs.store(CACHE_OP, dtype, key_shape, {"cpu_format": choice}, meta=meta, device=cpu)
+    except (ValueError, OSError) as exc:
+        warnings.warn(f"CPU format probe: could not cache the choice ({exc})", stacklevel=2)
+    return choice
+
+
+def layer_weights(weights: WeightStore, config, dtype: torch.dtype) -> list:
+    """Layer 0's projections as the model fuses them: QKV, o_proj, gate/up, down_proj."""
+    c, p = config, "model.layers.0."
+    hidden, q_size, kv_size = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    inter = c.intermediate_size
+    attn = [weights.get(p + f"self_attn.{n}_proj.weight", (size, hidden)) for n, size in
+            (("q", q_size), ("k", kv_size), ("v", kv_size))]  # fmt: skip
+    return [
+        cat_rows(attn, dtype),
+        weights.get(p + "self_attn.o_proj.weight", (hidden, q_size)),
+        cat_rows([weights.get(p + f"mlp.{n}_proj.weight", (inter, hidden)) for n in ("gate", "up")], dtype),
+        weights.get(p + "mlp.down_proj.weight", (hidden, inter)),
+    ]
+
+
+def lm_head_weight(weights: WeightStore, config):
+    """The LM head's matrix (the embedding when tied)."""
+    name = "lm_head.weight"
+    if config.tie_word_embeddings and name not in weights:
+        name = "model.embed_tokens.weight"
+    return weights.get(name, (config.vocab_size, config.hidden_size))
+
+
+def choose_cpu_formats(
+    weights: WeightStore, config, dtype: torch.dtype, *, layers: bool = True, lm_head: bool = True
+) -> tuple[str | None, str | None]:
+    """(cpu_format, lm_head_format) picked by measurement (see the module docstring); None for a part
+    not asked for (`layers` / `lm_head` False) or whose weights cannot be read as one matrix each."""
+    chosen_layers = chosen_head = None
+    with torch.inference_mode(False), torch.no_grad():
+        if layers:
+            chosen_layers = choose_format(layer_weights(weights, config, dtype), dtype, "layers")
+        if lm_head:
+            chosen_head = choose_format([lm_head_weight(weights, config)], dtype, "lm_head")
+    return chosen_layers, chosen_head

@@ -1,0 +1,97 @@
+"""The compiled CPU decode step (kiln.engine.cpu_compiled_step) against the eager forward, on a tiny
+random fp32 Llama: same logits step after step, padded batch sizes included, and a failing compile
+falls back to eager decoding with the fallback recorded."""
+
+import pytest
+import torch
+
+import kiln.ops
+from kiln import fallbacks
+from kiln.engine import EngineConfig, LLMEngine, SamplingParams
+from kiln.engine.cpu_compiled_step import CPU_COMPILE_TO_EAGER, CompiledDecodeSteps
+from kiln.loaders import load_model
+
+MODEL = "random:tiny:seed=3"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(MODEL, device="cpu", dtype=torch.float32)
+
+
+def make_engine(loaded, compile_cpu_decode=True, **kw):
+    config = EngineConfig(
+        model=MODEL,
+        device="cpu",
+        max_num_seqs=4,
+        num_kv_blocks=32,
+        compile_cpu_decode=compile_cpu_decode,
+        **kw,
+    )
+    return LLMEngine(config, loaded=loaded)
+
+
+def add_requests(engine, num):
+    for i in range(num):
+        prompt = [(7 * i + 3 * j) % 300 + 1 for j in range(5 + 4 * i)]  # different lengths
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+
+
+def relative_error(actual, expected):
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_compiled_decode_logits_equal_eager_over_steps(loaded, num_seqs):
+    engine = make_engine(loaded)
+    runner, scheduler = engine.runner, engine.scheduler
+    add_requests(engine, num_seqs)
+    engine.step()  # prefill (eager)
+    for _ in range(4):
+        batch = scheduler.schedule()
+        inputs, _ = runner.prepare(batch)
+        assert inputs.attn_metadata.decode_only and len(batch.seqs) == num_seqs
+        args = (inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        with torch.inference_mode(), kiln.ops.trusted_inputs():
+            eager = loaded.model.compute_logits(
+                loaded.model.forward(args[0], args[1], runner.kv_caches, args[2])
+            )
+            compiled = loaded.model.compute_logits(runner.compiled_decode.run(*args))
+        assert compiled.shape == eager.shape == (num_seqs, loaded.config.vocab_size)
+        assert not compiled.isnan().any()
+        assert relative_error(compiled, eager) < 1e-5
+        tokens, _ = runner.run(batch)  # the compiled step again (same slots, same values): advance
+        scheduler.postprocess(batch, tokens)
+    padded = 1 if num_seqs == 1 else 4
+    assert runner.compiled_decode.compiled_sizes == {padded}
+    assert not runner.compiled_decode.failed
+
+
+def test_failed_compile_falls_back_to_eager_and_is_recorded(loaded):
+    def failing_compile(fn, **options):
+        def run(*args):
+            raise RuntimeError("inductor says no")
+
+        return run
+
+    fallbacks.clear()
+    eager_engine = make_engine(loaded, compile_cpu_decode=False)
+    engine = make_engine(loaded)
+    engine.runner.compiled_decode = CompiledDecodeSteps(engine.runner, 4, compile_fn=failing_compile)
+    finished = []
+    for e in (eager_engine, engine):
+        add_requests(e, 2)
+        tokens = {}
+        while e.has_unfinished_requests():
+            tokens.update({out.request_id: out.token_ids for out in e.step() if out.finished})
+        finished.append(tokens)
+    assert engine.runner.compiled_decode.failed
+    assert [f["kind"] for f in fallbacks.taken()] == [CPU_COMPILE_TO_EAGER]
+    assert "inductor says no" in fallbacks.taken()[0]["detail"]
+    assert finished[1] == finished[0] and all(len(t) == 12 for t in finished[0].values())
+    fallbacks.clear()
+
+
+def test_enforce_eager_turns_the_compiled_step_off(loaded):
+    assert make_engine(loaded, enforce_eager=True).runner.compiled_decode is None
+    assert make_engine(loaded, compile_cpu_decode=False).runner.compiled_decode is None

@@ -1,0 +1,103 @@
+"""The CPU weight-format probe (kiln.loaders.cpu_format_probe): its choice is applied, cached (a second
+load times nothing), overridden by an explicit format or KILN_CPU_FORMAT_PROBE=1, and a corrupt cache
+is ignored with a warning. The timer is replaced so the choice is known; one test times for real."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from kiln.loaders import cpu_format_probe, load_model
+
+MODEL = "random:tiny"
+FAKE_SECONDS = {"fp16": 2e-3, "fp32": 1e-3}  # fp32 "wins" unless a test says otherwise
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    """Replace the per-format timer; returns the list of (role-sized weight count, format) timed."""
+    calls = []
+
+    def fake_time_format(weights, fmt, dtype):
+        calls.append((len(weights), fmt))
+        return FAKE_SECONDS[fmt]
+
+    monkeypatch.setattr(cpu_format_probe, "_time_format", fake_time_format)
+    monkeypatch.delenv("KILN_CPU_FORMATS", raising=False)
+    monkeypatch.delenv("KILN_CPU_FORMAT_PROBE", raising=False)
+    return calls
+
+
+def layouts(loaded):
+    return loaded.model.layers[0].mlp.gate_up_proj.prepared.layout, loaded.model.lm_head.prepared.layout
+
+
+def test_probe_choice_is_applied_and_cached_so_a_second_load_times_nothing(timed):
+    first = load_model(MODEL, cpu_format="auto", lm_head_format="auto")
+    assert sorted(timed) == [(1, "fp16"), (1, "fp32"), (4, "fp16"), (4, "fp32")]  # LM head; 4 layer GEMMs
+    assert layouts(first) == ("onednn", "onednn")  # fp32 timed faster: packed float32
+    cache = json.loads(open(os.environ["KILN_TUNE_CACHE"]).read())["entries"]
+    assert len(cache) == 2 and all(e["config"] == {"cpu_format": "fp32"} for e in cache.values())
+    timed.clear()
+    second = load_model(MODEL, cpu_format="auto", lm_head_format="auto")
+    assert timed == [] and layouts(second) == ("onednn", "onednn")
+
+
+def test_explicit_format_overrides_the_probe(timed):
+    loaded = load_model(MODEL, cpu_format="fp16", lm_head_format="fp16")
+    assert timed == [] and layouts(loaded) == ("fp16_onednn", "fp16_onednn")
+
+
+def test_reprobe_env_times_again_and_replaces_the_cached_choice(timed, monkeypatch):
+    load_model(MODEL, cpu_format="auto")
+    monkeypatch.setitem(FAKE_SECONDS, "fp16", 1e-4)
+    assert layouts(load_model(MODEL, cpu_format="auto"))[0] == "onednn"  # cached: fp32 still
+    monkeypatch.setenv("KILN_CPU_FORMAT_PROBE", "1")
+    timed.clear()
+    assert layouts(load_model(MODEL, cpu_format="auto"))[0] == "fp16_onednn"
+    assert sorted(timed) == [(4, "fp16"), (4, "fp32")]
+
+
+def test_corrupt_cache_entry_is_ignored_with_a_warning(timed):
+    load_model(MODEL, cpu_format="auto")
+    path = os.environ["KILN_TUNE_CACHE"]
+    data = json.loads(open(path).read())
+    for entry in data["entries"].values():
+        entry["config"] = {"cpu_format": "fp64"}
+    open(path, "w").write(json.dumps(data))
+    from kiln.ops import tuned_configs
+
+    tuned_configs._user_entries = None  # the process-wide copy of the file
+    timed.clear()
+    with pytest.warns(UserWarning, match="ignoring a cached entry with cpu_format 'fp64'"):
+        loaded = load_model(MODEL, cpu_format="auto")
+    assert sorted(timed) == [(4, "fp16"), (4, "fp32")] and layouts(loaded)[0] == "onednn"
+
+
+def test_unreadable_cache_file_is_ignored_with_a_warning(timed):
+    with open(os.environ["KILN_TUNE_CACHE"], "w") as f:
+        f.write("{ not json")
+    with pytest.warns(UserWarning, match="ignoring the tuning cache"):
+        loaded = load_model(MODEL, cpu_format="auto")
+    assert len(timed) == 2 and layouts(loaded)[0] == "onednn"
+
+
+def test_random_checkpoint_keeps_the_model_dtype_without_auto(timed):
+    loaded = load_model(MODEL)
+    assert timed == [] and layouts(loaded) == ("onednn", "onednn")
+
+
+def test_candidates_exclude_int4_for_dense_weights_and_reject_unknown_names(monkeypatch):
+    weights = [torch.randn(32, 64)]
+    monkeypatch.setenv("KILN_CPU_FORMATS", "fp16,int4,bf16")
+    assert cpu_format_probe.candidate_formats(weights) == ("fp16", "bf16")
+    monkeypatch.setenv("KILN_CPU_FORMATS", "fp16,fp8")
+    with pytest.raises(ValueError, match="fp8"):
+        cpu_format_probe.candidate_formats(weights)
+
+
+def test_real_timer_picks_one_of_the_candidates(monkeypatch):
+    monkeypatch.delenv("KILN_CPU_FORMATS", raising=False)
+    weights = [torch.randn(48, 64), torch.randn(64, 32)]
+    assert cpu_format_probe.choose_format(weights, torch.float32, "layers") in ("fp16", "fp32")
