@@ -5,7 +5,8 @@ Per case (an op with a backward, a shape, a dtype): input copies from the spec's
 inputs that have a gradient made leaves); one timed call = the forward (kiln.ops.autograd, KILN_BACKEND
 as dispatch or --backend picks) and torch.autograd.grad of its outputs against fixed random upstream
 gradients, for every leaf; the baselines (kiln.bench.backward_baselines) timed the same way on the same
-copies. speedup = baseline median / Kiln median.
+copies; Liger-Kernel's kernels too where it is installed and the device is CUDA
+(kiln.bench.backward_liger; otherwise the JSON says why not). speedup = baseline median / Kiln median.
 
 Peak memory of one forward + backward on the first copy, above what was allocated before it (the
 inputs): on CUDA torch.cuda.max_memory_allocated after reset_peak_memory_stats ("cuda-max-allocated");
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kiln.bench.backward_baselines import BASELINES
+from kiln.bench.backward_liger import liger_baselines
 from kiln.bench.runner import make_input_sets
 from kiln.bench.suites import Case, dtype_name, parse_shapes
 from kiln.bench.timing import time_fn
@@ -125,8 +127,9 @@ def bench_backward_case(
     timing_kwargs: dict | None = None,
 ) -> dict:
     """One record: {"op", "shape", "dtype", "backend", "mode": "fwd_bwd", timing fields, "peak_memory",
-    "baselines": {name: timing fields + "speedup" + "peak_memory" + "memory_ratio", or {"error"}},
-    "error"}. memory_ratio = baseline peak / Kiln peak."""
+    "baselines": {name: timing fields + "speedup" + "peak_memory" + "memory_ratio", or {"error"}, or
+    {"skipped": why} (Liger-Kernel absent or off CUDA)}, "error"}. memory_ratio = baseline peak / Kiln
+    peak."""
     op = GRAD_OPS[case.spec.name]
     backend = backend or ("triton" if device.type == "cuda" else "cpu")
     record: dict = {
@@ -157,6 +160,9 @@ def bench_backward_case(
     candidates = {"torch_eager": baseline}
     if compile_baseline:
         candidates["torch_compile"] = torch.compile(baseline, dynamic=False)
+    liger, skipped = liger_baselines(op.name, device)
+    candidates.update(liger)
+    record["baselines"].update({name: {"skipped": why} for name, why in skipped.items()})
     for name, forward in candidates.items():
         fn = fwd_bwd(lambda inputs, forward=forward: forward(**inputs), wrt, outputs)
         try:
@@ -188,7 +194,16 @@ def format_backward_table(records: list[dict]) -> str:
         else:
             row += [f"{r['median_ms'] * 1e3:.1f}", f"{r['peak_memory']['bytes'] / 2**20:.2f}"]
             bases = [r["baselines"].get(n, {}) for n in names]
-            row += [f"{b['speedup']:.2f}x" if "speedup" in b else "error" if b else "" for b in bases]
+            row += [
+                f"{b['speedup']:.2f}x"
+                if "speedup" in b
+                else "skipped"
+                if "skipped" in b
+                else "error"
+                if b
+                else ""
+                for b in bases
+            ]
             row += [f"{b['peak_memory']['bytes'] / 2**20:.2f}" if "peak_memory" in b else "" for b in bases]
         lines.append("| " + " | ".join(str(c).replace("|", "/") for c in row) + " |")
     lines.append("")

@@ -10,6 +10,8 @@ come back as new arrays after the outputs, since JAX arrays are immutable.
 
 `kiln.jax.rms_norm`, `silu_and_mul` and `gelu_tanh_and_mul` are differentiable (`jax.grad`): a
 `jax.custom_vjp` whose backward is a Pallas kernel (kiln.jax.autodiff, kiln.jax.backward_pallas).
+So is the padded-batch `kiln.jax.flash_attention` (kiln.jax.attention_autodiff: Pallas TPU backward
+kernels recomputing from the saved LSE, kiln.ops.attention.flash_attention_backward.pallas_tpu).
 
 `kiln.jax.IMPLEMENTED` maps each op to its JAX implementations.
 """
@@ -30,7 +32,7 @@ for _name, _spec in all_ops().items():
         IMPLEMENTED[_name] = tuple(_spec.jax_implementations)
 
 # rms_norm and the gated activations are differentiable: jax.custom_vjp with Pallas backward kernels.
-# kiln.jax.flash_attention keeps the padded-batch layout (the op itself is varlen).
+# kiln.jax.flash_attention keeps the padded-batch layout (the op itself is varlen); differentiable too.
 from kiln.jax.attention_layouts import flash_attention  # noqa: E402,F401
 from kiln.jax.autodiff import gelu_tanh_and_mul, rms_norm, silu_and_mul  # noqa: E402,F401
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kiln.jax.attention_autodiff import attend
 from kiln.ops.attention.flash_attention.pallas_gpu import flash_attention_padded_pallas_gpu
 from kiln.ops.attention.flash_attention.pallas_tpu import flash_attention_padded_pallas_tpu
 from kiln.ops.attention.flash_attention.xla import flash_attention_padded_xla
@@ -71,7 +72,8 @@ def flash_attention(
     `q_lens`/`kv_lens` int32 `[B]` give per-row valid lengths (padded varlen batches); outputs past
     a row's q_len are unspecified. scale defaults to D ** -0.5. `implementation`: None (this
     device's best: pallas_tpu on a TPU, pallas_gpu on a GPU, xla on the CPU) or one of
-    pallas_tpu, pallas_gpu, xla. jit-compatible.
+    pallas_tpu, pallas_gpu, xla. jit-compatible and differentiable in q, k and v (`jax.grad`: the
+    Pallas TPU backward kernels, recomputing from the saved LSE; kiln.jax.attention_autodiff).
     """
     _validate(q, k, v, scale, sliding_window, softcap, q_lens, kv_lens)
     batch = q.shape[0]
@@ -82,5 +84,5 @@ def flash_attention(
         out = jnp.zeros(q.shape, q.dtype)
         lse = jnp.full((batch, q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
     else:
-        out, lse = kernel(q, k, v, q_lens, kv_lens, causal, scale, sliding_window, softcap)
+        out, lse = attend(q, k, v, q_lens, kv_lens, kernel, bool(causal), scale, sliding_window, softcap)
     return (out, lse) if return_lse else out
