@@ -24,7 +24,7 @@ import logging
 import torch
 
 from kiln import fallbacks
-from kiln.engine.cuda_graphs import graph_batch_sizes
+from kiln.engine.decode_buffers import DecodeBuffers, graph_batch_sizes
 from kiln.models.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -87,14 +87,8 @@ class CompiledDecodeSteps:
     def __init__(self, runner, max_num_seqs: int, compile_fn=torch.compile):
         self.runner = runner
         self.sizes = graph_batch_sizes(max_num_seqs)
-        max_bs = self.sizes[-1]
-        max_blocks = -(-runner.max_model_len // runner.block_size)
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64)
-        self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32)
-        self.seq_lens = torch.ones(max_bs, dtype=torch.int32)
-        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32)
+        cpu = torch.device("cpu")
+        self.buffers = DecodeBuffers(self.sizes[-1], runner.max_model_len, runner.block_size, cpu)
         self.compiled_sizes: set[int] = set()
         self.failed = False
         _lower_runtime_packed_linear()
@@ -139,22 +133,15 @@ class CompiledDecodeSteps:
         kiln.ops.trusted_inputs() and inference mode, as the eager forward."""
         n = input_ids.shape[0]
         bs = next(s for s in self.sizes if s >= n)
-        width = metadata.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(metadata.slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[:n].copy_(metadata.seq_lens)
-        self.seq_lens[n:bs].fill_(1)
-        self.block_tables[:bs].zero_()
-        self.block_tables[:n, :width].copy_(metadata.block_tables)
+        buffers = self.buffers
+        buffers.fill(input_ids, positions, metadata, bs)
         args = (
-            self.input_ids[:bs],
-            self.positions[:bs],
-            self.slot_mapping[:bs],
-            self.block_tables[:bs],
-            self.seq_lens[:bs],
-            self.cu_seqlens_q[: bs + 1],
+            buffers.input_ids[:bs],
+            buffers.positions[:bs],
+            buffers.slot_mapping[:bs],
+            buffers.block_tables[:bs],
+            buffers.seq_lens[:bs],
+            buffers.cu_seqlens_q[: bs + 1],
         )
         try:
             hidden = self._forward(*args)
