@@ -1,11 +1,10 @@
 """Qwen3 under tensor parallelism: two CPU ranks (gloo) against one process on a tiny checkpoint
 written by transformers (heads split by whole GQA groups, the q/k norm weights replicated); and
-Qwen3-MoE, whose TP is not supported yet (#19), refused before any worker starts."""
+Qwen3-MoE (6 experts) under tensor and expert parallelism (3 whole experts per rank)."""
 
 import pytest
 
-from kiln.distributed import TensorParallelEngine
-from kiln.engine.config import EngineConfig
+from tests.distributed.test_moe_parallel import compare_with_one_process
 from tests.distributed.test_tensor_parallel import PROMPTS, _compare
 from tests.models.test_qwen3 import qwen3, qwen3_moe, save, write_word_tokenizer
 
@@ -24,7 +23,8 @@ def test_tp2_qwen3_with_q_k_norms_matches_tp1(kv_heads, tmp_path):
     _compare(path, PROMPTS, tol=1e-5)
 
 
-def test_tp_engine_refuses_qwen3_moe_before_starting_workers(tmp_path):
+@pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "ep2"])
+def test_qwen3_moe_over_two_ranks_matches_one_process(ep_size, tmp_path):
     path = _checkpoint(qwen3_moe, tmp_path)
-    with pytest.raises(ValueError, match="architecture 'Qwen3MoeForCausalLM' is not supported"):
-        TensorParallelEngine(EngineConfig(model=path, device="cpu", num_kv_blocks=8), tp_size=2)
+    _, moe = compare_with_one_process(path, ep_size)
+    assert moe.w_gate_up.shape[0] == (3 if ep_size == 2 else 6)

@@ -63,7 +63,7 @@ def test_fewer_kv_heads_than_ranks_replicates_kv_heads_and_splits_their_q_heads(
     [
         (dict(num_heads=6, num_kv_heads=2), 3, "cannot share 2 kv heads"),
         (dict(num_heads=2, num_kv_heads=1), 4, "only 2 q heads"),
-        (dict(architecture="MixtralForCausalLM"), 2, "run it with tp 1"),
+        (dict(architecture="FalconForCausalLM"), 2, "run it with tp 1"),
         (dict(intermediate_size=1), 2, "no MLP columns"),
     ],
 )

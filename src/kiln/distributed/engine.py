@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import sys
 
 import torch
 
@@ -27,10 +28,12 @@ from kiln.distributed.groups import (
     DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     TensorParallelError,
+    check_ep_size,
     destroy_tp_group,
     free_port,
     init_tp_group,
     launched_by_torchrun,
+    rank_layout,
 )
 from kiln.distributed.worker import agree_on_blocks, load_shard, spawn_main
 from kiln.engine.config import EngineConfig
@@ -39,7 +42,7 @@ from kiln.engine.model_runner import ModelInputs
 from kiln.engine.outputs import RequestOutput
 from kiln.loaders import open_checkpoint
 from kiln.models.layers.tp import TPGroup
-from kiln.models.sharding import ShardPlan
+from kiln.models.sharding import ShardPlan, check_expert_parallel, routed_experts
 
 
 class StepBroadcaster:
@@ -59,7 +62,9 @@ class TensorParallelEngine(LLMEngine):
     capture the collectives without the workers, so it runs eagerly).
 
     timeout_s: how long a collective may wait for a worker before the step fails;
-    startup_timeout_s: how long to wait for all workers to join.
+    startup_timeout_s: how long to wait for all workers to join;
+    ep_size: 1, or tp_size for expert parallelism (a MoE model's experts whole on each rank, tokens
+    dispatched to them with all-to-alls; docs/expert_parallel.md).
     """
 
     def __init__(
@@ -69,12 +74,14 @@ class TensorParallelEngine(LLMEngine):
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        ep_size: int = 1,
     ):
         config = config or EngineConfig()
         if tp_size < 2:
             raise ValueError(f"TensorParallelEngine: tp_size={tp_size}, expected >= 2 (use LLMEngine for 1)")
         device = config.resolved_device()
-        self.tp_size = tp_size
+        check_ep_size(tp_size, ep_size)
+        self.tp_size, self.ep_size = tp_size, ep_size
         self.timeout_s = timeout_s
         self.workers = []
         self.group = None
@@ -84,7 +91,10 @@ class TensorParallelEngine(LLMEngine):
         try:
             # fail on an unsplittable model before any process starts
             checkpoint = open_checkpoint(config.model, device, config.dtype)
+            check_expert_parallel(checkpoint.config, ep_size)
             ShardPlan(checkpoint.config, tp_size)
+            layout = rank_layout(tp_size, ep_size, routed_experts(checkpoint.config))
+            print(f"kiln: {layout}", file=sys.stderr, flush=True)
             self._start_workers(tp_size, device, timeout_s, startup_timeout_s)
             broadcast_object({"engine_config": config, "path": checkpoint.path}, self.group, setup=True)
             error, loaded, num_blocks = None, None, 0
@@ -112,8 +122,9 @@ class TensorParallelEngine(LLMEngine):
                 )
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             self.group = init_tp_group(
-                0, world, device.type, "env://", timeout_s, local_rank, startup_timeout_s=startup_timeout_s
-            )
+                0, world, device.type, "env://", timeout_s, local_rank, startup_timeout_s=startup_timeout_s,
+                ep_size=self.ep_size,
+            )  # fmt: skip
             return
         threads = None
         if device.type == "cpu":
@@ -126,15 +137,16 @@ class TensorParallelEngine(LLMEngine):
         for rank in range(1, tp_size):
             process = context.Process(
                 target=spawn_main,
-                args=(rank, tp_size, init_method, device.type, timeout_s, threads),
+                args=(rank, tp_size, init_method, device.type, timeout_s, threads, self.ep_size),
                 name=f"kiln-tp-worker-{rank}",
                 daemon=True,
             )
             process.start()
             self.workers.append(process)
         self.group = init_tp_group(
-            0, tp_size, device.type, init_method, timeout_s, startup_timeout_s=startup_timeout_s
-        )
+            0, tp_size, device.type, init_method, timeout_s, startup_timeout_s=startup_timeout_s,
+            ep_size=self.ep_size,
+        )  # fmt: skip
 
     def dead_workers(self) -> list[str]:
         """'rank R (pid P) exited with code C' for every spawned worker that is no longer running."""

@@ -12,8 +12,14 @@ Three gloo/NCCL groups over the same ranks:
   - `setup_group` (gloo, `startup_timeout_s`) carries the one-off setup exchange (loading a shard may
     take long on some rank).
 
+With expert parallelism (`ep_size` = the world size: MoE layers hold whole experts, everything else
+is split as under tensor parallelism) a fourth group, `expert_group` (same backend and timeout as
+device_group), carries the MoE layers' token all-to-alls and all-gathers; the handle is then an
+ExpertParallelGroup (kiln.models.layers.expert_parallel).
+
 The group handle (`TPGroup`) and the collectives the layers run live below the models, in
-kiln.models.layers.tp; this module creates and destroys the groups.
+kiln.models.layers.tp and expert_parallel; this module creates and destroys the groups and describes
+the rank layout (`rank_layout`, printed by rank 0 at start-up).
 
 Rendezvous: spawned workers use tcp://127.0.0.1:<free port>; under torchrun the standard env vars
 (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) with init_method env://.
@@ -28,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kiln.models.layers.expert_parallel import ExpertParallelGroup
 from kiln.models.layers.tp import TPGroup
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -64,9 +71,12 @@ def init_tp_group(
     local_rank: int | None = None,
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    ep_size: int = 1,
 ) -> TPGroup:
     """Join the group: blocks until all `world_size` ranks have joined (RuntimeError after
-    startup_timeout_s). On CUDA, binds this process to cuda:<local_rank> first."""
+    startup_timeout_s). On CUDA, binds this process to cuda:<local_rank> first. ep_size: 1, or
+    world_size for expert parallelism (an ExpertParallelGroup with its expert_group)."""
+    check_ep_size(world_size, ep_size)
     if dist.is_initialized():
         raise RuntimeError(
             "tensor parallel: this process already belongs to a torch.distributed group; shut the other "
@@ -87,7 +97,37 @@ def init_tp_group(
     cpu_timeout = timeout_s if rank == 0 else idle_timeout_s
     cpu_group = dist.new_group(ranks, timeout=timedelta(seconds=cpu_timeout), backend="gloo")
     setup_group = dist.new_group(ranks, timeout=timedelta(seconds=startup_timeout_s), backend="gloo")
+    if ep_size > 1:
+        expert_group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+        return ExpertParallelGroup(
+            rank, world_size, local_rank, device_group, cpu_group, setup_group, timeout_s, expert_group
+        )
     return TPGroup(rank, world_size, local_rank, device_group, cpu_group, setup_group, timeout_s)
+
+
+def check_ep_size(world_size: int, ep_size: int) -> None:
+    """ValueError unless ep_size is 1 (no expert parallelism) or the world size (experts spread whole
+    over every rank; attention and dense layers tensor-parallel over the same ranks)."""
+    if ep_size not in (1, world_size):
+        raise ValueError(
+            f"expert parallel: ep={ep_size} over {world_size} ranks; expert parallelism spans every rank "
+            f"(attention and dense layers tensor-parallel over the same ranks), so use --ep {world_size} "
+            f"(or --ep alone, which sets the rank count)"
+        )
+
+
+def rank_layout(world_size: int, ep_size: int = 1, num_experts: int = 0) -> str:
+    """A line saying what each rank holds (printed by rank 0 at start-up)."""
+    text = f"{world_size} ranks, tensor parallel: attention heads, dense MLP columns and vocabulary split"
+    if ep_size > 1:
+        per_rank = num_experts // ep_size
+        held = ", ".join(
+            f"rank {r}: experts {r * per_rank}-{(r + 1) * per_rank - 1}" for r in range(world_size)
+        )
+        return f"{text}; expert parallel over the same ranks ({held})"
+    if num_experts:
+        text += f"; each of the {num_experts} experts split along its intermediate size"
+    return text
 
 
 def destroy_tp_group() -> None:

@@ -29,7 +29,7 @@ from kiln.distributed.groups import (
     init_tp_group,
     launched_by_torchrun,
 )
-from kiln.engine.config import EngineConfig, num_kv_blocks_for_model
+from kiln.engine.config import EngineConfig, kv_cache_dtype_for, num_kv_blocks_for_model
 from kiln.engine.model_runner import ModelRunner
 from kiln.loaders import Checkpoint, LoadedModel, load_model
 
@@ -93,6 +93,7 @@ def run_worker(group: TPGroup, device_type: str) -> None:
         config.max_num_seqs,
         max_model_len=num_blocks * config.block_size,
         enforce_eager=True,
+        kv_cache_dtype=kv_cache_dtype_for(config, loaded.model),
     )
     serve_steps(runner, group, device)
 
@@ -105,12 +106,13 @@ def _exit_when_parent_dies() -> None:
 
 
 def spawn_main(rank: int, world_size: int, init_method: str, device_type: str, timeout_s: float,
-               num_threads: int | None) -> None:  # fmt: skip
-    """Entry point of a worker started with torch.multiprocessing (spawn) by TensorParallelEngine."""
+               num_threads: int | None, ep_size: int = 1) -> None:  # fmt: skip
+    """Entry point of a worker started with torch.multiprocessing (spawn) by TensorParallelEngine
+    (ep_size: the engine's, see init_tp_group)."""
     threading.Thread(target=_exit_when_parent_dies, daemon=True, name="kiln-tp-watchdog").start()
     if num_threads:
         torch.set_num_threads(num_threads)
-    group = init_tp_group(rank, world_size, device_type, init_method, timeout_s)
+    group = init_tp_group(rank, world_size, device_type, init_method, timeout_s, ep_size=ep_size)
     try:
         run_worker(group, device_type)
     except Exception as exc:
@@ -119,9 +121,9 @@ def spawn_main(rank: int, world_size: int, init_method: str, device_type: str, t
     destroy_tp_group()
 
 
-def torchrun_main(timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+def torchrun_main(timeout_s: float = DEFAULT_TIMEOUT_S, ep_size: int = 1) -> int:
     """A rank > 0 started by torchrun (env RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT):
-    join the group and serve rank 0 until it stops. Returns the process exit code."""
+    join the group (ep_size as rank 0's) and serve rank 0 until it stops. Returns the exit code."""
     if not launched_by_torchrun():
         raise RuntimeError("torchrun_main: RANK / WORLD_SIZE are not set (start it with torchrun)")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -132,6 +134,7 @@ def torchrun_main(timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
         "env://",
         timeout_s,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        ep_size=ep_size,
     )
     try:
         run_worker(group, device_type)

@@ -6,6 +6,11 @@ with softmax routing over `num_experts`, top `num_experts_per_tok`, renormalized
 by `shared_expert_gate` ([1, hidden]). Layer i is sparse unless i is in `mlp_only_layers` or
 (i + 1) % `decoder_sparse_step` != 0; dense layers have a plain MLP of `intermediate_size`.
 Attention has q/k/v biases (`qkv_bias`, default true), like Qwen2.
+
+Tensor / expert parallelism: the routed experts as Mixtral's (kiln.models.mixtral); the shared expert
+is split like a dense MLP (its rows of gate/up, columns of down) and its gate replicated. Under tensor
+parallelism the routed and shared partial sums are added before one all-reduce; under expert
+parallelism the routed output is already whole and the shared expert's partial sum is all-reduced.
 """
 
 from __future__ import annotations
@@ -17,13 +22,17 @@ import torch
 
 from kiln.models.config import ModelConfig
 from kiln.models.layers import GatedMLP, Linear
+from kiln.models.layers.tp import all_reduce
 from kiln.models.llama import LayerOptions, LlamaForCausalLM, build_gated_mlp
-from kiln.models.mixtral import SparseMoE, check_expert_format, load_experts
+from kiln.models.mixtral import SparseMoE, check_expert_format, load_experts, rank_expert_shard
 from kiln.models.weights import WeightStore
 
 
 class SharedExpertMoE(SparseMoE):
-    """SparseMoE plus a sigmoid-gated shared expert that every token goes through."""
+    """SparseMoE plus a sigmoid-gated shared expert that every token goes through.
+
+    shared: the shared expert's GatedMLP over this rank's slice, built without a group (it does not
+    all-reduce: forward does, once); shared_gate: [1, hidden], replicated."""
 
     def __init__(self, *args, shared: GatedMLP, shared_gate: Linear, **kwargs):
         super().__init__(*args, **kwargs)
@@ -31,8 +40,11 @@ class SharedExpertMoE(SparseMoE):
         self.shared_expert_gate = shared_gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        out = self.routed(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.ep > 1:
+            return out + all_reduce(shared, self.tp_group)
+        return all_reduce(out + shared, self.tp_group)
 
 
 def _shared_expert(
@@ -63,11 +75,15 @@ def build_qwen2_moe_mlp(
     )
     if not sparse:
         return build_gated_mlp(config, index, weights, opts)
-    inter = int(extra["moe_intermediate_size"])
+    shard = rank_expert_shard(config, weights, opts)
     w_gate_up, w_down = load_experts(
-        weights, prefix, ("gate_proj", "up_proj", "down_proj"), num_experts, hidden, inter, opts.dtype
-    )
+        weights, prefix, ("gate_proj", "up_proj", "down_proj"), num_experts, hidden, shard.full_intermediate,
+        opts.dtype, shard,
+    )  # fmt: skip
     shared_inter = int(extra["shared_expert_intermediate_size"])
+    if opts.tp_group is not None:  # this rank's slice (kiln.models.sharding.RankShard.shared_intermediate)
+        a, b = weights.plan.shards[opts.tp_group.rank].shared_intermediate
+        shared_inter = b - a
     return SharedExpertMoE(
         weights.get(prefix + "gate.weight", (num_experts, hidden)),
         w_gate_up,
@@ -77,6 +93,7 @@ def build_qwen2_moe_mlp(
         device=opts.device,
         dtype=opts.dtype,
         expert_format=expert_format,
+        tp_group=opts.tp_group,
         shared=_shared_expert(weights, prefix + "shared_expert.", shared_inter, hidden, opts),
         shared_gate=Linear(
             weights.get(prefix + "shared_expert_gate.weight", (1, hidden)),

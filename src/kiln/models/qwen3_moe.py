@@ -6,7 +6,8 @@ with `num_experts` experts of `moe_intermediate_size`, top `num_experts_per_tok`
 experts, top 8), the chosen weights renormalized to sum to 1 when `norm_topk_prob` (true in every
 released Qwen3-MoE). Layer i is sparse unless i is in `mlp_only_layers` or (i + 1) %
 `decoder_sparse_step` != 0; dense layers have a plain SwiGLU MLP of `intermediate_size`. Experts are
-kept stacked for `kiln.ops.fused_moe` (kiln.models.mixtral.SparseMoE).
+kept stacked for `kiln.ops.fused_moe` (kiln.models.mixtral.SparseMoE), split over ranks like Mixtral's
+under tensor or expert parallelism.
 
 Checkpoint names (HF): `model.layers.{i}.mlp.gate.weight` [E, hidden] (the router) and per-expert
 `...mlp.experts.{e}.{gate,up,down}_proj.weight`, or transformers-5's stacked
@@ -21,7 +22,7 @@ import torch
 
 from kiln.models.config import ModelConfig
 from kiln.models.llama import LayerOptions, build_gated_mlp
-from kiln.models.mixtral import SparseMoE, check_expert_format, load_experts
+from kiln.models.mixtral import SparseMoE, check_expert_format, load_experts, rank_expert_shard
 from kiln.models.qwen3 import Qwen3ForCausalLM
 from kiln.models.weights import WeightStore
 
@@ -51,10 +52,11 @@ def build_qwen3_moe_mlp(
     if not is_sparse_layer(config, index):
         return build_gated_mlp(config, index, weights, opts)
     extra, hidden = config.extra, config.hidden_size
-    experts, inter = num_experts(config), int(extra["moe_intermediate_size"])
+    shard = rank_expert_shard(config, weights, opts)
+    experts, inter = shard.num_experts, shard.full_intermediate
     prefix = f"model.layers.{index}.mlp."
     w_gate_up, w_down = load_experts(
-        weights, prefix, ("gate_proj", "up_proj", "down_proj"), experts, hidden, inter, opts.dtype
+        weights, prefix, ("gate_proj", "up_proj", "down_proj"), experts, hidden, inter, opts.dtype, shard
     )
     return SparseMoE(
         weights.get(prefix + "gate.weight", (experts, hidden)),
@@ -65,6 +67,7 @@ def build_qwen3_moe_mlp(
         device=opts.device,
         dtype=opts.dtype,
         expert_format=expert_format,
+        tp_group=opts.tp_group,
     )
 
 

@@ -44,6 +44,11 @@ TP_ARCHITECTURES += ("Qwen3ForCausalLM",)
 # Gemma 3 is split like Llama (kiln.models.gemma3 builds over the same ShardedWeightStore); its four
 # norms per layer and q/k norms are replicated.
 TP_ARCHITECTURES += ("Gemma3ForCausalLM",)
+# Mixture-of-experts models: attention and dense layers as Llama's; routed experts split along their
+# intermediate size (tensor parallel) or held whole, num_experts / ep per rank (expert parallel), see
+# ExpertShard; routers replicated; Qwen2-MoE's shared expert split like a dense MLP.
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+TP_ARCHITECTURES += MOE_ARCHITECTURES
 
 
 def shard_rows(weight: Weight, start: int, end: int) -> Weight:
@@ -124,12 +129,14 @@ def split_evenly(total: int, parts: int, unit: int = 1) -> list[tuple[int, int]]
 
 @dataclass(frozen=True)
 class RankShard:
-    """One rank's slices: q heads [q0, q1), kv heads [kv0, kv1), intermediate [i0, i1), vocab [v0, v1)."""
+    """One rank's slices: q heads [q0, q1), kv heads [kv0, kv1), intermediate [i0, i1), vocab [v0, v1);
+    shared_intermediate: its slice of Qwen2-MoE's shared expert (None for other models)."""
 
     q_heads: tuple[int, int]
     kv_heads: tuple[int, int]
     intermediate: tuple[int, int]
     vocab: tuple[int, int]
+    shared_intermediate: tuple[int, int] | None = None
 
 
 def _head_ranges(num_heads: int, num_kv_heads: int, tp: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -185,7 +192,25 @@ class ShardPlan:
                 f"tensor parallel: tp={tp} leaves a rank with no MLP columns or vocabulary rows "
                 f"(intermediate_size={config.intermediate_size}, vocab_size={config.vocab_size})"
             )
-        self.shards = [RankShard(q, kv, i, v) for (q, kv), i, v in zip(heads, inter, vocab, strict=True)]
+        shared = [None] * tp
+        shared_size = int(config.extra.get("shared_expert_intermediate_size") or 0)
+        if config.architecture in MOE_ARCHITECTURES:
+            moe_size = moe_intermediate_size(config)
+            if moe_size < tp:
+                raise ValueError(
+                    f"tensor parallel: tp={tp} leaves a rank with no expert columns (expert intermediate "
+                    f"size {moe_size}); use tp <= {moe_size}, or expert parallelism (--ep)"
+                )
+            if shared_size:
+                if shared_size < tp:
+                    raise ValueError(
+                        f"tensor parallel: tp={tp} leaves a rank with no shared-expert columns "
+                        f"(shared_expert_intermediate_size={shared_size})"
+                    )
+                shared = split_evenly(shared_size, tp, _unit(shared_size, tp, 32))
+        self.shards = [
+            RankShard(q, kv, i, v, sh) for (q, kv), i, v, sh in zip(heads, inter, vocab, shared, strict=True)
+        ]
 
     @property
     def vocab_sizes(self) -> list[int]:
@@ -208,7 +233,9 @@ class ShardPlan:
         )
 
 
-_LAYER_TENSOR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
+_LAYER_TENSOR = re.compile(
+    r"model\.layers\.\d+\.(self_attn|mlp|mlp\.shared_expert)\.(\w+)_proj\.(weight|bias)$"
+)
 _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -239,6 +266,9 @@ class ShardedWeightStore:
         if match is None:
             return None
         proj = match.group(2)
+        if match.group(1) == "mlp.shared_expert":
+            shared = (int(c.extra["shared_expert_intermediate_size"]), *s.shared_intermediate)
+            return {"gate": (0, *shared), "up": (0, *shared), "down": (1, *shared)}.get(proj)
         q0, q1 = s.q_heads[0] * d, s.q_heads[1] * d
         kv0, kv1 = s.kv_heads[0] * d, s.kv_heads[1] * d
         rules = {
@@ -265,3 +295,67 @@ class ShardedWeightStore:
         full_shape = tuple(full if i == axis else n for i, n in enumerate(shape))
         weight = self.inner.get(name, full_shape)
         return shard_rows(weight, start, end) if axis == 0 else shard_cols(weight, start, end, name)
+
+
+# ---- mixture-of-experts layers ----
+
+
+def routed_experts(config: ModelConfig) -> int:
+    """The routed expert count: `num_local_experts` (Mixtral) or `num_experts` (Qwen-MoE); 0 = dense."""
+    extra = config.extra
+    return int(extra.get("num_experts") or extra.get("num_local_experts") or 0)
+
+
+def moe_intermediate_size(config: ModelConfig) -> int:
+    """Each routed expert's intermediate size: `moe_intermediate_size` (Qwen-MoE), else Mixtral's
+    `intermediate_size`."""
+    return int(config.extra.get("moe_intermediate_size") or config.intermediate_size)
+
+
+def check_expert_parallel(config: ModelConfig, ep: int) -> None:
+    """ValueError unless `config` can be split over `ep` expert-parallel ranks (whole experts each)."""
+    if ep < 1:
+        raise ValueError(f"expert parallel: ep={ep}, expected >= 1")
+    if ep == 1:
+        return
+    experts = routed_experts(config)
+    if config.architecture not in MOE_ARCHITECTURES or experts == 0:
+        raise ValueError(
+            f"expert parallel: --ep {ep} needs a mixture-of-experts model ({', '.join(MOE_ARCHITECTURES)}); "
+            f"{config.architecture!r} has no routed experts (use --tp)"
+        )
+    if experts % ep:
+        raise ValueError(
+            f"expert parallel: --ep {ep} must divide the number of routed experts ({experts}) so every rank "
+            f"holds as many whole experts; use an ep that divides {experts}"
+        )
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """The routed experts one rank holds: experts [e0, e1) of `num_experts`, each with intermediate rows
+    [i0, i1) of `intermediate` (tensor parallel: every expert, a slice of each; expert parallel: whole
+    experts, num_experts / ranks of them)."""
+
+    experts: tuple[int, int]
+    intermediate: tuple[int, int]
+    num_experts: int
+    full_intermediate: int
+
+
+def expert_shard(config: ModelConfig, ranks: int, rank: int, expert_parallel: bool) -> ExpertShard:
+    """Rank `rank`'s ExpertShard of `config` (the unsplit config) over `ranks` ranks."""
+    experts, inter = routed_experts(config), moe_intermediate_size(config)
+    if ranks == 1:
+        return ExpertShard((0, experts), (0, inter), experts, inter)
+    if expert_parallel:
+        check_expert_parallel(config, ranks)
+        per_rank = experts // ranks
+        return ExpertShard((rank * per_rank, (rank + 1) * per_rank), (0, inter), experts, inter)
+    rows = split_evenly(inter, ranks, _unit(inter, ranks, 32))[rank]
+    return ExpertShard((0, experts), rows, experts, inter)
+
+
+def unsharded_config(config: ModelConfig, weights: WeightStore | ShardedWeightStore) -> ModelConfig:
+    """The whole checkpoint's config (a model built over a ShardedWeightStore sees its rank's sizes)."""
+    return weights.plan.config if isinstance(weights, ShardedWeightStore) else config
