@@ -15,6 +15,7 @@ SUBCOMMANDS = [
     "kiln.profile.cli",
     "kiln.entrypoints.generate",
     "kiln.entrypoints.sparsify",
+    "kiln.entrypoints.quantize",
     "kiln.server.cli",
 ]
 

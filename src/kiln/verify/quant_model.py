@@ -341,3 +341,142 @@ def quant_model_report(
             measure_format(ckpt, fmt, reference, linear_names, quantizer, num_layers, approximations)
         )
     return ckpt, reports
+
+
+# --- a quantized checkpoint against its original (`kiln verify --quant-model ORIG --against DIR`) ---
+
+
+class QuantizedCheckpointWeights(FloatWeights):
+    """A quantized HF checkpoint's WeightStore for the comparison model: its quantized linear weights
+    (kiln.quant.linear_weights) are handed to the model as they are, so it runs them as Kiln does on
+    the CPU (FP8 / INT8 W8A8 with their per-token activation quantization; W4A16 dequantized once),
+    every other tensor (norms, embeddings, LM head: the checkpoint's own, AWQ-rescaled norms included)
+    in float32. `dequantized` holds each quantized weight's float32 [N, K] matrix."""
+
+    def __init__(self, store):
+        super().__init__(store)
+        self.dequantized: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...]):
+        from kiln.models.weights import GGUFWeight
+        from kiln.quant.linear_weights import QUANTIZED_WEIGHT_TYPES
+
+        if name not in self.cache:
+            weight = self.store.get(name, shape)
+            if isinstance(weight, QUANTIZED_WEIGHT_TYPES):
+                self.used.append(name)
+                self.dequantized[name] = weight.dequantize(torch.float32)
+                return weight
+            self.cache[name] = (
+                weight.dequantize(torch.float32) if isinstance(weight, GGUFWeight) else weight.float()
+            )
+        return super().get(name, shape)
+
+
+def checkpoint_format_name(hf_config: dict) -> str:
+    """A short name of a quantized checkpoint's format from its config.json: e.g. "ct-w4a16-g128",
+    "ct-fp8-channel-dynamic", "ct-int8-channel-dynamic", "awq-g128", "gptq-g128", "fp8-block", with
+    "+awq" / "+rtn" when `kiln quantize` wrote it."""
+    qc = hf_config.get("quantization_config") or {}
+    method = qc.get("quant_method", "dense")
+    if method == "compressed-tensors":
+        group = next(iter((qc.get("config_groups") or {}).values()), {})
+        w, acts = group.get("weights") or {}, group.get("input_activations")
+        if w.get("num_bits") == 4:
+            name = f"ct-w4a{16 if acts is None else acts.get('num_bits')}"
+            name += f"-g{w.get('group_size')}" if w.get("strategy") == "group" else f"-{w.get('strategy')}"
+            name += "" if w.get("symmetric", True) else "-asym"
+        else:
+            wtype = {"float": "fp8", "int": "int8"}.get(w.get("type"), str(w.get("type")))
+            act = "w8only" if acts is None else ("dynamic" if acts.get("dynamic") else "static")
+            name = f"ct-{wtype}-{w.get('strategy')}-{act}"
+    elif method in ("awq", "gptq"):
+        name = f"{method}-g{qc.get('group_size', qc.get('q_group_size', 128))}"
+    elif method == "fp8":
+        name = "fp8-block" if qc.get("weight_block_size") else "fp8-tensor"
+    else:
+        name = str(method)
+    made = hf_config.get("kiln_quantize")
+    if isinstance(made, dict) and made.get("scheme") == "w4a16" and made.get("method"):
+        name += f"+{made['method']}"
+    return name
+
+
+def unscale_columns(original: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
+    """`approx` [N, K] with each input column divided by the least-squares factor s_k mapping the
+    original's column onto it (s_k = <a_k, w_k> / <w_k, w_k>; 1 for a zero column): for comparing an
+    AWQ-folded weight (its columns scaled by s before quantization) with the unscaled original."""
+    w, a = original.double(), approx.double()
+    norm = w.square().sum(0)
+    s = torch.where(norm > 0, (a * w).sum(0) / norm.clamp(min=1e-300), torch.ones_like(norm))
+    s = torch.where(s.abs() > 1e-12, s, torch.ones_like(s))
+    return (a / s).float()
+
+
+def measure_checkpoint(
+    ckpt: Checkpoint,
+    quant_path: str,
+    reference: tuple[list[torch.Tensor], torch.Tensor],
+    linear_names: list[str],
+    num_layers: int | None = None,
+) -> FormatReport:
+    """The quantized HF checkpoint at `quant_path` (any format Kiln loads) against the float model of
+    `ckpt`: each linear weight's dequantized matrix against the original (AWQ-folded checkpoints:
+    after unscale_columns), and the model built entirely from the quantized checkpoint (its own norms,
+    embeddings and LM head; FP8 / INT8 activation quantization included) on the prompt, per layer,
+    on the logits and in perplexity. Reported under checkpoint_format_name."""
+    import json
+
+    from kiln.loaders.safetensors import load_safetensors_dir
+
+    if not os.path.isdir(quant_path):
+        raise ValueError(f"quant_model: --against {quant_path!r} is not an HF checkpoint directory")
+    with open(os.path.join(quant_path, "config.json"), encoding="utf-8") as f:
+        hf_config = json.load(f)
+    config, store = load_safetensors_dir(quant_path)
+    if (config.architecture, config.hidden_size, config.num_layers, config.vocab_size) != (
+        ckpt.config.architecture, ckpt.config.hidden_size, ckpt.config.num_layers, ckpt.config.vocab_size
+    ):  # fmt: skip
+        raise ValueError(
+            f"quant_model: {quant_path} ({config.architecture}, hidden {config.hidden_size}, "
+            f"{config.num_layers} layers, vocab {config.vocab_size}) is not a quantization of {ckpt.source}"
+        )
+    report = FormatReport(checkpoint_format_name(hf_config))
+    weights = QuantizedCheckpointWeights(store)
+    model = build_model(replace(ckpt, config=config, rope_inv_freq=None), weights, num_layers)
+    folded = (hf_config.get("kiln_quantize") or {}).get("method") == "awq"
+    for name in linear_names:
+        if name in weights.dequantized:
+            original, approx = ckpt.weights.cache[name], weights.dequantized[name]
+            report.weights[name] = error_metrics(
+                original, unscale_columns(original, approx) if folded else approx
+            )
+    states, logits = run_prompt(model, ckpt.token_ids)
+    report.perplexity = perplexity(model, ckpt.perplexity_ids)
+    ref_states, ref_logits = reference
+    for ref, got in zip(ref_states, states, strict=True):
+        metrics = error_metrics(ref, got)
+        metrics["min_token_cosine"] = _row_cosines(ref, got).min().item()
+        report.layers.append(metrics)
+    cosines = _row_cosines(ref_logits, logits)
+    report.logits_cosine = cosines.mean().item()
+    report.logits_min_cosine = cosines.min().item()
+    report.logits_snr_db = error_metrics(ref_logits, logits)["snr_db"]
+    report.top1_agreement = (ref_logits.argmax(-1) == logits.argmax(-1)).double().mean().item()
+    return report
+
+
+def quant_checkpoint_report(
+    path: str | None, against: list[str], *, prompt: str = DEFAULT_PROMPT, num_layers: int | None = None
+) -> tuple[Checkpoint, list[FormatReport]]:
+    """measure_checkpoint of each quantized checkpoint in `against` vs the float model at `path`
+    (None: the embedded SmolLM2 GGUF), which runs once; its perplexity goes to ckpt.float_perplexity."""
+    ckpt = load_checkpoint(path, prompt)
+    float_model = build_model(ckpt, ckpt.weights, num_layers)
+    reference = run_prompt(float_model, ckpt.token_ids)
+    ckpt.float_perplexity = perplexity(float_model, ckpt.perplexity_ids)
+    linear_names = list(
+        dict.fromkeys(n for n in ckpt.weights.used if is_linear_weight(n, ckpt.weights.cache[n]))
+    )
+    del float_model
+    return ckpt, [measure_checkpoint(ckpt, q, reference, linear_names, num_layers) for q in against]

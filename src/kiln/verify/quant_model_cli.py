@@ -9,7 +9,13 @@ from pathlib import Path
 import torch
 
 from kiln.environment import environment
-from kiln.verify.quant_model import FORMAT_NAMES, Checkpoint, FormatReport, quant_model_report
+from kiln.verify.quant_model import (
+    FORMAT_NAMES,
+    Checkpoint,
+    FormatReport,
+    quant_checkpoint_report,
+    quant_model_report,
+)
 
 
 def check_floors(
@@ -136,12 +142,20 @@ def to_json(ckpt: Checkpoint, reports: list[FormatReport], floors: dict, failure
 
 
 def run_cli(args) -> int:
-    """`kiln verify --quant-model [PATH] --format F [--format F ...] [--layers N] [--min-cosine C]
-    [--min-top1 A] [--min-weight-snr DB] [--per-tensor] [--json PATH]`: exit 1 when a floor fails."""
-    formats = args.format or ["int4-g128"]
-    if "all" in formats:
-        formats = list(FORMAT_NAMES)
-    ckpt, reports = quant_model_report(args.quant_model or None, formats, num_layers=args.layers)
+    """`kiln verify --quant-model [PATH] (--format F ... | --against QUANT_DIR ...) [--layers N]
+    [--min-cosine C] [--min-top1 A] [--min-weight-snr DB] [--per-tensor] [--json PATH]`: exit 1 when a
+    floor fails."""
+    if getattr(args, "against", None):
+        if args.format:
+            print("kiln verify: --format is ignored with --against (the checkpoint's format is measured)")
+        ckpt, reports = quant_checkpoint_report(
+            args.quant_model or None, args.against, num_layers=args.layers
+        )
+    else:
+        formats = args.format or ["int4-g128"]
+        if "all" in formats:
+            formats = list(FORMAT_NAMES)
+        ckpt, reports = quant_model_report(args.quant_model or None, formats, num_layers=args.layers)
     floors = {"min_cosine": args.min_cosine, "min_top1": args.min_top1, "min_weight_snr": args.min_weight_snr}
     failures = check_floors(reports, **floors)
     print(f"model: {ckpt.source} ({len(reports[0].layers)} layers, prompt of {len(ckpt.token_ids)} tokens)")
@@ -152,7 +166,10 @@ def run_cli(args) -> int:
     print(format_tables(reports, per_tensor=args.per_tensor))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(to_json(ckpt, reports, floors, failures), indent=2))
+        payload = to_json(ckpt, reports, floors, failures)
+        if getattr(args, "against", None):
+            payload["against"] = list(args.against)  # the quantized checkpoints, in "formats" order
+        Path(args.json).write_text(json.dumps(payload, indent=2))
     for failure in failures:
         print(f"FAILED {failure}")
     print(f"\n{len(reports)} format(s): {'FAIL' if failures else 'PASS'}")
@@ -173,6 +190,14 @@ def add_arguments(parser) -> None:
     )
     q.add_argument(
         "--format", action="append", help=f"{'|'.join(FORMAT_NAMES)}|all (repeatable; default int4-g128)"
+    )
+    q.add_argument(
+        "--against",
+        action="append",
+        default=None,
+        metavar="QUANT_DIR",
+        help="measure this quantized HF checkpoint (e.g. from `kiln quantize`) against the --quant-model "
+        "PATH it was made from, instead of fake-quantizing with --format (repeatable)",
     )
     q.add_argument("--layers", type=int, default=None, help="run only the first N decoder layers (faster)")
     q.add_argument(
