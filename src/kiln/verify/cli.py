@@ -31,6 +31,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.quant_model is None and (getattr(args, "against", None) or args.format):
+        print("kiln verify: --format / --against need --quant-model [PATH]", file=sys.stderr)
+        return 2
     if args.quant_model is not None:
         from kiln.verify.quant_model_cli import run_cli
 
