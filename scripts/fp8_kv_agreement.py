@@ -1,12 +1,13 @@
 """How far greedy decoding with an fp8 KV cache agrees with the model's own-dtype cache.
 
-Runs the embedded SmolLM2-135M-Instruct on the CPU (float32 model) over a fixed prompt set, plain
-and through the chat template, once with kv_cache_dtype="auto" (float32 cache) and once with "fp8",
+Runs the embedded SmolLM2-135M-Instruct on the CPU (float32 model, or --dtype bfloat16: the model
+and its "auto" cache in bf16, as on a GPU) over a fixed prompt set, plain and through the chat
+template, once with kv_cache_dtype="auto" (the model dtype's cache) and once with "fp8",
 and prints per prompt the number of leading output tokens that are equal, and, where they differ,
 the reference's top-1 minus top-2 logprob at that position (a small gap is a near tie that any
 perturbation of the attention can flip).
 
-    OMP_NUM_THREADS=1 python scripts/fp8_kv_agreement.py --max-tokens 128
+    OMP_NUM_THREADS=1 python scripts/fp8_kv_agreement.py --max-tokens 128 [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -37,12 +38,16 @@ def leading_equal(reference: list[int], other: list[int]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
+    import torch
 
     from kiln.engine import LLM, SamplingParams
     from kiln.loaders import load_model
 
-    loaded = load_model(device="cpu")
+    dtype = getattr(torch, args.dtype)
+    formats = {"cpu_format": "bf16", "lm_head_format": "bf16"} if dtype == torch.bfloat16 else {}
+    loaded = load_model(device="cpu", dtype=dtype, **formats)
     chat = [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     plain = [loaded.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
