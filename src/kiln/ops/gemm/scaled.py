@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
+from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of, dtype_name
 from kiln.ops.testing import randn, uniform
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -33,7 +33,7 @@ def validate_scaled_linear(op, qdtype, x_q, x_scale, w_q, w_scale, bias, out_dty
         raise ValueError(f"{op}: weight has {w_q.shape[1]} in-features, expected x's K = {x_q.shape[1]}")
     _check_scale(op, "x_scale", x_scale, x_q.shape[0], device)
     _check_scale(op, "w_scale", w_scale, w_q.shape[0], device)
-    if out_dtype not in FLOAT_DTYPES:
+    if dtype_name(out_dtype) not in {dtype_name(d) for d in FLOAT_DTYPES}:  # by name: torch or jnp dtypes
         raise ValueError(f"{op}: out_dtype {out_dtype} unsupported, expected float32, float16 or bfloat16")
     if bias is not None:
         check_tensor(op, "bias", bias, ndim=1, device=device)

@@ -1,0 +1,38 @@
+"""quantize_int8's JAX backends (the row-wise Mosaic TPU kernel interpreted on the CPU, and XLA)
+against float64, ties rounded away from zero, and the kernel's Mosaic lowering."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from kiln.ops import get_op  # noqa: E402
+from kiln.ops.gemm.quantize_int8.pallas_tpu import quantize_int8_pallas_tpu  # noqa: E402
+from kiln.verify import run_case  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
+@pytest.mark.parametrize("shape", [{"M": 1, "K": 1}, {"M": 37, "K": 300}])
+def test_quantize_int8_jax_backends_match_float64(backend, shape):
+    case = run_case(
+        get_op("quantize_int8"), backend, shape, torch.bfloat16, CPU, seed=random.randrange(2**31)
+    )
+    assert case.passed, case
+
+
+def test_quantize_int8_pallas_tpu_rounds_ties_away_from_zero():
+    # amax 127 -> scale 1: x / scale is exactly +-0.5, +-1.5, +-2.5
+    x = jnp.asarray([[127.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 0.0]], jnp.float32)
+    q, scale = quantize_int8_pallas_tpu(x)
+    assert float(scale[0, 0]) == 1.0
+    np.testing.assert_array_equal(np.asarray(q), [[127, 1, -1, 2, -2, 3, -3, 0]])
+
+
+def test_quantize_int8_tpu_kernel_lowers_to_mosaic(lower_for_tpu):
+    lower_for_tpu(lambda a: quantize_int8_pallas_tpu(a, interpret=False), jnp.ones((40, 700), jnp.bfloat16))
