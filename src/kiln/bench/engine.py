@@ -15,6 +15,8 @@ meaningful on a shared machine where other processes inflate wall time.
 
 `--speculative ngram|draft` times speculative decoding against the same engine without it instead
 (single stream, a repetitive task; kiln.bench.engine_speculative).
+
+`--jax` adds the JAX Llama's rows (system "kiln-jax", kiln.bench.engine_jax) at each concurrency.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ TARGET_16_TOK_S = 226.0
 
 @dataclass
 class Result:
-    system: str  # kiln | hf-transformers | llama-cpp
+    system: str  # kiln | kiln-jax | hf-transformers | llama-cpp
     scenario: str  # single-stream | concurrent | offline
     concurrency: int
     output_tokens: int
@@ -101,6 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--spec-repeats", type=int, default=2, help="--speculative: rounds over the task prompts"
+    )
+    parser.add_argument(
+        "--jax",
+        action="store_true",
+        help="also time the JAX Llama (kiln.jax.models, float32, kiln.jax.generate) at each concurrency",
     )
 
 
@@ -386,6 +393,13 @@ def run(args: argparse.Namespace) -> int:
     kiln_info = {"weight_layouts": weight_layouts(loaded.model)}
     results = bench_kiln(args, loaded, concurrencies, kiln_info)
     del loaded
+    if getattr(args, "jax", False):
+        from kiln.bench.engine_jax import bench_jax
+
+        prompts = {c: _prompts(c, args.prompt_len, vocab, args.seed + c) for c in concurrencies}
+        for row in bench_jax(model_path, prompts, args.max_tokens):
+            results.append(Result(**row))
+            _progress(results[-1])
     if is_random_spec(model_path):
         # no file for HF transformers or llama.cpp to load: only Kiln runs a random-weight model
         if hf_batches or not args.no_llama_cpp:

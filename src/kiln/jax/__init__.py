@@ -14,6 +14,10 @@ So is the padded-batch `kiln.jax.flash_attention` (kiln.jax.attention_autodiff: 
 kernels recomputing from the saved LSE, kiln.ops.attention.flash_attention_backward.pallas_tpu).
 
 `kiln.jax.IMPLEMENTED` maps each op to its JAX implementations.
+
+`kiln.jax.models.Llama` is a Llama-family model over these ops (weights through Kiln's loaders, a
+paged KV cache, jitted prefill/decode steps, tensor parallel over a device mesh), and
+`kiln.jax.generate(model, prompts, max_tokens, temperature=0)` generates with it.
 """
 
 import os
@@ -39,8 +43,12 @@ from kiln.jax.autodiff import gelu_tanh_and_mul, rms_norm, silu_and_mul  # noqa:
 # The GEMMs' older JAX names: matmul = linear, w8a16_matmul = w8a16_linear.
 from kiln.jax.gemm_layouts import matmul, w8a16_matmul  # noqa: E402,F401
 
+# A Llama over these ops (kiln.jax.models): generate(model, prompts, max_tokens, temperature=0).
+from kiln.jax.models import generate  # noqa: E402
+
 # The old rotary names: rope = rotary_embedding, and the cos/sin table as a jax array.
 from kiln.jax.rope_layouts import rope, rope_cos_sin_cache  # noqa: E402,F401
 
 __all__ = ["IMPLEMENTATIONS", "IMPLEMENTED", "default_implementation", "tpu_interpreter", *IMPLEMENTED]
 __all__ += ["flash_attention", "matmul", "rope", "rope_cos_sin_cache", "w8a16_matmul"]
+__all__ += ["generate"]
