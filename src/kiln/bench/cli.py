@@ -9,6 +9,8 @@ kiln bench engine ...   the engine's throughput and latency vs HF transformers; 
                         sequence through the model alone (kiln.bench.engine)
 kiln bench serve ...    load test of `kiln serve` over loopback HTTP (kiln.bench.serve)
 kiln bench tp ...       decode speed of TP 1 vs TP N (kiln.bench.tp)
+kiln bench parallel ... tokens/s and communication share per step of a TP / PP / EP layout
+                        (kiln.bench.parallel)
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kiln.bench import engine, serve, tp
+from kiln.bench import engine, parallel, serve, tp
 
 # subcommand -> (module with add_arguments(parser) and run(args), help); heavy imports stay inside run
 BENCHMARKS = {
     "engine": (engine, "the engine's throughput and latency vs HF transformers (--decode-loop: the model)"),
     "serve": (serve, "load test of `kiln serve` over loopback HTTP"),
     "tp": (tp, "decode speed of TP 1 vs TP N, all-reduce time per decode step"),
+    "parallel": (parallel, "tokens/s and communication share per step of a TP / PP / EP layout"),
 }
 
 
@@ -56,7 +59,7 @@ def add_parser(subparsers) -> None:
         "--no-compile", action="store_true", help="with --backward: skip the torch.compile baseline"
     )
     p.set_defaults(func=run)
-    sub = p.add_subparsers(dest="bench_command", metavar="{compare,engine,serve,tp}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{compare,engine,parallel,serve,tp}")
     c = sub.add_parser("compare", help="flag regressions between two result files (exit 1 if any)")
     c.add_argument("old", help="baseline result JSON")
     c.add_argument("new", help="new result JSON")

@@ -8,6 +8,11 @@ all ranks run their shard of the forward pass together (all-reduces inside the m
 to rank 0, which samples). Workers are spawned on this machine (torch.multiprocessing), or already running
 under torchrun (env RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; this process must be RANK 0).
 
+Pipeline parallelism (pp_size > 1, docs/pipeline_parallel.md): tp_size x pp_size ranks, rank =
+stage * tp_size + tp_rank; every rank builds only its stage's layers (load_stage) and runs each
+broadcast step through a PipelineStageRunner (micro-batches flowing through the stages, hidden states
+sent point to point, logits back to rank 0, which samples).
+
 Failure: before each step the spawned workers' liveness is checked; a collective that a dead or hung
 worker never joins fails after `timeout_s`. Either way the step raises TensorParallelError naming the
 rank, and the engine shuts down (workers joined, then killed; no orphans). `shutdown()` (also run at
@@ -18,12 +23,13 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import os
 import sys
 
 import torch
 
-from kiln.distributed.collectives import broadcast_object
+from kiln.distributed.collectives import all_gather_object, broadcast_object
 from kiln.distributed.groups import (
     DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -33,16 +39,18 @@ from kiln.distributed.groups import (
     free_port,
     init_tp_group,
     launched_by_torchrun,
+    pipeline_layout,
     rank_layout,
 )
-from kiln.distributed.worker import agree_on_blocks, load_shard, spawn_main
+from kiln.distributed.stage_runner import PipelineStageRunner
+from kiln.distributed.worker import agree_on_blocks, join_groups, load_shard, load_stage, spawn_main
 from kiln.engine.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
-from kiln.engine.model_runner import ModelInputs
+from kiln.engine.model_runner import ModelInputs, ModelRunner
 from kiln.engine.outputs import RequestOutput
 from kiln.loaders import open_checkpoint
 from kiln.models.layers.tp import TPGroup
-from kiln.models.sharding import ShardPlan, check_expert_parallel, routed_experts
+from kiln.models.sharding import ShardPlan, check_expert_parallel, check_pipeline_parallel, routed_experts
 
 
 class StepBroadcaster:
@@ -64,7 +72,10 @@ class TensorParallelEngine(LLMEngine):
     timeout_s: how long a collective may wait for a worker before the step fails;
     startup_timeout_s: how long to wait for all workers to join;
     ep_size: 1, or tp_size for expert parallelism (a MoE model's experts whole on each rank, tokens
-    dispatched to them with all-to-alls; docs/expert_parallel.md).
+    dispatched to them with all-to-alls; docs/expert_parallel.md);
+    pp_size: pipeline stages (tp_size x pp_size ranks in all; docs/pipeline_parallel.md);
+    micro_batches: under pipeline parallelism, how many micro-batches (of whole sequences) a step is
+    split into at most (None = pp_size).
     """
 
     def __init__(
@@ -75,13 +86,23 @@ class TensorParallelEngine(LLMEngine):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         ep_size: int = 1,
+        pp_size: int = 1,
+        micro_batches: int | None = None,
     ):
         config = config or EngineConfig()
-        if tp_size < 2:
-            raise ValueError(f"TensorParallelEngine: tp_size={tp_size}, expected >= 2 (use LLMEngine for 1)")
+        if tp_size < 1 or pp_size < 1 or tp_size * pp_size < 2:
+            raise ValueError(
+                f"TensorParallelEngine: tp_size={tp_size} x pp_size={pp_size}, expected at least 2 ranks "
+                "(use LLMEngine for 1)"
+            )
+        if pp_size > 1 and ep_size > 1:
+            raise ValueError(
+                "TensorParallelEngine: expert parallelism under pipeline parallelism is not supported"
+            )
         device = config.resolved_device()
         check_ep_size(tp_size, ep_size)
-        self.tp_size, self.ep_size = tp_size, ep_size
+        self.tp_size, self.ep_size, self.pp_size = tp_size, ep_size, pp_size
+        self.micro_batches = micro_batches or pp_size
         self.timeout_s = timeout_s
         self.workers = []
         self.group = None
@@ -93,26 +114,54 @@ class TensorParallelEngine(LLMEngine):
             checkpoint = open_checkpoint(config.model, device, config.dtype)
             check_expert_parallel(checkpoint.config, ep_size)
             ShardPlan(checkpoint.config, tp_size)
-            layout = rank_layout(tp_size, ep_size, routed_experts(checkpoint.config))
+            stages = check_pipeline_parallel(checkpoint.config, pp_size)
+            if pp_size > 1:
+                layout = pipeline_layout(tp_size, pp_size, stages, checkpoint.config.num_layers)
+            else:
+                layout = rank_layout(tp_size, ep_size, routed_experts(checkpoint.config))
             print(f"kiln: {layout}", file=sys.stderr, flush=True)
-            self._start_workers(tp_size, device, timeout_s, startup_timeout_s)
-            broadcast_object({"engine_config": config, "path": checkpoint.path}, self.group, setup=True)
+            self._start_workers(tp_size * pp_size, device, timeout_s, startup_timeout_s)
+            setup = {"engine_config": config, "path": checkpoint.path}
+            if pp_size > 1:
+                setup.update(stages=stages, micro_batches=self.micro_batches)
+            broadcast_object(setup, self.group, setup=True)
             error, loaded, num_blocks = None, None, 0
             try:
-                loaded, num_blocks = load_shard(config, checkpoint, device, self.group)
+                if pp_size > 1:
+                    loaded, num_blocks = load_stage(config, checkpoint, device, self.group.tp, stages[0])
+                else:
+                    loaded, num_blocks = load_shard(config, checkpoint, device, self.group)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 raise
             finally:
                 num_blocks = agree_on_blocks(error, num_blocks, self.group)
             config = dataclasses.replace(config, num_kv_blocks=num_blocks, enforce_eager=True)
-            super().__init__(config, loaded=loaded, before_forward=StepBroadcaster(self.group))
+            runner_class = ModelRunner
+            if pp_size > 1:
+                runner_class = functools.partial(
+                    PipelineStageRunner, group=self.group, micro_batches=self.micro_batches
+                )
+            super().__init__(
+                config, loaded=loaded, before_forward=StepBroadcaster(self.group), runner_class=runner_class
+            )
         except BaseException:
             self.shutdown()
             raise
 
     # ---- processes ----
+    def _join(self, world, device_type, init_method, timeout_s, local_rank, startup_timeout_s):
+        if self.pp_size > 1:
+            return join_groups(
+                0, world, device_type, init_method, timeout_s, local_rank, pp_size=self.pp_size
+            )
+        return init_tp_group(
+            0, world, device_type, init_method, timeout_s, local_rank, startup_timeout_s=startup_timeout_s,
+            ep_size=self.ep_size,
+        )  # fmt: skip
+
     def _start_workers(self, tp_size, device, timeout_s, startup_timeout_s) -> None:
+        # tp_size here: every rank of the world (tp_size x pp_size)
         if launched_by_torchrun():
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             if rank != 0 or world != tp_size:
@@ -121,10 +170,7 @@ class TensorParallelEngine(LLMEngine):
                     f"RANK {rank} of {world} (other ranks run kiln.distributed.worker.torchrun_main)"
                 )
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            self.group = init_tp_group(
-                0, world, device.type, "env://", timeout_s, local_rank, startup_timeout_s=startup_timeout_s,
-                ep_size=self.ep_size,
-            )  # fmt: skip
+            self.group = self._join(world, device.type, "env://", timeout_s, local_rank, startup_timeout_s)
             return
         threads = None
         if device.type == "cpu":
@@ -137,24 +183,39 @@ class TensorParallelEngine(LLMEngine):
         for rank in range(1, tp_size):
             process = context.Process(
                 target=spawn_main,
-                args=(rank, tp_size, init_method, device.type, timeout_s, threads, self.ep_size),
+                args=(
+                    rank,
+                    tp_size,
+                    init_method,
+                    device.type,
+                    timeout_s,
+                    threads,
+                    self.ep_size,
+                    self.pp_size,
+                ),
                 name=f"kiln-tp-worker-{rank}",
                 daemon=True,
             )
             process.start()
             self.workers.append(process)
-        self.group = init_tp_group(
-            0, tp_size, device.type, init_method, timeout_s, startup_timeout_s=startup_timeout_s,
-            ep_size=self.ep_size,
-        )  # fmt: skip
+        self.group = self._join(tp_size, device.type, init_method, timeout_s, None, startup_timeout_s)
+
+    def stage_stats(self) -> list[dict]:
+        """Every rank's runner stats, in rank order (pipeline parallelism: compute and point-to-point
+        wait seconds per rank, see PipelineStageRunner; {} for a tensor-parallel rank)."""
+        broadcast_object(("stats",), self.group)
+        return all_gather_object(getattr(self.runner, "stats", {}), self.group)
 
     def dead_workers(self) -> list[str]:
         """'rank R (pid P) exited with code C' for every spawned worker that is no longer running."""
         return [
-            f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+            f"rank {rank}{self._stage_of(rank)} (pid {p.pid}) exited with code {p.exitcode}"
             for rank, p in enumerate(self.workers, start=1)
             if p.exitcode is not None
         ]
+
+    def _stage_of(self, rank: int) -> str:
+        return f", pipeline stage {rank // self.tp_size}" if self.pp_size > 1 else ""
 
     def step(self) -> list[RequestOutput]:
         if self._closed:
@@ -172,8 +233,9 @@ class TensorParallelEngine(LLMEngine):
             if dead:
                 message = f"tensor-parallel worker died: {'; '.join(dead)}"
             else:
+                what = "collective or pipeline send/recv" if self.pp_size > 1 else "collective"
                 message = (
-                    f"a tensor-parallel collective failed or did not finish within {self.timeout_s:g} s "
+                    f"a tensor-parallel {what} failed or did not finish within {self.timeout_s:g} s "
                     f"(a worker is hung or unreachable): {exc}"
                 )
             self.shutdown(graceful=False)

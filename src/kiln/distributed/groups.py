@@ -21,6 +21,12 @@ The group handle (`TPGroup`) and the collectives the layers run live below the m
 kiln.models.layers.tp and expert_parallel; this module creates and destroys the groups and describes
 the rank layout (`rank_layout`, printed by rank 0 at start-up).
 
+With pipeline parallelism (`init_pipeline_group`, tp_size x pp_size ranks, global rank =
+stage * tp_size + tp_rank) the groups are built once, here: cpu_group and setup_group over every rank
+as above; one tensor-parallel device group per stage (the TPGroup its layers are built with); and
+`pipe_group` (device backend, every rank, `timeout_s`) for the point-to-point sends of hidden states
+between neighbouring stages and of the logits from the last stage back to rank 0.
+
 Rendezvous: spawned workers use tcp://127.0.0.1:<free port>; under torchrun the standard env vars
 (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) with init_method env://.
 """
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -133,3 +140,118 @@ def rank_layout(world_size: int, ep_size: int = 1, num_experts: int = 0) -> str:
 def destroy_tp_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@dataclass
+class PipelineGroup:
+    """This process's place in a tp_size x pp_size layout (init_pipeline_group makes one). Global rank
+    = stage * tp_size + tp_rank; global rank 0 (stage 0, TP rank 0) drives the engine.
+
+    tp: this stage's TPGroup (its layers' all-reduces and logits gather), None when tp_size == 1;
+    pipe_group: point-to-point activations and logits (NCCL on GPUs, gloo on CPUs);
+    cpu_group / setup_group: gloo over every rank, rank 0's per-step and one-off messages (the
+    attribute names kiln.distributed.collectives reads, with `rank` and `world_size` global).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    tp_size: int
+    pp_size: int
+    tp: TPGroup | None
+    pipe_group: object
+    cpu_group: object
+    setup_group: object
+    timeout_s: float
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    def global_rank(self, stage: int, tp_rank: int) -> int:
+        return stage * self.tp_size + tp_rank
+
+    @property
+    def prev_rank(self) -> int | None:
+        """The rank this one receives hidden states from (same TP rank, previous stage)."""
+        return None if self.stage == 0 else self.global_rank(self.stage - 1, self.tp_rank)
+
+    @property
+    def next_rank(self) -> int | None:
+        """The rank this one sends hidden states to (same TP rank, next stage)."""
+        return None if self.stage == self.pp_size - 1 else self.global_rank(self.stage + 1, self.tp_rank)
+
+    @property
+    def sends_logits(self) -> bool:
+        """True on the rank that sends each step's logits to rank 0: the last stage's TP rank 0."""
+        return self.stage == self.pp_size - 1 and self.tp_rank == 0
+
+
+def init_pipeline_group(
+    rank: int,
+    tp_size: int,
+    pp_size: int,
+    device_type: str,
+    init_method: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    local_rank: int | None = None,
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+) -> PipelineGroup:
+    """Join a tp_size x pp_size world (blocks until every rank has joined) and build all its groups
+    once, in the same order on every rank."""
+    world_size = tp_size * pp_size
+    if dist.is_initialized():
+        raise RuntimeError(
+            "pipeline parallel: this process already belongs to a torch.distributed group; shut the other "
+            "parallel engine down first (one per process)"
+        )
+    local_rank = rank if local_rank is None else local_rank
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend=backend_for(device_type),
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=startup_timeout_s),
+    )
+    everyone = list(range(world_size))
+    timeout = timedelta(seconds=timeout_s)
+    cpu_timeout = timeout_s if rank == 0 else idle_timeout_s
+    cpu_group = dist.new_group(everyone, timeout=timedelta(seconds=cpu_timeout), backend="gloo")
+    setup_group = dist.new_group(everyone, timeout=timedelta(seconds=startup_timeout_s), backend="gloo")
+    pipe_group = dist.new_group(everyone, timeout=timeout)
+    tp = None
+    for stage in range(pp_size):  # every rank creates every stage's group (new_group is collective)
+        members = list(range(stage * tp_size, (stage + 1) * tp_size))
+        group = dist.new_group(members, timeout=timeout) if tp_size > 1 else None
+        if rank in members and group is not None:
+            tp = TPGroup(rank - members[0], tp_size, local_rank, group, None, None, timeout_s)
+    return PipelineGroup(
+        rank, world_size, local_rank, tp_size, pp_size, tp, pipe_group, cpu_group, setup_group,
+        timeout_s,
+    )  # fmt: skip
+
+
+def pipeline_layout(tp_size: int, pp_size: int, stages: list[tuple[int, int]], num_layers: int) -> str:
+    """Lines saying what each rank holds under TP x PP (printed by rank 0 at start-up)."""
+    split = "+".join(str(end - start) for start, end in stages)
+    even = "even" if len({end - start for start, end in stages}) == 1 else "uneven"
+    lines = [
+        f"{tp_size * pp_size} ranks = {pp_size} pipeline stages x {tp_size} tensor-parallel; "
+        f"{num_layers} decoder layers split {split} ({even})"
+    ]
+    for stage, (start, end) in enumerate(stages):
+        ranks = ", ".join(str(stage * tp_size + t) for t in range(tp_size))
+        parts = [f"layers {start}-{end - 1}"]
+        if stage == 0:
+            parts.insert(0, "embedding")
+        if stage == pp_size - 1:
+            parts.append("final norm + LM head")
+        lines.append(f"  stage {stage}: ranks {ranks}: {', '.join(parts)}")
+    return "\n".join(lines)

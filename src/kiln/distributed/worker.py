@@ -6,7 +6,12 @@ Protocol (rank 0 broadcasts, see engine.py; setup over the setup_group, steps ov
          exchange (error or None, num_blocks) and use the smallest count;
   ("step", ModelInputs) -> ModelRunner.execute: the forward pass (joining the all-reduces) and, when
          rows are sampled, compute_logits (joining the logits gather);
+  ("stats",) -> every rank's runner stats gathered (pipeline stages' compute / point-to-point wait
+         times, for the benchmark);
   ("stop",) -> leave the loop.
+Under pipeline parallelism (pp_size > 1, groups from init_pipeline_group) the setup also names each
+stage's layers and the micro-batch count; each rank builds only its stage (load_stage) and replays
+the steps through a PipelineStageRunner (kiln.distributed.stage_runner).
 A worker started by `spawn` also watches its parent and exits when it dies (no orphans).
 """
 
@@ -23,18 +28,21 @@ import torch
 from kiln.distributed.collectives import all_gather_object, broadcast_object
 from kiln.distributed.groups import (
     DEFAULT_TIMEOUT_S,
+    PipelineGroup,
     TensorParallelError,
     TPGroup,
     destroy_tp_group,
+    init_pipeline_group,
     init_tp_group,
     launched_by_torchrun,
 )
+from kiln.distributed.stage_runner import PipelineStageRunner
 from kiln.engine.config import EngineConfig, kv_cache_dtype_for, num_kv_blocks_for_model
 from kiln.engine.model_runner import ModelRunner
-from kiln.loaders import Checkpoint, LoadedModel, load_model
+from kiln.loaders import Checkpoint, LoadedModel, load_model, open_checkpoint
 
 
-def rank_device(device_type: str, group: TPGroup) -> torch.device:
+def rank_device(device_type: str, group: TPGroup | PipelineGroup) -> torch.device:
     return torch.device("cuda", group.local_rank) if device_type == "cuda" else torch.device("cpu")
 
 
@@ -54,7 +62,43 @@ def load_shard(
     return loaded, num_kv_blocks_for_model(config, device, loaded.model)
 
 
-def agree_on_blocks(error: str | None, num_blocks: int, group: TPGroup) -> int:
+def load_stage(
+    config: EngineConfig,
+    model: str | Checkpoint,
+    device: torch.device,
+    tp_group: TPGroup | None,
+    layers: tuple[int, int],
+) -> tuple[LoadedModel, int]:
+    """(this rank's pipeline stage: decoder layers [start, end), its TP shard when tp_group is given;
+    the KV blocks this rank can hold for those layers). Formats as on a TP rank: the engine config's,
+    else the checkpoint's defaults (no timed probe: ranks timing at once measure noise)."""
+    checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model, device, config.dtype)
+    dtype = config.dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    cpu_format = (
+        config.cpu_format if config.cpu_format not in (None, "auto") else checkpoint.default_cpu_format
+    )
+    lm_head_format = config.lm_head_format
+    if lm_head_format in (None, "auto"):
+        lm_head_format = checkpoint.default_lm_head_format
+    kwargs = {"rope_inv_freq": checkpoint.rope_inv_freq} if checkpoint.rope_inv_freq is not None else {}
+    with torch.inference_mode(False), torch.no_grad():
+        built = checkpoint.model_class(
+            checkpoint.config,
+            checkpoint.weights,
+            device=device,
+            dtype=dtype,
+            cpu_format=cpu_format,
+            lm_head_format=lm_head_format,
+            tp_group=tp_group,
+            pipeline_layers=layers,
+            **kwargs,
+        )
+    built.eval()
+    loaded = LoadedModel(model=built, tokenizer=checkpoint.tokenizer, config=checkpoint.config)
+    return loaded, num_kv_blocks_for_model(config, device, built)
+
+
+def agree_on_blocks(error: str | None, num_blocks: int, group: TPGroup | PipelineGroup) -> int:
     """Exchange every rank's (error, num_blocks); raise TensorParallelError naming the first failed rank,
     else return the smallest block count (the ranks' caches must match block for block)."""
     reports = all_gather_object((error, num_blocks), group)
@@ -64,13 +108,60 @@ def agree_on_blocks(error: str | None, num_blocks: int, group: TPGroup) -> int:
     return min(n for _, n in reports)
 
 
-def serve_steps(runner: ModelRunner, group: TPGroup, device: torch.device) -> None:
+def serve_steps(runner: ModelRunner, group: TPGroup | PipelineGroup, device: torch.device) -> None:
     """Replay rank 0's steps until it says stop."""
     while True:
         msg = broadcast_object(None, group)
         if msg[0] == "stop":
             return
+        if msg[0] == "stats":
+            all_gather_object(getattr(runner, "stats", {}), group)
+            continue
         runner.execute(msg[1].to(device))
+
+
+def run_pipeline_worker(group: PipelineGroup, device_type: str) -> None:
+    """Everything a rank other than 0 does under pipeline parallelism after joining the groups."""
+    setup = broadcast_object(None, group, setup=True)
+    config: EngineConfig = setup["engine_config"]
+    device = rank_device(device_type, group)
+    loaded, num_blocks, error = None, 0, None
+    try:
+        loaded, num_blocks = load_stage(config, setup["path"], device, group.tp, setup["stages"][group.stage])
+    except Exception:
+        error = traceback.format_exc()
+    num_blocks = agree_on_blocks(error, num_blocks, group)
+    runner = PipelineStageRunner(
+        loaded.model,
+        device,
+        num_blocks,
+        config.block_size,
+        config.max_num_seqs,
+        max_model_len=num_blocks * config.block_size,
+        kv_cache_dtype=kv_cache_dtype_for(config, loaded.model),
+        group=group,
+        micro_batches=setup["micro_batches"],
+    )
+    serve_steps(runner, group, device)
+
+
+def join_groups(
+    rank: int, world_size: int, device_type: str, init_method: str, timeout_s: float,
+    local_rank: int | None = None, ep_size: int = 1, pp_size: int = 1,
+) -> TPGroup | PipelineGroup:  # fmt: skip
+    """init_tp_group, or init_pipeline_group when pp_size > 1 (tp = world_size / pp_size)."""
+    if pp_size > 1:
+        return init_pipeline_group(
+            rank, world_size // pp_size, pp_size, device_type, init_method, timeout_s, local_rank
+        )
+    return init_tp_group(rank, world_size, device_type, init_method, timeout_s, local_rank, ep_size=ep_size)
+
+
+def run_rank(group: TPGroup | PipelineGroup, device_type: str) -> None:
+    if isinstance(group, PipelineGroup):
+        run_pipeline_worker(group, device_type)
+    else:
+        run_worker(group, device_type)
 
 
 def run_worker(group: TPGroup, device_type: str) -> None:
@@ -106,28 +197,31 @@ def _exit_when_parent_dies() -> None:
 
 
 def spawn_main(rank: int, world_size: int, init_method: str, device_type: str, timeout_s: float,
-               num_threads: int | None, ep_size: int = 1) -> None:  # fmt: skip
+               num_threads: int | None, ep_size: int = 1, pp_size: int = 1) -> None:  # fmt: skip
     """Entry point of a worker started with torch.multiprocessing (spawn) by TensorParallelEngine
-    (ep_size: the engine's, see init_tp_group)."""
+    (ep_size, pp_size: the engine's, see init_tp_group / init_pipeline_group)."""
     threading.Thread(target=_exit_when_parent_dies, daemon=True, name="kiln-tp-watchdog").start()
     if num_threads:
         torch.set_num_threads(num_threads)
-    group = init_tp_group(rank, world_size, device_type, init_method, timeout_s, ep_size=ep_size)
+    group = join_groups(
+        rank, world_size, device_type, init_method, timeout_s, ep_size=ep_size, pp_size=pp_size
+    )
     try:
-        run_worker(group, device_type)
+        run_rank(group, device_type)
     except Exception as exc:
-        print(f"kiln tensor-parallel worker rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"kiln parallel worker rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         os._exit(1)
     destroy_tp_group()
 
 
-def torchrun_main(timeout_s: float = DEFAULT_TIMEOUT_S, ep_size: int = 1) -> int:
+def torchrun_main(timeout_s: float = DEFAULT_TIMEOUT_S, ep_size: int = 1, pp_size: int = 1) -> int:
     """A rank > 0 started by torchrun (env RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT):
-    join the group (ep_size as rank 0's) and serve rank 0 until it stops. Returns the exit code."""
+    join the groups (ep_size, pp_size as rank 0's) and serve rank 0 until it stops. Returns the exit
+    code."""
     if not launched_by_torchrun():
         raise RuntimeError("torchrun_main: RANK / WORLD_SIZE are not set (start it with torchrun)")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    group = init_tp_group(
+    group = join_groups(
         int(os.environ["RANK"]),
         int(os.environ["WORLD_SIZE"]),
         device_type,
@@ -135,9 +229,10 @@ def torchrun_main(timeout_s: float = DEFAULT_TIMEOUT_S, ep_size: int = 1) -> int
         timeout_s,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         ep_size=ep_size,
+        pp_size=pp_size,
     )
     try:
-        run_worker(group, device_type)
+        run_rank(group, device_type)
     finally:
         destroy_tp_group()
     return 0

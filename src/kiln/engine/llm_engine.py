@@ -28,7 +28,8 @@ class LLMEngine:
     """The engine. `loaded` (a kiln.loaders LoadedModel: .model, .tokenizer, .config) skips loading
     config.model, so several engines can share one loaded model (its weights are read-only).
     `before_forward` is the model runner's hook (see ModelRunner; tensor parallelism's rank 0 passes
-    its broadcast of each step's inputs)."""
+    its broadcast of each step's inputs). `runner_class` builds the runner with ModelRunner's
+    arguments (pipeline parallelism passes its stage runner)."""
 
     def __init__(
         self,
@@ -36,6 +37,7 @@ class LLMEngine:
         loaded=None,
         *,
         before_forward: Callable[[ModelInputs], None] | None = None,
+        runner_class: Callable[..., ModelRunner] = ModelRunner,
     ):
         self.config = config = config or EngineConfig()
         self.device = config.resolved_device()
@@ -71,7 +73,7 @@ class LLMEngine:
             eos_token_ids=eos,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
-        self.runner = ModelRunner(
+        self.runner = runner_class(
             self.model,
             self.device,
             num_blocks,

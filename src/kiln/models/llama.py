@@ -182,6 +182,10 @@ class LlamaForCausalLM(torch.nn.Module):
     is per rank) but the full vocab_size.
     build_mlp: each layer's MLP (MoE models pass theirs).
     build_attn: each layer's self-attention (Qwen3 passes build_attention with its q/k norms).
+    pipeline_layers: (start, end): build only decoder layers [start, end) (a pipeline stage,
+    kiln.models.sharding.pipeline_stages), the embedding only when start == 0, the final norm and LM
+    head only when end == num_layers; model.config.num_layers is then end - start (one KV cache per
+    layer held) and the stage runs embed / forward_layers / final_norm instead of forward.
     """
 
     def __init__(
@@ -197,9 +201,17 @@ class LlamaForCausalLM(torch.nn.Module):
         tp_group: TPGroup | None = None,
         build_mlp: MlpBuilder = build_gated_mlp,
         build_attn: AttentionBuilder = build_attention,
+        pipeline_layers: tuple[int, int] | None = None,
     ):
         super().__init__()
         device = torch.device(device)
+        start, end = pipeline_layers or (0, config.num_layers)
+        if not 0 <= start < end <= config.num_layers:
+            raise ValueError(
+                f"{type(self).__name__}: pipeline_layers={pipeline_layers}, expected 0 <= start < end <= "
+                f"num_layers={config.num_layers}"
+            )
+        self.pipeline_layers = (start, end)
         vocab_start, vocab_sizes = 0, None
         if tp_group is not None:
             plan = ShardPlan(config, tp_group.world_size)
@@ -212,10 +224,13 @@ class LlamaForCausalLM(torch.nn.Module):
         self.device = device
         opts = LayerOptions(device, dtype, cpu_format, tp_group)
         local_vocab = c.vocab_size if vocab_sizes is None else vocab_sizes[tp_group.rank]
-        embed = weights.get("model.embed_tokens.weight", (local_vocab, c.hidden_size))
-        self.embed_tokens = VocabParallelEmbedding(
-            embed, device=device, dtype=dtype, vocab_start=vocab_start, tp_group=tp_group
-        )
+        embed, self.embed_tokens = None, None
+        if start == 0 or (end == c.num_layers and c.tie_word_embeddings and "lm_head.weight" not in weights):
+            embed = weights.get("model.embed_tokens.weight", (local_vocab, c.hidden_size))
+        if start == 0:
+            self.embed_tokens = VocabParallelEmbedding(
+                embed, device=device, dtype=dtype, vocab_start=vocab_start, tp_group=tp_group
+            )
         self.rotary = RotaryEmbedding(
             c.rotary_dim or c.head_dim,
             c.max_position_embeddings,
@@ -226,21 +241,25 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         self.layers = torch.nn.ModuleList(
             build_decoder_layer(c, i, weights, self.rotary, opts, build_mlp(c, i, weights, opts), build_attn)
-            for i in range(c.num_layers)
+            for i in range(start, end)
         )
-        self.norm = weights.get("model.norm.weight", (c.hidden_size,)).to(device, dtype)
-        head = embed
-        if not c.tie_word_embeddings or "lm_head.weight" in weights:
-            head = weights.get("lm_head.weight", (local_vocab, c.hidden_size))
-        self.lm_head = ParallelLMHead(
-            head,
-            device=device,
-            dtype=dtype,
-            cpu_format=lm_head_format or cpu_format,
-            vocab_sizes=vocab_sizes,
-            tp_group=tp_group,
-        )
+        self.norm, self.lm_head = None, None
+        if end == c.num_layers:
+            self.norm = weights.get("model.norm.weight", (c.hidden_size,)).to(device, dtype)
+            head = embed
+            if not c.tie_word_embeddings or "lm_head.weight" in weights:
+                head = weights.get("lm_head.weight", (local_vocab, c.hidden_size))
+            self.lm_head = ParallelLMHead(
+                head,
+                device=device,
+                dtype=dtype,
+                cpu_format=lm_head_format or cpu_format,
+                vocab_sizes=vocab_sizes,
+                tp_group=tp_group,
+            )
         self.eps = c.rms_norm_eps
+        if end - start != c.num_layers:  # a stage: the engine allocates KV caches for its layers only
+            self.config = dataclasses.replace(c, num_layers=end - start)
 
     @torch.inference_mode()
     def forward(
@@ -255,10 +274,27 @@ class LlamaForCausalLM(torch.nn.Module):
                 f"{type(self).__name__}.forward: got {len(kv_caches)} kv_caches, expected one per layer "
                 f"({len(self.layers)})"
             )
-        hidden = self.embed_tokens(input_ids)
-        residual = None
+        hidden, residual = self.forward_layers(
+            positions, self.embed_tokens(input_ids), None, kv_caches, attn_metadata
+        )
+        return self.final_norm(hidden, residual)
+
+    def forward_layers(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers this model holds: hidden, residual [T, hidden] (residual None before the
+        first layer) -> (hidden, residual) after the last; kv_caches: one per held layer."""
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        return hidden, residual
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """rms_norm(hidden + residual) with the final norm: [T, hidden] -> [T, hidden]."""
         hidden, _ = kiln.ops.rms_norm(hidden, self.norm, self.eps, residual)
         return hidden
 

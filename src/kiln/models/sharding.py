@@ -359,3 +359,30 @@ def expert_shard(config: ModelConfig, ranks: int, rank: int, expert_parallel: bo
 def unsharded_config(config: ModelConfig, weights: WeightStore | ShardedWeightStore) -> ModelConfig:
     """The whole checkpoint's config (a model built over a ShardedWeightStore sees its rank's sizes)."""
     return weights.plan.config if isinstance(weights, ShardedWeightStore) else config
+
+
+# Pipeline parallelism builds a stage from LlamaForCausalLM's `pipeline_layers` hook; Mixtral and the
+# MoE variants that reuse it are left out until a test covers them.
+PP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def pipeline_stages(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """The decoder layers [start, end) of each of `pp` contiguous pipeline stages, as even as possible
+    (earlier stages take the extra layer: 30 layers over 4 stages -> 8, 8, 7, 7)."""
+    if pp < 1 or pp > num_layers:
+        raise ValueError(
+            f"pipeline parallel: --pp {pp} over {num_layers} decoder layers; every stage needs at least "
+            f"one layer, so use 1 <= pp <= {num_layers}"
+        )
+    return split_evenly(num_layers, pp)
+
+
+def check_pipeline_parallel(config: ModelConfig, pp: int) -> list[tuple[int, int]]:
+    """pipeline_stages(config.num_layers, pp), or ValueError for a model pipeline parallelism cannot
+    split (an architecture outside PP_ARCHITECTURES)."""
+    if pp > 1 and config.architecture not in PP_ARCHITECTURES:
+        raise ValueError(
+            f"pipeline parallel: {config.architecture!r} cannot be split into stages yet (supported: "
+            f"{', '.join(PP_ARCHITECTURES)}); use --tp"
+        )
+    return pipeline_stages(config.num_layers, pp)

@@ -54,6 +54,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument(  # expert parallelism (docs/expert_parallel.md)
         "--ep", type=int, default=1, help="MoE models: N ranks, each holding 1/N of the experts whole"
     )
+    parser.add_argument(  # pipeline parallelism (docs/pipeline_parallel.md)
+        "--pp", type=int, default=1, help="pipeline stages of the decoder layers (--tp x --pp ranks in all)"
+    )
     add_speculative_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -89,10 +92,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print("kiln serve: loading model ...", file=sys.stderr, flush=True)
     try:
-        if args.tp > 1 or args.ep > 1:  # tensor / expert parallelism: None on a torchrun rank > 0 (done)
+        if args.tp > 1 or args.ep > 1 or args.pp > 1:  # parallel: None on a torchrun rank > 0 (done)
             from kiln.distributed.launch import start_engine
 
-            engine = start_engine(config, args.tp, ep_size=args.ep)
+            engine = start_engine(config, args.tp, ep_size=args.ep, pp_size=args.pp)
             if engine is None:
                 return 0
         else:

@@ -96,7 +96,8 @@ def gather_to_first(
         tensor = torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]))
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in sizes] if group.rank == 0 else None
-    dist.gather(tensor, parts, dst=0, group=group.device_group)
+    # group_dst: group rank 0 (a pipeline stage's TP group does not contain global rank 0)
+    dist.gather(tensor, parts, group=group.device_group, group_dst=0)
     if parts is None:
         return None
     return [p[..., :n] for p, n in zip(parts, sizes, strict=True)]
