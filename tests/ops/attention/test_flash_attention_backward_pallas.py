@@ -1,6 +1,7 @@
-"""flash_attention_backward's Pallas TPU kernels (the TPU interpreter on the CPU) through the op's
-torch-facing implementation (varlen rows gathered into a padded batch and back), against the spec's
-float64 reference (autograd through the forward reference), outputs poisoned first."""
+"""flash_attention_backward's JAX backends (the Pallas TPU kernels in the TPU interpreter on the CPU,
+and XLA) through the op's torch-facing implementation (varlen rows gathered into a padded batch and
+back), against the spec's float64 reference (autograd through the forward reference), outputs
+poisoned first."""
 
 import random
 
@@ -29,4 +30,32 @@ def test_flash_attention_backward_pallas_tpu_matches_float64():
     several blocks, and `kiln verify --op flash_attention_backward --backend pallas_tpu` the fuzz shapes."""
     op, seed = get_op("flash_attention_backward"), random.randrange(2**31)
     case = run_case(op, "pallas_tpu", GQA_VARLEN_GRAD_LSE, torch.float32, CPU, seed=seed)
+    assert case.passed, case
+
+
+@pytest.mark.parametrize(
+    "dtype, shape",
+    [
+        (torch.float32, GQA_VARLEN_GRAD_LSE),
+        (  # window + soft-cap, GQA 2
+            torch.bfloat16,
+            {"seqlens_q": [29], "seqlens_k": [29], "num_heads": 4, "num_kv_heads": 2, "head_dim": 80,
+             "sliding_window": 7, "softcap": 5.0},
+        ),
+        (  # non-causal, more keys than queries
+            torch.float16,
+            {"seqlens_q": [18, 3], "seqlens_k": [40, 33], "num_heads": 2, "num_kv_heads": 2, "head_dim": 32,
+             "causal": False},
+        ),
+        (  # more queries than keys: the first 13 see no key (lse -inf, zero gradients)
+            torch.float32,
+            {"seqlens_q": [20], "seqlens_k": [7], "num_heads": 2, "num_kv_heads": 1, "head_dim": 64,
+             "grad_lse": True},
+        ),
+    ],
+)  # fmt: skip
+def test_flash_attention_backward_xla_matches_float64(dtype, shape):
+    """The plain jax.numpy backward (no autodiff: the spec's formulas from the saved LSE)."""
+    op, seed = get_op("flash_attention_backward"), random.randrange(2**31)
+    case = run_case(op, "xla", shape, dtype, CPU, seed=seed)
     assert case.passed, case

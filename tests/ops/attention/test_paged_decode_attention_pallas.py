@@ -1,5 +1,6 @@
-"""paged_decode_attention's JAX backends (the Pallas TPU kernel, XLA) against the spec's float64
-reference through the torch-facing implementations, and the generated kiln.jax entry."""
+"""paged_decode_attention's JAX backends (the Pallas TPU kernel, the Pallas GPU kernel, XLA) against
+the spec's float64 reference through the torch-facing implementations, and the generated kiln.jax
+entry."""
 
 import random
 
@@ -49,6 +50,9 @@ DECODE_MHA = {
         ("pallas_tpu", torch.float16, DECODE_MHA),
         ("pallas_tpu", torch.float8_e4m3fn, DECODE_GQA_3_CROSSES_PAGES),  # fp16 queries, scaled fp8 cache
         ("xla", torch.bfloat16, DECODE_GQA_8_WINDOW_SOFTCAP),
+        ("pallas_gpu", torch.bfloat16, DECODE_GQA_3_CROSSES_PAGES),  # group 3 padded to 4 rows
+        ("pallas_gpu", torch.float32, DECODE_GQA_8_WINDOW_SOFTCAP),  # head_dim 80 padded to 128
+        ("pallas_gpu", torch.float8_e4m3fn, DECODE_MHA),
     ],
 )
 def test_paged_decode_attention_with_shuffled_block_tables_matches_float64(backend, dtype, shape):
@@ -60,7 +64,7 @@ def test_paged_decode_attention_with_shuffled_block_tables_matches_float64(backe
     assert case.passed, case
 
 
-@pytest.mark.parametrize("implementation", ["pallas_tpu", "xla"])
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu", "xla"])
 def test_paged_decode_attention_never_lets_stale_nan_past_a_sequence_length_through(implementation):
     """Cache slots at or past a sequence's seq_len are never read: NaN there (the rest of sequence 0's
     page, batched with a longer sequence) must not reach the output."""

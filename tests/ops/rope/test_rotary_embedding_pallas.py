@@ -1,5 +1,5 @@
-"""rotary_embedding's JAX backends (TPU interpreter, XLA) against the spec's float64 reference, and
-kiln.jax.rotary_embedding / its old name kiln.jax.rope."""
+"""rotary_embedding's JAX backends (TPU interpreter, Pallas GPU interpreter, XLA) against the spec's
+float64 reference, and kiln.jax.rotary_embedding / its old name kiln.jax.rope."""
 
 import random
 
@@ -24,7 +24,7 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])  # no Pallas GPU kernel
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu", "xla"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_rotary_embedding_jax_backends_match_the_specs_float64_reference(shape, backend, dtype):
     case = run_case(get_op("rotary_embedding"), backend, shape, dtype, CPU, seed=random.randrange(2**31))
@@ -55,9 +55,23 @@ def test_kiln_jax_rope_is_rotary_embedding_under_jit_with_implementation_positio
     assert not np.allclose(np.asarray(got[0]), np.asarray(q))  # it did rotate
 
 
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary_embedding_pallas_gpu_odd_head_dim_partial_rotary_matches_xla(is_neox):
+    # head_dim 81 (odd, padded to 128 in the kernel), rotary_dim 34 (17 pairs masked in 32 lanes).
+    positions = jnp.array([5, 0, 2], jnp.int32)
+    q = jax.random.normal(jax.random.key(0), (3, 3, 81), jnp.float32)
+    k = jax.random.normal(jax.random.key(1), (3, 1, 81), jnp.float32)
+    cache = kjax.rope_cos_sin_cache(34, 8)
+    want = kjax.rotary_embedding(positions, q, k, cache, is_neox, implementation="xla")
+    got = kjax.rotary_embedding(positions, q, k, cache, is_neox, implementation="pallas_gpu")
+    for g, w, x in zip(got, want, (q, k), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(g[..., 34:]), np.asarray(x[..., 34:]))  # untouched
+
+
 def test_rotary_embedding_kiln_jax_with_no_tokens_returns_q_and_k():
     q, k = jnp.ones((0, 2, 8)), jnp.ones((0, 1, 8))
-    for implementation in ("pallas_tpu", "xla"):
+    for implementation in ("pallas_tpu", "pallas_gpu", "xla"):
         out_q, out_k = kjax.rotary_embedding(
             jnp.zeros((0,), jnp.int32), q, k, jnp.ones((4, 8)), implementation=implementation
         )
@@ -91,9 +105,9 @@ def test_rotary_embedding_kiln_jax_with_no_tokens_returns_q_and_k():
                 jnp.ones((3, 2, 8)),
                 jnp.ones((3, 1, 8)),
                 jnp.ones((9, 8)),
-                implementation="pallas_gpu",
+                implementation="cuda",
             ),
-            "unknown implementation 'pallas_gpu'",
+            "unknown implementation 'cuda'",
         ),
     ],
 )

@@ -143,3 +143,58 @@ def over_varlen(padded_kernel, with_lse: bool):
         return (out, lse) if with_lse else out
 
     return varlen
+
+
+# ---- paged cache ---------------------------------------------------------------------------------
+
+
+def gather_pages(cache, block_tables, seq_lens, scale, dtype):
+    """Each sequence's pages as a padded batch: cache [num_blocks, block_size, Hkv, D], block_tables
+    int32 [B, max_blocks], seq_lens int32 [B] -> [B, max_blocks * block_size, Hkv, D] in `dtype`
+    (fp8 pages times scale [Hkv] in float32 first). Slots at or past a sequence's length are never
+    read by contract and may hold anything (NaN too): they are zeroed, since the length mask alone
+    would leave probability 0 times a NaN value in the sum."""
+    batch, max_blocks = block_tables.shape
+    block_size = cache.shape[1]
+    pages = cache[jnp.maximum(block_tables, 0)]  # unused entries may be -1; what they gather is zeroed
+    pages = pages.reshape(batch, max_blocks * block_size, *cache.shape[2:])
+    if scale is not None:
+        pages = pages.astype(jnp.float32) * scale.astype(jnp.float32)[None, None, :, None]
+    unread = jnp.arange(max_blocks * block_size)[None, :] >= seq_lens[:, None]
+    return jnp.where(unread[:, :, None, None], jnp.zeros((), dtype), pages.astype(dtype))
+
+
+def over_varlen_backward(padded_backward):
+    """flash_attention_backward's varlen signature over a padded-batch backward `padded_backward(dout,
+    q, k, v, out, lse, q_lens, kv_lens, causal, scale, sliding_window, softcap, grad_lse) -> (dq, dk,
+    dv)` (q-side arrays [B, Sq, H, D], k-side [B, Sk, Hkv, D], lse and grad_lse [B, H, Sq]): the
+    varlen rows are gathered into [B, max_seqlen, ...] and the gradients gathered back."""
+
+    def varlen(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
+        scale=None, sliding_window=None, softcap=None, grad_lse=None,
+    ):  # fmt: skip
+        total_q, total_k = q.shape[0], k.shape[0]
+        if total_q == 0 or total_k == 0:
+            return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).astype(jnp.int32)
+        kv_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).astype(jnp.int32)
+
+        def rows_q(a):
+            return to_padded(a, cu_seqlens_q, max_seqlen_q)
+
+        def rows_k(a):
+            return to_padded(a, cu_seqlens_k, max_seqlen_k)
+
+        def by_head(a):  # [H, total_q] -> [B, H, Sq]
+            return None if a is None else jnp.swapaxes(rows_q(a.T), 1, 2)
+
+        dq, dk, dv = padded_backward(
+            rows_q(dout), rows_q(q), rows_k(k), rows_k(v), rows_q(out), by_head(lse), q_lens, kv_lens,
+            causal, scale, sliding_window, softcap, by_head(grad_lse),
+        )  # fmt: skip
+        seq_q, pos_q = token_rows(cu_seqlens_q, total_q)
+        seq_k, pos_k = token_rows(cu_seqlens_k, total_k)
+        return dq[seq_q, pos_q], dk[seq_k, pos_k], dv[seq_k, pos_k]
+
+    return varlen

@@ -4,7 +4,8 @@ key, value:      [num_tokens, num_kv_heads, head_dim]  float32 / float16 / bfloa
 key_cache,
 value_cache:     [num_blocks, block_size, num_kv_heads, head_dim], modified in place; same dtype as
                  key, or float8_e4m3fn with k_scale, v_scale float32 [num_kv_heads]
-slot_mapping:    int64 [num_tokens]; slot = block * block_size + offset; negative = skip (padding)
+slot_mapping:    int64 [num_tokens] (int32 also for JAX arrays); slot = block * block_size + offset;
+                 negative = skip (padding)
 For each token t with slot s >= 0: key_cache[s // block_size, s % block_size] = key[t] (divided by
 k_scale per kv head, saturated to +-448 and rounded to e4m3 for fp8 caches); likewise value.
 Returns None. The paged cache layout is the attention family's (kiln.ops.attention).
@@ -53,14 +54,16 @@ def validate_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_
     if tuple(key_cache.shape) != tuple(value_cache.shape) or not same_dtype:
         raise ValueError(f"{OP}: key_cache and value_cache must have one shape and dtype")
     check_scales(OP, key_cache, k_scale, v_scale, key.shape[1], key.dtype)
+    # JAX arrays may be int32 (JAX's default integer without jax_enable_x64); torch tensors are int64.
+    slot_dtypes = (torch.int64,) if isinstance(slot_mapping, torch.Tensor) else (torch.int64, torch.int32)
     slot_mapping = check_tensor(
-        OP, "slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,), device=device_of(key)
+        OP, "slot_mapping", slot_mapping, ndim=1, dtypes=slot_dtypes, device=device_of(key)
     )
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(
             f"{OP}: slot_mapping has {slot_mapping.shape[0]} entries, expected num_tokens {key.shape[0]}"
         )
-    if slot_mapping.numel() and host_checkable(slot_mapping):
+    if host_checkable(slot_mapping) and slot_mapping.numel():  # values: torch tensors on the host only
         num_slots = key_cache.shape[0] * key_cache.shape[1]
         if int(slot_mapping.max()) >= num_slots:
             raise ValueError(

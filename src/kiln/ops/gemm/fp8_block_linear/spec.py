@@ -38,7 +38,7 @@ def quantize_groups_reference(x: torch.Tensor, block_k: int) -> torch.Tensor:
     g = padded.reshape(M, groups, block_k)
     scale = g.abs().amax(-1, keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
     q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(compute)
-    return (q * scale).reshape(M, -1)[:, :K]
+    return (q * scale).reshape(M, groups * block_k)[:, :K]
 
 
 def block_scales(w_scale: torch.Tensor, N: int, K: int, block_n: int, block_k: int) -> torch.Tensor:

@@ -1,0 +1,129 @@
+"""paged_decode_attention as a Pallas Triton (GPU) kernel (the Pallas interpreter off a GPU); the op's
+arguments and math are in spec.py (q [B, H, D] over the paged cache -> [B, H, D]).
+
+Grid (B, Hkv): a program owns one sequence's query group of one kv head ([group, D], padded to
+powers of two as Triton needs) and walks the sequence's visible pages with fori_loop, reading each
+physical page through the block table (whole-array refs, pages loaded by index), with an online
+softmax in float32. Decode is memory-bound and the group is small, so the scores and P V are
+broadcast-multiply-sums rather than tl.dot (which wants 16 rows). head_dim is zero-padded to a
+power of two: free for 64/128, a copy of the cache for other sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kiln.ops.attention.jax_common import NEG_INF, finish_softmax
+from kiln.ops.attention.paged_decode_attention.pallas_tpu import _page_range
+from kiln.ops.attention.paged_decode_attention.spec import PAGED_DECODE_ATTENTION
+from kiln.ops.pallas_common import gpu_interpret, pad_to, squeezed
+
+
+def _gpu_kernel(block_tables_ref, seq_lens_ref, *refs, scale, window, softcap, block_size, quantized):
+    from jax.experimental.pallas import triton as plgpu
+
+    if quantized:
+        k_scale_ref, v_scale_ref, q_ref, k_ref, v_ref, o_ref = refs
+    else:
+        q_ref, k_ref, v_ref, o_ref = refs
+    b, h = pl.program_id(0), pl.program_id(1)
+    seq_len = seq_lens_ref[b]
+    q = q_ref[...].astype(jnp.float32)  # [G, D]
+    width = q.shape[-1]
+    page_rows = (pl.ds(0, block_size), h, pl.ds(0, width))
+
+    def body(j, carry):
+        m, l_, acc = carry
+        page = jnp.maximum(block_tables_ref[b, j], 0)
+        k = plgpu.load(k_ref.at[(page, *page_rows)]).astype(jnp.float32)  # [block_size, D]
+        v = plgpu.load(v_ref.at[(page, *page_rows)]).astype(jnp.float32)
+        if quantized:
+            k, v = k * k_scale_ref[h], v * v_scale_ref[h]
+        cols = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
+        visible = cols < seq_len
+        if window is not None:
+            visible &= (seq_len - 1) - cols < window
+        # Slots past seq_len are never read by contract (NaN there must not reach the sum).
+        v = jnp.where(jnp.reshape(visible, (block_size, 1)), v, 0.0)
+        s = jnp.sum(q[:, None, :] * k[None, :, :], axis=-1) * scale  # [G, block_size]
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
+        s = jnp.where(visible, s, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        p = jnp.exp(s - m_safe)
+        alpha = jnp.exp(m - m_safe)
+        pv = jnp.sum(p[:, :, None] * v[None, :, :], axis=1)  # [G, D]
+        return m_new, alpha * l_ + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
+
+    rows = q.shape[0]
+    init = (
+        jnp.full((rows, 1), NEG_INF, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+        jnp.zeros((rows, width), jnp.float32),
+    )
+    first, last = _page_range(seq_len, block_size, window)
+    last = jnp.where(seq_len > 0, last, first - 1)  # an empty sequence reads no page
+    m, l_, acc = jax.lax.fori_loop(first, last + 1, body, init)
+    out, _ = finish_softmax(m, l_, acc)
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "interpret"))
+def _paged_decode_gpu(
+    q, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, scale, window, softcap, interpret
+):
+    from jax.experimental.pallas import triton as plgpu
+
+    batch, heads, head_dim = q.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = heads // kv_heads
+    group_rows, width = pl.next_power_of_2(group), pl.next_power_of_2(head_dim)
+    quantized = k_scale is not None
+    qg = pad_to(pad_to(q.reshape(batch, kv_heads, group, head_dim), 2, group_rows), 3, width)
+    caches = [pad_to(c, 3, width) for c in (key_cache, value_cache)]
+    whole = pl.no_block_spec
+    q_spec = pl.BlockSpec((squeezed(), squeezed(), group_rows, width), lambda b, h: (b, h, 0, 0))
+    in_specs, operands = [whole, whole, q_spec, whole, whole], [block_tables, seq_lens, qg, *caches]
+    if quantized:
+        in_specs = [whole, whole, whole, whole, q_spec, whole, whole]
+        operands = [block_tables, seq_lens, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32), qg]
+        operands += caches
+    kernel = functools.partial(
+        _gpu_kernel, scale=scale, window=window, softcap=softcap, block_size=block_size,
+        quantized=quantized,
+    )  # fmt: skip
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, kv_heads),
+        in_specs=in_specs,
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+    )(*operands)
+    return out[:, :, :group, :head_dim].reshape(batch, heads, head_dim)
+
+
+def paged_decode_attention_pallas_gpu(
+    q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None, softcap=None,
+    k_scale=None, v_scale=None, *, interpret=None,
+):  # fmt: skip
+    """q [B, H, D] over the paged cache -> [B, H, D]; the Pallas Triton kernel (interpreted off-GPU)."""
+    if q.shape[0] == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    interpret = gpu_interpret() if interpret is None else interpret
+    return _paged_decode_gpu(
+        q, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale,
+        scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+        window=None if sliding_window is None else int(sliding_window),
+        softcap=None if softcap is None else float(softcap),
+        interpret=interpret,
+    )  # fmt: skip
+
+
+PAGED_DECODE_ATTENTION.register_jax("pallas_gpu", paged_decode_attention_pallas_gpu)

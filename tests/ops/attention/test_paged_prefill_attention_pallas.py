@@ -1,0 +1,101 @@
+"""paged_prefill_attention's JAX backends (the Pallas TPU kernel in the TPU interpreter, XLA) against
+the spec's float64 reference through the torch-facing implementations, the generated kiln.jax entry,
+and the TPU kernel's Mosaic lowering."""
+
+import random
+
+import pytest
+import torch
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import kiln.jax as kjax  # noqa: E402
+from kiln.ops import get_op  # noqa: E402
+from kiln.ops.attention.paged_prefill_attention.pallas_tpu import paged_prefill_attention_pallas_tpu  # noqa: E402
+from kiln.verify import run_case  # noqa: E402
+
+CPU = torch.device("cpu")
+
+MIXED_GQA_4 = {  # a fresh prefill, a chunk after a prefix hit, two decodes (q_len 1)
+    "query_lens": [21, 9, 1, 1],
+    "context_lens": [21, 40, 1, 35],
+    "num_heads": 4,
+    "num_kv_heads": 1,
+    "head_dim": 64,
+    "block_size": 16,
+}
+WINDOW_SOFTCAP_GQA_8 = {
+    "query_lens": [19],
+    "context_lens": [50],
+    "num_heads": 8,
+    "num_kv_heads": 1,
+    "head_dim": 80,
+    "block_size": 8,
+    "sliding_window": 13,
+    "softcap": 5.0,
+}
+MHA_3 = {"query_lens": [7, 16], "context_lens": [7, 33], "num_heads": 3, "num_kv_heads": 3, "head_dim": 128,
+         "block_size": 16}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "backend, dtype, shape",
+    [
+        ("pallas_tpu", torch.float32, MIXED_GQA_4),
+        ("pallas_tpu", torch.bfloat16, WINDOW_SOFTCAP_GQA_8),
+        ("pallas_tpu", torch.float16, MHA_3),
+        ("pallas_tpu", torch.float8_e4m3fn, MIXED_GQA_4),  # fp16 queries, scaled fp8 cache
+        ("xla", torch.float32, WINDOW_SOFTCAP_GQA_8),
+        ("xla", torch.bfloat16, MIXED_GQA_4),
+        ("xla", torch.float8_e4m3fn, MHA_3),
+    ],
+)
+def test_paged_prefill_attention_with_shuffled_block_tables_matches_float64(backend, dtype, shape):
+    # Shuffled pages and random data in unused blocks: reading a wrong page cannot pass.
+    op = get_op("paged_prefill_attention")
+    case = run_case(op, backend, shape, dtype, CPU, seed=random.randrange(2**31))
+    assert case.passed, case
+
+
+def test_paged_prefill_pallas_tpu_several_query_blocks_match_xla():
+    # block_q 8 over 21 queries: three query blocks, the last partial, each with its own page range.
+    op = get_op("paged_prefill_attention")
+    inputs = op.make_inputs(MIXED_GQA_4, torch.float32, CPU, torch.Generator().manual_seed(0))
+    args = {k: jnp.asarray(v.numpy()) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    got = paged_prefill_attention_pallas_tpu(**args, block_q=8)
+    want = kjax.paged_prefill_attention(**args, implementation="xla")
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
+
+
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "xla"])
+def test_paged_prefill_attention_never_lets_stale_nan_past_a_sequence_length_through(implementation):
+    """Cache slots at or past seq_len are never read: NaN in the rest of the last page must not leak."""
+    cache = jnp.full((2, 8, 1, 64), jnp.nan, jnp.float32).at[0].set(1.0).at[1, :3].set(1.0)
+    tables, seq_lens = jnp.array([[0, 1]], jnp.int32), jnp.array([11], jnp.int32)
+    out = kjax.paged_prefill_attention(
+        jnp.ones((4, 2, 64)), cache, cache, tables, jnp.array([0, 4], jnp.int32), seq_lens, 4,
+        implementation=implementation,
+    )  # fmt: skip
+    assert bool(jnp.all(out == 1.0)), out[:, 0, :2]
+
+
+def test_paged_prefill_attention_kiln_jax_rejects_bad_input():
+    cache = jnp.ones((4, 16, 1, 64))
+    with pytest.raises(ValueError, match="max_seqlen_q must be a non-negative int"):
+        kjax.paged_prefill_attention(
+            jnp.ones((3, 2, 64)), cache, cache, jnp.zeros((1, 2), jnp.int32), jnp.array([0, 3], jnp.int32),
+            jnp.array([5], jnp.int32), -1,
+        )  # fmt: skip
+
+
+def test_paged_prefill_tpu_kernel_lowers_to_mosaic(lower_for_tpu):
+    q, cache = jnp.ones((30, 8, 64), jnp.bfloat16), jnp.ones((10, 16, 2, 64), jnp.bfloat16)
+    tables, cu = jnp.zeros((3, 4), jnp.int32), jnp.array([0, 5, 9, 30], jnp.int32)
+    seq_lens = jnp.array([5, 40, 60], jnp.int32)
+    lower_for_tpu(
+        lambda q, k, v, t, c, s: paged_prefill_attention_pallas_tpu(
+            q, k, v, t, c, s, 21, sliding_window=9, softcap=5.0, interpret=False
+        ),
+        q, cache, cache, tables, cu, seq_lens,
+    )  # fmt: skip
