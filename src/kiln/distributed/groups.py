@@ -84,10 +84,37 @@ def init_tp_group(
     startup_timeout_s). On CUDA, binds this process to cuda:<local_rank> first. ep_size: 1, or
     world_size for expert parallelism (an ExpertParallelGroup with its expert_group)."""
     check_ep_size(world_size, ep_size)
+    local_rank = join_world(
+        "tensor parallel", rank, world_size, device_type, init_method, local_rank, startup_timeout_s
+    )
+    ranks = list(range(world_size))
+    device_group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+    cpu_group, setup_group = control_groups(rank, world_size, timeout_s, idle_timeout_s, startup_timeout_s)
+    if ep_size > 1:
+        expert_group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+        return ExpertParallelGroup(
+            rank, world_size, local_rank, device_group, cpu_group, setup_group, timeout_s, expert_group
+        )
+    return TPGroup(rank, world_size, local_rank, device_group, cpu_group, setup_group, timeout_s)
+
+
+def join_world(
+    what: str,
+    rank: int,
+    world_size: int,
+    device_type: str,
+    init_method: str,
+    local_rank: int | None,
+    startup_timeout_s: float,
+) -> int:
+    """Initialise torch.distributed for this rank (blocks until all `world_size` ranks have joined;
+    RuntimeError after startup_timeout_s, or at once when this process already belongs to a group;
+    `what` names the kind of engine in that message). On CUDA, binds this process to
+    cuda:<local_rank> first. Returns local_rank (default: rank)."""
     if dist.is_initialized():
         raise RuntimeError(
-            "tensor parallel: this process already belongs to a torch.distributed group; shut the other "
-            "tensor-parallel engine down first (one per process)"
+            f"{what}: this process already belongs to a torch.distributed group; shut the other "
+            "parallel engine down first (one per process)"
         )
     local_rank = rank if local_rank is None else local_rank
     if device_type == "cuda":
@@ -99,17 +126,20 @@ def init_tp_group(
         world_size=world_size,
         timeout=timedelta(seconds=startup_timeout_s),
     )
+    return local_rank
+
+
+def control_groups(
+    rank: int, world_size: int, timeout_s: float, idle_timeout_s: float, startup_timeout_s: float
+) -> tuple[object, object]:
+    """(cpu_group, setup_group): gloo groups over every rank for rank 0's per-step messages (timeout_s
+    on rank 0, idle_timeout_s on the others, who wait there while the engine is idle) and its one-off
+    setup exchange (startup_timeout_s). Collective: every rank calls it at the same point."""
     ranks = list(range(world_size))
-    device_group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
     cpu_timeout = timeout_s if rank == 0 else idle_timeout_s
     cpu_group = dist.new_group(ranks, timeout=timedelta(seconds=cpu_timeout), backend="gloo")
     setup_group = dist.new_group(ranks, timeout=timedelta(seconds=startup_timeout_s), backend="gloo")
-    if ep_size > 1:
-        expert_group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
-        return ExpertParallelGroup(
-            rank, world_size, local_rank, device_group, cpu_group, setup_group, timeout_s, expert_group
-        )
-    return TPGroup(rank, world_size, local_rank, device_group, cpu_group, setup_group, timeout_s)
+    return cpu_group, setup_group
 
 
 def check_ep_size(world_size: int, ep_size: int) -> None:
@@ -205,27 +235,12 @@ def init_pipeline_group(
     """Join a tp_size x pp_size world (blocks until every rank has joined) and build all its groups
     once, in the same order on every rank."""
     world_size = tp_size * pp_size
-    if dist.is_initialized():
-        raise RuntimeError(
-            "pipeline parallel: this process already belongs to a torch.distributed group; shut the other "
-            "parallel engine down first (one per process)"
-        )
-    local_rank = rank if local_rank is None else local_rank
-    if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(
-        backend=backend_for(device_type),
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=startup_timeout_s),
+    local_rank = join_world(
+        "pipeline parallel", rank, world_size, device_type, init_method, local_rank, startup_timeout_s
     )
-    everyone = list(range(world_size))
     timeout = timedelta(seconds=timeout_s)
-    cpu_timeout = timeout_s if rank == 0 else idle_timeout_s
-    cpu_group = dist.new_group(everyone, timeout=timedelta(seconds=cpu_timeout), backend="gloo")
-    setup_group = dist.new_group(everyone, timeout=timedelta(seconds=startup_timeout_s), backend="gloo")
-    pipe_group = dist.new_group(everyone, timeout=timeout)
+    cpu_group, setup_group = control_groups(rank, world_size, timeout_s, idle_timeout_s, startup_timeout_s)
+    pipe_group = dist.new_group(list(range(world_size)), timeout=timeout)
     tp = None
     for stage in range(pp_size):  # every rank creates every stage's group (new_group is collective)
         members = list(range(stage * tp_size, (stage + 1) * tp_size))

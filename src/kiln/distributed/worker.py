@@ -39,7 +39,7 @@ from kiln.distributed.groups import (
 from kiln.distributed.stage_runner import PipelineStageRunner
 from kiln.engine.config import EngineConfig, kv_cache_dtype_for, num_kv_blocks_for_model
 from kiln.engine.model_runner import ModelRunner
-from kiln.loaders import Checkpoint, LoadedModel, load_model, open_checkpoint
+from kiln.loaders import Checkpoint, LoadedModel, load_model
 
 
 def rank_device(device_type: str, group: TPGroup | PipelineGroup) -> torch.device:
@@ -47,10 +47,16 @@ def rank_device(device_type: str, group: TPGroup | PipelineGroup) -> torch.devic
 
 
 def load_shard(
-    config: EngineConfig, model: str | Checkpoint, device: torch.device, group: TPGroup
+    config: EngineConfig,
+    model: str | Checkpoint,
+    device: torch.device,
+    group: TPGroup | None,
+    layers: tuple[int, int] | None = None,
 ) -> tuple[LoadedModel, int]:
     """(this rank's shard of the model, the KV blocks this rank can hold): what every rank, rank 0
-    included, loads, with the engine config's options."""
+    included, loads, with the engine config's options. layers: (start, end), build only that pipeline
+    stage's decoder layers (group: the stage's TP group, or None). Formats: the engine config's, else
+    the checkpoint's defaults (no timed probe: ranks timing at once measure noise)."""
     loaded = load_model(
         model,
         device,
@@ -58,6 +64,7 @@ def load_shard(
         cpu_format=config.cpu_format,
         lm_head_format=config.lm_head_format,
         tp_group=group,
+        pipeline_layers=layers,
     )
     return loaded, num_kv_blocks_for_model(config, device, loaded.model)
 
@@ -70,32 +77,8 @@ def load_stage(
     layers: tuple[int, int],
 ) -> tuple[LoadedModel, int]:
     """(this rank's pipeline stage: decoder layers [start, end), its TP shard when tp_group is given;
-    the KV blocks this rank can hold for those layers). Formats as on a TP rank: the engine config's,
-    else the checkpoint's defaults (no timed probe: ranks timing at once measure noise)."""
-    checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model, device, config.dtype)
-    dtype = config.dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
-    cpu_format = (
-        config.cpu_format if config.cpu_format not in (None, "auto") else checkpoint.default_cpu_format
-    )
-    lm_head_format = config.lm_head_format
-    if lm_head_format in (None, "auto"):
-        lm_head_format = checkpoint.default_lm_head_format
-    kwargs = {"rope_inv_freq": checkpoint.rope_inv_freq} if checkpoint.rope_inv_freq is not None else {}
-    with torch.inference_mode(False), torch.no_grad():
-        built = checkpoint.model_class(
-            checkpoint.config,
-            checkpoint.weights,
-            device=device,
-            dtype=dtype,
-            cpu_format=cpu_format,
-            lm_head_format=lm_head_format,
-            tp_group=tp_group,
-            pipeline_layers=layers,
-            **kwargs,
-        )
-    built.eval()
-    loaded = LoadedModel(model=built, tokenizer=checkpoint.tokenizer, config=checkpoint.config)
-    return loaded, num_kv_blocks_for_model(config, device, built)
+    the KV blocks this rank can hold for those layers); see load_shard."""
+    return load_shard(config, model, device, tp_group, layers)
 
 
 def agree_on_blocks(error: str | None, num_blocks: int, group: TPGroup | PipelineGroup) -> int:
@@ -120,31 +103,6 @@ def serve_steps(runner: ModelRunner, group: TPGroup | PipelineGroup, device: tor
         runner.execute(msg[1].to(device))
 
 
-def run_pipeline_worker(group: PipelineGroup, device_type: str) -> None:
-    """Everything a rank other than 0 does under pipeline parallelism after joining the groups."""
-    setup = broadcast_object(None, group, setup=True)
-    config: EngineConfig = setup["engine_config"]
-    device = rank_device(device_type, group)
-    loaded, num_blocks, error = None, 0, None
-    try:
-        loaded, num_blocks = load_stage(config, setup["path"], device, group.tp, setup["stages"][group.stage])
-    except Exception:
-        error = traceback.format_exc()
-    num_blocks = agree_on_blocks(error, num_blocks, group)
-    runner = PipelineStageRunner(
-        loaded.model,
-        device,
-        num_blocks,
-        config.block_size,
-        config.max_num_seqs,
-        max_model_len=num_blocks * config.block_size,
-        kv_cache_dtype=kv_cache_dtype_for(config, loaded.model),
-        group=group,
-        micro_batches=setup["micro_batches"],
-    )
-    serve_steps(runner, group, device)
-
-
 def join_groups(
     rank: int, world_size: int, device_type: str, init_method: str, timeout_s: float,
     local_rank: int | None = None, ep_size: int = 1, pp_size: int = 1,
@@ -158,25 +116,22 @@ def join_groups(
 
 
 def run_rank(group: TPGroup | PipelineGroup, device_type: str) -> None:
-    if isinstance(group, PipelineGroup):
-        run_pipeline_worker(group, device_type)
-    else:
-        run_worker(group, device_type)
-
-
-def run_worker(group: TPGroup, device_type: str) -> None:
-    """Everything a worker rank does after joining the group."""
+    """Everything a rank other than 0 does after joining the groups: load its shard (its pipeline
+    stage under pipeline parallelism), agree on the KV block count, then replay rank 0's steps."""
     setup = broadcast_object(None, group, setup=True)
     config: EngineConfig = setup["engine_config"]
     device = rank_device(device_type, group)
+    pipeline = isinstance(group, PipelineGroup)
     loaded, num_blocks, error = None, 0, None
     try:
-        loaded, num_blocks = load_shard(config, setup["path"], device, group)
+        tp_group, layers = (group.tp, setup["stages"][group.stage]) if pipeline else (group, None)
+        loaded, num_blocks = load_shard(config, setup["path"], device, tp_group, layers)
     except Exception:
         error = traceback.format_exc()
     num_blocks = agree_on_blocks(error, num_blocks, group)
     # rank 0's runner has the same cache; only CUDA graphs would read max_model_len, and TP runs eagerly
-    runner = ModelRunner(
+    stage_args = {"group": group, "micro_batches": setup["micro_batches"]} if pipeline else {}
+    runner = (PipelineStageRunner if pipeline else ModelRunner)(
         loaded.model,
         device,
         num_blocks,
@@ -185,6 +140,7 @@ def run_worker(group: TPGroup, device_type: str) -> None:
         max_model_len=num_blocks * config.block_size,
         enforce_eager=True,
         kv_cache_dtype=kv_cache_dtype_for(config, loaded.model),
+        **stage_args,
     )
     serve_steps(runner, group, device)
 

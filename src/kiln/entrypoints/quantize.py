@@ -38,14 +38,21 @@ import argparse
 import json
 import os
 import re
-import shutil
 import sys
 
 import torch
 
+from kiln.entrypoints.checkpoint_args import (
+    add_checkpoint_parser,
+    calibration_model,
+    copy_other_files,
+    is_projection_weight,
+    read_calibration,
+    source_safetensors,
+)
+
 SCHEMES = {"fp8": "FP8_DYNAMIC", "int8": "W8A8", "w4a16": "W4A16"}
 AWQ_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_PROJECTIONS = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)$")
 # AWQ group -> (Kiln module under layers.{i} whose input the group shares, HF projections)
 _AWQ_GROUPS = {
     "qkv": ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -56,25 +63,17 @@ _AWQ_GROUPS = {
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser(
+    parser = add_checkpoint_parser(
+        subparsers,
         "quantize",
         help="quantize an HF checkpoint to FP8, INT8 W8A8 or int4 W4A16 (RTN or AWQ), compressed-tensors",
-        description=__doc__.split("\n\n")[0],
+        doc=__doc__,
+        ignore_help="unquantized",
+        calibration_help="AWQ calibration text file",
     )
-    parser.add_argument("source", help="HF checkpoint directory (config.json + *.safetensors)")
-    parser.add_argument("--out", required=True, help="output directory (created; must not be SOURCE)")
     parser.add_argument("--scheme", required=True, choices=list(SCHEMES))
     parser.add_argument("--method", choices=["rtn", "awq"], default="rtn", help="w4a16 only: rtn or awq")
     parser.add_argument("--group-size", type=int, default=128, help="w4a16 group size (default 128)")
-    parser.add_argument(
-        "--ignore",
-        action="append",
-        default=[],
-        metavar="REGEX",
-        help="leave weights whose name matches unquantized (repeatable), e.g. 'layers\\.0\\.' or 'down_proj'",
-    )
-    parser.add_argument("--calibration", default=None, help="AWQ calibration text file")
-    parser.add_argument("--max-calibration-tokens", type=int, default=512)
     parser.set_defaults(func=run)
 
 
@@ -96,9 +95,7 @@ def quantized_modules(model: torch.nn.Module, ignore: list[re.Pattern]) -> list[
     return [
         name
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear)
-        and _PROJECTIONS.match(name)
-        and not any(p.search(name + ".weight") for p in ignore)
+        if isinstance(module, torch.nn.Linear) and is_projection_weight(name + ".weight", ignore)
     ]
 
 
@@ -130,16 +127,13 @@ def fake_quantizer(args):
     return run
 
 
-def calibration_inputs(source: str, text: str, max_tokens: int) -> list[dict[str, torch.Tensor]]:
+def calibration_inputs(source: str, text: str | None, max_tokens: int) -> list[dict[str, torch.Tensor]]:
     """Per decoder layer, {AWQ group: float32 [T, K] the input its projections share}, recorded by
-    Kiln's float32 CPU model of `source` on the first `max_tokens` tokens of `text`."""
-    from kiln.loaders import load_model
+    Kiln's float32 CPU model of `source` on the first `max_tokens` tokens of `text` (None: the default
+    calibration text)."""
     from kiln.models.calibration import prefill
 
-    loaded = load_model(source, device="cpu", dtype=torch.float32, cpu_format="fp32", lm_head_format="fp32")
-    ids = loaded.tokenizer.encode(text)[:max_tokens]
-    if len(ids) < 2:
-        raise ValueError("kiln quantize: the calibration text gives fewer than 2 tokens")
+    loaded, ids = calibration_model("kiln quantize", source, text, max_tokens)
     model = loaded.model
     modules = dict(model.named_modules())
     inputs: list[dict[str, torch.Tensor]] = [{} for _ in model.layers]
@@ -217,15 +211,6 @@ def awq_fold(
     return report
 
 
-def _copy_other_files(source: str, out: str) -> None:
-    written = {"config.json", "generation_config.json", "model.safetensors.index.json"}
-    for entry in os.listdir(source):
-        path = os.path.join(source, entry)
-        if entry.endswith(".safetensors") or entry in written or not os.path.isfile(path):
-            continue
-        shutil.copy2(path, os.path.join(out, entry))
-
-
 def quantize(
     source: str,
     out: str,
@@ -257,12 +242,7 @@ def quantize(
         raise ValueError("kiln quantize: --method awq applies to --scheme w4a16 only")
     if group_size <= 0:
         raise ValueError(f"kiln quantize: --group-size {group_size} must be positive")
-    if not os.path.isfile(os.path.join(source, "config.json")):
-        raise ValueError(f"kiln quantize: {source} is not an HF checkpoint directory (no config.json)")
-    if not any(f.endswith(".safetensors") for f in os.listdir(source)):
-        raise ValueError(f"kiln quantize: {source} has no *.safetensors files")
-    if os.path.abspath(out) == os.path.abspath(source):
-        raise ValueError("kiln quantize: --out must differ from the source directory")
+    source_safetensors("kiln quantize", source, out)
     with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
         source_config = json.load(f)
     if "quantization_config" in source_config:
@@ -297,10 +277,6 @@ def quantize(
 
     awq = None
     if method == "awq":
-        if calibration_text is None:
-            from kiln.models.calibration import read_text
-
-            calibration_text = read_text("calibration.txt")
         inputs = calibration_inputs(source, calibration_text, max_calibration_tokens)
         awq = awq_fold(hf, inputs, fake_quantizer(preset.weights), set(names), progress)
         del inputs
@@ -323,7 +299,7 @@ def quantize(
     os.makedirs(out, exist_ok=True)
     hf.save_pretrained(out)
     compressor.update_config(out)
-    _copy_other_files(source, out)
+    copy_other_files(source, out, {"config.json", "generation_config.json"})
 
     summary = {
         "scheme": scheme,
@@ -342,10 +318,7 @@ def quantize(
 
 
 def run(args: argparse.Namespace) -> int:
-    text = None
-    if args.calibration is not None:
-        with open(args.calibration, encoding="utf-8") as f:
-            text = f.read()
+    text = read_calibration(args.calibration)
     try:
         summary = quantize(
             args.source,

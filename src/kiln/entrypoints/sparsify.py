@@ -23,59 +23,44 @@ import argparse
 import json
 import os
 import re
-import shutil
 import sys
 
-from kiln.loaders.sparse import SPARSE_FORMAT
-
-_PROJECTIONS = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$"
+from kiln.entrypoints.checkpoint_args import (
+    add_checkpoint_parser,
+    calibration_model,
+    copy_other_files,
+    is_projection_weight,
+    read_calibration,
+    source_safetensors,
 )
+from kiln.loaders.sparse import SPARSE_FORMAT
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser(
+    parser = add_checkpoint_parser(
+        subparsers,
         "sparsify",
         help="prune an HF checkpoint to 2:4 structured sparsity (magnitude or Wanda)",
-        description=__doc__.split("\n\n")[0],
+        doc=__doc__,
+        ignore_help="dense",
+        calibration_help="Wanda calibration text file",
     )
-    parser.add_argument("source", help="HF checkpoint directory (config.json + *.safetensors)")
-    parser.add_argument("--out", required=True, help="output directory (created; must not be SOURCE)")
     parser.add_argument("--method", choices=["magnitude", "wanda"], default="magnitude")
-    parser.add_argument(
-        "--ignore",
-        action="append",
-        default=[],
-        metavar="REGEX",
-        help="leave weights whose name matches dense (repeatable), e.g. 'layers\\.0\\.' or 'down_proj'",
-    )
-    parser.add_argument("--calibration", default=None, help="Wanda calibration text file")
-    parser.add_argument("--max-calibration-tokens", type=int, default=512)
     parser.add_argument("--dense", action="store_true", help="write pruned weights as dense matrices")
     parser.set_defaults(func=run)
 
 
 def prunable(name: str, shape: tuple[int, ...], ignore: list[re.Pattern]) -> bool:
     """Whether `kiln sparsify` prunes the checkpoint tensor `name` of `shape`."""
-    return (
-        bool(_PROJECTIONS.match(name))
-        and len(shape) == 2
-        and shape[1] % 4 == 0
-        and not any(p.search(name) for p in ignore)
-    )
+    return is_projection_weight(name, ignore) and len(shape) == 2 and shape[1] % 4 == 0
 
 
-def wanda_norms(source: str, text: str, max_tokens: int) -> dict:
-    """{checkpoint weight name: float32 [in_features]} measured by Kiln's float32 CPU model of `source`."""
-    import torch
-
-    from kiln.loaders import load_model
+def wanda_norms(source: str, text: str | None, max_tokens: int) -> dict:
+    """{checkpoint weight name: float32 [in_features]} measured by Kiln's float32 CPU model of `source`
+    on the first `max_tokens` tokens of `text` (None: the default calibration text)."""
     from kiln.models.calibration import checkpoint_input_norms
 
-    loaded = load_model(source, device="cpu", dtype=torch.float32, cpu_format="fp32", lm_head_format="fp32")
-    ids = loaded.tokenizer.encode(text)[:max_tokens]
-    if len(ids) < 2:
-        raise ValueError("kiln sparsify: the calibration text gives fewer than 2 tokens")
+    loaded, ids = calibration_model("kiln sparsify", source, text, max_tokens)
     return checkpoint_input_norms(loaded.model, [ids])
 
 
@@ -98,20 +83,10 @@ def sparsify(
 
     if method not in ("magnitude", "wanda"):
         raise ValueError(f"kiln sparsify: unknown method {method!r}, expected magnitude or wanda")
-    if not os.path.isfile(os.path.join(source, "config.json")):
-        raise ValueError(f"kiln sparsify: {source} is not an HF checkpoint directory (no config.json)")
-    if os.path.abspath(out) == os.path.abspath(source):
-        raise ValueError("kiln sparsify: --out must differ from the source directory")
-    files = sorted(f for f in os.listdir(source) if f.endswith(".safetensors"))
-    if not files:
-        raise ValueError(f"kiln sparsify: {source} has no *.safetensors files")
+    files = source_safetensors("kiln sparsify", source, out)
     patterns = [re.compile(p) for p in ignore]
     norms = None
     if method == "wanda":
-        if calibration_text is None:
-            from kiln.models.calibration import read_text
-
-            calibration_text = read_text("calibration.txt")
         norms = wanda_norms(source, calibration_text, max_calibration_tokens)
 
     os.makedirs(out, exist_ok=True)
@@ -134,16 +109,7 @@ def sparsify(
                         kept
                     )
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    for entry in os.listdir(source):
-        path = os.path.join(source, entry)
-        if (
-            entry.endswith(".safetensors")
-            or entry == "model.safetensors.index.json"
-            or not os.path.isfile(path)
-        ):
-            continue
-        if entry != "config.json":
-            shutil.copy2(path, os.path.join(out, entry))
+    copy_other_files(source, out, {"config.json"})
     with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     sparsity = {
@@ -159,10 +125,7 @@ def sparsify(
 
 
 def run(args: argparse.Namespace) -> int:
-    text = None
-    if args.calibration is not None:
-        with open(args.calibration, encoding="utf-8") as f:
-            text = f.read()
+    text = read_calibration(args.calibration)
     try:
         config = sparsify(
             args.source, args.out, args.method, args.ignore, text, args.max_calibration_tokens, args.dense

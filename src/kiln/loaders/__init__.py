@@ -140,6 +140,7 @@ def load_model(
     cpu_format: str | None = None,
     lm_head_format: str | None = None,
     tp_group: TPGroup | None = None,
+    pipeline_layers: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Load a model and its tokenizer.
 
@@ -153,14 +154,19 @@ def load_model(
     the probe for any checkpoint.
     tp_group: build this rank's shard of the model (kiln.models.sharding: each weight is sliced as it
     is read; ValueError for a model that cannot be split over the group); None = the whole model.
+    pipeline_layers: (start, end): build only decoder layers [start, end) (a pipeline stage, see
+    LlamaForCausalLM); like a tensor-parallel rank it takes no timed format probe. None = all layers.
     """
     device = torch.device(device)
     dtype = dtype or _default_dtype(device)
     checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path, device, dtype)
+    parallel_rank = tp_group is not None or pipeline_layers is not None
     cpu_format, lm_head_format = _resolve_cpu_formats(
-        checkpoint, device, dtype, cpu_format, lm_head_format, tp_group
+        checkpoint, device, dtype, cpu_format, lm_head_format, parallel_rank
     )
     kwargs = {"rope_inv_freq": checkpoint.rope_inv_freq} if checkpoint.rope_inv_freq is not None else {}
+    if pipeline_layers is not None:
+        kwargs["pipeline_layers"] = pipeline_layers
     with torch.inference_mode(False), torch.no_grad():
         model = checkpoint.model_class(
             checkpoint.config,
@@ -182,14 +188,14 @@ def _resolve_cpu_formats(
     dtype: torch.dtype,
     cpu_format: str | None,
     lm_head_format: str | None,
-    tp_group: TPGroup | None,
+    parallel_rank: bool,
 ) -> tuple[str | None, str | None]:
     """The (cpu_format, lm_head_format) the model is built with: explicit ones as given; None / "auto"
-    as load_model's docstring says."""
+    as load_model's docstring says (parallel_rank: a tensor- or pipeline-parallel rank, never probed)."""
 
     def wants_probe(fmt: str | None) -> bool:
-        if device.type != "cpu" or tp_group is not None:
-            return False  # a tensor-parallel rank keeps the default: ranks timing at once measure noise
+        if device.type != "cpu" or parallel_rank:
+            return False  # a parallel rank keeps the default: ranks timing at once measure noise
         return fmt == "auto" or (fmt is None and checkpoint.default_cpu_format is not None)
 
     probe_layers, probe_head = wants_probe(cpu_format), wants_probe(lm_head_format)

@@ -270,6 +270,45 @@ def wanda_weights(
     return pruned
 
 
+def float_reference(
+    path: str | None, prompt: str, num_layers: int | None
+) -> tuple[Checkpoint, tuple[list[torch.Tensor], torch.Tensor], list[str]]:
+    """(the checkpoint at `path`, the float model's run_prompt output on `prompt`, the names of the
+    linear weights it used, in first-use order); the float model's perplexity goes to
+    ckpt.float_perplexity. The float model is dropped before returning."""
+    ckpt = load_checkpoint(path, prompt)
+    float_model = build_model(ckpt, ckpt.weights, num_layers)
+    reference = run_prompt(float_model, ckpt.token_ids)
+    ckpt.float_perplexity = perplexity(float_model, ckpt.perplexity_ids)
+    linear_names = list(
+        dict.fromkeys(n for n in ckpt.weights.used if is_linear_weight(n, ckpt.weights.cache[n]))
+    )
+    return ckpt, reference, linear_names
+
+
+def compare_with_reference(
+    report: FormatReport,
+    model: torch.nn.Module,
+    ckpt: Checkpoint,
+    reference: tuple[list[torch.Tensor], torch.Tensor],
+) -> None:
+    """Run `model` on the prompt and fill `report`: its perplexity on the shipped text, per-layer
+    error metrics of the hidden states against `reference` (the float model's run_prompt output) with
+    each layer's worst token cosine, and the logits' mean / min cosine, SNR and top-1 agreement."""
+    states, logits = run_prompt(model, ckpt.token_ids)
+    report.perplexity = perplexity(model, ckpt.perplexity_ids)
+    ref_states, ref_logits = reference
+    for ref, got in zip(ref_states, states, strict=True):
+        metrics = error_metrics(ref, got)
+        metrics["min_token_cosine"] = _row_cosines(ref, got).min().item()
+        report.layers.append(metrics)
+    cosines = _row_cosines(ref_logits, logits)
+    report.logits_cosine = cosines.mean().item()
+    report.logits_min_cosine = cosines.min().item()
+    report.logits_snr_db = error_metrics(ref_logits, logits)["snr_db"]
+    report.top1_agreement = (ref_logits.argmax(-1) == logits.argmax(-1)).double().mean().item()
+
+
 def measure_format(
     ckpt: Checkpoint,
     fmt: str,
@@ -290,18 +329,7 @@ def measure_format(
         overrides = {name: approximations[name].float() for name in linear_names}
         report.weights = {name: error_metrics(originals[name], overrides[name]) for name in linear_names}
     model = build_model(ckpt, FloatWeights(ckpt.weights.store, overrides, ckpt.weights.cache), num_layers)
-    states, logits = run_prompt(model, ckpt.token_ids)
-    report.perplexity = perplexity(model, ckpt.perplexity_ids)
-    ref_states, ref_logits = reference
-    for ref, got in zip(ref_states, states, strict=True):
-        metrics = error_metrics(ref, got)
-        metrics["min_token_cosine"] = _row_cosines(ref, got).min().item()
-        report.layers.append(metrics)
-    cosines = _row_cosines(ref_logits, logits)
-    report.logits_cosine = cosines.mean().item()
-    report.logits_min_cosine = cosines.min().item()
-    report.logits_snr_db = error_metrics(ref_logits, logits)["snr_db"]
-    report.top1_agreement = (ref_logits.argmax(-1) == logits.argmax(-1)).double().mean().item()
+    compare_with_reference(report, model, ckpt, reference)
     return report
 
 
@@ -318,14 +346,7 @@ def quant_model_report(
     ckpt.float_perplexity. The float model runs once; each format builds one copy.
     GGUF formats need every linear weight's K to be a multiple of 32, sparse24 of 4 (ValueError)."""
     formats = [format_name(f) for f in formats]
-    ckpt = load_checkpoint(path, prompt)
-    float_model = build_model(ckpt, ckpt.weights, num_layers)
-    reference = run_prompt(float_model, ckpt.token_ids)
-    ckpt.float_perplexity = perplexity(float_model, ckpt.perplexity_ids)
-    linear_names = list(
-        dict.fromkeys(n for n in ckpt.weights.used if is_linear_weight(n, ckpt.weights.cache[n]))
-    )
-    del float_model
+    ckpt, reference, linear_names = float_reference(path, prompt, num_layers)
     for fmt in formats:
         multiple = 32 if fmt.startswith("Q") else 4 if fmt.startswith("sparse24") else 1
         bad = [n for n in linear_names if ckpt.weights.cache[n].shape[1] % multiple]
@@ -451,18 +472,7 @@ def measure_checkpoint(
             report.weights[name] = error_metrics(
                 original, unscale_columns(original, approx) if folded else approx
             )
-    states, logits = run_prompt(model, ckpt.token_ids)
-    report.perplexity = perplexity(model, ckpt.perplexity_ids)
-    ref_states, ref_logits = reference
-    for ref, got in zip(ref_states, states, strict=True):
-        metrics = error_metrics(ref, got)
-        metrics["min_token_cosine"] = _row_cosines(ref, got).min().item()
-        report.layers.append(metrics)
-    cosines = _row_cosines(ref_logits, logits)
-    report.logits_cosine = cosines.mean().item()
-    report.logits_min_cosine = cosines.min().item()
-    report.logits_snr_db = error_metrics(ref_logits, logits)["snr_db"]
-    report.top1_agreement = (ref_logits.argmax(-1) == logits.argmax(-1)).double().mean().item()
+    compare_with_reference(report, model, ckpt, reference)
     return report
 
 
@@ -471,12 +481,5 @@ def quant_checkpoint_report(
 ) -> tuple[Checkpoint, list[FormatReport]]:
     """measure_checkpoint of each quantized checkpoint in `against` vs the float model at `path`
     (None: the embedded SmolLM2 GGUF), which runs once; its perplexity goes to ckpt.float_perplexity."""
-    ckpt = load_checkpoint(path, prompt)
-    float_model = build_model(ckpt, ckpt.weights, num_layers)
-    reference = run_prompt(float_model, ckpt.token_ids)
-    ckpt.float_perplexity = perplexity(float_model, ckpt.perplexity_ids)
-    linear_names = list(
-        dict.fromkeys(n for n in ckpt.weights.used if is_linear_weight(n, ckpt.weights.cache[n]))
-    )
-    del float_model
+    ckpt, reference, linear_names = float_reference(path, prompt, num_layers)
     return ckpt, [measure_checkpoint(ckpt, q, reference, linear_names, num_layers) for q in against]
