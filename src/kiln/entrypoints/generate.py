@@ -33,6 +33,11 @@ def add_parser(subparsers) -> None:
         default="auto",
         help="KV-cache dtype: auto = the model's; fp8 = float8_e4m3fn, 2x the blocks of a 16-bit cache",
     )
+    parser.add_argument(
+        "--compile-cpu-decode",
+        action="store_true",
+        help="CPU: decode through a forward compiled per batch size (each size compiles on first use)",
+    )
     parser.add_argument(  # tensor parallelism (kiln.distributed; README: Tensor parallelism)
         "--tp", type=int, default=1, help="tensor-parallel processes (spawned here, or under torchrun)"
     )
@@ -73,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=1,
             speculative=speculative,
             kv_cache_dtype=args.kv_cache_dtype,
+            compile_cpu_decode=args.compile_cpu_decode,
         )
         if args.tp > 1 or args.ep > 1 or args.pp > 1:  # parallel: None on a torchrun rank > 0 (done)
             from kiln.distributed.launch import start_engine

@@ -46,6 +46,11 @@ def add_parser(subparsers) -> None:
         default="auto",
         help="KV-cache dtype: auto = the model's; fp8 = float8_e4m3fn, 2x the blocks of a 16-bit cache",
     )
+    parser.add_argument(
+        "--compile-cpu-decode",
+        action="store_true",
+        help="CPU: decode through a forward compiled per batch size (each size compiles on first use)",
+    )
     parser.add_argument("--served-model-name", default=None, help="the model id clients send")
     parser.add_argument("--log-level", default="info")
     parser.add_argument(  # tensor parallelism (kiln.distributed; README: Tensor parallelism)
@@ -86,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             speculative=speculative_config_from_args(args),
             kv_cache_dtype=args.kv_cache_dtype,
+            compile_cpu_decode=args.compile_cpu_decode,
         )
     except ValueError as exc:
         print(f"kiln serve: {exc}", file=sys.stderr)
