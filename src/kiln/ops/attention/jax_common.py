@@ -1,6 +1,8 @@
-"""What the attention family's JAX backends share: the mask, one online-softmax step and its finish
-(the Pallas kernels), attention over a padded batch in plain jax.numpy (the "xla" backends), and the
-varlen <-> padded-batch layout change that puts flash_attention's varlen signature over them.
+"""What the attention family's JAX backends share: the mask, one online-softmax step and its finish,
+the key blocks (or cache pages) a query block can see and the index maps that clamp to them (the
+Pallas kernels), attention over a padded batch in plain jax.numpy (the "xla" backends), the varlen
+<-> padded-batch layout change that puts flash_attention's varlen signature over them, and the
+paged cache's gather (xla) and per-page step (Pallas TPU).
 
 Padded-batch layout (jax.nn.dot_product_attention's): q [B, Sq, H, D], k/v [B, Sk, Hkv, D] with
 q_lens/kv_lens int32 [B] the valid length of each batch row; rows past a length are ignored and their
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 NEG_INF = float("-inf")
 
@@ -53,6 +57,17 @@ def finish_softmax(m, l, acc):
     out = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
     return out, lse
+
+
+def scores(q, k, scale, softcap, precision):
+    """q [bq, D] k [bk, D] -> float32 scale * q k^T, soft-capped when softcap is set."""
+    s = jax.lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+    )
+    s = s * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    return s
 
 
 def dot_precision(dtype):
@@ -198,3 +213,161 @@ def over_varlen_backward(padded_backward):
         return dq[seq_q, pos_q], dk[seq_k, pos_k], dv[seq_k, pos_k]
 
     return varlen
+
+
+# ---- Pallas kernels: which key blocks (pages) a query block sees --------------------------------
+
+
+def last_kv_block(q_block, block_q, block_k, q_len, kv_len, causal):
+    """Index of the last kv block that query block `q_block` can see (clamped to >= 0)."""
+    last_key = kv_len - 1
+    if causal:
+        last_key = jnp.minimum(last_key, q_block * block_q + block_q - 1 + kv_len - q_len)
+    # lax.div (truncating) on a non-negative value: jnp's floor division lowers through sign(), which
+    # Mosaic only lowers with a real TPU's info.
+    return jax.lax.div(jnp.maximum(last_key, 0), jnp.int32(block_k))
+
+
+def first_kv_block(q_block, block_q, block_k, q_len, kv_len, window):
+    """Index of the first kv block inside the sliding window of query block `q_block` (0 without one)."""
+    if window is None:
+        return 0
+    first_key = q_block * block_q + kv_len - q_len - window + 1
+    return jax.lax.div(jnp.maximum(first_key, 0), jnp.int32(block_k))
+
+
+def kv_block_range(q_block, block_q, block_k, q_len, kv_len, causal, window):
+    """(first, last) index of the blocks of block_k keys holding a key that query block `q_block`
+    (of block_q queries, the last q_len of kv_len positions) can see; a paged cache's pages are such
+    blocks (block_k = block_size)."""
+    first = first_kv_block(q_block, block_q, block_k, q_len, kv_len, window)
+    return first, last_kv_block(q_block, block_q, block_k, q_len, kv_len, causal)
+
+
+def decode_page_range(seq_len, block_size, window):
+    """(first, last) logical page holding a key that a decode query (position seq_len - 1) can see."""
+    return kv_block_range(0, 1, block_size, 1, seq_len, True, window)
+
+
+def tile_program(q_lens_ref, kv_lens_ref):
+    """(i, j, q_len, kv_len) of a program on grid (B, H, query blocks, key blocks) with q_lens and
+    kv_lens scalar-prefetched: its query block i, key block j and its batch row's lengths."""
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    return i, j, q_lens_ref[b], kv_lens_ref[b]
+
+
+def tile_coords(i, j, shape):
+    """(rows, cols) int32 `shape` = (block_q, block_k): the query and key index of each element of
+    tile (i, j)."""
+    rows = i * shape[0] + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    cols = j * shape[1] + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    return rows, cols
+
+
+def kv_block_index(group, block_q, block_k, causal, window):
+    """Index map of a k/v [block_k, D] BlockSpec on grid (B, H, query blocks, key blocks) over
+    [B, Hkv, Sk, D] (q_lens, kv_lens scalar-prefetched): query head h reads kv head h // group, and a
+    key block outside the ones the query block sees clamps to the nearest one (an unchanged block
+    index: Pallas issues no copy; the kernel skips its compute)."""
+
+    def index(b, h, i, j, q_lens_ref, kv_lens_ref):
+        first, last = kv_block_range(i, block_q, block_k, q_lens_ref[b], kv_lens_ref[b], causal, window)
+        return b, jax.lax.div(h, jnp.int32(group)), jnp.clip(j, first, last), 0
+
+    return index
+
+
+def physical_page(block_tables_ref, b, page, first, last):
+    """Index of the [block_size, Hkv, D] cache block holding logical page `page` of sequence b, the
+    page clamped to the visible [first, last] (no copy for the others). max(.., 0): an empty
+    sequence still names a real page (its compute is skipped)."""
+    return jnp.maximum(block_tables_ref[b, jnp.clip(page, first, last)], 0), 0, 0, 0
+
+
+def reset_softmax_state(m_ref, l_ref, acc_ref):
+    """Running max -inf, denominator and output 0 (the online softmax's start)."""
+    m_ref[...] = jnp.full_like(m_ref, NEG_INF)
+    l_ref[...] = jnp.zeros_like(l_ref)
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+
+def softmax_scratch(lead, rows, head_dim):
+    """float32 VMEM scratch for m, l [*lead, rows, 1] and acc [*lead, rows, head_dim]."""
+    return [
+        pltpu.VMEM((*lead, rows, 1), jnp.float32),
+        pltpu.VMEM((*lead, rows, 1), jnp.float32),
+        pltpu.VMEM((*lead, rows, head_dim), jnp.float32),
+    ]
+
+
+# ---- paged cache: the Pallas TPU kernels' page step ----------------------------------------------
+
+
+def paged_tpu_operands(q_operand, q_spec, page_spec, key_cache, value_cache, k_scale, v_scale):
+    """(in_specs, operands) of the paged TPU kernels after their scalar prefetch: the fp8 scales [Hkv]
+    (float32, in SMEM) when set, then the queries and the two caches."""
+    in_specs, operands = [q_spec, page_spec, page_spec], [q_operand, key_cache, value_cache]
+    if k_scale is not None:
+        smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+        in_specs = [smem, smem, *in_specs]
+        operands = [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32), *operands]
+    return in_specs, operands
+
+
+def paged_tpu_refs(refs, quantized):
+    """The paged TPU kernels' refs after the scalar prefetch, as (k_scale_ref, v_scale_ref) (None
+    unless quantized), q_ref, k_ref, v_ref, o_ref, (m_ref, l_ref, acc_ref)."""
+    scales = refs[:2] if quantized else (None, None)
+    q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref = refs[2:] if quantized else refs
+    return scales, q_ref, k_ref, v_ref, o_ref, (m_ref, l_ref, acc_ref)
+
+
+def paged_page_update(page, seq_len, visible, q_ref, k_ref, v_ref, scale_refs, state, *, scale, softcap):
+    """One logical page of the paged TPU kernels: for each kv head g, its query tile q_ref[g]
+    [rows, D] against the page's k/v [block_size, D] (fp8 pages times their scale refs' [Hkv] value,
+    when set), scores masked by `visible` [rows, block_size], one online-softmax step on the state
+    refs (m, l, acc) [Hkv, rows, ...]."""
+    k_scale_ref, v_scale_ref = scale_refs
+    m_ref, l_ref, acc_ref = state
+    block_size = k_ref.shape[0]
+    precision = dot_precision(q_ref.dtype)
+    # Slots of the last page past seq_len are never read by contract (NaN there must not leak
+    # through probability 0 times value): their values are zeroed; their scores are masked.
+    read = (page * block_size + jax.lax.broadcasted_iota(jnp.int32, (block_size, 1), 0)) < seq_len
+    for g in range(q_ref.shape[0]):  # static: each kv head against its query group
+        q = q_ref[g]  # [rows, D]
+        k, v = k_ref[:, g, :], v_ref[:, g, :]  # [block_size, D]
+        if k_scale_ref is not None:
+            k = (k.astype(jnp.float32) * k_scale_ref[g]).astype(q.dtype)
+            v = (v.astype(jnp.float32) * v_scale_ref[g]).astype(q.dtype)
+        v = jnp.where(read, v, jnp.zeros((), v.dtype))
+        s = jnp.where(visible, scores(q, k, scale, softcap, precision), NEG_INF)
+        m, l_, acc = online_softmax_update(s, v, m_ref[g], l_ref[g], acc_ref[g], precision)
+        m_ref[g], l_ref[g], acc_ref[g] = m, l_, acc
+
+
+def write_softmax_out(o_ref, state):
+    """o_ref = out (in o_ref's dtype) from the state refs (m, l, acc) (finish_softmax)."""
+    out, _ = finish_softmax(*(ref[...] for ref in state))
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def over_paged_decode(kernel, default_interpret):
+    """paged_decode_attention's signature (q [B, H, D] over the paged cache -> [B, H, D], spec.py)
+    over a jitted Pallas `kernel(q, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale,
+    *, scale, window, softcap, interpret)`: an empty batch gives an empty result, the options become
+    static, and `interpret` defaults to default_interpret() (off the kernel's own hardware)."""
+
+    def paged_decode(
+        q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None, softcap=None,
+        k_scale=None, v_scale=None, *, interpret=None,
+    ):  # fmt: skip
+        if q.shape[0] == 0:
+            return jnp.zeros(q.shape, q.dtype)
+        scale, window, softcap = static_options(scale, sliding_window, softcap, q.shape[-1])
+        return kernel(
+            q, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, scale=scale, window=window,
+            softcap=softcap, interpret=default_interpret() if interpret is None else interpret,
+        )  # fmt: skip
+
+    return paged_decode

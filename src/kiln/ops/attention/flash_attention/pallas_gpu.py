@@ -13,13 +13,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kiln.ops.attention.flash_attention.spec import FLASH_ATTENTION, FLASH_ATTENTION_WITH_LSE
-from kiln.ops.attention.flash_attention.xla import first_kv_block, last_kv_block, scores
 from kiln.ops.attention.jax_common import (
     NEG_INF,
     dot_precision,
     finish_softmax,
+    kv_block_range,
     online_softmax_update,
     over_varlen,
+    scores,
     static_options,
     visible_mask,
 )
@@ -53,8 +54,7 @@ def _gpu_kernel(
         jnp.zeros((block_q, 1), jnp.float32),
         jnp.zeros(q.shape, jnp.float32),
     )
-    first = first_kv_block(i, block_q, block_k, q_len, kv_len, window)
-    last = last_kv_block(i, block_q, block_k, q_len, kv_len, causal)
+    first, last = kv_block_range(i, block_q, block_k, q_len, kv_len, causal, window)
     m, l_, acc = jax.lax.fori_loop(first, last + 1, body, init)
     out, lse = finish_softmax(m, l_, acc)
     o_ref[...] = out.astype(o_ref.dtype)

@@ -21,14 +21,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kiln.ops.attention.flash_attention.spec import FLASH_ATTENTION, FLASH_ATTENTION_WITH_LSE
-from kiln.ops.attention.flash_attention.xla import first_kv_block, last_kv_block, scores
 from kiln.ops.attention.jax_common import (
     NEG_INF,
     dot_precision,
     finish_softmax,
+    kv_block_index,
+    kv_block_range,
     online_softmax_update,
     over_varlen,
+    reset_softmax_state,
+    scores,
+    softmax_scratch,
     static_options,
+    tile_coords,
+    tile_program,
     visible_mask,
 )
 from kiln.ops.pallas_common import pad_to, round_up, squeezed, tpu_interpret, tpu_params
@@ -38,24 +44,19 @@ def _tpu_kernel(
     q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref,
     *, scale, causal, window, softcap, block_q, block_k,
 ):  # fmt: skip
-    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    q_len, kv_len = q_lens_ref[b], kv_lens_ref[b]
+    i, j, q_len, kv_len = tile_program(q_lens_ref, kv_lens_ref)
 
     @pl.when(j == 0)
     def _():
-        m_ref[...] = jnp.full_like(m_ref, NEG_INF)
-        l_ref[...] = jnp.zeros_like(l_ref)
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+        reset_softmax_state(m_ref, l_ref, acc_ref)
 
-    first = first_kv_block(i, block_q, block_k, q_len, kv_len, window)
-    last = last_kv_block(i, block_q, block_k, q_len, kv_len, causal)
+    first, last = kv_block_range(i, block_q, block_k, q_len, kv_len, causal, window)
 
     @pl.when((j >= first) & (j <= last))
     def _():
         precision = dot_precision(q_ref.dtype)
         s = scores(q_ref[...], k_ref[...], scale, softcap, precision)
-        rows = i * block_q + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
-        cols = j * block_k + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        rows, cols = tile_coords(i, j, s.shape)
         s = jnp.where(visible_mask(rows, cols, kv_len - q_len, kv_len, causal, window), s, NEG_INF)
         m, l_, acc = online_softmax_update(s, v_ref[...], m_ref[...], l_ref[...], acc_ref[...], precision)
         m_ref[...], l_ref[...], acc_ref[...] = m, l_, acc
@@ -80,13 +81,8 @@ def _flash_tpu(q, k, v, q_lens, kv_lens, scale, causal, window, softcap, block_q
     qt = pad_to(jnp.swapaxes(q, 1, 2), 2, sq)  # [B, H, Sq, D]
     kt, vt = (pad_to(jnp.swapaxes(a, 1, 2), 2, sk) for a in (k, v))
 
-    def kv_index(b, h, i, j, q_lens_ref, kv_lens_ref):
-        q_len, kv_len = q_lens_ref[b], kv_lens_ref[b]
-        first = first_kv_block(i, block_q, block_k, q_len, kv_len, window)
-        last = last_kv_block(i, block_q, block_k, q_len, kv_len, causal)
-        return b, jax.lax.div(h, jnp.int32(group)), jnp.clip(j, first, last), 0
-
     q_spec = pl.BlockSpec((squeezed(), squeezed(), block_q, head_dim), lambda b, h, i, j, *_: (b, h, i, 0))
+    kv_index = kv_block_index(group, block_q, block_k, causal, window)
     kv_spec = pl.BlockSpec((squeezed(), squeezed(), block_k, head_dim), kv_index)
     lse_spec = pl.BlockSpec((squeezed(), squeezed(), block_q, 1), lambda b, h, i, j, *_: (b, h, i, 0))
     kernel = functools.partial(
@@ -105,11 +101,7 @@ def _flash_tpu(q, k, v, q_lens, kv_lens, scale, causal, window, softcap, block_q
             grid=(batch, heads, sq // block_q, sk // block_k),
             in_specs=[q_spec, kv_spec, kv_spec],
             out_specs=[q_spec, lse_spec],
-            scratch_shapes=[
-                pltpu.VMEM((block_q, 1), jnp.float32),
-                pltpu.VMEM((block_q, 1), jnp.float32),
-                pltpu.VMEM((block_q, head_dim), jnp.float32),
-            ],
+            scratch_shapes=softmax_scratch((), block_q, head_dim),
         ),
         out_shape=[
             jax.ShapeDtypeStruct((batch, heads, sq, head_dim), q.dtype),

@@ -22,14 +22,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kiln.ops.attention.flash_attention.xla import first_kv_block, last_kv_block, scores
 from kiln.ops.attention.flash_attention_backward.spec import FLASH_ATTENTION_BACKWARD
 from kiln.ops.attention.jax_common import (
     NEG_INF,
     dot_precision,
+    kv_block_index,
+    kv_block_range,
+    over_varlen_backward,
+    scores,
     static_options,
-    to_padded,
-    token_rows,
+    tile_coords,
+    tile_program,
     visible_mask,
 )
 from kiln.ops.pallas_common import pad_to, round_up, squeezed, tpu_interpret, tpu_params
@@ -55,8 +58,7 @@ def _probs_and_dscores(q, k, v, do, lse, delta, rows, cols, q_len, kv_len, *, sc
 
 def _visible_block(i, j, q_len, kv_len, *, causal, window, block_q, block_k):
     """Whether query block i and key block j share any visible (query, key) pair (the forward's test)."""
-    first = first_kv_block(i, block_q, block_k, q_len, kv_len, window)
-    last = last_kv_block(i, block_q, block_k, q_len, kv_len, causal)
+    first, last = kv_block_range(i, block_q, block_k, q_len, kv_len, causal, window)
     return (j >= first) & (j <= last) & (i * block_q < q_len)
 
 
@@ -78,9 +80,7 @@ def _dkdv_kernel(
     @pl.when(_visible_block(i, j, q_len, kv_len, **options))
     def _():
         q, do = q_ref[...], do_ref[...]
-        shape = (block_q, block_k)
-        rows = i * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-        cols = j * block_k + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+        rows, cols = tile_coords(i, j, (block_q, block_k))
         p, ds = _probs_and_dscores(
             q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], rows, cols, q_len, kv_len,
             scale=scale, causal=causal, window=window, softcap=softcap,
@@ -104,8 +104,7 @@ def _dq_kernel(
     q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc,
     *, scale, causal, window, softcap, block_q, block_k,
 ):  # fmt: skip
-    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    q_len, kv_len = q_lens_ref[b], kv_lens_ref[b]
+    i, j, q_len, kv_len = tile_program(q_lens_ref, kv_lens_ref)
 
     @pl.when(j == 0)
     def _():
@@ -116,9 +115,7 @@ def _dq_kernel(
     )
     def _():
         k = k_ref[...]
-        shape = (block_q, block_k)
-        rows = i * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-        cols = j * block_k + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+        rows, cols = tile_coords(i, j, (block_q, block_k))
         _, ds = _probs_and_dscores(
             q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], rows, cols, q_len, kv_len,
             scale=scale, causal=causal, window=window, softcap=softcap,
@@ -184,15 +181,9 @@ def _backward_tpu(
     )(q_lens, kv_lens, qt, kt, vt, dot, lse_t, delta_t)
 
     # dQ: grid (B, H, query blocks, key blocks), the key index clamped to the visible blocks.
-    def kv_index(b, h, i, j, q_lens_ref, kv_lens_ref):
-        q_len, kv_len = q_lens_ref[b], kv_lens_ref[b]
-        first = first_kv_block(i, block_q, block_k, q_len, kv_len, window)
-        last = last_kv_block(i, block_q, block_k, q_len, kv_len, causal)
-        return b, jax.lax.div(h, jnp.int32(group)), jnp.clip(j, first, last), 0
-
     row_spec = pl.BlockSpec(row_block, lambda b, h, i, j, *_: (b, h, i, 0))
     stat_spec = pl.BlockSpec(stat_block, lambda b, h, i, j, *_: (b, h, i, 0))
-    kv_spec = pl.BlockSpec(key_block, kv_index)
+    kv_spec = pl.BlockSpec(key_block, kv_block_index(group, block_q, block_k, causal, window))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, **statics),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -227,27 +218,6 @@ def flash_attention_backward_padded_pallas_tpu(
     )  # fmt: skip
 
 
-def flash_attention_backward_pallas_tpu(
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
-    scale=None, sliding_window=None, softcap=None, grad_lse=None,
-):  # fmt: skip
-    """The op's varlen signature (spec.py) over the padded-batch kernels: the varlen rows are gathered
-    into [B, max_seqlen, ...] and the gradients gathered back."""
-    total_q, total_k = q.shape[0], k.shape[0]
-    if total_q == 0 or total_k == 0:
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).astype(jnp.int32)
-    kv_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).astype(jnp.int32)
-    rows_q = lambda a: to_padded(a, cu_seqlens_q, max_seqlen_q)  # noqa: E731
-    rows_k = lambda a: to_padded(a, cu_seqlens_k, max_seqlen_k)  # noqa: E731
-    by_head = lambda a: None if a is None else jnp.swapaxes(rows_q(a.T), 1, 2)  # [H, tq] -> [B, H, Sq]  # noqa: E731
-    dq, dk, dv = flash_attention_backward_padded_pallas_tpu(
-        rows_q(dout), rows_q(q), rows_k(k), rows_k(v), rows_q(out), by_head(lse), q_lens, kv_lens, causal,
-        scale, sliding_window, softcap, by_head(grad_lse),
-    )  # fmt: skip
-    seq_q, pos_q = token_rows(cu_seqlens_q, total_q)
-    seq_k, pos_k = token_rows(cu_seqlens_k, total_k)
-    return dq[seq_q, pos_q], dk[seq_k, pos_k], dv[seq_k, pos_k]
-
+flash_attention_backward_pallas_tpu = over_varlen_backward(flash_attention_backward_padded_pallas_tpu)
 
 FLASH_ATTENTION_BACKWARD.register_jax("pallas_tpu", flash_attention_backward_pallas_tpu)

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kiln.ops.attention.jax_common import NEG_INF, finish_softmax
-from kiln.ops.attention.paged_decode_attention.pallas_tpu import _page_range
+from kiln.ops.attention.jax_common import NEG_INF, decode_page_range, finish_softmax, over_paged_decode
 from kiln.ops.attention.paged_decode_attention.spec import PAGED_DECODE_ATTENTION
 from kiln.ops.pallas_common import gpu_interpret, pad_to, squeezed
 
@@ -66,7 +65,7 @@ def _gpu_kernel(block_tables_ref, seq_lens_ref, *refs, scale, window, softcap, b
         jnp.zeros((rows, 1), jnp.float32),
         jnp.zeros((rows, width), jnp.float32),
     )
-    first, last = _page_range(seq_len, block_size, window)
+    first, last = decode_page_range(seq_len, block_size, window)
     last = jnp.where(seq_len > 0, last, first - 1)  # an empty sequence reads no page
     m, l_, acc = jax.lax.fori_loop(first, last + 1, body, init)
     out, _ = finish_softmax(m, l_, acc)
@@ -109,21 +108,7 @@ def _paged_decode_gpu(
     return out[:, :, :group, :head_dim].reshape(batch, heads, head_dim)
 
 
-def paged_decode_attention_pallas_gpu(
-    q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None, softcap=None,
-    k_scale=None, v_scale=None, *, interpret=None,
-):  # fmt: skip
-    """q [B, H, D] over the paged cache -> [B, H, D]; the Pallas Triton kernel (interpreted off-GPU)."""
-    if q.shape[0] == 0:
-        return jnp.zeros(q.shape, q.dtype)
-    interpret = gpu_interpret() if interpret is None else interpret
-    return _paged_decode_gpu(
-        q, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale,
-        scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
-        window=None if sliding_window is None else int(sliding_window),
-        softcap=None if softcap is None else float(softcap),
-        interpret=interpret,
-    )  # fmt: skip
-
+# q [B, H, D] over the paged cache -> [B, H, D]; interpreted off the kernel's hardware.
+paged_decode_attention_pallas_gpu = over_paged_decode(_paged_decode_gpu, gpu_interpret)
 
 PAGED_DECODE_ATTENTION.register_jax("pallas_gpu", paged_decode_attention_pallas_gpu)
