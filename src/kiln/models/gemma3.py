@@ -37,12 +37,11 @@ from kiln.models.config import ModelConfig, ModelLoadError
 from kiln.models.layers import (
     GatedMLP,
     PagedAttention,
-    ParallelLMHead,
     RotaryEmbedding,
     TPGroup,
     VocabParallelEmbedding,
 )
-from kiln.models.llama import LayerOptions
+from kiln.models.llama import LayerOptions, build_lm_head
 from kiln.models.sharding import ShardedWeightStore, ShardPlan
 from kiln.models.weights import WeightStore
 
@@ -290,16 +289,8 @@ class Gemma3ForCausalLM(torch.nn.Module):
             for i in range(c.num_layers)
         )
         self.norm = weights.get("model.norm.weight", (c.hidden_size,)).to(device, dtype)
-        head = embed
-        if not c.tie_word_embeddings or "lm_head.weight" in weights:
-            head = weights.get("lm_head.weight", (local_vocab, c.hidden_size))
-        self.lm_head = ParallelLMHead(
-            head,
-            device=device,
-            dtype=dtype,
-            cpu_format=lm_head_format or cpu_format,
-            vocab_sizes=vocab_sizes,
-            tp_group=tp_group,
+        self.lm_head = build_lm_head(
+            c, weights, embed, local_vocab, vocab_sizes, device, dtype, lm_head_format or cpu_format, tp_group
         )
         self.eps = c.rms_norm_eps
 

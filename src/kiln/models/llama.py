@@ -166,6 +166,27 @@ def build_decoder_layer(
     )
 
 
+def build_lm_head(
+    config: ModelConfig,
+    weights: WeightStore,
+    embed,
+    local_vocab: int,
+    vocab_sizes,
+    device: torch.device,
+    dtype: torch.dtype,
+    cpu_format: str | None,
+    tp_group: TPGroup | None,
+) -> ParallelLMHead:
+    """The LM head over this rank's vocabulary rows: `lm_head.weight` [local_vocab, hidden], or the
+    embedding `embed` when the checkpoint ties them and stores no head."""
+    head = embed
+    if not config.tie_word_embeddings or "lm_head.weight" in weights:
+        head = weights.get("lm_head.weight", (local_vocab, config.hidden_size))
+    return ParallelLMHead(
+        head, device=device, dtype=dtype, cpu_format=cpu_format, vocab_sizes=vocab_sizes, tp_group=tp_group
+    )
+
+
 class LlamaForCausalLM(torch.nn.Module):
     """Inference-only Llama-family model over a paged KV cache.
 
@@ -246,16 +267,16 @@ class LlamaForCausalLM(torch.nn.Module):
         self.norm, self.lm_head = None, None
         if end == c.num_layers:
             self.norm = weights.get("model.norm.weight", (c.hidden_size,)).to(device, dtype)
-            head = embed
-            if not c.tie_word_embeddings or "lm_head.weight" in weights:
-                head = weights.get("lm_head.weight", (local_vocab, c.hidden_size))
-            self.lm_head = ParallelLMHead(
-                head,
-                device=device,
-                dtype=dtype,
-                cpu_format=lm_head_format or cpu_format,
-                vocab_sizes=vocab_sizes,
-                tp_group=tp_group,
+            self.lm_head = build_lm_head(
+                c,
+                weights,
+                embed,
+                local_vocab,
+                vocab_sizes,
+                device,
+                dtype,
+                lm_head_format or cpu_format,
+                tp_group,
             )
         self.eps = c.rms_norm_eps
         if end - start != c.num_layers:  # a stage: the engine allocates KV caches for its layers only
