@@ -111,7 +111,7 @@ def store(
     key = cache_key(op, dtype, shape, device)
     entries[key] = {"config": config, **(meta or {})}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: concurrent writers
     tmp.write_text(json.dumps({"version": 1, "entries": entries}, indent=2, sort_keys=True))
     tmp.replace(path)
     _user_entries = None
@@ -141,7 +141,7 @@ def export(
     entries = _read(path)
     entries.update({key: user[key] for key in keys})
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: concurrent writers
     tmp.write_text(json.dumps({"version": 1, "entries": entries}, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
     _shipped.cache_clear()
