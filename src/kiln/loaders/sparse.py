@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from kiln.models.config import ModelLoadError
-from kiln.quant.sparse24 import Sparse24Weight
+from kiln.quant.sparse24 import Sparse24Weight, positions_24
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def sparse_loaders(hf: dict, loaders: dict, source: str) -> dict:
         def load(load_values=load_values, load_meta=load_meta, module=module):
             try:
                 weight = Sparse24Weight(load_values(), load_meta())
-                weight.dequantize()  # rejects corrupt positions now, naming the tensor
+                positions_24(weight.values, weight.meta)  # rejects corrupt positions now, naming the tensor
             except ValueError as exc:
                 raise ModelLoadError(f"{source}: 2:4 weight {module!r}: {exc}") from exc
             return weight

@@ -97,9 +97,9 @@ def compress_24(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.contiguous(), meta.contiguous()
 
 
-def decompress_24(values: torch.Tensor, meta: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(values [N, K/2], meta uint8 [N, ceil(K/8)]) -> the dense [N, K] weight in `dtype` (default
-    values' dtype); exact."""
+def positions_24(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """The kept positions int64 [N, K/4, 2] that `meta` encodes for `values` [N, K/2]; ValueError for
+    mismatched shapes or a corrupt group (equal or descending positions)."""
     N, half = values.shape
     K = 2 * half
     if K % GROUP:
@@ -113,9 +113,17 @@ def decompress_24(values: torch.Tensor, meta: torch.Tensor, dtype: torch.dtype |
     idx = torch.stack([nibbles & 3, nibbles >> 2], dim=2)  # [N, G, 2]
     if (idx[..., 0] >= idx[..., 1]).any():
         raise ValueError("decompress_24: meta names the same or descending positions in a group (corrupt)")
+    return idx
+
+
+def decompress_24(values: torch.Tensor, meta: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(values [N, K/2], meta uint8 [N, ceil(K/8)]) -> the dense [N, K] weight in `dtype` (default
+    values' dtype); exact."""
+    idx = positions_24(values, meta)
+    N, G = idx.shape[:2]
     dense = torch.zeros(N, G, GROUP, dtype=dtype or values.dtype, device=values.device)
     dense.scatter_(2, idx, values.reshape(N, G, 2).to(dense.dtype))
-    return dense.reshape(N, K)
+    return dense.reshape(N, G * GROUP)
 
 
 @dataclass
