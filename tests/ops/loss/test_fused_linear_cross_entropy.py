@@ -64,6 +64,35 @@ def test_chunks_of_odd_sizes_give_the_same_loss_and_gradients(impl, device):
             assert_close(out, ref, 2e-5, f"chunk_tokens={chunk}")
 
 
+@pytest.mark.parametrize("backend", ["triton", "cpu", "xla"])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
+def test_confident_predictions_keep_float32_gradient_precision(backend, z_loss, device):
+    # p_y within 1e-3 of 1: lse - z_y and p_y - 1 computed directly lose 3-5 digits in float32; written
+    # through the sum of the other probabilities they keep float32's precision.
+    if backend == "xla":
+        pytest.importorskip("jax")
+        device = torch.device("cpu")
+    g = torch.Generator().manual_seed(_seed())
+    tokens, hidden, vocab = 6, 16, 50
+    h = torch.randn(tokens, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g)
+    labels = (h @ w.T).argmax(-1)
+    w[labels] += 3.0 * h / h.norm(dim=-1, keepdim=True)  # sharpen each token's own label further
+    logits = h.double() @ w.double().T
+    # scale each row's logits so the label leads the runner-up by 12 (p_y ~ 1 - 50 e^-12)
+    runner_up = logits.scatter(1, labels[:, None], -torch.inf).amax(-1, keepdim=True)
+    gap = logits.gather(1, labels[:, None]) - runner_up
+    h = (h * (12.0 / gap).float()).to(device)
+    w, labels = w.to(device), labels.to(device)
+    ref = fused_linear_cross_entropy_reference(h.double(), w.double(), labels, z_loss=z_loss)
+    p_label = (h.double() @ w.double().T).softmax(-1).gather(1, labels[:, None])
+    assert (p_label > 0.999).all() and (p_label < 1 - 1e-7).all(), p_label  # the case it claims to be
+    impl = kiln.ops.get_op("fused_linear_cross_entropy").implementation(backend)  # get_op loads "xla"
+    got = impl.fn(h, w, labels, z_loss=z_loss)
+    for name, out, expected in zip(("loss", "grad_hidden", "grad_weight"), got[:3], ref[:3], strict=True):
+        assert_close(out, expected, 1e-5, f"{backend} {name}")
+
+
 def test_ignored_tokens_get_zero_gradient_and_no_loss(device):
     inputs = FUSED_LINEAR_CROSS_ENTROPY.make_inputs(
         {"tokens": 9, "hidden": 8, "vocab": 33}, torch.float32, device, torch.Generator().manual_seed(_seed())

@@ -144,7 +144,9 @@ def _cheap_big_random() -> Iterator[None]:
             dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
             if int(torch.Size(dims).numel()) <= BIG_RANDOM:
                 return real[name](*size, generator=generator, **kwargs)
-            return torch.empty(tuple(dims), **kwargs)
+            # a constant, not torch.empty: uninitialised memory can hold NaN/inf, which the specs'
+            # input builders (2:4 pruning, quantizers) rightly reject
+            return torch.full(tuple(dims), 0.25, **kwargs)
 
         return make
 

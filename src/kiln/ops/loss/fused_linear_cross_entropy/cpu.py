@@ -16,18 +16,28 @@ def cross_entropy_rows_torch(logits, labels, row_loss, scale, ignore_index, labe
     valid = labels != ignore_index
     targets = torch.where(valid, labels, 0).long()[:, None]  # ignored rows read column 0, then drop it
     lse = logits.logsumexp(dim=-1)
-    loss = lse - (1.0 - label_smoothing) * logits.gather(1, targets)[:, 0]
+    target_logit = logits.gather(1, targets)[:, 0]
+    mean_logit = logits.mean(dim=-1) if label_smoothing else None
+    probs = logits.sub_(lse[:, None]).exp_()  # in place: the logits become the gradient from here on
+    # When the model is confident (p_y -> 1), lse - z_y and p_y - 1 both cancel in float32. The
+    # other probabilities' sum keeps its precision: -log p_y = -log1p(-others), p_y - 1 = -others.
+    probs.scatter_(1, targets, 0.0)
+    others = probs.sum(dim=-1)
+    nll = torch.where(others < 0.5, -torch.log1p(-others), lse - target_logit)
+    loss = (1.0 - label_smoothing) * nll
     if label_smoothing:
-        loss -= label_smoothing * logits.mean(dim=-1)
+        loss += label_smoothing * (lse - mean_logit)
     if z_loss:
         loss += z_loss * lse * lse
     row_loss.copy_(torch.where(valid, loss, 0.0))
     # d loss_t / d z = softmax(z) * (1 + 2 z_loss lse) - (1 - eps) onehot(y) - eps / V
     row_scale = torch.where(valid, scale, 0.0).to(logits.dtype)
-    logits.sub_(lse[:, None]).exp_().mul_((row_scale * (1.0 + 2.0 * z_loss * lse))[:, None])
+    softmax_scale = row_scale * (1.0 + 2.0 * z_loss * lse)
+    probs.mul_(softmax_scale[:, None])
     if label_smoothing:
-        logits.sub_((row_scale * (label_smoothing / vocab))[:, None])
-    logits.scatter_add_(1, targets, -(1.0 - label_smoothing) * row_scale[:, None])
+        probs.sub_((row_scale * (label_smoothing / vocab))[:, None])
+    target_grad = (softmax_scale - (1.0 - label_smoothing) * row_scale) - softmax_scale * others
+    probs.scatter_add_(1, targets, target_grad[:, None])
 
 
 def fused_linear_cross_entropy_cpu(

@@ -5,7 +5,8 @@ One program owns one row of a chunk's logits. Pass 1 walks the vocabulary in BLO
 the online softmax (per lane: running max m, sum d of exp(x - m), rescaled when m grows), plus the
 row sum of x for label smoothing; the lanes merge into the row's logsumexp. Pass 2 walks it again
 and overwrites the logits with scale * d loss / d logits, so the gradient needs no buffer of its
-own. The target logit is read before pass 2 writes over it.
+own. The target logit is read before pass 2 writes over it; its gradient is written last, from the
+sum of the other probabilities (p_y - 1 would cancel when p_y is near 1).
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from kiln.ops.loss.fused_linear_cross_entropy.spec import FUSED_LINEAR_CROSS_ENT
 from kiln.ops.registry import Implementation, triton_available
 
 MAX_BLOCK_V = 4096
+
+
+@triton.jit
+def _log1p(x):
+    """log(1 + x) for |x| <= 1/2 without losing small x to the rounding of 1 + x (Goldberg's trick)."""
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * x / (u - 1.0))
 
 
 @triton.jit
@@ -65,20 +73,26 @@ def _cross_entropy_rows_kernel(
     row_max = tl.max(m, axis=0)
     lse = row_max + tl.log(tl.sum(d * tl.exp(m - row_max), axis=0))
 
-    loss = lse - (1.0 - label_smoothing) * target_logit - label_smoothing * tl.sum(row_sum, axis=0) / vocab
-    loss += z_loss * lse * lse
-    tl.store(row_loss_ptr + row, loss)
-
     scale = tl.load(scale_ptr).to(tl.float32)
     softmax_scale = scale * (1.0 + 2.0 * z_loss * lse)
     uniform = scale * label_smoothing / vocab
+    others = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for start in range(0, vocab, BLOCK_V):
         c = start + cols
-        mask = c < vocab
-        x = tl.load(logits_row + c, mask=mask, other=0.0).to(tl.float32)
-        grad = tl.exp(x - lse) * softmax_scale - uniform
-        grad = tl.where(c == label, grad - scale * (1.0 - label_smoothing), grad)
-        tl.store(logits_row + c, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+        mask = (c < vocab) & (c != label)
+        x = tl.load(logits_row + c, mask=mask, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - lse)
+        others += p
+        tl.store(logits_row + c, (p * softmax_scale - uniform).to(logits_ptr.dtype.element_ty), mask=mask)
+    # When the model is confident (p_y -> 1), lse - z_y and p_y - 1 both cancel in float32; the sum
+    # of the other probabilities keeps its precision: -log p_y = -log1p(-others), p_y - 1 = -others.
+    others_sum = tl.sum(others, axis=0)
+    target_grad = softmax_scale - scale * (1.0 - label_smoothing) - uniform - softmax_scale * others_sum
+    tl.store(logits_row + label, target_grad.to(logits_ptr.dtype.element_ty))
+    nll = tl.where(others_sum < 0.5, -_log1p(-others_sum), lse - target_logit)
+    loss = (1.0 - label_smoothing) * nll + label_smoothing * (lse - tl.sum(row_sum, axis=0) / vocab)
+    loss += z_loss * lse * lse
+    tl.store(row_loss_ptr + row, loss)
 
 
 def cross_entropy_rows_triton(logits, labels, row_loss, scale, ignore_index, label_smoothing, z_loss):

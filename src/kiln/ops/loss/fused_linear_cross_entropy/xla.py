@@ -30,13 +30,18 @@ def rows_loss_and_grad(logits, labels, scale, ignore_index, label_smoothing, z_l
     target = jnp.where(valid, labels, 0).astype(jnp.int32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     z_y = jnp.take_along_axis(logits, target[:, None], axis=-1)[:, 0]
-    loss = lse - (1.0 - label_smoothing) * z_y - label_smoothing * jnp.mean(logits, axis=-1)
-    loss = loss + z_loss * lse * lse
-    row_scale = jnp.where(valid, scale, 0.0)
     probs = jnp.exp(logits - lse[:, None])
     one_hot = jnp.arange(vocab)[None, :] == target[:, None]
-    grad = probs * (1.0 + 2.0 * z_loss * lse)[:, None] - label_smoothing / vocab
-    grad = grad - (1.0 - label_smoothing) * one_hot
+    # When the model is confident (p_y -> 1), lse - z_y and p_y - 1 both cancel in float32; the sum
+    # of the other probabilities keeps its precision: -log p_y = -log1p(-others), p_y - 1 = -others.
+    others = jnp.sum(jnp.where(one_hot, 0.0, probs), axis=-1, keepdims=True)
+    nll = jnp.where(others[:, 0] < 0.5, -jnp.log1p(-others[:, 0]), lse - z_y)
+    loss = (1.0 - label_smoothing) * nll + label_smoothing * (lse - jnp.mean(logits, axis=-1))
+    loss = loss + z_loss * lse * lse
+    row_scale = jnp.where(valid, scale, 0.0)
+    softmax_scale = (1.0 + 2.0 * z_loss * lse)[:, None]
+    target_grad = (softmax_scale - (1.0 - label_smoothing)) - softmax_scale * others - label_smoothing / vocab
+    grad = jnp.where(one_hot, target_grad, probs * softmax_scale - label_smoothing / vocab)
     return jnp.where(valid, loss, 0.0), grad * row_scale[:, None]
 
 
