@@ -73,6 +73,15 @@ def test_nan_never_passes():
     assert math.isinf(relative_error(out, ref))
 
 
+def test_underflow_below_the_output_dtypes_smallest_subnormal_is_not_an_error():
+    ref = torch.tensor([-9.4e-10], dtype=torch.float64)  # gelu_tanh(-5.6) * 0.48: no fp16 holds it
+    assert relative_error(ref.to(torch.float16), ref) == 0.0
+    assert relative_error(torch.tensor([6e-8], dtype=torch.float16), ref) > 1.0  # the wrong sign fails
+    big = torch.tensor([1.0, -9.4e-10], dtype=torch.float64)
+    assert relative_error(torch.tensor([1.001, 0.0], dtype=torch.float16), big) > 9e-4  # errors still count
+    assert math.isinf(relative_error(torch.tensor([1e-9]), torch.tensor([0.0], dtype=torch.float64)))
+
+
 def test_verify_rows_cover_every_dtype_of_rms_norm():  # the CPU backend: CPU tensors on any machine
     rows = verify(["rms_norm"], ["cpu"], None, "cpu", seed=random.randrange(2**31))
     assert {r.dtype for r in rows} == {"float32", "float16", "bfloat16"}
