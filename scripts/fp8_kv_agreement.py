@@ -2,7 +2,8 @@
 
 Runs the embedded SmolLM2-135M-Instruct on the CPU (float32 model, or --dtype bfloat16: the model
 and its "auto" cache in bf16, as on a GPU) over a fixed prompt set, plain and through the chat
-template, once with kv_cache_dtype="auto" (the model dtype's cache) and once with "fp8",
+template, once with kv_cache_dtype="auto" (the model dtype's cache) and with "fp8" under both
+kv_cache_scales ("unit": 1.0; "calibrated": measured scales and centred keys),
 and prints per prompt the number of leading output tokens that are equal, and, where they differ,
 the reference's top-1 minus top-2 logprob at that position (a small gap is a near tie that any
 perturbation of the attention can flip).
@@ -25,6 +26,10 @@ PROMPTS = [
     "In machine learning, a transformer is",
     "Water boils at",
 ]
+
+
+# (name, kv_cache_dtype, kv_cache_scales): the reference first
+MODES = [("auto", "auto", "calibrated"), ("fp8 unit", "fp8", "unit"), ("fp8 calibrated", "fp8", "calibrated")]
 
 
 def leading_equal(reference: list[int], other: list[int]) -> int:
@@ -53,23 +58,30 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     for name, prompts in (("plain", plain), ("chat", chat)):
         runs = {}
-        for kv_cache_dtype in ("auto", "fp8"):
-            llm = LLM(loaded=loaded, device="cpu", kv_cache_bytes=256 << 20, kv_cache_dtype=kv_cache_dtype)
-            runs[kv_cache_dtype] = llm.generate(prompts, params)
-        leads = []
-        for text, ref, fp8 in zip(PROMPTS, runs["auto"], runs["fp8"], strict=True):
-            lead = leading_equal(ref.token_ids, fp8.token_ids)
-            leads.append(lead)
-            gap = ""
-            if lead < len(ref.token_ids):
-                top = sorted(ref.logprobs[lead].values(), reverse=True)
-                gap = f"  (reference top-1 - top-2 logprob there: {top[0] - top[1]:.3f})"
-            print(f"{name:5s} {lead:4d} / {len(ref.token_ids)}  {text!r}{gap}")
-        reached = sum(lead >= 16 for lead in leads)
-        print(
-            f"{name}: leading equal tokens {leads}; median {statistics.median(leads)}; "
-            f"{reached}/{len(leads)} prompts agree on >= 16 tokens\n"
-        )
+        for mode, kv_cache_dtype, scales in MODES:
+            llm = LLM(
+                loaded=loaded,
+                device="cpu",
+                kv_cache_bytes=256 << 20,
+                kv_cache_dtype=kv_cache_dtype,
+                kv_cache_scales=scales,
+            )
+            runs[mode] = llm.generate(prompts, params)
+        for mode, _, _ in MODES[1:]:
+            leads = []
+            for text, ref, fp8 in zip(PROMPTS, runs["auto"], runs[mode], strict=True):
+                lead = leading_equal(ref.token_ids, fp8.token_ids)
+                leads.append(lead)
+                gap = ""
+                if lead < len(ref.token_ids):
+                    top = sorted(ref.logprobs[lead].values(), reverse=True)
+                    gap = f"  (reference top-1 - top-2 logprob there: {top[0] - top[1]:.3f})"
+                print(f"{name:5s} {mode:14s} {lead:4d} / {len(ref.token_ids)}  {text!r}{gap}")
+            reached = sum(lead >= 16 for lead in leads)
+            print(
+                f"{name} {mode}: leading equal tokens {leads}; median {statistics.median(leads)}; "
+                f"{reached}/{len(leads)} prompts agree on >= 16 tokens\n"
+            )
 
 
 if __name__ == "__main__":

@@ -46,7 +46,23 @@ PREFIX = (
     "follow-up questions. Question: "
 )
 PATH_PROMPTS = [PREFIX + "What is the capital of France?", PREFIX + "Name a primary color.", "def add(a, b):"]
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def assert_same_tokens_up_to_ties(reference, outputs) -> None:
+    """Each output's greedy tokens equal the reference's up to the first position where the reference's
+    top-2 logprobs are within 0.01 (measured: an exact tie 9 tokens into a PATH_PROMPT; another batch's
+    float32 rounding moves a key across an fp8 rounding boundary now and then, and the logprobs there
+    by ~1e-3, enough to break it the other way); after a near tie nothing is compared."""
+    compared = 0
+    for ref, out in zip(reference, outputs, strict=True):
+        for i, (a, b) in enumerate(zip(ref.token_ids, out.token_ids, strict=True)):
+            if a != b:
+                top = sorted(ref.logprobs[i].values(), reverse=True)
+                assert top[0] - top[1] < 0.01, (i, ref.token_ids, out.token_ids, top)
+                break
+            compared += 1
+    assert compared >= 0.6 * sum(len(r.token_ids) for r in reference), compared
 
 
 def leading_equal(reference: list[int], other: list[int]) -> int:
@@ -69,7 +85,7 @@ def fp8_llm(loaded, **kw):
 def fp8_reference(smollm2):
     """Each PATH_PROMPT alone on an fp8 cache, no prefix caching: what every other set-up must give."""
     llm = fp8_llm(smollm2, enable_prefix_caching=False)
-    return [llm.generate(p, GREEDY)[0].token_ids for p in PATH_PROMPTS]
+    return [llm.generate(p, GREEDY)[0] for p in PATH_PROMPTS]
 
 
 @needs_embedded_model
@@ -102,19 +118,20 @@ def test_fp8_prefix_cache_hits_give_the_tokens_of_misses(smollm2, fp8_reference)
     hits = llm.engine.stats().prefix_cache_hits
     second = llm.generate(PATH_PROMPTS, GREEDY)
     assert llm.engine.stats().prefix_cache_hits >= hits + 32 * 2
-    assert [o.token_ids for o in first] == [o.token_ids for o in second] == fp8_reference
+    assert_same_tokens_up_to_ties(first, second)  # hits prefill only the suffixes: another batch
+    assert_same_tokens_up_to_ties(fp8_reference, first)
 
 
 @needs_embedded_model
 def test_fp8_chunked_prefill_and_preemption_give_the_same_tokens(smollm2, fp8_reference):
     chunked = fp8_llm(smollm2, max_num_batched_tokens=8, enable_prefix_caching=False)
-    assert [o.token_ids for o in chunked.generate(PATH_PROMPTS, GREEDY)] == fp8_reference
+    assert_same_tokens_up_to_ties(fp8_reference, chunked.generate(PATH_PROMPTS, GREEDY))
     # exactly enough blocks to admit every prompt, not enough for all of them to finish decoding
     lengths = [len(smollm2.tokenizer.encode(p, add_special_tokens=True)) for p in PATH_PROMPTS]
     num_blocks = sum(-(-n // 16) for n in lengths)
     assert num_blocks < sum(-(-(n + GREEDY.max_tokens) // 16) for n in lengths)
     tight = fp8_llm(smollm2, num_kv_blocks=num_blocks, enable_prefix_caching=False)
-    assert [o.token_ids for o in tight.generate(PATH_PROMPTS, GREEDY)] == fp8_reference
+    assert_same_tokens_up_to_ties(fp8_reference, tight.generate(PATH_PROMPTS, GREEDY))
     assert tight.engine.stats().num_preemptions > 0
 
 
@@ -122,7 +139,7 @@ def test_fp8_chunked_prefill_and_preemption_give_the_same_tokens(smollm2, fp8_re
 def test_fp8_speculative_verification_gives_the_same_tokens(smollm2, fp8_reference):
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
     llm = fp8_llm(smollm2, enable_prefix_caching=False, speculative=spec)
-    assert [o.token_ids for o in llm.generate(PATH_PROMPTS, GREEDY)] == fp8_reference
+    assert_same_tokens_up_to_ties(fp8_reference, llm.generate(PATH_PROMPTS, GREEDY))
     assert llm.engine.stats().spec_verify_steps > 0
 
 
@@ -183,11 +200,19 @@ def test_engine_allocates_the_fp8_cache_and_metrics_report_it():
         EngineConfig(device="cpu", kv_cache_bytes=budget, kv_cache_dtype="fp8"), loaded=toy_loaded()
     )
     assert fp8.stats().kv_blocks_total == 4 * auto.stats().kv_blocks_total  # the toy model is float32
-    key_cache, value_cache, k_scale, v_scale = fp8.runner.kv_caches[0]
+    key_cache, value_cache, k_scale, v_scale, k_shift = fp8.runner.kv_caches[0]  # calibrated by default
     assert key_cache.dtype == value_cache.dtype == torch.float8_e4m3fn
     assert key_cache.shape[0] == fp8.stats().kv_blocks_total
     assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.shape == (2,)  # toy: 2 kv heads
-    assert "float8_e4m3fn" in fp8.runner.kv_cache_description()
+    assert k_shift.shape == (2, key_cache.shape[-1]) and bool((k_scale != 1).all())
+    assert "float8_e4m3fn (calibrated scales, centred keys)" in fp8.runner.kv_cache_description()
+    unit = LLMEngine(
+        EngineConfig(device="cpu", kv_cache_bytes=budget, kv_cache_dtype="fp8", kv_cache_scales="unit"),
+        loaded=toy_loaded(),
+    )
+    _, _, k_scale, v_scale = unit.runner.kv_caches[0]
+    assert bool((k_scale == 1).all() and (v_scale == 1).all())
+    assert "(scales 1.0)" in unit.runner.kv_cache_description()
     metrics = create_app(fp8).state.metrics.render().decode()
     assert 'kiln_kv_cache_info{block_size="16",dtype="float8_e4m3fn"} 1.0' in metrics
     assert f"kiln_kv_cache_blocks_total {float(fp8.stats().kv_blocks_total)}" in metrics
@@ -205,23 +230,26 @@ def test_generate_and_serve_flags_reach_the_engine_config(monkeypatch, capsys):
     seen = []
 
     def engine(config, *args, **kwargs):
-        seen.append(config.kv_cache_dtype)
+        seen.append((config.kv_cache_dtype, config.kv_cache_scales))
         raise ValueError("stop here")
 
     monkeypatch.setattr(kiln.engine.llm_engine, "LLMEngine", engine)
-    args = build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "fp8", "--device", "cpu"])
+    args = build_parser().parse_args(
+        ["generate", "hi", "--kv-cache-dtype", "fp8", "--kv-cache-scales", "unit", "--device", "cpu"]
+    )
     assert args.func(args) == 2
 
     def build(cls, config):
-        seen.append(config.kv_cache_dtype)
+        seen.append((config.kv_cache_dtype, config.kv_cache_scales))
         raise ModelLoadError("stop here")
 
     monkeypatch.setattr(kiln.server.launch, "build_off_main_thread", build)
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8", "--device", "cpu"])
     assert args.func(args) == 1
-    assert seen == ["fp8", "fp8"]
+    assert seen == [("fp8", "unit"), ("fp8", "calibrated")]
     for command in (["generate", "hi"], ["serve"]):
         assert build_parser().parse_args(command).kv_cache_dtype == "auto"
+        assert build_parser().parse_args(command).kv_cache_scales == "calibrated"
         with pytest.raises(SystemExit):
             build_parser().parse_args([*command, "--kv-cache-dtype", "int8"])
     assert "invalid choice: 'int8'" in capsys.readouterr().err

@@ -38,6 +38,7 @@ from kiln.distributed.groups import (
 )
 from kiln.distributed.stage_runner import PipelineStageRunner
 from kiln.engine.config import EngineConfig, kv_cache_dtype_for, num_kv_blocks_for_model
+from kiln.engine.kv_scales import engine_kv_calibration
 from kiln.engine.model_runner import ModelRunner
 from kiln.loaders import Checkpoint, LoadedModel, load_model
 
@@ -129,6 +130,10 @@ def run_rank(group: TPGroup | PipelineGroup, device_type: str) -> None:
     except Exception:
         error = traceback.format_exc()
     num_blocks = agree_on_blocks(error, num_blocks, group)
+    kv_cache_dtype = kv_cache_dtype_for(config, loaded.model)
+    kv_calibration = None
+    if not pipeline:  # rank 0 calibrates at this point of its LLMEngine start-up too
+        kv_calibration = engine_kv_calibration(config, loaded.model, loaded.tokenizer, kv_cache_dtype)
     # rank 0's runner has the same cache; only CUDA graphs would read max_model_len, and TP runs eagerly
     stage_args = {"group": group, "micro_batches": setup["micro_batches"]} if pipeline else {}
     runner = (PipelineStageRunner if pipeline else ModelRunner)(
@@ -139,8 +144,9 @@ def run_rank(group: TPGroup | PipelineGroup, device_type: str) -> None:
         config.max_num_seqs,
         max_model_len=num_blocks * config.block_size,
         enforce_eager=True,
-        kv_cache_dtype=kv_cache_dtype_for(config, loaded.model),
+        kv_cache_dtype=kv_cache_dtype,
         **stage_args,
+        **({"kv_calibration": kv_calibration} if kv_calibration is not None else {}),
     )
     serve_steps(runner, group, device)
 

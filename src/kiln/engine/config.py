@@ -11,6 +11,7 @@ from kiln.engine.speculative.config import SpeculativeConfig
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32, small on a 24 GiB box
 # EngineConfig.kv_cache_dtype's accepted names -> the cache dtype (None = the model's own)
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_SCALES = ("calibrated", "unit")  # EngineConfig.kv_cache_scales
 
 
 @dataclass
@@ -34,10 +35,13 @@ class EngineConfig:
     kv_cache_dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn, one byte an
         element: 2x the blocks of a 16-bit cache, 4x those of a float32 one for the same budget). An
         fp8 cache has a float32 scale per kv head per layer for keys and for values (stored =
-        value / scale); the scales are 1.0, as vLLM uses when a checkpoint gives none: e4m3's
-        relative precision (2^-4) is the same for any magnitude in [2^-6, 448], and SmolLM2's keys
-        and values (measured peaks 6-20 and 0.4-12) stay inside it; values beyond 448 saturate
+        value / scale), set by kv_cache_scales; values beyond 448 * scale saturate
         (docs/contracts.md, "FP8 KV cache", has the greedy-token agreement measured).
+    kv_cache_scales: for an fp8 cache, "calibrated" (measured at start-up by one prefill of Kiln's
+        calibration text through the model, kiln.engine.kv_scales: per head, keys centred on their
+        mean, which attention ignores, and scales at twice the peaks over 448) or "unit" (1.0, as
+        vLLM uses when a checkpoint gives none). Under tensor or pipeline parallelism the scales
+        stay 1.0 (logged): each rank holds other heads and the calibration prefill runs one process.
     """
 
     model: str | None = None
@@ -58,8 +62,14 @@ class EngineConfig:
     lm_head_format: str | None = None
     speculative: SpeculativeConfig | None = None
     kv_cache_dtype: str = "auto"
+    kv_cache_scales: str = "calibrated"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_scales not in KV_CACHE_SCALES:
+            raise ValueError(
+                f"EngineConfig: kv_cache_scales={self.kv_cache_scales!r}, expected one of "
+                + ", ".join(repr(name) for name in KV_CACHE_SCALES)
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"EngineConfig: kv_cache_dtype={self.kv_cache_dtype!r}, expected one of "

@@ -11,6 +11,7 @@ for stop strings one at a time, and those after a stop are dropped.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -22,6 +23,9 @@ from kiln.engine.outputs import EngineStats, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.sequence import Sequence
+from kiln.ops.attention.validate import FP8_DTYPES
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -73,6 +77,15 @@ class LLMEngine:
             eos_token_ids=eos,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
+        kv_cache_dtype = kv_cache_dtype_for(config, self.model)
+        kv_calibration = None
+        if kv_cache_dtype in FP8_DTYPES and config.kv_cache_scales == "calibrated":
+            if runner_class is ModelRunner:  # one process, or tensor parallelism (workers do the same)
+                from kiln.engine.kv_scales import engine_kv_calibration
+
+                kv_calibration = engine_kv_calibration(config, self.model, self.tokenizer, kv_cache_dtype)
+            else:
+                logger.warning("fp8 KV cache under pipeline parallelism: scales 1.0, keys not centred")
         self.runner = runner_class(
             self.model,
             self.device,
@@ -84,7 +97,8 @@ class LLMEngine:
             compile_cpu_decode=config.compile_cpu_decode,
             seed=config.seed,
             before_forward=before_forward,
-            kv_cache_dtype=kv_cache_dtype_for(config, self.model),
+            kv_cache_dtype=kv_cache_dtype,
+            **({"kv_calibration": kv_calibration} if kv_calibration is not None else {}),
         )
         # per-phase wall time of every step (kiln.engine.step_times); the runner adds its phases
         self.step_times = self.runner.step_times

@@ -68,13 +68,19 @@ class ModelInputs:
         )
 
 
-def allocate_layer_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple:
+def allocate_layer_kv_cache(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, calibration: tuple | None = None
+) -> tuple:
     """One layer's (key_cache, value_cache) of `shape` [num_blocks, block_size, num_kv_heads, head_dim],
-    plus (k_scale, v_scale) float32 [num_kv_heads] of ones for an fp8 dtype."""
+    plus for an fp8 dtype (k_scale, v_scale) float32 [num_kv_heads]: ones, or with `calibration` (one
+    layer of kiln.engine.kv_scales.calibrate_kv_cache: k_scale, v_scale, k_shift) the measured scales
+    and the key shift float32 [num_kv_heads, head_dim] as a fifth entry."""
     # zeros, not empty: masked-out lanes of a partly filled block must not hold NaN bit patterns
     caches = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
     if dtype not in FP8_DTYPES:
         return caches
+    if calibration is not None:
+        return (*caches, *(t.to(device=device, dtype=torch.float32).contiguous() for t in calibration))
     num_kv_heads = shape[2]
     return (*caches, *(torch.ones(num_kv_heads, dtype=torch.float32, device=device) for _ in range(2)))
 
@@ -84,8 +90,9 @@ class ModelRunner:
 
     kv_caches: per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
     of kv_cache_dtype (None = model.kv_cache_dtype) on the model's device; an fp8 cache's layers are
-    (key_cache, value_cache, k_scale, v_scale), the scales float32 [num_kv_heads] (1.0, see
-    EngineConfig.kv_cache_dtype).
+    (key_cache, value_cache, k_scale, v_scale[, k_shift]), the scales float32 [num_kv_heads]: 1.0, or
+    with `kv_calibration` (per layer (k_scale, v_scale, k_shift), see kiln.engine.kv_scales) the
+    measured ones and the keys' shift (EngineConfig.kv_cache_scales).
     before_forward: called with each step's ModelInputs before the model runs (rank 0 of a
     tensor-parallel group broadcasts them there).
     """
@@ -103,6 +110,7 @@ class ModelRunner:
         before_forward: Callable[[ModelInputs], None] | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         compile_cpu_decode: bool = False,
+        kv_calibration: list[tuple[torch.Tensor, ...]] | None = None,
     ):
         self.model = model
         self.before_forward = before_forward
@@ -113,7 +121,15 @@ class ModelRunner:
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache_dtype = dtype = kv_cache_dtype or model.kv_cache_dtype
         self.num_blocks = num_blocks
-        self.kv_caches = [allocate_layer_kv_cache(shape, dtype, device) for _ in range(cfg.num_layers)]
+        if kv_calibration is not None and len(kv_calibration) != cfg.num_layers:
+            raise ValueError(
+                f"ModelRunner: kv_calibration has {len(kv_calibration)} layers, the model {cfg.num_layers}"
+            )
+        self.kv_calibrated = kv_calibration is not None and dtype in FP8_DTYPES
+        self.kv_caches = [
+            allocate_layer_kv_cache(shape, dtype, device, kv_calibration[i] if kv_calibration else None)
+            for i in range(cfg.num_layers)
+        ]
         logger.info("KV cache: %s", self.kv_cache_description())
         self.sampler = Sampler(device, seed)
         self.step_times = StepTimes()  # prepare / forward / sample; the engine adds its phases
@@ -137,6 +153,8 @@ class ModelRunner:
         """One line for the start-up log: blocks, tokens, dtype and bytes of the KV cache."""
         nbytes = sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
         dtype = str(self.kv_cache_dtype).removeprefix("torch.")
+        if self.kv_cache_dtype in FP8_DTYPES:
+            dtype += " (calibrated scales, centred keys)" if self.kv_calibrated else " (scales 1.0)"
         return (
             f"{self.num_blocks} blocks x {self.block_size} tokens, {dtype}, "
             f"{nbytes / (1 << 20):.1f} MiB over {len(self.kv_caches)} layers"

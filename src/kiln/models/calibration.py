@@ -38,8 +38,12 @@ def read_text(name: str) -> str:
         return f.read()
 
 
-def prefill(model: torch.nn.Module, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """One prefill of `token_ids` on a fresh KV cache on the model's device: hidden [T, hidden]."""
+def prefill(
+    model: torch.nn.Module, token_ids: list[int], block_size: int = 16, return_kv_caches: bool = False
+):
+    """One prefill of `token_ids` on a fresh KV cache (the model's kv_cache_dtype) on its device:
+    hidden [T, hidden], or with return_kv_caches (hidden, [(key_cache, value_cache)] per layer, each
+    [blocks, block_size, num_kv_heads, head_dim] holding position p at slot p)."""
     c, T = model.config, len(token_ids)
     if T == 0:
         raise ValueError("prefill: no tokens")
@@ -49,7 +53,7 @@ def prefill(model: torch.nn.Module, token_ids: list[int], block_size: int = 16) 
     dtype = getattr(model, "kv_cache_dtype", torch.float32)
     kv_caches = [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(len(model.layers))
+        for _ in range(c.num_layers)
     ]
     positions = torch.arange(T, dtype=torch.int64, device=device)
     metadata = AttentionMetadata(
@@ -63,7 +67,8 @@ def prefill(model: torch.nn.Module, token_ids: list[int], block_size: int = 16) 
     )
     ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
     with torch.inference_mode(), kiln.ops.trusted_inputs():  # the metadata is built here, correctly
-        return model(ids, positions, kv_caches, metadata)
+        hidden = model(ids, positions, kv_caches, metadata)
+    return (hidden, kv_caches) if return_kv_caches else hidden
 
 
 def linear_input_norms(model: torch.nn.Module, prompts: Iterable[list[int]]) -> dict[str, torch.Tensor]:

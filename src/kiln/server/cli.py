@@ -47,6 +47,13 @@ def add_parser(subparsers) -> None:
         help="KV-cache dtype: auto = the model's; fp8 = float8_e4m3fn, 2x the blocks of a 16-bit cache",
     )
     parser.add_argument(
+        "--kv-cache-scales",
+        choices=["calibrated", "unit"],
+        default="calibrated",
+        help="fp8 KV cache: calibrated = per-head scales and centred keys measured by one prefill at "
+        "start-up; unit = scales 1.0",
+    )
+    parser.add_argument(
         "--compile-cpu-decode",
         action="store_true",
         help="CPU: decode through a forward compiled per batch size (each size compiles on first use)",
@@ -91,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             speculative=speculative_config_from_args(args),
             kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_scales=args.kv_cache_scales,
             compile_cpu_decode=args.compile_cpu_decode,
         )
     except ValueError as exc:

@@ -30,7 +30,9 @@ class PagedAttention(torch.nn.Module):
     k and v [num_kv_heads * head_dim, hidden], o [hidden, num_heads * head_dim]: this rank's slices.
     kv_cache: (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; this
     step's keys and values are written into it in place. A float8_e4m3fn cache comes with its scales:
-    (key_cache, value_cache, k_scale, v_scale), float32 [num_kv_heads] (stored = value / scale).
+    (key_cache, value_cache, k_scale, v_scale), float32 [num_kv_heads] (stored = value / scale), and
+    optionally a fifth entry k_shift float32 [num_kv_heads, head_dim] subtracted from every key before
+    it is stored (softmax is unchanged by it; kiln.engine.kv_scales).
     scale: the attention scores' scale (None = head_dim ** -0.5; Gemma 3: query_pre_attn_scalar ** -0.5).
     qk_norm: (q_weight, k_weight), each [head_dim]: RMSNorm every q and k head (eps `qk_norm_eps`)
     before RoPE, fused with it in `kiln.ops.qk_norm_rope` (Qwen3); None = RoPE only.
@@ -92,8 +94,12 @@ class PagedAttention(torch.nn.Module):
             q, k = kiln.ops.qk_norm_rope(
                 positions, q, k, q_weight, k_weight, self.rotary.cos_sin_cache, self.qk_norm_eps, True
             )
-        key_cache, value_cache, *scales = kv_cache
-        k_scale, v_scale = scales or (None, None)
+        key_cache, value_cache, *extra = kv_cache
+        k_scale, v_scale, k_shift = (*extra, None, None, None)[:3]
+        if k_shift is not None:
+            # Every key minus one fixed vector per head: q.(k - s) = q.k - q.s shifts all of a query's
+            # scores by the same amount, which softmax ignores; centred keys round finer in fp8.
+            k = k - k_shift.to(k.dtype)
         kiln.ops.write_kv_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping, k_scale, v_scale)
         out_dtype = q.dtype
         if k_scale is not None and q.device.type != "cpu":
