@@ -13,6 +13,8 @@ is placed on a device, what it computes, and the float64 matrix and activations 
                                                                        token and bk-group inside the GEMM)
     "sparse24"           [values [N, K/2] x's dtype, meta uint8        sparse24_linear (2:4 weight expanded
                           [N, ceil(K/8)]]                              in registers)
+    "sparse24_semi"      + [PyTorch semi-structured weight,            the same below `crossover` rows, the
+                          crossover int64 0-d CPU tensor]              semi-structured GEMM from there on
 
 W8A8 weights: on CUDA w is the checkpoint's e4m3fn / int8 matrix; on the CPU it is the same values in
 float32 (exact), converted once here rather than on every call as fp8_linear's / int8_linear's CPU
@@ -25,8 +27,10 @@ definition); int8 scale = amax / 127.5 (half the int8 range, 255 / 2; Kiln's qua
 use amax / 127, a different grid: on the tiny test model that alone moved the logits by 16%).
 Block FP8 runs fp8_block_linear on CUDA; on the CPU its layout keeps the dequantized float32 matrix
 (block scales applied once) and quantizes x per token and group as that op does, so both devices
-compute what the checkpoint format says. 2:4 sparse weights run sparse24_linear on CUDA and are
-expanded to a dense matrix once at load on the CPU (no CPU sparse GEMM beats the dense one).
+compute what the checkpoint format says. 2:4 sparse weights run sparse24_linear on CUDA, and from
+the batch size where PyTorch's semi-structured sparse GEMM is measured faster on that GPU
+(kiln.ops.gemm.sparse24_dispatch) that one; on the CPU they are expanded to a dense matrix once at
+load (no CPU sparse GEMM beats the dense one).
 W4A16 runs int4_linear on CUDA; on the CPU, where PyTorch
 has no faster kernel for it than a dense GEMM, the loader dequantizes it once (weight_formats;
 logged), except that `cpu_format="int4"` repacks it into torch's int4 CPU layout where it fits.
@@ -43,6 +47,7 @@ from kiln.ops.gemm.fp8_linear import fp8_linear
 from kiln.ops.gemm.int4_linear import int4_linear
 from kiln.ops.gemm.int8_linear import int8_linear
 from kiln.ops.gemm.quantize_fp8 import quantize_fp8
+from kiln.ops.gemm.sparse24_dispatch import prepare_sparse24_dispatch, use_semi_structured
 from kiln.ops.gemm.sparse24_linear import sparse24_linear
 from kiln.quant.int4 import GROUP_SIZES, dequantize_int4
 from kiln.quant.linear_weights import BlockFP8Weight, Int4Weight, ScaledWeight
@@ -67,7 +72,9 @@ QUANTIZED_LAYOUTS = {
     **{name: 4 if perm else 3 for name, (_, perm) in W4A16_LAYOUTS.items()},
     **dict.fromkeys(FP8_BLOCK_LAYOUTS, 2),
     "sparse24": 2,
+    "sparse24_semi": 4,
 }
+SPARSE24_LAYOUTS = ("sparse24", "sparse24_semi")
 QDTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
@@ -109,8 +116,11 @@ def fp8_block_layout(weight: BlockFP8Weight, device: torch.device) -> tuple[str,
 def sparse24_layout(
     weight: Sparse24Weight, device: torch.device, dtype: torch.dtype
 ) -> tuple[str, tuple[torch.Tensor, ...]]:
-    """(layout, tensors) of a 2:4 weight on `device`, its kept values in the activation dtype."""
-    return "sparse24", (weight.values.to(device, dtype).contiguous(), weight.meta.to(device).contiguous())
+    """(layout, tensors) of a 2:4 weight on `device`, its kept values in the activation dtype; on CUDA
+    "sparse24_semi" with PyTorch's semi-structured copy where that GEMM wins from some batch size on."""
+    tensors = (weight.values.to(device, dtype).contiguous(), weight.meta.to(device).contiguous())
+    extra = prepare_sparse24_dispatch(*tensors)
+    return ("sparse24_semi", (*tensors, *extra)) if extra else ("sparse24", tensors)
 
 
 # ---- int4 checkpoints in torch's int4 CPU layout (weight_formats' "int4", groups of 32) ------------
@@ -205,10 +215,13 @@ def run_quantized(x, layout, weight, bias, out_dtype):
         return run_w8a8(x, layout, weight, bias, out_dtype)
     if layout in W4A16_LAYOUTS:
         return run_w4a16(x, layout, weight, bias, out_dtype)
-    if layout == "sparse24":
+    if layout in SPARSE24_LAYOUTS:
         values = weight[0]
         bias = None if bias is None else bias.to(values.dtype)
-        y = sparse24_linear(x.to(values.dtype), values, weight[1], bias)
+        if use_semi_structured(x, weight[2:]):
+            y = torch.nn.functional.linear(x.to(values.dtype), weight[2], bias)
+        else:
+            y = sparse24_linear(x.to(values.dtype), values, weight[1], bias)
         return y.to(out_dtype or x.dtype)
     return run_fp8_block(x, layout, weight, bias, out_dtype)
 
@@ -233,7 +246,7 @@ def quantized_matrix(layout: str, tensors, in_features: int | None = None) -> to
         out = torch.empty_like(w)
         out[:, tensors[3]] = w
         return out
-    if layout == "sparse24":
+    if layout in SPARSE24_LAYOUTS:
         return decompress_24(tensors[0], tensors[1], torch.float64)
     bn, bk = FP8_BLOCK_LAYOUTS[layout]
     return BlockFP8Weight(tensors[0], tensors[1], (bn, bk)).dequantize(torch.float64)

@@ -119,7 +119,7 @@ class PreparedLinearWeight:
             return "w4a16"
         if self.layout.startswith("fp8_block"):
             return "fp8_block"
-        if self.layout == "sparse24":
+        if self.layout.startswith("sparse24"):
             return "sparse24"
         return "int4" if self.layout == "int4" else "dense"
 

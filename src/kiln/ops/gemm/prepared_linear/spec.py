@@ -27,6 +27,7 @@ from kiln.ops.gemm.quantized_layouts import (
     FP8_BLOCK_LAYOUTS,
     QDTYPES,
     QUANTIZED_LAYOUTS,
+    SPARSE24_LAYOUTS,
     W4A16_LAYOUTS,
     W8A8_LAYOUTS,
     fp8_block_layout,
@@ -68,7 +69,7 @@ def _in_features(layout: str, weight) -> int | None:
         return weight[1].shape[0] * INT4_GROUP_SIZE  # scales_and_zeros [K / 32, N, 2]
     if layout in GGUF_LAYOUTS or layout in W4A16_LAYOUTS:
         return None  # validate_gguf_weight / _validate_w4a16 check the packing against x
-    if layout == "sparse24":
+    if layout in SPARSE24_LAYOUTS:
         return 2 * weight[0].shape[1]  # values [N, K/2]
     return weight[0].shape[1]
 
@@ -107,13 +108,21 @@ def _validate_quantized(op, layout, weight, K, device) -> None:
             check_tensor(op, "weight[3]", weight[3], ndim=1, dtypes=(torch.int64,), device=device)
             if weight[3].shape[0] != K:
                 raise ValueError(f"{op}: {layout} perm has {weight[3].shape[0]} elements, expected K={K}")
-    elif layout == "sparse24":
+    elif layout in SPARSE24_LAYOUTS:
         check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=FLOAT_DTYPES, device=device)
         check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.uint8,), device=device)
         if tuple(weight[1].shape) != (n, -(-K // 8)):
             raise ValueError(
                 f"{op}: sparse24 meta has shape {tuple(weight[1].shape)}, expected ({n}, {-(-K // 8)})"
             )
+        if layout == "sparse24_semi":
+            if tuple(weight[2].shape) != (n, K) or weight[2].device != weight[0].device:
+                raise ValueError(
+                    f"{op}: sparse24_semi weight[2] is {tuple(weight[2].shape)} on {weight[2].device}, "
+                    f"expected the semi-structured [{n}, {K}] on {weight[0].device}"
+                )
+            cpu = torch.device("cpu")
+            check_tensor(op, "weight[3]", weight[3], ndim=0, dtypes=(torch.int64,), device=cpu)
     else:
         bn, bk = FP8_BLOCK_LAYOUTS[layout]
         w_dtypes = (torch.float8_e4m3fn, torch.float32)  # float32: the CPU's dequantized copy
