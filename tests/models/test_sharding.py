@@ -134,36 +134,50 @@ def test_rank_config_keeps_everything_but_the_split_sizes():
 
 @pytest.mark.parametrize("K", [256, 200])  # 200: a short last group
 def test_int4_shards_keep_their_group_scales_and_zero_points(K):
-    from kiln.models.sharding import shard_int4
-    from kiln.quant.int4 import dequantize_int4, quantize_int4
+    from kiln.quant.int4 import quantize_int4
+    from kiln.quant.linear_weights import Int4Weight
 
     weight = torch.randn(48, K, generator=torch.Generator().manual_seed(1))
-    qweight, scales, zeros = quantize_int4(weight, group_size=64)
-    full = dequantize_int4(qweight, scales, zeros, 64, K)
-    rows = shard_int4(qweight, scales, zeros, 64, K, 0, 16, 40)
-    torch.testing.assert_close(dequantize_int4(*rows, 64, K), full[16:40], rtol=0, atol=0)
+    w4 = Int4Weight(*quantize_int4(weight, group_size=64), group_size=64, in_features=K)
+    full = w4.dequantize()
+    torch.testing.assert_close(shard_rows(w4, 16, 40).dequantize(), full[16:40], rtol=0, atol=0)
     for start, end in ((0, 128), (128, K)):
-        cols = shard_int4(qweight, scales, zeros, 64, K, 1, start, end)
         torch.testing.assert_close(
-            dequantize_int4(*cols, 64, end - start), full[:, start:end], rtol=0, atol=0
+            shard_cols(w4, start, end).dequantize(), full[:, start:end], rtol=0, atol=0
         )
-    with pytest.raises(ValueError, match="group_size 64"):
-        shard_int4(qweight, scales, zeros, 64, K, 1, 32, 128)
+    with pytest.raises(ValueError, match="cannot shard weight: .*group_size 64"):
+        shard_cols(w4, 32, 128)
+    with pytest.raises(ValueError, match="act-order"):
+        shard_cols(Int4Weight(w4.qweight, w4.scales, w4.zeros, 64, K, torch.randperm(K)), 0, 128)
 
 
 @pytest.mark.parametrize("per_channel", [True, False])
-def test_fp8_shards_keep_their_scales(per_channel):
-    from kiln.models.sharding import shard_fp8
+def test_w8a8_shards_keep_their_scales(per_channel):
+    from kiln.quant.linear_weights import ScaledWeight
 
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
-    scale = (
-        weight.abs().amax(dim=1, keepdim=True) / 448.0
-        if per_channel
-        else weight.abs().amax().reshape(1) / 448
-    )
-    w8 = (weight / scale).to(torch.float8_e4m3fn)
-    full = w8.float() * scale
-    w, s = shard_fp8(w8, scale, 0, 8, 20)
-    torch.testing.assert_close(w.float() * s, full[8:20], rtol=0, atol=0)
-    w, s = shard_fp8(w8, scale, 1, 16, 48)
-    torch.testing.assert_close(w.float() * s, full[:, 16:48], rtol=0, atol=0)
+    scale = weight.abs().amax(dim=1) / 448.0 if per_channel else weight.abs().amax().reshape(1) / 448
+    w8 = ScaledWeight("fp8", (weight / scale.reshape(-1, 1)).to(torch.float8_e4m3fn), scale.reshape(-1, 1))
+    full = w8.dequantize()
+    torch.testing.assert_close(shard_rows(w8, 8, 20).dequantize(), full[8:20], rtol=0, atol=0)
+    torch.testing.assert_close(shard_cols(w8, 16, 48).dequantize(), full[:, 16:48], rtol=0, atol=0)
+
+
+def test_block_fp8_and_2to4_shards_keep_their_scales_and_positions():
+    from kiln.quant.linear_weights import BlockFP8Weight
+    from kiln.quant.sparse24 import Sparse24Weight, compress_24, prune_24
+
+    g = torch.Generator().manual_seed(3)
+    data = torch.randn(256, 384, generator=g).to(torch.float8_e4m3fn)
+    fp8 = BlockFP8Weight(data, torch.rand(2, 3, generator=g) + 0.5, (128, 128))
+    full = fp8.dequantize()
+    torch.testing.assert_close(shard_rows(fp8, 128, 256).dequantize(), full[128:], rtol=0, atol=0)
+    torch.testing.assert_close(shard_cols(fp8, 128, 384).dequantize(), full[:, 128:], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="128-input block boundaries"):
+        shard_cols(fp8, 64, 384)
+    sparse = Sparse24Weight(*compress_24(prune_24(torch.randn(24, 48, generator=g))))
+    dense = sparse.dequantize()
+    torch.testing.assert_close(shard_rows(sparse, 5, 17).dequantize(), dense[5:17], rtol=0, atol=0)
+    torch.testing.assert_close(shard_cols(sparse, 16, 48).dequantize(), dense[:, 16:48], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="8-input boundaries"):
+        shard_cols(sparse, 4, 48)

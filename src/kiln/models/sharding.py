@@ -19,9 +19,9 @@ Norms are replicated.
 
 Quantized weights shard together with their scales: GGUF blocks cover 32 consecutive inputs of one
 output row, so a row slice is free and a column slice must start and end on a 32-element boundary;
-int4_linear weights likewise on group boundaries (shard_int4); fp8 weights keep their per-channel
-(row slice) or per-tensor scales (shard_fp8). The loaders hand out GGUF blocks or float tensors today,
-so TP uses shard_rows / shard_cols; the int4 / fp8 helpers are for checkpoints stored in those formats.
+quantized checkpoint weights (kiln.quant.linear_weights: W8A8, W4A16, block FP8, 2:4) slice through
+their own `rows` / `cols`: int4 on group boundaries (act-order weights not along their inputs), block
+FP8 on block boundaries, 2:4 on 8-input boundaries, per-channel W8A8 scales follow their rows.
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-import torch
-
 from kiln.models.config import ModelConfig, ModelLoadError
 from kiln.models.weights import GGUF_BLOCK_BYTES, GGUFWeight, Weight, WeightStore
+from kiln.quant.linear_weights import QUANTIZED_WEIGHT_TYPES
 
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Phi-3 is split like Llama: kiln.models.phi3 names the row blocks of its fused qkv / gate_up tensors
@@ -52,7 +51,10 @@ TP_ARCHITECTURES += MOE_ARCHITECTURES
 
 
 def shard_rows(weight: Weight, start: int, end: int) -> Weight:
-    """Rows [start, end) of a matrix [out, in] (GGUF blocks included) or elements of a vector [out]."""
+    """Rows [start, end) of a matrix [out, in] (GGUF blocks and quantized checkpoint weights included,
+    with their scales) or elements of a vector [out]."""
+    if isinstance(weight, QUANTIZED_WEIGHT_TYPES):
+        return weight.rows(slice(start, end))
     if isinstance(weight, GGUFWeight):
         data = weight.data[start:end].contiguous()
         return GGUFWeight(weight.qtype, data, (end - start, weight.shape[1]))
@@ -61,7 +63,13 @@ def shard_rows(weight: Weight, start: int, end: int) -> Weight:
 
 def shard_cols(weight: Weight, start: int, end: int, what: str = "weight") -> Weight:
     """Columns [start, end) of a matrix [out, in]. GGUF blocks: start and end must be multiples of the
-    block (32 inputs; 256 for the K-quants' super-blocks), else ValueError."""
+    block (32 inputs; 256 for the K-quants' super-blocks), else ValueError; quantized checkpoint weights
+    likewise on their group / block boundaries (their `cols`)."""
+    if isinstance(weight, QUANTIZED_WEIGHT_TYPES):
+        try:
+            return weight.cols(start, end)
+        except ValueError as exc:
+            raise ValueError(f"tensor parallel: cannot shard {what}: {exc}; try another tp size") from None
     if not isinstance(weight, GGUFWeight):
         return weight[:, start:end].contiguous()
     qk = weight.block_weights
@@ -76,42 +84,6 @@ def shard_cols(weight: Weight, start: int, end: int, what: str = "weight") -> We
     blocks = weight.data.view(n, k // qk, block_bytes)
     data = blocks[:, start // qk : end // qk].reshape(n, -1).contiguous()
     return GGUFWeight(weight.qtype, data, (n, end - start))
-
-
-def shard_int4(
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    group_size: int,
-    in_features: int,
-    axis: int,
-    start: int,
-    end: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Slice of an int4_linear weight (qweight int32 [N, ceil(K/8)] packed along K, scales / zeros
-    [N, G]) with its group scales and zero points. axis 0: output rows [start, end); axis 1: inputs
-    [start, end), which must lie on group boundaries (end may be K, where the last group is short)."""
-    if axis == 0:
-        return qweight[start:end].contiguous(), scales[start:end].contiguous(), zeros[start:end].contiguous()
-    if start % group_size or (end % group_size and end != in_features):
-        raise ValueError(
-            f"tensor parallel: cannot shard an int4 weight along its inputs at [{start}, {end}): boundaries "
-            f"must be multiples of its group_size {group_size} (or K={in_features})"
-        )
-    g0, g1 = start // group_size, -(-end // group_size)
-    words = qweight[:, start // 8 : -(-end // 8)].contiguous()  # group_size is a multiple of 8
-    return words, scales[:, g0:g1].contiguous(), zeros[:, g0:g1].contiguous()
-
-
-def shard_fp8(
-    weight: torch.Tensor, scale: torch.Tensor, axis: int, start: int, end: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slice of an fp8_linear weight (e4m3 [N, K]) with its scale (per output channel [N, 1], or one
-    per tensor [1]): output rows take their channels' scales; an input slice keeps them all."""
-    if axis == 0:
-        per_channel = scale.numel() > 1
-        return weight[start:end].contiguous(), scale[start:end].contiguous() if per_channel else scale
-    return weight[:, start:end].contiguous(), scale
 
 
 def split_evenly(total: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:

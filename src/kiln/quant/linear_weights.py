@@ -51,9 +51,12 @@ class ScaledWeight:
         return (self.data.to(compute) * self.scale.to(compute)).to(dtype)
 
     def rows(self, index: torch.Tensor | slice) -> ScaledWeight:
-        return ScaledWeight(
-            self.qtype, self.data[index].contiguous(), self.scale[index].contiguous(), self.input_scale
-        )
+        scale = self.scale[index] if self.scale.numel() > 1 else self.scale  # per channel, or per tensor
+        return ScaledWeight(self.qtype, self.data[index].contiguous(), scale.contiguous(), self.input_scale)
+
+    def cols(self, start: int, end: int) -> ScaledWeight:
+        """Inputs [start, end): the scales are per output channel (or tensor), so all of them stay."""
+        return ScaledWeight(self.qtype, self.data[:, start:end].contiguous(), self.scale, self.input_scale)
 
 
 @dataclass
@@ -85,6 +88,20 @@ class BlockFP8Weight:
         return BlockFP8Weight(
             self.data[start:stop].contiguous(),
             self.scale[start // bn : -(-stop // bn)].contiguous(),
+            self.block,
+        )
+
+    def cols(self, start: int, end: int) -> BlockFP8Weight:
+        """Inputs [start, end); start and end must lie on block boundaries (end may be K), else
+        ValueError: a block's scale covers bk inputs."""
+        bk = self.block[1]
+        if start % bk or (end % bk and end != self.shape[1]):
+            raise ValueError(
+                f"BlockFP8Weight.cols: inputs [{start}, {end}) do not lie on {bk}-input block boundaries"
+            )
+        return BlockFP8Weight(
+            self.data[:, start:end].contiguous(),
+            self.scale[:, start // bk : -(-end // bk)].contiguous(),
             self.block,
         )
 
@@ -121,6 +138,27 @@ class Int4Weight:
             self.group_size,
             self.in_features,
             self.perm,
+        )
+
+    def cols(self, start: int, end: int) -> Int4Weight:
+        """Inputs [start, end) with their groups' scales and zero points: start and end on group
+        boundaries (end may be K), else ValueError. Act-order weights (perm) cannot be split along
+        their inputs (a group mixes inputs from the whole row): ValueError."""
+        if self.perm is not None:
+            raise ValueError(
+                "Int4Weight.cols: an act-order (g_idx) weight cannot be split along its inputs; "
+                "use a checkpoint quantized without desc_act, or no tensor parallelism"
+            )
+        gs = self.group_size
+        if start % gs or (end % gs and end != self.in_features):
+            raise ValueError(
+                f"Int4Weight.cols: inputs [{start}, {end}) must start and end on multiples of its "
+                f"group_size {gs} (or K={self.in_features})"
+            )
+        g0, g1 = start // gs, -(-end // gs)
+        words = self.qweight[:, start // 8 : -(-end // 8)].contiguous()  # group_size is a multiple of 8
+        return Int4Weight(
+            words, self.scales[:, g0:g1].contiguous(), self.zeros[:, g0:g1].contiguous(), gs, end - start
         )
 
 

@@ -145,6 +145,16 @@ class Sparse24Weight:
     def rows(self, index: torch.Tensor | slice) -> Sparse24Weight:
         return Sparse24Weight(self.values[index].contiguous(), self.meta[index].contiguous())
 
+    def cols(self, start: int, end: int) -> Sparse24Weight:
+        """Inputs [start, end): start and end multiples of 8 (a meta byte holds two groups of four;
+        end may be K), else ValueError."""
+        if start % 8 or (end % 8 and end != self.shape[1]):
+            raise ValueError(f"Sparse24Weight.cols: inputs [{start}, {end}) are not on 8-input boundaries")
+        return Sparse24Weight(
+            self.values[:, start // 2 : end // 2].contiguous(),
+            self.meta[:, start // 8 : -(-end // 8)].contiguous(),
+        )
+
     def to(self, dtype: torch.dtype) -> Sparse24Weight:
         """The kept values in `dtype` (the positions are unchanged)."""
         return Sparse24Weight(self.values.to(dtype), self.meta)
