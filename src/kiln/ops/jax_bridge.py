@@ -143,6 +143,20 @@ def torch_function(spec: OpSpec, implementation: str) -> Callable[..., Any]:
     return run
 
 
+def _torch_dtype(value: Any) -> Any:
+    """A dtype given the JAX way (jnp.float32, np.dtype("bfloat16"), "float16") as the torch dtype of the
+    same name; torch dtypes and None pass through, anything else is left for the validator to name."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    import numpy as np
+
+    try:
+        name = np.dtype(value).name
+    except TypeError:
+        return value
+    return getattr(torch, name, value) if isinstance(getattr(torch, name, None), torch.dtype) else value
+
+
 def jax_function(spec: OpSpec) -> Callable[..., Any]:
     """The `kiln.jax.<name>` entry point of `spec` (see the module docstring). Returns the op's
     outputs followed by the new values of the in-place arguments (a lone array when that is one)."""
@@ -150,8 +164,17 @@ def jax_function(spec: OpSpec) -> Callable[..., Any]:
 
     available = tuple(spec.jax_implementations)
 
+    # ScalarType arguments (out_dtype, ...): the parsed schema types them as int, so go by name
+    dtype_positions = [i for i, name in enumerate(spec.signature.parameters) if name.endswith("dtype")]
+
     def entry(*args: Any, implementation: str | None = None, **kwargs: Any) -> Any:
-        bound = spec.check(*args, **kwargs)
+        try:
+            bound = list(spec.bind(args, kwargs))
+        except TypeError as error:
+            raise ValueError(f"{spec.name}: {error}") from None
+        for i in dtype_positions:  # out_dtype=jnp.float32 means torch.float32 to the validator/kernels
+            bound[i] = _torch_dtype(bound[i])
+        bound = spec.check(*bound)
         chosen = pallas_common.resolve(spec.name, implementation, available)
         return spec.jax_implementations[chosen](*bound)
 
