@@ -11,28 +11,28 @@ from kiln.ops import all_ops  # noqa: E402
 
 # op -> why it has no pallas_tpu + xla pair. One line per op, sorted.
 NO_TPU_AND_XLA = {
-    "fp8_block_linear": "xla only: no Pallas TPU kernel yet (issue #23 item 1)",
-    "fused_linear_cross_entropy": "xla only (chunked lax.scan): no Pallas TPU kernel yet (issue #23 item 1)",
-    "gguf_dequantize": "xla only (jnp block decoder): no Pallas TPU kernel yet (issue #23 item 1)",
-    "gguf_linear": "xla only (jnp block decoder + GEMM): no Pallas TPU kernel yet (issue #23 item 1)",
-    "moe_route": "xla only (lax.top_k): no Pallas TPU kernel yet (issue #23 item 1)",
     "prepared_linear": "torch-only prepared weight layouts (kiln.ops.gemm.weight_formats), no JAX arrays",
-    "rejection_sample": "xla only: no Pallas TPU kernel yet (issue #23 item 1)",
-    "sparse24_linear": "xla only: no Pallas TPU kernel yet (issue #23 item 1)",
 }
 
 # op -> why it has no pallas_gpu implementation (ops already in NO_TPU_AND_XLA are not repeated).
 # One line per op, sorted.
 NO_PALLAS_GPU = {
     "flash_attention_backward": "not yet ported to Pallas-GPU (issue #23 item 1)",
+    "fp8_block_linear": "not yet ported to Pallas-GPU (issue #23 item 1)",
     "fp8_linear": "not yet ported to Pallas-GPU (issue #23 item 1)",
+    "fused_linear_cross_entropy": "not yet ported to Pallas-GPU (issue #23 item 1)",
     "fused_moe": "not yet ported to Pallas-GPU (issue #23 item 1)",
+    "gguf_dequantize": "not yet ported to Pallas-GPU (issue #23 item 1)",
+    "gguf_linear": "not yet ported to Pallas-GPU (issue #23 item 1)",
     "int4_linear": "not yet ported to Pallas-GPU (issue #23 item 1)",
     "int8_linear": "not yet ported to Pallas-GPU (issue #23 item 1)",
+    "moe_route": "not yet ported to Pallas-GPU (issue #23 item 1)",
     "paged_prefill_attention": "not yet ported to Pallas-GPU (issue #23 item 1)",
     "qk_norm_rope": "not yet ported to Pallas-GPU (issue #23 item 1)",
     "quantize_fp8": "not yet ported to Pallas-GPU (issue #23 item 1)",
     "quantize_int8": "not yet ported to Pallas-GPU (issue #23 item 1)",
+    "rejection_sample": "not yet ported to Pallas-GPU (issue #23 item 1)",
+    "sparse24_linear": "not yet ported to Pallas-GPU (issue #23 item 1)",
     "write_kv_cache": "a scatter through slot_mapping; XLA's scatter is the GPU path",
 }
 

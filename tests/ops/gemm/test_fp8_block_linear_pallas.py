@@ -1,14 +1,42 @@
-"""fp8_block_linear's XLA backend (x quantized per token and group in jax.numpy) against float64."""
+"""fp8_block_linear's JAX backends against float64: the Mosaic TPU kernel (interpreted on the CPU) over
+every block_k, odd M, partial weight blocks and several K steps, the XLA path, and the kernel's
+Mosaic lowering for the sliced (block_k >= 128) and the masked (block_k < 128) group paths."""
 
 import random
 
 import pytest
 import torch
 
-pytest.importorskip("jax")
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
 
 from kiln.ops import get_op  # noqa: E402
+from kiln.ops.gemm.fp8_block_linear.pallas_tpu import fp8_block_linear_pallas_tpu  # noqa: E402
+from kiln.ops.gemm.fp8_block_linear.spec import fp8_block_linear_reference  # noqa: E402
+from kiln.ops.jax_bridge import to_jax, to_torch  # noqa: E402
 from kiln.verify import run_case  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def seed() -> int:
+    return random.randrange(2**31)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        ({"M": 1, "N": 150, "K": 200}, torch.float32),  # decode, partial 128x128 blocks
+        ({"M": 33, "N": 130, "K": 1100, "bias": True}, torch.bfloat16),  # 3 K steps of 4 groups
+        ({"M": 33, "N": 40, "K": 96, "block_n": 16, "block_k": 32}, torch.float16),  # masked groups
+        ({"M": 5, "N": 70, "K": 64, "block_n": 32, "block_k": 16, "bias": True}, torch.bfloat16),
+        ({"M": 5, "N": 200, "K": 192, "block_n": 48, "block_k": 64, "bias": True}, torch.float32),
+        ({"M": 1, "N": 260, "K": 600, "block_n": 96, "block_k": 256, "bias": True}, torch.float16),
+    ],
+)
+def test_fp8_block_linear_pallas_tpu_matches_float64(shape, dtype):
+    case = run_case(get_op("fp8_block_linear"), "pallas_tpu", shape, dtype, CPU, seed=seed())
+    assert case.passed, case
 
 
 @pytest.mark.parametrize(
@@ -16,6 +44,47 @@ from kiln.verify import run_case  # noqa: E402
     [{"M": 5, "N": 130, "K": 257, "bias": True}, {"M": 33, "N": 40, "K": 96, "block_n": 16, "block_k": 32}],
 )
 def test_fp8_block_linear_xla_matches_float64(shape):
-    op = get_op("fp8_block_linear")
-    case = run_case(op, "xla", shape, torch.bfloat16, torch.device("cpu"), seed=random.randrange(2**31))
+    case = run_case(get_op("fp8_block_linear"), "xla", shape, torch.bfloat16, CPU, seed=seed())
     assert case.passed, case
+
+
+def test_small_tiles_cover_several_row_column_and_k_tiles():
+    """tiles=(32, 128, 128) on M=70, N=300, K=300, block_k=64: a 3 x 3 x 3 grid, 2 groups per step,
+    every tile edge inside a weight block (block_n=48)."""
+    generator = torch.Generator().manual_seed(seed())
+    shape = {"M": 70, "N": 300, "K": 300, "block_n": 48, "block_k": 64, "bias": True}
+    inputs = get_op("fp8_block_linear").make_inputs(shape, torch.float32, CPU, generator)
+    out = fp8_block_linear_pallas_tpu(
+        to_jax(inputs["x"]),
+        to_jax(inputs["w_fp8"]),
+        to_jax(inputs["w_scale"]),
+        48,
+        64,
+        to_jax(inputs["bias"]),
+        jnp.float32,
+        tiles=(32, 128, 128),
+    )
+    ref = fp8_block_linear_reference(
+        inputs["x"].double(), inputs["w_fp8"], inputs["w_scale"].double(), 48, 64, inputs["bias"].double()
+    )
+    error = ((to_torch(out).double() - ref).norm() / ref.norm()).item()
+    assert error < 1e-5, error
+
+
+def test_tiles_off_the_tpu_tiling_raise():
+    x, w = jnp.ones((4, 256)), jnp.ones((8, 256), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="tiles"):
+        fp8_block_linear_pallas_tpu(x, w, jnp.ones((1, 2)), 128, 128, tiles=(32, 128, 64))
+
+
+@pytest.mark.parametrize(("block_n", "block_k"), [(128, 128), (16, 32)])
+def test_fp8_block_tpu_kernel_lowers_to_mosaic(lower_for_tpu, block_n, block_k):
+    m, n, k = 40, 300, 700
+    x, w = jnp.ones((m, k), jnp.bfloat16), jnp.ones((n, k), jnp.float8_e4m3fn)
+    w_scale = jnp.ones((-(-n // block_n), -(-k // block_k)), jnp.float32)
+    lower_for_tpu(
+        lambda *a: fp8_block_linear_pallas_tpu(*a, block_n, block_k, jnp.ones((n,)), interpret=False),
+        x,
+        w,
+        w_scale,
+    )

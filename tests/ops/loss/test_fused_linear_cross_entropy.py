@@ -64,20 +64,21 @@ def test_chunks_of_odd_sizes_give_the_same_loss_and_gradients(impl, device):
             assert_close(out, ref, 2e-5, f"chunk_tokens={chunk}")
 
 
-@pytest.mark.parametrize("backend", ["triton", "cpu", "xla"])
+@pytest.mark.parametrize("backend", ["triton", "cpu", "xla", "pallas_tpu"])
 @pytest.mark.parametrize("z_loss", [0.0, 1e-3])
 def test_confident_predictions_keep_float32_gradient_precision(backend, z_loss, device):
     # p_y within 1e-3 of 1: lse - z_y and p_y - 1 computed directly lose 3-5 digits in float32; written
     # through the sum of the other probabilities they keep float32's precision.
-    if backend == "xla":
+    if backend in ("xla", "pallas_tpu"):
         pytest.importorskip("jax")
         device = torch.device("cpu")
     g = torch.Generator().manual_seed(_seed())
     tokens, hidden, vocab = 6, 16, 50
     h = torch.randn(tokens, hidden, generator=g)
     w = torch.randn(vocab, hidden, generator=g)
-    labels = (h @ w.T).argmax(-1)
-    w[labels] += 3.0 * h / h.norm(dim=-1, keepdim=True)  # sharpen each token's own label further
+    labels = torch.randperm(vocab, generator=g)[:tokens]  # distinct: each token owns its label's row
+    # + 3 |h| max|w| to the label's logit: by Cauchy-Schwarz it then leads every other word
+    w[labels] += 3.0 * w.norm(dim=-1).max() * h / h.norm(dim=-1, keepdim=True)
     logits = h.double() @ w.double().T
     # scale each row's logits so the label leads the runner-up by 12 (p_y ~ 1 - 50 e^-12)
     runner_up = logits.scatter(1, labels[:, None], -torch.inf).amax(-1, keepdim=True)

@@ -1,16 +1,34 @@
-"""rejection_sample's XLA backend against the float64 reference (integer outputs: exact)."""
+"""rejection_sample's JAX backends (the Mosaic TPU kernels in the TPU interpreter, XLA) against the
+float64 reference (integer outputs: exact); the kernels' tokens and counts equal XLA's on random
+inputs; ties and the zero-residual fallback across vocabulary blocks; the Mosaic lowering."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("jax")
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
 
 from kiln.ops import get_op  # noqa: E402
+from kiln.ops.sampling.rejection_sample.pallas_tpu import MAX_BLOCK_V, rejection_sample_pallas_tpu  # noqa: E402
+from kiln.ops.sampling.rejection_sample.spec import REJECTION_SAMPLE, rejection_sample_reference  # noqa: E402
+from kiln.ops.sampling.rejection_sample.xla import rejection_sample_xla  # noqa: E402
 from kiln.verify import run_case  # noqa: E402
 
+CPU = torch.device("cpu")
 
+
+def seed() -> int:
+    return random.randrange(2**31)
+
+
+def as_jax(inputs: dict) -> dict:
+    return {name: None if value is None else jnp.asarray(value.numpy()) for name, value in inputs.items()}
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
 @pytest.mark.parametrize(
     "shape",
     [
@@ -19,8 +37,85 @@ from kiln.verify import run_case  # noqa: E402
         {"batch": 1, "num_draft": 1, "vocab": 1},
     ],
 )
-def test_rejection_sample_xla_matches_float64(shape):
-    case = run_case(
-        get_op("rejection_sample"), "xla", shape, torch.float32, torch.device("cpu"), random.randrange(2**31)
-    )
+def test_rejection_sample_jax_backends_match_float64(backend, shape):
+    case = run_case(get_op("rejection_sample"), backend, shape, torch.float32, CPU, seed())
     assert case.passed, case
+
+
+@pytest.mark.parametrize("num_draft, draft_probs", [(1, False), (2, True), (8, True)])
+def test_rejection_sample_pallas_tpu_equals_xla_on_random_inputs(num_draft, draft_probs):
+    """Odd batch; a vocabulary over two draw blocks and not a multiple of 128; ragged k_b."""
+    shape = {"batch": 5, "num_draft": num_draft, "vocab": MAX_BLOCK_V + 77, "draft_probs": draft_probs}
+    inputs = REJECTION_SAMPLE.make_inputs(shape, torch.float32, CPU, torch.Generator().manual_seed(seed()))
+    tokens, accepted = rejection_sample_pallas_tpu(**as_jax(inputs))
+    want_tokens, want_accepted = jax.jit(rejection_sample_xla)(**as_jax(inputs))
+    assert np.array_equal(np.asarray(tokens), np.asarray(want_tokens))
+    assert np.array_equal(np.asarray(accepted), np.asarray(want_accepted))
+    ref_tokens, ref_accepted = rejection_sample_reference(**inputs)
+    assert np.array_equal(np.asarray(tokens), ref_tokens.numpy())
+    assert np.array_equal(np.asarray(accepted), ref_accepted.numpy())
+
+
+def test_rejection_sample_pallas_tpu_ties_go_to_the_lowest_index_across_blocks():
+    """Equal maxima in different vocabulary blocks and lanes: the lowest index wins, as jnp.argmax.
+    Sequence 0 takes its bonus row (ties at 5 + MAX_BLOCK_V and 3 + 2 * MAX_BLOCK_V, the second
+    in a later block but a lower lane); sequence 1 rejects its proposal (token 9) and its residual
+    ties at 9 + MAX_BLOCK_V and 2 * MAX_BLOCK_V; sequence 2 rejects with p <= q everywhere, so it
+    falls back to p (ties at 1 and MAX_BLOCK_V + 1)."""
+    vocab = 2 * MAX_BLOCK_V + 40
+    target = np.zeros((3, 2, vocab), np.float32)
+    target[0, 0, 0] = 1.0
+    target[0, 1, [5 + MAX_BLOCK_V, 3 + 2 * MAX_BLOCK_V]] = 0.5
+    target[1, 0, [9, 9 + MAX_BLOCK_V, 2 * MAX_BLOCK_V]] = [0.2, 0.4, 0.4]
+    target[2, 0, [1, MAX_BLOCK_V + 1]] = 0.25
+    draft = np.zeros((3, 1, vocab), np.float32)
+    draft[0, 0, 0] = draft[1, 0, 9] = 1.0
+    draft[2, 0] = target[2, 0] * 2.0  # p(d) / q(d) = 0.5 and the residual is zero everywhere
+    arrays = {
+        "target_probs": target,
+        "draft_token_ids": np.array([[0], [9], [1]], np.int32),
+        "num_draft_tokens": np.array([1, 1, 1], np.int32),
+        "draft_probs": draft,
+        "uniforms": np.array([[0.5], [0.5], [0.9]], np.float32),  # accept, reject (0.2), reject (0.5)
+        "exponentials": np.ones((3, 2, vocab), np.float32),
+    }
+    inputs = {name: jnp.asarray(value) for name, value in arrays.items()}
+    tokens, accepted = rejection_sample_pallas_tpu(**inputs)
+    assert accepted.tolist() == [1, 0, 0]
+    assert tokens.tolist() == [[0, 5 + MAX_BLOCK_V], [9 + MAX_BLOCK_V, -1], [1, -1]]
+    as_torch = {name: torch.from_numpy(value) for name, value in arrays.items()}
+    for name in ("draft_token_ids", "num_draft_tokens"):
+        as_torch[name] = as_torch[name].long()
+    assert tokens.tolist() == rejection_sample_reference(**as_torch)[0].tolist()
+
+
+def test_rejection_sample_pallas_tpu_without_proposals_draws_the_bonus_token():
+    inputs = REJECTION_SAMPLE.make_inputs(
+        {"batch": 3, "num_draft": 0, "vocab": 7}, torch.float32, CPU, torch.Generator().manual_seed(seed())
+    )
+    tokens, accepted = rejection_sample_pallas_tpu(**as_jax(inputs))
+    want_tokens, _ = rejection_sample_reference(**inputs)
+    assert accepted.tolist() == [0, 0, 0] and tokens.tolist() == want_tokens.tolist()
+
+
+def test_rejection_sample_pallas_tpu_on_zero_sequences_returns_empty_outputs():
+    tokens, accepted = rejection_sample_pallas_tpu(
+        jnp.ones((0, 3, 5)), jnp.zeros((0, 2), jnp.int32), jnp.zeros((0,), jnp.int32), None,
+        jnp.ones((0, 2)), jnp.ones((0, 3, 5)),
+    )  # fmt: skip
+    assert tokens.shape == (0, 3) and accepted.shape == (0,)
+
+
+def test_rejection_sample_tpu_kernels_lower_to_mosaic(lower_for_tpu):
+    batch, k, vocab = 3, 4, MAX_BLOCK_V + 129
+    for draft_probs in (jnp.ones((batch, k, vocab)), None):
+        text = lower_for_tpu(
+            lambda *a: rejection_sample_pallas_tpu(*a, interpret=False),
+            jnp.ones((batch, k + 1, vocab)),
+            jnp.zeros((batch, k), jnp.int32),
+            jnp.ones((batch,), jnp.int32),
+            draft_probs,
+            jnp.ones((batch, k)),
+            jnp.ones((batch, k + 1, vocab)),
+        )
+        assert text.count("tpu_custom_call") >= 2  # the walk and the draw
