@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from kiln.engine.kv_cache_args import add_kv_cache_arguments
 from kiln.engine.speculative.args import add_speculative_arguments, speculative_config_from_args
 
 
@@ -27,19 +28,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS up to --max-tokens")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument(
-        "--kv-cache-dtype",
-        choices=["auto", "fp8", "fp8_e4m3"],
-        default="auto",
-        help="KV-cache dtype: auto = the model's; fp8 = float8_e4m3fn, 2x the blocks of a 16-bit cache",
-    )
-    parser.add_argument(
-        "--kv-cache-scales",
-        choices=["calibrated", "unit"],
-        default="calibrated",
-        help="fp8 KV cache: calibrated = per-head scales and centred keys measured by one prefill at "
-        "start-up; unit = scales 1.0",
-    )
+    add_kv_cache_arguments(parser)
     parser.add_argument(
         "--compile-cpu-decode",
         action="store_true",
