@@ -110,3 +110,23 @@ def row_block(rows: int, row_bytes: int, dtype, budget_bytes: int = 2 << 20, max
     sub = sublanes(dtype)
     fit = max(sub, (budget_bytes // max(row_bytes, 1)) // sub * sub)
     return min(fit, max_rows, round_up(rows, sub))
+
+
+def zero_on_first_k(acc_ref, k_axis: int = 2) -> None:
+    """Inside a GEMM kernel: zero the float32 accumulator scratch on the first step of the K grid axis."""
+
+    @pl.when(pl.program_id(k_axis) == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+
+def store_on_last_k(acc_ref, o_ref, bias_ref=None, k_axis: int = 2) -> None:
+    """Inside a GEMM kernel: on the last step of the K grid axis, write the accumulator (plus the
+    float32 bias block, if any) to the output block in its dtype."""
+
+    @pl.when(pl.program_id(k_axis) == pl.num_programs(k_axis) - 1)
+    def _():
+        out = acc_ref[...]
+        if bias_ref is not None:
+            out = out + bias_ref[...]
+        o_ref[...] = out.astype(o_ref.dtype)

@@ -31,7 +31,15 @@ from kiln.ops.gemm.fp8_block_linear.spec import FP8_BLOCK_LINEAR
 from kiln.ops.gemm.fp8_block_linear.xla import quantize_groups
 from kiln.ops.gemm.int8_linear.pallas_tpu import CONTRACT_LAST, empty_or
 from kiln.ops.gemm.jax_codecs import jnp_dtype
-from kiln.ops.pallas_common import LANES, pad_to, round_up, tpu_interpret, tpu_params
+from kiln.ops.pallas_common import (
+    LANES,
+    pad_to,
+    round_up,
+    store_on_last_k,
+    tpu_interpret,
+    tpu_params,
+    zero_on_first_k,
+)
 
 MAX_TILE_K = 512
 MAX_GROUPS_PER_STEP = 8  # each group's x-scale column is a [tile_m, 1] VMEM block (lane-padded)
@@ -40,11 +48,7 @@ MAX_GROUPS_PER_STEP = 8  # each group's x-scale column is a [tile_m, 1] VMEM blo
 def _kernel(x_ref, xs_ref, w_ref, ws_ref, *refs, has_bias: bool, block_k: int, chunk: int):
     bias_ref = refs[0] if has_bias else None
     o_ref, acc_ref = refs[-2], refs[-1]
-    k = pl.program_id(2)
-
-    @pl.when(k == 0)
-    def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+    zero_on_first_k(acc_ref)
 
     acc = acc_ref[...]
     groups_per_chunk = chunk // block_k
@@ -62,12 +66,7 @@ def _kernel(x_ref, xs_ref, w_ref, ws_ref, *refs, has_bias: bool, block_k: int, c
             acc = acc + part * xs_ref[group] * ws_ref[group]
     acc_ref[...] = acc
 
-    @pl.when(k == pl.num_programs(2) - 1)
-    def _():
-        out = acc_ref[...]
-        if has_bias:
-            out = out + bias_ref[...]
-        o_ref[...] = out.astype(o_ref.dtype)
+    store_on_last_k(acc_ref, o_ref, bias_ref)
 
 
 def block_fp8_tiles(m: int, n: int, k: int, block_k: int) -> tuple[int, int, int]:

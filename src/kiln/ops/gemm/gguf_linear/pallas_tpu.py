@@ -32,7 +32,15 @@ from kiln.ops.gemm.gguf_tpu import (
     tiled_weight,
 )
 from kiln.ops.gemm.linear.xla import gemm_precision, over_rows
-from kiln.ops.pallas_common import pad_to, round_up, sublanes, tpu_interpret, tpu_params
+from kiln.ops.pallas_common import (
+    pad_to,
+    round_up,
+    store_on_last_k,
+    sublanes,
+    tpu_interpret,
+    tpu_params,
+    zero_on_first_k,
+)
 from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
 
 CONTRACT_K = (((1,), (0,)), ((), ()))  # x [m, k] . w^T [k, n]
@@ -42,11 +50,7 @@ KERNEL_DTYPES = tuple(jnp.dtype(t) for t in ("float32", "float16", "bfloat16"))
 def _kernel(x_ref, w_ref, *refs, qtype: str, blocks: int, has_bias: bool, precision):
     bias_ref = refs[0] if has_bias else None
     o_ref, bytes_ref, decoded_ref, acc_ref = refs[-4:]
-    k = pl.program_id(2)
-
-    @pl.when(k == 0)
-    def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+    zero_on_first_k(acc_ref)
 
     decode_tile(w_ref, bytes_ref, decoded_ref, qtype, blocks)
     w = decoded_ref[...].astype(x_ref.dtype)
@@ -54,12 +58,7 @@ def _kernel(x_ref, w_ref, *refs, qtype: str, blocks: int, has_bias: bool, precis
         x_ref[...], w, CONTRACT_K, preferred_element_type=jnp.float32, precision=precision
     )
 
-    @pl.when(k == pl.num_programs(2) - 1)
-    def _():
-        out = acc_ref[...]
-        if has_bias:
-            out = out + bias_ref[...]
-        o_ref[...] = out.astype(o_ref.dtype)
+    store_on_last_k(acc_ref, o_ref, bias_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("qtype", "blocks", "block_m", "interpret"))

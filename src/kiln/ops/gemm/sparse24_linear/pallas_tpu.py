@@ -32,7 +32,16 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kiln.ops.gemm.linear.xla import dot_weight_rows, gemm_precision, over_rows
 from kiln.ops.gemm.sparse24_linear.spec import SPARSE24_LINEAR
-from kiln.ops.pallas_common import LANES, pad_to, round_up, sublanes, tpu_interpret, tpu_params
+from kiln.ops.pallas_common import (
+    LANES,
+    pad_to,
+    round_up,
+    store_on_last_k,
+    sublanes,
+    tpu_interpret,
+    tpu_params,
+    zero_on_first_k,
+)
 
 POSITIONS = 4  # a group of four dense columns, so four position planes
 VALUES_PER_BYTE = 4  # kept values whose 2-bit positions share one meta byte
@@ -42,11 +51,7 @@ MAX_BLOCK_V = VALUES_PER_BYTE * LANES  # values columns per K step: meta blocks 
 def _kernel(x_ref, v_ref, m_ref, widen_ref, *refs, has_bias: bool, block_v: int, precision):
     bias_ref = refs[0] if has_bias else None
     o_ref, acc_ref = refs[-2], refs[-1]
-    k = pl.program_id(2)
-
-    @pl.when(k == 0)
-    def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+    zero_on_first_k(acc_ref)
 
     meta = m_ref[...].astype(jnp.int32).astype(jnp.float32).astype(jnp.bfloat16)
     byte_of_value = jax.lax.dot(meta, widen_ref[...], preferred_element_type=jnp.float32).astype(jnp.int32)
@@ -59,12 +64,7 @@ def _kernel(x_ref, v_ref, m_ref, widen_ref, *refs, has_bias: bool, block_v: int,
         acc += dot_weight_rows(x_ref[:, p * block_v : (p + 1) * block_v], w, precision)
     acc_ref[...] = acc
 
-    @pl.when(k == pl.num_programs(2) - 1)
-    def _():
-        out = acc_ref[...]
-        if has_bias:
-            out = out + bias_ref[...]
-        o_ref[...] = out.astype(o_ref.dtype)
+    store_on_last_k(acc_ref, o_ref, bias_ref)
 
 
 def sparse24_blocks(m: int, n: int, k: int, dtype) -> tuple[int, int, int]:
