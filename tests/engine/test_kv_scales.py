@@ -17,7 +17,7 @@ from kiln.engine.kv_scales import (
 )
 from kiln.engine.model_runner import allocate_layer_kv_cache
 from kiln.loaders import load_model
-from kiln.models.attention_metadata import AttentionMetadata
+from kiln.models.calibration import prefill
 from kiln.verify import relative_error
 
 MODEL = "random:tiny:seed=5"
@@ -43,20 +43,8 @@ def _ids(n: int, vocab: int) -> list[int]:
 
 def _logits(model, token_ids: list[int], kv_caches: list) -> torch.Tensor:
     """Last-position logits of one prefill over `kv_caches` (blocks in order: slot = position)."""
-    T, block = len(token_ids), kv_caches[0][0].shape[1]
-    blocks = -(-T // block)
-    positions = torch.arange(T)
-    metadata = AttentionMetadata(
-        slot_mapping=positions.clone(),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None, :],
-        seq_lens=torch.tensor([T], dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32),
-        max_seqlen_q=T,
-        max_seqlen_k=T,
-        decode_only=False,
-    )
+    hidden = prefill(model, token_ids, kv_caches=kv_caches)
     with torch.inference_mode():
-        hidden = model(torch.tensor(token_ids), positions, kv_caches, metadata)
         return model.compute_logits(hidden[-1:])[0].double()
 
 

@@ -39,22 +39,28 @@ def read_text(name: str) -> str:
 
 
 def prefill(
-    model: torch.nn.Module, token_ids: list[int], block_size: int = 16, return_kv_caches: bool = False
+    model: torch.nn.Module,
+    token_ids: list[int],
+    block_size: int = 16,
+    return_kv_caches: bool = False,
+    kv_caches: list[tuple] | None = None,
 ):
-    """One prefill of `token_ids` on a fresh KV cache (the model's kv_cache_dtype) on its device:
-    hidden [T, hidden], or with return_kv_caches (hidden, [(key_cache, value_cache)] per layer, each
-    [blocks, block_size, num_kv_heads, head_dim] holding position p at slot p)."""
+    """One prefill of `token_ids` on the model's device: hidden [T, hidden], or with return_kv_caches
+    (hidden, [(key_cache, value_cache)] per layer, each [blocks, block_size, num_kv_heads, head_dim]
+    holding position p at slot p). kv_caches: the layers' caches to fill, laid out that way (any
+    cache dtype, fp8 with its scales); default fresh zeros in the model's kv_cache_dtype."""
     c, T = model.config, len(token_ids)
     if T == 0:
         raise ValueError("prefill: no tokens")
     device = torch.device(getattr(model, "device", "cpu"))
     num_blocks = -(-T // block_size)
-    shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-    dtype = getattr(model, "kv_cache_dtype", torch.float32)
-    kv_caches = [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(c.num_layers)
-    ]
+    if kv_caches is None:
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        dtype = getattr(model, "kv_cache_dtype", torch.float32)
+        kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(c.num_layers)
+        ]
     positions = torch.arange(T, dtype=torch.int64, device=device)
     metadata = AttentionMetadata(
         slot_mapping=positions.clone(),  # blocks in order: slot = position
