@@ -131,9 +131,8 @@ def run_rank(group: TPGroup | PipelineGroup, device_type: str) -> None:
         error = traceback.format_exc()
     num_blocks = agree_on_blocks(error, num_blocks, group)
     kv_cache_dtype = kv_cache_dtype_for(config, loaded.model)
-    kv_calibration = None
-    if not pipeline:  # rank 0 calibrates at this point of its LLMEngine start-up too
-        kv_calibration = engine_kv_calibration(config, loaded.model, loaded.tokenizer, kv_cache_dtype)
+    # rank 0 calibrates at this point of its LLMEngine start-up too
+    kv_calibration = engine_kv_calibration(config, loaded.model, loaded.tokenizer, kv_cache_dtype, pipeline)
     # rank 0's runner has the same cache; only CUDA graphs would read max_model_len, and TP runs eagerly
     stage_args = {"group": group, "micro_batches": setup["micro_batches"]} if pipeline else {}
     runner = (PipelineStageRunner if pipeline else ModelRunner)(
@@ -146,7 +145,7 @@ def run_rank(group: TPGroup | PipelineGroup, device_type: str) -> None:
         enforce_eager=True,
         kv_cache_dtype=kv_cache_dtype,
         **stage_args,
-        **({"kv_calibration": kv_calibration} if kv_calibration is not None else {}),
+        kv_calibration=kv_calibration,
     )
     serve_steps(runner, group, device)
 

@@ -14,12 +14,16 @@ headroom later saturate at +-448 * scale: the cache writers clamp before casting
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kiln.models.calibration import prefill, read_text
 from kiln.ops.attention.validate import FP8_DTYPES
 
 FP8_E4M3_MAX = 448.0
+logger = logging.getLogger(__name__)
+
 DEFAULT_HEADROOM = 2.0  # keys/values up to twice the calibration peak stay unsaturated
 DEFAULT_CALIBRATION_TOKENS = 512
 
@@ -69,10 +73,16 @@ def calibrate_kv_cache(
     return out
 
 
-def engine_kv_calibration(config, model: torch.nn.Module, tokenizer, kv_cache_dtype: torch.dtype):
+def engine_kv_calibration(
+    config, model: torch.nn.Module, tokenizer, kv_cache_dtype: torch.dtype, pipeline: bool = False
+):
     """ModelRunner's kv_calibration for an engine: calibrate_kv_cache on Kiln's calibration text when
     the cache is fp8 and config.kv_cache_scales is "calibrated", else None. Under tensor parallelism
-    every rank calls it at the same point (the prefill's collectives pair up) and gets its own heads."""
+    every rank calls it at the same point (the prefill's collectives pair up) and gets its own heads;
+    a pipeline stage holds only some layers, so there (`pipeline`) the scales stay 1.0, logged."""
     if kv_cache_dtype not in FP8_DTYPES or config.kv_cache_scales != "calibrated":
+        return None
+    if pipeline:
+        logger.warning("fp8 KV cache under pipeline parallelism: scales 1.0, keys not centred")
         return None
     return calibrate_kv_cache(model, calibration_token_ids(tokenizer))

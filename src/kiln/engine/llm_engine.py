@@ -11,21 +11,18 @@ for stop strings one at a time, and those after a stop are dropped.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.config import EngineConfig, kv_cache_dtype_for, num_kv_blocks_for_model
 from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.kv_scales import engine_kv_calibration
 from kiln.engine.model_runner import ModelInputs, ModelRunner
 from kiln.engine.outputs import EngineStats, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.sequence import Sequence
-from kiln.ops.attention.validate import FP8_DTYPES
-
-logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -78,14 +75,10 @@ class LLMEngine:
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
         kv_cache_dtype = kv_cache_dtype_for(config, self.model)
-        kv_calibration = None
-        if kv_cache_dtype in FP8_DTYPES and config.kv_cache_scales == "calibrated":
-            if runner_class is ModelRunner:  # one process, or tensor parallelism (workers do the same)
-                from kiln.engine.kv_scales import engine_kv_calibration
-
-                kv_calibration = engine_kv_calibration(config, self.model, self.tokenizer, kv_cache_dtype)
-            else:
-                logger.warning("fp8 KV cache under pipeline parallelism: scales 1.0, keys not centred")
+        # one process or tensor parallelism (whose workers calibrate at the same point); not a pipeline
+        kv_calibration = engine_kv_calibration(
+            config, self.model, self.tokenizer, kv_cache_dtype, pipeline=runner_class is not ModelRunner
+        )
         self.runner = runner_class(
             self.model,
             self.device,
@@ -98,7 +91,7 @@ class LLMEngine:
             seed=config.seed,
             before_forward=before_forward,
             kv_cache_dtype=kv_cache_dtype,
-            **({"kv_calibration": kv_calibration} if kv_calibration is not None else {}),
+            kv_calibration=kv_calibration,
         )
         # per-phase wall time of every step (kiln.engine.step_times); the runner adds its phases
         self.step_times = self.runner.step_times
