@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kiln.ops.checks import dtype_name
+
 if TYPE_CHECKING:
     import jax
 
@@ -148,13 +150,11 @@ def _torch_dtype(value: Any) -> Any:
     same name; torch dtypes and None pass through, anything else is left for the validator to name."""
     if value is None or isinstance(value, torch.dtype):
         return value
-    import numpy as np
-
     try:
-        name = np.dtype(value).name
+        dtype = getattr(torch, dtype_name(value), None)
     except TypeError:
         return value
-    return getattr(torch, name, value) if isinstance(getattr(torch, name, None), torch.dtype) else value
+    return dtype if isinstance(dtype, torch.dtype) else value
 
 
 def jax_function(spec: OpSpec) -> Callable[..., Any]:
