@@ -49,20 +49,26 @@ def test_the_crossover_is_timed_once_then_read_from_the_tuning_cache():
         calls.append(rows)
         return script[rows][(len(calls) - 1) % 2]
 
-    assert cached_crossover(values, meta, semi, seconds) == 256
+    assert cached_crossover(values, meta, lambda: semi, seconds) == 256
     assert len(calls) == 2 * len(CANDIDATE_ROWS)
 
     def must_not_time(fn):
         raise AssertionError("timed again")
 
-    assert cached_crossover(values, meta, semi, must_not_time) == 256
+    def must_not_build():
+        raise AssertionError("built a semi-structured copy with the crossover cached")
+
+    assert cached_crossover(values, meta, must_not_build, must_not_time) == 256
     # never faster is cached too, as "no crossover"
     other_values, other_meta = compress_24(_weight(n=8, k=16))
     slow = {rows: (1.0, 2.0) for rows in CANDIDATE_ROWS}
     calls.clear()
     other_dense = decompress_24(other_values, other_meta)
-    assert cached_crossover(other_values, other_meta, other_dense, seconds_of(slow)) is None
-    assert cached_crossover(other_values, other_meta, None, must_not_time) is None
+    assert cached_crossover(other_values, other_meta, lambda: other_dense, seconds_of(slow)) is None
+    assert cached_crossover(other_values, other_meta, must_not_build, must_not_time) is None
+    # no semi-structured copy for a shape: no crossover, and nothing is timed
+    third_values, third_meta = compress_24(_weight(n=16, k=24))
+    assert cached_crossover(third_values, third_meta, lambda: None, must_not_time) is None
 
 
 def seconds_of(script):

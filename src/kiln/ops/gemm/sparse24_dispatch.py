@@ -108,11 +108,13 @@ def measure_crossover(
 def cached_crossover(
     values: torch.Tensor,
     meta: torch.Tensor,
-    semi: torch.Tensor,
+    build_semi: Callable[[], torch.Tensor | None],
     seconds: Callable[[Callable[[], object]], float] = _cuda_seconds,
 ) -> int | None:
     """measure_crossover for this weight's shape, dtype and device, read from / stored in the tuning
-    cache (an unreadable cache is re-timed, with a warning in the log)."""
+    cache (an unreadable cache is re-timed, with a warning in the log). `build_semi()` gives the
+    semi-structured copy to time against (None where PyTorch cannot build one: no crossover); it is
+    called only when the cache has no entry, so a cached load builds nothing here."""
     shape = {"N": int(values.shape[0]), "K": int(values.shape[1] * 2)}
     try:
         cached = tuned_configs.lookup(CACHE_OP, values.dtype, shape, device=values.device)
@@ -121,7 +123,8 @@ def cached_crossover(
         cached = None
     if cached is not None and "crossover" in cached:
         return cached["crossover"] or None
-    crossover = measure_crossover(values, meta, semi, seconds)
+    semi = build_semi()
+    crossover = None if semi is None else measure_crossover(values, meta, semi, seconds)
     try:
         config = {"crossover": crossover or 0}
         tuned_configs.store(CACHE_OP, values.dtype, shape, config, device=values.device)
@@ -133,20 +136,25 @@ def cached_crossover(
 def prepare_sparse24_dispatch(values: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Extra tensors of a prepared "sparse24" layout on CUDA: (semi-structured weight, crossover rows as
     a 0-d int64 CPU tensor) when the semi-structured GEMM wins from some batch size on, else ().
-    Empty on the CPU and for float32 (PyTorch's semi-structured GEMM takes fp16/bf16)."""
+    Empty on the CPU and for float32 (PyTorch's semi-structured GEMM takes fp16/bf16). The
+    semi-structured copy is built only when it is timed or used."""
     mode = dispatch_mode()
     half = values.dtype in (torch.float16, torch.bfloat16)
     if values.device.type != "cuda" or not half or mode == "triton":
         return ()
     from kiln.quant.sparse24 import decompress_24
 
-    semi = to_semi_structured(decompress_24(values, meta))
-    if semi is None:
-        return ()
-    crossover = 1 if mode == "semi_structured" else cached_crossover(values, meta, semi)
+    built: list[torch.Tensor | None] = []
+
+    def build_semi() -> torch.Tensor | None:
+        built.append(to_semi_structured(decompress_24(values, meta)))
+        return built[-1]
+
+    crossover = 1 if mode == "semi_structured" else cached_crossover(values, meta, build_semi)
     if crossover is None:
         return ()
-    return semi, torch.tensor(crossover)
+    semi = built[-1] if built else build_semi()
+    return () if semi is None else (semi, torch.tensor(crossover))
 
 
 def use_semi_structured(x: torch.Tensor, extra: tuple[torch.Tensor, ...]) -> bool:
