@@ -4,7 +4,6 @@ other process exits."""
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -13,7 +12,7 @@ from kiln.distributed import TensorParallelEngine, TensorParallelError
 from kiln.engine.config import EngineConfig
 from kiln.engine.sampling_params import SamplingParams
 from tests.distributed.checkpoints import write_checkpoint
-from tests.distributed.test_tp_failures import _gone
+from tests.distributed.test_tp_failures import _gone, assert_hung_rank_fails_the_step_in_5_s_and_is_killed
 
 PARAMS = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 
@@ -55,18 +54,6 @@ def test_killed_middle_stage_fails_the_step_naming_it_and_every_rank_exits(check
 def test_hung_last_stage_fails_the_step_after_the_timeout_and_is_killed(checkpoint):
     engine = _start(checkpoint, pp_size=2, timeout_s=5)
     (worker,) = engine.workers
-    os.kill(worker.pid, signal.SIGSTOP)  # alive, but never sends the logits rank 0 waits for
-    rescue = threading.Timer(60.0, os.kill, (worker.pid, signal.SIGKILL))
-    rescue.start()
-    try:
-        start = time.monotonic()
-        with pytest.raises(TensorParallelError, match="send/recv failed or did not finish within 5 s"):
-            engine.step()
-        elapsed = time.monotonic() - start
-        assert 4.5 < elapsed < 30, elapsed
-        worker.join(timeout=10)
-        assert _gone(worker.pid)
-    finally:
-        rescue.cancel()
-        if not _gone(worker.pid):
-            os.kill(worker.pid, signal.SIGKILL)
+    # alive, but never sends the logits rank 0 waits for
+    match = "send/recv failed or did not finish within 5 s"
+    assert_hung_rank_fails_the_step_in_5_s_and_is_killed(engine, worker, match)

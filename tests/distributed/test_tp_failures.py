@@ -54,15 +54,16 @@ def test_killed_worker_fails_the_next_step_fast_and_names_it(checkpoint):
         engine.step()
 
 
-def test_hung_worker_fails_the_step_after_the_collective_timeout_and_is_killed(checkpoint):
-    engine, worker = _start(checkpoint, timeout_s=5)
-    os.kill(worker.pid, signal.SIGSTOP)  # alive but never joins the next collective
+def assert_hung_rank_fails_the_step_in_5_s_and_is_killed(engine, worker, match: str) -> None:
+    """SIGSTOP `worker` (alive, but it never answers), then the next engine step must raise
+    TensorParallelError matching `match` after the engine's 5 s timeout, and the worker be gone."""
+    os.kill(worker.pid, signal.SIGSTOP)
     # should the timeout ever not fire, end the test with a failure instead of hanging the suite
     rescue = threading.Timer(60.0, os.kill, (worker.pid, signal.SIGKILL))
     rescue.start()
     try:
         start = time.monotonic()
-        with pytest.raises(TensorParallelError, match="did not finish within 5 s"):
+        with pytest.raises(TensorParallelError, match=match):
             engine.step()
         elapsed = time.monotonic() - start
         assert 4.5 < elapsed < 30, elapsed
@@ -72,6 +73,12 @@ def test_hung_worker_fails_the_step_after_the_collective_timeout_and_is_killed(c
         rescue.cancel()
         if not _gone(worker.pid):
             os.kill(worker.pid, signal.SIGKILL)
+
+
+def test_hung_worker_fails_the_step_after_the_collective_timeout_and_is_killed(checkpoint):
+    engine, worker = _start(checkpoint, timeout_s=5)
+    # alive but never joins the next collective
+    assert_hung_rank_fails_the_step_in_5_s_and_is_killed(engine, worker, "did not finish within 5 s")
 
 
 _DRIVER = """
