@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from kiln.bench.results import case_key
+from kiln.text_table import aligned_table
 
 FAILING = ("regressed", "broken")  # statuses that make `kiln bench compare` exit 1
 
@@ -64,7 +65,7 @@ def _compare_one(key, old: dict, new: dict, threshold: float) -> Comparison:
 
 def format_comparison(rows: list[Comparison]) -> str:
     header = ("op", "shape", "dtype", "backend", "old us", "new us", "change", "noise", "status")
-    lines = [header]
+    lines = []
     for r in rows:
         op, shape, dtype, backend = r.key
         lines.append(
@@ -80,9 +81,7 @@ def format_comparison(rows: list[Comparison]) -> str:
                 r.status.upper() if r.status in FAILING else r.status,
             )
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines]
-    text.insert(1, "  ".join("-" * w for w in widths))
+    text = aligned_table(header, lines).split("\n")
     statuses = (
         "regressed",
         "broken",

@@ -8,6 +8,7 @@ hidden at the bottom.
 from __future__ import annotations
 
 from kiln.profile.profiler import KernelRow, ProfileReport
+from kiln.text_table import aligned_table
 
 
 def _name(name: str, width: int = 60) -> str:
@@ -18,14 +19,6 @@ def _fraction(row: KernelRow) -> str:
     return "?" if row.fraction is None else f"{100 * row.fraction:.1f}%"
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    lines = [header, *rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
 def format_kernels(report: ProfileReport, top: int = 30) -> str:
     """Kernels by total time: calls, total, share, mapped op and its % of roofline."""
     rows = [
@@ -33,7 +26,7 @@ def format_kernels(report: ProfileReport, top: int = 30) -> str:
         for r in report.kernels[:top]
     ]
     header = ("kernel", "calls", "total us", "share", "op", "% roofline")
-    text = _table(header, rows)
+    text = aligned_table(header, rows)
     hidden = len(report.kernels) - top
     total = f"\n{len(report.kernels)} kernels, {report.total_us:.1f} us total on {report.device}"
     return text + (f"\n({hidden} more kernels not shown)" if hidden > 0 else "") + total
@@ -50,7 +43,7 @@ def format_ops(report: ProfileReport) -> str:
         )
         for op, e in report.ops.items()
     ]
-    return _table(("op", "calls", "kernel us", "roofline us", "% roofline"), rows) if rows else ""
+    return aligned_table(("op", "calls", "kernel us", "roofline us", "% roofline"), rows) if rows else ""
 
 
 def format_gaps(report: ProfileReport, top: int = 15) -> str:
@@ -69,4 +62,4 @@ def format_gaps(report: ProfileReport, top: int = 15) -> str:
                 f"{100 * running / total_gap:.1f}%",
             )
         )
-    return _table(("kernel", "gap us", "time us", "% roofline", "cumulative gap"), rows)
+    return aligned_table(("kernel", "gap us", "time us", "% roofline", "cumulative gap"), rows)

@@ -82,7 +82,8 @@ def run_grad(args: argparse.Namespace) -> int:
 
     import torch
 
-    from kiln.verify.grad import format_grad_table, grad_json, status, verify_grad
+    from kiln.verify.grad import format_grad_table, grad_json, verify_grad
+    from kiln.verify.report import status
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 

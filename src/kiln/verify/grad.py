@@ -22,8 +22,10 @@ import torch
 
 from kiln.ops.alloc import poisoned
 from kiln.ops.registry import triton_interpreting
+from kiln.text_table import aligned_table
 from kiln.verify.compare import relative_error
 from kiln.verify.grad_ops import GRAD_OPS, GradOp
+from kiln.verify.report import status
 from kiln.verify.runner import dtype_name, upcast_to_float64
 
 GRAD_BACKENDS = ("triton", "cpu")  # KILN_BACKEND values that pick a forward and its backward
@@ -199,16 +201,10 @@ def _run_rows(op, backend, dtype, shapes, device, rng, runnable, gpu_only) -> li
     return [row for row in rows.values() if row.cases or row.skipped or row.excluded]
 
 
-def status(row: GradRow) -> str:
-    if row.skipped:
-        return f"SKIP ({row.skipped})"
-    return "PASS" if row.passed else "FAIL"
-
-
 def format_grad_table(rows: list[GradRow]) -> str:
     """The report: one line per op/input/backend/dtype, then the first failures of each."""
     header = ("op", "grad of", "backend", "dtype", "cases", "worst rel err", "tolerance", "result")
-    lines = [header] + [
+    rows_text = [
         (
             r.op,
             r.input,
@@ -221,9 +217,7 @@ def format_grad_table(rows: list[GradRow]) -> str:
         )
         for r in rows
     ]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines]
-    out.insert(1, "  ".join("-" * w for w in widths))
+    out = aligned_table(header, rows_text).split("\n")
     excluded = {(r.op, str(e["shape"])): e["reason"] for r in rows for e in r.excluded}
     for (op, shape), reason in excluded.items():
         out.append(f"  excluded {op} shape={shape}: {reason}")

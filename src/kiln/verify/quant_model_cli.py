@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kiln.environment import environment
+from kiln.text_table import aligned_table
 from kiln.verify.quant_model import (
     FORMAT_NAMES,
     Checkpoint,
@@ -46,19 +47,11 @@ def check_floors(
     return failures
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    lines = [header, *rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
 def format_tables(reports: list[FormatReport], per_tensor: bool = False) -> str:
     """The summary per format, the per-layer hidden-state error per format, and (per_tensor) every
     weight's metrics: plain-text tables like `kiln verify`'s."""
     parts = [
-        _table(
+        aligned_table(
             ("format", "weights", "worst SNR dB", "mean SNR dB", "worst cos", "max abs err",
              "logits cos", "worst pos cos", "top-1", "perplexity"),
             [
@@ -76,7 +69,7 @@ def format_tables(reports: list[FormatReport], per_tensor: bool = False) -> str:
              f"{m['max_abs_error']:.3e}")
             for i, m in enumerate(r.layers)
         ]  # fmt: skip
-        parts.append(f"hidden state after each layer, {r.format} vs float32:\n" + _table(
+        parts.append(f"hidden state after each layer, {r.format} vs float32:\n" + aligned_table(
             ("layer", "SNR dB", "cosine", "worst token cos", "max abs err"), rows))  # fmt: skip
     if per_tensor:
         for r in reports:
@@ -85,7 +78,7 @@ def format_tables(reports: list[FormatReport], per_tensor: bool = False) -> str:
                 for name, m in r.weights.items()
             ]
             parts.append(
-                f"weights, {r.format}:\n" + _table(("tensor", "SNR dB", "cosine", "max abs err"), rows)
+                f"weights, {r.format}:\n" + aligned_table(("tensor", "SNR dB", "cosine", "max abs err"), rows)
             )
     return "\n\n".join(parts)
 

@@ -10,10 +10,12 @@ import torch
 
 from kiln import fallbacks
 from kiln.environment import environment
+from kiln.text_table import aligned_table
 from kiln.verify.runner import Row
 
 
-def status(row: Row) -> str:
+def status(row) -> str:
+    """PASS / FAIL / SKIP (reason) of a verify row (Row, or verify.grad's GradRow)."""
     if row.skipped:
         return f"SKIP ({row.skipped})"
     return "PASS" if row.passed else "FAIL"
@@ -21,7 +23,7 @@ def status(row: Row) -> str:
 
 def format_table(rows: list[Row]) -> str:
     header = ("op", "backend", "dtype", "cases", "worst rel err", "tolerance", "result")
-    lines = [header] + [
+    rows_text = [
         (
             r.op,
             r.backend,
@@ -33,9 +35,7 @@ def format_table(rows: list[Row]) -> str:
         )
         for r in rows
     ]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines]
-    out.insert(1, "  ".join("-" * w for w in widths))
+    out = aligned_table(header, rows_text).split("\n")
     for r in rows:
         for failure in r.failures[:3]:
             out.append(
