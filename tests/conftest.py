@@ -65,3 +65,20 @@ def lower_for_tpu():
         return text
 
     return lower
+
+
+@pytest.fixture
+def lower_for_gpu():
+    """Lower a jitted function for CUDA (Pallas -> Triton IR) without a GPU: catches ops and block
+    shapes the Pallas Triton lowering rejects, which the interpreter accepts. The kernel must be called
+    with interpret=False inside `fn`. Returns the StableHLO text."""
+    jax = pytest.importorskip("jax")
+
+    def lower(fn, *args):
+        triton_call = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton_call])
+        text = exported(*args).mlir_module()
+        assert "xla.gpu.triton" in text, "expected a Pallas Triton custom call in the lowered module"
+        return text
+
+    return lower

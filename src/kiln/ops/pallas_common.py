@@ -21,6 +21,8 @@ LANES = 128
 
 # Extra InterpretParams fields for the TPU interpreter (tests turn on race detection with this).
 _tpu_interpret_options: contextvars.ContextVar[tuple] = contextvars.ContextVar("kiln_tpu_interp", default=())
+# True inside `compile_for_gpu()`: Pallas Triton kernels lower for real even off a GPU.
+_gpu_compile: contextvars.ContextVar[bool] = contextvars.ContextVar("kiln_gpu_compile", default=False)
 
 
 def default_implementation() -> str:
@@ -71,8 +73,20 @@ def tpu_interpret():
 
 
 def gpu_interpret() -> bool:
-    """`interpret=` for a Pallas Triton kernel: False on a GPU, else the plain Pallas interpreter."""
-    return not on_gpu()
+    """`interpret=` for a Pallas Triton kernel: False on a GPU or inside `compile_for_gpu()`, else the
+    plain Pallas interpreter."""
+    return not (on_gpu() or _gpu_compile.get())
+
+
+@contextlib.contextmanager
+def compile_for_gpu() -> Iterator[None]:
+    """Within this block Pallas Triton kernels are not interpreted, so `jax.export(...,
+    platforms=["cuda"])` lowers them to Triton IR on a machine without a GPU (a lowering check)."""
+    token = _gpu_compile.set(True)
+    try:
+        yield
+    finally:
+        _gpu_compile.reset(token)
 
 
 def tpu_params(*semantics: str):
