@@ -17,7 +17,7 @@ from kiln.ops.jax_bridge import to_jax  # noqa: E402
 from kiln.ops.pallas_common import compile_for_gpu  # noqa: E402
 
 CPU = torch.device("cpu")
-OPS_WITH_PALLAS_GPU = sorted(name for name, spec in all_ops().items() if "pallas_gpu" in spec.jax_implementations)
+OPS_WITH_PALLAS_GPU = sorted(n for n, spec in all_ops().items() if "pallas_gpu" in spec.jax_implementations)
 
 
 def _kernel_dtype(spec) -> torch.dtype:
