@@ -1,7 +1,8 @@
 """Pipeline parallelism on the CPU (gloo, loopback): PP 2 (uneven layer split) and TP 2 x PP 2 give the
 same greedy tokens and last-position logits as one process, with several micro-batches per step, on
-tiny random Llama / Qwen2 (tied embeddings: the last stage reads the embedding for its LM head)
-checkpoints written by transformers, and on the embedded SmolLM2 (GGUF Q4 blocks)."""
+tiny random Llama / Qwen2 (tied embeddings: the last stage reads the embedding for its LM head),
+Qwen3, Phi-3, Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints written by transformers, and on the embedded
+SmolLM2 (GGUF Q4 blocks)."""
 
 import os
 
@@ -13,9 +14,10 @@ from kiln.distributed.micro_batches import micro_batch_bounds
 from kiln.engine.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.sampling_params import SamplingParams
-from kiln.models.sharding import pipeline_stages
+from kiln.models.sharding import check_pipeline_parallel, pipeline_stages
 from kiln.verify import assert_close
 from tests.distributed.checkpoints import run_to_completion, write_checkpoint
+from tests.distributed.moe_checkpoints import write_moe_checkpoint
 from tests.distributed.test_tensor_parallel import needs_embedded_model
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -75,6 +77,36 @@ def test_tp2_pp2_qwen2_with_tied_embeddings_matches_one_process(tmp_path):
     _compare(path, tp_size=2, pp_size=2, tol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_pp2_moe_matches_one_process(family, tmp_path):
+    # 2 layers, one per stage; Qwen2-MoE: the routed experts + shared expert on stage 0, a dense MLP
+    # on stage 1. The fused MoE kernels run inside each stage.
+    path = write_moe_checkpoint(tmp_path, family)
+    _compare(path, tp_size=1, pp_size=2, tol=1e-5)
+
+
+def test_tp2_pp2_qwen3_moe_matches_one_process(tmp_path):
+    from tests.distributed.test_tp_qwen3 import _checkpoint
+    from tests.models.test_qwen3 import qwen3_moe
+
+    _compare(_checkpoint(qwen3_moe, tmp_path), tp_size=2, pp_size=2, tol=1e-5)
+
+
+def test_pp2_qwen3_with_q_k_norms_matches_one_process(tmp_path):
+    from tests.distributed.test_tp_qwen3 import _checkpoint
+    from tests.models.test_qwen3 import qwen3
+
+    _compare(_checkpoint(qwen3, tmp_path), tp_size=1, pp_size=2, tol=1e-5)
+
+
+def test_pp2_phi3_with_fused_projections_matches_one_process(tmp_path):
+    from tests.models.test_phi3 import _saved, _write_word_tokenizer
+
+    _saved("longrope_partial_rotary", tmp_path)
+    _write_word_tokenizer(tmp_path, 128)
+    _compare(str(tmp_path), tp_size=1, pp_size=2, tol=1e-5)
+
+
 @needs_embedded_model
 def test_pp2_embedded_smollm2_matches_one_process():
     from kiln.loaders import default_model_path
@@ -92,6 +124,15 @@ def test_pipeline_stages_split_layers_contiguously_larger_first():
     assert pipeline_stages(3, 3) == [(0, 1), (1, 2), (2, 3)]
     with pytest.raises(ValueError, match="at least one layer"):
         pipeline_stages(2, 3)
+
+
+def test_a_model_without_pipeline_stages_is_refused_by_name():
+    from types import SimpleNamespace
+
+    gemma = SimpleNamespace(architecture="Gemma3ForCausalLM", num_layers=4)
+    with pytest.raises(ValueError, match="'Gemma3ForCausalLM' cannot be split into stages"):
+        check_pipeline_parallel(gemma, 2)
+    assert check_pipeline_parallel(gemma, 1) == [(0, 4)]  # one stage is no split
 
 
 def test_micro_batches_are_contiguous_nonempty_and_token_balanced():

@@ -333,9 +333,19 @@ def unsharded_config(config: ModelConfig, weights: WeightStore | ShardedWeightSt
     return weights.plan.config if isinstance(weights, ShardedWeightStore) else config
 
 
-# Pipeline parallelism builds a stage from LlamaForCausalLM's `pipeline_layers` hook; Mixtral and the
-# MoE variants that reuse it are left out until a test covers them.
-PP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Pipeline parallelism builds a stage from LlamaForCausalLM's `pipeline_layers` hook, which the MoE
+# models, Qwen3 and Phi-3 inherit (tests/distributed/test_pipeline_parallel.py runs each). Gemma 3 has its own
+# decoder (sliding/global layers, scaled embedding) without the hook.
+PP_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 
 
 def pipeline_stages(num_layers: int, pp: int) -> list[tuple[int, int]]:
