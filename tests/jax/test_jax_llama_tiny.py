@@ -31,14 +31,16 @@ def tiny_checkpoint(
     num_kv_heads: int = 2,
     attention_bias: bool = False,
     sliding_window: int | None = None,
+    vocab: int = VOCAB,
 ) -> Checkpoint:
     """A 2-layer Llama checkpoint with seeded random weights (N(0, 1/fan_in) matrices, N(0, 1)
     embeddings, norms and biases near 1 / 0), as Kiln's loaders hand it over: a Checkpoint over a
-    WeightStore. attention_bias: q/k/v biases (Qwen2); sliding_window: every layer's (Mistral)."""
+    WeightStore. attention_bias: q/k/v biases (Qwen2); sliding_window: every layer's (Mistral); vocab:
+    the vocabulary size (PROMPTS need >= 201)."""
     hidden, inter, head_dim = 128, 256, 64
     config = ModelConfig(
         architecture="LlamaForCausalLM",
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=inter,
         num_layers=2,
@@ -47,12 +49,12 @@ def tiny_checkpoint(
         head_dim=head_dim,
         rms_norm_eps=1e-5,
         max_position_embeddings=256,
-        eos_token_ids=[VOCAB - 1],
+        eos_token_ids=[vocab - 1],
         attention_bias=attention_bias,
         sliding_window=sliding_window,
     )
     q, kv = num_heads * head_dim, num_kv_heads * head_dim
-    shapes = {"model.embed_tokens.weight": (VOCAB, hidden), "lm_head.weight": (VOCAB, hidden)}
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden)}
     shapes["model.norm.weight"] = (hidden,)
     for i in range(2):
         p = f"model.layers.{i}."

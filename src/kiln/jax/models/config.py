@@ -43,6 +43,12 @@ class JaxLlamaConfig:
     implementation: str | None = None
 
     @property
+    def padded_vocab_size(self) -> int:
+        """vocab_size rounded up to a multiple of tp: the embedding and LM head rows are split over the
+        devices (vocabulary parallel), the extra rows zero and their logits masked out."""
+        return -(-self.vocab_size // self.tp) * self.tp
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

@@ -124,9 +124,27 @@ def sample(logits, key, temperature):
     return jnp.where(temperature > 0, drawn, greedy)
 
 
+def _embed(params, tokens, c: JaxLlamaConfig) -> jax.Array:
+    """tokens int32 [...] -> [..., hidden]. Under tp each device holds rows [i * V/tp, (i+1) * V/tp) of
+    the embedding: it looks up the tokens in its range, zeros for the rest, and a psum adds them."""
+    table = params["embed"]
+    if c.tp == 1:
+        return table[tokens]
+    rows = table.shape[0]
+    local = tokens - jax.lax.axis_index(TP_AXIS) * rows
+    mine = (local >= 0) & (local < rows)
+    found = table[jnp.clip(local, 0, rows - 1)]
+    return _psum(jnp.where(mine[..., None], found, jnp.zeros((), table.dtype)), c)
+
+
 def _next_tokens(params, out, key, temperature, c):
     logits = linear(out, params["lm_head"], implementation=_impl("linear", c.implementation))
-    return sample(logits.astype(jnp.float32), key, temperature)
+    logits = logits.astype(jnp.float32)
+    if c.tp > 1:  # this device's vocabulary slice -> the whole (padded) row, the same on every device
+        logits = jax.lax.all_gather(logits, TP_AXIS, axis=1, tiled=True)
+    if c.padded_vocab_size != c.vocab_size:
+        logits = logits[:, : c.vocab_size]
+    return sample(logits, key, temperature)
 
 
 def prefill_step(params, rope, caches, tokens, lens, block_tables, key, temperature, *, config):
@@ -153,7 +171,7 @@ def prefill_step(params, rope, caches, tokens, lens, block_tables, key, temperat
         )  # fmt: skip
         return attn.reshape(q.shape), key_cache_l, value_cache_l
 
-    delta = params["embed"][tokens.reshape(-1)]
+    delta = _embed(params, tokens.reshape(-1), c)
     out, caches = _decoder(params, delta, positions.reshape(-1), rope, caches, attend, c)
     last = out.reshape(batch, seq, -1)[jnp.arange(batch), lens - 1]
     return _next_tokens(params, last, key, temperature, c), caches
@@ -177,6 +195,6 @@ def decode_step(params, rope, caches, tokens, positions, block_tables, key, temp
         )  # fmt: skip
         return attn, key_cache_l, value_cache_l
 
-    delta = params["embed"][tokens]
+    delta = _embed(params, tokens, c)
     out, caches = _decoder(params, delta, positions, rope, caches, attend, c)
     return _next_tokens(params, out, key, temperature, c), caches

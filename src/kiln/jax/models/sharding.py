@@ -5,8 +5,11 @@ On a Mesh with one axis "tp" of n devices:
     its gate/up columns of the MLP, laid out shard by shard, kiln.jax.models.weights);
   - o and down are row parallel: 1/n of their columns; the partial products are added with
     `lax.psum` over "tp" (two all-reduces per layer);
-  - the KV cache is split by KV head; embeddings, norms, the LM head and the RoPE table are
-    replicated (every device computes the full logits and samples the same token).
+  - the embedding and the LM head are vocabulary parallel: each device holds 1/n of the (padded)
+    vocabulary's rows; a token's embedding comes from the device holding its row (zeros elsewhere,
+    then a psum), and each device computes its slice of the logits, which an all-gather joins so that
+    every device samples the same token from the full row;
+  - the KV cache is split by KV head; norms and the RoPE table are replicated.
 The step functions run under `jax.shard_map`, so every kernel (Pallas ones included) sees its
 device's local shapes: a pallas_call is not partitioned by the compiler, shard_map hands it its shard.
 """
@@ -48,8 +51,8 @@ def tp_mesh(num_devices: int | None = None, devices: list | None = None) -> Mesh
 def param_specs(params: dict[str, Any]) -> dict[str, Any]:
     """The PartitionSpec pytree matching the model's params."""
     return {
-        "embed": P(),
-        "lm_head": P(),
+        "embed": P(TP_AXIS, None),
+        "lm_head": P(TP_AXIS, None),
         "norm": P(),
         "layers": [{key: LAYER_SPECS[key] for key in layer} for layer in params["layers"]],
     }

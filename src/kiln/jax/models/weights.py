@@ -91,7 +91,8 @@ def load_layer(weights: Any, c: JaxLlamaConfig, index: int) -> dict[str, np.ndar
 
 
 def load_params(checkpoint: Any, c: JaxLlamaConfig, dtype: np.dtype) -> dict[str, Any]:
-    """{"embed" [V, hidden], "lm_head" [V, hidden] (the embedding when tied), "norm" [hidden],
+    """{"embed" [V', hidden], "lm_head" [V', hidden] (the embedding when tied; V' = V rounded up to a
+    multiple of tp, zero rows appended), "norm" [hidden],
     "layers": one {name: array} per layer} in `dtype`, from an opened checkpoint
     (kiln.loaders.open_checkpoint)."""
     weights, mc = checkpoint.weights, checkpoint.config
@@ -103,10 +104,15 @@ def load_params(checkpoint: Any, c: JaxLlamaConfig, dtype: np.dtype) -> dict[str
         {key: array.astype(dtype) for key, array in load_layer(weights, c, i).items()}
         for i in range(c.num_layers)
     ]
-    embed = embed.astype(dtype)
+    extra = c.padded_vocab_size - c.vocab_size  # zero rows so that tp devices split the vocabulary
+
+    def padded(rows: np.ndarray) -> np.ndarray:
+        return np.pad(rows, ((0, extra), (0, 0))).astype(dtype) if extra else rows.astype(dtype)
+
+    embed = padded(embed)
     return {
         "embed": embed,
-        "lm_head": embed if head is embed else head.astype(dtype),
+        "lm_head": embed if head is embed else padded(head),
         "norm": dense_float32(weights.get("model.norm.weight", (c.hidden_size,))).astype(dtype),
         "layers": layers,
     }
