@@ -122,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.distributed.launch import parallel_ranks, start_engine
     from kiln.engine.config import EngineConfig
     from kiln.engine.llm_engine import LLMEngine
+    from kiln.environment import environment
 
     ranks = parallel_ranks(args.tp, args.ep, args.pp)
     config = EngineConfig(
@@ -143,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         report[layout] = decode_run(engine, args.batch, args.max_tokens)
         report[layout]["ranks"] = ranks
         report[layout]["threads_per_process"] = torch.get_num_threads()
+    report["environment"] = environment()  # CPU model and ISA features, GPU, versions, commit
     print(json.dumps(report, indent=2))
     return 0
 
