@@ -177,10 +177,14 @@ phase_verify() {  # one process per backend, side by side; each rewrites its JSO
 }
 
 phase_bench() {  # one after another (timings must not share the GPU); most important ops first
-  bench_step bench-attention 120 attention \
+  bench_step bench-attention 100 attention \
     flash_attention flash_attention_with_lse paged_decode_attention paged_prefill_attention write_kv_cache
-  bench_step bench-gemm 150 gemm linear linear_silu_mul fp8_linear int8_linear int4_linear gguf_linear
-  bench_step bench-rest 110 rest rms_norm layer_norm softmax rotary_embedding silu_and_mul fused_moe moe_route
+  # Pallas-GPU flash attention against Kiln's Triton kernel, the XLA backend and XLA's own attention
+  step bench-attention-jax 50 kiln --partial "$WORK/bench/attention-jax-partial.json" -- \
+    bench --suite llm --device cuda --out "$WORK/bench" --suffix attention-jax --op flash_attention \
+    --backend pallas_gpu --compare-backends triton,xla
+  bench_step bench-gemm 130 gemm linear linear_silu_mul fp8_linear int8_linear int4_linear gguf_linear
+  bench_step bench-rest 90 rest rms_norm layer_norm softmax rotary_embedding silu_and_mul fused_moe moe_route
 }
 
 bench_step() {  # bench_step NAME LIMIT SUFFIX OP...: `kiln bench` keeps its cases so far in a partial JSON

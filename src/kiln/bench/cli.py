@@ -1,7 +1,8 @@
 """`kiln bench`: op benchmarks against measured roofline ceilings, plus its subcommands.
 
 kiln bench [--suite llm] [--op NAME ...] [--dtype NAME ...] [--shapes JSON|FILE|SUITE] [--backend NAME]
-           [--out DIR] [--suffix TEXT] [--no-baselines] [--device cuda|cpu] [--reps N]
+           [--out DIR] [--suffix TEXT] [--no-baselines] [--compare-backends A,B] [--device cuda|cpu]
+           [--reps N]
 kiln bench --backward [--op NAME ...] [--no-compile] ...   forward+backward of the ops with a backward
                         vs torch autograd (eager, torch.compile), with peak memory (kiln.bench.backward)
 kiln bench compare OLD.json NEW.json [--threshold 0.05]
@@ -47,6 +48,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", default="bench/results", help="directory for the JSON, Markdown and PNG")
     p.add_argument("--suffix", default=None, help="appended to the result file name")
     p.add_argument("--no-baselines", action="store_true", help="time only Kiln's implementation")
+    p.add_argument(
+        "--compare-backends",
+        default="",
+        help="comma-separated other Kiln implementations to time in the same run, e.g. triton,xla "
+        "(recorded as baselines kiln_<name>)",
+    )
     p.add_argument("--no-plot", action="store_true", help="skip the roofline PNG")
     p.add_argument("--reps", type=int, default=None, help="timing samples per case (default 50 CUDA, 5 CPU)")
     p.add_argument("--refresh-ceilings", action="store_true", help="re-measure the device ceilings")
@@ -115,8 +122,16 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     timing_kwargs = {"reps": args.reps} if args.reps else {}
+    compare = tuple(name for name in args.compare_backends.split(",") if name)
     records = bench(
-        cases, device, ceilings, args.backend, not args.no_baselines, timing_kwargs, progress=print_progress
+        cases,
+        device,
+        ceilings,
+        args.backend,
+        not args.no_baselines,
+        timing_kwargs,
+        progress=print_progress,
+        compare_backends=compare,
     )
     from dataclasses import asdict
 

@@ -2,14 +2,16 @@
 
 Per case: input copies (fresh random, from the spec's `make_inputs`, one seed per copy) enough to
 flush L2; the implementation that dispatch would pick for the device (or `backend`) timed with
-`kiln.bench.timing`; each baseline timed on the same copies; speed-up = baseline / Kiln time.
+`kiln.bench.timing`; each baseline (and each other Kiln backend asked for with `compare_backends`)
+timed on the same copies; speed-up = baseline / Kiln time.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -85,8 +87,11 @@ def bench_case(
     backend: str | None = None,
     baselines: bool = True,
     timing_kwargs: dict | None = None,
+    compare_backends: Sequence[str] = (),
 ) -> dict:
-    """One result record (see kiln.bench.results for the fields)."""
+    """One result record (see kiln.bench.results for the fields). `compare_backends`: other Kiln
+    implementations of the op timed on the same inputs, recorded as baselines "kiln_<name>" (an
+    implementation the op lacks or that cannot run on `device` is recorded with its error)."""
     spec, shape, dtype = case.spec, case.shape, case.dtype
     timing_kwargs = timing_kwargs or {}
     flops, nbytes = spec.flops(shape, dtype), spec.bytes(shape, dtype)
@@ -139,8 +144,13 @@ def bench_case(
             "limiter": point.limiter,
         }
     )
-    if baselines:
-        for base_name, fn in spec.baselines.items():
+    others = {
+        f"kiln_{other}": functools.partial(_run_implementation, spec, device, other)
+        for other in compare_backends
+        if other != name
+    }
+    if baselines or others:
+        for base_name, fn in {**(spec.baselines if baselines else {}), **others}.items():
             try:
                 t = time_fn(lambda inputs, fn=fn: fn(**inputs), input_sets, device, **timing_kwargs)
             except Exception as exc:  # e.g. a CUDA-only library on the CPU
@@ -158,6 +168,12 @@ def bench_case(
     return record
 
 
+def _run_implementation(spec: OpSpec, device: torch.device, name: str, **inputs):
+    """Implementation `name` of `spec` on `inputs` (ValueError if the op lacks it or it cannot run on
+    `device`)."""
+    return spec.select(device, name).fn(**inputs)
+
+
 def bench(
     cases: list[Case],
     device: torch.device,
@@ -166,11 +182,12 @@ def bench(
     baselines: bool = True,
     timing_kwargs: dict | None = None,
     progress: Callable[[dict], None] | None = None,
+    compare_backends: Sequence[str] = (),
 ) -> list[dict]:
     """Bench every case; `progress(record)` after each."""
     records = []
     for case in cases:
-        record = bench_case(case, device, ceilings, backend, baselines, timing_kwargs)
+        record = bench_case(case, device, ceilings, backend, baselines, timing_kwargs, compare_backends)
         records.append(record)
         if progress:
             progress(record)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ops.attention.flash_attention.jax_baseline import jax_dot_product_attention
 from kiln.ops.attention.paged_inputs import cu_seqlens, lengths, visible_pairs
 from kiln.ops.attention.reference import attend_one_sequence
 from kiln.ops.attention.validate import (
@@ -276,6 +277,8 @@ FLASH_ATTENTION = _spec(
     "Tensor",
     _torch_sdpa,
 )
+# XLA's attention, timed beside Kiln's kernels (its import of jax is deferred to the call)
+FLASH_ATTENTION.baselines["jax_dot_product_attention"] = jax_dot_product_attention
 FLASH_ATTENTION_WITH_LSE = _spec(
     "flash_attention_with_lse",
     "varlen FlashAttention-2 returning (out, lse): causal/GQA/sliding window/softcap",
