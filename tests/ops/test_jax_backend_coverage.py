@@ -16,25 +16,7 @@ NO_TPU_AND_XLA = {
 
 # op -> why it has no pallas_gpu implementation (ops already in NO_TPU_AND_XLA are not repeated).
 # One line per op, sorted.
-NO_PALLAS_GPU = {
-    "flash_attention_backward": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "fp8_block_linear": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "fp8_linear": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "fused_linear_cross_entropy": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "fused_moe": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "gguf_dequantize": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "gguf_linear": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "int4_linear": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "int8_linear": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "moe_route": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "paged_prefill_attention": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "qk_norm_rope": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "quantize_fp8": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "quantize_int8": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "rejection_sample": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "sparse24_linear": "not yet ported to Pallas-GPU (issue #23 item 1)",
-    "write_kv_cache": "a scatter through slot_mapping; XLA's scatter is the GPU path",
-}
+NO_PALLAS_GPU: dict[str, str] = {}
 
 
 def _implemented() -> dict[str, set[str]]:

@@ -1,6 +1,6 @@
-"""paged_prefill_attention's JAX backends (the Pallas TPU kernel in the TPU interpreter, XLA) against
-the spec's float64 reference through the torch-facing implementations, the generated kiln.jax entry,
-and the TPU kernel's Mosaic lowering."""
+"""paged_prefill_attention's JAX backends (the Pallas TPU kernel in the TPU interpreter, the Pallas GPU
+kernel in the Pallas interpreter, XLA) against the spec's float64 reference through the torch-facing
+implementations, the generated kiln.jax entry, and the kernels' Mosaic / Triton lowerings."""
 
 import random
 
@@ -12,6 +12,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import kiln.jax as kjax  # noqa: E402
 from kiln.ops import get_op  # noqa: E402
+from kiln.ops.attention.paged_prefill_attention.pallas_gpu import paged_prefill_attention_pallas_gpu  # noqa: E402
 from kiln.ops.attention.paged_prefill_attention.pallas_tpu import paged_prefill_attention_pallas_tpu  # noqa: E402
 from kiln.verify import run_case  # noqa: E402
 
@@ -49,6 +50,10 @@ MHA_3 = {"query_lens": [7, 16], "context_lens": [7, 33], "num_heads": 3, "num_kv
         ("xla", torch.float32, WINDOW_SOFTCAP_GQA_8),
         ("xla", torch.bfloat16, MIXED_GQA_4),
         ("xla", torch.float8_e4m3fn, MHA_3),
+        ("pallas_gpu", torch.float32, MIXED_GQA_4),  # pages of 16: tl.dot
+        ("pallas_gpu", torch.bfloat16, WINDOW_SOFTCAP_GQA_8),  # pages of 8: broadcast sums; D 80 -> 128
+        ("pallas_gpu", torch.float16, MHA_3),  # group 1: 16 queries per tile
+        ("pallas_gpu", torch.float8_e4m3fn, MIXED_GQA_4),
     ],
 )
 def test_paged_prefill_attention_with_shuffled_block_tables_matches_float64(backend, dtype, shape):
@@ -58,17 +63,22 @@ def test_paged_prefill_attention_with_shuffled_block_tables_matches_float64(back
     assert case.passed, case
 
 
-def test_paged_prefill_pallas_tpu_several_query_blocks_match_xla():
-    # block_q 8 over 21 queries: three query blocks, the last partial, each with its own page range.
+@pytest.mark.parametrize(
+    "kernel, shape",
+    [(paged_prefill_attention_pallas_tpu, MIXED_GQA_4), (paged_prefill_attention_pallas_gpu, MIXED_GQA_4),
+     (paged_prefill_attention_pallas_gpu, WINDOW_SOFTCAP_GQA_8)],
+)  # fmt: skip
+def test_paged_prefill_pallas_several_query_blocks_match_xla(kernel, shape):
+    # block_q 8 over 21 (19) queries: three query blocks, the last partial, each with its own page range.
     op = get_op("paged_prefill_attention")
-    inputs = op.make_inputs(MIXED_GQA_4, torch.float32, CPU, torch.Generator().manual_seed(0))
+    inputs = op.make_inputs(shape, torch.float32, CPU, torch.Generator().manual_seed(random.randrange(2**31)))
     args = {k: jnp.asarray(v.numpy()) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    got = paged_prefill_attention_pallas_tpu(**args, block_q=8)
+    got = kernel(**args, block_q=8)
     want = kjax.paged_prefill_attention(**args, implementation="xla")
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
 
 
-@pytest.mark.parametrize("implementation", ["pallas_tpu", "xla"])
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu", "xla"])
 def test_paged_prefill_attention_never_lets_stale_nan_past_a_sequence_length_through(implementation):
     """Cache slots at or past seq_len are never read: NaN in the rest of the last page must not leak."""
     cache = jnp.full((2, 8, 1, 64), jnp.nan, jnp.float32).at[0].set(1.0).at[1, :3].set(1.0)
@@ -96,6 +106,26 @@ def test_paged_prefill_tpu_kernel_lowers_to_mosaic(lower_for_tpu):
     lower_for_tpu(
         lambda q, k, v, t, c, s: paged_prefill_attention_pallas_tpu(
             q, k, v, t, c, s, 21, sliding_window=9, softcap=5.0, interpret=False
+        ),
+        q, cache, cache, tables, cu, seq_lens,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "cache_dtype, block_size", [(jnp.float8_e4m3fn, 16), (jnp.float16, 8), (jnp.float32, 32)]
+)
+def test_paged_prefill_gpu_kernel_lowers_to_triton(lower_for_gpu, cache_dtype, block_size):
+    # The shared lowering test covers the fuzz shapes in bf16; here the fp8 cache with its scales, the
+    # small-page path and float32 (IEEE dots), with a window, a soft-cap and GQA 4 (+ a padded group).
+    q_dtype = jnp.float16 if cache_dtype == jnp.float8_e4m3fn else cache_dtype
+    q, cache = jnp.ones((30, 12, 80), q_dtype), jnp.ones((10, block_size, 3, 80), cache_dtype)
+    tables, cu = jnp.zeros((3, 8), jnp.int32), jnp.array([0, 5, 9, 30], jnp.int32)
+    seq_lens, scales = jnp.array([5, 40, 60], jnp.int32), jnp.ones((3,), jnp.float32)
+    scales = scales if cache_dtype == jnp.float8_e4m3fn else None
+    lower_for_gpu(
+        lambda q, k, v, t, c, s: paged_prefill_attention_pallas_gpu(
+            q, k, v, t, c, s, 21, sliding_window=9, softcap=5.0, k_scale=scales, v_scale=scales,
+            interpret=False,
         ),
         q, cache, cache, tables, cu, seq_lens,
     )  # fmt: skip

@@ -1,6 +1,7 @@
-"""write_kv_cache's JAX backends (the Pallas TPU kernel in the TPU interpreter, XLA) against the spec's
-reference through the torch-facing implementations (the caches updated in place), kiln.jax's entry
-(the new caches returned), and the TPU kernel's Mosaic lowering."""
+"""write_kv_cache's JAX backends (the Pallas TPU kernel in the TPU interpreter, the Pallas Triton kernel
+in the Pallas interpreter, XLA) against the spec's reference through the torch-facing implementations
+(the caches updated in place), kiln.jax's entry (the new caches returned), the fp8 conversion
+bit-exact across backends, and the kernels' Mosaic and Triton lowerings."""
 
 import random
 
@@ -13,7 +14,10 @@ import jax.numpy as jnp  # noqa: E402
 
 import kiln.jax as kjax  # noqa: E402
 from kiln.ops import get_op  # noqa: E402
+from kiln.ops.attention.write_kv_cache.pallas_gpu import write_kv_cache_pallas_gpu  # noqa: E402
 from kiln.ops.attention.write_kv_cache.pallas_tpu import write_kv_cache_pallas_tpu  # noqa: E402
+from kiln.ops.attention.write_kv_cache.xla import write_kv_cache_xla  # noqa: E402
+from kiln.ops.jax_bridge import to_jax  # noqa: E402
 from kiln.verify import run_case  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -23,7 +27,7 @@ MANY_TOKENS = {"num_tokens": 37, "num_kv_heads": 3, "head_dim": 64, "num_blocks"
                "skip_fraction": 0.3}  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
+@pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_tpu", "xla"])
 @pytest.mark.parametrize(
     "dtype, shape",
     [(torch.float32, SKIPS_GQA), (torch.bfloat16, MANY_TOKENS), (torch.float8_e4m3fn, SKIPS_GQA)],
@@ -35,7 +39,7 @@ def test_write_kv_cache_jax_backends_match_the_reference(backend, dtype, shape):
     assert case.passed, case
 
 
-@pytest.mark.parametrize("implementation", ["pallas_tpu", "xla"])
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu", "xla"])
 def test_write_kv_cache_kiln_jax_returns_new_caches_and_skips_negative_slots(implementation):
     key = jnp.arange(3 * 2 * 4, dtype=jnp.float32).reshape(3, 2, 4)
     cache = jnp.full((2, 4, 2, 4), -7.0, jnp.float32)
@@ -47,6 +51,21 @@ def test_write_kv_cache_kiln_jax_returns_new_caches_and_skips_negative_slots(imp
     np.testing.assert_array_equal(np.asarray(new_k).reshape(8, 2, 4), want)
     np.testing.assert_array_equal(np.asarray(new_v).reshape(8, 2, 4)[[0, 5]], np.asarray(key)[[2, 0]] + 100)
     np.testing.assert_array_equal(np.asarray(cache), -7.0)  # the input arrays are unchanged
+
+
+def test_write_kv_cache_pallas_gpu_float16_into_fp8_is_bit_exact_with_xla():
+    # 3 heads x 80 dims: a [4, 128] block masked to [3, 80]; saturation at +-448 and rounding as XLA's.
+    shape = {**SKIPS_GQA, "num_kv_heads": 3}
+    inputs = get_op("write_kv_cache").make_inputs(
+        shape, torch.float8_e4m3fn, CPU, torch.Generator().manual_seed(random.randrange(2**31))
+    )
+    inputs["key"][0, 0, :4] = torch.tensor([1e4, -1e4, 0.0, 1e-4])  # saturated, zero, an fp8 subnormal
+    args = [to_jax(inputs[n]) for n in ("key", "value", "key_cache", "value_cache", "slot_mapping")]
+    scales = [to_jax(inputs["k_scale"]), to_jax(inputs["v_scale"])]
+    got = write_kv_cache_pallas_gpu(*args, *scales)
+    want = write_kv_cache_xla(*args, *scales)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
 
 
 def test_write_kv_cache_kiln_jax_rejects_bad_input():
@@ -68,3 +87,19 @@ def test_write_kv_cache_tpu_kernel_lowers_to_mosaic(lower_for_tpu, fp8):
         return write_kv_cache_pallas_tpu(k, v, kc, vc, s, *scales, interpret=False)
 
     lower_for_tpu(lower, key, key, cache, cache, slots, *scales)
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float8_e4m3fn, jnp.float32])
+def test_write_kv_cache_gpu_kernel_lowers_to_triton(lower_for_gpu, cache_dtype):
+    # The shared lowering test covers bf16 caches: an fp8 cache with its scales (3 heads, a masked
+    # power-of-two block) and float32 here.
+    fp8 = cache_dtype == jnp.float8_e4m3fn
+    key = jnp.ones((5, 3, 80), jnp.float16 if fp8 else cache_dtype)
+    cache = jnp.ones((4, 16, 3, 80), cache_dtype)
+    slots, scale = jnp.array([3, -1, 17, 40, 0], jnp.int32), jnp.ones((3,), jnp.float32)
+    scales = (scale, scale) if fp8 else ()
+
+    def lower(k, v, kc, vc, s, *scales):
+        return write_kv_cache_pallas_gpu(k, v, kc, vc, s, *scales, interpret=False)
+
+    lower_for_gpu(lower, key, key, cache, cache, slots, *scales)

@@ -1,5 +1,5 @@
-"""quantize_int8's JAX backends (the row-wise Mosaic TPU kernel interpreted on the CPU, and XLA)
-against float64, ties rounded away from zero, and the kernel's Mosaic lowering."""
+"""quantize_int8's JAX backends (the row-wise Mosaic TPU and Pallas Triton kernels interpreted on the
+CPU, and XLA) against float64, ties rounded away from zero, and the kernels' Mosaic / Triton lowering."""
 
 import random
 
@@ -11,27 +11,42 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from kiln.ops import get_op  # noqa: E402
+from kiln.ops.gemm.quantize_int8.pallas_gpu import quantize_int8_pallas_gpu  # noqa: E402
 from kiln.ops.gemm.quantize_int8.pallas_tpu import quantize_int8_pallas_tpu  # noqa: E402
 from kiln.verify import run_case  # noqa: E402
 
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
+def seed() -> int:
+    return random.randrange(2**31)
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu", "xla"])
 @pytest.mark.parametrize("shape", [{"M": 1, "K": 1}, {"M": 37, "K": 300}])
 def test_quantize_int8_jax_backends_match_float64(backend, shape):
-    case = run_case(
-        get_op("quantize_int8"), backend, shape, torch.bfloat16, CPU, seed=random.randrange(2**31)
-    )
+    case = run_case(get_op("quantize_int8"), backend, shape, torch.bfloat16, CPU, seed=seed())
     assert case.passed, case
 
 
-def test_quantize_int8_pallas_tpu_rounds_ties_away_from_zero():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quantize_int8_pallas_gpu_several_rows_per_program_match_float64(dtype):
+    # K 1100 pads to 2048: two rows per program, M 5 leaves a padded row in the last one
+    case = run_case(get_op("quantize_int8"), "pallas_gpu", {"M": 5, "K": 1100}, dtype, CPU, seed=seed())
+    assert case.passed, case
+
+
+@pytest.mark.parametrize("kernel", [quantize_int8_pallas_tpu, quantize_int8_pallas_gpu])
+def test_quantize_int8_kernels_round_ties_away_from_zero(kernel):
     # amax 127 -> scale 1: x / scale is exactly +-0.5, +-1.5, +-2.5
     x = jnp.asarray([[127.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 0.0]], jnp.float32)
-    q, scale = quantize_int8_pallas_tpu(x)
+    q, scale = kernel(x)
     assert float(scale[0, 0]) == 1.0
     np.testing.assert_array_equal(np.asarray(q), [[127, 1, -1, 2, -2, 3, -3, 0]])
+
+
+def test_quantize_int8_gpu_kernel_lowers_to_triton(lower_for_gpu):
+    lower_for_gpu(lambda a: quantize_int8_pallas_gpu(a, interpret=False), jnp.ones((40, 700), jnp.bfloat16))
 
 
 def test_quantize_int8_tpu_kernel_lowers_to_mosaic(lower_for_tpu):

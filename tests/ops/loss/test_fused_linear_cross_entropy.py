@@ -64,12 +64,12 @@ def test_chunks_of_odd_sizes_give_the_same_loss_and_gradients(impl, device):
             assert_close(out, ref, 2e-5, f"chunk_tokens={chunk}")
 
 
-@pytest.mark.parametrize("backend", ["triton", "cpu", "xla", "pallas_tpu"])
+@pytest.mark.parametrize("backend", ["triton", "cpu", "xla", "pallas_tpu", "pallas_gpu"])
 @pytest.mark.parametrize("z_loss", [0.0, 1e-3])
 def test_confident_predictions_keep_float32_gradient_precision(backend, z_loss, device):
     # p_y within 1e-3 of 1: lse - z_y and p_y - 1 computed directly lose 3-5 digits in float32; written
     # through the sum of the other probabilities they keep float32's precision.
-    if backend in ("xla", "pallas_tpu"):
+    if backend in ("xla", "pallas_tpu", "pallas_gpu"):
         pytest.importorskip("jax")
         device = torch.device("cpu")
     g = torch.Generator().manual_seed(_seed())
