@@ -21,8 +21,9 @@ LANES = 128
 
 # Extra InterpretParams fields for the TPU interpreter (tests turn on race detection with this).
 _tpu_interpret_options: contextvars.ContextVar[tuple] = contextvars.ContextVar("kiln_tpu_interp", default=())
-# True inside `compile_for_gpu()`: Pallas Triton kernels lower for real even off a GPU.
+# True inside `compile_for_gpu()` / `compile_for_tpu()`: the kernels lower for real off the device.
 _gpu_compile: contextvars.ContextVar[bool] = contextvars.ContextVar("kiln_gpu_compile", default=False)
+_tpu_compile: contextvars.ContextVar[bool] = contextvars.ContextVar("kiln_tpu_compile", default=False)
 
 
 def default_implementation() -> str:
@@ -65,11 +66,23 @@ def tpu_interpreter(**options) -> Iterator[None]:
 
 
 def tpu_interpret():
-    """`interpret=` for a Mosaic kernel: False on a TPU, else the TPU interpreter. Uninitialized
-    memory reads as NaN there, so a block the kernel forgets to write fails verification."""
-    if on_tpu():
+    """`interpret=` for a Mosaic kernel: False on a TPU or inside `compile_for_tpu()`, else the TPU
+    interpreter. Uninitialized memory reads as NaN there, so a block the kernel forgets to write fails
+    verification."""
+    if on_tpu() or _tpu_compile.get():
         return False
     return pltpu.InterpretParams(**dict(_tpu_interpret_options.get()))
+
+
+@contextlib.contextmanager
+def compile_for_tpu() -> Iterator[None]:
+    """Within this block Mosaic kernels are not interpreted, so `jax.export(..., platforms=["tpu"])`
+    lowers them to Mosaic MLIR on a machine without a TPU (a lowering check)."""
+    token = _tpu_compile.set(True)
+    try:
+        yield
+    finally:
+        _tpu_compile.reset(token)
 
 
 def gpu_interpret() -> bool:
