@@ -26,26 +26,28 @@ PROMPTS = [[5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33, 7, 8, 9, 10, 11, 12, 13, 1
 
 
 def record_step_logits(engine) -> list[torch.Tensor]:
-    """Every step's logits as rank 0's runner returns them (the rows it samples from)."""
-    execute = engine.runner.execute
+    """Every step's logits as rank 0's runner collects them (the rows it samples from)."""
+    collect = engine.runner.collect
     seen: list[torch.Tensor] = []
 
-    def recording(inputs):
-        logits = execute(inputs)
+    def recording(handle):
+        logits = collect(handle)
         if logits is not None:
             seen.append(logits.clone())
         return logits
 
-    engine.runner.execute = recording
+    engine.runner.collect = recording
     return seen
 
 
 def _compare(path, tp_size, pp_size, tol, prompts=PROMPTS, **options):
+    """One step at a time through the pipeline (lanes=1), each step split into micro-batches: every
+    step's logits equal one process's."""
     config = EngineConfig(model=path, device="cpu", num_kv_blocks=32, **options)
     single = LLMEngine(config)
     single_logits = record_step_logits(single)
     single_tokens = run_to_completion(single, prompts, GREEDY)
-    with TensorParallelEngine(config, tp_size=tp_size, pp_size=pp_size, timeout_s=30) as engine:
+    with TensorParallelEngine(config, tp_size=tp_size, pp_size=pp_size, timeout_s=30, lanes=1) as engine:
         workers = list(engine.workers)
         pp_logits = record_step_logits(engine)
         pp_tokens = run_to_completion(engine, prompts, GREEDY)

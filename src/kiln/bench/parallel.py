@@ -2,10 +2,11 @@
 and where each step's time goes: computing, or inside the communication.
 
     kiln bench parallel --tp 2 | --pp 2 | --tp 2 --pp 2 | --ep 2  [--model PATH] [--batch 8]
-                        [--max-tokens 32] [--micro-batches M] [--device cpu|cuda]
+                        [--max-tokens 32] [--micro-batches M] [--lanes L] [--device cpu|cuda]
 
 `--batch` greedy requests (ignore_eos) run together; tokens/s counts the tokens of the decode steps
-(after the first step, which prefills). Communication per decode step:
+(after every request has its first token). With pipeline lanes (`--lanes`, default --pp) a step is
+one lane's: its share of the requests. Communication per decode step:
   - rank 0's wall time inside torch.distributed's all_reduce (TP: 2 per layer + the embedding),
     all_to_all_single and all_gather (EP: the token dispatch / combine), gather (the logits);
     each includes waiting for the slowest rank (load imbalance), not only the transfer;
@@ -71,7 +72,9 @@ def decode_run(engine, batch: int, max_tokens: int) -> dict:
         engine.add_request(f"bench-{i}", prompt, params)
     stage_stats = getattr(engine, "stage_stats", None)
     with timed_collectives() as totals:
-        engine.step()  # the prefill
+        prefilled: set[str] = set()
+        while len(prefilled) < batch:  # the prefills (one step, or one per pipeline lane)
+            prefilled.update(out.request_id for out in engine.step())
         for entry in totals.values():
             entry[0], entry[1] = 0.0, 0
         before = stage_stats() if stage_stats else None
@@ -107,7 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models)")
     parser.add_argument(
-        "--micro-batches", type=int, default=None, help="pipeline micro-batches (default: --pp)"
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="pipeline micro-batches (default: 1 with lanes, else --pp)",
+    )
+    parser.add_argument(
+        "--lanes", type=int, default=None, help="pipeline steps in flight at once (default: --pp)"
     )
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded model)")
     parser.add_argument("--batch", type=int, default=8, help="requests decoded together")
@@ -137,11 +146,15 @@ def run(args: argparse.Namespace) -> int:
     }
     if not args.no_baseline:
         report["one_process"] = decode_run(LLMEngine(config), args.batch, args.max_tokens)
-    engine = start_engine(config, args.tp, ep_size=args.ep, pp_size=args.pp, micro_batches=args.micro_batches)
+    engine = start_engine(
+        config, args.tp, ep_size=args.ep, pp_size=args.pp, micro_batches=args.micro_batches, lanes=args.lanes
+    )
     if engine is None:  # a torchrun rank > 0
         return 0
     with engine:
         report[layout] = decode_run(engine, args.batch, args.max_tokens)
+        report[layout]["lanes"] = engine.lanes
+        report[layout]["micro_batches"] = engine.micro_batches if args.pp > 1 else None
         report[layout]["ranks"] = ranks
         report[layout]["threads_per_process"] = torch.get_num_threads()
     report["environment"] = environment()  # CPU model and ISA features, GPU, versions, commit

@@ -25,7 +25,10 @@ import atexit
 import dataclasses
 import functools
 import os
+import queue
 import sys
+import threading
+import time
 
 import torch
 
@@ -42,6 +45,7 @@ from kiln.distributed.groups import (
     pipeline_layout,
     rank_layout,
 )
+from kiln.distributed.pipeline_lanes import LaneScheduler
 from kiln.distributed.stage_runner import PipelineStageRunner
 from kiln.distributed.worker import agree_on_blocks, join_groups, load_shard, load_stage, spawn_main
 from kiln.engine.config import EngineConfig
@@ -55,13 +59,53 @@ from kiln.models.sharding import ShardPlan, check_expert_parallel, check_pipelin
 
 class StepBroadcaster:
     """Rank 0's ModelRunner hook (before_forward): sends each step's inputs, on the CPU, to the other
-    ranks, which run the same step on them (worker.serve_steps)."""
+    ranks, which run the same step on them (worker.serve_steps); `send` sends rank 0's other messages
+    (stats, stop) in the same order.
 
-    def __init__(self, group: TPGroup):
+    background: broadcast from a thread, in order, so that rank 0 goes on with the step. A gloo
+    broadcast returns on the root only when every rank has joined it, and the last pipeline stage
+    joins step t + 1 only after finishing step t: with several steps in flight (pipeline lanes),
+    waiting for it would stall the first stage. An error of the thread's broadcast is raised by the
+    next send or flush."""
+
+    def __init__(self, group: TPGroup, background: bool = False):
         self.group = group
+        self._queue: queue.Queue | None = None
+        self._error: BaseException | None = None
+        if background:
+            self._queue = queue.Queue()
+            threading.Thread(target=self._send_in_order, daemon=True, name="kiln-step-broadcast").start()
 
     def __call__(self, inputs: ModelInputs) -> None:
-        broadcast_object(("step", inputs.to("cpu")), self.group)
+        self.send(("step", inputs.to("cpu")))
+
+    def send(self, message: tuple) -> None:
+        if self._queue is None:
+            broadcast_object(message, self.group)
+            return
+        self._raise_error()
+        self._queue.put(message)
+
+    def flush(self) -> None:
+        """Return once every message sent so far is broadcast (each broadcast has the group's timeout)."""
+        if self._queue is not None:
+            self._queue.join()
+            self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"broadcasting a step to the workers failed: {self._error}") from self._error
+
+    def _send_in_order(self) -> None:
+        while True:
+            message = self._queue.get()
+            try:
+                if self._error is None:
+                    broadcast_object(message, self.group)
+            except BaseException as exc:  # kept for the engine's thread to raise
+                self._error = exc
+            finally:
+                self._queue.task_done()
 
 
 class TensorParallelEngine(LLMEngine):
@@ -75,7 +119,10 @@ class TensorParallelEngine(LLMEngine):
     dispatched to them with all-to-alls; docs/expert_parallel.md);
     pp_size: pipeline stages (tp_size x pp_size ranks in all; docs/pipeline_parallel.md);
     micro_batches: under pipeline parallelism, how many micro-batches (of whole sequences) a step is
-    split into at most (None = pp_size).
+    split into at most (None: 1 with lanes, else pp_size);
+    lanes: under pipeline parallelism, how many scheduler steps are in flight at once, each over its
+    own share of the requests (kiln.distributed.pipeline_lanes; None: pp_size, or 1 with speculative
+    decoding, whose proposer works step by step).
     """
 
     def __init__(
@@ -88,8 +135,19 @@ class TensorParallelEngine(LLMEngine):
         ep_size: int = 1,
         pp_size: int = 1,
         micro_batches: int | None = None,
+        lanes: int | None = None,
     ):
         config = config or EngineConfig()
+        if lanes is None:
+            lanes = pp_size if config.speculative is None else 1
+        if lanes < 1 or (lanes > 1 and (pp_size < 2 or config.speculative is not None)):
+            raise ValueError(
+                f"TensorParallelEngine: lanes={lanes}; several steps in flight need pipeline parallelism "
+                "(pp_size >= 2) and no speculative decoding, else use lanes=1"
+            )
+        self.lanes = lanes
+        self._in_flight: list = [None] * lanes
+        self._next_lane = 0
         if tp_size < 1 or pp_size < 1 or tp_size * pp_size < 2:
             raise ValueError(
                 f"TensorParallelEngine: tp_size={tp_size} x pp_size={pp_size}, expected at least 2 ranks "
@@ -102,7 +160,7 @@ class TensorParallelEngine(LLMEngine):
         device = config.resolved_device()
         check_ep_size(tp_size, ep_size)
         self.tp_size, self.ep_size, self.pp_size = tp_size, ep_size, pp_size
-        self.micro_batches = micro_batches or pp_size
+        self.micro_batches = micro_batches or (1 if lanes > 1 else pp_size)
         self.timeout_s = timeout_s
         self.workers = []
         self.group = None
@@ -142,9 +200,13 @@ class TensorParallelEngine(LLMEngine):
                 runner_class = functools.partial(
                     PipelineStageRunner, group=self.group, micro_batches=self.micro_batches
                 )
+            self.broadcaster = StepBroadcaster(self.group, background=lanes > 1)
             super().__init__(
-                config, loaded=loaded, before_forward=StepBroadcaster(self.group), runner_class=runner_class
+                config, loaded=loaded, before_forward=self.broadcaster, runner_class=runner_class
             )
+            if lanes > 1:
+                per_lane = -(-config.max_num_seqs // lanes)
+                self.scheduler = LaneScheduler([self.new_scheduler(per_lane) for _ in range(lanes)])
         except BaseException:
             self.shutdown()
             raise
@@ -203,7 +265,8 @@ class TensorParallelEngine(LLMEngine):
     def stage_stats(self) -> list[dict]:
         """Every rank's runner stats, in rank order (pipeline parallelism: compute and point-to-point
         wait seconds per rank, see PipelineStageRunner; {} for a tensor-parallel rank)."""
-        broadcast_object(("stats",), self.group)
+        self.broadcaster.send(("stats",))
+        self.broadcaster.flush()
         return all_gather_object(getattr(self.runner, "stats", {}), self.group)
 
     def dead_workers(self) -> list[str]:
@@ -225,7 +288,7 @@ class TensorParallelEngine(LLMEngine):
             self.shutdown()
             raise TensorParallelError(f"tensor-parallel worker died: {'; '.join(dead)}")
         try:
-            return super().step()
+            return self._lane_step() if self.lanes > 1 else super().step()
         except RuntimeError as exc:
             for process in self.workers:  # a worker killed a moment ago may not be reaped yet
                 process.join(timeout=1.0)
@@ -241,6 +304,30 @@ class TensorParallelEngine(LLMEngine):
             self.shutdown(graceful=False)
             raise TensorParallelError(message) from exc
 
+    def _lane_step(self) -> list[RequestOutput]:
+        """One step of the next lane (round robin): finish its step in flight (collect the logits,
+        sample, advance, detokenize), then schedule and launch its next one, which runs through the
+        pipeline behind the other lanes' steps."""
+        outputs = [self._output(seq) for seq in self._aborted]
+        self._aborted.clear()
+        self.step_times.steps += 1
+        lane = self._next_lane
+        self._next_lane = (lane + 1) % self.lanes
+        scheduler = self.scheduler.lanes[lane]
+        started, self._in_flight[lane] = self._in_flight[lane], None
+        if started is not None:
+            tokens, logprobs = self.runner.finish(started)
+            outputs.extend(self._advance(scheduler, started.batch, tokens, logprobs))
+        scheduling = time.perf_counter()
+        batch = scheduler.schedule()
+        self.step_times.add("schedule", time.perf_counter() - scheduling)
+        if batch.seqs:
+            self._in_flight[lane] = self.runner.start(batch)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return super().has_unfinished_requests() or any(s is not None for s in self._in_flight)
+
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers (a stop message, then SIGKILL for any still running after 5 s) and leave
         the process group. Idempotent."""
@@ -250,7 +337,12 @@ class TensorParallelEngine(LLMEngine):
         atexit.unregister(self.shutdown)
         if self.group is not None and graceful and not self.dead_workers():
             try:
-                broadcast_object(("stop",), self.group)
+                broadcaster = getattr(self, "broadcaster", None)
+                if broadcaster is None:  # start-up failed before the engine was built
+                    broadcast_object(("stop",), self.group)
+                else:
+                    broadcaster.send(("stop",))
+                    broadcaster.flush()
             except Exception:  # a worker already gone: the kills below clean up
                 graceful = False
         for process in self.workers:

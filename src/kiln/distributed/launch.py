@@ -41,10 +41,10 @@ def parallel_ranks(tp_size: int, ep_size: int = 1, pp_size: int = 1) -> int:
 
 def start_engine(
     config, tp_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, ep_size: int = 1, pp_size: int = 1,
-    micro_batches: int | None = None,
+    micro_batches: int | None = None, lanes: int | None = None,
 ):  # fmt: skip
     """A TensorParallelEngine on rank 0 over parallel_ranks(tp_size, ep_size, pp_size) ranks; None on a
-    torchrun rank > 0 once rank 0 has stopped."""
+    torchrun rank > 0 once rank 0 has stopped. micro_batches, lanes: see TensorParallelEngine."""
     ranks = parallel_ranks(tp_size, ep_size, pp_size)
     if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
         from kiln.distributed.worker import torchrun_main
@@ -61,5 +61,5 @@ def start_engine(
 
     return TensorParallelEngine(
         config, ranks // pp_size, timeout_s=timeout_s, ep_size=ep_size, pp_size=pp_size,
-        micro_batches=micro_batches,
+        micro_batches=micro_batches, lanes=lanes,
     )  # fmt: skip

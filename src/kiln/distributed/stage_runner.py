@@ -22,6 +22,7 @@ its (replicated) hidden to the same TP rank of the next stage, and only the last
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -33,6 +34,18 @@ from kiln.distributed.micro_batches import split_micro_batches
 from kiln.engine.model_runner import ModelInputs, ModelRunner
 
 LOGITS_TAG = 1 << 20  # + micro-batch index; hidden states use the micro-batch index
+
+
+@dataclass
+class _InFlight:
+    """A launched step on one rank: its micro-batches' logits (last stage, or rank 0 once received),
+    rank 0's pending logits receives (micro-batch, buffer, work), the pending sends (tensor, work; the
+    tensor kept alive until sent), and whether this rank returns the step's logits."""
+
+    logits_parts: list
+    receives: list
+    sends: list
+    returns_logits: bool
 
 
 class PipelineStageRunner(ModelRunner):
@@ -58,6 +71,14 @@ class PipelineStageRunner(ModelRunner):
     def execute(self, inputs: ModelInputs) -> torch.Tensor | None:
         """This rank's part of one step: float32 logits [len(sample_rows), vocab] on rank 0 (None when
         no row samples), None elsewhere. Every rank of the world calls it with the same inputs."""
+        return self.collect(self.launch(inputs))
+
+    @torch.inference_mode()
+    def launch(self, inputs: ModelInputs) -> _InFlight:
+        """This rank's compute of one step, its sends posted, and on rank 0 the receives of the step's
+        logits posted (in step order, so a later step's sends queue behind them as on the other side);
+        `collect` waits for them. Rank 0 (stage 0) can launch the next step while later stages still
+        run this one."""
         group, model = self.group, self.model
         micro = split_micro_batches(inputs, self.micro_batches)
         hidden_size, device = model.config.hidden_size, self.device
@@ -100,20 +121,28 @@ class PipelineStageRunner(ModelRunner):
                     logits_parts[m] = logits
                 self.stats["compute_s"] += time.perf_counter() - start
         # rank 0 asks for the logits only after posting its sends (NCCL runs a pair's p2p in order)
+        receives = []
         if group.rank == 0 and not group.sends_logits:
             vocab = model.config.vocab_size
             for m, part in enumerate(micro):
                 if part.sample_rows:
                     buffer = torch.empty((len(part.sample_rows), vocab), dtype=torch.float32, device=device)
-                    self._wait(dist.irecv(buffer, self._logits_source(), group=pipe, tag=LOGITS_TAG + m))
-                    logits_parts[m] = buffer
-        for _, work in sends:
-            self._wait(work)
+                    work = dist.irecv(buffer, self._logits_source(), group=pipe, tag=LOGITS_TAG + m)
+                    receives.append((m, buffer, work))
         self.stats["steps"] += 1
         self.stats["micro_batches"] += len(micro)
-        if group.rank != 0 or not inputs.sample_rows:
+        return _InFlight(logits_parts, receives, sends, group.rank == 0 and bool(inputs.sample_rows))
+
+    def collect(self, handle: _InFlight) -> torch.Tensor | None:
+        """Wait for a launched step's logits (rank 0) and sends: its logits as `execute` returns them."""
+        for m, buffer, work in handle.receives:
+            self._wait(work)
+            handle.logits_parts[m] = buffer
+        for _, work in handle.sends:
+            self._wait(work)
+        if not handle.returns_logits:
             return None
-        return torch.cat([p for p in logits_parts if p is not None])
+        return torch.cat([p for p in handle.logits_parts if p is not None])
 
     def _logits_source(self) -> int:
         return self.group.global_rank(self.group.pp_size - 1, 0)

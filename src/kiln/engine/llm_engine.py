@@ -21,7 +21,7 @@ from kiln.engine.kv_scales import engine_kv_calibration
 from kiln.engine.model_runner import ModelInputs, ModelRunner
 from kiln.engine.outputs import EngineStats, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.scheduler import Scheduler
+from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.sequence import Sequence
 
 
@@ -66,14 +66,7 @@ class LLMEngine:
         self.eos_token_ids = eos
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         spec = config.speculative
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.token_budget(self.device),
-            max_model_len=self.max_model_len,
-            eos_token_ids=eos,
-            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-        )
+        self.scheduler = self.new_scheduler(config.max_num_seqs)
         kv_cache_dtype = kv_cache_dtype_for(config, self.model)
         # one process or tensor parallelism (whose workers calibrate at the same point); not a pipeline
         kv_calibration = engine_kv_calibration(
@@ -107,6 +100,18 @@ class LLMEngine:
         self._aborted: list[Sequence] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+
+    def new_scheduler(self, max_num_seqs: int) -> Scheduler:
+        """A Scheduler over this engine's block manager, token budget, max_model_len and EOS ids."""
+        spec = self.config.speculative
+        return Scheduler(
+            self.block_manager,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=self.config.token_budget(self.device),
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+        )
 
     # ---- requests ----
     def add_request(
@@ -169,15 +174,32 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose(batch)
         tokens, logprobs = self.runner.run(batch)
+        outputs.extend(self._advance(self.scheduler, batch, tokens, logprobs))
+        return outputs
+
+    def _advance(self, scheduler, batch, tokens: list, logprobs: list) -> list[RequestOutput]:
+        """After a step ran: `scheduler` (the one that scheduled `batch`) advances its sequences by
+        the sampled `tokens`, which are detokenized; the outputs of the requests that got a token or
+        finished. A sequence aborted while its step was in flight (a pipeline's) is skipped."""
+        clock, times = time.perf_counter, self.step_times
+        if any(seq.is_finished for seq in batch.seqs):
+            keep = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
+            batch = ScheduledBatch(
+                [batch.seqs[i] for i in keep],
+                [batch.num_tokens[i] for i in keep],
+                [batch.spec_caps[i] for i in keep] if batch.spec_caps else [],
+            )
+            tokens, logprobs = [tokens[i] for i in keep], [logprobs[i] for i in keep]
         num_before = [seq.num_tokens for seq in batch.seqs]
         for seq, new in zip(batch.seqs, tokens, strict=True):
             if seq.spec_token_ids:
                 self.spec_verify_steps += 1
                 self.spec_accepted_tokens += len(new) - 1
         ran = clock()
-        advanced = self.scheduler.postprocess(batch, tokens)
+        advanced = scheduler.postprocess(batch, tokens)
         now = clock()
         times.add("postprocess", now - ran)
+        outputs = []
         new_logprobs = {id(seq): lp for seq, lp in zip(batch.seqs, logprobs, strict=True)}
         first_new = {id(seq): n for seq, n in zip(batch.seqs, num_before, strict=True)}
         for seq in advanced:

@@ -11,8 +11,10 @@ On the CPU with compile_cpu_decode, they run a forward compiled per the same pad
 
 One step: prepare (batch -> ModelInputs) -> before_forward hook (tensor parallelism: rank 0
 broadcasts the inputs to the other ranks, which run `execute` on them) -> execute (forward and the
-sampled rows' logits) -> sample. The model runs inside `kiln.ops.trusted_inputs()`: its ops' arguments
-are built here and by the model, so the public ops skip re-validating them.
+sampled rows' logits) -> sample. `run` does it all; `start` (up to launching the forward) and `finish`
+(collecting the logits and sampling) let a pipeline keep several steps in flight. The model runs
+inside `kiln.ops.trusted_inputs()`: its ops' arguments are built here and by the model, so the public
+ops skip re-validating them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ from kiln.models.attention_metadata import AttentionMetadata
 from kiln.ops.attention.validate import FP8_DTYPES
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StartedStep:
+    """A step between ModelRunner.start and .finish: its batch, the sequences of its sample rows, the
+    runner's handle on the forward in flight, and when it was launched (perf_counter)."""
+
+    batch: ScheduledBatch
+    sample_seqs: list
+    handle: object
+    launched: float
 
 
 @dataclass
@@ -236,20 +249,37 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
+    def launch(self, inputs: ModelInputs):
+        """Start the forward of one step; `collect` returns its logits. Here it runs to the end (the
+        handle is the logits); a pipeline stage returns while later stages still compute."""
+        return self.execute(inputs)
+
+    def collect(self, handle) -> torch.Tensor | None:
+        """The logits of a launched step (see execute)."""
+        return handle
+
     def run(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:
         """One model step. Returns, per scheduled seq, its new tokens ([] while its prefill is still
         incomplete; a verifying seq's accepted proposals and then one more token) and their logprobs
         entries (None unless requested)."""
-        clock = time.perf_counter
-        start = clock()
+        return self.finish(self.start(batch))
+
+    def start(self, batch: ScheduledBatch) -> StartedStep:
+        """The first half of `run`: prepare the batch, hand it to before_forward, launch the forward."""
+        start = time.perf_counter()
         inputs, sample_seqs = self.prepare(batch)
         if self.before_forward is not None:
             self.before_forward(inputs)
-        prepared = clock()
-        logits = self.execute(inputs)
-        executed = clock()
+        prepared = time.perf_counter()
         self.step_times.add("prepare", prepared - start)
-        self.step_times.add("forward", executed - prepared)
+        return StartedStep(batch, sample_seqs, self.launch(inputs), prepared)
+
+    def finish(self, started: StartedStep) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:
+        """The second half of `run`: collect the step's logits and sample (see run)."""
+        batch, sample_seqs = started.batch, started.sample_seqs
+        logits = self.collect(started.handle)
+        executed = time.perf_counter()
+        self.step_times.add("forward", executed - started.launched)
         tokens: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[dict[int, float]] | None] = [None] * len(batch)
         if logits is None:
@@ -279,5 +309,6 @@ class ModelRunner:
             for seq, new, lp in zip(spec_seqs, emitted, emitted_logprobs, strict=True):
                 tokens[where[id(seq)]] = new
                 logprobs[where[id(seq)]] = lp
-        self.step_times.add("sample", clock() - executed)  # on CUDA: includes waiting for the forward
+        # on CUDA: includes waiting for the forward
+        self.step_times.add("sample", time.perf_counter() - executed)
         return tokens, logprobs

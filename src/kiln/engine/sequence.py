@@ -48,6 +48,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.detokenizer = None  # set by the engine (kiln.engine.detokenizer.IncrementalDetokenizer)
+        self.lane = 0  # which scheduler lane runs it (kiln.distributed.pipeline_lanes)
         # speculative decoding: this step's proposed tokens (never part of token_ids, whose KV they get
         # only once verified), and the draft's distributions they were drawn from (None = deterministic)
         self.spec_token_ids: list[int] = []
