@@ -1,5 +1,6 @@
-"""Tensor-parallel failure behaviour: a worker that dies or hangs makes the engine fail fast with an
-error naming what happened (not hang), and no worker process outlives the engine or its driver."""
+"""Tensor- and expert-parallel failure behaviour: a worker that dies or hangs makes the engine fail
+fast with an error naming what happened (not hang), and no worker process outlives the engine or its
+driver."""
 
 import os
 import signal
@@ -107,3 +108,21 @@ def test_workers_exit_when_the_driver_process_is_killed(checkpoint):
     finally:
         driver.kill()
         driver.wait(timeout=10)
+
+
+def test_killed_expert_parallel_rank_fails_the_step_naming_it(tmp_path):
+    # EP 2 over a tiny Mixtral: the token dispatch's all-to-all needs the dead rank
+    from tests.distributed.moe_checkpoints import write_moe_checkpoint
+
+    config = EngineConfig(model=write_moe_checkpoint(tmp_path, "mixtral"), device="cpu", num_kv_blocks=16)
+    engine = TensorParallelEngine(config, tp_size=2, ep_size=2, timeout_s=20)
+    engine.add_request("r", [5, 6, 7, 8], PARAMS)
+    engine.step()
+    (worker,) = engine.workers
+    os.kill(worker.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 30
+    assert _gone(worker.pid)
