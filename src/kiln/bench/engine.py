@@ -74,8 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where to write the JSON results (default: bench/results/engine_<device>.json)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cpu-format", default=None, help="CPU linear weights: int4 | fp16 | bf16 | fp32")
-    parser.add_argument("--lm-head-format", default=None, help="CPU LM-head weights: fp16 | bf16 | fp32")
+    formats = "int4 | int8 | fp16 | bf16 | fp32"
+    parser.add_argument("--cpu-format", default=None, help=f"CPU linear weights: {formats}")
+    parser.add_argument("--lm-head-format", default=None, help=f"CPU LM-head weights: {formats}")
     parser.add_argument(
         "--compile-cpu-decode",
         action="store_true",

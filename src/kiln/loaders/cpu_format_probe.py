@@ -9,9 +9,10 @@ the same packed fp32 copy under "fp16" and "fp32"), in each candidate format, an
 
 Candidates (`KILN_CPU_FORMATS`, comma-separated, overrides them): "fp16" and "fp32" by default, the
 formats whose greedy tokens stay those of the checkpoint (fp16 holds GGUF block values to one rounding,
-fp32 exactly). "bf16" and "int4" (GGUF Q4 weights only) round activations to bfloat16 (~3e-2 logit
-error, flipping near-tied greedy choices), so they are candidates only when asked for:
-`KILN_CPU_FORMATS=fp16,fp32,bf16,int4`.
+fp32 exactly). "bf16", "int4" (GGUF Q4 weights only) and "int8" round activations to bfloat16 (~3e-2
+logit error, flipping near-tied greedy choices; int8 also requantizes the weights per output channel,
+which GGUF's 32-weight blocks resolve more finely), so they are candidates only when asked for:
+`KILN_CPU_FORMATS=fp16,fp32,bf16,int4,int8`.
 
 The choice is cached in Kiln's tuning cache (kiln.ops.tuned_configs, `$KILN_TUNE_CACHE`), keyed by CPU
 model, thread count, torch version, the candidates and the shapes and block type timed; a later load

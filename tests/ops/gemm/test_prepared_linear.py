@@ -46,8 +46,8 @@ def test_every_fuzz_case_on_the_cpu_backend_matches_float64(dtype):
 @needs_onednn
 def test_the_fuzz_shapes_reach_every_cpu_layout_with_one_and_several_rows():
     shapes = PREPARED_LINEAR.fuzz_shapes(random.Random(0))
-    assert _layouts_made_by_fuzz_shapes(torch.float32) >= {"onednn", "fp16_onednn", "int4"}
-    for fmt in ("fp32", "fp16", "bf16", "int4"):
+    assert _layouts_made_by_fuzz_shapes(torch.float32) >= {"onednn", "fp16_onednn", "int4", "int8_weight"}
+    for fmt in ("fp32", "fp16", "bf16", "int4", "int8"):
         rows = {s["M"] > 1 for s in shapes if s["format"] == fmt}
         assert rows == {False, True}, fmt
     assert {s["source"] for s in shapes if s["format"] == "int4"} == {"Q4_0", "Q4_1", "Q4_K"}
@@ -103,8 +103,35 @@ def test_int4_output_matches_float64_from_the_gguf_blocks(qtype, rows):
     assert_close(y, ref, 1.6e-2, f"int4 from {qtype}, {rows} rows")
 
 
+def test_int8_stores_per_channel_values_with_bf16_scales_and_runs_them():
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(37, 96, generator=g) * torch.rand(37, 1, generator=g)  # rows of unlike size
+    prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="int8")
+    assert prepared.layout == "int8_weight" and prepared.compute_dtype == torch.bfloat16
+    values, scales = prepared.tensors
+    assert values.dtype == torch.int8 and scales.dtype == torch.bfloat16 and values.abs().max() <= 127
+    # each row's largest value lands on (or, when the bf16 scale rounded down, clips to) +-127
+    assert (values.abs().amax(dim=1) == 127).all()
+    # the stored values are the nearest steps of the bf16 scale (a clipped one within 2^-8 of its row max)
+    matrix = prepared_matrix(prepared.layout, prepared.tensors)
+    step = scales.double()[:, None]
+    assert ((matrix - weight.double()).abs() <= step / 2 + weight.abs().amax(1, keepdim=True) * 2**-8).all()
+    x, bias = torch.randn(5, 96, generator=g), torch.randn(37, generator=g)
+    y = kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors, bias)
+    assert_close(y, x.double() @ matrix.T + bias.double(), 1.6e-2, "int8_weight, 5 rows")
+
+
+def test_int8_keeps_in_features_the_kernel_cannot_take_in_fp16_and_refuses_them_by_name():
+    odd = prepare_linear_weight(torch.randn(8, 40), device=CPU, dtype=torch.float32, cpu_format="int8")
+    assert odd.layout in ("fp16_onednn", "fp16_rows")
+    values = torch.ones(8, 40, dtype=torch.int8)
+    with pytest.raises(ValueError, match="in-features 40 are not a multiple of 16"):
+        kiln.ops.prepared_linear(torch.randn(2, 40), "int8_weight", [values, torch.ones(8).bfloat16()])
+
+
 @pytest.mark.parametrize(
-    "fmt, source", [("fp32", "float"), ("fp16", "float"), ("bf16", "float"), ("int4", "Q4_1")]
+    "fmt, source",
+    [("fp32", "float"), ("fp16", "float"), ("bf16", "float"), ("int4", "Q4_1"), ("int8", "Q4_1")],
 )
 def test_zero_rows_give_an_empty_result(fmt, source):
     inputs = PREPARED_LINEAR.make_inputs(
@@ -151,8 +178,8 @@ def test_arguments_are_validated_naming_the_problem():
 
 
 def test_unknown_cpu_format_is_refused_at_prepare():
-    with pytest.raises(ValueError, match="cpu_format 'int8'"):
-        prepare_linear_weight(torch.randn(8, 8), device=CPU, dtype=torch.float32, cpu_format="int8")
+    with pytest.raises(ValueError, match="cpu_format 'int2'"):
+        prepare_linear_weight(torch.randn(8, 8), device=CPU, dtype=torch.float32, cpu_format="int2")
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "int4"])

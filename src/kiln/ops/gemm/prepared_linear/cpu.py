@@ -7,6 +7,8 @@
   "fp16_rows"    the same without oneDNN: several rows through F.linear on the float32 copy;
   "int4"         PyTorch's weight-packed int4 CPU matmul, group size 32, bfloat16 activations (its
                  fast path); the bias is added in float32;
+  "int8_weight"  PyTorch's weight-only int8 CPU matmul (per-channel bf16 scales, bfloat16
+                 activations); the bias is added in float32;
   "dense"        F.linear in the matrix's dtype;
   "gguf_*"       kiln.ops.gguf_linear (CUDA's layout; runs here too, decoding the blocks every call);
   quantized checkpoint layouts (kiln.ops.gemm.quantized_layouts.run_quantized): W8A8 quantizes x
@@ -74,6 +76,14 @@ def _int4(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
+def _int8_weight(x, weight, bias, out_dtype):
+    values, scales = weight
+    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), values, scales)
+    if bias is not None:
+        y = y.float().add_(bias)
+    return y.to(out_dtype)
+
+
 def _gguf(qtype):
     def run(x, weight, bias, out_dtype):
         return gguf_linear(x, weight[0], qtype, bias).to(out_dtype)
@@ -87,6 +97,7 @@ KERNELS = {
     "fp16_onednn": _fp16_onednn,
     "fp16_rows": _fp16_rows,
     "int4": _int4,
+    "int8_weight": _int8_weight,
     **{layout: _gguf(qtype) for layout, qtype in GGUF_LAYOUTS.items()},
     **dict.fromkeys(QUANTIZED_LAYOUTS, run_quantized),
 }
@@ -101,5 +112,5 @@ def prepared_linear_cpu(x, layout, weight, bias=None, out_dtype=None):
 
 PREPARED_LINEAR.register(
     Implementation("cpu", prepared_linear_cpu, cpu_only,
-                   description="oneDNN-packed fp32/bf16, fp16 GEMV + packed fp32 copy, int4 CPU matmul")
+                   description="oneDNN fp32/bf16, fp16 GEMV + packed fp32 copy, int4 / int8 CPU matmuls")
 )  # fmt: skip

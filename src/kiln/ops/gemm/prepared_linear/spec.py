@@ -40,6 +40,7 @@ from kiln.ops.gemm.shapes import GEMM_TOLERANCE, SMOLLM2_135M, gemm_flops
 from kiln.ops.gemm.weight_formats import (
     GGUF_LAYOUTS,
     INT4_GROUP_SIZE,
+    INT8_K_MULTIPLE,
     LAYOUTS,
     prepare_linear_weight,
     prepared_matrix,
@@ -146,6 +147,18 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
     if layout == "int4":
         check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.uint8,), device=device)
         check_tensor(op, "weight[1]", weight[1], ndim=3, dtypes=(torch.bfloat16,), device=device)
+    elif layout == "int8_weight":
+        check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int8,), device=device)
+        check_tensor(op, "weight[1]", weight[1], ndim=1, dtypes=(torch.bfloat16,), device=device)
+        if weight[1].shape[0] != weight[0].shape[0]:
+            raise ValueError(
+                f"{op}: int8_weight scales have {weight[1].shape[0]} elements, expected {weight[0].shape[0]}"
+            )
+        if weight[0].shape[1] % INT8_K_MULTIPLE:
+            raise ValueError(
+                f"{op}: int8_weight in-features {weight[0].shape[1]} are not a multiple of "
+                f"{INT8_K_MULTIPLE} (torch's int8 CPU matmul)"
+            )
     elif layout in GGUF_LAYOUTS:
         validate_gguf_weight(op, weight[0], GGUF_LAYOUTS[layout], x.shape[-1], device)
     elif layout in QUANTIZED_LAYOUTS:
@@ -274,6 +287,9 @@ _FUZZ_FORMATS = (
     ("fp16", "Q8_0"),
     ("fp32", "Q4_1"),
     ("int4", "Q4_K"),
+    ("int8", "float"),  # in-features a multiple of 16: "int8_weight"
+    ("int8", "float"),  # any in-features: mostly the "fp16" layouts it falls back to
+    ("int8", "Q4_1"),
     ("fp16", "Q6_K"),
     ("gguf", "Q5_K"),
 )
@@ -284,6 +300,8 @@ def _fuzz_shapes(rng):
     for i, (fmt, source) in enumerate(_FUZZ_FORMATS):
         n = 16 * rng.randint(1, 6) if fmt == "int4" else rng.randint(1, 100)  # int4 packs 16 rows at once
         k = 32 * rng.randint(1, 8) if source != "float" else rng.randint(1, 300)  # GGUF: whole blocks
+        if fmt == "int8" and source == "float" and i % 2 == 0:
+            k = INT8_K_MULTIPLE * rng.randint(1, 18)
         if source in K_QUANTS:
             k = QK_K * rng.randint(1, 2)  # whole super-blocks
         for m in (1, rng.randint(2, 70)):
@@ -316,7 +334,7 @@ def _case_tolerance(shape, dtype) -> float:
         # the reference quantizes x as the kernel does (a tie resolved differently moves one
         # element by one step: rare); int4_linear rounds the dequantized weight to x's dtype.
         return max(GEMM_TOLERANCE[dtype], GEMM_TOLERANCE[torch.float32])
-    if fmt in ("bf16", "int4"):
+    if fmt in ("bf16", "int4", "int8"):
         inside = GEMM_TOLERANCE[torch.bfloat16]
     elif fmt == "fp16" and shape["M"] == 1:
         inside = GEMM_TOLERANCE[torch.float16]
@@ -338,6 +356,8 @@ def _weight_bytes(shape) -> float:
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
     if fmt == "int4":
         return N * K / 2 + N * K / 32 * 4
+    if fmt == "int8":
+        return N * K + N * 2
     if fmt == "fp16":
         return N * K * (2 if shape["M"] == 1 else 4)
     return N * K * (2 if fmt == "bf16" else 4)
@@ -359,7 +379,7 @@ def _torch_linear_fp32(x, layout, weight, bias=None, out_dtype=None):
 
 
 # The engine's CPU GEMMs: SmolLM2-135M's projections at decode sizes, in each CPU format.
-_BENCH_FORMATS = (("fp32", "float"), ("fp16", "float"), ("bf16", "float"), ("int4", "Q4_1"))
+_BENCH_FORMATS = (("fp32", "float"), ("fp16", "float"), ("bf16", "float"), ("int4", "Q4_1"), ("int8", "Q4_1"))
 
 PREPARED_LINEAR = OpSpec(
     name="prepared_linear",
