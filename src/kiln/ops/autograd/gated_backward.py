@@ -22,11 +22,16 @@ def gated_backward_torch(x: torch.Tensor, grad_y: torch.Tensor, activation: str)
     if activation == "silu":
         s = torch.sigmoid(gate)
         act, act_grad = gate * s, s * (1 + gate * (1 - s))
-    else:  # tanh-GELU: 0.5 a (1 + tanh(k (a + c a^3)))
+    else:
+        # tanh-GELU 0.5 a (1 + tanh(z)) = a sigmoid(2z), z = k (a + c a^3), written with sigmoids as
+        # the Triton kernel does: 1 + tanh(z) cancels in float32 for negative a (1e-4 relative error
+        # at a = -4), sigmoid(2z) does not.
         k = math.sqrt(2 / math.pi)
-        t = torch.tanh(k * (gate + 0.044715 * gate**3))
-        act = 0.5 * gate * (1 + t)
-        act_grad = 0.5 * (1 + t) + 0.5 * gate * (1 - t * t) * k * (1 + 3 * 0.044715 * gate * gate)
+        s = torch.sigmoid(2 * k * (gate + 0.044715 * gate**3))
+        act = gate * s
+        act_grad = s + gate * s * torch.sigmoid(-2 * k * (gate + 0.044715 * gate**3)) * (
+            2 * k * (1 + 3 * 0.044715 * gate * gate)
+        )
     return torch.cat([g * up * act_grad, g * act], dim=-1).to(x.dtype)
 
 

@@ -15,11 +15,12 @@ from kiln.ops.checks import FLOAT_DTYPES, check_nonempty_rows, check_tensor
 from kiln.ops.gemm.scaled import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, make_quantize_inputs
 from kiln.ops.gemm.shapes import fuzz_quantize_shapes, quantize_bytes, quantize_flops
 from kiln.ops.registry import OpSpec, define_op
-from kiln.ops.testing import compute_dtype
 
 
 def quantize_fp8_reference(x, per_token=True):
-    xf = x.to(compute_dtype(x.dtype))
+    # defined in float32, as every backend runs it (inputs up to float32 are exact there): a quotient
+    # on a rounding tie between two e4m3 values, common with fp16 / bf16 inputs, rounds as in float32
+    xf = x.to(torch.float32)
     amax = xf.abs().amax(dim=-1, keepdim=True) if per_token else xf.abs().amax().reshape(1)
     scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
@@ -50,10 +51,11 @@ QUANTIZE_FP8 = OpSpec(
     make_inputs=_make_inputs,
     fuzz_shapes=_fuzz_shapes,
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
-    # The fp8 values are rounded from x / scale computed in float32 vs float64: they agree except
-    # where the quotient lies within ~1e-7 of a rounding midpoint (one e4m3 step, 2^-3 relative,
-    # in a rare element); the scale itself is one float32 rounding.
-    tolerance={torch.float32: 1e-2, torch.float16: 1e-2, torch.bfloat16: 1e-2},
+    # The reference rounds x / scale as torch does in float32 (the CPU path matches it exactly). XLA
+    # divides by a broadcast scale as a product with its reciprocal (an ulp off), so the JAX backends
+    # round a quotient sitting on an e4m3 tie to the other neighbour: one step, 2^-3 of that element.
+    # bf16 inputs land on ties often: measured worst 9.2e-3 (xla, 120 cases), hence 2e-2 for bf16.
+    tolerance={torch.float32: 1e-2, torch.float16: 1e-2, torch.bfloat16: 2e-2},
     flops=quantize_flops,
     bytes=quantize_bytes,
     outputs=lambda result, inputs: result,

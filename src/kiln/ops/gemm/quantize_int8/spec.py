@@ -13,7 +13,6 @@ from kiln.ops.checks import FLOAT_DTYPES, check_nonempty_rows, check_tensor
 from kiln.ops.gemm.scaled import AMAX_FLOOR, INT8_MAX, make_quantize_inputs
 from kiln.ops.gemm.shapes import fuzz_quantize_shapes, quantize_bytes, quantize_flops
 from kiln.ops.registry import OpSpec, define_op
-from kiln.ops.testing import compute_dtype
 
 
 def round_half_away(v: torch.Tensor) -> torch.Tensor:
@@ -22,7 +21,8 @@ def round_half_away(v: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int8_reference(x):
-    xf = x.to(compute_dtype(x.dtype))
+    # defined in float32, as every backend runs it (see quantize_fp8's reference)
+    xf = x.to(torch.float32)
     scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR) / INT8_MAX
     return round_half_away(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
