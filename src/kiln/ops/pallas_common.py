@@ -157,3 +157,28 @@ def store_on_last_k(acc_ref, o_ref, bias_ref=None, k_axis: int = 2) -> None:
         if bias_ref is not None:
             out = out + bias_ref[...]
         o_ref[...] = out.astype(o_ref.dtype)
+
+
+def gpu_output_tiles_call(
+    kernel, operands: list, in_specs: list, out_dtype, m: int, n: int, block_m: int, block_n: int,
+    *, bias=None, num_stages: int, interpret,
+):  # fmt: skip
+    """A Pallas Triton GEMM over (M / block_m, N / block_n) output tiles: `kernel` writes one
+    [block_m, block_n] tile of the [round_up(m), round_up(n)] output, given `operands` / `in_specs`
+    (plus `bias` [n], zero-padded, as a [block_n] panel last when given); returns out[:m, :n]."""
+    from jax.experimental.pallas import triton as plgpu
+
+    mp, np_ = round_up(m, block_m), round_up(n, block_n)
+    if bias is not None:
+        operands = [*operands, pad_to(bias, 0, np_)]
+        in_specs = [*in_specs, pl.BlockSpec((block_n,), lambda i, j: (j,))]
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid=(mp // block_m, np_ // block_n),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=num_stages),
+        interpret=interpret,
+    )(*operands)
+    return out[:m, :n]

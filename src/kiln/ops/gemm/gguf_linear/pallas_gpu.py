@@ -23,7 +23,7 @@ from kiln.ops.gemm.gguf_linear.spec import GGUF_LINEAR
 from kiln.ops.gemm.gguf_linear.xla import gguf_linear_xla
 from kiln.ops.gemm.gguf_pallas_gpu import decode_weights, tile_k
 from kiln.ops.gemm.linear.xla import dot_weight_rows, gemm_precision, over_rows
-from kiln.ops.pallas_common import gpu_interpret, pad_to, round_up
+from kiln.ops.pallas_common import gpu_interpret, gpu_output_tiles_call, pad_to, round_up
 from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
 
 KERNEL_DTYPES = tuple(jnp.dtype(t) for t in ("float32", "float16", "bfloat16"))
@@ -52,7 +52,6 @@ def _kernel(x_ref, w_ref, *refs, qtype: str, block_n: int, block_k: int, num_k: 
 @functools.partial(jax.jit, static_argnames=("qtype", "blocks", "interpret"))
 def gguf_gemm_gpu(x2, qweight, qtype: str, bias, blocks, interpret):
     """x [M, K] @ decode(qweight [N, row_bytes])^T (+ bias [N]) -> [M, N] in x's dtype."""
-    from jax.experimental.pallas import triton as plgpu
 
     (m, k), n = x2.shape, qweight.shape[0]
     block_m, block_n, block_k = blocks or (
@@ -60,26 +59,16 @@ def gguf_gemm_gpu(x2, qweight, qtype: str, bias, blocks, interpret):
         min(64, max(16, pl.next_power_of_2(n))),
         tile_k(qtype, k, MAX_BLOCK_K),
     )
-    mp, np_ = round_up(m, block_m), round_up(n, block_n)
-    operands = [pad_to(x2, 0, mp), qweight]
+    operands = [pad_to(x2, 0, round_up(m, block_m)), qweight]
     # x's row panel (the kernel loads block_k slices of it); the whole weight, gathered from.
     in_specs = [pl.BlockSpec((block_m, k), lambda i, j: (i, 0)), pl.no_block_spec]
-    if bias is not None:
-        operands.append(pad_to(bias, 0, np_))
-        in_specs.append(pl.BlockSpec((block_n,), lambda i, j: (j,)))
     kernel = functools.partial(
         _kernel, qtype=qtype, block_n=block_n, block_k=block_k, num_k=k // block_k, has_bias=bias is not None
     )
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, np_), x2.dtype),
-        grid=(mp // block_m, np_ // block_n),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+    return gpu_output_tiles_call(
+        kernel, operands, in_specs, x2.dtype, m, n, block_m, block_n, bias=bias, num_stages=2,
         interpret=interpret,
-    )(*operands)
-    return out[:m, :n]
+    )  # fmt: skip
 
 
 def gguf_linear_pallas_gpu(x, qweight, qtype, bias=None, *, blocks=None, interpret=None):

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 
 from kiln.ops.gemm.linear.spec import LINEAR
 from kiln.ops.gemm.linear.xla import dot_weight_rows, gemm_precision, over_rows
-from kiln.ops.pallas_common import gpu_interpret, pad_to, round_up, squeezed
+from kiln.ops.pallas_common import gpu_interpret, gpu_output_tiles_call, pad_to, round_up, squeezed
 
 
 def _kernel(*refs, has_scale: bool, has_bias: bool, silu_mul: bool, block_k: int, num_k: int):
@@ -52,7 +52,6 @@ def _kernel(*refs, has_scale: bool, has_bias: bool, silu_mul: bool, block_k: int
 @functools.partial(jax.jit, static_argnames=("silu_mul", "blocks", "interpret"))
 def gemm_gpu(x, w, scale, bias, silu_mul: bool, blocks, interpret):
     """x [M, K] @ w [N or 2N, K]^T with xla.py's epilogues -> [M, N] in x's dtype."""
-    from jax.experimental.pallas import triton as plgpu
 
     (m, k), n = x.shape, w.shape[0] // 2 if silu_mul else w.shape[0]
     block_m, block_n, block_k = blocks or (
@@ -74,10 +73,9 @@ def gemm_gpu(x, w, scale, bias, silu_mul: bool, blocks, interpret):
     else:
         operands.append(pad_to(pad_to(w, 0, np_), 1, kp))
         in_specs.append(pl.BlockSpec((block_n, kp), lambda i, j: (j, 0)))
-    for vector in (scale, bias):
-        if vector is not None:
-            operands.append(pad_to(vector, 0, np_))
-            in_specs.append(pl.BlockSpec((block_n,), lambda i, j: (j,)))
+    if scale is not None:  # bias, when given, follows as the last operand (gpu_output_tiles_call)
+        operands.append(pad_to(scale, 0, np_))
+        in_specs.append(pl.BlockSpec((block_n,), lambda i, j: (j,)))
     kernel = functools.partial(
         _kernel,
         has_scale=scale is not None,
@@ -86,16 +84,10 @@ def gemm_gpu(x, w, scale, bias, silu_mul: bool, blocks, interpret):
         block_k=block_k,
         num_k=kp // block_k,
     )
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
-        grid=(mp // block_m, np_ // block_n),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+    return gpu_output_tiles_call(
+        kernel, operands, in_specs, x.dtype, m, n, block_m, block_n, bias=bias, num_stages=3,
         interpret=interpret,
-    )(*operands)
-    return out[:m, :n]
+    )  # fmt: skip
 
 
 def linear_pallas_gpu(x, weight, bias=None, *, blocks: tuple[int, int, int] | None = None, interpret=None):

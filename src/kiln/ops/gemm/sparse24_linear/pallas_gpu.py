@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 
 from kiln.ops.gemm.linear.xla import dot_weight_rows, gemm_precision, over_rows
 from kiln.ops.gemm.sparse24_linear.spec import SPARSE24_LINEAR
-from kiln.ops.pallas_common import gpu_interpret, pad_to, round_up
+from kiln.ops.pallas_common import gpu_interpret, gpu_output_tiles_call, pad_to, round_up
 
 
 def _expand_tile(v_ref, m_ref, rows, cols, k: int):
@@ -67,7 +67,6 @@ def _kernel(x_ref, v_ref, m_ref, *refs, block_n: int, block_k: int, num_k: int, 
 def sparse24_gemm_gpu(x2, values, meta, bias, blocks, interpret):
     """x [M, K] @ W^T (+ bias) with W the 2:4 weight (values [N, K/2], meta uint8 [N, ceil(K/8)])
     -> [M, N] in x's dtype."""
-    from jax.experimental.pallas import triton as plgpu
 
     (m, k), n = x2.shape, values.shape[0]
     block_m, block_n, block_k = blocks or (
@@ -75,26 +74,17 @@ def sparse24_gemm_gpu(x2, values, meta, bias, blocks, interpret):
         min(64, max(16, pl.next_power_of_2(n))),
         min(64, max(16, pl.next_power_of_2(k))),
     )
-    mp, np_, kp = round_up(m, block_m), round_up(n, block_n), round_up(k, block_k)
-    operands = [pad_to(pad_to(x2, 0, mp), 1, kp), values, meta]
+    kp = round_up(k, block_k)
+    operands = [pad_to(pad_to(x2, 0, round_up(m, block_m)), 1, kp), values, meta]
     # x's row panel (the kernel loads block_k slices of it); values and meta whole, gathered from.
     in_specs = [pl.BlockSpec((block_m, kp), lambda i, j: (i, 0)), pl.no_block_spec, pl.no_block_spec]
-    if bias is not None:
-        operands.append(pad_to(bias, 0, np_))
-        in_specs.append(pl.BlockSpec((block_n,), lambda i, j: (j,)))
     kernel = functools.partial(
         _kernel, block_n=block_n, block_k=block_k, num_k=kp // block_k, k=k, has_bias=bias is not None
     )
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, np_), x2.dtype),
-        grid=(mp // block_m, np_ // block_n),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+    return gpu_output_tiles_call(
+        kernel, operands, in_specs, x2.dtype, m, n, block_m, block_n, bias=bias, num_stages=2,
         interpret=interpret,
-    )(*operands)
-    return out[:m, :n]
+    )  # fmt: skip
 
 
 def sparse24_linear_pallas_gpu(x, values, meta, bias=None, *, blocks=None, interpret=None):
