@@ -1,7 +1,8 @@
 """Several scheduler steps in flight through the pipeline (kiln.distributed.pipeline_lanes), on the
 CPU over gloo: with 2 lanes rank 0 launches a lane's step while the other lane's is still in the
 later stage, and every request's greedy tokens and their top-5 logprobs equal one process's; a
-request aborted while its step is in flight is skipped; the lane scheduler balances and routes."""
+request aborted while its step is in flight is skipped; the lane scheduler balances and routes; and
+a SamplingError on rank 0 fails only its requests, not the ranks (under TP as under PP lanes)."""
 
 import os
 
@@ -129,3 +130,41 @@ def test_lane_scheduler_balances_requests_and_routes_finish_to_their_lane():
     late = Sequence("late", [4, 5], SamplingParams())
     scheduler.add(late)
     assert late.lane == 1
+
+
+@pytest.mark.parametrize("pp_size", [1, 2], ids=["tp2", "pp2_lanes"])
+def test_a_sampling_error_fails_only_its_requests_and_the_ranks_go_on(pp_size, tmp_path):
+    # rank 0 could not sample one request (SamplingError names it): that is not a rank failure, so the
+    # engine keeps its workers, the request is aborted as the server does, and the others complete.
+    from kiln.engine.sampler import SamplingError
+
+    path = write_checkpoint(tmp_path, "llama", num_hidden_layers=2)
+    config = EngineConfig(model=path, device="cpu", num_kv_blocks=32)
+    single = generate(LLMEngine(config), PROMPTS[:2])
+    tp_size = 2 if pp_size == 1 else 1
+    with TensorParallelEngine(config, tp_size=tp_size, pp_size=pp_size, timeout_s=30) as engine:
+        make_generators = engine.runner.sampler.make_generators
+        failed = {"done": False}
+
+        def fail_r0_once(seqs, device):
+            if not failed["done"] and any(s.request_id == "r0" for s in seqs):
+                failed["done"] = True
+                raise SamplingError({"r0": "cannot seed a generator (test)"})
+            return make_generators(seqs, device)
+
+        engine.runner.sampler.make_generators = fail_r0_once
+        for i, prompt in enumerate(PROMPTS[:2]):
+            engine.add_request(f"r{i}", prompt, PARAMS)
+        results = {}
+        while engine.has_unfinished_requests():
+            try:
+                outputs = engine.step()
+            except SamplingError as exc:
+                for request_id in exc.failures:
+                    engine.abort_request(request_id)
+                continue
+            for out in outputs:
+                results[out.request_id] = (list(out.token_ids), out.finish_reason)
+        assert failed["done"] and not engine.dead_workers()
+    assert results["r0"][1] == "abort"
+    assert results["r1"] == (single["r1"][0], "length")

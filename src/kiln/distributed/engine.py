@@ -52,6 +52,7 @@ from kiln.engine.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.model_runner import ModelInputs, ModelRunner
 from kiln.engine.outputs import RequestOutput
+from kiln.engine.sampler import SamplingError
 from kiln.loaders import open_checkpoint
 from kiln.models.layers.tp import TPGroup
 from kiln.models.sharding import ShardPlan, check_expert_parallel, check_pipeline_parallel, routed_experts
@@ -289,6 +290,8 @@ class TensorParallelEngine(LLMEngine):
             raise TensorParallelError(f"tensor-parallel worker died: {'; '.join(dead)}")
         try:
             return self._lane_step() if self.lanes > 1 else super().step()
+        except SamplingError:
+            raise  # rank 0 could not sample some requests: the ranks are fine (see LLMEngine.step)
         except RuntimeError as exc:
             for process in self.workers:  # a worker killed a moment ago may not be reaped yet
                 process.join(timeout=1.0)
