@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -171,4 +172,13 @@ def verify(
                 rows.append(row)
                 if progress:
                     progress(row)
+        _drop_jax_compilations()
     return rows
+
+
+def _drop_jax_compilations() -> None:
+    """Free the op's jitted JAX executables (one per shape and dtype): a whole-registry run on the CPU
+    compiles thousands (the Pallas interpreters' included) and ran out of memory keeping them all."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
