@@ -74,15 +74,19 @@ def test_confident_predictions_keep_float32_gradient_precision(backend, z_loss, 
         device = torch.device("cpu")
     g = torch.Generator().manual_seed(_seed())
     tokens, hidden, vocab = 6, 16, 50
-    h = torch.randn(tokens, hidden, generator=g)
-    w = torch.randn(vocab, hidden, generator=g)
-    labels = torch.randperm(vocab, generator=g)[:tokens]  # distinct: each token owns its label's row
-    # + 3 |h| max|w| to the label's logit: by Cauchy-Schwarz it then leads every other word
-    w[labels] += 3.0 * w.norm(dim=-1).max() * h / h.norm(dim=-1, keepdim=True)
-    logits = h.double() @ w.double().T
+    for _ in range(100):
+        h = torch.randn(tokens, hidden, generator=g)
+        w = torch.randn(vocab, hidden, generator=g)
+        labels = torch.randperm(vocab, generator=g)[:tokens]  # distinct: each token owns its label's row
+        # + 3 |h| max|w| to the label's logit: it then leads every unmodified word (Cauchy-Schwarz);
+        # another token's boosted label row can still win when the two h align: draw again then
+        w[labels] += 3.0 * w.norm(dim=-1).max() * h / h.norm(dim=-1, keepdim=True)
+        logits = h.double() @ w.double().T
+        runner_up = logits.scatter(1, labels[:, None], -torch.inf).amax(-1, keepdim=True)
+        gap = logits.gather(1, labels[:, None]) - runner_up
+        if (gap > 0).all():
+            break
     # scale each row's logits so the label leads the runner-up by 12 (p_y ~ 1 - 50 e^-12)
-    runner_up = logits.scatter(1, labels[:, None], -torch.inf).amax(-1, keepdim=True)
-    gap = logits.gather(1, labels[:, None]) - runner_up
     h = (h * (12.0 / gap).float()).to(device)
     w, labels = w.to(device), labels.to(device)
     ref = fused_linear_cross_entropy_reference(h.double(), w.double(), labels, z_loss=z_loss)
