@@ -32,12 +32,15 @@ def _sequence_grads(dout, q, k, v, out, lse, grad_lse, scale, causal, sliding_wi
         scores = scores.masked_fill(~visible_keys(q_len, k_len, causal, sliding_window, q.device), -math.inf)
     # A query that sees no key has lse -inf and only -inf scores: subtract 0 so exp gives 0, not NaN.
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    delta = (dout * out).sum(dim=-1)
-    if grad_lse is not None:
-        delta = delta - grad_lse
     probs_grouped = probs.view(num_kv_heads, rows, k_len)
     dv = torch.matmul(probs_grouped.transpose(1, 2), dout_grouped)
     dprobs = torch.matmul(dout_grouped, v.transpose(1, 2)).view(num_heads, q_len, k_len)
+    # delta = rowsum(dout * out) = rowsum(probs * dprobs); the second form, from the same dprobs, makes
+    # dprobs - delta cancel exactly where it should (one visible key: dq then comes from grad_lse
+    # alone; from out, the two sums rounded apart and left ~1e-5 relative noise in dq)
+    delta = (probs * dprobs).sum(dim=-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse
     dscores = probs * (dprobs - delta[..., None])
     if softcap is not None:
         dscores = dscores * (1.0 - capped * capped)
