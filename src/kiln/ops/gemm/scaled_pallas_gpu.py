@@ -111,9 +111,11 @@ def tiled_gemm_gpu(
     return out[:m, :n]
 
 
-def check_tiles(op: str, tiles) -> None:
-    """ValueError unless `tiles` is None or two powers of two >= 16 (Triton's dot)."""
+def check_tiles(op: str, tiles) -> tuple[int, int] | None:
+    """`tiles` as a tuple (hashable: a jit static argument), or None; ValueError unless it is None or
+    two powers of two >= 16 (Triton's dot)."""
     if tiles is None:
-        return
+        return None
     if len(tiles) != 2 or any(t < 16 or t & (t - 1) for t in tiles):
         raise ValueError(f"{op}: tiles {tuple(tiles)}, expected (block_m, block_n), powers of two >= 16")
+    return tuple(tiles)

@@ -83,8 +83,7 @@ def fp8_block_linear_pallas_gpu(
     (block_m, block_n) overrides the default output tile."""
     interpret = gpu_interpret() if interpret is None else interpret
     out_dtype = jnp_dtype(out_dtype)
-    check_tiles("fp8_block_linear", tiles)
-    tiles = None if tiles is None else tuple(tiles)
+    tiles = check_tiles("fp8_block_linear", tiles)
 
     def kernel():
         return block_fp8_gemm_gpu(

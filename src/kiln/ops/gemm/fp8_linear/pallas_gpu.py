@@ -22,8 +22,7 @@ def fp8_linear_pallas_gpu(
     overrides the default output tile."""
     interpret = gpu_interpret() if interpret is None else interpret
     out_dtype = jnp_dtype(out_dtype)
-    check_tiles("fp8_linear", tiles)
-    tiles = None if tiles is None else tuple(tiles)
+    tiles = check_tiles("fp8_linear", tiles)
 
     def kernel():
         return scaled_gemm_gpu(

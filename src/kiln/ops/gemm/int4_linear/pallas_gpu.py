@@ -77,8 +77,7 @@ def int4_linear_pallas_gpu(x, qweight, scales, zeros, group_size, *, tiles=None,
     """x [..., K] @ W^T with W the group-wise int4 weight (spec.py), dequantized in registers.
     `tiles` (block_m, block_n) overrides the default output tile."""
     interpret = gpu_interpret() if interpret is None else interpret
-    check_tiles("int4_linear", tiles)
-    tiles = None if tiles is None else tuple(tiles)
+    tiles = check_tiles("int4_linear", tiles)
 
     def kernel(x2):
         return int4_gemm_gpu(x2, qweight, scales, zeros, int(group_size), tiles, interpret)

@@ -76,8 +76,7 @@ def int8_linear_pallas_gpu(
     (block_m, block_n) overrides the default output tile."""
     interpret = gpu_interpret() if interpret is None else interpret
     out_dtype = jnp_dtype(out_dtype)
-    check_tiles("int8_linear", tiles)
-    tiles = None if tiles is None else tuple(tiles)
+    tiles = check_tiles("int8_linear", tiles)
 
     def kernel():
         return scaled_gemm_gpu(x_int8, x_scale, w_int8, w_scale, bias, out_dtype, None, tiles, interpret)
