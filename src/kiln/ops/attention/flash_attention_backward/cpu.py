@@ -16,9 +16,10 @@ from kiln.ops.registry import Implementation, cpu_only
 from kiln.ops.testing import compute_dtype
 
 
-def _sequence_grads(dout, q, k, v, out, lse, grad_lse, scale, causal, sliding_window, softcap):
-    """One sequence, heads first: dout/q/out [H, Lq, D], k/v [Hkv, Lk, D], lse/grad_lse [H, Lq]
-    (compute dtype). Returns dq [H, Lq, D], dk and dv [Hkv, Lk, D]."""
+def _sequence_grads(dout, q, k, v, lse, grad_lse, scale, causal, sliding_window, softcap):
+    """One sequence, heads first: dout/q [H, Lq, D], k/v [Hkv, Lk, D], lse/grad_lse [H, Lq] (compute
+    dtype). Returns dq [H, Lq, D], dk and dv [Hkv, Lk, D]. The forward's output is not needed: delta
+    comes from the recomputed probabilities."""
     num_heads, q_len, head_dim = q.shape
     num_kv_heads, k_len, _ = k.shape
     rows = (num_heads // num_kv_heads) * q_len  # a kv head's queries: its whole group
@@ -37,7 +38,7 @@ def _sequence_grads(dout, q, k, v, out, lse, grad_lse, scale, causal, sliding_wi
     dprobs = torch.matmul(dout_grouped, v.transpose(1, 2)).view(num_heads, q_len, k_len)
     # delta = rowsum(dout * out) = rowsum(probs * dprobs); the second form, from the same dprobs, makes
     # dprobs - delta cancel exactly where it should (one visible key: dq then comes from grad_lse
-    # alone; from out, the two sums rounded apart and left ~1e-5 relative noise in dq)
+    # alone; from the op's `out`, the two sums rounded apart and left ~1e-5 relative noise in dq)
     delta = (probs * dprobs).sum(dim=-1)
     if grad_lse is not None:
         delta = delta - grad_lse
@@ -70,8 +71,8 @@ def flash_attention_backward_cpu(
         seq_lse = lse[:, qs:qe].to(dtype)
         seq_grad_lse = grad_lse[:, qs:qe].to(dtype) if grad_lse is not None else None
         grads = _sequence_grads(
-            heads_first[0], heads_first[1], kv[0], kv[1], out[qs:qe].transpose(0, 1).to(dtype), seq_lse,
-            seq_grad_lse, scale, causal, sliding_window, softcap,
+            heads_first[0], heads_first[1], kv[0], kv[1], seq_lse, seq_grad_lse, scale, causal,
+            sliding_window, softcap,
         )  # fmt: skip
         dq[qs:qe] = grads[0].transpose(0, 1)
         dk[ks:ke] = grads[1].transpose(0, 1)
