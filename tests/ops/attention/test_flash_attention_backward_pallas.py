@@ -40,58 +40,38 @@ def test_flash_attention_backward_pallas_tpu_matches_float64():
     assert case.passed, case
 
 
-@pytest.mark.parametrize(
-    "dtype, shape",
-    [
-        (torch.float32, GQA_VARLEN_GRAD_LSE),
-        (  # window + soft-cap, GQA 2
-            torch.bfloat16,
-            {"seqlens_q": [29], "seqlens_k": [29], "num_heads": 4, "num_kv_heads": 2, "head_dim": 80,
-             "sliding_window": 7, "softcap": 5.0},
-        ),
-        (  # non-causal, more keys than queries
-            torch.float16,
-            {"seqlens_q": [18, 3], "seqlens_k": [40, 33], "num_heads": 2, "num_kv_heads": 2, "head_dim": 32,
-             "causal": False},
-        ),
-        (  # more queries than keys: the first 13 see no key (lse -inf, zero gradients)
-            torch.float32,
-            {"seqlens_q": [20], "seqlens_k": [7], "num_heads": 2, "num_kv_heads": 1, "head_dim": 64,
-             "grad_lse": True},
-        ),
-    ],
-)  # fmt: skip
-def test_flash_attention_backward_xla_matches_float64(dtype, shape):
-    """The plain jax.numpy backward (no autodiff: the spec's formulas from the saved LSE)."""
-    op, seed = get_op("flash_attention_backward"), random.randrange(2**31)
-    case = run_case(op, "xla", shape, dtype, CPU, seed=seed)
-    assert case.passed, case
+BACKWARD_SHAPES = [
+    GQA_VARLEN_GRAD_LSE,
+    # window + soft-cap, GQA 2, head_dim 80 (padded to 128 on the GPU)
+    {"seqlens_q": [29], "seqlens_k": [29], "num_heads": 4, "num_kv_heads": 2, "head_dim": 80,
+     "sliding_window": 7, "softcap": 5.0},
+    # non-causal, more keys than queries, head_dim 32
+    {"seqlens_q": [18, 3], "seqlens_k": [40, 33], "num_heads": 2, "num_kv_heads": 2, "head_dim": 32,
+     "causal": False},
+    # more queries than keys: the first 13 see no key (lse -inf, zero gradients)
+    {"seqlens_q": [20], "seqlens_k": [7], "num_heads": 2, "num_kv_heads": 1, "head_dim": 64,
+     "grad_lse": True},
+]  # fmt: skip
+# each backend takes the shapes in these dtypes (the half-precision pair swapped between them)
+BACKWARD_DTYPES = {
+    "xla": (torch.float32, torch.bfloat16, torch.float16, torch.float32),
+    "pallas_gpu": (torch.float32, torch.float16, torch.bfloat16, torch.float32),
+}
 
 
 @pytest.mark.parametrize(
-    "dtype, shape",
+    "backend, dtype, shape",
     [
-        (torch.float32, GQA_VARLEN_GRAD_LSE),
-        (  # window + soft-cap, GQA 2, head_dim 80 padded to 128
-            torch.float16,
-            {"seqlens_q": [29], "seqlens_k": [29], "num_heads": 4, "num_kv_heads": 2, "head_dim": 80,
-             "sliding_window": 7, "softcap": 5.0},
-        ),
-        (  # non-causal, more keys than queries, head_dim 32
-            torch.bfloat16,
-            {"seqlens_q": [18, 3], "seqlens_k": [40, 33], "num_heads": 2, "num_kv_heads": 2, "head_dim": 32,
-             "causal": False},
-        ),
-        (  # more queries than keys: the first 13 see no key (lse -inf, zero gradients)
-            torch.float32,
-            {"seqlens_q": [20], "seqlens_k": [7], "num_heads": 2, "num_kv_heads": 1, "head_dim": 64,
-             "grad_lse": True},
-        ),
+        (backend, dtype, shape)
+        for backend, dtypes in BACKWARD_DTYPES.items()
+        for dtype, shape in zip(dtypes, BACKWARD_SHAPES, strict=True)
     ],
-)  # fmt: skip
-def test_flash_attention_backward_pallas_gpu_matches_float64(dtype, shape):
+)
+def test_flash_attention_backward_xla_and_pallas_gpu_match_float64(backend, dtype, shape):
+    """xla: the plain jax.numpy backward (no autodiff: the spec's formulas from the saved LSE);
+    pallas_gpu: the dK/dV and dQ Triton kernels, interpreted."""
     op, seed = get_op("flash_attention_backward"), random.randrange(2**31)
-    case = run_case(op, "pallas_gpu", shape, dtype, CPU, seed=seed)
+    case = run_case(op, backend, shape, dtype, CPU, seed=seed)
     assert case.passed, case
 
 
