@@ -72,6 +72,18 @@ def _row_reference(logits, labels, vocab, label_smoothing, z_loss, scale):
     return rows.detach().numpy(), grad.numpy()
 
 
+def assert_rows_match(row_loss, grad, logits, labels, vocab, label_smoothing, z_loss, scale):
+    """A row kernel's losses [C] and gradient [C, padded vocab] against _row_reference: finite, zero on
+    padded columns and ignored rows (every 5th), 1e-5 / 1e-6 relative on the gradient / losses."""
+    ref_loss, ref_grad = _row_reference(logits, labels, vocab, label_smoothing, z_loss, scale)
+    grad = np.asarray(grad, np.float64)
+    assert np.isfinite(grad).all() and np.isfinite(np.asarray(row_loss)).all()
+    assert np.all(grad[:, vocab:] == 0.0), "padded columns must get a zero gradient"
+    assert np.all(grad[::5] == 0.0) and np.all(np.asarray(row_loss)[::5] == 0.0), "ignored rows"
+    assert np.linalg.norm(grad[:, :vocab] - ref_grad) / np.linalg.norm(ref_grad) < 1e-5
+    assert np.linalg.norm(np.asarray(row_loss, np.float64) - ref_loss) / np.linalg.norm(ref_loss) < 1e-6
+
+
 def test_tpu_row_kernel_over_several_row_tiles_and_vocab_blocks_has_no_races():
     interpret_state = pytest.importorskip("jax._src.pallas.mosaic.interpret.interpret_pallas_call")
     rows, vocab, label_smoothing, z_loss, scale = 128, 2100, 0.1, 1e-3, 0.37
@@ -90,13 +102,7 @@ def test_tpu_row_kernel_over_several_row_tiles_and_vocab_blocks_has_no_races():
     races = getattr(interpret_state, "races", None)
     if races is not None:
         assert races.races_found is False
-    ref_loss, ref_grad = _row_reference(logits, labels, vocab, label_smoothing, z_loss, scale)
-    grad = np.asarray(grad, np.float64)
-    assert np.isfinite(grad).all() and np.isfinite(np.asarray(row_loss)).all()
-    assert np.all(grad[:, vocab:] == 0.0), "padded columns must get a zero gradient"
-    assert np.all(grad[::5] == 0.0) and np.all(np.asarray(row_loss)[::5] == 0.0), "ignored rows"
-    assert np.linalg.norm(grad[:, :vocab] - ref_grad) / np.linalg.norm(ref_grad) < 1e-5
-    assert np.linalg.norm(np.asarray(row_loss, np.float64) - ref_loss) / np.linalg.norm(ref_loss) < 1e-6
+    assert_rows_match(row_loss, grad, logits, labels, vocab, label_smoothing, z_loss, scale)
 
 
 def test_fused_linear_cross_entropy_tpu_kernel_lowers_to_mosaic(lower_for_tpu):
@@ -129,13 +135,8 @@ def test_gpu_row_kernel_over_several_row_tiles_vocab_and_hidden_blocks_matches_f
         jnp.float32(scale), vocab, label_smoothing, z_loss, (16, 16, 16), interpret=True,
     )  # fmt: skip
     logits = np.asarray(h, np.float64) @ np.asarray(weight, np.float64).T + np.asarray(bias, np.float64)
-    ref_loss, ref_grad = _row_reference(logits, labels, vocab, label_smoothing, z_loss, scale)
-    grad = np.asarray(grad, np.float64)
-    assert grad.shape == (rows, 112) and np.isfinite(grad).all() and np.isfinite(np.asarray(row_loss)).all()
-    assert np.all(grad[:, vocab:] == 0.0), "padded columns must get a zero gradient"
-    assert np.all(grad[::5] == 0.0) and np.all(np.asarray(row_loss)[::5] == 0.0), "ignored rows"
-    assert np.linalg.norm(grad[:, :vocab] - ref_grad) / np.linalg.norm(ref_grad) < 1e-5
-    assert np.linalg.norm(np.asarray(row_loss, np.float64) - ref_loss) / np.linalg.norm(ref_loss) < 1e-6
+    assert np.asarray(grad).shape == (rows, 112)
+    assert_rows_match(row_loss, grad, logits, labels, vocab, label_smoothing, z_loss, scale)
 
 
 def test_fused_linear_cross_entropy_gpu_kernels_lower_to_triton(lower_for_gpu):
