@@ -74,21 +74,30 @@ def commit() -> dict[str, Any]:
 
 
 def cpu() -> dict[str, Any]:
-    """{"cpu_model", "cpu_flags"}: the model name and the ISA_FLAGS present, from /proc/cpuinfo."""
+    """{"cpu_model", "cpu_id", "cpu_flags"}: the model name, "family F model M stepping S" (virtual
+    machines often name only the vendor line, e.g. "AMD EPYC", for several generations; these tell
+    them apart) and the ISA_FLAGS present, from /proc/cpuinfo (None / [] where it is missing)."""
     model, flags = platform.processor() or None, []
+    ids: dict[str, str] = {}
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return {"cpu_model": model, "cpu_flags": flags}
+        return {"cpu_model": model, "cpu_id": None, "cpu_flags": flags}
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "model name" and value.strip():
-            model = value.strip()
-        elif key.strip() == "flags":
+        key, value = key.strip(), value.strip()
+        if key == "model name" and value:
+            model = value
+        elif key in ("cpu family", "model", "stepping"):
+            ids.setdefault(key, value)
+        elif key == "flags":
             present = set(value.split())
             flags = [flag for flag in ISA_FLAGS if flag in present]
-            break  # the first processor's block has both lines
-    return {"cpu_model": model, "cpu_flags": flags}
+            break  # the first processor's block has all these lines
+    cpu_id = " ".join(
+        f"{k.removeprefix('cpu ')} {ids[k]}" for k in ("cpu family", "model", "stepping") if k in ids
+    )
+    return {"cpu_model": model, "cpu_id": cpu_id or None, "cpu_flags": flags}
 
 
 def _version(module: str) -> str | None:

@@ -1,6 +1,7 @@
 """What a result records about where it ran: the commit (KILN_COMMIT, git, or .kiln-commit on a copy
 without .git), GPU, CPU and ISA, versions, and every fallback taken, with the affected rows marked."""
 
+import os
 import sys
 import threading
 
@@ -46,6 +47,8 @@ def test_environment_names_versions_cpu_and_gpu():
     env = environment.environment()
     assert env["torch"] == torch.__version__ and env["python"]
     assert set(env["cpu_flags"]) <= set(environment.ISA_FLAGS)
+    if os.path.exists("/proc/cpuinfo"):  # e.g. "family 25 model 17 stepping 1"
+        assert env["cpu_model"] and env["cpu_id"].startswith("family ")
     assert (env["gpu_name"] is None) == (not torch.cuda.is_available())
     assert env["fallbacks"] == []
 

@@ -44,6 +44,25 @@ def test_probe_choice_is_applied_and_cached_so_a_second_load_times_nothing(timed
     assert timed == [] and layouts(second) == ("onednn", "onednn")
 
 
+def test_another_cpu_generation_under_the_same_name_times_again(timed, monkeypatch):
+    # virtual machines report e.g. "AMD EPYC" for several generations: the family/model/stepping and
+    # the ISA flags are part of the key, so a cached choice from another one is not reused
+    host = {"cpu_model": "AMD EPYC", "cpu_id": "family 25 model 1 stepping 1", "cpu_flags": ["avx2"]}
+    monkeypatch.setattr(cpu_format_probe.environment, "cpu", lambda: dict(host))
+    cpu_format_probe.cpu_model_name.cache_clear()
+    monkeypatch.setattr(cpu_format_probe, "cpu_model_name", cpu_format_probe.cpu_model_name.__wrapped__)
+    load_model(MODEL, cpu_format="auto")
+    assert sorted(timed) == [(4, "fp16"), (4, "fp32")]
+    timed.clear()
+    load_model(MODEL, cpu_format="auto")
+    assert timed == []  # same host: cached
+    host.update(cpu_id="family 25 model 17 stepping 1", cpu_flags=["avx2", "avx512f", "avx512_bf16"])
+    load_model(MODEL, cpu_format="auto")
+    assert sorted(timed) == [(4, "fp16"), (4, "fp32")]
+    entries = json.loads(open(os.environ["KILN_TUNE_CACHE"]).read())["entries"]
+    assert any("model 17" in key and "avx512_bf16" in key for key in entries), list(entries)
+
+
 def test_explicit_format_overrides_the_probe(timed):
     loaded = load_model(MODEL, cpu_format="fp16", lm_head_format="fp16")
     assert timed == [] and layouts(loaded) == ("fp16_onednn", "fp16_onednn")

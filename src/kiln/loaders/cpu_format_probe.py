@@ -32,6 +32,7 @@ import warnings
 import torch
 
 import kiln.ops
+from kiln import environment
 from kiln.models.weights import GGUFWeight, WeightStore, cat_rows
 from kiln.ops import tuned_configs
 from kiln.ops.gemm.weight_formats import CPU_WEIGHT_FORMATS, INT4_QTYPES, prepare_linear_weight
@@ -45,20 +46,20 @@ REPEATS = 5  # timed passes per format; the median counts
 
 @functools.cache
 def cpu_model_name() -> str:
-    """The CPU's model name (/proc/cpuinfo "model name"; platform.processor() elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    """The CPU as the cache keys it: model name, family / model / stepping and ISA flags
+    (kiln.environment.cpu). The name alone is not enough: a virtual machine may report "AMD EPYC"
+    for several generations, whose fastest formats differ."""
+    info = environment.cpu()
+    name = info["cpu_model"] or platform.processor() or "unknown"
+    return (
+        f"{name} ({info['cpu_id'] or 'unknown id'}; {' '.join(info['cpu_flags']) or 'no listed ISA flags'})"
+    )
 
 
 def candidate_formats(weights: list) -> tuple[str, ...]:
     """The formats to time for `weights` (float tensors or GGUFWeights): KILN_CPU_FORMATS or
-    DEFAULT_CANDIDATES, without "int4" unless every weight is a GGUF Q4 matrix, without "gguf"."""
+    DEFAULT_CANDIDATES, without "int4" / "int4_bf16" unless every weight is a GGUF Q4 matrix, without
+    "gguf"."""
     names = os.environ.get("KILN_CPU_FORMATS")
     wanted = tuple(n.strip() for n in names.split(",") if n.strip()) if names else DEFAULT_CANDIDATES
     unknown = [n for n in wanted if n not in CPU_WEIGHT_FORMATS]
@@ -67,7 +68,7 @@ def candidate_formats(weights: list) -> tuple[str, ...]:
             f"KILN_CPU_FORMATS: unknown format(s) {unknown}, expected some of {CPU_WEIGHT_FORMATS}"
         )
     q4 = all(isinstance(w, GGUFWeight) and w.qtype in INT4_QTYPES for w in weights)
-    return tuple(n for n in wanted if n != "gguf" and (n != "int4" or q4))
+    return tuple(n for n in wanted if n != "gguf" and (not n.startswith("int4") or q4))
 
 
 def time_call(fn, repeats: int = REPEATS) -> float:
