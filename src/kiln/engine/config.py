@@ -29,8 +29,9 @@ class EngineConfig:
     enforce_eager: skip CUDA-graph capture on CUDA, and the compiled decode step on the CPU.
     compile_cpu_decode: on the CPU, decode through a forward compiled per padded batch size
         (kiln.engine.cpu_compiled_step; each size compiles on its first step, tens of seconds).
-    cpu_format, lm_head_format: how the loader keeps CPU linear / LM-head weights ("int4", "int8",
-        "fp16", "bf16", "fp32"; None = the loader's default), see kiln.models.layers.linear.
+    cpu_format, lm_head_format: how the loader keeps CPU linear / LM-head weights ("int4",
+        "int4_bf16", "int8", "fp16", "bf16", "fp32"; None = the loader's default), see
+        kiln.ops.gemm.weight_formats.
     speculative: speculative decoding (kiln.engine.speculative.SpeculativeConfig), None = off.
     kv_cache_dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn, one byte an
         element: 2x the blocks of a 16-bit cache, 4x those of a float32 one for the same budget). An

@@ -32,6 +32,10 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="engine on the CPU: decode through the compiled step (kiln.engine.cpu_compiled_step)",
     )
+    p.add_argument(
+        "--cpu-format", default=None, help="engine on the CPU: linear weight format (see kiln bench engine)"
+    )
+    p.add_argument("--lm-head-format", default=None, help="engine on the CPU: LM-head weight format")
     p.add_argument("--timed-steps", type=int, default=5, help="engine: unprofiled decode steps timed")
     p.add_argument("--trace", default=None, help="write a Chrome trace (chrome://tracing, Perfetto) here")
     p.add_argument("--top", type=int, default=30, help="kernels to list")
@@ -56,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
                 device=args.device,
                 timed_steps=args.timed_steps,
                 compile_cpu_decode=args.compile_cpu_decode,
+                cpu_format=args.cpu_format,
+                lm_head_format=args.lm_head_format,
             )
             report = engine_profile.report
         else:

@@ -95,11 +95,14 @@ def profile_engine_step(
     device: str | None = None,
     timed_steps: int = 5,
     compile_cpu_decode: bool = False,
+    cpu_format: str | None = None,
+    lm_head_format: str | None = None,
 ) -> EngineStepProfile:
     """Prefill `batch` identical-length requests, take one warm-up decode step, time `timed_steps`
     decode steps, then profile `steps` more (each one `engine.step()` covering the whole batch).
     model: a GGUF file, HF dir or `random:<preset>`; device: cpu | cuda (default: cuda when present).
-    compile_cpu_decode: EngineConfig's (the warm-up step compiles the batch's size)."""
+    compile_cpu_decode: EngineConfig's (the warm-up step compiles the batch's size); cpu_format,
+    lm_head_format: EngineConfig's CPU weight formats (None: the loader's choice)."""
     try:
         import kiln.engine as engine_module
     except ModuleNotFoundError as exc:
@@ -112,7 +115,12 @@ def profile_engine_step(
     )
     engine = engine_module.LLMEngine(
         engine_module.EngineConfig(
-            model=model, device=resolved, max_num_seqs=max(batch, 1), compile_cpu_decode=compile_cpu_decode
+            model=model,
+            device=resolved,
+            max_num_seqs=max(batch, 1),
+            compile_cpu_decode=compile_cpu_decode,
+            cpu_format=cpu_format,
+            lm_head_format=lm_head_format,
         )
     )
     waiting = {f"profile-{i}" for i in range(batch)}

@@ -47,7 +47,7 @@ def test_every_fuzz_case_on_the_cpu_backend_matches_float64(dtype):
 def test_the_fuzz_shapes_reach_every_cpu_layout_with_one_and_several_rows():
     shapes = PREPARED_LINEAR.fuzz_shapes(random.Random(0))
     assert _layouts_made_by_fuzz_shapes(torch.float32) >= {"onednn", "fp16_onednn", "int4", "int8_weight"}
-    for fmt in ("fp32", "fp16", "bf16", "int4", "int8"):
+    for fmt in ("fp32", "fp16", "bf16", "int4", "int4_bf16", "int8"):
         rows = {s["M"] > 1 for s in shapes if s["format"] == fmt}
         assert rows == {False, True}, fmt
     assert {s["source"] for s in shapes if s["format"] == "int4"} == {"Q4_0", "Q4_1", "Q4_K"}
@@ -103,6 +103,39 @@ def test_int4_output_matches_float64_from_the_gguf_blocks(qtype, rows):
     assert_close(y, ref, 1.6e-2, f"int4 from {qtype}, {rows} rows")
 
 
+def _packs_bf16() -> bool:
+    return weight_formats.onednn_pack(torch.ones(16, 32, dtype=torch.bfloat16)) is not None
+
+
+@pytest.mark.skipif(not _packs_bf16(), reason="oneDNN cannot pack bf16 on this CPU")
+def test_int4_bf16_runs_int4_at_one_row_and_a_bf16_copy_of_the_same_matrix_beyond():
+    g = torch.Generator().manual_seed(3)
+    gguf = _gguf("Q4_1", generator=g)
+    int4 = prepare_linear_weight(gguf, device=CPU, dtype=torch.float32, cpu_format="int4")
+    both = prepare_linear_weight(gguf, device=CPU, dtype=torch.float32, cpu_format="int4_bf16")
+    assert both.layout == "int4_onednn" and both.kind == "int4" and both.compute_dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(both.tensors[:2], int4.tensors, strict=True))
+    matrix = prepared_matrix(both.layout, both.tensors)
+    assert torch.equal(matrix, prepared_matrix(int4.layout, int4.tensors))
+    # the copy reads back (through oneDNN on an identity) as that matrix rounded to bf16, exactly
+    copy = weight_formats.onednn_linear(torch.eye(96, dtype=torch.bfloat16), both.tensors[2], None).T
+    assert torch.equal(copy, matrix.to(torch.bfloat16))
+    bias = torch.randn(48, generator=g)
+    one = torch.randn(1, 96, generator=g)
+    run = kiln.ops.prepared_linear
+    assert torch.equal(run(one, both.layout, both.tensors, bias), run(one, int4.layout, int4.tensors, bias))
+    rows = torch.randn(5, 96, generator=g)
+    y = run(rows, both.layout, both.tensors, bias)
+    on_copy = weight_formats.onednn_linear(rows.bfloat16(), both.tensors[2], None).float() + bias
+    assert torch.equal(y, on_copy)
+    assert_close(y, rows.double() @ matrix.T + bias.double(), 1.6e-2, "int4_bf16, 5 rows")
+    # a weight int4 cannot pack (Q8_0) gets the bf16 layout
+    q8 = prepare_linear_weight(
+        _gguf("Q8_0", generator=g), device=CPU, dtype=torch.float32, cpu_format="int4_bf16"
+    )
+    assert q8.layout == "onednn" and q8.compute_dtype == torch.bfloat16
+
+
 def test_int8_stores_per_channel_values_with_bf16_scales_and_runs_them():
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(37, 96, generator=g) * torch.rand(37, 1, generator=g)  # rows of unlike size
@@ -131,7 +164,14 @@ def test_int8_keeps_in_features_the_kernel_cannot_take_in_fp16_and_refuses_them_
 
 @pytest.mark.parametrize(
     "fmt, source",
-    [("fp32", "float"), ("fp16", "float"), ("bf16", "float"), ("int4", "Q4_1"), ("int8", "Q4_1")],
+    [
+        ("fp32", "float"),
+        ("fp16", "float"),
+        ("bf16", "float"),
+        ("int4", "Q4_1"),
+        ("int4_bf16", "Q4_1"),
+        ("int8", "Q4_1"),
+    ],
 )
 def test_zero_rows_give_an_empty_result(fmt, source):
     inputs = PREPARED_LINEAR.make_inputs(

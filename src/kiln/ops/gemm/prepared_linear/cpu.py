@@ -7,6 +7,7 @@
   "fp16_rows"    the same without oneDNN: several rows through F.linear on the float32 copy;
   "int4"         PyTorch's weight-packed int4 CPU matmul, group size 32, bfloat16 activations (its
                  fast path); the bias is added in float32;
+  "int4_onednn"  one row: as "int4"; several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
   "int8_weight"  PyTorch's weight-only int8 CPU matmul (per-channel bf16 scales, bfloat16
                  activations); the bias is added in float32;
   "dense"        F.linear in the matrix's dtype;
@@ -76,6 +77,17 @@ def _int4(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
+def _int4_onednn(x, weight, bias, out_dtype):
+    x = x.to(torch.bfloat16)
+    if x.shape[0] > 1:
+        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight[2], None, "none", [], "")
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight[0], INT4_GROUP_SIZE, weight[1])
+    if bias is not None:
+        y = y.float().add_(bias)
+    return y.to(out_dtype)
+
+
 def _int8_weight(x, weight, bias, out_dtype):
     values, scales = weight
     y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), values, scales)
@@ -97,6 +109,7 @@ KERNELS = {
     "fp16_onednn": _fp16_onednn,
     "fp16_rows": _fp16_rows,
     "int4": _int4,
+    "int4_onednn": _int4_onednn,
     "int8_weight": _int8_weight,
     **{layout: _gguf(qtype) for layout, qtype in GGUF_LAYOUTS.items()},
     **dict.fromkeys(QUANTIZED_LAYOUTS, run_quantized),
@@ -112,5 +125,5 @@ def prepared_linear_cpu(x, layout, weight, bias=None, out_dtype=None):
 
 PREPARED_LINEAR.register(
     Implementation("cpu", prepared_linear_cpu, cpu_only,
-                   description="oneDNN fp32/bf16, fp16 GEMV + packed fp32 copy, int4 / int8 CPU matmuls")
+                   description="oneDNN fp32/bf16, fp16 GEMV + packed fp32 copy, int4 (+ bf16), int8 matmuls")
 )  # fmt: skip

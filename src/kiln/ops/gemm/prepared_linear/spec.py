@@ -66,7 +66,7 @@ def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
 
 
 def _in_features(layout: str, weight) -> int | None:
-    if layout == "int4":
+    if layout in ("int4", "int4_onednn"):
         return weight[1].shape[0] * INT4_GROUP_SIZE  # scales_and_zeros [K / 32, N, 2]
     if layout in GGUF_LAYOUTS or layout in W4A16_LAYOUTS:
         return None  # validate_gguf_weight / _validate_w4a16 check the packing against x
@@ -144,7 +144,7 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
     if len(weight) != LAYOUTS[layout]:
         raise ValueError(f"{op}: layout {layout!r} holds {LAYOUTS[layout]} tensors, got {len(weight)}")
     device = device_of(x)
-    if layout == "int4":
+    if layout in ("int4", "int4_onednn"):  # int4_onednn's weight[2] is oneDNN's opaque packing
         check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.uint8,), device=device)
         check_tensor(op, "weight[1]", weight[1], ndim=3, dtypes=(torch.bfloat16,), device=device)
     elif layout == "int8_weight":
@@ -287,6 +287,7 @@ _FUZZ_FORMATS = (
     ("fp16", "Q8_0"),
     ("fp32", "Q4_1"),
     ("int4", "Q4_K"),
+    ("int4_bf16", "Q4_1"),  # "int4_onednn" where this CPU packs bf16, else "int4"
     ("int8", "float"),  # in-features a multiple of 16: "int8_weight"
     ("int8", "float"),  # any in-features: mostly the "fp16" layouts it falls back to
     ("int8", "Q4_1"),
@@ -298,7 +299,7 @@ _FUZZ_FORMATS = (
 def _fuzz_shapes(rng):
     shapes = []
     for i, (fmt, source) in enumerate(_FUZZ_FORMATS):
-        n = 16 * rng.randint(1, 6) if fmt == "int4" else rng.randint(1, 100)  # int4 packs 16 rows at once
+        n = 16 * rng.randint(1, 6) if fmt.startswith("int4") else rng.randint(1, 100)  # int4 packs 16 rows
         k = 32 * rng.randint(1, 8) if source != "float" else rng.randint(1, 300)  # GGUF: whole blocks
         if fmt == "int8" and source == "float" and i % 2 == 0:
             k = INT8_K_MULTIPLE * rng.randint(1, 18)
@@ -334,7 +335,7 @@ def _case_tolerance(shape, dtype) -> float:
         # the reference quantizes x as the kernel does (a tie resolved differently moves one
         # element by one step: rare); int4_linear rounds the dequantized weight to x's dtype.
         return max(GEMM_TOLERANCE[dtype], GEMM_TOLERANCE[torch.float32])
-    if fmt in ("bf16", "int4", "int8"):
+    if fmt in ("bf16", "int4", "int4_bf16", "int8"):  # int4_bf16's copy also rounds the weight to bf16
         inside = GEMM_TOLERANCE[torch.bfloat16]
     elif fmt == "fp16" and shape["M"] == 1:
         inside = GEMM_TOLERANCE[torch.float16]
@@ -354,8 +355,10 @@ def _weight_bytes(shape) -> float:
         return N * K * (4 if source.startswith(("fp8_d", "fp8_s", "int8")) else 1)  # CPU: float32 values
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
-    if fmt == "int4":
+    if fmt == "int4" or (fmt == "int4_bf16" and shape["M"] == 1):
         return N * K / 2 + N * K / 32 * 4
+    if fmt == "int4_bf16":  # several rows read the bf16 copy
+        return N * K * 2
     if fmt == "int8":
         return N * K + N * 2
     if fmt == "fp16":
@@ -379,7 +382,10 @@ def _torch_linear_fp32(x, layout, weight, bias=None, out_dtype=None):
 
 
 # The engine's CPU GEMMs: SmolLM2-135M's projections at decode sizes, in each CPU format.
-_BENCH_FORMATS = (("fp32", "float"), ("fp16", "float"), ("bf16", "float"), ("int4", "Q4_1"), ("int8", "Q4_1"))
+_BENCH_FORMATS = (
+    ("fp32", "float"), ("fp16", "float"), ("bf16", "float"),
+    ("int4", "Q4_1"), ("int4_bf16", "Q4_1"), ("int8", "Q4_1"),
+)  # fmt: skip
 
 PREPARED_LINEAR = OpSpec(
     name="prepared_linear",
