@@ -21,13 +21,18 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 def test_engine_benchmark_measures_every_concurrency_and_summarizes():
     args = _args(["--max-tokens", "5", "--prompt-len", "7", "--concurrency", "1,3", "--num-prompts", "4"])
+    args.ttft_prompt_len, args.ttft_repeats = 9, 2
     results = benchmark.bench_kiln(args, toy_loaded(), [1, 3])
     assert [(r.scenario, r.concurrency, r.output_tokens) for r in results] == [
         ("single-stream", 1, 5),
         ("concurrent", 3, 15),
+        ("ttft", 1, 1),
         ("offline", 4, 20),
     ]
-    assert all(r.tok_per_s > 0 and r.ttft_ms > 0 and r.tpot_ms > 0 for r in results)
+    runs = [r for r in results if r.scenario != "ttft"]
+    assert all(r.tok_per_s > 0 and r.ttft_ms > 0 and r.tpot_ms > 0 for r in runs)
+    ttft = results[2]  # the median of 2 timed prompts; tok/s is prompt tokens per second of it
+    assert ttft.ttft_ms == 1e3 * ttft.seconds > 0 and abs(ttft.tok_per_s - 9 / ttft.seconds) < 1e-6
     table = benchmark.markdown(results)
     assert table.count("\n") == len(results) + 1 and "| kiln | concurrent | 3 | 15 |" in table
     summary = benchmark.comparisons(results)
@@ -61,6 +66,7 @@ def test_engine_run_reports_machine_config_results_and_summary(tmp_path):
     out = tmp_path / "engine.json"
     argv = ["bench", "engine", "--model", "random:tiny", "--device", "cpu", "--concurrency", "1,2"]
     argv += ["--num-prompts", "2", "--max-tokens", "4", "--prompt-len", "8", "--hf-batches", ""]
+    argv += ["--ttft-prompt-len", "0"]
     assert main([*argv, "--no-llama-cpp", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert list(report) == ["machine", "environment", "config", "model", "results", "summary", "kiln"]
@@ -76,3 +82,26 @@ def test_engine_run_reports_machine_config_results_and_summary(tmp_path):
     scenarios = [(r["scenario"], r["concurrency"], r["output_tokens"]) for r in report["results"]]
     assert scenarios == [("single-stream", 1, 4), ("concurrent", 2, 8), ("offline", 2, 8)]
     assert report["summary"]["single_stream_tok_s"] == report["results"][0]["tok_per_s"]
+
+
+def test_summary_gives_ratios_to_each_peer_and_the_targets():
+    def row(system, scenario, c, tok_s, ttft_ms=None):
+        return benchmark.Result(system, scenario, c, 10, 1.0, tok_s, ttft_ms)
+
+    results = [
+        row("kiln", "single-stream", 1, 60.0),
+        row("kiln", "concurrent", 16, 450.0),
+        row("kiln", "ttft", 1, 900.0, ttft_ms=300.0),
+        row("kiln", "offline", 16, 999.0),
+        row("llama-cpp", "single-stream", 1, 120.0),
+        row("llama-cpp", "ttft", 1, 300.0, ttft_ms=900.0),
+        row("vllm", "single-stream", 1, 40.0),
+        row("vllm", "concurrent", 16, 300.0),
+    ]
+    summary = benchmark.comparisons(results)
+    assert summary["single_stream_tok_s"] == 60.0 and summary["concurrent16_tok_s"] == 450.0
+    assert summary["single_stream_vs_llama_cpp"] == 0.5 and not summary["single_stream_meets_1x_llama_cpp"]
+    assert summary["single_stream_vs_vllm"] == 1.5 and summary["concurrent16_vs_vllm"] == 1.5
+    assert summary["concurrent16_meets_1.5x_vllm"]
+    assert abs(summary["ttft_vs_llama_cpp"] - 1 / 3) < 1e-12 and not summary["ttft_meets_0.3x_llama_cpp"]
+    assert "single_stream_vs_hf" not in summary  # no HF rows in this run

