@@ -87,9 +87,12 @@ def run_vllm(
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
+    # vLLM's CPU backend otherwise reserves most of the host's memory for its KV cache, and fails to
+    # start beside the benchmark's own process; 2 GiB holds these runs many times over
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     try:
         done = subprocess.run(
-            [python, vllm_worker.__file__, f.name], capture_output=True, text=True, timeout=timeout
+            [python, vllm_worker.__file__, f.name], capture_output=True, text=True, timeout=timeout, env=env
         )
     finally:
         os.unlink(f.name)

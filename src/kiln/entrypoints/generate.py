@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from kiln.engine.cpu_args import add_cpu_arguments, cpu_config_from_args
 from kiln.engine.kv_cache_args import add_kv_cache_arguments
 from kiln.engine.speculative.args import add_speculative_arguments, speculative_config_from_args
 
@@ -29,11 +30,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS up to --max-tokens")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     add_kv_cache_arguments(parser)
-    parser.add_argument(
-        "--compile-cpu-decode",
-        action="store_true",
-        help="CPU: decode through a forward compiled per batch size (each size compiles on first use)",
-    )
+    add_cpu_arguments(parser)
     parser.add_argument(  # tensor parallelism (kiln.distributed; README: Tensor parallelism)
         "--tp", type=int, default=1, help="tensor-parallel processes (spawned here, or under torchrun)"
     )
@@ -75,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             speculative=speculative,
             kv_cache_dtype=args.kv_cache_dtype,
             kv_cache_scales=args.kv_cache_scales,
-            compile_cpu_decode=args.compile_cpu_decode,
+            **cpu_config_from_args(args),
         )
         if args.tp > 1 or args.ep > 1 or args.pp > 1:  # parallel: None on a torchrun rank > 0 (done)
             from kiln.distributed.launch import start_engine

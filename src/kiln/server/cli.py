@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kiln.engine.cpu_args import add_cpu_arguments, cpu_config_from_args
 from kiln.engine.kv_cache_args import add_kv_cache_arguments
 from kiln.engine.speculative.args import add_speculative_arguments, speculative_config_from_args
 
@@ -42,11 +43,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     add_kv_cache_arguments(parser)
-    parser.add_argument(
-        "--compile-cpu-decode",
-        action="store_true",
-        help="CPU: decode through a forward compiled per batch size (each size compiles on first use)",
-    )
+    add_cpu_arguments(parser)
     parser.add_argument("--served-model-name", default=None, help="the model id clients send")
     parser.add_argument("--log-level", default="info")
     parser.add_argument(  # tensor parallelism (kiln.distributed; README: Tensor parallelism)
@@ -88,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             speculative=speculative_config_from_args(args),
             kv_cache_dtype=args.kv_cache_dtype,
             kv_cache_scales=args.kv_cache_scales,
-            compile_cpu_decode=args.compile_cpu_decode,
+            **cpu_config_from_args(args),
         )
     except ValueError as exc:
         print(f"kiln serve: {exc}", file=sys.stderr)

@@ -1,0 +1,42 @@
+"""The CPU-engine command-line flags `kiln generate` and `kiln serve` share: the weight formats and
+the compiled decode step (EngineConfig's cpu_format, lm_head_format and compile_cpu_decode)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kiln.ops.gemm.weight_formats import CPU_WEIGHT_FORMATS
+
+
+def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
+    """--cpu-format F, --lm-head-format F (F in CPU_WEIGHT_FORMATS; default: the loader's choice,
+    timed on this host by kiln.loaders.cpu_format_probe) and --compile-cpu-decode."""
+    formats = ", ".join(CPU_WEIGHT_FORMATS)
+    parser.add_argument(
+        "--cpu-format",
+        choices=list(CPU_WEIGHT_FORMATS),
+        default=None,
+        help=f"CPU linear weights: {formats} (default: the fastest of fp16 / fp32, timed on this host "
+        "once and cached; int4_bf16 with --compile-cpu-decode is the fastest measured, with bf16 "
+        "activations)",
+    )
+    parser.add_argument(
+        "--lm-head-format",
+        choices=list(CPU_WEIGHT_FORMATS),
+        default=None,
+        help="CPU LM-head weights, as --cpu-format (default: timed on this host)",
+    )
+    parser.add_argument(
+        "--compile-cpu-decode",
+        action="store_true",
+        help="CPU: decode through a forward compiled per batch size (each size compiles on first use)",
+    )
+
+
+def cpu_config_from_args(args: argparse.Namespace) -> dict:
+    """EngineConfig keyword arguments from the flags above."""
+    return {
+        "cpu_format": args.cpu_format,
+        "lm_head_format": args.lm_head_format,
+        "compile_cpu_decode": args.compile_cpu_decode,
+    }
