@@ -1,0 +1,64 @@
+"""How far greedy decoding in each CPU weight format agrees with the float32 weights (the checkpoint's
+values, the format whose tokens equal HF transformers'), on the embedded SmolLM2-135M-Instruct.
+
+For each format (layers and LM head both in it; a weight the format cannot hold keeps the fallback
+kiln.ops.gemm.weight_formats gives it), the 8 prompts of scripts/fp8_kv_agreement.py, plain and
+through the chat template, generate --max-tokens greedy tokens; prints per prompt the leading tokens
+equal to the fp32 run's, and where they part the fp32 run's top-1 minus top-2 logprob there (a near
+tie, which any rounding can flip).
+
+    OMP_NUM_THREADS=2 python scripts/cpu_format_agreement.py --max-tokens 64 [--formats fp16,int4_bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--formats", default="fp16,bf16,int4,int4_bf16,int8")
+    args = parser.parse_args()
+
+    import torch
+    from fp8_kv_agreement import PROMPTS, leading_equal  # this folder is on sys.path
+
+    from kiln.engine import LLM, SamplingParams
+    from kiln.loaders import load_model
+    from kiln.ops.gemm.weight_formats import CPU_WEIGHT_FORMATS
+
+    formats = [f for f in args.formats.split(",") if f]
+    unknown = sorted(set(formats) - set(CPU_WEIGHT_FORMATS))
+    if unknown:
+        parser.error(f"unknown formats {unknown}; expected some of {', '.join(CPU_WEIGHT_FORMATS)}")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for fmt in ["fp32", *formats]:
+        loaded = load_model(device="cpu", dtype=torch.float32, cpu_format=fmt, lm_head_format=fmt)
+        prompts = {
+            "plain": [loaded.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS],
+            "chat": [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS],
+        }
+        llm = LLM(loaded=loaded, device="cpu", kv_cache_bytes=256 << 20)
+        runs[fmt] = {name: llm.generate(batch, params) for name, batch in prompts.items()}
+    for fmt in formats:
+        for name in ("plain", "chat"):
+            leads, gaps = [], []
+            for ref, out in zip(runs["fp32"][name], runs[fmt][name], strict=True):
+                lead = leading_equal(ref.token_ids, out.token_ids)
+                leads.append(lead)
+                if lead < len(ref.token_ids):
+                    top = sorted(ref.logprobs[lead].values(), reverse=True)
+                    gaps.append(round(top[0] - top[1], 3))
+            reached = sum(lead >= 16 for lead in leads)
+            print(
+                f"{fmt:9s} {name:5s} leading equal tokens {leads}; median {statistics.median(leads)}; "
+                f"{reached}/{len(leads)} reach 16; fp32 top-2 gaps where they part {gaps}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
