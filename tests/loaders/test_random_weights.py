@@ -131,8 +131,10 @@ def test_bench_engine_on_random_tiny_has_kiln_rows_and_skips_hf(tmp_path, capsys
     systems = {r["system"] for r in report["results"]}
     assert systems == {"kiln"}
     rows = {(r["scenario"], r["concurrency"]): r for r in report["results"]}
-    assert set(rows) == {("single-stream", 1), ("concurrent", 2), ("offline", 2)}
-    assert all(r["output_tokens"] == 4 * r["concurrency"] and r["tok_per_s"] > 0 for r in rows.values())
+    assert set(rows) == {("single-stream", 1), ("concurrent", 2), ("offline", 2), ("ttft", 1)}
+    runs = [r for (scenario, _), r in rows.items() if scenario != "ttft"]
+    assert all(r["output_tokens"] == 4 * r["concurrency"] and r["tok_per_s"] > 0 for r in runs)
+    assert rows["ttft", 1]["ttft_ms"] > 0  # a 270-token prompt (the default --ttft-prompt-len)
     assert "skipping HF transformers" in capsys.readouterr().err
 
 
