@@ -7,7 +7,12 @@ through the chat template, generate --max-tokens greedy tokens; prints per promp
 equal to the fp32 run's, and where they part the fp32 run's top-1 minus top-2 logprob there (a near
 tie, which any rounding can flip).
 
+By default the 8 prompts run as one batch, so prefill and decode give every layer several rows;
+--one-at-a-time runs each prompt alone, so decode takes the one-row paths (single-stream decode: the
+int4 kernel of "int4_bf16", the fp16 GEMV of "fp16").
+
     OMP_NUM_THREADS=2 python scripts/cpu_format_agreement.py --max-tokens 64 [--formats fp16,int4_bf16]
+        [--one-at-a-time]
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--formats", default="fp16,bf16,int4,int4_bf16,int8")
+    parser.add_argument("--one-at-a-time", action="store_true", help="one prompt per generate call")
     args = parser.parse_args()
 
     import torch
@@ -42,7 +48,10 @@ def main() -> None:
             "chat": [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS],
         }
         llm = LLM(loaded=loaded, device="cpu", kv_cache_bytes=256 << 20)
-        runs[fmt] = {name: llm.generate(batch, params) for name, batch in prompts.items()}
+        if args.one_at_a_time:
+            runs[fmt] = {name: [llm.generate([p], params)[0] for p in ps] for name, ps in prompts.items()}
+        else:
+            runs[fmt] = {name: llm.generate(batch, params) for name, batch in prompts.items()}
     for fmt in formats:
         for name in ("plain", "chat"):
             leads, gaps = [], []

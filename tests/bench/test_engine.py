@@ -69,7 +69,8 @@ def test_engine_run_reports_machine_config_results_and_summary(tmp_path):
     argv += ["--ttft-prompt-len", "0"]
     assert main([*argv, "--no-llama-cpp", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert list(report) == ["machine", "environment", "config", "model", "results", "summary", "kiln"]
+    keys = ["machine", "environment", "config", "model", "results", "summary", "kiln", "peers"]
+    assert list(report) == keys and report["peers"] == {}
     # the layouts of random:tiny's 2 x 4 projections and its LM head; decode ran eagerly
     layouts = report["kiln"]["weight_layouts"]
     assert sum(layouts["layers"].values()) == 8 and layouts["lm_head"] in layouts["layers"]

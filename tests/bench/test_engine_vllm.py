@@ -1,6 +1,6 @@
 """`kiln bench engine --vllm-python`: the job reaches vLLM's interpreter and its rows come back as
 Results. A stand-in `vllm` package (tmp_path) records what the worker asked of it, so this runs
-without vLLM; the real run is the developer's (docs: bench/results/*-cpu-engine-peers.json)."""
+without vLLM; the real runs are in bench/results/2026-11-24-cpu-engine-peers-*.json."""
 
 import argparse
 import json
@@ -13,7 +13,9 @@ from kiln.bench import engine as benchmark
 from kiln.bench import engine_vllm
 
 FAKE_VLLM = """
-import json, os
+import json, os, time
+
+__version__ = "0.0-fake"
 
 class _Out:
     def __init__(self, n):
@@ -35,6 +37,8 @@ class LLM:
 
     def generate(self, prompts, params, use_tqdm=True):
         ids = [p["prompt_token_ids"] for p in prompts]
+        if params.max_tokens == 1:  # a TTFT call: prompt i of the job takes 0.05 * i seconds
+            time.sleep(0.05 * (ids[0][0] % 10))
         self.log.write(json.dumps({"prompts": ids, "max_tokens": params.max_tokens}) + "\\n")
         self.log.flush()
         return [_Request(params.max_tokens) for _ in prompts]
@@ -80,12 +84,18 @@ def test_worker_runs_each_concurrency_after_a_warm_up_then_the_ttft_prompts(fake
     assert len(timed[0]) == 1 and timed[0] != runs[1] and len(timed[2]) == 4 and timed[2] != runs[4]
 
 
-def test_bench_vllm_turns_rows_into_results_and_drops_the_first_ttft(fake_vllm, tmp_path):
+def test_bench_vllm_turns_rows_into_results_and_drops_the_first_ttft(fake_vllm, tmp_path, monkeypatch):
     model = tmp_path / "hf"
     model.mkdir()
     args = argparse_args(["--max-tokens", "3", "--prompt-len", "4", "--ttft-prompt-len", "7"])
     args.vllm_python = sys.executable
-    results = benchmark.bench_vllm(args, str(model), vocab=1000, concurrencies=[1, 2])
+    # TTFT prompt i starts with token 10 * k + i, which the fake sleeps 0.05 * i seconds on
+    prompts = [[10 * 20 + i] * 7 for i in range(1 + args.ttft_repeats)]
+    monkeypatch.setattr(benchmark, "_ttft_prompts", lambda args, vocab: prompts)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    peers = {}
+    results = benchmark.bench_vllm(args, str(model), vocab=1000, concurrencies=[1, 2], info=peers)
     assert [(r.system, r.scenario, r.concurrency, r.output_tokens) for r in results] == [
         ("vllm", "single-stream", 1, 3),
         ("vllm", "concurrent", 2, 6),
@@ -94,6 +104,11 @@ def test_bench_vllm_turns_rows_into_results_and_drops_the_first_ttft(fake_vllm, 
     calls = [json.loads(line) for line in fake_vllm.read_text().splitlines()]
     ttft_calls = [c for c in calls if c.get("max_tokens") == 1]
     assert len(ttft_calls) == 1 + args.ttft_repeats and all(len(c["prompts"][0]) == 7 for c in ttft_calls)
+    # the untimed first prompt (0 s) is dropped: the median of 0.05, 0.10, 0.15 s
+    assert 0.09 < results[2].seconds < 0.2 and results[2].ttft_ms == 1e3 * results[2].seconds
+    # every core for vLLM's threads (its default reserves one), and a bounded KV cache
+    assert peers["vllm"]["version"] == "0.0-fake"
+    assert peers["vllm"]["env"] == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def test_a_failing_interpreter_is_named_with_its_output(tmp_path):

@@ -44,6 +44,7 @@ import torch
 
 from kiln.engine.speculative.args import add_speculative_arguments
 from kiln.environment import environment
+from kiln.ops.gemm.weight_formats import CPU_WEIGHT_FORMATS
 
 # issue 21's CPU targets, as ratios to peers measured in the same run on the same host
 TARGET_SINGLE_VS_LLAMA_CPP = 1.0  # single-stream tok/s, llama.cpp on the same GGUF
@@ -99,8 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     formats = "int4 | int4_bf16 | int8 | fp16 | bf16 | fp32"
-    parser.add_argument("--cpu-format", default=None, help=f"CPU linear weights: {formats}")
-    parser.add_argument("--lm-head-format", default=None, help=f"CPU LM-head weights: {formats}")
+    choices = [*CPU_WEIGHT_FORMATS, "auto"]
+    parser.add_argument("--cpu-format", choices=choices, default=None, help=f"CPU linear weights: {formats}")
+    parser.add_argument(
+        "--lm-head-format", choices=choices, default=None, help=f"CPU LM-head weights: {formats}"
+    )
     parser.add_argument(
         "--compile-cpu-decode",
         action="store_true",
@@ -372,13 +376,18 @@ def bench_llama_cpp(args, model_path: str, vocab: int) -> list[Result]:
     return results
 
 
-def bench_vllm(args, model_path: str, vocab: int, concurrencies: list[int]) -> list[Result]:
-    """vLLM's rows (kiln.bench.engine_vllm): the same prompts as Kiln's at each concurrency, and TTFT."""
+def bench_vllm(
+    args, model_path: str, vocab: int, concurrencies: list[int], info: dict | None = None
+) -> list[Result]:
+    """vLLM's rows (kiln.bench.engine_vllm): the same prompts as Kiln's at each concurrency, and TTFT.
+    `info` (when given; the report's "peers") gets "vllm": its version and VLLM_CPU_* settings."""
     from kiln.bench.engine_vllm import run_vllm
 
     runs = {c: _prompts(c, args.prompt_len, vocab, args.seed + c) for c in concurrencies}
     ttft_prompts = _ttft_prompts(args, vocab)
     rows = run_vllm(args.vllm_python, model_path, runs, args.max_tokens, ttft_prompts, args.vllm_dtype)
+    if info is not None and rows:
+        info["vllm"] = {"version": rows[0].get("vllm_version"), "env": rows[0].get("vllm_env", {})}
     results = []
     for row in rows:
         if row["scenario"] == "ttft":
@@ -457,6 +466,10 @@ def comparisons(results: list[Result]) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from kiln.loaders import default_model_path, load_model
+
+    if args.ttft_prompt_len > 0 and args.ttft_repeats < 1:
+        print(f"kiln bench engine: --ttft-repeats {args.ttft_repeats}, expected >= 1", file=sys.stderr)
+        return 2
     from kiln.loaders.random_weights import is_random_spec
 
     model_path = args.model or default_model_path()
@@ -483,6 +496,7 @@ def run(args: argparse.Namespace) -> int:
             args, device, model_path, results, summary, f"engine_spec_{args.speculative}_{device}.json"
         )
     kiln_info = {"weight_layouts": weight_layouts(loaded.model)}
+    peers: dict = {}  # what the baselines ran as (vLLM's version and settings)
     results = bench_kiln(args, loaded, concurrencies, kiln_info)
     del loaded
     if getattr(args, "jax", False):
@@ -494,9 +508,9 @@ def run(args: argparse.Namespace) -> int:
             _progress(results[-1])
     if is_random_spec(model_path):
         # no file for HF transformers or llama.cpp to load: only Kiln runs a random-weight model
-        if hf_batches or not args.no_llama_cpp:
+        if hf_batches or not args.no_llama_cpp or args.vllm_python:
             print(
-                f"skipping HF transformers and llama.cpp baselines: {model_path} has no model file",
+                f"skipping HF transformers, llama.cpp and vLLM baselines: {model_path} has no model file",
                 file=sys.stderr,
             )
     else:
@@ -509,9 +523,9 @@ def run(args: argparse.Namespace) -> int:
         ):
             results += bench_llama_cpp(args, model_path, vocab)
         if args.vllm_python:
-            results += bench_vllm(args, model_path, vocab, concurrencies)
+            results += bench_vllm(args, model_path, vocab, concurrencies, peers)
     return _report(
-        args, device, model_path, results, comparisons(results), f"engine_{device}.json", kiln_info
+        args, device, model_path, results, comparisons(results), f"engine_{device}.json", kiln_info, peers
     )
 
 
@@ -523,6 +537,7 @@ def _report(
     summary: dict,
     name: str,
     kiln_info: dict | None = None,
+    peers: dict | None = None,
 ) -> int:
     """Print the table and the summary, write the JSON (--json, else bench/results/<name>)."""
     report = {
@@ -543,6 +558,7 @@ def _report(
         # the weight layouts the loader chose (cpu_format None: timed on this host, see
         # kiln.loaders.cpu_format_probe) and the batch sizes whose decode ran compiled
         "kiln": kiln_info or {},
+        "peers": peers or {},
     }
     print(markdown(results))
     print()

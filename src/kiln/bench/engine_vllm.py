@@ -7,12 +7,19 @@ so a GGUF model is handed to it as an HF directory of the same weights: transfor
 file (exactly what the HF baseline loads) and saves it as safetensors once, under
 $KILN_CACHE_DIR (default ~/.cache/kiln)/hf-from-gguf/. vLLM computes in --vllm-dtype (default
 bfloat16, its CPU default).
+
+Cores: by default vLLM's CPU backend reserves one core per rank for its front end and scheduler and
+binds its OpenMP threads to the others: on a 2-core host its model would run on one core while Kiln
+and llama.cpp use both. The worker is started with VLLM_CPU_NUM_OF_RESERVED_CPU=0 (every core for
+its threads, as for the other systems) unless the caller's environment sets it; the rows record the
+VLLM_CPU_* settings used.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,7 +40,7 @@ def hf_directory(model_path: str) -> str:
         return model_path
     stat = os.stat(model_path)
     stem = os.path.basename(model_path)[: -len(".gguf")]
-    out = os.path.join(cache_dir(), "hf-from-gguf", f"{stem}-{stat.st_size}")
+    out = os.path.join(cache_dir(), "hf-from-gguf", f"{stem}-{stat.st_size}-{stat.st_mtime_ns}")
     if os.path.exists(os.path.join(out, "config.json")):
         return out
     import torch
@@ -46,7 +53,7 @@ def hf_directory(model_path: str) -> str:
     # the weights are already dequantized: save them as plain float32 tensors
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
-    tmp = out + ".partial"
+    tmp = out + f".partial-{os.getpid()}"
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, out)
@@ -87,17 +94,41 @@ def run_vllm(
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
-    # vLLM's CPU backend otherwise reserves most of the host's memory for its KV cache, and fails to
-    # start beside the benchmark's own process; 2 GiB holds these runs many times over
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    env = {**os.environ, **vllm_environment()}
+    # -P: the worker's folder (kiln/bench) must not shadow vLLM's modules; own session: on a timeout
+    # the whole group (vLLM's engine-core and worker processes too) is killed
+    worker = subprocess.Popen(
+        [python, "-P", vllm_worker.__file__, f.name],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
-        done = subprocess.run(
-            [python, vllm_worker.__file__, f.name], capture_output=True, text=True, timeout=timeout, env=env
-        )
+        stdout, stderr = worker.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(worker.pid, signal.SIGKILL)
+        stdout, stderr = worker.communicate()
+        raise RuntimeError(
+            f"vLLM worker ({python}) did not finish in {timeout:.0f} s:\n{stderr[-2000:]}"
+        ) from None
     finally:
         os.unlink(f.name)
-    rows = parse_results(done.stdout)
-    if done.returncode != 0 or not rows:
-        tail = (done.stdout + done.stderr)[-2000:]
-        raise RuntimeError(f"vLLM worker ({python}) exited with {done.returncode}:\n{tail}")
-    return rows
+    rows = parse_results(stdout)
+    expected = len(runs) + (1 if ttft_prompts else 0)
+    if len(rows) < expected:  # a failure after every row was printed (e.g. at shutdown) keeps them
+        tail = (stdout + stderr)[-2000:]
+        raise RuntimeError(f"vLLM worker ({python}) exited with {worker.returncode}:\n{tail}")
+    settings = {k: v for k, v in env.items() if k.startswith("VLLM_CPU_")}
+    return [{**row, "vllm_env": settings} for row in rows]
+
+
+def vllm_environment() -> dict[str, str]:
+    """The VLLM_CPU_* settings the worker gets: the caller's, else a 2 GiB KV cache (vLLM's CPU
+    backend otherwise reserves most of the host's memory and fails to start beside the benchmark)
+    and no reserved core (see the module docstring)."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+    }

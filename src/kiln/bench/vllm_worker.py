@@ -8,7 +8,7 @@ nothing from Kiln: `kiln.bench.engine_vllm` writes a job file and runs
 The job (JSON): {"model": HF directory, "dtype": "bfloat16", "max_tokens": int,
 "max_num_seqs": int, "max_model_len": int, "runs": {concurrency: [[token ids], ...]},
 "ttft_prompts": [[token ids], ...]}. The worker prints one JSON line per result, prefixed
-"KILN-RESULT " (vLLM logs on the same streams):
+"KILN-RESULT " (vLLM logs on the same streams), each with "vllm_version":
   {"scenario": "single-stream" | "concurrent", "concurrency", "output_tokens", "seconds"}: one offline
       `LLM.generate` of the run's prompts, greedy, ignore_eos, max_tokens each, after one untimed run
       of the same batch size on other prompts;
@@ -25,14 +25,15 @@ import time
 PREFIX = "KILN-RESULT "
 
 
-def _emit(row: dict) -> None:
-    print(PREFIX + json.dumps(row), flush=True)
+def _emit(row: dict, version: str) -> None:
+    print(PREFIX + json.dumps({**row, "vllm_version": version}), flush=True)
 
 
 def main() -> None:
     with open(sys.argv[1]) as f:
         job = json.load(f)
-    from vllm import LLM, SamplingParams  # vLLM's interpreter, not Kiln's
+    import vllm  # vLLM's interpreter, not Kiln's
+    from vllm import LLM, SamplingParams
 
     llm = LLM(
         model=job["model"],
@@ -56,7 +57,8 @@ def main() -> None:
                 "concurrency": c,
                 "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                 "seconds": seconds,
-            }
+            },
+            vllm.__version__,
         )
     if job.get("ttft_prompts"):
         seconds = []
@@ -64,7 +66,7 @@ def main() -> None:
             start = time.perf_counter()
             llm.generate([{"prompt_token_ids": prompt}], first, use_tqdm=False)
             seconds.append(time.perf_counter() - start)
-        _emit({"scenario": "ttft", "seconds": seconds})
+        _emit({"scenario": "ttft", "seconds": seconds}, vllm.__version__)
 
 
 if __name__ == "__main__":

@@ -9,20 +9,20 @@ from kiln.ops.gemm.weight_formats import CPU_WEIGHT_FORMATS
 
 
 def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
-    """--cpu-format F, --lm-head-format F (F in CPU_WEIGHT_FORMATS; default: the loader's choice,
-    timed on this host by kiln.loaders.cpu_format_probe) and --compile-cpu-decode."""
+    """--cpu-format F, --lm-head-format F (F in CPU_WEIGHT_FORMATS or "auto"; default: the loader's
+    choice, timed on this host by kiln.loaders.cpu_format_probe) and --compile-cpu-decode."""
     formats = ", ".join(CPU_WEIGHT_FORMATS)
     parser.add_argument(
         "--cpu-format",
-        choices=list(CPU_WEIGHT_FORMATS),
+        choices=[*CPU_WEIGHT_FORMATS, "auto"],
         default=None,
-        help=f"CPU linear weights: {formats} (default: the fastest of fp16 / fp32, timed on this host "
-        "once and cached; int4_bf16 with --compile-cpu-decode is the fastest measured, with bf16 "
-        "activations)",
+        help=f"CPU linear weights: {formats}, or auto (timed on this host, any checkpoint). Default: "
+        "for GGUF files the faster of fp16 / fp32, timed on this host once and cached. int4_bf16 "
+        "with --compile-cpu-decode is the fastest measured, with bf16 activations",
     )
     parser.add_argument(
         "--lm-head-format",
-        choices=list(CPU_WEIGHT_FORMATS),
+        choices=[*CPU_WEIGHT_FORMATS, "auto"],
         default=None,
         help="CPU LM-head weights, as --cpu-format (default: timed on this host)",
     )

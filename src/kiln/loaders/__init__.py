@@ -147,9 +147,10 @@ def load_model(
     path: a model path as above (None = the embedded model), or a Checkpoint from open_checkpoint.
     device: where weights and activations live; dtype: activation dtype (default float32 on CPU,
     bfloat16 on CUDA). cpu_format / lm_head_format: how CPU linear weights are stored, one of
-    kiln.models.layers.linear.CPU_WEIGHT_FORMATS ("int4" applies to GGUF Q4_0/Q4_1 matrices only,
-    others are kept dense in the model dtype), or "auto". None: for GGUF files on the CPU, the format
-    a short timed probe picks on this host (kiln.loaders.cpu_format_probe, cached per CPU model; on
+    kiln.models.layers.linear.CPU_WEIGHT_FORMATS ("int4" / "int4_bf16" apply to GGUF Q4_0/Q4_1/Q4_K
+    and int4 checkpoint matrices only; others are kept dense, "int4_bf16"'s in bf16), or "auto".
+    None: for GGUF files on the CPU, the format a short timed probe picks on this host
+    (kiln.loaders.cpu_format_probe, cached per CPU; on
     failure DEFAULT_CPU_FORMAT / DEFAULT_LM_HEAD_FORMAT), the model dtype for HF checkpoints. "auto":
     the probe for any checkpoint.
     tp_group: build this rank's shard of the model (kiln.models.sharding: each weight is sliced as it

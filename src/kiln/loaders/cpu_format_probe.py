@@ -12,10 +12,12 @@ formats whose greedy tokens stay those of the checkpoint (fp16 holds GGUF block 
 fp32 exactly). "bf16", "int4" (GGUF Q4 weights only) and "int8" round activations to bfloat16 (~3e-2
 logit error, flipping near-tied greedy choices; int8 also requantizes the weights per output channel,
 which GGUF's 32-weight blocks resolve more finely), so they are candidates only when asked for:
-`KILN_CPU_FORMATS=fp16,fp32,bf16,int4,int8`.
+`KILN_CPU_FORMATS=fp16,fp32,bf16,int4,int8`. "int4_bf16" runs the same kernel as "int4" at one row
+(it differs at several), so the one-row probe cannot tell those two apart: list only one of them.
 
-The choice is cached in Kiln's tuning cache (kiln.ops.tuned_configs, `$KILN_TUNE_CACHE`), keyed by CPU
-model, thread count, torch version, the candidates and the shapes and block type timed; a later load
+The choice is cached in Kiln's tuning cache (kiln.ops.tuned_configs, `$KILN_TUNE_CACHE`), keyed by the
+CPU (`cpu_model_name`: name, family / model / stepping, ISA flags), thread count, torch version, the
+candidates and the shapes and block type timed; a later load
 reads it without timing anything. `KILN_CPU_FORMAT_PROBE=1` re-times and overwrites it; an explicit
 cpu_format skips all of this. An unreadable cache or entry is ignored with a warning (and re-timed).
 """

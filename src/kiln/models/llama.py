@@ -196,7 +196,7 @@ class LlamaForCausalLM(torch.nn.Module):
             rank 0; the other ranks get their vocabulary slice)
 
     dtype: activation dtype (float32 on CPU by default); kv_cache_dtype: what the engine should allocate.
-    cpu_format: how CPU linear weights are kept ("int4" for GGUF Q4 weights, else "fp32"/"fp16"/"bf16");
+    cpu_format: how CPU linear weights are kept (kiln.ops.gemm.weight_formats.CPU_WEIGHT_FORMATS);
     lm_head_format: the same for the LM head.
     tp_group: build this rank's shard of the model (`weights` are the whole checkpoint's; each tensor is
     sliced as it is read). model.config then has the rank's head and intermediate sizes (the KV cache

@@ -129,6 +129,10 @@ def test_int4_bf16_runs_int4_at_one_row_and_a_bf16_copy_of_the_same_matrix_beyon
     on_copy = weight_formats.onednn_linear(rows.bfloat16(), both.tensors[2], None).float() + bias
     assert torch.equal(y, on_copy)
     assert_close(y, rows.double() @ matrix.T + bias.double(), 1.6e-2, "int4_bf16, 5 rows")
+    # a copy of another matrix is refused by name, not left to oneDNN's primitive error
+    other = weight_formats.onednn_pack(torch.ones(32, 96, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"int4_onednn copy has shape \(32, 96\), expected \(48, 96\)"):
+        run(rows, both.layout, [*both.tensors[:2], other], bias)
     # a weight int4 cannot pack (Q8_0) gets the bf16 layout
     q8 = prepare_linear_weight(
         _gguf("Q8_0", generator=g), device=CPU, dtype=torch.float32, cpu_format="int4_bf16"

@@ -4,6 +4,7 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
 
     x:         [M, K] float32 / float16 / bfloat16
     layout:    a PreparedLinearWeight's layout ("dense", "onednn", "fp16_onednn", "fp16_rows", "int4",
+               "int4_onednn",
                "gguf_<qtype>" for the GGUF block types of kiln.ops.gguf_linear; the quantized
                checkpoint layouts of kiln.ops.gemm.quantized_layouts: "fp8_dynamic", "fp8_static",
                "int8_dynamic", "int8_static", "w4a16_g<gs>[_perm]", "fp8_block<bn>x<bk>")
@@ -144,9 +145,16 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
     if len(weight) != LAYOUTS[layout]:
         raise ValueError(f"{op}: layout {layout!r} holds {LAYOUTS[layout]} tensors, got {len(weight)}")
     device = device_of(x)
-    if layout in ("int4", "int4_onednn"):  # int4_onednn's weight[2] is oneDNN's opaque packing
+    if layout in ("int4", "int4_onednn"):
         check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.uint8,), device=device)
         check_tensor(op, "weight[1]", weight[1], ndim=3, dtypes=(torch.bfloat16,), device=device)
+        if layout == "int4_onednn":  # oneDNN's packing of the bf16 copy reports the matrix's shape
+            check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(torch.bfloat16,), device=device)
+            expected = (weight[1].shape[1], weight[1].shape[0] * INT4_GROUP_SIZE)
+            if tuple(weight[2].shape) != expected:
+                raise ValueError(
+                    f"{op}: int4_onednn copy has shape {tuple(weight[2].shape)}, expected {expected}"
+                )
     elif layout == "int8_weight":
         check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int8,), device=device)
         check_tensor(op, "weight[1]", weight[1], ndim=1, dtypes=(torch.bfloat16,), device=device)
