@@ -43,9 +43,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kiln.engine.cpu_args import add_cpu_arguments
 from kiln.engine.speculative.args import add_speculative_arguments
 from kiln.environment import environment
-from kiln.ops.gemm.weight_formats import CPU_WEIGHT_FORMATS
 
 # issue 21's CPU targets, as ratios to peers measured in the same run on the same host
 TARGET_SINGLE_VS_LLAMA_CPP = 1.0  # single-stream tok/s, llama.cpp on the same GGUF
@@ -100,17 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where to write the JSON results (default: bench/results/engine_<device>.json)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    formats = "int4 | int4_bf16 | int8 | fp16 | bf16 | fp32"
-    choices = [*CPU_WEIGHT_FORMATS, "auto"]
-    parser.add_argument("--cpu-format", choices=choices, default=None, help=f"CPU linear weights: {formats}")
-    parser.add_argument(
-        "--lm-head-format", choices=choices, default=None, help=f"CPU LM-head weights: {formats}"
-    )
-    parser.add_argument(
-        "--compile-cpu-decode",
-        action="store_true",
-        help="CPU: decode through the compiled step (each concurrency's batch size compiles in the warm-up)",
-    )
+    add_cpu_arguments(parser)  # --cpu-format, --lm-head-format, --compile-cpu-decode (as kiln generate)
     parser.add_argument(
         "--threads",
         type=int,
@@ -468,11 +458,11 @@ def comparisons(results: list[Result]) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from kiln.loaders import default_model_path, load_model
+    from kiln.loaders.random_weights import is_random_spec
 
     if args.ttft_prompt_len > 0 and args.ttft_repeats < 1:
         print(f"kiln bench engine: --ttft-repeats {args.ttft_repeats}, expected >= 1", file=sys.stderr)
         return 2
-    from kiln.loaders.random_weights import is_random_spec
 
     model_path = args.model or default_model_path()
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]

@@ -10,6 +10,8 @@ import sys
 
 
 def add_parser(subparsers) -> None:
+    from kiln.engine.cpu_args import add_cpu_arguments
+
     p = subparsers.add_parser("profile", help="profile an op or an engine decode step (torch.profiler)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--op", help="registered op to profile")
@@ -27,15 +29,7 @@ def add_parser(subparsers) -> None:
         help="engine model: GGUF, HF dir or random:<preset> (default: embedded SmolLM2)",
     )
     p.add_argument("--batch", type=int, default=4, help="engine: concurrent requests")
-    p.add_argument(
-        "--compile-cpu-decode",
-        action="store_true",
-        help="engine on the CPU: decode through the compiled step (kiln.engine.cpu_compiled_step)",
-    )
-    p.add_argument(
-        "--cpu-format", default=None, help="engine on the CPU: linear weight format (see kiln bench engine)"
-    )
-    p.add_argument("--lm-head-format", default=None, help="engine on the CPU: LM-head weight format")
+    add_cpu_arguments(p)  # engine on the CPU: --cpu-format, --lm-head-format, --compile-cpu-decode
     p.add_argument("--timed-steps", type=int, default=5, help="engine: unprofiled decode steps timed")
     p.add_argument("--trace", default=None, help="write a Chrome trace (chrome://tracing, Perfetto) here")
     p.add_argument("--top", type=int, default=30, help="kernels to list")
