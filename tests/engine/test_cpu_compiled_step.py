@@ -95,3 +95,39 @@ def test_failed_compile_falls_back_to_eager_and_is_recorded(loaded):
 def test_enforce_eager_turns_the_compiled_step_off(loaded):
     assert make_engine(loaded, enforce_eager=True).runner.compiled_decode is None
     assert make_engine(loaded, compile_cpu_decode=False).runner.compiled_decode is None
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_compiled_decode_over_a_growing_context_equals_eager_and_compiles_once(loaded, kv_cache_dtype):
+    """Three sequences (padded to 4) decode from 5-13 tokens past 50, across three block boundaries:
+    the float cache's write and attention are graph code reading a block table whose width grows
+    step by step (a dynamic dimension), the fp8 cache's stay opaque nodes; either way the logits
+    equal eager ones every step, and the batch size compiles one graph."""
+    from torch._dynamo.utils import counters
+
+    engine = make_engine(loaded, kv_cache_dtype=kv_cache_dtype, kv_cache_scales="unit")
+    runner, scheduler = engine.runner, engine.scheduler
+    for i in range(3):
+        prompt = [(7 * i + 3 * j) % 300 + 1 for j in range(5 + 4 * i)]
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.step()  # prefill (eager)
+    graphs_before = counters["stats"]["unique_graphs"]
+    widths = set()
+    while engine.has_unfinished_requests():
+        batch = scheduler.schedule()
+        inputs, _ = runner.prepare(batch)
+        args = (inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        widths.add(-(-inputs.attn_metadata.max_seqlen_k // runner.block_size))
+        with torch.inference_mode(), kiln.ops.trusted_inputs():
+            eager = loaded.model.compute_logits(
+                loaded.model.forward(args[0], args[1], runner.kv_caches, args[2])
+            )
+            compiled = loaded.model.compute_logits(runner.compiled_decode.run(*args))
+        assert not compiled.isnan().any()
+        assert relative_error(compiled, eager) < (1e-5 if kv_cache_dtype == "auto" else 1e-4)
+        tokens, _ = runner.run(batch)
+        scheduler.postprocess(batch, tokens)
+    assert widths >= {2, 3, 4}
+    assert runner.compiled_decode.compiled_sizes == {4}
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+    assert not runner.compiled_decode.failed

@@ -113,6 +113,8 @@ class Implementation:
     traceable:     whether torch.compile may trace into `fn` (plain tensor code, no data-dependent
                    Python such as `.tolist()`). When False, a compiled caller gets the op as one opaque
                    node, `torch.ops.kiln.<name>`, which runs `fn` eagerly (kiln.engine.cpu_compiled_step).
+                   A callable decides per call: it takes the op's arguments, bound positionally with
+                   defaults, and is evaluated only while tracing (e.g. traceable unless the cache is fp8).
     """
 
     name: str
@@ -120,7 +122,7 @@ class Implementation:
     is_available: Callable[[torch.device | None], bool] = always_available
     configs: Callable[[Shape, torch.dtype], list[dict]] | None = None
     description: str = ""
-    traceable: bool = True
+    traceable: bool | Callable[..., bool] = True
 
 
 @dataclass
@@ -188,7 +190,7 @@ class OpSpec:
         if impl.name in self.implementations:
             raise ValueError(f"{self.name}: implementation {impl.name!r} registered twice")
         self.implementations[impl.name] = impl
-        self.has_untraceable = self.has_untraceable or not impl.traceable
+        self.has_untraceable = self.has_untraceable or impl.traceable is not True
         self._selected.clear()
         return impl
 
@@ -421,7 +423,8 @@ def _traceable(spec: OpSpec, args: tuple, kwargs: dict) -> bool:
     while tracing only, so it costs nothing at run time)."""
     tensor = _first_tensor(args, kwargs)
     device, dtype = (None, None) if tensor is None else (tensor.device, tensor.dtype)
-    return spec.select(device, dtype=dtype).traceable
+    traceable = spec.select(device, dtype=dtype).traceable
+    return traceable(*spec.bind(args, kwargs)) if callable(traceable) else traceable
 
 
 def _opaque_call(spec: OpSpec, args: tuple, kwargs: dict) -> Any:

@@ -178,3 +178,76 @@ def test_attention_triton_kernels_compile_for_sm90_without_a_gpu():
         [sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+def _graph_ops(backend_graphs):
+    """The call targets of every captured graph, as strings."""
+    return {
+        str(node.target) for gm in backend_graphs for node in gm.graph.nodes if node.op == "call_function"
+    }
+
+
+def _decode_layer(q, k, v, key_cache, value_cache, slots, block_tables, seq_lens, k_scale, v_scale, window):
+    """What a compiled decode step does per layer: write this step's keys, then attend."""
+    kiln.ops.write_kv_cache(k, v, key_cache, value_cache, slots, k_scale, v_scale)
+    return kiln.ops.paged_decode_attention(
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        sliding_window=window,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "window", "in_graph"),
+    [(torch.float32, None, True), (torch.float16, 9, True), (torch.float8_e4m3fn, None, False)],
+)
+def test_cpu_write_and_decode_compile_in_graph_for_float_caches(dtype, window, in_graph):
+    """The CPU write and decode attention traced by torch.compile (the compiled decode step): float
+    caches become graph code, fp8 ones one opaque node each; either way the same cache and output as
+    eager. Row 1 is padding (slot -1), slots past each length hold NaN, and the block table is wider
+    than any context with out-of-range entries, which the in-graph form gathers and masks."""
+    g = torch.Generator().manual_seed(11)
+    lens = [37, 1, 20]
+    p = make_paged_kv(lens, 3, 64, 16, dtype, "cpu", g, extra_blocks=4)
+    q_dtype = torch.float16 if dtype == torch.float8_e4m3fn else dtype
+    q = torch.randn(3, 9, 64, generator=g).to(q_dtype)
+    k, v = (torch.randn(3, 3, 64, generator=g).to(q_dtype) for _ in range(2))
+    tables = p["block_tables"]
+    slots = torch.stack([tables[0, 2] * 16 + 4, torch.tensor(-1), tables[2, 1] * 16 + 3]).long()
+    wide = torch.cat([tables, torch.full((3, 2), 10_000, dtype=torch.int32)], dim=1)
+    for cache in (p["key_cache"], p["value_cache"]):  # poison every slot past a sequence's length
+        for row, n in enumerate(lens):
+            for i in range(n, tables.shape[1] * 16):
+                block = int(tables[row, i // 16])
+                if block >= 0:
+                    cache[block, i % 16] = float("nan")
+
+    def run(fn):
+        key_cache, value_cache = p["key_cache"].clone(), p["value_cache"].clone()
+        out = fn(
+            q, k, v, key_cache, value_cache, slots, wide, p["seq_lens"], p["k_scale"], p["v_scale"], window
+        )
+        return out, key_cache, value_cache
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with kiln.ops.trusted_inputs(), torch.no_grad():
+        eager = run(_decode_layer)
+        torch._dynamo.reset()
+        compiled = run(torch.compile(_decode_layer, backend=backend, fullgraph=True))
+    opaque = {op for op in _graph_ops(graphs) if op.startswith("kiln.")}
+    assert opaque == (set() if in_graph else {"kiln.write_kv_cache", "kiln.paged_decode_attention"})
+    assert not compiled[0].isnan().any()
+    tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.float8_e4m3fn: 2e-3}[dtype]
+    assert_close(compiled[0].float(), eager[0].float(), tol, "decode attention")
+    for got, want in zip(compiled[1:], eager[1:], strict=True):  # the caches, NaN slots included
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -1,6 +1,9 @@
 """Fast CPU paged_decode_attention: the whole batch in one call. Gather every sequence's blocks
 (padded to the longest context) with one index_select per cache, zero the slots past each
-sequence's length, then one SDPA with a key-padding mask (explicit float32 scores when soft-capping).
+sequence's length, then one SDPA with a key-padding mask (explicit float32 scores when
+soft-capping). Traced by torch.compile (the compiled CPU decode step, kiln.engine.cpu_compiled_step),
+a float cache without soft-capping is read by `_decode_in_graph`, whose shapes follow the block
+table's width only.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import torch.nn.functional as F
 
 from kiln.ops.attention.cpu_sdpa import compute_dtype
 from kiln.ops.attention.paged_decode_attention.spec import PAGED_DECODE_ATTENTION
+from kiln.ops.attention.validate import FP8_DTYPES
 from kiln.ops.registry import Implementation, cpu_only
 
 
@@ -85,6 +89,42 @@ def _decode_batched(
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
+def _decode_in_graph(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window):
+    """The attention as plain tensor code a compiled graph holds: every entry of block_tables is
+    gathered (out-of-range ones clamped), slots at or past a sequence's length are zeroed and masked.
+    Its cost follows block_tables' width, so the caller passes the table cut to the longest context
+    (the compiled step marks that width dynamic: one graph serves every context length)."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    width = block_tables.shape[1] * block_size
+    lens = seq_lens.long()[:, None]
+    positions = torch.arange(width, device=q.device)[None, :]
+    visible = positions < lens
+    if sliding_window is not None:
+        visible = visible & (positions > lens - 1 - sliding_window)
+    blocks = block_tables.long().clamp(0, key_cache.shape[0] - 1).reshape(-1)
+    dtype = compute_dtype(q)
+
+    def gather(cache):
+        tokens = cache.index_select(0, blocks).view(num_seqs, width, num_kv_heads, head_dim).to(dtype)
+        return torch.where(visible[:, :, None, None], tokens, 0).transpose(1, 2)  # [B, Hkv, L, D]
+
+    out = F.scaled_dot_product_attention(
+        q.to(dtype).view(num_seqs, num_heads, 1, head_dim),
+        gather(key_cache),
+        gather(value_cache),
+        attn_mask=visible[:, None, None, :],
+        scale=head_dim**-0.5 if scale is None else scale,
+        enable_gqa=True,
+    )
+    return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def _traceable(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, *_) -> bool:
+    """Float caches without soft-capping are read in-graph; the rest stay one opaque node."""
+    return softcap is None and key_cache.dtype not in FP8_DTYPES
+
+
 def paged_decode_attention_cpu(
     q,
     key_cache,
@@ -97,6 +137,8 @@ def paged_decode_attention_cpu(
     k_scale=None,
     v_scale=None,
 ):
+    if torch.compiler.is_compiling():  # only reached when _traceable says so (kiln.ops.registry)
+        return _decode_in_graph(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window)
     if q.shape[0] == 0:
         return torch.empty_like(q)
     return _decode_batched(
@@ -104,5 +146,6 @@ def paged_decode_attention_cpu(
     )
 
 
-# traceable=False: the gathered context length comes from seq_lens (a host value per step)
-PAGED_DECODE_ATTENTION.register(Implementation("cpu", paged_decode_attention_cpu, cpu_only, traceable=False))
+PAGED_DECODE_ATTENTION.register(
+    Implementation("cpu", paged_decode_attention_cpu, cpu_only, traceable=_traceable)
+)

@@ -1,5 +1,6 @@
 """Fast CPU write_kv_cache: one index_copy_ per cache into its flat [slots, Hkv, D] view (fp8 caches
-quantize in float32 first and move their bytes as uint8)."""
+quantize in float32 first and move their bytes as uint8). Traced by torch.compile (the compiled CPU
+decode step, kiln.engine.cpu_compiled_step), a float cache is written in-graph by `_write_in_graph`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,28 @@ from kiln.ops.registry import Implementation, cpu_only
 FP8_MAX = 448.0  # largest finite float8_e4m3fn; casting beyond it gives NaN, so saturate first
 
 
+def _write_in_graph(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """The write as plain tensor code a compiled graph holds (no data-dependent filter): a padding row
+    (slot -1) writes row 0's data into row 0's slot again, so the result is the same whichever of the
+    two equal writes lands last. Needs row 0 to be a real token, as in the compiled decode step, whose
+    first rows are the step's sequences and whose padding comes after them."""
+    valid = slot_mapping >= 0
+    slots = torch.where(valid, slot_mapping, slot_mapping[:1])
+    block_size = key_cache.shape[1]
+    # (block, offset) into the 4-D cache: index_put_ on a flat view of a graph input fails to compile
+    index = (slots // block_size, slots % block_size)
+    for data, cache in ((key, key_cache), (value, value_cache)):
+        cache.index_put_(index, torch.where(valid[:, None, None], data, data[:1]).to(cache.dtype))
+
+
+def _traceable(key, value, key_cache, *_) -> bool:
+    """Float caches are written in-graph; fp8 ones (scaling, a byte view) stay one opaque node."""
+    return key_cache.dtype not in FP8_DTYPES
+
+
 def write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
+    if torch.compiler.is_compiling():  # only reached when _traceable says so (kiln.ops.registry)
+        return _write_in_graph(key, value, key_cache, value_cache, slot_mapping)
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
@@ -29,5 +51,4 @@ def write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping, k_scale
             cache[slot_mapping // block_size, slot_mapping % block_size] = data
 
 
-# traceable=False: the padding filter is data-dependent; a compiled decode step calls it as one node
-WRITE_KV_CACHE.register(Implementation("cpu", write_kv_cache_cpu, cpu_only, traceable=False))
+WRITE_KV_CACHE.register(Implementation("cpu", write_kv_cache_cpu, cpu_only, traceable=_traceable))
