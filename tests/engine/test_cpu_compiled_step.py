@@ -7,7 +7,7 @@ import torch
 
 import kiln.ops
 from kiln import fallbacks
-from kiln.engine import EngineConfig, LLMEngine, SamplingParams
+from kiln.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from kiln.engine.cpu_compiled_step import CPU_COMPILE_TO_EAGER, CompiledDecodeSteps
 from kiln.loaders import load_model
 
@@ -131,3 +131,19 @@ def test_compiled_decode_over_a_growing_context_equals_eager_and_compiles_once(l
     assert runner.compiled_decode.compiled_sizes == {4}
     assert counters["stats"]["unique_graphs"] - graphs_before == 1
     assert not runner.compiled_decode.failed
+
+
+def test_llm_compiles_each_batch_size_with_no_fallback():
+    """The path users take (LLM.generate, several batch sizes in one engine, validation on): every
+    size compiles with no fallback taken, and the tokens equal an eager engine's."""
+    fallbacks.clear()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for compile_cpu_decode in (False, True):
+        llm = LLM(MODEL, device="cpu", max_num_seqs=4, compile_cpu_decode=compile_cpu_decode)
+        outputs.append(
+            [out.token_ids for n in (1, 2, 1) for out in llm.generate([[5 + n, 6, 7, 8]] * n, params)]
+        )
+    assert fallbacks.taken() == []
+    assert llm.engine.runner.compiled_decode.compiled_sizes == {1, 2}
+    assert outputs[1] == outputs[0]

@@ -107,6 +107,9 @@ class CompiledDecodeSteps:
         self.compiled_sizes: set[int] = set()
         self.failed = False
         _lower_runtime_packed_linear()
+        # the model's forward without its torch.inference_mode decorator (see the module docstring),
+        # looked up here: dynamo does not trace inspect.unwrap reliably (class dict mappingproxies)
+        self._model_forward = inspect.unwrap(type(runner.model).forward)
         # one compiled callable: dynamo compiles it again for each batch size (static shapes)
         self._forward = compile_fn(
             self._decode_forward,
@@ -135,10 +138,7 @@ class CompiledDecodeSteps:
             max_seqlen_k=self.runner.max_model_len,  # a constant, as in the CUDA graphs
             decode_only=True,
         )
-        model = self.runner.model
-        # the forward without its torch.inference_mode decorator (see the module docstring)
-        forward = inspect.unwrap(type(model).forward)
-        return forward(model, input_ids, positions, self.runner.kv_caches, metadata)
+        return self._model_forward(self.runner.model, input_ids, positions, self.runner.kv_caches, metadata)
 
     def fits(self, num_seqs: int) -> bool:
         return not self.failed and num_seqs <= self.sizes[-1]

@@ -113,8 +113,9 @@ class Implementation:
     traceable:     whether torch.compile may trace into `fn` (plain tensor code, no data-dependent
                    Python such as `.tolist()`). When False, a compiled caller gets the op as one opaque
                    node, `torch.ops.kiln.<name>`, which runs `fn` eagerly (kiln.engine.cpu_compiled_step).
-                   A callable decides per call: it takes the op's arguments, bound positionally with
-                   defaults, and is evaluated only while tracing (e.g. traceable unless the cache is fp8).
+                   A callable decides per call: it takes the call's arguments as given (declare the
+                   op's parameters with their defaults) and is evaluated only while tracing, by dynamo
+                   itself, so plain Python on dtypes and None-ness (e.g. traceable unless fp8).
     """
 
     name: str
@@ -424,7 +425,7 @@ def _traceable(spec: OpSpec, args: tuple, kwargs: dict) -> bool:
     tensor = _first_tensor(args, kwargs)
     device, dtype = (None, None) if tensor is None else (tensor.device, tensor.dtype)
     traceable = spec.select(device, dtype=dtype).traceable
-    return traceable(*spec.bind(args, kwargs)) if callable(traceable) else traceable
+    return traceable(*args, **kwargs) if callable(traceable) else traceable
 
 
 def _opaque_call(spec: OpSpec, args: tuple, kwargs: dict) -> Any:

@@ -120,7 +120,18 @@ def _decode_in_graph(q, key_cache, value_cache, block_tables, seq_lens, scale, s
     return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
-def _traceable(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, *_) -> bool:
+def _traceable(
+    q,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    scale=None,
+    sliding_window=None,
+    softcap=None,
+    k_scale=None,
+    v_scale=None,
+) -> bool:
     """Float caches without soft-capping are read in-graph; the rest stay one opaque node."""
     return softcap is None and key_cache.dtype not in FP8_DTYPES
 

@@ -27,7 +27,7 @@ def _write_in_graph(key, value, key_cache, value_cache, slot_mapping) -> None:
         cache.index_put_(index, torch.where(valid[:, None, None], data, data[:1]).to(cache.dtype))
 
 
-def _traceable(key, value, key_cache, *_) -> bool:
+def _traceable(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> bool:
     """Float caches are written in-graph; fp8 ones (scaling, a byte view) stay one opaque node."""
     return key_cache.dtype not in FP8_DTYPES
 
