@@ -147,3 +147,15 @@ def test_llm_compiles_each_batch_size_with_no_fallback():
     assert fallbacks.taken() == []
     assert llm.engine.runner.compiled_decode.compiled_sizes == {1, 2}
     assert outputs[1] == outputs[0]
+
+
+def test_an_engine_built_in_inference_mode_compiles_its_decode_steps():
+    """The caches must be ordinary tensors (the compiled step writes them outside inference mode),
+    however the engine was built."""
+    fallbacks.clear()
+    with torch.inference_mode():
+        llm = LLM(MODEL, device="cpu", max_num_seqs=2, compile_cpu_decode=True)
+    assert not any(t.is_inference() for layer in llm.engine.runner.kv_caches for t in layer)
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert llm.engine.runner.compiled_decode.compiled_sizes == {1}
+    assert fallbacks.taken() == []

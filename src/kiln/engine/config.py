@@ -28,7 +28,8 @@ class EngineConfig:
     max_model_len: longest prompt + output; None = the model's max_position_embeddings, capped by the cache.
     enforce_eager: skip CUDA-graph capture on CUDA, and the compiled decode step on the CPU.
     compile_cpu_decode: on the CPU, decode through a forward compiled per padded batch size
-        (kiln.engine.cpu_compiled_step; each size compiles on its first step, tens of seconds).
+        (kiln.engine.cpu_compiled_step; each size compiles on its first step: ~2 minutes for SmolLM2
+        from a cold inductor cache, 10-15 s from a warm one).
     cpu_format, lm_head_format: how the loader keeps CPU linear / LM-head weights ("int4",
         "int4_bf16", "int8", "fp16", "bf16", "fp32"; None = the loader's default), see
         kiln.ops.gemm.weight_formats.

@@ -139,10 +139,13 @@ class ModelRunner:
                 f"ModelRunner: kv_calibration has {len(kv_calibration)} layers, the model {cfg.num_layers}"
             )
         self.kv_calibrated = kv_calibration is not None and dtype in FP8_DTYPES
-        self.kv_caches = [
-            allocate_layer_kv_cache(shape, dtype, device, kv_calibration[i] if kv_calibration else None)
-            for i in range(cfg.num_layers)
-        ]
+        # ordinary tensors even when the engine is built inside inference mode: the compiled CPU
+        # decode step writes them in place from a graph run outside it (kiln.engine.cpu_compiled_step)
+        with torch.inference_mode(False):
+            self.kv_caches = [
+                allocate_layer_kv_cache(shape, dtype, device, kv_calibration[i] if kv_calibration else None)
+                for i in range(cfg.num_layers)
+            ]
         logger.info("KV cache: %s", self.kv_cache_description())
         self.sampler = Sampler(device, seed)
         self.step_times = StepTimes()  # prepare / forward / sample; the engine adds its phases
