@@ -159,3 +159,25 @@ def test_an_engine_built_in_inference_mode_compiles_its_decode_steps():
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert llm.engine.runner.compiled_decode.compiled_sizes == {1}
     assert fallbacks.taken() == []
+
+
+def test_a_context_past_the_in_graph_limit_compiles_a_second_graph(monkeypatch):
+    """Past IN_GRAPH_MAX_CONTEXT (lowered to 256 here) the decode attention becomes an opaque node
+    in a second graph of the same batch size: one more compile, no fallback, eager's tokens."""
+    import importlib
+
+    from torch._dynamo.utils import counters
+
+    cpu_attention = importlib.import_module("kiln.ops.attention.paged_decode_attention.cpu")
+    monkeypatch.setattr(cpu_attention, "IN_GRAPH_MAX_CONTEXT", 256)
+    fallbacks.clear()
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompt = [[(7 * j) % 300 + 1 for j in range(250)]]  # decodes from 251 to 265 positions
+    outputs = []
+    for compile_cpu_decode in (False, True):
+        llm = LLM(MODEL, device="cpu", max_num_seqs=2, compile_cpu_decode=compile_cpu_decode)
+        graphs_before = counters["stats"]["unique_graphs"]
+        outputs.append(llm.generate(prompt, params)[0].token_ids)
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2
+    assert fallbacks.taken() == []
+    assert outputs[1] == outputs[0]

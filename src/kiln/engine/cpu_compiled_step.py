@@ -115,7 +115,8 @@ class CompiledDecodeSteps:
             self._decode_forward,
             dynamic=False,
             fullgraph=True,
-            recompile_limit=max(8, len(self.sizes)),
+            # per size: one graph, and a second once a context passes the in-graph attention's limit
+            recompile_limit=max(8, 2 * len(self.sizes)),
             isolate_recompiles=True,
             options={**INDUCTOR_OPTIONS, "guard_filter_fn": _argument_guards_only},
         )

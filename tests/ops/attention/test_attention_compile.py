@@ -203,14 +203,20 @@ def _decode_layer(q, k, v, key_cache, value_cache, slots, block_tables, seq_lens
 
 
 @pytest.mark.parametrize(
-    ("dtype", "window", "in_graph"),
-    [(torch.float32, None, True), (torch.float16, 9, True), (torch.float8_e4m3fn, None, False)],
+    ("dtype", "window", "extra_blocks", "opaque"),
+    [
+        (torch.float32, None, 2, set()),
+        (torch.float16, 9, 2, set()),
+        (torch.float8_e4m3fn, None, 2, {"kiln.write_kv_cache", "kiln.paged_decode_attention"}),
+        (torch.float32, None, 130, {"kiln.paged_decode_attention"}),  # > IN_GRAPH_MAX_CONTEXT wide
+    ],
 )
-def test_cpu_write_and_decode_compile_in_graph_for_float_caches(dtype, window, in_graph):
+def test_cpu_write_and_decode_compile_in_graph_for_float_caches(dtype, window, extra_blocks, opaque):
     """The CPU write and decode attention traced by torch.compile (the compiled decode step): float
-    caches become graph code, fp8 ones one opaque node each; either way the same cache and output as
-    eager. Row 1 is padding (slot -1), slots past each length hold NaN, and the block table is wider
-    than any context with out-of-range entries, which the in-graph form gathers and masks."""
+    caches become graph code (attention only up to IN_GRAPH_MAX_CONTEXT gathered positions), fp8 ones
+    one opaque node each; either way the same cache and output as eager. Row 1 is padding (slot -1),
+    slots past each length hold NaN, and the block table is wider than any context with out-of-range
+    entries, which the in-graph form gathers and masks."""
     g = torch.Generator().manual_seed(11)
     lens = [37, 1, 20]
     p = make_paged_kv(lens, 3, 64, 16, dtype, "cpu", g, extra_blocks=4)
@@ -219,7 +225,7 @@ def test_cpu_write_and_decode_compile_in_graph_for_float_caches(dtype, window, i
     k, v = (torch.randn(3, 3, 64, generator=g).to(q_dtype) for _ in range(2))
     tables = p["block_tables"]
     slots = torch.stack([tables[0, 2] * 16 + 4, torch.tensor(-1), tables[2, 1] * 16 + 3]).long()
-    wide = torch.cat([tables, torch.full((3, 2), 10_000, dtype=torch.int32)], dim=1)
+    wide = torch.cat([tables, torch.full((3, extra_blocks), 10_000, dtype=torch.int32)], dim=1)
     for cache in (p["key_cache"], p["value_cache"]):  # poison every slot past a sequence's length
         for row, n in enumerate(lens):
             for i in range(n, tables.shape[1] * 16):
@@ -244,8 +250,7 @@ def test_cpu_write_and_decode_compile_in_graph_for_float_caches(dtype, window, i
         eager = run(_decode_layer)
         torch._dynamo.reset()
         compiled = run(torch.compile(_decode_layer, backend=backend, fullgraph=True))
-    opaque = {op for op in _graph_ops(graphs) if op.startswith("kiln.")}
-    assert opaque == (set() if in_graph else {"kiln.write_kv_cache", "kiln.paged_decode_attention"})
+    assert {op for op in _graph_ops(graphs) if op.startswith("kiln.")} == opaque
     assert not compiled[0].isnan().any()
     tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.float8_e4m3fn: 2e-3}[dtype]
     assert_close(compiled[0].float(), eager[0].float(), tol, "decode attention")

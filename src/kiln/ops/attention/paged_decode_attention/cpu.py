@@ -89,6 +89,12 @@ def _decode_batched(
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
+# Past this many gathered positions the in-graph form is slower than the eager one (SmolLM2 heads,
+# batch 1, 2 threads: about equal at 2000, 1.5-1.8x slower at 8000; the eager one skips the zeroing
+# and the mask for a single sequence), so longer contexts keep the opaque node.
+IN_GRAPH_MAX_CONTEXT = 2048
+
+
 def _decode_in_graph(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window):
     """The attention as plain tensor code a compiled graph holds: every entry of block_tables is
     gathered (out-of-range ones clamped), slots at or past a sequence's length are zeroed and masked.
@@ -132,8 +138,12 @@ def _traceable(
     k_scale=None,
     v_scale=None,
 ) -> bool:
-    """Float caches without soft-capping are read in-graph; the rest stay one opaque node."""
-    return softcap is None and key_cache.dtype not in FP8_DTYPES
+    """Float caches without soft-capping are read in-graph up to IN_GRAPH_MAX_CONTEXT gathered
+    positions; the rest stay one opaque node. Evaluated while tracing, the width test is a guard on
+    the block table's dynamic width: a longer context compiles a second graph with the opaque node."""
+    if softcap is not None or key_cache.dtype in FP8_DTYPES:
+        return False
+    return block_tables.shape[1] * key_cache.shape[1] <= IN_GRAPH_MAX_CONTEXT
 
 
 def paged_decode_attention_cpu(
