@@ -102,7 +102,8 @@ def test_compiled_decode_over_a_growing_context_equals_eager_and_compiles_once(l
     """Three sequences (padded to 4) decode from 5-13 tokens past 50, across three block boundaries:
     the float cache's write and attention are graph code reading a block table whose width grows
     step by step (a dynamic dimension), the fp8 cache's stay opaque nodes; either way the logits
-    equal eager ones every step, and the batch size compiles one graph."""
+    equal eager ones every step (the compiled step runs first, so its attention reads its own
+    write), and the batch size compiles one graph."""
     from torch._dynamo.utils import counters
 
     engine = make_engine(loaded, kv_cache_dtype=kv_cache_dtype, kv_cache_scales="unit")
@@ -119,10 +120,11 @@ def test_compiled_decode_over_a_growing_context_equals_eager_and_compiles_once(l
         args = (inputs.input_ids, inputs.positions, inputs.attn_metadata)
         widths.add(-(-inputs.attn_metadata.max_seqlen_k // runner.block_size))
         with torch.inference_mode(), kiln.ops.trusted_inputs():
+            # compiled first: its attention reads the keys its own write put in the cache
+            compiled = loaded.model.compute_logits(runner.compiled_decode.run(*args))
             eager = loaded.model.compute_logits(
                 loaded.model.forward(args[0], args[1], runner.kv_caches, args[2])
             )
-            compiled = loaded.model.compute_logits(runner.compiled_decode.run(*args))
         assert not compiled.isnan().any()
         assert relative_error(compiled, eager) < (1e-5 if kv_cache_dtype == "auto" else 1e-4)
         tokens, _ = runner.run(batch)
@@ -141,20 +143,23 @@ def test_llm_compiles_each_batch_size_with_no_fallback():
     outputs = []
     for compile_cpu_decode in (False, True):
         llm = LLM(MODEL, device="cpu", max_num_seqs=4, compile_cpu_decode=compile_cpu_decode)
-        outputs.append(
-            [out.token_ids for n in (1, 2, 1) for out in llm.generate([[5 + n, 6, 7, 8]] * n, params)]
-        )
+        tokens = []
+        for n in (1, 2, 3, 1):  # 3 pads to 4: a padding row's write
+            prompts = [[5 + n + i, 6, 7, 8 + i] for i in range(n)]
+            tokens += [out.token_ids for out in llm.generate(prompts, params)]
+        outputs.append(tokens)
     assert fallbacks.taken() == []
-    assert llm.engine.runner.compiled_decode.compiled_sizes == {1, 2}
+    assert llm.engine.runner.compiled_decode.compiled_sizes == {1, 2, 4}
     assert outputs[1] == outputs[0]
 
 
-def test_an_engine_built_in_inference_mode_compiles_its_decode_steps():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_an_engine_built_in_inference_mode_compiles_its_decode_steps(kv_cache_dtype):
     """The caches must be ordinary tensors (the compiled step writes them outside inference mode),
-    however the engine was built."""
+    however the engine was built; fp8 with its calibrated scales (made by a prefill in inference mode)."""
     fallbacks.clear()
     with torch.inference_mode():
-        llm = LLM(MODEL, device="cpu", max_num_seqs=2, compile_cpu_decode=True)
+        llm = LLM(MODEL, device="cpu", max_num_seqs=2, compile_cpu_decode=True, kv_cache_dtype=kv_cache_dtype)
     assert not any(t.is_inference() for layer in llm.engine.runner.kv_caches for t in layer)
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert llm.engine.runner.compiled_decode.compiled_sizes == {1}
@@ -181,3 +186,22 @@ def test_a_context_past_the_in_graph_limit_compiles_a_second_graph(monkeypatch):
     assert counters["stats"]["unique_graphs"] - graphs_before == 2
     assert fallbacks.taken() == []
     assert outputs[1] == outputs[0]
+
+
+def test_contexts_reaching_the_cache_capacity_at_batch_size_4_compile_once():
+    """Three sequences (padded to 4, finishing together) decode until the longest reaches
+    max_model_len: the cut block table reaches the buffer's full width (where a view of it would
+    turn contiguous and recompile); one graph."""
+    from torch._dynamo.utils import counters
+
+    fallbacks.clear()
+    engine = make_engine(loaded=load_model(MODEL, device="cpu", dtype=torch.float32), max_model_len=64)
+    for i in range(3):
+        prompt = [(5 * i + 3 * j) % 300 + 1 for j in range(20 + i)]
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=42, temperature=0.0, ignore_eos=True))
+    graphs_before = counters["stats"]["unique_graphs"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+    assert engine.runner.compiled_decode.compiled_sizes == {4}
+    assert fallbacks.taken() == []

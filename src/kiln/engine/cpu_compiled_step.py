@@ -9,14 +9,15 @@ activation become generated code calling ATen / oneDNN directly, and inductor's 
 with no Python in between (cpp_wrapper). The KV-cache write and paged decode attention are traced
 too for a float cache (their CPU implementations' in-graph forms): the block table goes in cut to
 the step's longest context, a width marked dynamic, so one graph per batch size serves every
-context length. Implementations that are not `traceable` for a call (kiln.ops.registry: an fp8
-cache, soft-capping) stay one opaque node each, `torch.ops.kiln.<op>`, run eagerly.
+context up to the in-graph attention's limit (2048 positions; a longer one compiles a second graph
+with the attention opaque). Implementations that are not `traceable` for a call (kiln.ops.registry:
+an fp8 cache, soft-capping) stay one opaque node each, `torch.ops.kiln.<op>`, run eagerly.
 
 Inputs live in static buffers, padded exactly as the CUDA graphs pad them: slot -1 writes nothing
-(in-graph: row 0's write again), seq_len 1 over block 0 reads one harmless slot. A bucket is
-compiled on its first step (compiling takes tens of seconds on a small CPU, far too long to do every
-bucket up front). A compile or run that fails is recorded in kiln.fallbacks (CPU_COMPILE_TO_EAGER),
-logged, and that step and every later one run eagerly.
+(in-graph: the first real row's write again), seq_len 1 over block 0 reads one harmless slot. A
+bucket is compiled on its first step (about 2 minutes for SmolLM2 on a 2-core CPU from a cold
+inductor cache, far too long to do every bucket up front). A compile or run that fails is recorded
+in kiln.fallbacks (CPU_COMPILE_TO_EAGER), logged, and that step and every later one run eagerly.
 
 The compiled forward runs under no_grad rather than inference mode: a graph that writes into its
 inputs (the KV caches) fails to compile under inference mode, so the model's forward is called
@@ -99,7 +100,7 @@ class CompiledDecodeSteps:
         cpu = torch.device("cpu")
         with torch.inference_mode(False):  # ordinary tensors: the graph reads them outside inference mode
             self.buffers = DecodeBuffers(self.sizes[-1], runner.max_model_len, runner.block_size, cpu)
-        if any(t.is_inference() for layer in runner.kv_caches for t in layer):
+        if any(t.is_inference() for layer in runner.kv_caches for t in layer[:2]):
             raise ValueError(
                 "CompiledDecodeSteps: the KV caches were allocated in inference mode; the compiled step "
                 "writes them in place outside it (allocate them outside torch.inference_mode)"
@@ -107,8 +108,9 @@ class CompiledDecodeSteps:
         self.compiled_sizes: set[int] = set()
         self.failed = False
         _lower_runtime_packed_linear()
-        # the model's forward without its torch.inference_mode decorator (see the module docstring),
-        # looked up here: dynamo does not trace inspect.unwrap reliably (class dict mappingproxies)
+        # the model's forward without its torch.inference_mode decorator (see the module docstring;
+        # the models decorate forward with nothing else), looked up here: dynamo does not trace
+        # inspect.unwrap reliably (class dict mappingproxies)
         self._model_forward = inspect.unwrap(type(runner.model).forward)
         # one compiled callable: dynamo compiles it again for each batch size (static shapes)
         self._forward = compile_fn(
@@ -158,20 +160,22 @@ class CompiledDecodeSteps:
         # dimension of size 1), its width dynamic, so context growth never recompiles
         capacity = buffers.block_tables.shape[1]
         width = min(capacity, max(2, -(-metadata.max_seqlen_k // self.runner.block_size)))
-        block_tables = buffers.block_tables[:bs, :width]
-        if width > 1:
-            torch._dynamo.mark_dynamic(block_tables, 1)
-        args = (
-            buffers.input_ids[:bs],
-            buffers.positions[:bs],
-            buffers.slot_mapping[:bs],
-            block_tables,
-            buffers.seq_lens[:bs],
-            buffers.cu_seqlens_q[: bs + 1],
-        )
         try:
+            # outside inference mode: the graph's inputs (the table's copy included) are ordinary tensors
             with torch.inference_mode(False), torch.no_grad():
-                hidden = self._forward(*args)
+                # contiguous: a view's row stride changes when the width reaches capacity (a recompile)
+                block_tables = buffers.block_tables[:bs, :width].contiguous()
+                if width > 1:
+                    # maybe_: a guard may pin the width (IN_GRAPH_MAX_CONTEXT of 2 blocks), no error
+                    torch._dynamo.maybe_mark_dynamic(block_tables, 1)
+                hidden = self._forward(
+                    buffers.input_ids[:bs],
+                    buffers.positions[:bs],
+                    buffers.slot_mapping[:bs],
+                    block_tables,
+                    buffers.seq_lens[:bs],
+                    buffers.cu_seqlens_q[: bs + 1],
+                )
         except Exception as exc:  # compile errors surface on a size's first call
             self.failed = True
             detail = f"CompiledDecodeSteps(batch size {bs}): {exc!r}"

@@ -92,8 +92,8 @@ def allocate_layer_kv_cache(
     caches = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
     if dtype not in FP8_DTYPES:
         return caches
-    if calibration is not None:
-        return (*caches, *(t.to(device=device, dtype=torch.float32).contiguous() for t in calibration))
+    if calibration is not None:  # copies: calibration may have made them in inference mode
+        return (*caches, *(t.to(device=device, dtype=torch.float32).clone() for t in calibration))
     num_kv_heads = shape[2]
     return (*caches, *(torch.ones(num_kv_heads, dtype=torch.float32, device=device) for _ in range(2)))
 

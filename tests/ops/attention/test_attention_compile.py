@@ -256,3 +256,30 @@ def test_cpu_write_and_decode_compile_in_graph_for_float_caches(dtype, window, e
     assert_close(compiled[0].float(), eager[0].float(), tol, "decode attention")
     for got, want in zip(compiled[1:], eager[1:], strict=True):  # the caches, NaN slots included
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("slots", [[-1, 5, -1], [-1, -1, -1], [40, -1, 3]])
+def test_cpu_write_in_graph_skips_padding_wherever_it_is(slots):
+    """Padding rows (slot -1) first, last or alone: the in-graph write leaves every slot but the real
+    rows' exactly as the eager write does (padding repeats the first real row's write, or with no
+    real row rewrites slot 0 with its own value)."""
+    g = torch.Generator().manual_seed(5)
+    caches = [torch.randn(4, 16, 2, 64, generator=g) for _ in range(2)]
+    k, v = torch.randn(3, 2, 64, generator=g), torch.randn(3, 2, 64, generator=g)
+    slot_mapping = torch.tensor(slots)
+
+    def write(k, v, key_cache, value_cache, slot_mapping):
+        kiln.ops.write_kv_cache(k, v, key_cache, value_cache, slot_mapping)
+
+    results = []
+    for fn in (write, torch.compile(write, backend="aot_eager", fullgraph=True)):
+        key_cache, value_cache = (c.clone() for c in caches)
+        with kiln.ops.trusted_inputs(), torch.no_grad():
+            fn(k, v, key_cache, value_cache, slot_mapping)
+        results.append((key_cache, value_cache))
+    torch._dynamo.reset()
+    for got, want in zip(results[1], results[0], strict=True):
+        assert torch.equal(got, want)
+    written = sum(s >= 0 for s in slots)
+    changed = (results[0][0] != caches[0]).any(dim=(2, 3)).sum().item()
+    assert changed == written  # the eager reference itself wrote the real rows only

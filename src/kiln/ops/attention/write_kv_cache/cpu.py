@@ -14,17 +14,22 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn; casting beyond it gives NaN, so
 
 
 def _write_in_graph(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """The write as plain tensor code a compiled graph holds (no data-dependent filter): a padding row
-    (slot -1) writes row 0's data into row 0's slot again, so the result is the same whichever of the
-    two equal writes lands last. Needs row 0 to be a real token, as in the compiled decode step, whose
-    first rows are the step's sequences and whose padding comes after them."""
+    """The write as plain tensor code a compiled graph holds (no data-dependent filter). A padding
+    row (slot < 0) repeats the first real row's write, its slot and its data, so whichever of the
+    equal writes lands last the result is the same; with no real row every row writes slot 0 back
+    with the value it holds. Either way exactly what the eager filter does."""
     valid = slot_mapping >= 0
-    slots = torch.where(valid, slot_mapping, slot_mapping[:1])
+    first = valid.int().argmax().view(1)  # the first real row (0 when there is none)
+    any_valid = valid.any()
+    slot = torch.where(any_valid, slot_mapping.index_select(0, first), 0)  # [1]
+    slots = torch.where(valid, slot_mapping, slot)
     block_size = key_cache.shape[1]
     # (block, offset) into the 4-D cache: index_put_ on a flat view of a graph input fails to compile
     index = (slots // block_size, slots % block_size)
     for data, cache in ((key, key_cache), (value, value_cache)):
-        cache.index_put_(index, torch.where(valid[:, None, None], data, data[:1]).to(cache.dtype))
+        data = data.to(cache.dtype)
+        fill = torch.where(any_valid, data.index_select(0, first), cache[:1, 0])  # [1, Hkv, D]
+        cache.index_put_(index, torch.where(valid[:, None, None], data, fill))
 
 
 def _traceable(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> bool:
