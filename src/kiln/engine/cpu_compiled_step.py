@@ -43,7 +43,8 @@ CPU_COMPILE_TO_EAGER = "cpu_compile->eager"  # kiln.fallbacks kind: the compiled
 # Inductor options of every compile. pattern_matcher off: its oneDNN fusions rewrite
 # mkldnn._linear_pointwise (Kiln's packed weights) into forms that only lower for weights inductor
 # froze itself; Kiln's layers are fused by hand already. cpp_wrapper: the graph's calls are made from
-# C++, not from a generated Python function (measured on SmolLM2, int4_bf16, batch 1: 85 -> 97 tok/s).
+# C++, not from a generated Python function (SmolLM2, int4_bf16, batch 1, two pairs of runs: 85 -> 97
+# and 86 -> 88 tok/s; its compile is slower, 121 against 85 s from a cold inductor cache).
 INDUCTOR_OPTIONS = {"pattern_matcher": False, "cpp_wrapper": True}
 
 

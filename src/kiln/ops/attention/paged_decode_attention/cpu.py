@@ -99,7 +99,8 @@ def _decode_in_graph(q, key_cache, value_cache, block_tables, seq_lens, scale, s
     """The attention as plain tensor code a compiled graph holds: every entry of block_tables is
     gathered (out-of-range ones clamped), slots at or past a sequence's length are zeroed and masked.
     Its cost follows block_tables' width, so the caller passes the table cut to the longest context
-    (the compiled step marks that width dynamic: one graph serves every context length)."""
+    (the compiled step marks that width dynamic: one graph serves every context up to
+    IN_GRAPH_MAX_CONTEXT)."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     width = block_tables.shape[1] * block_size
