@@ -9,7 +9,7 @@ activation become generated code calling ATen / oneDNN directly, and inductor's 
 with no Python in between (cpp_wrapper). The KV-cache write and paged decode attention are traced
 too for a float cache (their CPU implementations' in-graph forms): the block table goes in cut to
 the step's longest context, a width marked dynamic, so one graph per batch size serves every
-context up to the in-graph attention's limit (2048 positions; a longer one compiles a second graph
+context up to the in-graph attention's limit (8192 positions; a longer one compiles a second graph
 with the attention opaque). Implementations that are not `traceable` for a call (kiln.ops.registry:
 an fp8 cache, soft-capping) stay one opaque node each, `torch.ops.kiln.<op>`, run eagerly.
 

@@ -12,6 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kiln.ops
+from kiln.ops.attention.paged_decode_attention.cpu import IN_GRAPH_MAX_CONTEXT
 from kiln.ops.attention.paged_inputs import make_paged_kv
 from kiln.verify import assert_close
 
@@ -208,7 +209,7 @@ def _decode_layer(q, k, v, key_cache, value_cache, slots, block_tables, seq_lens
         (torch.float32, None, 2, set()),
         (torch.float16, 9, 2, set()),
         (torch.float8_e4m3fn, None, 2, {"kiln.write_kv_cache", "kiln.paged_decode_attention"}),
-        (torch.float32, None, 130, {"kiln.paged_decode_attention"}),  # > IN_GRAPH_MAX_CONTEXT wide
+        (torch.float32, None, IN_GRAPH_MAX_CONTEXT // 16, {"kiln.paged_decode_attention"}),  # wider
     ],
 )
 def test_cpu_write_and_decode_compile_in_graph_for_float_caches(dtype, window, extra_blocks, opaque):
