@@ -63,7 +63,8 @@ def main() -> None:
         )
     compiled = engine.runner.compiled_decode
     if compiled is not None:
-        print(f"compiled batch sizes {sorted(compiled.compiled_sizes)}, fell back to eager: {compiled.failed}")
+        sizes = sorted(compiled.compiled_sizes)
+        print(f"compiled batch sizes {sizes}, fell back to eager: {compiled.failed}")
 
 
 if __name__ == "__main__":
