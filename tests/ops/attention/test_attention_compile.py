@@ -259,6 +259,46 @@ def test_cpu_write_and_decode_compile_in_graph_for_float_caches(dtype, window, e
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inductor_compiles_the_in_graph_decode_attention_to_what_eager_computes(dtype):
+    """The in-graph form through inductor itself (the fused kernel the compiled step runs, not only its
+    traced code): an explicit scale, 4 query heads per KV head, ragged contexts across block
+    boundaries, NaN past each length, and the queries computed in the graph (inductor must not lose
+    them into the score loop). Against the eager implementation and a float64 reference."""
+    from kiln.ops.attention.paged_decode_attention.spec import paged_decode_attention_reference
+
+    g = torch.Generator().manual_seed(12)
+    lens = [33, 5, 17, 48]
+    p = make_paged_kv(lens, 2, 32, 16, dtype, "cpu", g)
+    tables = p["block_tables"]
+    for cache in (p["key_cache"], p["value_cache"]):
+        for row, n in enumerate(lens):
+            for i in range(n, tables.shape[1] * 16):
+                block = int(tables[row, i // 16])
+                if block >= 0:
+                    cache[block, i % 16] = float("nan")
+    x = torch.randn(4, 8, 32, generator=g).to(dtype)
+    width = -(-max(lens) // 16)
+
+    def attend(x, key_cache, value_cache, block_tables, seq_lens):
+        q = x * 1.5 + 0.25  # a producer inductor could inline into the attention's loops
+        return kiln.ops.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale=0.07)
+
+    args = (x, p["key_cache"], p["value_cache"], tables[:, :width].contiguous(), p["seq_lens"])
+    with kiln.ops.trusted_inputs(), torch.no_grad():
+        eager = attend(*args)
+        torch._dynamo.reset()
+        compiled = torch.compile(attend, fullgraph=True)(*args)
+    assert not compiled.isnan().any()
+    tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+    assert_close(compiled.float(), eager.float(), tol, "inductor vs eager")
+    # the op's input as eager rounds it (inductor may keep it in float32: within the tolerance)
+    q = (x * 1.5 + 0.25).double()
+    caches = (p["key_cache"], p["value_cache"])
+    reference = paged_decode_attention_reference(q, *caches, tables, p["seq_lens"], scale=0.07)
+    assert_close(compiled.double(), reference.double(), tol, "inductor vs float64")
+
+
 @pytest.mark.parametrize("slots", [[-1, 5, -1], [-1, -1, -1], [40, -1, 3]])
 def test_cpu_write_in_graph_skips_padding_wherever_it_is(slots):
     """Padding rows (slot -1) first, last or alone: the in-graph write leaves every slot but the real
