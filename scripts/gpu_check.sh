@@ -10,7 +10,8 @@
 #   verify  `kiln verify --device cuda` per backend (triton, triton_tma, pallas_gpu), side by side
 #   bench   the kernel benchmark suite (llm shapes): attention, GEMMs, the rest, one after another
 #   engine  8B-shaped Llama with random bf16 weights (random:llama3-8b): `kiln bench engine` at
-#           concurrency 1,16,64 and `kiln profile --engine --batch 64`
+#           concurrency 1,16,64 and `kiln profile --engine --batch 64`; `kiln profile --engine` of a
+#           tiny random model at batch 1 (the engine's per-step overhead)
 # Each step runs under `timeout -s INT` (SIGINT: pytest still writes its summary and junit XML,
 # `kiln verify` its table and the JSON it rewrites after every row), SIGKILL 10 s later. The limits
 # of the phases asked for must add up to at most KILN_CALL_LIMIT_S (540 s), else nothing runs.
@@ -199,9 +200,12 @@ phase_engine() {
     --json "$WORK/engine-8b.json"
   step engine-8b-profile 130 kiln -- profile --engine --model random:llama3-8b --batch 64 \
     --device cuda --top 40
+  # a tiny model at batch 1: the step is almost all per-step overhead (its phase table, #21)
+  step engine-overhead 50 kiln -- profile --engine --model random:tiny --batch 1 --device cuda \
+    --timed-steps 50 --top 10
 }
 
-declare -A BUDGET=([env]=60 [tests]=290 [verify]=190 [bench]=420 [engine]=420)
+declare -A BUDGET=([env]=60 [tests]=290 [verify]=190 [bench]=420 [engine]=470)
 
 pack() {  # every file of this call into $OUT: logs tarball, summary, up to 6 result JSONs
   local prefix="$DATE-$GPU_SLUG"
