@@ -90,8 +90,9 @@ def _decode_batched(
 
 
 # The in-graph form was measured faster than the eager one up to here (SmolLM2 heads, 2 threads, per
-# call: batch 1 at 2048 / 8192 positions 0.21 / 0.79 ms against 0.41 / 2.29 ms; batch 16 at 1024
-# 1.3 against 11.7 ms); longer block tables keep the opaque node (a second graph per batch size).
+# call, two runs: batch 1 at 2048 / 8192 positions 0.32 / 0.81 ms against 0.41-0.61 / 2.3-5.1 ms;
+# batch 16 at 1024 1.5 against 10.3-11.7 ms); longer block tables keep the opaque node (a second
+# graph per batch size).
 IN_GRAPH_MAX_CONTEXT = 8192
 
 
@@ -104,8 +105,9 @@ def _decode_in_graph(q, key_cache, value_cache, block_tables, seq_lens, scale, s
 
     Written as broadcast products and sums, not SDPA: inductor fuses the gather, both contractions
     and the softmax into one C++ kernel that reads each key and value once from the cache. SDPA's CPU
-    kernel is slow for one query row (SmolLM2 heads, 2 threads, per call: batch 1 / context 208
-    91 -> 48 us, batch 16 / 208 349 -> 286 us, batch 16 / 1024 10.7 -> 1.3 ms)."""
+    kernel is slow for one query row (SmolLM2 heads, 2 threads, per call, against the SDPA form this
+    replaced: batch 1 / context 208 91 -> 69 us, batch 16 / 208 349 -> 288 us, batch 16 / 1024
+    10.7 -> 1.5 ms). The matmul that keeps the queries out of the loop costs ~20 us of the 69."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
