@@ -188,6 +188,18 @@ def _graph_ops(backend_graphs):
     }
 
 
+def _poison_past_lengths(p: dict, lens: list[int]) -> None:
+    """NaN in every cache slot of a sequence's own blocks at or past its length (make_paged_kv's
+    block_tables; block size 16): slots the contract never reads, which a gather still touches."""
+    tables = p["block_tables"]
+    for cache in (p["key_cache"], p["value_cache"]):
+        for row, n in enumerate(lens):
+            for i in range(n, tables.shape[1] * 16):
+                block = int(tables[row, i // 16])
+                if block >= 0:
+                    cache[block, i % 16] = float("nan")
+
+
 def _decode_layer(q, k, v, key_cache, value_cache, slots, block_tables, seq_lens, k_scale, v_scale, window):
     """What a compiled decode step does per layer: write this step's keys, then attend."""
     kiln.ops.write_kv_cache(k, v, key_cache, value_cache, slots, k_scale, v_scale)
@@ -227,12 +239,7 @@ def test_cpu_write_and_decode_compile_in_graph_for_float_caches(dtype, window, e
     tables = p["block_tables"]
     slots = torch.stack([tables[0, 2] * 16 + 4, torch.tensor(-1), tables[2, 1] * 16 + 3]).long()
     wide = torch.cat([tables, torch.full((3, extra_blocks), 10_000, dtype=torch.int32)], dim=1)
-    for cache in (p["key_cache"], p["value_cache"]):  # poison every slot past a sequence's length
-        for row, n in enumerate(lens):
-            for i in range(n, tables.shape[1] * 16):
-                block = int(tables[row, i // 16])
-                if block >= 0:
-                    cache[block, i % 16] = float("nan")
+    _poison_past_lengths(p, lens)
 
     def run(fn):
         key_cache, value_cache = p["key_cache"].clone(), p["value_cache"].clone()
@@ -271,12 +278,7 @@ def test_inductor_compiles_the_in_graph_decode_attention_to_what_eager_computes(
     lens = [33, 5, 17, 48]
     p = make_paged_kv(lens, 2, 32, 16, dtype, "cpu", g)
     tables = p["block_tables"]
-    for cache in (p["key_cache"], p["value_cache"]):
-        for row, n in enumerate(lens):
-            for i in range(n, tables.shape[1] * 16):
-                block = int(tables[row, i // 16])
-                if block >= 0:
-                    cache[block, i % 16] = float("nan")
+    _poison_past_lengths(p, lens)
     x = torch.randn(4, 8, 32, generator=g).to(dtype)
     width = -(-max(lens) // 16)
 
