@@ -1,18 +1,18 @@
 """How far greedy decoding in each CPU weight format agrees with the float32 weights (the checkpoint's
 values, the format whose tokens equal HF transformers'), on the embedded SmolLM2-135M-Instruct.
 
-For each format (layers and LM head both in it; a weight the format cannot hold keeps the fallback
-kiln.ops.gemm.weight_formats gives it), the 8 prompts of scripts/fp8_kv_agreement.py, plain and
-through the chat template, generate --max-tokens greedy tokens; prints per prompt the leading tokens
-equal to the fp32 run's, and where they part the fp32 run's top-1 minus top-2 logprob there (a near
-tie, which any rounding can flip).
+For each format (layers and LM head both in it, or the head in --lm-head-format; a weight the format
+cannot hold keeps the fallback kiln.ops.gemm.weight_formats gives it), the 8 prompts of
+scripts/fp8_kv_agreement.py, plain and through the chat template, generate --max-tokens greedy
+tokens; prints per prompt the leading tokens equal to the fp32 run's, and where they part the fp32
+run's top-1 minus top-2 logprob there (a near tie, which any rounding can flip).
 
 By default the 8 prompts run as one batch, so prefill and decode give every layer several rows;
 --one-at-a-time runs each prompt alone, so decode takes the one-row paths (single-stream decode: the
 int4 kernel of "int4_bf16", the fp16 GEMV of "fp16").
 
     OMP_NUM_THREADS=2 python scripts/cpu_format_agreement.py --max-tokens 64 [--formats fp16,int4_bf16]
-        [--one-at-a-time]
+        [--one-at-a-time] [--lm-head-format int8_blocks]
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--formats", default="fp16,bf16,int4,int4_bf16,int8")
     parser.add_argument("--one-at-a-time", action="store_true", help="one prompt per generate call")
+    parser.add_argument(
+        "--lm-head-format", help="the LM head's format in every run but fp32's (default: each format)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -42,7 +45,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     runs = {}
     for fmt in ["fp32", *formats]:
-        loaded = load_model(device="cpu", dtype=torch.float32, cpu_format=fmt, lm_head_format=fmt)
+        head = fmt if fmt == "fp32" else args.lm_head_format or fmt
+        loaded = load_model(device="cpu", dtype=torch.float32, cpu_format=fmt, lm_head_format=head)
         prompts = {
             "plain": [loaded.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS],
             "chat": [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS],

@@ -12,7 +12,10 @@ calibrated on) and one of 8 short questions about it (417-423 tokens: most of th
 
 Formats: bf16, fp16 (round to the dtype), fp8 (e4m3 with Kiln's calibrated per-head scales and
 centred keys, kiln.engine.kv_scales, as `kv_cache_dtype="fp8"` stores them), fp8_keys / fp8_values
-(only one of the two), int8_token (symmetric int8, one scale per token and head), and
+(only one of the two), int8_token (symmetric int8, one scale per token and head), fp8_token (e4m3,
+one scale per token and head), fp8_rot / fp8_token_rot (fp8 / fp8_token in a Hadamard-rotated basis
+of each head, as QuaRot rotates a cache: q.k and the attention output are unchanged by the rotation,
+and it spreads outlier channels; fp8_rot's scales calibrated on the rotated keys and values), and
 fp8_sink<S>[_window<W>] (fp8, except that the first S positions of a sequence and its W most recent
 ones stay exact, as KIVI / IntactKV keep them; a position is rounded once it leaves the window).
 
@@ -28,7 +31,9 @@ import re
 
 import torch
 
-FORMATS = ("bf16", "fp16", "fp8", "fp8_keys", "fp8_values", "int8_token")
+FORMATS = (
+    "bf16", "fp16", "fp8", "fp8_keys", "fp8_values", "int8_token", "fp8_token", "fp8_rot", "fp8_token_rot",
+)  # fmt: skip
 SINK_WINDOW = re.compile(r"fp8_sink(\d+)(?:_window(\d+))?")
 
 # Questions about kiln/models/texts/perplexity.txt, one per long prompt.
@@ -50,6 +55,40 @@ def fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype) * s
 
 
+def fp8_token_round(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] through e4m3 with one scale per token and head (its peak at 448)."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448
+    return (x / scale).to(torch.float8_e4m3fn).to(x.dtype) * scale
+
+
+def hadamard(d: int) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix [d, d] float32 (d a power of 2)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / d**0.5
+
+
+def rotated(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn applied to x [T, H, D] in the Hadamard-rotated basis, rotated back."""
+    h = hadamard(x.shape[-1]).to(x.dtype)
+    return fn(x @ h) @ h.T
+
+
+def rotated_calibration(model, tokenizer, calibration):
+    """Per layer (k_scale, v_scale) [Hkv] of the Hadamard-rotated centred keys and values, as
+    kiln.engine.kv_scales calibrates the plain ones (the peak over the calibration text, headroom 2)."""
+    from kiln.engine import kv_scales
+
+    out, headroom = [], kv_scales.DEFAULT_HEADROOM / kv_scales.FP8_E4M3_MAX
+    kv = kv_scales.prefill_keys_values(model, kv_scales.calibration_token_ids(tokenizer))
+    for (_, _, shift), (keys, values) in zip(calibration, kv, strict=True):
+        h = hadamard(keys.shape[-1])
+        k_peak, v_peak = (((t @ h).abs().amax(dim=(0, 2))) for t in (keys - shift, values))
+        out.append((k_peak * headroom, v_peak * headroom))
+    return out
+
+
 def int8_token_round(x: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] through symmetric int8 with one scale per token and head."""
     scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127
@@ -65,15 +104,16 @@ def sink_window(fmt: str) -> tuple[int, int] | None:
 class RoundingWrite:
     """Stands in for kiln.ops.write_kv_cache and rounds what the layers write through one format.
 
-    calibration: per layer (k_scale [Hkv], v_scale [Hkv], k_shift [Hkv, head_dim]) float32. The
+    calibration: per layer (k_scale [Hkv], v_scale [Hkv], k_shift [Hkv, head_dim]) float32;
+    rotated_scales: per layer fp8_rot's (k_scale, v_scale) (rotated_calibration), when run. The
     sink/window formats write exact rows, then round in place, layer by layer, every position in
     [S, length - W) not rounded yet; they need the slots written to be ONE sequence's positions in
     order, so those formats are run one prompt per engine (a batch interleaves sequences' slots, and
     a prefix-cache hit would skip the shared positions' writes).
     """
 
-    def __init__(self, write, calibration):
-        self.write, self.calibration = write, calibration
+    def __init__(self, write, calibration, rotated_scales=None):
+        self.write, self.calibration, self.rotated_scales = write, calibration, rotated_scales
         self.reset(None)
 
     def reset(self, fmt: str | None) -> None:
@@ -93,6 +133,15 @@ class RoundingWrite:
             key, value = key.to(dtype).float(), value.to(dtype).float()
         elif fmt == "int8_token":
             key, value = int8_token_round(key), int8_token_round(value)
+        elif fmt == "fp8_token":
+            key, value = fp8_token_round(key - shift) + shift, fp8_token_round(value)
+        elif fmt == "fp8_token_rot":
+            key = rotated(fp8_token_round, key - shift) + shift
+            value = rotated(fp8_token_round, value)
+        elif fmt == "fp8_rot":
+            k_rot, v_rot = self.rotated_scales[layer]
+            key = rotated(lambda x: fp8_round(x, k_rot), key - shift) + shift
+            value = rotated(lambda x: fp8_round(x, v_rot), value)
         elif fmt in ("fp8", "fp8_keys", "fp8_values"):
             if fmt in ("fp8", "fp8_keys"):
                 key = fp8_round(key - shift, k_s) + shift
@@ -157,7 +206,10 @@ def main() -> None:
 
     loaded = load_model(device="cpu", dtype=torch.float32)
     calibration = calibrate_kv_cache(loaded.model, calibration_token_ids(loaded.tokenizer))
-    rounding_write = RoundingWrite(kiln.ops.write_kv_cache, calibration)
+    rotated_scales = None
+    if "fp8_rot" in formats:
+        rotated_scales = rotated_calibration(loaded.model, loaded.tokenizer, calibration)
+    rounding_write = RoundingWrite(kiln.ops.write_kv_cache, calibration, rotated_scales)
     kiln.ops.write_kv_cache = rounding_write  # the attention layers look it up at call time
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from kiln.loaders import cpu_format_probe, load_model
+from kiln.quant import quantize_blocks
+from kiln.quant.gguf_blocks import GGUFWeight
 
 MODEL = "random:tiny"
 FAKE_SECONDS = {"fp16": 2e-3, "fp32": 1e-3}  # fp32 "wins" unless a test says otherwise
@@ -114,6 +116,15 @@ def test_candidates_exclude_int4_for_dense_weights_and_reject_unknown_names(monk
     monkeypatch.setenv("KILN_CPU_FORMATS", "fp16,fp8")
     with pytest.raises(ValueError, match="fp8"):
         cpu_format_probe.candidate_formats(weights)
+
+
+def test_candidates_keep_int8_blocks_only_for_q8_0_matrices(monkeypatch):
+    monkeypatch.setenv("KILN_CPU_FORMATS", "fp16,int8_blocks,int4")
+    q8 = GGUFWeight("Q8_0", quantize_blocks(torch.randn(32, 64), "Q8_0"), (32, 64))
+    q4 = GGUFWeight("Q4_1", quantize_blocks(torch.randn(32, 64), "Q4_1"), (32, 64))
+    assert cpu_format_probe.candidate_formats([q8]) == ("fp16", "int8_blocks")
+    assert cpu_format_probe.candidate_formats([q8, q4]) == ("fp16",)
+    assert cpu_format_probe.candidate_formats([torch.randn(32, 64)]) == ("fp16",)
 
 
 def test_real_timer_picks_one_of_the_candidates(monkeypatch):

@@ -141,6 +141,23 @@ def test_default_cpu_model_greedy_follows_hf_up_to_near_ties(kiln_default, promp
             assert gap < NEAR_TIE, (step, float(gap), kiln_default.tokenizer.decode(ours))
 
 
+def test_int8_blocks_lm_head_keeps_the_q8_0_values_and_hf_greedy_tokens(
+    hf_model, gguf_weights, prompts, hf_continuations
+):
+    """The tied Q8_0 head as its int8 values and scales: one-row logits are float32 arithmetic on the
+    file's exact values, so with float32 layers the tokens are HF's (a bf16 head parts at near ties)."""
+    config, weights = gguf_weights
+    model = LlamaForCausalLM(config, weights, cpu_format="fp32", lm_head_format="int8_blocks").eval()
+    if model.lm_head.prepared.layout != "int8_blocks_onednn":
+        pytest.skip("oneDNN cannot pack bf16 on this CPU: int8_blocks falls back to bf16")
+    for ids, (theirs, _) in zip(prompts, hf_continuations, strict=True):
+        ref = _hf_logits(hf_model, ids)[-1:]
+        hidden = PagedSequence(model, len(ids), block_size=16, seed=3).step(ids)
+        last = model.compute_logits(hidden[-1:])
+        assert _rel(last, ref).max() < FP32_TOL
+        assert greedy(model, ids, 24) == theirs
+
+
 def test_chunked_prefill_then_decode_matches_one_prefill(kiln_fp32, prompts):
     # float32 weights: fp16 GEMMs round differently for different row counts, which would hide
     # nothing here but blur the tolerance; the cache/metadata handling is what is under test.

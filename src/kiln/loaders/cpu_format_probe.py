@@ -12,8 +12,10 @@ formats whose greedy tokens stay those of the checkpoint (fp16 holds GGUF block 
 fp32 exactly). "bf16", "int4" (GGUF Q4 weights only) and "int8" round activations to bfloat16 (~3e-2
 logit error, flipping near-tied greedy choices; int8 also requantizes the weights per output channel,
 which GGUF's 32-weight blocks resolve more finely), so they are candidates only when asked for:
-`KILN_CPU_FORMATS=fp16,fp32,bf16,int4,int8`. "int4_bf16" runs the same kernel as "int4" at one row
-(it differs at several), so the one-row probe cannot tell those two apart: list only one of them.
+`KILN_CPU_FORMATS=fp16,fp32,bf16,int4,int8`. "int8_blocks" (GGUF Q8_0 matrices only: float32 on
+their exact values at one row, a bf16 copy for several) can be listed too. "int4_bf16" runs the same
+kernel as "int4" at one row (it differs at several), so the one-row probe cannot tell those two
+apart: list only one of them.
 
 The choice is cached in Kiln's tuning cache (kiln.ops.tuned_configs, `$KILN_TUNE_CACHE`), keyed by the
 CPU (`cpu_model_name`: name, family / model / stepping, ISA flags), thread count, torch version, the
@@ -61,7 +63,7 @@ def cpu_model_name() -> str:
 def candidate_formats(weights: list) -> tuple[str, ...]:
     """The formats to time for `weights` (float tensors or GGUFWeights): KILN_CPU_FORMATS or
     DEFAULT_CANDIDATES, without "int4" / "int4_bf16" unless every weight is a GGUF Q4 matrix, without
-    "gguf"."""
+    "int8_blocks" unless every one is GGUF Q8_0 (elsewhere both are the bf16 layout), without "gguf"."""
     names = os.environ.get("KILN_CPU_FORMATS")
     wanted = tuple(n.strip() for n in names.split(",") if n.strip()) if names else DEFAULT_CANDIDATES
     unknown = [n for n in wanted if n not in CPU_WEIGHT_FORMATS]
@@ -70,7 +72,10 @@ def candidate_formats(weights: list) -> tuple[str, ...]:
             f"KILN_CPU_FORMATS: unknown format(s) {unknown}, expected some of {CPU_WEIGHT_FORMATS}"
         )
     q4 = all(isinstance(w, GGUFWeight) and w.qtype in INT4_QTYPES for w in weights)
-    return tuple(n for n in wanted if n != "gguf" and (not n.startswith("int4") or q4))
+    q8 = all(isinstance(w, GGUFWeight) and w.qtype == "Q8_0" for w in weights)
+    return tuple(
+        n for n in wanted if n != "gguf" and (not n.startswith("int4") or q4) and (n != "int8_blocks" or q8)
+    )
 
 
 def time_call(fn, repeats: int = REPEATS) -> float:

@@ -47,7 +47,7 @@ def test_every_fuzz_case_on_the_cpu_backend_matches_float64(dtype):
 def test_the_fuzz_shapes_reach_every_cpu_layout_with_one_and_several_rows():
     shapes = PREPARED_LINEAR.fuzz_shapes(random.Random(0))
     assert _layouts_made_by_fuzz_shapes(torch.float32) >= {"onednn", "fp16_onednn", "int4", "int8_weight"}
-    for fmt in ("fp32", "fp16", "bf16", "int4", "int4_bf16", "int8"):
+    for fmt in ("fp32", "fp16", "bf16", "int4", "int4_bf16", "int8", "int8_blocks"):
         rows = {s["M"] > 1 for s in shapes if s["format"] == fmt}
         assert rows == {False, True}, fmt
     assert {s["source"] for s in shapes if s["format"] == "int4"} == {"Q4_0", "Q4_1", "Q4_K"}
@@ -140,6 +140,73 @@ def test_int4_bf16_runs_int4_at_one_row_and_a_bf16_copy_of_the_same_matrix_beyon
     assert q8.layout == "onednn" and q8.compute_dtype == torch.bfloat16
 
 
+@pytest.mark.skipif(not _packs_bf16(), reason="oneDNN cannot pack bf16 on this CPU")
+def test_int8_blocks_keeps_q8_0_values_exactly_runs_one_row_in_float32_and_rows_on_a_bf16_copy():
+    import gguf
+
+    g = torch.Generator().manual_seed(5)
+    n, k = 40, 160
+    weight = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)).numpy()  # rows of unlike size
+    blocks = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)  # the file's bytes, by gguf
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)).double()
+    q8 = GGUFWeight("Q8_0", torch.from_numpy(blocks), (n, k))
+    prepared = prepare_linear_weight(q8, device=CPU, dtype=torch.float32, cpu_format="int8_blocks")
+    assert prepared.layout == "int8_blocks_onednn" and prepared.kind == "int8_blocks"
+    values, scales, copy = prepared.tensors
+    assert values.dtype == torch.int8 and scales.dtype == torch.float32 and scales.shape == (n, k // 32)
+    matrix = prepared_matrix(prepared.layout, prepared.tensors)
+    assert torch.equal(matrix, expected)  # d * q exactly: no rounding of the weight
+    read_back = weight_formats.onednn_linear(torch.eye(k, dtype=torch.bfloat16), copy, None).T
+    assert torch.equal(read_back, expected.to(torch.bfloat16))  # the copy: that matrix in bf16
+    run, bias = kiln.ops.prepared_linear, torch.randn(n, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        one = torch.randn(1, k, generator=g).to(dtype)
+        y = run(one, prepared.layout, prepared.tensors, bias, torch.float32)
+        # float32 arithmetic on the exact values: only the accumulation rounds (not x, not W)
+        assert_close(y, one.double() @ expected.T + bias.double(), 1e-6, f"one {dtype} row")
+    rows = torch.randn(5, k, generator=g)
+    y = run(rows, prepared.layout, prepared.tensors, bias)
+    assert torch.equal(y, weight_formats.onednn_linear(rows.bfloat16(), copy, None).float() + bias)
+    assert_close(y, rows.double() @ expected.T + bias.double(), 1.6e-2, "int8_blocks, 5 rows")
+    # a weight that is not Q8_0 gets the bf16 layout
+    q4 = prepare_linear_weight(
+        _gguf("Q4_1", generator=g), device=CPU, dtype=torch.float32, cpu_format="int8_blocks"
+    )
+    assert q4.layout == "onednn" and q4.compute_dtype == torch.bfloat16
+    # malformed tensors are refused by name
+    with pytest.raises(
+        ValueError, match=r"scales \(40, 4\), expected in-features a multiple of 32 and scales \(40, 5\)"
+    ):
+        run(rows, prepared.layout, [values, scales[:, :4].contiguous(), copy])
+    other = weight_formats.onednn_pack(torch.ones(32, k, dtype=torch.bfloat16))
+    with pytest.raises(
+        ValueError, match=r"int8_blocks_onednn copy has shape \(32, 160\), expected \(40, 160\)"
+    ):
+        run(rows, prepared.layout, [values, scales, other])
+
+
+@pytest.mark.skipif(not _packs_bf16(), reason="oneDNN cannot pack bf16 on this CPU")
+def test_int8_blocks_one_row_traced_into_a_compiled_graph_equals_eager():
+    """The decode step compiles its forward: there the GEMV is traced into the caller's graph, behind
+    an opaque copy of x (else inductor recomputes x's producer per output row)."""
+    g = torch.Generator().manual_seed(6)
+    prepared = prepare_linear_weight(
+        _gguf("Q8_0", n=64, k=128, generator=g), device=CPU, dtype=torch.float32, cpu_format="int8_blocks"
+    )
+    norm = torch.rand(128, generator=g) + 0.5
+
+    def head(h):
+        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+        return kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors)
+
+    h = torch.randn(1, 128, generator=g)
+    compiled = torch.compile(head, fullgraph=True, dynamic=False)(h)
+    matrix = prepared_matrix(prepared.layout, prepared.tensors)
+    x = h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + 1e-6) * norm.double()
+    assert_close(compiled, x @ matrix.T, 1e-6, "compiled")
+    assert_close(compiled, head(h).double(), 1e-6, "compiled vs eager")
+
+
 def test_int8_stores_per_channel_values_with_bf16_scales_and_runs_them():
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(37, 96, generator=g) * torch.rand(37, 1, generator=g)  # rows of unlike size
@@ -175,6 +242,7 @@ def test_int8_keeps_in_features_the_kernel_cannot_take_in_fp16_and_refuses_them_
         ("int4", "Q4_1"),
         ("int4_bf16", "Q4_1"),
         ("int8", "Q4_1"),
+        ("int8_blocks", "Q8_0"),
     ],
 )
 def test_zero_rows_give_an_empty_result(fmt, source):

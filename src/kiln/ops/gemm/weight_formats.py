@@ -16,6 +16,9 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      bf16 copy of the same matrix]               oneDNN bf16 on the copy
     "int8_weight"   [W int8 [N, K], scales bf16 [N]]             torch's int8 weight-only CPU matmul
                                                                 (per output channel), bf16 activations
+    "int8_blocks_onednn"  [Q8_0's int8 values [N, K], its        1 row: a GEMV inductor compiles, in
+                     scales float32 [N, K/32], oneDNN's blocked  float32 on the stored values (exact);
+                     bf16 copy of the same matrix]               more rows: oneDNN bf16 on the copy
     "gguf_<qtype>"  [uint8 blocks [N, row_bytes] as in the file] kiln.ops.gguf_linear
                     (qtype Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)
     "fp8_*", "int8_*", "w4a16_*", "fp8_block*", "sparse24": quantized checkpoint weights
@@ -43,6 +46,13 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     this project measures on, 3072x576 at 16 rows: 341 us int4, 150 us oneDNN bf16); ~2.6 bytes a
     weight in all (int4 with its bf16 scale and zero per 32, and the bf16 copy). Other weights, or a
     CPU where oneDNN cannot pack bf16, get the "bf16" / "int4" layouts;
+  - CPU, "int8_blocks", GGUF Q8_0 weights: "int8_blocks_onednn", the file's blocks split into their
+    int8 values and their scales (fp16 in the file, exact in float32): w = d * q exactly, so one-row
+    inputs (single-stream decode) read one byte a weight with no rounding of the weight or of x. Made
+    for the LM head, the largest matrix of a small model, whose GGUF type is usually Q8_0: on the
+    2-core AVX512-BF16 machine this project measures on, SmolLM2's 49152x576 head takes ~1.5 ms a row
+    this way against ~2.3 ms for packed bf16 (cache-cold). Several rows run oneDNN's bf16 GEMM on a
+    copy, as "int4_bf16" does. Other weights, or a CPU where oneDNN cannot pack bf16, get "bf16";
   - CPU, "int8", any weight with in-features a multiple of 16 (GGUF blocks and dequantized checkpoint
     weights included; others get the "fp16" layouts): "int8_weight",
     symmetric per output channel, the scale rounded to bfloat16 first (the kernel's dtype), then each
@@ -89,10 +99,11 @@ from kiln.quant.gguf_blocks import KERNEL_QTYPES, GGUFWeight, dequantize_blocks
 from kiln.quant.linear_weights import QUANTIZED_WEIGHT_TYPES, BlockFP8Weight, Int4Weight, ScaledWeight
 from kiln.quant.sparse24 import Sparse24Weight
 
-CPU_WEIGHT_FORMATS = ("int4", "int4_bf16", "int8", "fp16", "bf16", "fp32", "gguf")
+CPU_WEIGHT_FORMATS = ("int4", "int4_bf16", "int8", "int8_blocks", "fp16", "bf16", "fp32", "gguf")
 FORMAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 INT4_GROUP_SIZE = 32  # one GGUF block (a Q4_K sub-block) per group
 INT4_QTYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT8_BLOCK_SIZE = 32  # weights per scale in "int8_blocks_onednn": one GGUF Q8_0 block
 # torch's int8 CPU matmul reads K in steps of 16 (other K give garbage or crash): "int8" keeps a weight
 # whose in-features are not a multiple in the "fp16" layouts instead
 INT8_K_MULTIPLE = 16
@@ -108,6 +119,7 @@ LAYOUTS = {
     "int4": 2,
     "int4_onednn": 3,
     "int8_weight": 2,
+    "int8_blocks_onednn": 3,
     **dict.fromkeys(GGUF_LAYOUTS, 1),
     **QUANTIZED_LAYOUTS,
 }
@@ -131,8 +143,8 @@ class PreparedLinearWeight:
     @property
     def kind(self) -> str:
         """How the weight is stored: "gguf" (file blocks), "int4" (repacked nibbles), "int8_weight"
-        (weight-only int8), "fp8" / "int8" (W8A8), "w4a16" (int4_linear), "fp8_block", "sparse24"
-        (2:4) or "dense"."""
+        (weight-only int8), "int8_blocks" (GGUF Q8_0's values and scales), "fp8" / "int8" (W8A8),
+        "w4a16" (int4_linear), "fp8_block", "sparse24" (2:4) or "dense"."""
         if self.layout in GGUF_LAYOUTS:
             return "gguf"
         if self.layout in W8A8_LAYOUTS:
@@ -145,6 +157,8 @@ class PreparedLinearWeight:
             return "sparse24"
         if self.layout == "int4_onednn":
             return "int4"
+        if self.layout == "int8_blocks_onednn":
+            return "int8_blocks"
         return self.layout if self.layout in ("int4", "int8_weight") else "dense"
 
     @property
@@ -184,7 +198,11 @@ def prepare_linear_weight(
         return PreparedLinearWeight(f"gguf_{weight.qtype}", (weight.data.to(device),), shape, None, dtype)
     if device.type == "cpu" and cpu_format in ("int4", "int4_bf16") and int4_packable(weight):
         return _int4_layout(pack_int4(weight), shape, dtype, cpu_format)
-    if cpu_format == "int4_bf16":  # no int4 packing for this weight: the bf16 layouts
+    if device.type == "cpu" and cpu_format == "int8_blocks" and isinstance(weight, GGUFWeight):
+        prepared = _int8_blocks_layout(weight, shape, dtype)
+        if prepared is not None:
+            return prepared
+    if cpu_format in ("int4_bf16", "int8_blocks"):  # no int4 / Q8_0 packing for this weight: bf16
         cpu_format = "bf16"
     if device.type == "cpu" and cpu_format == "int8" and shape[1] % INT8_K_MULTIPLE == 0:
         if isinstance(weight, GGUFWeight):
@@ -247,6 +265,28 @@ def _int4_layout(int4: tuple[torch.Tensor, torch.Tensor], shape, dtype, cpu_form
         if rows is not None:
             return PreparedLinearWeight("int4_onednn", (*int4, rows), shape, torch.bfloat16, dtype)
     return PreparedLinearWeight("int4", int4, shape, torch.bfloat16, dtype)
+
+
+def _int8_blocks_layout(weight: GGUFWeight, shape, dtype) -> PreparedLinearWeight | None:
+    """"int8_blocks_onednn" for a GGUF Q8_0 weight where oneDNN packs bf16 here, else None."""
+    if weight.qtype != "Q8_0":
+        return None
+    values, scales = split_q8_0(weight)
+    matrix = (values.view(shape[0], -1, INT8_BLOCK_SIZE) * scales[..., None]).view(shape)
+    rows = onednn_pack(matrix.to(torch.bfloat16))
+    if rows is None:
+        return None
+    return PreparedLinearWeight("int8_blocks_onednn", (values, scales, rows), shape, None, dtype)
+
+
+def split_q8_0(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF Q8_0 weight [N, K] -> (values int8 [N, K], scales float32 [N, K / 32]), w = d * q
+    exactly (d is fp16 in the file)."""
+    n, k = weight.shape
+    blocks = weight.data.view(n, k // INT8_BLOCK_SIZE, 2 + INT8_BLOCK_SIZE)
+    scales = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32).view(n, -1)
+    values = blocks[..., 2:].contiguous().view(torch.int8).view(n, k)
+    return values, scales
 
 
 @functools.cache
@@ -358,6 +398,10 @@ def prepared_matrix(
         return (q.to(torch.float64) - 8.0) * scale + zero
     if layout == "int8_weight":
         return tensors[0].to(torch.float64) * tensors[1].to(torch.float64)[:, None]
+    if layout == "int8_blocks_onednn":  # the copy holds the same matrix, rounded to bf16
+        values, scales = tensors[:2]
+        blocks = values.to(torch.float64).view(values.shape[0], -1, INT8_BLOCK_SIZE)
+        return (blocks * scales.to(torch.float64)[..., None]).view(values.shape)
     if layout in QUANTIZED_LAYOUTS:
         return quantized_matrix(layout, tensors, in_features)
     if layout in LAYOUTS:  # "dense", "fp16_*": the plain matrix comes first

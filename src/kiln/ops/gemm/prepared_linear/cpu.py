@@ -8,6 +8,8 @@
   "int4"         PyTorch's weight-packed int4 CPU matmul, group size 32, bfloat16 activations (its
                  fast path); the bias is added in float32;
   "int4_onednn"  one row: as "int4"; several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
+  "int8_blocks_onednn"  one row: int8_blocks_gemv (float32 on GGUF Q8_0's values and scales, exact);
+                 several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
   "int8_weight"  PyTorch's weight-only int8 CPU matmul (per-channel bf16 scales, bfloat16
                  activations); the bias is added in float32;
   "dense"        F.linear in the matrix's dtype;
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.gemm.gguf_linear import gguf_linear
+from kiln.ops.gemm.prepared_linear.int8_blocks_gemv import int8_blocks_gemv
 from kiln.ops.gemm.prepared_linear.spec import PREPARED_LINEAR
 from kiln.ops.gemm.quantized_layouts import QUANTIZED_LAYOUTS, run_quantized
 from kiln.ops.gemm.weight_formats import GGUF_LAYOUTS, INT4_GROUP_SIZE
@@ -96,6 +99,17 @@ def _int8_weight(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
+def _int8_blocks_onednn(x, weight, bias, out_dtype):
+    if x.shape[0] != 1:
+        x = x.to(torch.bfloat16).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(x, weight[2], None, "none", [], "")
+    else:
+        y = int8_blocks_gemv(x, weight[0], weight[1])
+    if bias is not None:
+        y = y.float().add_(bias)
+    return y.to(out_dtype)
+
+
 def _gguf(qtype):
     def run(x, weight, bias, out_dtype):
         return gguf_linear(x, weight[0], qtype, bias).to(out_dtype)
@@ -111,6 +125,7 @@ KERNELS = {
     "int4": _int4,
     "int4_onednn": _int4_onednn,
     "int8_weight": _int8_weight,
+    "int8_blocks_onednn": _int8_blocks_onednn,
     **{layout: _gguf(qtype) for layout, qtype in GGUF_LAYOUTS.items()},
     **dict.fromkeys(QUANTIZED_LAYOUTS, run_quantized),
 }
@@ -125,5 +140,5 @@ def prepared_linear_cpu(x, layout, weight, bias=None, out_dtype=None):
 
 PREPARED_LINEAR.register(
     Implementation("cpu", prepared_linear_cpu, cpu_only,
-                   description="oneDNN fp32/bf16, fp16 GEMV + packed fp32 copy, int4 (+ bf16), int8 matmuls")
+                   description="oneDNN fp32/bf16, fp16 GEMV + packed fp32 copy, int4 (+ bf16), int8, Q8_0")
 )  # fmt: skip

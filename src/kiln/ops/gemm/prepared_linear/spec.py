@@ -41,6 +41,7 @@ from kiln.ops.gemm.shapes import GEMM_TOLERANCE, SMOLLM2_135M, gemm_flops
 from kiln.ops.gemm.weight_formats import (
     GGUF_LAYOUTS,
     INT4_GROUP_SIZE,
+    INT8_BLOCK_SIZE,
     INT8_K_MULTIPLE,
     LAYOUTS,
     prepare_linear_weight,
@@ -137,6 +138,20 @@ def _validate_quantized(op, layout, weight, K, device) -> None:
             raise ValueError(f"{op}: {layout} scale has shape {tuple(weight[1].shape)}, expected {expected}")
 
 
+def _validate_int8_blocks(op, weight, device) -> None:
+    check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int8,), device=device)
+    check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
+    check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(torch.bfloat16,), device=device)
+    n, k = weight[0].shape
+    if k % INT8_BLOCK_SIZE or tuple(weight[1].shape) != (n, k // INT8_BLOCK_SIZE):
+        raise ValueError(
+            f"{op}: int8_blocks_onednn values [{n}, {k}] and scales {tuple(weight[1].shape)}, expected "
+            f"in-features a multiple of {INT8_BLOCK_SIZE} and scales ({n}, {k // INT8_BLOCK_SIZE})"
+        )
+    if tuple(weight[2].shape) != (n, k):  # oneDNN's packing of the bf16 copy reports the matrix's shape
+        raise ValueError(f"{op}: int8_blocks_onednn copy has shape {tuple(weight[2].shape)}, expected {n, k}")
+
+
 def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
     op = "prepared_linear"
     check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
@@ -167,6 +182,8 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
                 f"{op}: int8_weight in-features {weight[0].shape[1]} are not a multiple of "
                 f"{INT8_K_MULTIPLE} (torch's int8 CPU matmul)"
             )
+    elif layout == "int8_blocks_onednn":
+        _validate_int8_blocks(op, weight, device)
     elif layout in GGUF_LAYOUTS:
         validate_gguf_weight(op, weight[0], GGUF_LAYOUTS[layout], x.shape[-1], device)
     elif layout in QUANTIZED_LAYOUTS:
@@ -299,6 +316,7 @@ _FUZZ_FORMATS = (
     ("int8", "float"),  # in-features a multiple of 16: "int8_weight"
     ("int8", "float"),  # any in-features: mostly the "fp16" layouts it falls back to
     ("int8", "Q4_1"),
+    ("int8_blocks", "Q8_0"),  # "int8_blocks_onednn" where this CPU packs bf16, else "onednn" / "dense"
     ("fp16", "Q6_K"),
     ("gguf", "Q5_K"),
 )
@@ -335,7 +353,8 @@ def _fuzz_shapes(rng):
 def _case_tolerance(shape, dtype) -> float:
     """The result is rounded to x's dtype (GEMM_TOLERANCE[dtype]), and inside the layout: "bf16" and
     "int4" round x (and their output) to bfloat16 (unit roundoff 2^-9; int4's scales and zeros are
-    bf16 too, but the reference reads those stored values); "fp16" rounds a one-row x and its output
+    bf16 too, but the reference reads those stored values), as "int8_blocks" does for several rows (its
+    one-row GEMV computes in float32 on the stored values); "fp16" rounds a one-row x and its output
     to float16 (2^-11); "fp16" for several rows and "fp32" compute in float32 on the stored values.
     (On CUDA every format prepares to "dense" / "gguf_*" in x's dtype: the bound is then loose.)"""
     fmt = shape["format"]
@@ -343,8 +362,8 @@ def _case_tolerance(shape, dtype) -> float:
         # the reference quantizes x as the kernel does (a tie resolved differently moves one
         # element by one step: rare); int4_linear rounds the dequantized weight to x's dtype.
         return max(GEMM_TOLERANCE[dtype], GEMM_TOLERANCE[torch.float32])
-    if fmt in ("bf16", "int4", "int4_bf16", "int8"):  # int4_bf16's copy also rounds the weight to bf16
-        inside = GEMM_TOLERANCE[torch.bfloat16]
+    if fmt in ("bf16", "int4", "int4_bf16", "int8") or (fmt == "int8_blocks" and shape["M"] > 1):
+        inside = GEMM_TOLERANCE[torch.bfloat16]  # the bf16 copies also round the weight to bf16
     elif fmt == "fp16" and shape["M"] == 1:
         inside = GEMM_TOLERANCE[torch.float16]
     else:
@@ -354,7 +373,8 @@ def _case_tolerance(shape, dtype) -> float:
 
 def _weight_bytes(shape) -> float:
     """Bytes the CPU layout reads per call: fp32 / bf16 the matrix; fp16 the fp16 matrix for one row,
-    its float32 copy for more; int4 the nibbles and a bf16 (scale, zero) per 32 weights; gguf the blocks."""
+    its float32 copy for more; int4 the nibbles and a bf16 (scale, zero) per 32 weights; gguf the blocks;
+    int8_blocks the values and scales for one row, the bf16 copy for more."""
     N, K, fmt = shape["N"], shape["K"], shape["format"]
     if fmt == "kernel":
         source = shape["source"]
@@ -369,6 +389,8 @@ def _weight_bytes(shape) -> float:
         return N * K * 2
     if fmt == "int8":
         return N * K + N * 2
+    if fmt == "int8_blocks":  # one row: the int8 values and a float32 scale per 32; more: the bf16 copy
+        return N * K + N * K / 32 * 4 if shape["M"] == 1 else N * K * 2
     if fmt == "fp16":
         return N * K * (2 if shape["M"] == 1 else 4)
     return N * K * (2 if fmt == "bf16" else 4)
@@ -412,6 +434,11 @@ PREPARED_LINEAR = OpSpec(
             for k, n in SMOLLM2_135M
             for m in (1, 16, 64)
             for fmt, source in _BENCH_FORMATS
+        ]
+        + [  # the LM head (its GGUF type is Q8_0): packed bf16 against Q8_0's own values
+            {"M": m, "N": 49152, "K": 576, "format": fmt, "source": "Q8_0"}
+            for m in (1, 16)
+            for fmt in ("bf16", "int8_blocks")
         ]
     },
     baselines={"torch_linear_fp32": _torch_linear_fp32},

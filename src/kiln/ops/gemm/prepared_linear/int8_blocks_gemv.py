@@ -1,0 +1,48 @@
+"""The one-row kernel of the "int8_blocks_onednn" layout: y = x @ W^T with W = d * q stored as GGUF
+Q8_0's int8 values q [N, K] and float32 scales d [N, K / 32], computed in float32 on those values.
+
+PyTorch has no CPU kernel for int8 weights with a scale per 32 (`_weight_int8pack_mm` takes one per
+row), so this one is written as tensor code and compiled by inductor into one C++ loop that reads
+each weight byte once. Eager calls run it through `torch.compile` (one graph per weight shape, static:
+inductor's dynamic-shape code of it is ~2x slower); inside the engine's compiled decode step it is
+traced into the step's graph (calling the compiled function there would break the graph).
+
+Traced into a larger graph, inductor would fuse a pointwise producer of x into this loop and recompute
+it once per output row (a final RMSNorm: 2x slower); there x passes through `realized`, an opaque copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32  # weights per scale (one Q8_0 block)
+
+
+@torch.library.custom_op("kiln::realized", mutates_args=())
+def realized(x: torch.Tensor) -> torch.Tensor:
+    """A copy of x that inductor cannot fuse into its consumers (so x is computed once)."""
+    return x.clone()
+
+
+@realized.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    n, k = values.shape
+    groups = k // BLOCK
+    xs = x.float().view(1, groups, BLOCK)
+    products = xs * values.view(n, groups, BLOCK).float() * scales.view(n, groups, 1)
+    return products.sum((-1, -2)).view(1, n)
+
+
+_compiled_gemv = torch.compile(_gemv, dynamic=False, fullgraph=True)
+
+
+def int8_blocks_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [1, K] float (any float dtype, read as float32), values int8 [N, K], scales float32 [N, K / 32]
+    -> y float32 [1, N], y[n] = sum_k x[k] * scales[n, k // 32] * values[n, k]."""
+    if torch.compiler.is_compiling():  # traced into the caller's graph
+        return _gemv(realized(x), values, scales)
+    return _compiled_gemv(x, values, scales)
