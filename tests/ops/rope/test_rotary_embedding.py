@@ -196,3 +196,39 @@ def test_rotary_embedding_rejects_a_malformed_config(device):
 def test_rotary_embedding_bfloat16_on_gpu(shape):
     case = run_case(ROTARY_EMBEDDING, "triton", shape, torch.bfloat16, torch.device("cuda"), seed=_seed())
     assert case.passed, case
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, rotary_dim, is_neox", [(64, 64, True), (80, 34, False), (96, 48, True)])
+def test_cpu_rotary_embedding_compiled_by_inductor_equals_eager_in_place_and_returned(
+    dtype, head_dim, rotary_dim, is_neox
+):
+    """The in-graph form (cpu._rotary_in_graph) through inductor, on views into one fused QKV buffer as
+    the attention layer passes them: the returned heads and the heads written in place both equal the
+    eager implementation's, and the V part of the buffer is left as it was."""
+    g = torch.Generator().manual_seed(7)
+    tokens, q_heads, kv_heads = 5, 6, 2
+    sizes = [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    cache = kiln.ops.rope_cos_sin_cache(rotary_dim, 64, 10000.0, None, torch.float32, None)
+    positions = torch.randint(0, 64, (tokens,), generator=g)
+    qkv = torch.randn(tokens, sum(sizes), generator=g).to(dtype)
+
+    def rotate(positions, qkv):
+        q, k, v = qkv.split(sizes, dim=-1)
+        q = q.view(tokens, q_heads, head_dim)
+        k = k.view(tokens, kv_heads, head_dim)
+        q_out, k_out = kiln.ops.rotary_embedding(positions, q, k, cache, is_neox)
+        return q_out * 1.0, k_out * 1.0, v * 1.0  # new tensors: what later ops of the graph read
+
+    eager_qkv, compiled_qkv = qkv.clone(), qkv.clone()
+    with torch.no_grad():
+        eager = rotate(positions, eager_qkv)
+        torch._dynamo.reset()
+        compiled = torch.compile(rotate, fullgraph=True)(positions, compiled_qkv)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+    for name, got, want in zip(("q", "k", "v"), compiled, eager, strict=True):
+        assert not got.isnan().any()
+        assert_close(got.float(), want.float(), tol, f"returned {name}")
+    assert_close(compiled_qkv.float(), eager_qkv.float(), tol, "the QKV buffer written in place")
+    v_start = sizes[0] + sizes[1]
+    assert torch.equal(compiled_qkv[:, v_start:], qkv[:, v_start:])

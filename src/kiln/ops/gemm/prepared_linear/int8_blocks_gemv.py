@@ -8,25 +8,16 @@ inductor's dynamic-shape code of it is ~2x slower); inside the engine's compiled
 traced into the step's graph (calling the compiled function there would break the graph).
 
 Traced into a larger graph, inductor would fuse a pointwise producer of x into this loop and recompute
-it once per output row (a final RMSNorm: 2x slower); there x passes through `realized`, an opaque copy.
+it once per output row (a final RMSNorm: 2x slower); there x passes through `kiln.ops.realize.realized`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kiln.ops.realize import realized
+
 BLOCK = 32  # weights per scale (one Q8_0 block)
-
-
-@torch.library.custom_op("kiln::realized", mutates_args=())
-def realized(x: torch.Tensor) -> torch.Tensor:
-    """A copy of x that inductor cannot fuse into its consumers (so x is computed once)."""
-    return x.clone()
-
-
-@realized.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
 
 
 def _gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -44,5 +35,5 @@ def int8_blocks_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
     """x [1, K] float (any float dtype, read as float32), values int8 [N, K], scales float32 [N, K / 32]
     -> y float32 [1, N], y[n] = sum_k x[k] * scales[n, k // 32] * values[n, k]."""
     if torch.compiler.is_compiling():  # traced into the caller's graph
-        return _gemv(realized(x), values, scales)
+        return _gemv(realized(x.float()), values, scales)
     return _compiled_gemv(x, values, scales)
