@@ -41,10 +41,20 @@ def relative_error(actual, expected):
     return ((actual - expected).norm() / expected.norm()).item()
 
 
+@pytest.mark.parametrize("logits_in_graph", [True, False])
 @pytest.mark.parametrize("num_seqs", [1, 3])
-def test_compiled_decode_logits_equal_eager_over_steps(loaded, num_seqs):
+def test_compiled_decode_logits_equal_eager_over_steps(loaded, num_seqs, logits_in_graph):
+    """The compiled step's logits, the LM head in its graph (the default without tensor parallelism)
+    or left to the eager compute_logits (as under tensor parallelism), equal the eager forward's."""
     engine = make_engine(loaded)
     runner, scheduler = engine.runner, engine.scheduler
+    assert runner.compiled_decode.logits_in_graph
+    runner.compiled_decode.logits_in_graph = logits_in_graph  # read when the graph is traced
+
+    def compiled_logits(*args):
+        out = runner.compiled_decode.run(*args)
+        return out if logits_in_graph else loaded.model.compute_logits(out)
+
     add_requests(engine, num_seqs)
     engine.step()  # prefill (eager)
     for _ in range(4):
@@ -56,7 +66,7 @@ def test_compiled_decode_logits_equal_eager_over_steps(loaded, num_seqs):
             eager = loaded.model.compute_logits(
                 loaded.model.forward(args[0], args[1], runner.kv_caches, args[2])
             )
-            compiled = loaded.model.compute_logits(runner.compiled_decode.run(*args))
+            compiled = compiled_logits(*args)
         assert compiled.shape == eager.shape == (num_seqs, loaded.config.vocab_size)
         assert not compiled.isnan().any()
         assert relative_error(compiled, eager) < 1e-5
@@ -121,7 +131,7 @@ def test_compiled_decode_over_a_growing_context_equals_eager_and_compiles_once(l
         widths.add(-(-inputs.attn_metadata.max_seqlen_k // runner.block_size))
         with torch.inference_mode(), kiln.ops.trusted_inputs():
             # compiled first: its attention reads the keys its own write put in the cache
-            compiled = loaded.model.compute_logits(runner.compiled_decode.run(*args))
+            compiled = runner.compiled_decode.run(*args)  # logits: the LM head is in the graph
             eager = loaded.model.compute_logits(
                 loaded.model.forward(args[0], args[1], runner.kv_caches, args[2])
             )

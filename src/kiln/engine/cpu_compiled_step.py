@@ -2,7 +2,8 @@
 
 An eager decode step of a small model spends a large share of its time in Python: module calls,
 views, and the dispatch of every `kiln.ops` call (about ten per layer). Here the model's decode
-forward is compiled once per padded batch size (the same sizes as the CUDA graphs: 1, 2, 4, 8, then
+forward, and its LM head with it (compute_logits, unless tensor parallelism gathers the logits
+across ranks), is compiled once per padded batch size (the same sizes as the CUDA graphs: 1, 2, 4, 8, then
 multiples of 16) with torch.compile and inductor, static shapes, and replayed per step. Dynamo traces
 through the public ops into their CPU implementations, so norms, projections, RoPE and the gated
 activation become generated code calling ATen / oneDNN directly, and inductor's C++ wrapper calls it
@@ -113,6 +114,12 @@ class CompiledDecodeSteps:
         # the models decorate forward with nothing else), looked up here: dynamo does not trace
         # inspect.unwrap reliably (class dict mappingproxies)
         self._model_forward = inspect.unwrap(type(runner.model).forward)
+        # The LM head in the same graph, unless it gathers vocabulary slices across ranks: no Python
+        # call and no graph call of its own (SmolLM2, int4_bf16 body with an int8_blocks head, batch 1,
+        # 2 threads: ~0.2 ms a step of the eager call between the two graphs).
+        head = getattr(runner.model, "lm_head", None)
+        self.logits_in_graph = head is not None and getattr(head, "tp_group", None) is None
+        self._compute_logits = inspect.unwrap(type(runner.model).compute_logits)
         # one compiled callable: dynamo compiles it again for each batch size (static shapes)
         self._forward = compile_fn(
             self._decode_forward,
@@ -142,7 +149,8 @@ class CompiledDecodeSteps:
             max_seqlen_k=self.runner.max_model_len,  # a constant, as in the CUDA graphs
             decode_only=True,
         )
-        return self._model_forward(self.runner.model, input_ids, positions, self.runner.kv_caches, metadata)
+        hidden = self._model_forward(self.runner.model, input_ids, positions, self.runner.kv_caches, metadata)
+        return self._compute_logits(self.runner.model, hidden) if self.logits_in_graph else hidden
 
     def fits(self, num_seqs: int) -> bool:
         return not self.failed and num_seqs <= self.sizes[-1]
@@ -150,9 +158,10 @@ class CompiledDecodeSteps:
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor | None:
-        """hidden [n, hidden_size] for a decode-only step of n <= sizes[-1] sequences, or None when
-        the compiled step failed (recorded; the caller runs this step eagerly). Call inside
-        kiln.ops.trusted_inputs() and inference mode, as the eager forward."""
+        """For a decode-only step of n <= sizes[-1] sequences: float32 logits [n, vocab_size] when
+        `logits_in_graph`, else hidden [n, hidden_size]; None when the compiled step failed
+        (recorded; the caller runs this step eagerly). Call inside kiln.ops.trusted_inputs() and
+        inference mode, as the eager forward."""
         n = input_ids.shape[0]
         bs = next(s for s in self.sizes if s >= n)
         buffers = self.buffers
@@ -169,7 +178,7 @@ class CompiledDecodeSteps:
                 if width > 1:
                     # maybe_: a guard may pin the width (IN_GRAPH_MAX_CONTEXT of 2 blocks), no error
                     torch._dynamo.maybe_mark_dynamic(block_tables, 1)
-                hidden = self._forward(
+                out = self._forward(
                     buffers.input_ids[:bs],
                     buffers.positions[:bs],
                     buffers.slot_mapping[:bs],
@@ -184,4 +193,4 @@ class CompiledDecodeSteps:
             logger.warning("compiled CPU decode step failed (%s); decoding eagerly", detail[:500])
             return None
         self.compiled_sizes.add(bs)
-        return hidden[:n]
+        return out[:n]

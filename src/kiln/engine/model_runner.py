@@ -237,19 +237,24 @@ class ModelRunner:
         parallelism, on rank 0), or None when no row samples. Every rank of a group calls it."""
         metadata = inputs.attn_metadata
         with kiln.ops.trusted_inputs():
-            hidden = None
+            hidden = logits = None
             if self.graphs is not None and metadata.decode_only and self.graphs.fits(metadata.num_seqs):
                 hidden = self.graphs.run(inputs.input_ids, inputs.positions, metadata)
             compiled = self.compiled_decode
             if compiled is not None and metadata.decode_only and compiled.fits(metadata.num_seqs):
-                hidden = compiled.run(inputs.input_ids, inputs.positions, metadata)  # None: it failed
-            if hidden is None:
+                out = compiled.run(inputs.input_ids, inputs.positions, metadata)  # None: it failed
+                if compiled.logits_in_graph:
+                    logits = out
+                else:
+                    hidden = out
+            if hidden is None and logits is None:
                 hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
             if not inputs.sample_rows:
                 return None
-            if len(inputs.sample_rows) != hidden.shape[0]:
-                hidden = hidden[torch.tensor(inputs.sample_rows, device=hidden.device)]
-            return self.model.compute_logits(hidden)
+            rows = logits if logits is not None else hidden
+            if len(inputs.sample_rows) != rows.shape[0]:
+                rows = rows[torch.tensor(inputs.sample_rows, device=rows.device)]
+            return rows if logits is not None else self.model.compute_logits(rows)
 
     @torch.inference_mode()
     def launch(self, inputs: ModelInputs):
