@@ -9,10 +9,12 @@ run's top-1 minus top-2 logprob there (a near tie, which any rounding can flip).
 
 By default the 8 prompts run as one batch, so prefill and decode give every layer several rows;
 --one-at-a-time runs each prompt alone, so decode takes the one-row paths (single-stream decode: the
-int4 kernel of "int4_bf16", the fp16 GEMV of "fp16").
+int4 kernel of "int4_bf16", the fp16 GEMV of "fp16"). --compile-cpu-decode decodes the formats (not
+the fp32 reference) through the compiled step, as the fast configuration does (its first step per
+batch size compiles: minutes).
 
     OMP_NUM_THREADS=2 python scripts/cpu_format_agreement.py --max-tokens 64 [--formats fp16,int4_bf16]
-        [--one-at-a-time] [--lm-head-format int8_blocks]
+        [--one-at-a-time] [--lm-head-format int8_blocks] [--compile-cpu-decode]
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ def main() -> None:
     parser.add_argument("--one-at-a-time", action="store_true", help="one prompt per generate call")
     parser.add_argument(
         "--lm-head-format", help="the LM head's format in every run but fp32's (default: each format)"
+    )
+    parser.add_argument(
+        "--compile-cpu-decode", action="store_true", help="decode the formats through the compiled step"
     )
     args = parser.parse_args()
 
@@ -51,7 +56,8 @@ def main() -> None:
             "plain": [loaded.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS],
             "chat": [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS],
         }
-        llm = LLM(loaded=loaded, device="cpu", kv_cache_bytes=256 << 20)
+        compiled = args.compile_cpu_decode and fmt != "fp32"
+        llm = LLM(loaded=loaded, device="cpu", kv_cache_bytes=256 << 20, compile_cpu_decode=compiled)
         if args.one_at_a_time:
             runs[fmt] = {name: [llm.generate([p], params)[0] for p in ps] for name, ps in prompts.items()}
         else:
