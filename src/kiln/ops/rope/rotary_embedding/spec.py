@@ -12,7 +12,9 @@
     Dims rotary_dim..D-1 are left untouched (partial rotary). Math in float32.
     q and k need a unit stride in the last dim (token and head strides are free, so views into a
     fused qkv buffer work); anything else is rejected, since an in-place op cannot copy.
-    Returns (q, k) (the custom op `torch.ops.kiln.rotary_embedding` returns nothing).
+    Returns (q, k) (the custom op `torch.ops.kiln.rotary_embedding` returns nothing; traced by
+    torch.compile, the CPU implementation returns new tensors holding the rotated values, and still
+    updates q and k).
 """
 
 from __future__ import annotations
