@@ -95,7 +95,7 @@ from kiln.ops.gemm.quantized_layouts import (
     w4a16_layout,
     w8a8_layout,
 )
-from kiln.quant.gguf_blocks import KERNEL_QTYPES, GGUFWeight, dequantize_blocks
+from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, KERNEL_QTYPES, GGUFWeight, dequantize_blocks
 from kiln.quant.linear_weights import QUANTIZED_WEIGHT_TYPES, BlockFP8Weight, Int4Weight, ScaledWeight
 from kiln.quant.sparse24 import Sparse24Weight
 
@@ -103,7 +103,7 @@ CPU_WEIGHT_FORMATS = ("int4", "int4_bf16", "int8", "int8_blocks", "fp16", "bf16"
 FORMAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 INT4_GROUP_SIZE = 32  # one GGUF block (a Q4_K sub-block) per group
 INT4_QTYPES = ("Q4_0", "Q4_1", "Q4_K")
-INT8_BLOCK_SIZE = 32  # weights per scale in "int8_blocks_onednn": one GGUF Q8_0 block
+INT8_BLOCK_SIZE = BLOCK_WEIGHTS["Q8_0"]  # weights per scale in "int8_blocks_onednn": one Q8_0 block
 # torch's int8 CPU matmul reads K in steps of 16 (other K give garbage or crash): "int8" keeps a weight
 # whose in-features are not a multiple in the "fp16" layouts instead
 INT8_K_MULTIPLE = 16
@@ -268,14 +268,13 @@ def _int4_layout(int4: tuple[torch.Tensor, torch.Tensor], shape, dtype, cpu_form
 
 
 def _int8_blocks_layout(weight: GGUFWeight, shape, dtype) -> PreparedLinearWeight | None:
-    """"int8_blocks_onednn" for a GGUF Q8_0 weight where oneDNN packs bf16 here, else None."""
+    """The "int8_blocks_onednn" layout of a GGUF Q8_0 weight where oneDNN packs bf16 here, else None."""
     if weight.qtype != "Q8_0":
         return None
-    values, scales = split_q8_0(weight)
-    matrix = (values.view(shape[0], -1, INT8_BLOCK_SIZE) * scales[..., None]).view(shape)
-    rows = onednn_pack(matrix.to(torch.bfloat16))
+    rows = onednn_pack(weight.dequantize(torch.bfloat16))  # d * q in float32 (exact), then bf16
     if rows is None:
         return None
+    values, scales = split_q8_0(weight)
     return PreparedLinearWeight("int8_blocks_onednn", (values, scales, rows), shape, None, dtype)
 
 
@@ -283,7 +282,7 @@ def split_q8_0(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """A GGUF Q8_0 weight [N, K] -> (values int8 [N, K], scales float32 [N, K / 32]), w = d * q
     exactly (d is fp16 in the file)."""
     n, k = weight.shape
-    blocks = weight.data.view(n, k // INT8_BLOCK_SIZE, 2 + INT8_BLOCK_SIZE)
+    blocks = weight.data.view(n, k // INT8_BLOCK_SIZE, BLOCK_BYTES["Q8_0"])
     scales = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32).view(n, -1)
     values = blocks[..., 2:].contiguous().view(torch.int8).view(n, k)
     return values, scales

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ops.gemm.weight_formats import INT8_BLOCK_SIZE
 from kiln.ops.realize import realized
-
-BLOCK = 32  # weights per scale (one Q8_0 block)
 
 
 def _gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     n, k = values.shape
-    groups = k // BLOCK
-    xs = x.float().view(1, groups, BLOCK)
-    products = xs * values.view(n, groups, BLOCK).float() * scales.view(n, groups, 1)
+    groups = k // INT8_BLOCK_SIZE
+    xs = x.float().view(1, groups, INT8_BLOCK_SIZE)
+    products = xs * values.view(n, groups, INT8_BLOCK_SIZE).float() * scales.view(n, groups, 1)
     return products.sum((-1, -2)).view(1, n)
 
 
