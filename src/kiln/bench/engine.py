@@ -1,6 +1,7 @@
 """`kiln bench engine`: offline throughput, single-stream latency and concurrent throughput of the
 engine, against HF transformers `generate` (batch 1 and 16, same model file) and llama-cpp-python
-when it is installed. Prints a Markdown table and writes JSON.
+when it is installed (in a child process, kiln.bench.engine_llama_cpp: a crash there costs its rows
+only, recorded in the report's peers). Prints a Markdown table and writes JSON.
 
 All runs decode greedily with ignore_eos for exactly --max-tokens tokens from random-token prompts
 of --prompt-len tokens (random, so the prefix cache can't flatter the engine), on one machine in
@@ -339,33 +340,40 @@ def bench_hf(args, model_path: str, vocab: int, batches: list[int]) -> list[Resu
     return results
 
 
-def bench_llama_cpp(args, model_path: str, vocab: int) -> list[Result]:
-    from llama_cpp import Llama
+def bench_llama_cpp(args, model_path: str, vocab: int, info: dict | None = None) -> list[Result]:
+    """llama-cpp-python's rows (single stream, TTFT), timed in a child process
+    (kiln.bench.engine_llama_cpp). `info` (when given; the report's "peers") gets "llama_cpp": its
+    version and ggml's system info (the instruction sets its CPU backend was built for)."""
+    from kiln.bench.engine_llama_cpp import run_llama_cpp
 
     ttft_prompts = _ttft_prompts(args, vocab)
-    n_ctx = max([args.prompt_len + args.max_tokens, *(len(p) + 1 for p in ttft_prompts)]) + 16
-    llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False)
-    llm.create_completion(prompt=_prompts(1, 8, vocab, args.seed + 3)[0], max_tokens=4, temperature=0.0)
-    prompt = _prompts(1, args.prompt_len, vocab, args.seed + 1)[0]
-    start = time.perf_counter()
-    # greedy, no repeat penalty; llama.cpp stops at EOS (a logit bias against it would add a Python
-    # pass over the vocabulary per token), so the row counts the tokens it did produce
-    out = llm.create_completion(
-        prompt=prompt, max_tokens=args.max_tokens, temperature=0.0, repeat_penalty=1.0
+    run = run_llama_cpp(
+        model_path,
+        _prompts(1, args.prompt_len, vocab, args.seed + 1)[0],
+        args.max_tokens,
+        ttft_prompts,
+        warmup=_prompts(1, 8, vocab, args.seed + 3)[0],
     )
-    seconds = time.perf_counter() - start
-    tokens = out["usage"]["completion_tokens"]
+    if info is not None:
+        info["llama_cpp"] = {"version": run["version"], "system_info": run["system_info"]}
+    tokens, seconds = run["tokens"], run["seconds"]
     results = [Result("llama-cpp", "single-stream", 1, tokens, seconds, tokens / seconds)]
     _progress(results[-1])
     if ttft_prompts:
-        seconds = []
-        for p in ttft_prompts:  # random prompts share no prefix with the last one, so nothing is reused
-            start = time.perf_counter()
-            llm.create_completion(prompt=p, max_tokens=1, temperature=0.0)
-            seconds.append(time.perf_counter() - start)
-        results.append(ttft_result("llama-cpp", seconds[1:], args.ttft_prompt_len))
+        results.append(ttft_result("llama-cpp", run["ttft_seconds"][1:], args.ttft_prompt_len))
         _progress(results[-1])
     return results
+
+
+def _peer_rows(name: str, run, peers: dict) -> list[Result]:
+    """run()'s rows; when the peer fails (a crash, a timeout, a worker error) the failure is printed and
+    kept in peers[name]["error"], and the report goes on with the rows already measured."""
+    try:
+        return run()
+    except RuntimeError as error:
+        print(f"{name} failed, its rows are left out: {error}", file=sys.stderr, flush=True)
+        peers.setdefault(name, {})["error"] = str(error)
+        return []
 
 
 def bench_vllm(
@@ -463,6 +471,9 @@ def run(args: argparse.Namespace) -> int:
     if args.ttft_prompt_len > 0 and args.ttft_repeats < 1:
         print(f"kiln bench engine: --ttft-repeats {args.ttft_repeats}, expected >= 1", file=sys.stderr)
         return 2
+    if args.vllm_python and not os.path.exists(args.vllm_python):  # before minutes of Kiln's rows
+        print(f"kiln bench engine: --vllm-python {args.vllm_python!r}: no such interpreter", file=sys.stderr)
+        return 2
 
     model_path = args.model or default_model_path()
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -513,9 +524,11 @@ def run(args: argparse.Namespace) -> int:
             and importlib.util.find_spec("llama_cpp") is not None
             and model_path.endswith(".gguf")
         ):
-            results += bench_llama_cpp(args, model_path, vocab)
+            results += _peer_rows("llama_cpp", lambda: bench_llama_cpp(args, model_path, vocab, peers), peers)
         if args.vllm_python:
-            results += bench_vllm(args, model_path, vocab, concurrencies, peers)
+            results += _peer_rows(
+                "vllm", lambda: bench_vllm(args, model_path, vocab, concurrencies, peers), peers
+            )
     return _report(
         args, device, model_path, results, comparisons(results), f"engine_{device}.json", kiln_info, peers
     )
