@@ -36,6 +36,7 @@ import torch
 from kiln import fallbacks
 from kiln.engine.decode_buffers import DecodeBuffers, graph_batch_sizes
 from kiln.models.attention_metadata import AttentionMetadata
+from kiln.ops.attention.paged_decode_attention import cpu_native as paged_decode_native
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class CompiledDecodeSteps:
         self.compiled_sizes: set[int] = set()
         self.failed = False
         _lower_runtime_packed_linear()
+        paged_decode_native.load()  # built or loaded here, eagerly: tracing only asks whether it is ready
         # the model's forward without its torch.inference_mode decorator (see the module docstring;
         # the models decorate forward with nothing else), looked up here: dynamo does not trace
         # inspect.unwrap reliably (class dict mappingproxies)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.engine.argmax import row_argmax
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.sequence import Sequence
 
@@ -48,7 +49,7 @@ class Sampler:
         logprobs dict (top-n + chosen token, natural log of the unmodified distribution) or None."""
         params = [s.params for s in seqs]
         if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
+            tokens = row_argmax(logits)
         else:
             self._make_generators(seqs, logits.device)
             tokens = self._sample(logits, seqs)
@@ -115,8 +116,8 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if seq.params.seed is not None:
                 noise[i].exponential_(generator=seq.generator)
-        choice = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), choice)
+        choice = row_argmax(probs / noise)
+        return torch.where(greedy, row_argmax(logits), choice)
 
     @staticmethod
     def _filter(scaled: torch.Tensor, params, sampling, vocab: int) -> torch.Tensor:

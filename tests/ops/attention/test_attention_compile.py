@@ -224,12 +224,18 @@ def _decode_layer(q, k, v, key_cache, value_cache, slots, block_tables, seq_lens
         (torch.float32, None, IN_GRAPH_MAX_CONTEXT // 16, {"kiln.paged_decode_attention"}),  # wider
     ],
 )
-def test_cpu_write_and_decode_compile_in_graph_for_float_caches(dtype, window, extra_blocks, opaque):
+def test_cpu_write_and_decode_compile_in_graph_for_float_caches(
+    dtype, window, extra_blocks, opaque, native_decode
+):
     """The CPU write and decode attention traced by torch.compile (the compiled decode step): float
-    caches become graph code (attention only up to IN_GRAPH_MAX_CONTEXT gathered positions), fp8 ones
-    one opaque node each; either way the same cache and output as eager. Row 1 is padding (slot -1),
-    slots past each length hold NaN, and the block table is wider than any context with out-of-range
-    entries, which the in-graph form gathers and masks."""
+    caches become graph code (the PyTorch form only up to IN_GRAPH_MAX_CONTEXT gathered positions; the
+    native kernel, when built, is one graph node at any width), fp8 ones one opaque node each; either
+    way the same cache and output as eager. Row 1 is padding (slot -1), slots past each length hold NaN,
+    and the block table is wider than any context with out-of-range entries, which the in-graph form
+    gathers and masks and the native kernel never reads."""
+    native = native_decode and dtype != torch.float8_e4m3fn
+    if native:
+        opaque = opaque - {"kiln.paged_decode_attention"}
     g = torch.Generator().manual_seed(11)
     lens = [37, 1, 20]
     p = make_paged_kv(lens, 3, 64, 16, dtype, "cpu", g, extra_blocks=4)
@@ -259,6 +265,7 @@ def test_cpu_write_and_decode_compile_in_graph_for_float_caches(dtype, window, e
         torch._dynamo.reset()
         compiled = run(torch.compile(_decode_layer, backend=backend, fullgraph=True))
     assert {op for op in _graph_ops(graphs) if op.startswith("kiln.")} == opaque
+    assert ("kiln_cpu.paged_decode" in _graph_ops(graphs)) == native
     assert not compiled[0].isnan().any()
     tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.float8_e4m3fn: 2e-3}[dtype]
     assert_close(compiled[0].float(), eager[0].float(), tol, "decode attention")

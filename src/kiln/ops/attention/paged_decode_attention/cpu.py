@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.attention.cpu_sdpa import compute_dtype
+from kiln.ops.attention.paged_decode_attention import cpu_native
 from kiln.ops.attention.paged_decode_attention.spec import PAGED_DECODE_ATTENTION
 from kiln.ops.attention.validate import FP8_DTYPES
 from kiln.ops.realize import realized
@@ -138,6 +139,12 @@ def _decode_in_graph(q, key_cache, value_cache, block_tables, seq_lens, scale, s
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
+def _native(q, key_cache, softcap, k_scale) -> bool:
+    """Whether the native kernel (cpu_native) serves this call: built, head dim instantiated, a float
+    cache without scales, no soft-capping."""
+    return softcap is None and k_scale is None and cpu_native.ready(q.shape[-1], key_cache.dtype)
+
+
 def _traceable(
     q,
     key_cache,
@@ -152,7 +159,10 @@ def _traceable(
 ) -> bool:
     """Float caches without soft-capping are read in-graph up to IN_GRAPH_MAX_CONTEXT gathered
     positions; the rest stay one opaque node. Evaluated while tracing, the width test is a guard on
-    the block table's dynamic width: a longer context compiles a second graph with the opaque node."""
+    the block table's dynamic width: a longer context compiles a second graph with the opaque node.
+    The native kernel, when loaded, is one node of the graph at any context."""
+    if _native(q, key_cache, softcap, k_scale):
+        return True
     if softcap is not None or key_cache.dtype in FP8_DTYPES:
         return False
     return block_tables.shape[1] * key_cache.shape[1] <= IN_GRAPH_MAX_CONTEXT
@@ -170,10 +180,17 @@ def paged_decode_attention_cpu(
     k_scale=None,
     v_scale=None,
 ):
+    if not torch.compiler.is_compiling():
+        if q.shape[0] == 0:
+            return torch.empty_like(q)
+        cpu_native.load()  # once per process; while tracing, the compiled step has loaded it already
+    if _native(q, key_cache, softcap, k_scale):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return cpu_native.paged_decode(
+            q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window
+        )
     if torch.compiler.is_compiling():  # only reached when _traceable says so (kiln.ops.registry)
         return _decode_in_graph(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window)
-    if q.shape[0] == 0:
-        return torch.empty_like(q)
     return _decode_batched(
         q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale, v_scale
     )

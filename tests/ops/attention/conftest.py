@@ -1,0 +1,16 @@
+"""Fixtures of the attention tests."""
+
+import pytest
+
+from kiln.ops.attention.paged_decode_attention import cpu_native
+
+
+@pytest.fixture(params=[True, False], ids=["native", "pytorch"])
+def native_decode(request, monkeypatch):
+    """The CPU decode attention with its native kernel (cpu_native; skipped where it cannot be built)
+    and without it (its PyTorch forms). Yields whether the native kernel serves float caches."""
+    if request.param and not cpu_native.load():
+        pytest.skip("the native CPU decode kernel could not be built here (no C++ compiler or ninja)")
+    if not request.param:
+        monkeypatch.setitem(cpu_native._state, "loaded", False)
+    return request.param
