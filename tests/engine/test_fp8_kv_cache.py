@@ -49,17 +49,22 @@ PATH_PROMPTS = [PREFIX + "What is the capital of France?", PREFIX + "Name a prim
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
+NEAR_TIE = 0.05
+
+
 def assert_same_tokens_up_to_ties(reference, outputs) -> None:
     """Each output's greedy tokens equal the reference's up to the first position where the reference's
-    top-2 logprobs are within 0.01 (measured: an exact tie 9 tokens into a PATH_PROMPT; another batch's
-    float32 rounding moves a key across an fp8 rounding boundary now and then, and the logprobs there
-    by ~1e-3, enough to break it the other way); after a near tie nothing is compared."""
+    top-2 logprobs are within NEAR_TIE (measured: a near tie 9 tokens into a PATH_PROMPT, 0.000 apart on
+    an AMD Zen 4 host and 0.025 on an Intel Xeon with AMX, where the GEMMs block differently; another
+    batch's float32 rounding moves a key across an fp8 rounding boundary now and then, one e4m3 step of
+    that element, which moves the logprobs there by up to a few hundredths); after a near tie nothing is
+    compared. A garbled page or a wrong scale parts at large gaps, and within the first tokens."""
     compared = 0
     for ref, out in zip(reference, outputs, strict=True):
         for i, (a, b) in enumerate(zip(ref.token_ids, out.token_ids, strict=True)):
             if a != b:
                 top = sorted(ref.logprobs[i].values(), reverse=True)
-                assert top[0] - top[1] < 0.01, (i, ref.token_ids, out.token_ids, top)
+                assert top[0] - top[1] < NEAR_TIE, (i, ref.token_ids, out.token_ids, top)
                 break
             compared += 1
     assert compared >= 0.6 * sum(len(r.token_ids) for r in reference), compared
@@ -73,7 +78,10 @@ def leading_equal(reference: list[int], other: list[int]) -> int:
 def smollm2():
     from kiln.loaders import load_model
 
-    return load_model(device="cpu")
+    # fp32 weights, not the host-timed default: fp16's one-row GEMV rounds x to fp16, so the rounding
+    # that differs between batches would be fp16's, not float32's (as the tie bound assumes). An Intel
+    # host whose probe picks fp16 parted at a top-2 gap of 0.024.
+    return load_model(device="cpu", cpu_format="fp32")
 
 
 def fp8_llm(loaded, **kw):

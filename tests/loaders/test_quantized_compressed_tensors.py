@@ -6,9 +6,14 @@ load the asymmetric pack-quantized file; its reference is compressed-tensors' ow
 the packed weights in a dense transformers Llama.
 
 Tolerance: Kiln and transformers compute the same quantized arithmetic in float32 in a different
-order; measured last-position relative L2 errors 4e-7 .. 1.3e-6 on this machine, so 1e-5 (as the
-dense float32 model tests). Greedy tokens are compared for as many tokens as transformers produced
-(it stops at the config's eos)."""
+order; measured last-position relative L2 errors 4e-7 .. 1.3e-6 on an AMD host, so 1e-5 (as the
+dense float32 model tests) where activations stay float. Where activations are quantized, a one-ULP
+float32 difference upstream can move one element across a rounding boundary of its int8 / fp8 grid,
+a whole step of that element, which the later layers carry to the logits: on an Intel host one W8A8
+down_proj input element (of 13 x 384) quantized to -128 in transformers and -127 in Kiln (inputs
+6e-7 apart), 5.3e-3 on the logits. Those presets get 1e-2; their greedy tokens must still be equal.
+Greedy tokens are compared for as many tokens as transformers produced (it stops at the config's
+eos)."""
 
 import json
 import logging
@@ -27,6 +32,7 @@ pytest.importorskip("compressed_tensors")
 
 PROMPT = [5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33, 17, 90]
 TOL = 1e-5
+TOL_QUANTIZED_ACTIVATIONS = 1e-2
 # preset -> the format Kiln's fused qkv projection runs in on the CPU
 PRESETS = {
     "FP8_DYNAMIC": "fp8",
@@ -63,7 +69,8 @@ def test_compressed_tensors_checkpoint_matches_transformers(checkpoint, caplog):
         ref = hf(torch.tensor([PROMPT])).logits[0, -1].double()
         theirs = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, pad_token_id=0)
     out = prompt_logits(model, PROMPT)[-1].double()
-    assert ((out - ref).norm() / ref.norm()).item() < TOL
+    tol = TOL if PRESETS[preset] == "dense" else TOL_QUANTIZED_ACTIVATIONS
+    assert ((out - ref).norm() / ref.norm()).item() < tol
     theirs = theirs[0, len(PROMPT) :].tolist()
     assert len(theirs) >= 4
     assert greedy(model, PROMPT, len(theirs)) == theirs
