@@ -51,14 +51,18 @@ def attend_math(q, k, v, scale, causal, sliding_window, softcap):
 
 
 def attend_sdpa(q, k, v, scale, causal, sliding_window):
-    """q [H, Lq, D], k/v [Hkv, Lk, D] -> out [H, Lq, D] through SDPA (GQA without copying kv)."""
+    """q [H, Lq, D], k/v [Hkv, Lk, D] -> out [H, Lq, D] through SDPA (GQA without copying kv).
+
+    Called with a batch dim of 1: SDPA sends 3-D inputs to its math path, 4-D ones to the CPU flash
+    kernel (SmolLM2's 9:3 heads, causal, 2 threads: 99 -> 27 us at 32 tokens, 2.7 -> 0.86 ms at 270)."""
     q_len, k_len = q.shape[1], k.shape[1]
+    q, k, v = q[None], k[None], v[None]
     if causal and sliding_window is None and q_len == k_len:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)[0]
     mask = None
     if causal or sliding_window is not None:
         mask = visible_keys(q_len, k_len, causal, sliding_window, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[0]
 
 
 def attend_sequence(q, k, v, scale, causal, sliding_window, softcap, return_lse):
