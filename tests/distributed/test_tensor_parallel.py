@@ -86,8 +86,10 @@ def test_tp2_embedded_smollm2_matches_tp1():
         # fp32 weights and activations: TP only reorders the o_proj / down_proj sums (TP 2 that ignored
         # the options and ran the GGUF fp16 default instead would be 1.5e-3 away)
         ("fp32", "fp32", 1e-5),
-        # rounded partial sums, as in the default (fp16) test above: the greedy tokens must agree
-        ("bf16", "bf16", 3e-2),
+        # rounded partial sums, as in the default (fp16) test above: the greedy tokens must agree. Each
+        # rank's partial outputs round to bf16 in every layer, as int4's below: measured 2.7e-2 with the
+        # prefill attention on SDPA's math path, 3.4e-2 on its CPU flash kernel (another float32 order)
+        ("bf16", "bf16", 5e-2),
         # int4 rounds activations and each rank's partial outputs to bf16 (2^-9) in every layer, where
         # TP 1 rounds the whole sum once: measured 3.1e-2, the size of int4's own error against fp32
         ("int4", None, 5e-2),
