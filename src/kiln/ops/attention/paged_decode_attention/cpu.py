@@ -1,4 +1,6 @@
-"""Fast CPU paged_decode_attention: the whole batch in one call. Gather every sequence's blocks
+"""Fast CPU paged_decode_attention. A float cache without scales or soft-capping goes to the native
+kernel (cpu_native: one C++ call per batch, eager or inside a compiled graph) when it could be built;
+otherwise, the whole batch in one call: gather every sequence's blocks
 (padded to the longest context) with one index_select per cache, zero the slots past each
 sequence's length, then one SDPA with a key-padding mask (explicit float32 scores when
 soft-capping). Traced by torch.compile (the compiled CPU decode step, kiln.engine.cpu_compiled_step),
