@@ -1,5 +1,5 @@
 """The native CPU paged decode kernel (cpu_native.cpp): built on first use with PyTorch's C++ extension
-builder and the vector ISA flags inductor picks for this host, then registered as
+builder and the vector ISA flags of ATen's CPU capability on this host, then registered as
 torch.ops.kiln_cpu.paged_decode, with a fake implementation so a compiled graph holds it as one node.
 
 `load()` returns True when the op is usable. The build needs a C++ compiler and ninja (the compiled
@@ -19,15 +19,18 @@ import torch
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_native.cpp")
 
 
-def _isa_flags() -> list[str]:
-    """inductor's flags for this host's vector ISA (e.g. -mavx512f ... -DCPU_CAPABILITY_AVX512), so
-    at::vec compiles to the same instructions inductor's own kernels use; none on a host without one."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+# ATen's own CPU capability (what its kernels dispatch to on this host) -> the compiler flags and the
+# macro that select the same at::vec implementation (inductor's choice for these ISAs too)
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
+}
 
-    isa = pick_vec_isa()
-    if not isa:
-        return []
-    return [*isa.build_arch_flags().split(), *(f"-D{macro}" for macro in isa.build_macro())]
+
+def _isa_flags() -> list[str]:
+    """Flags for this host's vector ISA as ATen sees it (torch.backends.cpu.get_cpu_capability; it
+    honours ATEN_CPU_CAPABILITY); none where ATen runs its default (scalar-width) kernels."""
+    return ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
 
 
 _state: dict = {"loaded": None, "head_dims": frozenset()}
@@ -59,15 +62,22 @@ def _build() -> bool:
 
         # -fopenmp: at::parallel_for is a header template; without it the loop runs on one thread
         flags = ["-O3", "-fopenmp", *_isa_flags()]
-        # the extension name carries the flags: a different ISA is a different build
-        name = "kiln_cpu_attention_" + hashlib.sha256(" ".join(flags).encode()).hexdigest()[:8]
-        cpp_extension.load(
-            name=name,
-            sources=[SOURCE],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        with open(SOURCE, "rb") as f:
+            source = f.read()
+        # the name carries the flags and the source: another ISA or an edited kernel is another build,
+        # so an existing library of this name is current and loads without asking ninja (~1.3 s)
+        name = "kiln_cpu_attention_" + hashlib.sha256(" ".join(flags).encode() + source).hexdigest()[:12]
+        library = os.path.join(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")
+        if os.path.exists(library):
+            torch.ops.load_library(library)
+        else:
+            cpp_extension.load(
+                name=name,
+                sources=[SOURCE],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
     except (OSError, RuntimeError, ImportError, ModuleNotFoundError) as error:
         warnings.warn(
             f"kiln: the native CPU paged decode kernel could not be built ({error}); using the PyTorch form",
