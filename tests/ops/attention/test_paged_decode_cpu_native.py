@@ -34,12 +34,6 @@ def test_cpu_decode_matches_float64_reference(shape, dtype, native_decode):
     assert case.passed, case
 
 
-@pytest.fixture
-def native():
-    if not cpu_native.load():
-        pytest.skip("the native CPU decode kernel could not be built here (no C++ compiler or ninja)")
-
-
 def _poison_unread(inputs: dict, lens: list[int]) -> None:
     """NaN in every cache slot that no sequence reads within its length (the slots past each length,
     the blocks no row reaches; a padding entry of a table may name another row's block, which stays)."""

@@ -7,7 +7,7 @@
 // float32 softmax, then the value rows accumulated into G float32 rows. Positions at or past a
 // sequence's length are never read, so whatever the cache holds there (NaN included) cannot leak in.
 //
-// Vectorized with ATen's at::vec (AVX-512 / AVX2 when built with inductor's ISA flags).
+// Vectorized with ATen's at::vec (AVX-512 / AVX2 as ATen's CPU capability on the host: cpu_native.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <limits>
 #include <vector>
 
 namespace {
