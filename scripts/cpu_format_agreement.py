@@ -14,7 +14,7 @@ the fp32 reference) through the compiled step, as the fast configuration does (i
 batch size compiles: minutes).
 
     OMP_NUM_THREADS=2 python scripts/cpu_format_agreement.py --max-tokens 64 [--formats fp16,int4_bf16]
-        [--one-at-a-time] [--lm-head-format int8_blocks] [--compile-cpu-decode]
+        [--one-at-a-time] [--lm-head-format int8_blocks] [--compile-cpu-decode] [--kv-cache-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--compile-cpu-decode", action="store_true", help="decode the formats through the compiled step"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="the formats' KV cache (the fp32 reference keeps float32)"
     )
     args = parser.parse_args()
 
@@ -57,7 +60,14 @@ def main() -> None:
             "chat": [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS],
         }
         compiled = args.compile_cpu_decode and fmt != "fp32"
-        llm = LLM(loaded=loaded, device="cpu", kv_cache_bytes=256 << 20, compile_cpu_decode=compiled)
+        kv_cache_dtype = "auto" if fmt == "fp32" else args.kv_cache_dtype
+        llm = LLM(
+            loaded=loaded,
+            device="cpu",
+            kv_cache_bytes=256 << 20,
+            compile_cpu_decode=compiled,
+            kv_cache_dtype=kv_cache_dtype,
+        )
         if args.one_at_a_time:
             runs[fmt] = {name: [llm.generate([p], params)[0] for p in ps] for name, ps in prompts.items()}
         else:

@@ -2,9 +2,11 @@
 
 Runs the embedded SmolLM2-135M-Instruct on the CPU (float32 model, or --dtype bfloat16: the model
 and its "auto" cache in bf16, as on a GPU) over a fixed prompt set, plain and through the chat
-template, once with kv_cache_dtype="auto" (the model dtype's cache) and with "fp8" under both
-kv_cache_scales ("unit": 1.0; "calibrated": measured scales and centred keys),
-and prints per prompt the number of leading output tokens that are equal, and, where they differ,
+template, once with kv_cache_dtype="auto" (the model dtype's cache), with "bfloat16" (float32 model
+only: a 16-bit cache under it) and with "fp8" under both kv_cache_scales ("unit": 1.0;
+"calibrated": measured scales and centred keys), and prints per prompt the number of leading output
+tokens that are equal to the "auto" run's (and for fp8, to the bf16 cache's: a float32 model's
+"bfloat16" run, a bfloat16 model's "auto" one), and, where they differ,
 the reference's top-1 minus top-2 logprob at that position (a small gap is a near tie that any
 perturbation of the attention can flip).
 
@@ -29,7 +31,12 @@ PROMPTS = [
 
 
 # (name, kv_cache_dtype, kv_cache_scales): the reference first
-MODES = [("auto", "auto", "calibrated"), ("fp8 unit", "fp8", "unit"), ("fp8 calibrated", "fp8", "calibrated")]
+MODES = [
+    ("auto", "auto", "calibrated"),
+    ("bfloat16", "bfloat16", "calibrated"),
+    ("fp8 unit", "fp8", "unit"),
+    ("fp8 calibrated", "fp8", "calibrated"),
+]
 
 
 def leading_equal(reference: list[int], other: list[int]) -> int:
@@ -57,8 +64,9 @@ def main() -> None:
     plain = [loaded.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     for name, prompts in (("plain", plain), ("chat", chat)):
+        modes = [m for m in MODES if not (m[1] == "bfloat16" and dtype == torch.bfloat16)]
         runs = {}
-        for mode, kv_cache_dtype, scales in MODES:
+        for mode, kv_cache_dtype, scales in modes:
             llm = LLM(
                 loaded=loaded,
                 device="cpu",
@@ -67,20 +75,25 @@ def main() -> None:
                 kv_cache_scales=scales,
             )
             runs[mode] = llm.generate(prompts, params)
-        for mode, _, _ in MODES[1:]:
+        bf16 = "bfloat16" if "bfloat16" in runs else "auto"
+        pairs = [("auto", mode) for mode, _, _ in modes[1:]]
+        pairs += [(bf16, mode) for mode, _, _ in modes if mode.startswith("fp8") and bf16 != "auto"]
+        for reference, mode in pairs:
             leads = []
-            for text, ref, fp8 in zip(PROMPTS, runs["auto"], runs[mode], strict=True):
-                lead = leading_equal(ref.token_ids, fp8.token_ids)
+            for text, ref, other in zip(PROMPTS, runs[reference], runs[mode], strict=True):
+                lead = leading_equal(ref.token_ids, other.token_ids)
                 leads.append(lead)
                 gap = ""
                 if lead < len(ref.token_ids):
                     top = sorted(ref.logprobs[lead].values(), reverse=True)
                     gap = f"  (reference top-1 - top-2 logprob there: {top[0] - top[1]:.3f})"
-                print(f"{name:5s} {mode:14s} {lead:4d} / {len(ref.token_ids)}  {text!r}{gap}")
+                print(
+                    f"{name:5s} {mode:14s} vs {reference:8s} {lead:4d} / {len(ref.token_ids)}  {text!r}{gap}"
+                )
             reached = sum(lead >= 16 for lead in leads)
             print(
-                f"{name} {mode}: leading equal tokens {leads}; median {statistics.median(leads)}; "
-                f"{reached}/{len(leads)} prompts agree on >= 16 tokens\n"
+                f"{name} {mode} vs {reference}: leading equal tokens {leads}; median "
+                f"{statistics.median(leads)}; {reached}/{len(leads)} prompts agree on >= 16 tokens\n"
             )
 
 

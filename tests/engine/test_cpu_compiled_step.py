@@ -107,7 +107,7 @@ def test_enforce_eager_turns_the_compiled_step_off(loaded):
     assert make_engine(loaded, compile_cpu_decode=False).runner.compiled_decode is None
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8"])
 def test_compiled_decode_over_a_growing_context_equals_eager_and_compiles_once(loaded, kv_cache_dtype):
     """Three sequences (padded to 4) decode from 5-13 tokens past 50, across three block boundaries:
     the float cache's write and attention are graph code reading a block table whose width grows
@@ -136,7 +136,10 @@ def test_compiled_decode_over_a_growing_context_equals_eager_and_compiles_once(l
                 loaded.model.forward(args[0], args[1], runner.kv_caches, args[2])
             )
         assert not compiled.isnan().any()
-        assert relative_error(compiled, eager) < (1e-5 if kv_cache_dtype == "auto" else 1e-4)
+        # bf16: the graph's fused float32 code (RoPE, norms) differs from eager's in the last bits,
+        # and rounding q, k, v to bf16 turns that into a whole bf16 step where an element sits at a
+        # rounding boundary (measured up to 1.0e-3 over 30 layers; fp8 rounds in its opaque write)
+        assert relative_error(compiled, eager) < {"auto": 1e-5, "bfloat16": 3e-3, "fp8": 1e-4}[kv_cache_dtype]
         tokens, _ = runner.run(batch)
         scheduler.postprocess(batch, tokens)
     assert widths >= {2, 3, 4}
@@ -163,7 +166,7 @@ def test_llm_compiles_each_batch_size_with_no_fallback():
     assert outputs[1] == outputs[0]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8"])
 def test_an_engine_built_in_inference_mode_compiles_its_decode_steps(kv_cache_dtype):
     """The caches must be ordinary tensors (the compiled step writes them outside inference mode),
     however the engine was built; fp8 with its calibrated scales (made by a prefill in inference mode)."""

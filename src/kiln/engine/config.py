@@ -10,7 +10,15 @@ from kiln.engine.speculative.config import SpeculativeConfig
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32, small on a 24 GiB box
 # EngineConfig.kv_cache_dtype's accepted names -> the cache dtype (None = the model's own)
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
 KV_CACHE_SCALES = ("calibrated", "unit")  # EngineConfig.kv_cache_scales
 
 
@@ -34,7 +42,10 @@ class EngineConfig:
         "int4_bf16", "int8", "int8_blocks", "fp16", "bf16", "fp32"; None = the loader's default), see
         kiln.ops.gemm.weight_formats.
     speculative: speculative decoding (kiln.engine.speculative.SpeculativeConfig), None = off.
-    kv_cache_dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn, one byte an
+    kv_cache_dtype: "auto" (the model's dtype), "bfloat16" / "bf16" or "float16" / "fp16" (a 16-bit
+        cache under a float32 model: half the bytes attention reads per step, and 2x the blocks; the
+        attention layer rounds this step's q, k and v to the cache's dtype, attends in it and returns
+        the model's dtype), or "fp8" / "fp8_e4m3" (float8_e4m3fn, one byte an
         element: 2x the blocks of a 16-bit cache, 4x those of a float32 one for the same budget). An
         fp8 cache has a float32 scale per kv head per layer for keys and for values (stored =
         value / scale), set by kv_cache_scales; values beyond 448 * scale saturate

@@ -74,7 +74,9 @@ def candidate_formats(weights: list) -> tuple[str, ...]:
     q4 = all(isinstance(w, GGUFWeight) and w.qtype in INT4_QTYPES for w in weights)
     q8 = all(isinstance(w, GGUFWeight) and w.qtype == "Q8_0" for w in weights)
     return tuple(
-        n for n in wanted if n != "gguf" and (not n.startswith("int4") or q4) and (n != "int8_blocks" or q8)
+        n
+        for n in wanted
+        if n != "gguf" and (not n.startswith("int4") or q4) and (not n.startswith("int8_blocks") or q8)
     )
 
 

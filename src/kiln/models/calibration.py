@@ -80,13 +80,25 @@ def prefill(
 def linear_input_norms(model: torch.nn.Module, prompts: Iterable[list[int]]) -> dict[str, torch.Tensor]:
     """{module name (as in model.named_modules()): float32 [in_features] L2 norm of each input column
     over every token of `prompts`} for every module with `in_features` under model.layers."""
-    squares: dict[str, torch.Tensor] = {}
+    squares = _reduce_linear_inputs(model, prompts, lambda x: x.square().sum(0), torch.add)
+    return {name: total.sqrt() for name, total in squares.items()}
+
+
+def linear_input_peaks(model: torch.nn.Module, prompts: Iterable[list[int]]) -> dict[str, torch.Tensor]:
+    """{module name: float32 [in_features] max |x| of each input column over every token of `prompts`}
+    for every module with `in_features` under model.layers (SmoothQuant's activation statistic)."""
+    return _reduce_linear_inputs(model, prompts, lambda x: x.abs().amax(0), torch.maximum)
+
+
+def _reduce_linear_inputs(model, prompts, per_prefill, combine) -> dict[str, torch.Tensor]:
+    """Prefill each prompt with a forward pre-hook on every Linear under model.layers; per module,
+    per_prefill(x float32 [tokens, in_features]) combined over the prompts (on the CPU)."""
+    totals: dict[str, torch.Tensor] = {}
 
     def hook(name):
         def record(module, inputs):
-            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
-            total = x.square().sum(0)
-            squares[name] = squares[name] + total if name in squares else total
+            value = per_prefill(inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])).cpu()
+            totals[name] = combine(totals[name], value) if name in totals else value
 
         return record
 
@@ -101,7 +113,7 @@ def linear_input_norms(model: torch.nn.Module, prompts: Iterable[list[int]]) -> 
     finally:
         for handle in handles:
             handle.remove()
-    return {name: total.sqrt().cpu() for name, total in squares.items()}
+    return totals
 
 
 def checkpoint_input_norms(model: torch.nn.Module, prompts: Iterable[list[int]]) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from kiln.ops import native_cpu
 from kiln.ops.attention.paged_decode_attention import PAGED_DECODE_ATTENTION, cpu_native
 from kiln.verify import run_case
 from tests.ops.attention.paged_cases import decode_inputs
@@ -86,4 +87,4 @@ def test_native_refuses_a_head_dim_it_was_not_built_for(native):
 
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("KILN_CPU_NATIVE", "0")
-    assert cpu_native._build() is False
+    assert native_cpu._build() is False

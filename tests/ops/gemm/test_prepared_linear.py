@@ -47,7 +47,8 @@ def test_every_fuzz_case_on_the_cpu_backend_matches_float64(dtype):
 def test_the_fuzz_shapes_reach_every_cpu_layout_with_one_and_several_rows():
     shapes = PREPARED_LINEAR.fuzz_shapes(random.Random(0))
     assert _layouts_made_by_fuzz_shapes(torch.float32) >= {"onednn", "fp16_onednn", "int4", "int8_weight"}
-    for fmt in ("fp32", "fp16", "bf16", "int4", "int4_bf16", "int8", "int8_blocks"):
+    formats = ("fp32", "fp16", "bf16", "int4", "int4_bf16", "int8", "int8_blocks")
+    for fmt in (*formats, "w8a8", "int4_w8a8", "int8_blocks_w8a8"):
         rows = {s["M"] > 1 for s in shapes if s["format"] == fmt}
         assert rows == {False, True}, fmt
     assert {s["source"] for s in shapes if s["format"] == "int4"} == {"Q4_0", "Q4_1", "Q4_K"}
@@ -243,6 +244,9 @@ def test_int8_keeps_in_features_the_kernel_cannot_take_in_fp16_and_refuses_them_
         ("int4_bf16", "Q4_1"),
         ("int8", "Q4_1"),
         ("int8_blocks", "Q8_0"),
+        ("w8a8", "float"),
+        ("int4_w8a8", "Q4_1"),
+        ("int8_blocks_w8a8", "Q8_0"),
     ],
 )
 def test_zero_rows_give_an_empty_result(fmt, source):

@@ -29,7 +29,9 @@ class PagedAttention(torch.nn.Module):
     num_heads, num_kv_heads: this rank's (all of them in one process); q [num_heads * head_dim, hidden],
     k and v [num_kv_heads * head_dim, hidden], o [hidden, num_heads * head_dim]: this rank's slices.
     kv_cache: (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; this
-    step's keys and values are written into it in place. A float8_e4m3fn cache comes with its scales:
+    step's keys and values are written into it in place. A cache of another float dtype than the
+    activations (a 16-bit cache under a float32 model) gets q, k and v rounded to its dtype; the
+    output returns in the activations' dtype. A float8_e4m3fn cache comes with its scales:
     (key_cache, value_cache, k_scale, v_scale), float32 [num_kv_heads] (stored = value / scale), and
     optionally a fifth entry k_shift float32 [num_kv_heads, head_dim] subtracted from every key before
     it is stored (softmax is unchanged by it; kiln.engine.kv_scales).
@@ -100,8 +102,12 @@ class PagedAttention(torch.nn.Module):
             # Every key minus one fixed vector per head: q.(k - s) = q.k - q.s shifts all of a query's
             # scores by the same amount, which softmax ignores; centred keys round finer in fp8.
             k = k - k_shift.to(k.dtype)
-        kiln.ops.write_kv_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping, k_scale, v_scale)
         out_dtype = q.dtype
+        if k_scale is None and key_cache.dtype != q.dtype:
+            # A 16-bit cache under a float32 model (EngineConfig.kv_cache_dtype): the ops take one
+            # dtype, so this step's q, k and v round to the cache's and the output comes back below.
+            q, k, v = q.to(key_cache.dtype), k.to(key_cache.dtype), v.to(key_cache.dtype)
+        kiln.ops.write_kv_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping, k_scale, v_scale)
         if k_scale is not None and q.device.type != "cpu":
             # The GPU kernels read fp8 pages as float16 next to float16 queries (the combination they
             # are verified in); the CPU kernels compute in float32 whatever q is.

@@ -19,6 +19,13 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
     "int8_blocks_onednn"  [Q8_0's int8 values [N, K], its        1 row: a GEMV inductor compiles, in
                      scales float32 [N, K/32], oneDNN's blocked  float32 on the stored values (exact);
                      bf16 copy of the same matrix]               more rows: oneDNN bf16 on the copy
+    "w8a8_onednn"   [int8 W / smooth packed for oneDNN (reports  kiln.ops.gemm.cpu_w8a8: x * smooth
+                     [K, N]), w_scale float32 [N], zero points   quantized to int8 per row, oneDNN's
+                     int64 [N], smooth float32 [K]]              int8 GEMM
+    "int4_w8a8_onednn"  ["int4"'s two tensors, then             1 row: torch's int4 CPU matmul; more rows:
+                     "w8a8_onednn"'s four of the same matrix]    W8A8 on the int8 copy
+    "int8_blocks_w8a8_onednn"  [Q8_0's values and scales as in   1 row: int8_blocks_gemv (exact); more
+                     "int8_blocks_onednn", then "w8a8_onednn"'s] rows: W8A8 on the int8 copy
     "gguf_<qtype>"  [uint8 blocks [N, row_bytes] as in the file] kiln.ops.gguf_linear
                     (qtype Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)
     "fp8_*", "int8_*", "w4a16_*", "fp8_block*", "sparse24": quantized checkpoint weights
@@ -53,6 +60,17 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     2-core AVX512-BF16 machine this project measures on, SmolLM2's 49152x576 head takes ~1.5 ms a row
     this way against ~2.3 ms for packed bf16 (cache-cold). Several rows run oneDNN's bf16 GEMM on a
     copy, as "int4_bf16" does. Other weights, or a CPU where oneDNN cannot pack bf16, get "bf16";
+  - CPU, "w8a8", any weight (GGUF blocks dequantized): "w8a8_onednn", int8 per output channel
+    (symmetric, scale amax / 127) packed for oneDNN's int8 GEMM, activations quantized to int8 per row
+    on every call (kiln.ops.gemm.cpu_w8a8, a native op): one byte a weight, and AMX / VNNI int8
+    arithmetic. Rounding x and W to 255 levels each costs more accuracy than bf16 does (measured on
+    SmolLM2: README, "CPU weight formats"), so it is opt-in. "int4_w8a8" and "int8_blocks_w8a8" are
+    "int4_bf16" and "int8_blocks" with an int8 copy for several rows instead of the bf16 copy
+    ("int4_w8a8_onednn", "int8_blocks_w8a8_onednn"): one-row steps keep their int4 / exact Q8_0
+    kernels, batched decode and prefill read half the bytes of bf16 (on the 2-core Xeon with AMX
+    this project measures on, SmolLM2's 121 GEMMs of a step at 16 rows, cache-cold: 11.1 ms against
+    16.2 ms bf16); other weights get "w8a8_onednn". Where the native op cannot be built or oneDNN
+    has no int8 GEMM, these formats fall back to "int4_bf16" / "int8_blocks" / "bf16" (logged);
   - CPU, "int8", any weight with in-features a multiple of 16 (GGUF blocks and dequantized checkpoint
     weights included; others get the "fp16" layouts): "int8_weight",
     symmetric per output channel, the scale rounded to bfloat16 first (the kernel's dtype), then each
@@ -83,6 +101,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.ops.gemm import cpu_w8a8
 from kiln.ops.gemm.quantized_layouts import (
     QUANTIZED_LAYOUTS,
     W4A16_LAYOUTS,
@@ -99,10 +118,15 @@ from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, KERNEL_QTYPES, GG
 from kiln.quant.linear_weights import QUANTIZED_WEIGHT_TYPES, BlockFP8Weight, Int4Weight, ScaledWeight
 from kiln.quant.sparse24 import Sparse24Weight
 
-CPU_WEIGHT_FORMATS = ("int4", "int4_bf16", "int8", "int8_blocks", "fp16", "bf16", "fp32", "gguf")
+CPU_WEIGHT_FORMATS = (
+    "int4", "int4_bf16", "int4_w8a8", "int8", "int8_blocks", "int8_blocks_w8a8", "w8a8", "fp16", "bf16",
+    "fp32", "gguf",
+)  # fmt: skip
+W8A8_FALLBACK = {"w8a8": "bf16", "int4_w8a8": "int4_bf16", "int8_blocks_w8a8": "int8_blocks"}
 FORMAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 INT4_GROUP_SIZE = 32  # one GGUF block (a Q4_K sub-block) per group
 INT4_QTYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT4_FORMATS = ("int4", "int4_bf16", "int4_w8a8")  # cpu formats that keep GGUF Q4 / int4 weights as int4
 INT8_BLOCK_SIZE = BLOCK_WEIGHTS["Q8_0"]  # weights per scale in "int8_blocks_onednn": one Q8_0 block
 # torch's int8 CPU matmul reads K in steps of 16 (other K give garbage or crash): "int8" keeps a weight
 # whose in-features are not a multiple in the "fp16" layouts instead
@@ -110,6 +134,8 @@ INT8_K_MULTIPLE = 16
 logger = logging.getLogger(__name__)
 
 GGUF_LAYOUTS = {f"gguf_{qtype}": qtype for qtype in KERNEL_QTYPES}
+# layouts with an int8 copy for oneDNN's W8A8 GEMM -> where its four tensors start
+W8A8_COPY_AT = {"w8a8_onednn": 0, "int4_w8a8_onednn": 2, "int8_blocks_w8a8_onednn": 2}
 # layout -> how many tensors it holds
 LAYOUTS = {
     "dense": 1,
@@ -120,6 +146,9 @@ LAYOUTS = {
     "int4_onednn": 3,
     "int8_weight": 2,
     "int8_blocks_onednn": 3,
+    "w8a8_onednn": 4,
+    "int4_w8a8_onednn": 6,
+    "int8_blocks_w8a8_onednn": 6,
     **dict.fromkeys(GGUF_LAYOUTS, 1),
     **QUANTIZED_LAYOUTS,
 }
@@ -143,7 +172,8 @@ class PreparedLinearWeight:
     @property
     def kind(self) -> str:
         """How the weight is stored: "gguf" (file blocks), "int4" (repacked nibbles), "int8_weight"
-        (weight-only int8), "int8_blocks" (GGUF Q8_0's values and scales), "fp8" / "int8" (W8A8),
+        (weight-only int8), "int8_blocks" (GGUF Q8_0's values and scales), "w8a8" (int8 for oneDNN's
+        int8 GEMM, activations quantized per row), "fp8" / "int8" (W8A8 checkpoints),
         "w4a16" (int4_linear), "fp8_block", "sparse24" (2:4) or "dense"."""
         if self.layout in GGUF_LAYOUTS:
             return "gguf"
@@ -155,10 +185,12 @@ class PreparedLinearWeight:
             return "fp8_block"
         if self.layout.startswith("sparse24"):
             return "sparse24"
-        if self.layout == "int4_onednn":
+        if self.layout in ("int4_onednn", "int4_w8a8_onednn"):
             return "int4"
-        if self.layout == "int8_blocks_onednn":
+        if self.layout in ("int8_blocks_onednn", "int8_blocks_w8a8_onednn"):
             return "int8_blocks"
+        if self.layout == "w8a8_onednn":
+            return "w8a8"
         return self.layout if self.layout in ("int4", "int8_weight") else "dense"
 
     @property
@@ -196,13 +228,30 @@ def prepare_linear_weight(
         weight = weight.dequantize(torch.float32)
     if isinstance(weight, GGUFWeight) and (device.type == "cuda" or cpu_format == "gguf"):
         return PreparedLinearWeight(f"gguf_{weight.qtype}", (weight.data.to(device),), shape, None, dtype)
-    if device.type == "cpu" and cpu_format in ("int4", "int4_bf16") and int4_packable(weight):
+    if device.type == "cpu" and cpu_format in W8A8_FALLBACK and not cpu_w8a8.load():
+        _log_w8a8_unavailable(cpu_format)
+        cpu_format = W8A8_FALLBACK[cpu_format]
+    if device.type == "cpu" and cpu_format in INT4_FORMATS and int4_packable(weight):
         return _int4_layout(pack_int4(weight), shape, dtype, cpu_format)
-    if device.type == "cpu" and cpu_format == "int8_blocks" and isinstance(weight, GGUFWeight):
-        prepared = _int8_blocks_layout(weight, shape, dtype)
+    if (
+        device.type == "cpu"
+        and cpu_format in ("int8_blocks", "int8_blocks_w8a8")
+        and isinstance(weight, GGUFWeight)
+    ):
+        prepared = _int8_blocks_layout(weight, shape, dtype, cpu_format)
         if prepared is not None:
             return prepared
+    if cpu_format in ("int4_w8a8", "int8_blocks_w8a8"):  # no int4 / Q8_0 packing for this weight
+        cpu_format = "w8a8"
     if cpu_format in ("int4_bf16", "int8_blocks"):  # no int4 / Q8_0 packing for this weight: bf16
+        cpu_format = "bf16"
+    if device.type == "cpu" and cpu_format == "w8a8":
+        if isinstance(weight, GGUFWeight):
+            _log_dequantized_at_load(weight.qtype, device.type, "w8a8 (int8 per channel)")
+            weight = weight.dequantize(torch.float32)
+        tensors = cpu_w8a8.pack(weight.to(torch.float32))
+        if tensors is not None:
+            return PreparedLinearWeight("w8a8_onednn", tensors, shape, None, dtype)
         cpu_format = "bf16"
     if device.type == "cpu" and cpu_format == "int8" and shape[1] % INT8_K_MULTIPLE == 0:
         if isinstance(weight, GGUFWeight):
@@ -250,7 +299,7 @@ def _prepare_quantized(weight, shape, device, dtype, cpu_format) -> PreparedLine
     if device.type != "cpu":
         layout, tensors = w4a16_layout(weight, device)
         return PreparedLinearWeight(layout, tensors, shape, None, dtype)
-    if isinstance(weight, Int4Weight) and cpu_format in ("int4", "int4_bf16") and int4_cpu_packable(weight):
+    if isinstance(weight, Int4Weight) and cpu_format in INT4_FORMATS and int4_cpu_packable(weight):
         nibbles, scales_and_zeros = int4_cpu_scales_and_zeros(weight)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1)
         return _int4_layout((packed, scales_and_zeros), shape, dtype, cpu_format)
@@ -258,23 +307,34 @@ def _prepare_quantized(weight, shape, device, dtype, cpu_format) -> PreparedLine
 
 
 def _int4_layout(int4: tuple[torch.Tensor, torch.Tensor], shape, dtype, cpu_format) -> PreparedLinearWeight:
-    """The "int4" layout, or for cpu_format "int4_bf16" (where oneDNN packs bf16 here) "int4_onednn": the
-    same tensors plus oneDNN's bf16 copy of the matrix they stand for."""
+    """The "int4" layout, or for cpu_format "int4_bf16" (where oneDNN packs bf16 here) "int4_onednn" /
+    for "int4_w8a8" "int4_w8a8_onednn": the same tensors plus a bf16 / int8 copy of the matrix they
+    stand for."""
     if cpu_format == "int4_bf16":
         rows = onednn_pack(prepared_matrix("int4", int4).to(torch.bfloat16))
         if rows is not None:
             return PreparedLinearWeight("int4_onednn", (*int4, rows), shape, torch.bfloat16, dtype)
+    if cpu_format == "int4_w8a8":
+        rows = cpu_w8a8.pack(prepared_matrix("int4", int4))
+        if rows is not None:
+            return PreparedLinearWeight("int4_w8a8_onednn", (*int4, *rows), shape, torch.bfloat16, dtype)
     return PreparedLinearWeight("int4", int4, shape, torch.bfloat16, dtype)
 
 
-def _int8_blocks_layout(weight: GGUFWeight, shape, dtype) -> PreparedLinearWeight | None:
-    """The "int8_blocks_onednn" layout of a GGUF Q8_0 weight where oneDNN packs bf16 here, else None."""
+def _int8_blocks_layout(weight: GGUFWeight, shape, dtype, cpu_format) -> PreparedLinearWeight | None:
+    """The "int8_blocks_onednn" layout of a GGUF Q8_0 weight where oneDNN packs bf16 here (for
+    cpu_format "int8_blocks_w8a8": "int8_blocks_w8a8_onednn", an int8 copy), else None."""
     if weight.qtype != "Q8_0":
         return None
+    values, scales = split_q8_0(weight)
+    if cpu_format == "int8_blocks_w8a8":
+        rows = cpu_w8a8.pack(weight.dequantize(torch.float32))
+        if rows is None:
+            return None
+        return PreparedLinearWeight("int8_blocks_w8a8_onednn", (values, scales, *rows), shape, None, dtype)
     rows = onednn_pack(weight.dequantize(torch.bfloat16))  # d * q in float32 (exact), then bf16
     if rows is None:
         return None
-    values, scales = split_q8_0(weight)
     return PreparedLinearWeight("int8_blocks_onednn", (values, scales, rows), shape, None, dtype)
 
 
@@ -286,6 +346,14 @@ def split_q8_0(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
     scales = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32).view(n, -1)
     values = blocks[..., 2:].contiguous().view(torch.int8).view(n, k)
     return values, scales
+
+
+@functools.cache
+def _log_w8a8_unavailable(cpu_format: str) -> None:
+    logger.warning(
+        "cpu_format %r: the native W8A8 op (kiln.ops.gemm.cpu_w8a8) or oneDNN's int8 GEMM is not "
+        "available here; using %r", cpu_format, W8A8_FALLBACK[cpu_format],
+    )  # fmt: skip
 
 
 @functools.cache
@@ -381,7 +449,9 @@ def prepared_matrix(
         packed = tensors[0]
         identity = torch.eye(packed.shape[1], dtype=packed.dtype)
         return onednn_linear(identity, packed, None).T.to(torch.float64)
-    if layout in ("int4", "int4_onednn"):  # the copy holds the same matrix, rounded to bf16
+    if layout == "w8a8_onednn":  # the int8 copy holds W / smooth
+        return w8a8_matrix(layout, tensors) * tensors[3].to(torch.float64)[None, :]
+    if layout in ("int4", "int4_onednn", "int4_w8a8_onednn"):  # a bf16 copy: the same matrix, rounded
         packed, scales_and_zeros = tensors[:2]
         groups, n = scales_and_zeros.shape[:2]
         k = groups * INT4_GROUP_SIZE
@@ -397,7 +467,7 @@ def prepared_matrix(
         return (q.to(torch.float64) - 8.0) * scale + zero
     if layout == "int8_weight":
         return tensors[0].to(torch.float64) * tensors[1].to(torch.float64)[:, None]
-    if layout == "int8_blocks_onednn":  # the copy holds the same matrix, rounded to bf16
+    if layout in ("int8_blocks_onednn", "int8_blocks_w8a8_onednn"):  # as "int4_onednn"
         values, scales = tensors[:2]
         blocks = values.to(torch.float64).view(values.shape[0], -1, INT8_BLOCK_SIZE)
         return (blocks * scales.to(torch.float64)[..., None]).view(values.shape)
@@ -406,3 +476,30 @@ def prepared_matrix(
     if layout in LAYOUTS:  # "dense", "fp16_*": the plain matrix comes first
         return tensors[0].to(torch.float64)
     raise ValueError(f"prepared_matrix: unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
+
+
+def smooth_w8a8(
+    prepared: PreparedLinearWeight, input_peaks: torch.Tensor, alpha: float
+) -> PreparedLinearWeight:
+    """`prepared` (a W8A8_COPY_AT layout) with its int8 copy rebuilt for SmoothQuant factors
+    (cpu_w8a8.smoothing_factors) from the calibration's input column peaks (float [in_features]): the
+    copy of the matrix the weight stands for (int4 / Q8_0 exactly; "w8a8_onednn" its current int8
+    values) divided by the factors, x multiplied by them in the op."""
+    at = W8A8_COPY_AT[prepared.layout]
+    matrix = prepared_matrix(prepared.layout, prepared.tensors)
+    copy = cpu_w8a8.pack(matrix, cpu_w8a8.smoothing_factors(input_peaks, matrix, alpha))
+    if copy is None:
+        raise RuntimeError("smooth_w8a8: the W8A8 op is no longer available")
+    tensors = (*prepared.tensors[:at], *copy)
+    return PreparedLinearWeight(
+        prepared.layout, tensors, prepared.shape, prepared.compute_dtype, prepared.bias_dtype
+    )
+
+
+def w8a8_matrix(layout: str, tensors) -> torch.Tensor:
+    """The float64 [out, in] matrix of a W8A8 layout's int8 copy (W8A8_COPY_AT), int8 value times its
+    channel's scale (W / smooth): what several-row calls of "int4_w8a8_onednn" /
+    "int8_blocks_w8a8_onednn" and every call of "w8a8_onednn" multiply (by x * smooth quantized per
+    row, kiln.ops.gemm.cpu_w8a8)."""
+    at = W8A8_COPY_AT[layout]
+    return cpu_w8a8.values(tensors[at]).to(torch.float64) * tensors[at + 1].to(torch.float64)[:, None]

@@ -1,13 +1,14 @@
 // Paged decode attention for CPU: one query token per sequence against its paged KV cache.
 //
-// Registered as torch.ops.kiln_cpu.paged_decode (built and loaded by cpu_native.py, which also gives
-// the op its fake implementation so compiled graphs can hold it). One work item is one (sequence,
+// Registered as torch.ops.kiln_cpu.paged_decode (built and loaded by kiln/ops/native_cpu.py with the
+// other native CPU kernels; cpu_native.py gives the op its fake implementation so compiled graphs can
+// hold it). One work item is one (sequence,
 // KV head): its G = H / Hkv query heads share every key and value row it loads. Per item: scores of
 // the visible positions (each key row converted to float32 once, dotted with the G queries), a
 // float32 softmax, then the value rows accumulated into G float32 rows. Positions at or past a
 // sequence's length are never read, so whatever the cache holds there (NaN included) cannot leak in.
 //
-// Vectorized with ATen's at::vec (AVX-512 / AVX2 as ATen's CPU capability on the host: cpu_native.py).
+// Vectorized with ATen's at::vec (AVX-512 / AVX2 as ATen's CPU capability on the host: kiln/ops/native_cpu.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -217,7 +218,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const 
 
 }  // namespace
 
-TORCH_LIBRARY(kiln_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   m.def(
       "paged_decode(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
       "float scale, int window) -> Tensor");

@@ -10,6 +10,10 @@
   "int4_onednn"  one row: as "int4"; several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
   "int8_blocks_onednn"  one row: int8_blocks_gemv (float32 on GGUF Q8_0's values and scales, exact);
                  several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
+  "w8a8_onednn"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, oneDNN's int8 GEMM (one
+                 native op);
+  "int4_w8a8_onednn", "int8_blocks_w8a8_onednn"  one row: as "int4" / "int8_blocks_onednn"; several
+                 rows: W8A8 on the int8 copy;
   "int8_weight"  PyTorch's weight-only int8 CPU matmul (per-channel bf16 scales, bfloat16
                  activations); the bias is added in float32;
   "dense"        F.linear in the matrix's dtype;
@@ -26,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.gemm.cpu_w8a8 import w8a8_linear
 from kiln.ops.gemm.gguf_linear import gguf_linear
 from kiln.ops.gemm.prepared_linear.int8_blocks_gemv import int8_blocks_gemv
 from kiln.ops.gemm.prepared_linear.spec import PREPARED_LINEAR
@@ -110,6 +115,30 @@ def _int8_blocks_onednn(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
+def _w8a8(x, weight, bias, out_dtype):
+    return w8a8_linear(x, weight[0], weight[1], weight[2], weight[3], bias, out_dtype)
+
+
+def _int4_w8a8(x, weight, bias, out_dtype):
+    if x.shape[0] > 1:
+        return w8a8_linear(x, weight[2], weight[3], weight[4], weight[5], bias, out_dtype)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(torch.bfloat16), weight[0], INT4_GROUP_SIZE, weight[1]
+    )
+    if bias is not None:
+        y = y.float().add_(bias)
+    return y.to(out_dtype)
+
+
+def _int8_blocks_w8a8(x, weight, bias, out_dtype):
+    if x.shape[0] != 1:
+        return w8a8_linear(x, weight[2], weight[3], weight[4], weight[5], bias, out_dtype)
+    y = int8_blocks_gemv(x, weight[0], weight[1])
+    if bias is not None:
+        y = y.float().add_(bias)
+    return y.to(out_dtype)
+
+
 def _gguf(qtype):
     def run(x, weight, bias, out_dtype):
         return gguf_linear(x, weight[0], qtype, bias).to(out_dtype)
@@ -126,6 +155,9 @@ KERNELS = {
     "int4_onednn": _int4_onednn,
     "int8_weight": _int8_weight,
     "int8_blocks_onednn": _int8_blocks_onednn,
+    "w8a8_onednn": _w8a8,
+    "int4_w8a8_onednn": _int4_w8a8,
+    "int8_blocks_w8a8_onednn": _int8_blocks_w8a8,
     **{layout: _gguf(qtype) for layout, qtype in GGUF_LAYOUTS.items()},
     **dict.fromkeys(QUANTIZED_LAYOUTS, run_quantized),
 }
@@ -140,5 +172,6 @@ def prepared_linear_cpu(x, layout, weight, bias=None, out_dtype=None):
 
 PREPARED_LINEAR.register(
     Implementation("cpu", prepared_linear_cpu, cpu_only,
-                   description="oneDNN fp32/bf16, fp16 GEMV + packed fp32 copy, int4 (+ bf16), int8, Q8_0")
+                   description="oneDNN fp32/bf16, fp16 GEMV + packed fp32 copy, int4 (+ bf16 / int8), int8, "
+                               "Q8_0, W8A8")
 )  # fmt: skip

@@ -27,7 +27,9 @@ def _gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.
     return products.sum((-1, -2)).view(1, n)
 
 
-_compiled_gemv = torch.compile(_gemv, dynamic=False, fullgraph=True)
+# Not fullgraph: past dynamo's recompile limit (8 weight shapes in one process: the verifier's fuzz
+# cases, not an engine, which has one LM head) fullgraph would raise; this runs _gemv eagerly instead.
+_compiled_gemv = torch.compile(_gemv, dynamic=False)
 
 
 def int8_blocks_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -35,4 +37,4 @@ def int8_blocks_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
     -> y float32 [1, N], y[n] = sum_k x[k] * scales[n, k // 32] * values[n, k]."""
     if torch.compiler.is_compiling():  # traced into the caller's graph
         return _gemv(realized(x.float()), values, scales)
-    return _compiled_gemv(x, values, scales)
+    return _compiled_gemv(x.float(), values, scales)  # float32 first: one graph per shape, not per dtype

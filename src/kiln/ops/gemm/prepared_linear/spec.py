@@ -4,16 +4,19 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
 
     x:         [M, K] float32 / float16 / bfloat16
     layout:    a PreparedLinearWeight's layout ("dense", "onednn", "fp16_onednn", "fp16_rows", "int4",
-               "int4_onednn",
-               "gguf_<qtype>" for the GGUF block types of kiln.ops.gguf_linear; the quantized
-               checkpoint layouts of kiln.ops.gemm.quantized_layouts: "fp8_dynamic", "fp8_static",
-               "int8_dynamic", "int8_static", "w4a16_g<gs>[_perm]", "fp8_block<bn>x<bk>")
+               "int4_onednn", "int4_w8a8_onednn", "w8a8_onednn", "int8_weight", "int8_blocks_onednn",
+               "int8_blocks_w8a8_onednn", "gguf_<qtype>" for the GGUF block types of
+               kiln.ops.gguf_linear; the quantized checkpoint layouts of
+               kiln.ops.gemm.quantized_layouts: "fp8_dynamic", "fp8_static", "int8_dynamic",
+               "int8_static", "w4a16_g<gs>[_perm]", "fp8_block<bn>x<bk>")
     weight:    its tensors (PreparedLinearWeight.tensors), W standing for [N, K]
     bias:      [N] in the layout's bias dtype (PreparedLinearWeight.bias_dtype), or None
     out_dtype: the result's dtype (None: x's)
     y = x @ W^T + bias, [M, N]. Where the layout computes in a narrower dtype (its compute_dtype: fp16
     for one-row "fp16_*" inputs, bf16 for "int4" and bf16 "onednn"), x is rounded to it first.
-    The W8A8 and block-FP8 layouts quantize x as their checkpoint format says (the reference does too).
+    The W8A8 and block-FP8 layouts quantize x as their checkpoint format says (the reference does too);
+    the "*w8a8_onednn" layouts quantize x to int8 per row (all calls of "w8a8_onednn", several-row
+    calls of the others) and multiply by their int8 copy; the reference does the same in float64.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import weakref
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
+from kiln.ops.gemm import cpu_w8a8
 from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
 from kiln.ops.gemm.quantized_layouts import (
     FP8_BLOCK_LAYOUTS,
@@ -44,8 +48,10 @@ from kiln.ops.gemm.weight_formats import (
     INT8_BLOCK_SIZE,
     INT8_K_MULTIPLE,
     LAYOUTS,
+    W8A8_COPY_AT,
     prepare_linear_weight,
     prepared_matrix,
+    w8a8_matrix,
 )
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import element_size, randn
@@ -59,8 +65,16 @@ from kiln.quant.sparse24 import Sparse24Weight, compress_24, prune_24
 def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
     """In float64 from the matrix the prepared weight stands for (float64 x stays float64: the
     verifier's reference; otherwise the result is rounded to out_dtype / x's dtype once)."""
-    matrix = prepared_matrix(layout, weight, x.shape[-1]).to(x.device)
-    xq = quantized_reference_input(layout, weight, x) if layout in QUANTIZED_LAYOUTS else x.to(torch.float64)
+    if layout in W8A8_COPY_AT and (layout == "w8a8_onednn" or x.shape[0] > 1):
+        smooth = weight[W8A8_COPY_AT[layout] + 3]
+        matrix, xq = w8a8_matrix(layout, weight), cpu_w8a8.quantize_rows_reference(x, smooth)
+    else:
+        matrix = prepared_matrix(layout, weight, x.shape[-1]).to(x.device)
+        xq = (
+            quantized_reference_input(layout, weight, x)
+            if layout in QUANTIZED_LAYOUTS
+            else x.to(torch.float64)
+        )
     y = xq @ matrix.T
     if bias is not None:
         y = y + bias.to(torch.float64)
@@ -68,8 +82,10 @@ def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
 
 
 def _in_features(layout: str, weight) -> int | None:
-    if layout in ("int4", "int4_onednn"):
+    if layout in ("int4", "int4_onednn", "int4_w8a8_onednn"):
         return weight[1].shape[0] * INT4_GROUP_SIZE  # scales_and_zeros [K / 32, N, 2]
+    if layout == "w8a8_onednn":
+        return weight[0].shape[0]  # oneDNN's packed int8 weight reports [K, N]
     if layout in GGUF_LAYOUTS or layout in W4A16_LAYOUTS:
         return None  # validate_gguf_weight / _validate_w4a16 check the packing against x
     if layout in SPARSE24_LAYOUTS:
@@ -152,6 +168,46 @@ def _validate_int8_blocks(op, weight, device) -> None:
         raise ValueError(f"{op}: int8_blocks_onednn copy has shape {tuple(weight[2].shape)}, expected {n, k}")
 
 
+def _validate_w8a8(op, layout, weight, device) -> None:
+    """The int8 copy of a W8A8 layout (W8A8_COPY_AT), and the int4 / Q8_0 tensors before it."""
+    at = W8A8_COPY_AT[layout]
+    if layout == "int4_w8a8_onednn":
+        check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.uint8,), device=device)
+        check_tensor(op, "weight[1]", weight[1], ndim=3, dtypes=(torch.bfloat16,), device=device)
+        expected = (weight[1].shape[0] * INT4_GROUP_SIZE, weight[1].shape[1])
+    elif layout == "int8_blocks_w8a8_onednn":
+        check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int8,), device=device)
+        check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
+        n, k = weight[0].shape
+        if tuple(weight[1].shape) != (n, k // INT8_BLOCK_SIZE) or k % INT8_BLOCK_SIZE:
+            raise ValueError(
+                f"{op}: {layout} values [{n}, {k}] and scales {tuple(weight[1].shape)}, expected "
+                f"scales [{n}, {k // INT8_BLOCK_SIZE}] (one per {INT8_BLOCK_SIZE})"
+            )
+        expected = (k, n)
+    else:
+        expected = None
+    packed, w_scale, zero_point, smooth = weight[at : at + 4]
+    check_tensor(op, f"weight[{at}]", packed, ndim=2, dtypes=(torch.int8,), device=device)
+    if expected is not None and tuple(packed.shape) != expected:
+        raise ValueError(
+            f"{op}: {layout} int8 copy reports {tuple(packed.shape)}, expected {expected} ([K, N])"
+        )
+    n = packed.shape[1]
+    check_tensor(op, f"weight[{at + 1}]", w_scale, ndim=1, dtypes=(torch.float32,), device=device)
+    check_tensor(op, f"weight[{at + 2}]", zero_point, ndim=1, dtypes=(torch.int64,), device=device)
+    if w_scale.shape[0] != n or zero_point.shape[0] != n:
+        raise ValueError(
+            f"{op}: {layout} scales {tuple(w_scale.shape)} and zero points {tuple(zero_point.shape)}, "
+            f"expected ({n},) each"
+        )
+    check_tensor(op, f"weight[{at + 3}]", smooth, ndim=1, dtypes=(torch.float32,), device=device)
+    if smooth.shape[0] != packed.shape[0]:
+        raise ValueError(
+            f"{op}: {layout} smooth has {smooth.shape[0]} elements, expected {packed.shape[0]} (K)"
+        )
+
+
 def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
     op = "prepared_linear"
     check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
@@ -170,6 +226,8 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
                 raise ValueError(
                     f"{op}: int4_onednn copy has shape {tuple(weight[2].shape)}, expected {expected}"
                 )
+    elif layout in W8A8_COPY_AT:
+        _validate_w8a8(op, layout, weight, device)
     elif layout == "int8_weight":
         check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int8,), device=device)
         check_tensor(op, "weight[1]", weight[1], ndim=1, dtypes=(torch.bfloat16,), device=device)
@@ -201,16 +259,19 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
         check_tensor(
             op, "bias", bias, ndim=1, dtypes=(expected,) if expected else FLOAT_DTYPES, device=device
         )
-        if bias.shape[0] != weight[0].shape[0]:
-            raise ValueError(
-                f"{op}: bias has {bias.shape[0]} elements, expected out-features {weight[0].shape[0]}"
-            )
+        out_features = _out_features(layout, weight)
+        if bias.shape[0] != out_features:
+            raise ValueError(f"{op}: bias has {bias.shape[0]} elements, expected out-features {out_features}")
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"{op}: out_dtype {out_dtype}, expected one of float32, float16, bfloat16 or None")
 
 
+def _out_features(layout, weight) -> int:
+    return weight[0].shape[1] if layout == "w8a8_onednn" else weight[0].shape[0]  # oneDNN's int8: [K, N]
+
+
 def _fake(x, layout, weight, bias, out_dtype):
-    return x.new_empty((x.shape[0], weight[0].shape[0]), dtype=out_dtype or x.dtype)
+    return x.new_empty((x.shape[0], _out_features(layout, weight)), dtype=out_dtype or x.dtype)
 
 
 # ---- inputs: a weight prepared as the engine prepares it, for the device it runs on ----------------
@@ -319,6 +380,9 @@ _FUZZ_FORMATS = (
     ("int8_blocks", "Q8_0"),  # "int8_blocks_onednn" where this CPU packs bf16, else "onednn" / "dense"
     ("fp16", "Q6_K"),
     ("gguf", "Q5_K"),
+    ("w8a8", "float"),  # "w8a8_onednn" where the native op and oneDNN's int8 GEMM run here, else bf16
+    ("int4_w8a8", "Q4_1"),  # "int4_w8a8_onednn" (same fallback: "int4_onednn" / "int4")
+    ("int8_blocks_w8a8", "Q8_0"),  # "int8_blocks_w8a8_onednn" (fallback "int8_blocks_onednn")
 )
 
 
@@ -350,6 +414,9 @@ def _fuzz_shapes(rng):
     return shapes
 
 
+W8A8_FORMATS = ("w8a8", "int4_w8a8", "int8_blocks_w8a8")
+
+
 def _case_tolerance(shape, dtype) -> float:
     """The result is rounded to x's dtype (GEMM_TOLERANCE[dtype]), and inside the layout: "bf16" and
     "int4" round x (and their output) to bfloat16 (unit roundoff 2^-9; int4's scales and zeros are
@@ -362,7 +429,13 @@ def _case_tolerance(shape, dtype) -> float:
         # the reference quantizes x as the kernel does (a tie resolved differently moves one
         # element by one step: rare); int4_linear rounds the dequantized weight to x's dtype.
         return max(GEMM_TOLERANCE[dtype], GEMM_TOLERANCE[torch.float32])
-    if fmt in ("bf16", "int4", "int4_bf16", "int8") or (fmt == "int8_blocks" and shape["M"] > 1):
+    if fmt in W8A8_FORMATS and (fmt == "w8a8" or shape["M"] > 1):
+        # the reference quantizes x as the op does and reads the int8 copy: a tie rounded the other way
+        # moves one element of x by one step (rare); the op rounds its float32 result once at the end
+        inside = GEMM_TOLERANCE[torch.float32]
+    elif fmt in ("bf16", "int4", "int4_bf16", "int4_w8a8", "int8") or (
+        fmt == "int8_blocks" and shape["M"] > 1
+    ):
         inside = GEMM_TOLERANCE[torch.bfloat16]  # the bf16 copies also round the weight to bf16
     elif fmt == "fp16" and shape["M"] == 1:
         inside = GEMM_TOLERANCE[torch.float16]
@@ -383,13 +456,15 @@ def _weight_bytes(shape) -> float:
         return N * K * (4 if source.startswith(("fp8_d", "fp8_s", "int8")) else 1)  # CPU: float32 values
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
-    if fmt == "int4" or (fmt == "int4_bf16" and shape["M"] == 1):
+    if fmt == "w8a8" or (fmt in W8A8_FORMATS and shape["M"] > 1):  # the int8 copy and a scale per row
+        return N * K + N * 4
+    if fmt in ("int4", "int4_w8a8") or (fmt == "int4_bf16" and shape["M"] == 1):
         return N * K / 2 + N * K / 32 * 4
     if fmt == "int4_bf16":  # several rows read the bf16 copy
         return N * K * 2
     if fmt == "int8":
         return N * K + N * 2
-    if fmt == "int8_blocks":  # one row: the int8 values and a float32 scale per 32; more: the bf16 copy
+    if fmt in ("int8_blocks", "int8_blocks_w8a8"):  # one row: the values and a float32 scale per 32
         return N * K + N * K / 32 * 4 if shape["M"] == 1 else N * K * 2
     if fmt == "fp16":
         return N * K * (2 if shape["M"] == 1 else 4)
@@ -414,7 +489,7 @@ def _torch_linear_fp32(x, layout, weight, bias=None, out_dtype=None):
 # The engine's CPU GEMMs: SmolLM2-135M's projections at decode sizes, in each CPU format.
 _BENCH_FORMATS = (
     ("fp32", "float"), ("fp16", "float"), ("bf16", "float"),
-    ("int4", "Q4_1"), ("int4_bf16", "Q4_1"), ("int8", "Q4_1"),
+    ("int4", "Q4_1"), ("int4_bf16", "Q4_1"), ("int4_w8a8", "Q4_1"), ("int8", "Q4_1"), ("w8a8", "float"),
 )  # fmt: skip
 
 PREPARED_LINEAR = OpSpec(
@@ -438,7 +513,7 @@ PREPARED_LINEAR = OpSpec(
         + [  # the LM head (its GGUF type is Q8_0): packed bf16 against Q8_0's own values
             {"M": m, "N": 49152, "K": 576, "format": fmt, "source": "Q8_0"}
             for m in (1, 16)
-            for fmt in ("bf16", "int8_blocks")
+            for fmt in ("bf16", "int8_blocks", "int8_blocks_w8a8")
         ]
     },
     baselines={"torch_linear_fp32": _torch_linear_fp32},

@@ -1,0 +1,178 @@
+"""The CPU W8A8 layouts (cpu formats "w8a8", "int4_w8a8", "int8_blocks_w8a8"; kiln.ops.gemm.cpu_w8a8):
+int8 weights per output channel on oneDNN's int8 GEMM, activations quantized per row by the native op.
+
+Against float64: the reference quantizes x per row and reads the int8 values back from oneDNN's
+packing (fuzz cases in test_prepared_linear); here the stored values themselves, per-row independence
+(batch invariance), NaN rows, the hybrids' one-row paths, a compiled graph, and the fallback where the
+op cannot run."""
+
+import logging
+
+import pytest
+import torch
+
+import kiln.ops
+from kiln.ops.gemm import cpu_w8a8, weight_formats
+from kiln.ops.gemm.prepared_linear.spec import prepared_linear_reference
+from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix, split_q8_0, w8a8_matrix
+from kiln.quant import quantize_blocks
+from kiln.quant.gguf_blocks import GGUFWeight
+from kiln.verify import assert_close
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def native_w8a8():
+    if not cpu_w8a8.load():
+        pytest.skip("the native W8A8 op or oneDNN's int8 GEMM is not available here")
+
+
+def _gguf(qtype, n, k, generator):
+    weight = torch.randn(n, k, generator=generator) / 8
+    return GGUFWeight(qtype, quantize_blocks(weight, qtype), (n, k))
+
+
+def test_packed_values_are_the_per_channel_int8_of_the_matrix():
+    g = torch.Generator().manual_seed(1)
+    matrix = torch.randn(45, 80, generator=g) * torch.rand(45, 1, generator=g)  # rows of unlike size
+    # a transposed view: oneDNN's packing reads memory as [N, K], so pack must make it contiguous
+    prepared = prepare_linear_weight(
+        matrix.T.contiguous().T, device=CPU, dtype=torch.float32, cpu_format="w8a8"
+    )
+    assert prepared.layout == "w8a8_onednn" and prepared.kind == "w8a8"
+    packed, w_scale, zero_point, smooth = prepared.tensors
+    assert torch.equal(smooth, torch.ones(80))  # no calibration here
+    scale = matrix.abs().amax(1) / 127
+    assert torch.equal(w_scale, scale)
+    assert torch.equal(cpu_w8a8.values(packed), torch.round(matrix / scale[:, None]).to(torch.int8))
+    assert not zero_point.any()
+    # the stored matrix is within half a step of each channel's scale of the original
+    error = (prepared_matrix(prepared.layout, prepared.tensors) - matrix.double()).abs()
+    assert bool((error <= scale.double()[:, None] / 2 + 1e-7).all())
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_are_quantized_independently_and_match_float64(out_dtype):
+    """Each row's scale is its own: a row 1000x larger beside it changes nothing (bitwise), and every
+    row equals the float64 reference of its own quantization."""
+    g = torch.Generator().manual_seed(2)
+    matrix, bias = torch.randn(70, 96, generator=g), torch.randn(70, generator=g)
+    prepared = prepare_linear_weight(matrix, device=CPU, dtype=torch.float32, cpu_format="w8a8")
+    x = torch.randn(5, 96, generator=g)
+    big = torch.cat([x, 1000 * torch.randn(1, 96, generator=g)])
+    alone = kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors, bias, out_dtype)
+    together = kiln.ops.prepared_linear(big, prepared.layout, prepared.tensors, bias, out_dtype)
+    assert alone.dtype == out_dtype and torch.equal(together[:5], alone)
+    ref = prepared_linear_reference(big.double(), prepared.layout, list(prepared.tensors), bias)
+    tolerance = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float16: 1e-3}[out_dtype]
+    assert_close(together, ref, tolerance, "w8a8")
+    # and within W8A8's rounding of the unquantized product (x and W each to 255 levels)
+    assert_close(together, big.double() @ matrix.double().T + bias.double(), 3e-2, "w8a8 vs exact")
+
+
+def test_a_nan_row_stays_nan_and_leaves_the_others_alone():
+    g = torch.Generator().manual_seed(3)
+    prepared = prepare_linear_weight(torch.randn(40, 64, generator=g), device=CPU, dtype=torch.float32,
+                                     cpu_format="w8a8")  # fmt: skip
+    x = torch.randn(3, 64, generator=g)
+    clean = kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors)
+    x[1, 7] = float("nan")
+    out = kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors)
+    assert out[1].isnan().all()
+    assert torch.equal(out[[0, 2]], clean[[0, 2]])
+
+
+def test_a_zero_row_gives_the_bias():
+    g = torch.Generator().manual_seed(4)
+    prepared = prepare_linear_weight(torch.randn(40, 64, generator=g), device=CPU, dtype=torch.float32,
+                                     cpu_format="w8a8")  # fmt: skip
+    bias = torch.randn(40, generator=g)
+    out = kiln.ops.prepared_linear(torch.zeros(2, 64), prepared.layout, prepared.tensors, bias)
+    assert torch.equal(out, bias.expand(2, 40))
+
+
+def test_int4_w8a8_runs_int4_at_one_row_and_the_int8_copy_beyond():
+    g = torch.Generator().manual_seed(5)
+    weight = _gguf("Q4_1", 48, 128, g)
+    prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="int4_w8a8")
+    assert prepared.layout == "int4_w8a8_onednn" and prepared.kind == "int4"
+    assert prepared.compute_dtype == torch.bfloat16
+    int4 = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="int4")
+    x = torch.randn(1, 128, generator=g)
+    assert torch.equal(
+        kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors),
+        kiln.ops.prepared_linear(x, int4.layout, int4.tensors),
+    )
+    # the copy is the int4 matrix requantized per channel
+    int4_matrix = prepared_matrix(int4.layout, int4.tensors)
+    assert torch.equal(prepared_matrix(prepared.layout, prepared.tensors), int4_matrix)
+    values, scale = cpu_w8a8.quantize_per_channel(int4_matrix.float())
+    assert torch.equal(
+        w8a8_matrix(prepared.layout, prepared.tensors), values.double() * scale.double()[:, None]
+    )
+    rows = torch.randn(6, 128, generator=g)
+    out = kiln.ops.prepared_linear(rows, prepared.layout, prepared.tensors)
+    ref = prepared_linear_reference(rows.double(), prepared.layout, list(prepared.tensors))
+    assert_close(out, ref, 1e-6, "int4_w8a8, 6 rows")
+
+
+def test_int8_blocks_w8a8_keeps_the_q8_0_values_for_one_row():
+    g = torch.Generator().manual_seed(6)
+    weight = _gguf("Q8_0", 40, 96, g)
+    prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="int8_blocks_w8a8")
+    assert prepared.layout == "int8_blocks_w8a8_onednn" and prepared.kind == "int8_blocks"
+    values, scales = split_q8_0(weight)
+    assert torch.equal(prepared.tensors[0], values) and torch.equal(prepared.tensors[1], scales)
+    x = torch.randn(1, 96, generator=g)
+    exact = x.double() @ weight.dequantize(torch.float64).T
+    assert_close(kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors), exact, 1e-6, "one row")
+
+
+def test_a_compiled_graph_holds_the_op_and_equals_eager():
+    g = torch.Generator().manual_seed(7)
+    prepared = prepare_linear_weight(_gguf("Q4_0", 64, 96, g), device=CPU, dtype=torch.float32,
+                                     cpu_format="int4_w8a8")  # fmt: skip
+    norm = torch.rand(96, generator=g) + 0.5
+
+    def block(h):
+        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+        return torch.nn.functional.silu(kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors))
+
+    h = torch.randn(5, 96, generator=g)
+    with kiln.ops.trusted_inputs():
+        compiled = torch.compile(block, fullgraph=True, dynamic=False)(h)
+    # inductor fuses the norm and silu (float32 rounding apart, ~1e-6); the int8 GEMM is the same op
+    assert_close(compiled, block(h).double(), 1e-5, "compiled vs eager")
+
+
+def test_unavailable_op_falls_back_to_the_bf16_formats_and_says_so(monkeypatch, caplog):
+    monkeypatch.setitem(cpu_w8a8._state, "loaded", False)
+    weight_formats._log_w8a8_unavailable.cache_clear()
+    g = torch.Generator().manual_seed(8)
+    with caplog.at_level(logging.WARNING, logger=weight_formats.__name__):
+        plain = prepare_linear_weight(torch.randn(32, 64, generator=g), device=CPU, dtype=torch.float32,
+                                      cpu_format="w8a8")  # fmt: skip
+        hybrid = prepare_linear_weight(_gguf("Q4_1", 32, 64, g), device=CPU, dtype=torch.float32,
+                                       cpu_format="int4_w8a8")  # fmt: skip
+    assert "w8a8" not in plain.layout and "w8a8" not in hybrid.layout
+    assert hybrid.kind == "int4"
+    assert "not available here; using 'bf16'" in caplog.text
+    assert "using 'int4_bf16'" in caplog.text
+    weight_formats._log_w8a8_unavailable.cache_clear()
+
+
+def test_bad_inputs_are_refused_by_name():
+    prepared = prepare_linear_weight(torch.randn(24, 64), device=CPU, dtype=torch.float32, cpu_format="w8a8")
+    with pytest.raises(ValueError, match="x has 63 in-features"):
+        kiln.ops.prepared_linear(torch.randn(2, 63), prepared.layout, prepared.tensors)
+    with pytest.raises(ValueError, match="bias has 23 elements, expected out-features 24"):
+        kiln.ops.prepared_linear(torch.randn(2, 64), prepared.layout, prepared.tensors, torch.randn(23))
+    packed, w_scale, zero_point, smooth = prepared.tensors
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match=r"scales \(23,\) and zero points \(24,\), expected \(24,\) each"):
+        kiln.ops.prepared_linear(x, prepared.layout, [packed, w_scale[:23], zero_point, smooth])
+    with pytest.raises(ValueError, match="weight\\[1\\] has dtype float16"):
+        kiln.ops.prepared_linear(x, prepared.layout, [packed, w_scale.half(), zero_point, smooth])
+    with pytest.raises(ValueError, match="smooth has 63 elements, expected 64"):
+        kiln.ops.prepared_linear(x, prepared.layout, [packed, w_scale, zero_point, smooth[:63]])
