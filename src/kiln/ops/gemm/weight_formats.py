@@ -63,14 +63,15 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
   - CPU, "w8a8", any weight (GGUF blocks dequantized): "w8a8_onednn", int8 per output channel
     (symmetric, scale amax / 127) packed for oneDNN's int8 GEMM, activations quantized to int8 per row
     on every call (kiln.ops.gemm.cpu_w8a8, a native op): one byte a weight, and AMX / VNNI int8
-    arithmetic. Rounding x and W to 255 levels each costs more accuracy than bf16 does (measured on
-    SmolLM2: README, "CPU weight formats"), so it is opt-in. "int4_w8a8" and "int8_blocks_w8a8" are
+    arithmetic. Rounding x and W to 255 levels each costs more accuracy than bf16 does, even with the
+    SmoothQuant factors load_model sets (kiln.loaders.w8a8_smoothing; measured on SmolLM2: README,
+    "Measured on a 2-core CPU"), so it is opt-in. "int4_w8a8" and "int8_blocks_w8a8" are
     "int4_bf16" and "int8_blocks" with an int8 copy for several rows instead of the bf16 copy
     ("int4_w8a8_onednn", "int8_blocks_w8a8_onednn"): one-row steps keep their int4 / exact Q8_0
-    kernels, batched decode and prefill read half the bytes of bf16 (on the 2-core Xeon with AMX
-    this project measures on, SmolLM2's 121 GEMMs of a step at 16 rows, cache-cold: 11.1 ms against
-    16.2 ms bf16); other weights get "w8a8_onednn". Where the native op cannot be built or oneDNN
-    has no int8 GEMM, these formats fall back to "int4_bf16" / "int8_blocks" / "bf16" (logged);
+    kernels, batched decode reads half the bytes of bf16 (SmolLM2 at 16 sequences on the 2-core Xeon
+    with AMX this project measures on: a 1.27x faster decode step); other weights get "w8a8_onednn".
+    Where the native op cannot be built or oneDNN has no int8 GEMM, these formats fall back to
+    "int4_bf16" / "int8_blocks" / "bf16" (logged);
   - CPU, "int8", any weight with in-features a multiple of 16 (GGUF blocks and dequantized checkpoint
     weights included; others get the "fp16" layouts): "int8_weight",
     symmetric per output channel, the scale rounded to bfloat16 first (the kernel's dtype), then each
