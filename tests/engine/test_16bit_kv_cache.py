@@ -107,26 +107,21 @@ def test_one_layer_on_a_16bit_cache_equals_float64_attention_over_rounded_qkv(ca
     def slots(seq, start, end):
         return [int(tables[seq, p // block_size]) * block_size + p % block_size for p in range(start, end)]
 
+    def metadata(slot_mapping, seq_lens, query_lens):
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping),
+            block_tables=tables,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor([0, query_lens[0], sum(query_lens)], dtype=torch.int32),
+            max_seqlen_q=max(query_lens),
+            max_seqlen_k=max(seq_lens),
+            decode_only=max(query_lens) == 1,
+        )
+
     prefill_rows = torch.cat([torch.arange(n) + sum(total[:i]) for i, n in enumerate(lengths)])
-    prefill = AttentionMetadata(
-        slot_mapping=torch.tensor(slots(0, 0, 21) + slots(1, 0, 9)),
-        block_tables=tables,
-        seq_lens=torch.tensor(lengths, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, 21, 30], dtype=torch.int32),
-        max_seqlen_q=21,
-        max_seqlen_k=21,
-        decode_only=False,
-    )
+    prefill = metadata(slots(0, 0, 21) + slots(1, 0, 9), lengths, lengths)
     decode_rows = torch.tensor([21, 31])
-    decode = AttentionMetadata(
-        slot_mapping=torch.tensor(slots(0, 21, 22) + slots(1, 9, 10)),
-        block_tables=tables,
-        seq_lens=torch.tensor(total, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
-        max_seqlen_q=1,
-        max_seqlen_k=22,
-        decode_only=True,
-    )
+    decode = metadata(slots(0, 21, 22) + slots(1, 9, 10), total, [1, 1])
     with torch.inference_mode():
         out_prefill = layer(positions[prefill_rows], hidden[prefill_rows], caches, prefill)
         out_decode = layer(positions[decode_rows], hidden[decode_rows], caches, decode)

@@ -77,6 +77,35 @@ def test_compiled_decode_logits_equal_eager_over_steps(loaded, num_seqs, logits_
     assert not runner.compiled_decode.failed
 
 
+def test_compiled_decode_on_w8a8_weights_equals_eager():
+    """cpu_format "w8a8" (SmoothQuant-calibrated int8 copies, x quantized per row by the native op,
+    one graph node per GEMM): three sequences padded to 4 rows, so every layer runs W8A8."""
+    from kiln.ops.gemm import cpu_w8a8
+
+    if not cpu_w8a8.load():
+        pytest.skip("the native W8A8 op or oneDNN's int8 GEMM is not available here")
+    w8a8 = load_model(MODEL, device="cpu", dtype=torch.float32, cpu_format="w8a8", lm_head_format="w8a8")
+    assert w8a8.model.layers[0].mlp.down_proj.prepared.layout == "w8a8_onednn"
+    engine = make_engine(w8a8)
+    runner, scheduler = engine.runner, engine.scheduler
+    add_requests(engine, 3)
+    engine.step()  # prefill (eager)
+    for _ in range(3):
+        batch = scheduler.schedule()
+        inputs, _ = runner.prepare(batch)
+        args = (inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        with torch.inference_mode(), kiln.ops.trusted_inputs():
+            compiled = runner.compiled_decode.run(*args)
+            eager = w8a8.model.compute_logits(w8a8.model.forward(args[0], args[1], runner.kv_caches, args[2]))
+        assert not compiled.isnan().any()
+        # measured ~1e-7; a graph whose fused float32 norms moved an element of x across an int8
+        # rounding boundary would move that row by one step of 255 (~1e-4 here)
+        assert relative_error(compiled, eager) < 1e-4
+        tokens, _ = runner.run(batch)
+        scheduler.postprocess(batch, tokens)
+    assert runner.compiled_decode.compiled_sizes == {4} and not runner.compiled_decode.failed
+
+
 def test_failed_compile_falls_back_to_eager_and_is_recorded(loaded):
     def failing_compile(fn, **options):
         def run(*args):
