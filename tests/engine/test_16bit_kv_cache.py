@@ -43,6 +43,17 @@ def test_a_16bit_cache_is_allocated_in_its_dtype_with_twice_the_blocks(name, dty
     assert str(dtype).removeprefix("torch.") in half.runner.kv_cache_description()
 
 
+def test_a_16bit_cache_of_another_dtype_than_a_16bit_model_is_refused():
+    from types import SimpleNamespace
+
+    from kiln.engine.config import kv_cache_dtype_for
+
+    bf16_model = SimpleNamespace(kv_cache_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp16' under a bfloat16 model"):
+        kv_cache_dtype_for(EngineConfig(kv_cache_dtype="fp16"), bf16_model)
+    assert kv_cache_dtype_for(EngineConfig(kv_cache_dtype="bfloat16"), bf16_model) == torch.bfloat16
+
+
 def _layer(generator, num_heads=6, num_kv_heads=2, head_dim=64, hidden=96):
     def weight(rows, cols):
         return torch.randn(rows, cols, generator=generator) * cols**-0.5

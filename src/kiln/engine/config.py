@@ -147,8 +147,17 @@ def num_kv_blocks_for(config: EngineConfig, device: torch.device, block_bytes: i
 
 def kv_cache_dtype_for(config: EngineConfig, model) -> torch.dtype:
     """The dtype the engine allocates `model`'s KV cache in: config.kv_cache_dtype's, or for "auto"
-    the model's own kv_cache_dtype (its activation dtype)."""
-    return KV_CACHE_DTYPES[config.kv_cache_dtype] or model.kv_cache_dtype
+    the model's own kv_cache_dtype (its activation dtype). A 16-bit cache is for a float32 model (or
+    one of its own dtype): a bf16 model's values would overflow an fp16 cache, so that is refused."""
+    dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or model.kv_cache_dtype
+    own = model.kv_cache_dtype
+    if dtype in (torch.bfloat16, torch.float16) and own not in (torch.float32, dtype):
+        model_dtype = str(own).removeprefix("torch.")
+        raise ValueError(
+            f"EngineConfig: kv_cache_dtype={config.kv_cache_dtype!r} under a {model_dtype} model: a 16-bit "
+            "cache takes a float32 model (or 'auto')"
+        )
+    return dtype
 
 
 def num_kv_blocks_for_model(config: EngineConfig, device: torch.device, model) -> int:

@@ -26,7 +26,7 @@ from kiln.loaders.gguf import load_gguf
 from kiln.loaders.random_weights import RandomTokenizer, is_random_spec, load_random
 from kiln.loaders.safetensors import load_safetensors_dir
 from kiln.loaders.tokenizer import Tokenizer
-from kiln.loaders.w8a8_smoothing import smooth_w8a8_linears
+from kiln.loaders.w8a8_smoothing import smooth_w8a8_linears, w8a8_linears
 from kiln.models.config import ModelConfig, ModelLoadError
 from kiln.models.layers.tp import TPGroup
 from kiln.models.registry import get_model_class
@@ -182,8 +182,10 @@ def load_model(
             **kwargs,
         )
     model.eval()
-    if not parallel_rank:  # W8A8 CPU formats only: SmoothQuant from one calibration prefill (not per shard)
+    if not parallel_rank:  # W8A8 CPU formats only: SmoothQuant from one calibration prefill
         smooth_w8a8_linears(model, checkpoint.tokenizer)
+    elif w8a8_linears(model):  # a prefill here would need every rank or stage at once
+        logger.warning("W8A8 on a tensor / pipeline parallel rank: SmoothQuant is not applied")
     return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, config=checkpoint.config)
 
 

@@ -59,11 +59,12 @@ def _build() -> bool:
 
         # -fopenmp: at::parallel_for is a header template; without it the loops run on one thread
         flags = ["-O3", "-fopenmp", *_isa_flags()]
-        digest = hashlib.sha256(" ".join(flags).encode())
+        # the torch version too: a library built against another torch's headers must not be loaded
+        digest = hashlib.sha256(" ".join([torch.__version__, *flags]).encode())
         for source in SOURCES:
             with open(source, "rb") as f:
                 digest.update(f.read())
-        # the name carries the flags and the sources: another ISA or an edited kernel is another build,
+        # the name carries torch, the flags and the sources: another ISA or an edited kernel is another build,
         # so an existing library of this name is current and loads without asking ninja (~1.3 s)
         name = "kiln_cpu_" + digest.hexdigest()[:12]
         library = os.path.join(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")

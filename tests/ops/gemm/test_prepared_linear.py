@@ -8,7 +8,7 @@ import torch
 
 import kiln.ops
 from kiln.models.layers.linear import Linear
-from kiln.ops.gemm import weight_formats
+from kiln.ops.gemm import cpu_w8a8, weight_formats
 from kiln.ops.gemm.prepared_linear import PREPARED_LINEAR
 from kiln.ops.gemm.prepared_linear.spec import _torch_linear_fp32
 from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
@@ -52,6 +52,9 @@ def test_the_fuzz_shapes_reach_every_cpu_layout_with_one_and_several_rows():
         rows = {s["M"] > 1 for s in shapes if s["format"] == fmt}
         assert rows == {False, True}, fmt
     assert {s["source"] for s in shapes if s["format"] == "int4"} == {"Q4_0", "Q4_1", "Q4_K"}
+    if cpu_w8a8.load():
+        w8a8_layouts = {"w8a8_onednn", "int4_w8a8_onednn", "int8_blocks_w8a8_onednn"}
+        assert _layouts_made_by_fuzz_shapes(torch.float32) >= w8a8_layouts
     assert _layouts_made_by_fuzz_shapes(torch.float32) >= {"gguf_Q5_K"}  # cpu_format "gguf"
 
 

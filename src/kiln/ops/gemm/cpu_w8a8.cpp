@@ -5,7 +5,8 @@
 // gives it its fake implementation so compiled graphs hold it as one node). Each input column k is
 // first multiplied by smooth[k] (SmoothQuant's migration of activation peaks into the weight, whose
 // columns the packer multiplied by 1 / smooth[k]; ones: none). Per row m of that:
-// s_m = max(max_k |x[m, k]|, 1e-12) / 127 and q[m, k] = round-half-even(x[m, k] / s_m), in [-127, 127].
+// s_m = max(max_k |x[m, k]|, 1e-12) / 127 and q[m, k] = round-half-even(x[m, k] * (1 / s_m)), in
+// [-127, 127], every step in float32.
 // oneDNN multiplies q by the packed weight with int32 accumulation (exact) and the weight's scale per
 // output channel, in float32; this file then multiplies each row by s_m, adds the bias and rounds
 // once to the output dtype. Its call overhead is one op instead of the ~6 small ops (amax, divide,
@@ -45,7 +46,7 @@ void quantize_rows(const T* x, const float* smooth, int8_t* q, float* scales, in
       const Vec inverse(1.f / scale), low(-127.f), high(127.f);
       for (i = 0; i + Vec::size() <= k; i += Vec::size())
         at::vec::clamp((Vec::loadu(f + i) * inverse).round(), low, high).store(f + i);
-      for (; i < k; ++i) f[i] = std::min(127.f, std::max(-127.f, std::nearbyint(f[i] / scale)));
+      for (; i < k; ++i) f[i] = std::min(127.f, std::max(-127.f, std::nearbyint(f[i] * (1.f / scale))));
       int8_t* out = q + r * k;
       for (i = 0; i < k; ++i) out[i] = std::isnan(f[i]) ? 0 : static_cast<int8_t>(f[i]);
     }

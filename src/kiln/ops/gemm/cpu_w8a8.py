@@ -41,7 +41,20 @@ def load() -> bool:
         _state["loaded"] = has_onednn and native_cpu.load()
         if _state["loaded"]:
             _register_fake()
+            _state["loaded"] = _runs()
     return _state["loaded"]
+
+
+def _runs() -> bool:
+    """Whether oneDNN here takes int8 activations in its int8 GEMM (some PyTorch builds accept uint8
+    only): one tiny call, so a load-time failure becomes the bf16 fallback, not a crash later."""
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(torch.ones(16, 16, dtype=torch.int8), None)
+        ones, zeros = torch.ones(16), torch.zeros(16, dtype=torch.int64)
+        y = torch.ops.kiln_cpu.w8a8_linear(torch.ones(2, 16), packed, ones, zeros, ones, None, torch.float32)
+    except RuntimeError:
+        return False
+    return torch.allclose(y, torch.full((2, 16), 16.0))  # 16 products of 127 levels, times 1 / 127
 
 
 def _register_fake() -> None:
@@ -87,11 +100,13 @@ def values(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows_reference(x: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> what the op multiplies: v = x * smooth, round(v / s) * s per row, in float64 (the
-    reference; the op forms v in float32)."""
-    v = (x.to(torch.float32) * smooth.to(torch.float32)).to(torch.float64)
-    scale = (v.abs().amax(dim=1, keepdim=True).to(torch.float32).clamp_min(AMAX_FLOOR) / INT8_MAX).double()
-    return torch.round(v / scale).clamp(-INT8_MAX, INT8_MAX) * scale
+    """x [M, K] -> what the op multiplies, as float64: v = x * smooth, s = max(amax, 1e-12) / 127 and
+    round(v * (1 / s)) * s per row, each step in float32 as the op rounds it (so the integer levels
+    are the op's exactly; the reference's float64 starts after them)."""
+    v = x.to(torch.float32) * smooth.to(torch.float32)
+    scale = v.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR) / INT8_MAX
+    levels = torch.round(v * (1 / scale)).clamp(-INT8_MAX, INT8_MAX)
+    return levels.double() * scale.double()
 
 
 def w8a8_linear(x, packed, w_scale, w_zero_point, smooth, bias, out_dtype: torch.dtype) -> torch.Tensor:
@@ -104,9 +119,10 @@ def smoothing_factors(input_peaks: torch.Tensor, matrix: torch.Tensor, alpha: fl
     """SmoothQuant's per-input-column factors for x [*, K] @ matrix [N, K]^T: smooth_k =
     max|W[:, k]|^(1 - alpha) / max|x[:, k]|^alpha (x is multiplied by it, W divided), from the
     activation peaks measured on calibration text (input_peaks float [K]). Columns the calibration
-    never saw nonzero keep 1."""
+    never saw nonzero keep 1; the rest are clamped to [1e-2, 1e2] (SmolLM2's span 0.045-44), so a
+    column that was quiet on the short calibration text cannot scale a later peak out of range."""
     x_peak = input_peaks.to(torch.float64)
     w_peak = matrix.to(torch.float64).abs().amax(dim=0)
     smooth = w_peak.clamp_min(1e-8) ** (1 - alpha) / x_peak.clamp_min(1e-8) ** alpha
     seen = (x_peak > 0) & (w_peak > 0)
-    return torch.where(seen, smooth.clamp(1e-4, 1e4), torch.ones_like(smooth)).to(torch.float32)
+    return torch.where(seen, smooth.clamp(1e-2, 1e2), torch.ones_like(smooth)).to(torch.float32)

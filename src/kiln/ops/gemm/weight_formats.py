@@ -311,14 +311,15 @@ def _int4_layout(int4: tuple[torch.Tensor, torch.Tensor], shape, dtype, cpu_form
     """The "int4" layout, or for cpu_format "int4_bf16" (where oneDNN packs bf16 here) "int4_onednn" /
     for "int4_w8a8" "int4_w8a8_onednn": the same tensors plus a bf16 / int8 copy of the matrix they
     stand for."""
-    if cpu_format == "int4_bf16":
-        rows = onednn_pack(prepared_matrix("int4", int4).to(torch.bfloat16))
-        if rows is not None:
-            return PreparedLinearWeight("int4_onednn", (*int4, rows), shape, torch.bfloat16, dtype)
     if cpu_format == "int4_w8a8":
         rows = cpu_w8a8.pack(prepared_matrix("int4", int4))
         if rows is not None:
             return PreparedLinearWeight("int4_w8a8_onednn", (*int4, *rows), shape, torch.bfloat16, dtype)
+        cpu_format = "int4_bf16"  # as load() failing would have chosen
+    if cpu_format == "int4_bf16":
+        rows = onednn_pack(prepared_matrix("int4", int4).to(torch.bfloat16))
+        if rows is not None:
+            return PreparedLinearWeight("int4_onednn", (*int4, rows), shape, torch.bfloat16, dtype)
     return PreparedLinearWeight("int4", int4, shape, torch.bfloat16, dtype)
 
 
