@@ -24,9 +24,8 @@ from __future__ import annotations
 import torch
 
 from kiln.ops import native_cpu
+from kiln.ops.gemm.scaled import AMAX_FLOOR, INT8_MAX
 
-INT8_MAX = 127.0
-AMAX_FLOOR = 1e-12
 _state: dict = {"loaded": None}
 
 

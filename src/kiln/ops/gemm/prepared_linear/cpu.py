@@ -38,7 +38,8 @@ from kiln.ops.gemm.quantized_layouts import QUANTIZED_LAYOUTS, run_quantized
 from kiln.ops.gemm.weight_formats import GGUF_LAYOUTS, INT4_GROUP_SIZE
 from kiln.ops.registry import Implementation, cpu_only
 
-# Each kernel is flat (no helper calls): the engine makes ~120 of these calls per decode step.
+# Each kernel is flat (no helper calls; the W8A8 hybrids below add one): the engine makes ~120 of these
+# calls per decode step.
 
 
 def _as(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -119,24 +120,20 @@ def _w8a8(x, weight, bias, out_dtype):
     return w8a8_linear(x, weight[0], weight[1], weight[2], weight[3], bias, out_dtype)
 
 
+# The hybrids hand each call to the kernel of the layout whose tensors it reads: "int4" / the one-row
+# branch of "int8_blocks_onednn" (which reads only the values and scales) / "w8a8_onednn".
+
+
 def _int4_w8a8(x, weight, bias, out_dtype):
     if x.shape[0] > 1:
-        return w8a8_linear(x, weight[2], weight[3], weight[4], weight[5], bias, out_dtype)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x.to(torch.bfloat16), weight[0], INT4_GROUP_SIZE, weight[1]
-    )
-    if bias is not None:
-        y = y.float().add_(bias)
-    return y.to(out_dtype)
+        return _w8a8(x, weight[2:], bias, out_dtype)
+    return _int4(x, weight[:2], bias, out_dtype)
 
 
 def _int8_blocks_w8a8(x, weight, bias, out_dtype):
     if x.shape[0] != 1:
-        return w8a8_linear(x, weight[2], weight[3], weight[4], weight[5], bias, out_dtype)
-    y = int8_blocks_gemv(x, weight[0], weight[1])
-    if bias is not None:
-        y = y.float().add_(bias)
-    return y.to(out_dtype)
+        return _w8a8(x, weight[2:], bias, out_dtype)
+    return _int8_blocks_onednn(x, weight[:2], bias, out_dtype)
 
 
 def _gguf(qtype):

@@ -49,6 +49,7 @@ from kiln.ops.gemm.weight_formats import (
     INT8_K_MULTIPLE,
     LAYOUTS,
     W8A8_COPY_AT,
+    W8A8_FALLBACK,
     prepare_linear_weight,
     prepared_matrix,
     w8a8_matrix,
@@ -414,9 +415,6 @@ def _fuzz_shapes(rng):
     return shapes
 
 
-W8A8_FORMATS = ("w8a8", "int4_w8a8", "int8_blocks_w8a8")
-
-
 def _case_tolerance(shape, dtype) -> float:
     """The result is rounded to x's dtype (GEMM_TOLERANCE[dtype]), and inside the layout: "bf16" and
     "int4" round x (and their output) to bfloat16 (unit roundoff 2^-9; int4's scales and zeros are
@@ -429,9 +427,9 @@ def _case_tolerance(shape, dtype) -> float:
         # the reference quantizes x as the kernel does (a tie resolved differently moves one
         # element by one step: rare); int4_linear rounds the dequantized weight to x's dtype.
         return max(GEMM_TOLERANCE[dtype], GEMM_TOLERANCE[torch.float32])
-    if fmt in W8A8_FORMATS and not cpu_w8a8.load():  # the formats they fall back to (bf16 copies)
-        fmt = {"w8a8": "bf16", "int4_w8a8": "int4_bf16", "int8_blocks_w8a8": "int8_blocks"}[fmt]
-    if fmt in W8A8_FORMATS and (fmt == "w8a8" or shape["M"] > 1):
+    if fmt in W8A8_FALLBACK and not cpu_w8a8.load():  # the formats they fall back to (bf16 copies)
+        fmt = W8A8_FALLBACK[fmt]
+    if fmt in W8A8_FALLBACK and (fmt == "w8a8" or shape["M"] > 1):
         # the reference quantizes x as the op does and reads the int8 copy: a tie rounded the other way
         # moves one element of x by one step (rare); the op rounds its float32 result once at the end
         inside = GEMM_TOLERANCE[torch.float32]
@@ -458,7 +456,7 @@ def _weight_bytes(shape) -> float:
         return N * K * (4 if source.startswith(("fp8_d", "fp8_s", "int8")) else 1)  # CPU: float32 values
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
-    if fmt == "w8a8" or (fmt in W8A8_FORMATS and shape["M"] > 1):  # the int8 copy and a scale per row
+    if fmt == "w8a8" or (fmt in W8A8_FALLBACK and shape["M"] > 1):  # the int8 copy and a scale per row
         return N * K + N * 4
     if fmt in ("int4", "int4_w8a8") or (fmt == "int4_bf16" and shape["M"] == 1):
         return N * K / 2 + N * K / 32 * 4
