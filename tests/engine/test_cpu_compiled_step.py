@@ -85,7 +85,7 @@ def test_compiled_decode_on_w8a8_weights_equals_eager():
     if not cpu_w8a8.load():
         pytest.skip("the native W8A8 op or oneDNN's int8 GEMM is not available here")
     w8a8 = load_model(MODEL, device="cpu", dtype=torch.float32, cpu_format="w8a8", lm_head_format="w8a8")
-    assert w8a8.model.layers[0].mlp.down_proj.prepared.layout == "w8a8_onednn"
+    assert w8a8.model.layers[0].mlp.down_proj.prepared.layout == "w8a8_packed"
     engine = make_engine(w8a8)
     runner, scheduler = engine.runner, engine.scheduler
     add_requests(engine, 3)

@@ -205,8 +205,8 @@ def test_w8a8_formats_keep_logits_close_and_perplexity_within_3_percent(
     model = LlamaForCausalLM(
         config, weights, cpu_format="int4_w8a8", lm_head_format="int8_blocks_w8a8"
     ).eval()
-    assert model.layers[0].mlp.gate_up_proj.prepared.layout == "int4_w8a8_onednn"
-    assert model.lm_head.prepared.layout == "int8_blocks_w8a8_onednn"
+    assert model.layers[0].mlp.gate_up_proj.prepared.layout == "int4_w8a8_packed"
+    assert model.lm_head.prepared.layout == "int8_blocks_w8a8_packed"
     refs = [_hf_logits(hf_model, ids)[-1:] for ids in prompts]
 
     def errors():  # prefill: several rows, so every GEMM runs W8A8

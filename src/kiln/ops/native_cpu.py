@@ -3,7 +3,8 @@ C++ extension builder and the vector ISA flags of ATen's CPU capability on this 
 their ops under torch.ops.kiln_cpu:
 
     paged_decode_attention/cpu_native.cpp   kiln_cpu.paged_decode, kiln_cpu.supports_head_dim
-    gemm/cpu_w8a8.cpp                       kiln_cpu.w8a8_linear
+    gemm/cpu_w8a8.cpp                       kiln_cpu.w8a8_linear (on oneDNN)
+    gemm/cpu_w8a8_amx.cpp                   kiln_cpu.w8a8_amx_linear, kiln_cpu.amx_int8_available
 
 `load()` returns True when the ops are usable. The build needs a C++ compiler and ninja (the compiled
 decode step needs the compiler anyway); when either is missing, or KILN_CPU_NATIVE=0, it returns False
@@ -25,7 +26,9 @@ _OPS = os.path.dirname(__file__)
 SOURCES = (
     os.path.join(_OPS, "attention", "paged_decode_attention", "cpu_native.cpp"),
     os.path.join(_OPS, "gemm", "cpu_w8a8.cpp"),
+    os.path.join(_OPS, "gemm", "cpu_w8a8_amx.cpp"),
 )
+HEADERS = (os.path.join(_OPS, "gemm", "cpu_w8a8_quantize.h"),)  # hashed into the build's name too
 
 # ATen's own CPU capability (what its kernels dispatch to on this host) -> the compiler flags and the
 # macro that select the same at::vec implementation (inductor's choice for these ISAs too)
@@ -61,7 +64,7 @@ def _build() -> bool:
         flags = ["-O3", "-fopenmp", *_isa_flags()]
         # the torch version too: a library built against another torch's headers must not be loaded
         digest = hashlib.sha256(" ".join([torch.__version__, *flags]).encode())
-        for source in SOURCES:
+        for source in (*SOURCES, *HEADERS):
             with open(source, "rb") as f:
                 digest.update(f.read())
         # the name carries torch, the flags and the sources: another ISA or an edited kernel is another build,

@@ -1,10 +1,12 @@
 """The CPU W8A8 layouts (cpu formats "w8a8", "int4_w8a8", "int8_blocks_w8a8"; kiln.ops.gemm.cpu_w8a8):
-int8 weights per output channel on oneDNN's int8 GEMM, activations quantized per row by the native op.
+int8 weights per output channel on Kiln's AMX tile kernel or oneDNN's int8 GEMM, activations quantized
+per row by the native op. Every test runs once per kernel this host has ("amx" needs AMX int8 tiles;
+"onednn" is what KILN_CPU_AMX=0 and CPUs without AMX get).
 
-Against float64: the reference quantizes x per row and reads the int8 values back from oneDNN's
-packing (fuzz cases in test_prepared_linear); here the stored values themselves, per-row independence
-(batch invariance), NaN rows, the hybrids' one-row paths, a compiled graph, and the fallback where the
-op cannot run."""
+Against float64: the reference quantizes x per row and reads the int8 values back from the packing
+(fuzz cases in test_prepared_linear); here the stored values themselves, per-row independence (batch
+invariance), NaN rows, the hybrids' one-row paths, a compiled graph, and the fallback where the op
+cannot run."""
 
 import logging
 
@@ -22,10 +24,17 @@ from kiln.verify import assert_close
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def native_w8a8():
+@pytest.fixture(autouse=True, params=["amx", "onednn"])
+def kernel(request, monkeypatch):
+    """Which GEMM pack() lays weights out for: the AMX tiles, or oneDNN's packing (KILN_CPU_AMX=0)."""
     if not cpu_w8a8.load():
-        pytest.skip("the native W8A8 op or oneDNN's int8 GEMM is not available here")
+        pytest.skip("the native W8A8 op is not available here")
+    monkeypatch.setenv("KILN_CPU_AMX", "1" if request.param == "amx" else "0")
+    if request.param == "amx" and not cpu_w8a8.uses_amx():
+        pytest.skip("this CPU has no AMX int8 tiles (or Linux does not hand them out)")
+    if request.param == "onednn" and not cpu_w8a8._onednn_runs():
+        pytest.skip("oneDNN's int8 GEMM does not run here")
+    return request.param
 
 
 def _gguf(qtype, n, k, generator):
@@ -33,19 +42,21 @@ def _gguf(qtype, n, k, generator):
     return GGUFWeight(qtype, quantize_blocks(weight, qtype), (n, k))
 
 
-def test_packed_values_are_the_per_channel_int8_of_the_matrix():
+def test_packed_values_are_the_per_channel_int8_of_the_matrix(kernel):
     g = torch.Generator().manual_seed(1)
     matrix = torch.randn(45, 80, generator=g) * torch.rand(45, 1, generator=g)  # rows of unlike size
     # a transposed view: oneDNN's packing reads memory as [N, K], so pack must make it contiguous
     prepared = prepare_linear_weight(
         matrix.T.contiguous().T, device=CPU, dtype=torch.float32, cpu_format="w8a8"
     )
-    assert prepared.layout == "w8a8_onednn" and prepared.kind == "w8a8"
+    assert prepared.layout == "w8a8_packed" and prepared.kind == "w8a8"
     packed, w_scale, zero_point, smooth = prepared.tensors
+    assert packed.dim() == (5 if kernel == "amx" else 2)
     assert torch.equal(smooth, torch.ones(80))  # no calibration here
     scale = matrix.abs().amax(1) / 127
     assert torch.equal(w_scale, scale)
-    assert torch.equal(cpu_w8a8.values(packed), torch.round(matrix / scale[:, None]).to(torch.int8))
+    values = torch.round(matrix / scale[:, None]).to(torch.int8)
+    assert torch.equal(cpu_w8a8.values(prepared.tensors), values)
     assert not zero_point.any()
     # the stored matrix is within half a step of each channel's scale of the original
     error = (prepared_matrix(prepared.layout, prepared.tensors) - matrix.double()).abs()
@@ -59,11 +70,11 @@ def test_rows_are_quantized_independently_and_match_float64(out_dtype):
     g = torch.Generator().manual_seed(2)
     matrix, bias = torch.randn(70, 96, generator=g), torch.randn(70, generator=g)
     prepared = prepare_linear_weight(matrix, device=CPU, dtype=torch.float32, cpu_format="w8a8")
-    x = torch.randn(5, 96, generator=g)
+    x = torch.randn(20, 96, generator=g)  # past one 16-row tile; 70 x 96 pads to 128 x 128 there
     big = torch.cat([x, 1000 * torch.randn(1, 96, generator=g)])
     alone = kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors, bias, out_dtype)
     together = kiln.ops.prepared_linear(big, prepared.layout, prepared.tensors, bias, out_dtype)
-    assert alone.dtype == out_dtype and torch.equal(together[:5], alone)
+    assert alone.dtype == out_dtype and torch.equal(together[:20], alone)
     ref = prepared_linear_reference(big.double(), prepared.layout, list(prepared.tensors), bias)
     tolerance = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float16: 1e-3}[out_dtype]
     assert_close(together, ref, tolerance, "w8a8")
@@ -96,7 +107,7 @@ def test_int4_w8a8_runs_int4_at_one_row_and_the_int8_copy_beyond():
     g = torch.Generator().manual_seed(5)
     weight = _gguf("Q4_1", 48, 128, g)
     prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="int4_w8a8")
-    assert prepared.layout == "int4_w8a8_onednn" and prepared.kind == "int4"
+    assert prepared.layout == "int4_w8a8_packed" and prepared.kind == "int4"
     assert prepared.compute_dtype == torch.bfloat16
     int4 = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="int4")
     x = torch.randn(1, 128, generator=g)
@@ -121,12 +132,28 @@ def test_int8_blocks_w8a8_keeps_the_q8_0_values_for_one_row():
     g = torch.Generator().manual_seed(6)
     weight = _gguf("Q8_0", 40, 96, g)
     prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="int8_blocks_w8a8")
-    assert prepared.layout == "int8_blocks_w8a8_onednn" and prepared.kind == "int8_blocks"
+    assert prepared.layout == "int8_blocks_w8a8_packed" and prepared.kind == "int8_blocks"
     values, scales = split_q8_0(weight)
     assert torch.equal(prepared.tensors[0], values) and torch.equal(prepared.tensors[1], scales)
     x = torch.randn(1, 96, generator=g)
     exact = x.double() @ weight.dequantize(torch.float64).T
     assert_close(kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors), exact, 1e-6, "one row")
+
+
+def test_amx_tiles_hold_each_value_where_tdpbssd_reads_it():
+    """Known answer for to_tiles: element [g, s, j, r, 4c + i] is W[64g + 16j + c, 64s + 4r + i], with the
+    padding zero, and values() unpermutes it (runs without AMX: a layout, not the kernel)."""
+    n, k = 130, 70  # three column groups, two K steps, both padded
+    w = (torch.arange(n * k) % 251 - 125).to(torch.int8).view(n, k)
+    tiles = cpu_w8a8.to_tiles(w)
+    assert tiles.shape == (3, 2, 4, 16, 64)
+    cases = [(0, 0, 0, 0, 0, 0), (0, 0, 1, 2, 3, 1), (1, 1, 3, 0, 15, 3), (2, 0, 0, 15, 1, 2)]
+    for g, s, j, r, c, i in cases:
+        assert tiles[g, s, j, r, 4 * c + i] == w[64 * g + 16 * j + c, 64 * s + 4 * r + i]
+    assert not tiles[2, :, :, :, 8:].any()  # columns 130.. of group 2 (c >= 2)
+    assert not tiles[:, 1, :, 2:].any()  # k 72.. of the second step (r >= 2)
+    rows = (tiles, torch.ones(n), torch.zeros(n, dtype=torch.int64), torch.ones(k))
+    assert torch.equal(cpu_w8a8.values(rows), w)
 
 
 def test_a_compiled_graph_holds_the_op_and_equals_eager():
@@ -170,9 +197,15 @@ def test_bad_inputs_are_refused_by_name():
         kiln.ops.prepared_linear(torch.randn(2, 64), prepared.layout, prepared.tensors, torch.randn(23))
     packed, w_scale, zero_point, smooth = prepared.tensors
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match=r"scales \(23,\) and zero points \(24,\), expected \(24,\) each"):
-        kiln.ops.prepared_linear(x, prepared.layout, [packed, w_scale[:23], zero_point, smooth])
+    with pytest.raises(ValueError, match=r"zero points \(23,\), expected \(24,\) as the scales"):
+        kiln.ops.prepared_linear(x, prepared.layout, [packed, w_scale, zero_point[:23], smooth])
     with pytest.raises(ValueError, match="weight\\[1\\] has dtype float16"):
         kiln.ops.prepared_linear(x, prepared.layout, [packed, w_scale.half(), zero_point, smooth])
-    with pytest.raises(ValueError, match="smooth has 63 elements, expected 64"):
+    # AMX tiles pad K to 64 and hold 63 as well as 64: x is what disagrees; oneDNN's copy says [64, 24]
+    refused = "x has 64 in-features, the 'w8a8_packed' weight 63|reports \\(64, 24\\)"
+    with pytest.raises(ValueError, match=refused):
         kiln.ops.prepared_linear(x, prepared.layout, [packed, w_scale, zero_point, smooth[:63]])
+    # scales for more out-features than the copy holds
+    wide = torch.ones(100)
+    with pytest.raises(ValueError, match="AMX tiles" if packed.dim() == 5 else "int8 copy reports"):
+        kiln.ops.prepared_linear(x, prepared.layout, [packed, wide, zero_point.new_zeros(100), smooth])

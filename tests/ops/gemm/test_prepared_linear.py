@@ -53,7 +53,7 @@ def test_the_fuzz_shapes_reach_every_cpu_layout_with_one_and_several_rows():
         assert rows == {False, True}, fmt
     assert {s["source"] for s in shapes if s["format"] == "int4"} == {"Q4_0", "Q4_1", "Q4_K"}
     if cpu_w8a8.load():
-        w8a8_layouts = {"w8a8_onednn", "int4_w8a8_onednn", "int8_blocks_w8a8_onednn"}
+        w8a8_layouts = {"w8a8_packed", "int4_w8a8_packed", "int8_blocks_w8a8_packed"}
         assert _layouts_made_by_fuzz_shapes(torch.float32) >= w8a8_layouts
     assert _layouts_made_by_fuzz_shapes(torch.float32) >= {"gguf_Q5_K"}  # cpu_format "gguf"
 

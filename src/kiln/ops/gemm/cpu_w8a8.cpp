@@ -19,39 +19,16 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "cpu_w8a8_quantize.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kGrainElements = 1 << 15;  // rows per thread: below this many elements, one thread
-
-template <typename T>
-void quantize_rows(const T* x, const float* smooth, int8_t* q, float* scales, int64_t rows, int64_t k) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / k), [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(k);
-    float* f = buffer.data();
-    for (int64_t r = begin; r < end; ++r) {
-      const T* row = x + r * k;
-      for (int64_t i = 0; i < k; ++i) f[i] = static_cast<float>(row[i]) * smooth[i];
-      Vec peak(0.f);
-      int64_t i = 0;
-      for (; i + Vec::size() <= k; i += Vec::size()) peak = at::vec::maximum(peak, Vec::loadu(f + i).abs());
-      float amax = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, peak);
-      for (; i < k; ++i) amax = std::isnan(f[i]) ? f[i] : std::max(amax, std::abs(f[i]));
-      const float scale = std::max(amax, 1e-12f) / 127.f;  // NaN stays NaN: the row's output is NaN
-      scales[r] = std::isnan(amax) ? amax : scale;
-      const Vec inverse(1.f / scale), low(-127.f), high(127.f);
-      for (i = 0; i + Vec::size() <= k; i += Vec::size())
-        at::vec::clamp((Vec::loadu(f + i) * inverse).round(), low, high).store(f + i);
-      for (; i < k; ++i) f[i] = std::min(127.f, std::max(-127.f, std::nearbyint(f[i] * (1.f / scale))));
-      int8_t* out = q + r * k;
-      for (i = 0; i < k; ++i) out[i] = std::isnan(f[i]) ? 0 : static_cast<int8_t>(f[i]);
-    }
-  });
-}
+using kiln_w8a8::kGrainElements;
+using kiln_w8a8::Vec;
 
 template <typename T>
 void scale_rows(const float* y, const float* row_scales, const float* bias, T* out, int64_t rows, int64_t n) {
@@ -108,8 +85,8 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   at::Tensor row_scales = at::empty({m}, xc.options().dtype(at::kFloat));
   const at::Tensor smooth_c = smooth.contiguous();
   AT_DISPATCH_SWITCH(xc.scalar_type(), "kiln_cpu_w8a8_quantize", KILN_W8A8_DTYPES([&] {
-    quantize_rows<scalar_t>(xc.data_ptr<scalar_t>(), smooth_c.data_ptr<float>(), q.data_ptr<int8_t>(),
-                            row_scales.data_ptr<float>(), m, k);
+    kiln_w8a8::quantize_rows<scalar_t>(xc.data_ptr<scalar_t>(), smooth_c.data_ptr<float>(), q.data_ptr<int8_t>(),
+                            row_scales.data_ptr<float>(), m, k, k);
   }));
   static const auto qlinear = c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
   std::vector<c10::IValue> stack{q, 1.0, int64_t(0), weight, w_scale, w_zero_point, c10::IValue(),

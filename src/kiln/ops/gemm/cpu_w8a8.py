@@ -1,52 +1,68 @@
-"""The CPU W8A8 GEMM of the "*w8a8_onednn" layouts: int8 weights per output channel, packed once for
-oneDNN's int8 GEMM (VNNI / AMX where the host has them), and activations quantized to int8 per row
-on every call, in one native op (cpu_w8a8.cpp, torch.ops.kiln_cpu.w8a8_linear; kiln.ops.native_cpu
-builds it) with a fake implementation so a compiled graph holds it as one node.
+"""The CPU W8A8 GEMM of the "*w8a8_packed" layouts: int8 weights per output channel, packed once, and
+activations quantized to int8 per row on every call, in one native op with a fake implementation so
+a compiled graph holds it as one node (kiln.ops.native_cpu builds them). Two kernels:
+
+    AMX tiles (cpu_w8a8_amx.cpp, torch.ops.kiln_cpu.w8a8_amx_linear) where the CPU has AMX int8
+        (Sapphire Rapids and later) and KILN_CPU_AMX is not 0: Kiln's own tile loop, weights in
+        `to_tiles` layout, each finished tile rescaled straight into the output;
+    oneDNN's int8 GEMM elsewhere (cpu_w8a8.cpp, torch.ops.kiln_cpu.w8a8_linear; AVX512-VNNI etc.),
+        weights packed by torch.ops.onednn.qlinear_prepack.
 
     pack(matrix, smooth=None)  float [N, K] -> (packed int8, w_scale float32 [N], w_zero_point int64
-                  [N], smooth float32 [K]) or None where the native op or oneDNN's int8 ops are missing
-                  here (callers keep bf16 layouts)
-    values(packed) -> the int8 [N, K] matrix a packed weight holds (the verifier's reference reads it)
-    w8a8_linear(x, packed, w_scale, w_zero_point, smooth, bias, out_dtype) -> [M, N]
+                  [N], smooth float32 [K]) or None where neither kernel runs here (callers keep bf16
+                  layouts)
+    values(rows)  -> the int8 [N, K] matrix a pack() tuple holds (the verifier's reference reads it)
+    w8a8_linear(x, packed, w_scale, w_zero_point, smooth, bias, out_dtype) -> [M, N], either kernel
 
 x's columns are multiplied by `smooth` (ones unless `smoothing_factors` set it from calibration:
 SmoothQuant, Xiao et al. 2023: y = (x * smooth) @ (W / smooth)^T moves activation peaks, which
 per-row int8 cannot hold, into weight columns, which per-channel int8 holds better); then the per-row
 scale is s = max(amax, 1e-12) / 127 and q = round-half-even(x / s) in [-127, 127]; the weight (W /
-smooth) the same per output channel. On a 2-core Xeon with AMX, SmolLM2-135M's decoder GEMMs at 16
-rows, cache-cold, against oneDNN's bf16 GEMM on packed weights: 11.1 vs 16.2 ms and, another day,
-16.2 vs 17.7 ms; at 270 rows (prefill) slower, 84 vs 61 ms, where the float32 result and its per-row
-rescale cost more than the int8 GEMM saves. Accuracy and engine speed: README, "A second host".
+smooth) the same per output channel; int32 products, exact, then y = (acc * w_scale) * s + bias,
+rounded once. SmolLM2-135M's 120 decoder GEMMs, cache-cold, on a 2-core Xeon with AMX (one run,
+/tmp harness, median of 15): 16 rows 7.3 ms on the tiles vs 12.6 ms through oneDNN; 1 row 5.6 vs
+9.1 ms; 270 rows (prefill) 28-32 vs 46-54 ms. Accuracy and engine speed: README, "A second host".
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from kiln.ops import native_cpu
 from kiln.ops.gemm.scaled import AMAX_FLOOR, INT8_MAX
 
-_state: dict = {"loaded": None}
+_state: dict = {"loaded": None, "amx": False}
+TILE_GROUP = 64  # the AMX layout pads N and K to multiples of this
 
 
 def load() -> bool:
-    """Load Kiln's native CPU library and register this op's fake, once per process; True when the op
-    and oneDNN's int8 ops it calls are usable."""
+    """Load Kiln's native CPU library and register the ops' fakes, once per process; True when one of
+    the two GEMMs runs here: the AMX tiles, or oneDNN's int8 ops."""
     if _state["loaded"] is None:
-        ops = getattr(torch.ops, "onednn", None)
-        has_onednn = torch.backends.mkldnn.is_available() and all(
-            hasattr(ops, name) for name in ("qlinear_prepack", "qlinear_pointwise")
-        )
-        _state["loaded"] = has_onednn and native_cpu.load()
+        _state["loaded"] = native_cpu.load()
         if _state["loaded"]:
-            _register_fake()
-            _state["loaded"] = _runs()
+            _register_fakes()
+            _state["amx"] = torch.ops.kiln_cpu.amx_int8_available()
+            _state["loaded"] = _state["amx"] or _onednn_runs()
     return _state["loaded"]
 
 
-def _runs() -> bool:
+def uses_amx() -> bool:
+    """Whether pack() lays weights out for the AMX kernel: the CPU has AMX int8 tiles (and Linux hands
+    them to this process) and KILN_CPU_AMX is not 0 (which keeps oneDNN's packing, e.g. to compare)."""
+    return load() and _state["amx"] and os.environ.get("KILN_CPU_AMX", "1") != "0"
+
+
+def _onednn_runs() -> bool:
     """Whether oneDNN here takes int8 activations in its int8 GEMM (some PyTorch builds accept uint8
     only): one tiny call, so a load-time failure becomes the bf16 fallback, not a crash later."""
+    ops = getattr(torch.ops, "onednn", None)
+    if not torch.backends.mkldnn.is_available() or not all(
+        hasattr(ops, name) for name in ("qlinear_prepack", "qlinear_pointwise")
+    ):
+        return False
     try:
         packed = torch.ops.onednn.qlinear_prepack(torch.ones(16, 16, dtype=torch.int8), None)
         ones, zeros = torch.ones(16), torch.zeros(16, dtype=torch.int64)
@@ -56,9 +72,13 @@ def _runs() -> bool:
     return torch.allclose(y, torch.full((2, 16), 16.0))  # 16 products of 127 levels, times 1 / 127
 
 
-def _register_fake() -> None:
+def _register_fakes() -> None:
     @torch.library.register_fake("kiln_cpu::w8a8_linear")
     def _(x, weight, w_scale, w_zero_point, smooth, bias, out_dtype):
+        return x.new_empty((x.shape[0], w_scale.shape[0]), dtype=out_dtype)
+
+    @torch.library.register_fake("kiln_cpu::w8a8_amx_linear")
+    def _(x, tiles, w_scale, smooth, bias, out_dtype):
         return x.new_empty((x.shape[0], w_scale.shape[0]), dtype=out_dtype)
 
 
@@ -71,25 +91,46 @@ def quantize_per_channel(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def pack(matrix: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | None:
-    """matrix float [N, K] on the CPU -> (oneDNN's packed int8 weight of matrix / smooth, reporting
-    shape [K, N], w_scale float32 [N], w_zero_point int64 [N] zeros, smooth float32 [K]; ones when
-    None), or None where the op cannot run here."""
+    """matrix float [N, K] on the CPU -> (the int8 copy of matrix / smooth, w_scale float32 [N],
+    w_zero_point int64 [N] zeros, smooth float32 [K]; ones when None), or None where neither GEMM
+    runs here. The copy is AMX tiles (to_tiles) where uses_amx(), else oneDNN's packing (reporting
+    shape [K, N])."""
     if matrix.device.type != "cpu" or matrix.dim() != 2 or 0 in matrix.shape or not load():
         return None
     smooth = torch.ones(matrix.shape[1]) if smooth is None else smooth.to(torch.float32).contiguous()
     values, scale = quantize_per_channel(matrix.to(torch.float64) / smooth.to(torch.float64))
-    try:  # contiguous: the packing reads the values' memory as [N, K] whatever their strides say
-        packed = torch.ops.onednn.qlinear_prepack(values.contiguous(), None)
-    except RuntimeError:  # oneDNN without int8 support for this CPU
-        return None
+    if uses_amx():
+        packed = to_tiles(values)
+    else:
+        try:  # contiguous: the packing reads the values' memory as [N, K] whatever their strides say
+            packed = torch.ops.onednn.qlinear_prepack(values.contiguous(), None)
+        except RuntimeError:  # oneDNN without int8 support for this CPU
+            return None
     return packed, scale.contiguous(), torch.zeros(matrix.shape[0], dtype=torch.int64), smooth
 
 
-def values(packed: torch.Tensor) -> torch.Tensor:
-    """The int8 [N, K] matrix a weight from `pack` holds, read back through oneDNN's own GEMM on an
-    identity matrix (exact: each output is one stored value times 1); `to_dense()` of the packing
-    does not transpose it back for every shape."""
-    k, n = packed.shape
+def to_tiles(values: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the AMX kernel's layout, int8 [ceil(N / 64), ceil(K / 64), 4, 16, 64] (N and K
+    padded with zeros): element [g, s, j, r, 4 c + i] = values[64 g + 16 j + c, 64 s + 4 r + i], the four
+    16-column B tiles of column group g and K step s, each as TDPBSSD reads it (cpu_w8a8_amx.cpp)."""
+    n, k = values.shape
+    groups, steps = -(-n // TILE_GROUP), -(-k // TILE_GROUP)
+    padded = values.new_zeros(groups * TILE_GROUP, steps * TILE_GROUP)
+    padded[:n, :k] = values
+    tiles = padded.view(groups, 4, 16, steps, 16, 4).permute(0, 3, 1, 4, 2, 5)
+    return tiles.contiguous().view(groups, steps, 4, 16, 64)
+
+
+def values(rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The int8 [N, K] matrix a copy from `pack` (its whole tuple) holds. AMX tiles are unpermuted;
+    oneDNN's packing is read back through oneDNN's own GEMM on an identity matrix (exact: each output
+    is one stored value times 1), since `to_dense()` of it does not transpose back for every shape."""
+    packed, w_scale, _, smooth = rows[:4]
+    n, k = w_scale.shape[0], smooth.shape[0]
+    if packed.dim() == 5:
+        groups, steps = packed.shape[:2]
+        matrix = packed.view(groups, steps, 4, 16, 16, 4).permute(0, 2, 4, 1, 3, 5)
+        return matrix.reshape(groups * TILE_GROUP, steps * TILE_GROUP)[:n, :k]
     identity = torch.eye(k, dtype=torch.int8)
     unit, zeros = torch.ones(n), torch.zeros(n, dtype=torch.int64)
     columns = torch.ops.onednn.qlinear_pointwise(
@@ -110,7 +151,10 @@ def quantize_rows_reference(x: torch.Tensor, smooth: torch.Tensor) -> torch.Tens
 
 def w8a8_linear(x, packed, w_scale, w_zero_point, smooth, bias, out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] float32 / bfloat16 / float16 -> [M, N] in out_dtype (see the module docstring); bias
-    float [N] or None. Requires load() to have returned True (pack() checks it)."""
+    float [N] or None; the rest as pack() returns them. Requires load() to have returned True (pack()
+    checks it)."""
+    if packed.dim() == 5:
+        return torch.ops.kiln_cpu.w8a8_amx_linear(x, packed, w_scale, smooth, bias, out_dtype)
     return torch.ops.kiln_cpu.w8a8_linear(x, packed, w_scale, w_zero_point, smooth, bias, out_dtype)
 
 

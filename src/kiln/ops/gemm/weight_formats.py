@@ -19,13 +19,13 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
     "int8_blocks_onednn"  [Q8_0's int8 values [N, K], its        1 row: a GEMV inductor compiles, in
                      scales float32 [N, K/32], oneDNN's blocked  float32 on the stored values (exact);
                      bf16 copy of the same matrix]               more rows: oneDNN bf16 on the copy
-    "w8a8_onednn"   [int8 W / smooth packed for oneDNN (reports  kiln.ops.gemm.cpu_w8a8: x * smooth
+    "w8a8_packed"   [int8 W / smooth packed for oneDNN (reports  kiln.ops.gemm.cpu_w8a8: x * smooth
                      [K, N]), w_scale float32 [N], zero points   quantized to int8 per row, oneDNN's
                      int64 [N], smooth float32 [K]]              int8 GEMM
-    "int4_w8a8_onednn"  ["int4"'s two tensors, then             1 row: torch's int4 CPU matmul; more rows:
-                     "w8a8_onednn"'s four of the same matrix]    W8A8 on the int8 copy
-    "int8_blocks_w8a8_onednn"  [Q8_0's values and scales as in   1 row: int8_blocks_gemv (exact); more
-                     "int8_blocks_onednn", then "w8a8_onednn"'s] rows: W8A8 on the int8 copy
+    "int4_w8a8_packed"  ["int4"'s two tensors, then             1 row: torch's int4 CPU matmul; more rows:
+                     "w8a8_packed"'s four of the same matrix]    W8A8 on the int8 copy
+    "int8_blocks_w8a8_packed"  [Q8_0's values and scales as in   1 row: int8_blocks_gemv (exact); more
+                     "int8_blocks_onednn", then "w8a8_packed"'s] rows: W8A8 on the int8 copy
     "gguf_<qtype>"  [uint8 blocks [N, row_bytes] as in the file] kiln.ops.gguf_linear
                     (qtype Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)
     "fp8_*", "int8_*", "w4a16_*", "fp8_block*", "sparse24": quantized checkpoint weights
@@ -60,16 +60,16 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     2-core AVX512-BF16 machine this project measures on, SmolLM2's 49152x576 head takes ~1.5 ms a row
     this way against ~2.3 ms for packed bf16 (cache-cold). Several rows run oneDNN's bf16 GEMM on a
     copy, as "int4_bf16" does. Other weights, or a CPU where oneDNN cannot pack bf16, get "bf16";
-  - CPU, "w8a8", any weight (GGUF blocks dequantized): "w8a8_onednn", int8 per output channel
+  - CPU, "w8a8", any weight (GGUF blocks dequantized): "w8a8_packed", int8 per output channel
     (symmetric, scale amax / 127) packed for oneDNN's int8 GEMM, activations quantized to int8 per row
     on every call (kiln.ops.gemm.cpu_w8a8, a native op): one byte a weight, and AMX / VNNI int8
     arithmetic. Rounding x and W to 255 levels each costs more accuracy than bf16 does, even with the
     SmoothQuant factors load_model sets (kiln.loaders.w8a8_smoothing; measured on SmolLM2: README,
     "Measured on a 2-core CPU"), so it is opt-in. "int4_w8a8" and "int8_blocks_w8a8" are
     "int4_bf16" and "int8_blocks" with an int8 copy for several rows instead of the bf16 copy
-    ("int4_w8a8_onednn", "int8_blocks_w8a8_onednn"): one-row steps keep their int4 / exact Q8_0
+    ("int4_w8a8_packed", "int8_blocks_w8a8_packed"): one-row steps keep their int4 / exact Q8_0
     kernels, batched decode reads half the bytes of bf16 (SmolLM2 at 16 sequences on the 2-core Xeon
-    with AMX this project measures on: a 1.27x faster decode step); other weights get "w8a8_onednn".
+    with AMX this project measures on: a 1.27x faster decode step); other weights get "w8a8_packed".
     Where the native op cannot be built or oneDNN has no int8 GEMM, these formats fall back to
     "int4_bf16" / "int8_blocks" / "bf16" (logged);
   - CPU, "int8", any weight with in-features a multiple of 16 (GGUF blocks and dequantized checkpoint
@@ -135,8 +135,8 @@ INT8_K_MULTIPLE = 16
 logger = logging.getLogger(__name__)
 
 GGUF_LAYOUTS = {f"gguf_{qtype}": qtype for qtype in KERNEL_QTYPES}
-# layouts with an int8 copy for oneDNN's W8A8 GEMM -> where its four tensors start
-W8A8_COPY_AT = {"w8a8_onednn": 0, "int4_w8a8_onednn": 2, "int8_blocks_w8a8_onednn": 2}
+# layouts with an int8 copy for the W8A8 GEMM (kiln.ops.gemm.cpu_w8a8) -> where its four tensors start
+W8A8_COPY_AT = {"w8a8_packed": 0, "int4_w8a8_packed": 2, "int8_blocks_w8a8_packed": 2}
 # layout -> how many tensors it holds
 LAYOUTS = {
     "dense": 1,
@@ -147,9 +147,9 @@ LAYOUTS = {
     "int4_onednn": 3,
     "int8_weight": 2,
     "int8_blocks_onednn": 3,
-    "w8a8_onednn": 4,
-    "int4_w8a8_onednn": 6,
-    "int8_blocks_w8a8_onednn": 6,
+    "w8a8_packed": 4,
+    "int4_w8a8_packed": 6,
+    "int8_blocks_w8a8_packed": 6,
     **dict.fromkeys(GGUF_LAYOUTS, 1),
     **QUANTIZED_LAYOUTS,
 }
@@ -186,11 +186,11 @@ class PreparedLinearWeight:
             return "fp8_block"
         if self.layout.startswith("sparse24"):
             return "sparse24"
-        if self.layout in ("int4_onednn", "int4_w8a8_onednn"):
+        if self.layout in ("int4_onednn", "int4_w8a8_packed"):
             return "int4"
-        if self.layout in ("int8_blocks_onednn", "int8_blocks_w8a8_onednn"):
+        if self.layout in ("int8_blocks_onednn", "int8_blocks_w8a8_packed"):
             return "int8_blocks"
-        if self.layout == "w8a8_onednn":
+        if self.layout == "w8a8_packed":
             return "w8a8"
         return self.layout if self.layout in ("int4", "int8_weight") else "dense"
 
@@ -252,7 +252,7 @@ def prepare_linear_weight(
             weight = weight.dequantize(torch.float32)
         tensors = cpu_w8a8.pack(weight.to(torch.float32))
         if tensors is not None:
-            return PreparedLinearWeight("w8a8_onednn", tensors, shape, None, dtype)
+            return PreparedLinearWeight("w8a8_packed", tensors, shape, None, dtype)
         cpu_format = "bf16"
     if device.type == "cpu" and cpu_format == "int8" and shape[1] % INT8_K_MULTIPLE == 0:
         if isinstance(weight, GGUFWeight):
@@ -309,12 +309,12 @@ def _prepare_quantized(weight, shape, device, dtype, cpu_format) -> PreparedLine
 
 def _int4_layout(int4: tuple[torch.Tensor, torch.Tensor], shape, dtype, cpu_format) -> PreparedLinearWeight:
     """The "int4" layout, or for cpu_format "int4_bf16" (where oneDNN packs bf16 here) "int4_onednn" /
-    for "int4_w8a8" "int4_w8a8_onednn": the same tensors plus a bf16 / int8 copy of the matrix they
+    for "int4_w8a8" "int4_w8a8_packed": the same tensors plus a bf16 / int8 copy of the matrix they
     stand for."""
     if cpu_format == "int4_w8a8":
         rows = cpu_w8a8.pack(prepared_matrix("int4", int4))
         if rows is not None:
-            return PreparedLinearWeight("int4_w8a8_onednn", (*int4, *rows), shape, torch.bfloat16, dtype)
+            return PreparedLinearWeight("int4_w8a8_packed", (*int4, *rows), shape, torch.bfloat16, dtype)
         cpu_format = "int4_bf16"  # as load() failing would have chosen
     if cpu_format == "int4_bf16":
         rows = onednn_pack(prepared_matrix("int4", int4).to(torch.bfloat16))
@@ -325,7 +325,7 @@ def _int4_layout(int4: tuple[torch.Tensor, torch.Tensor], shape, dtype, cpu_form
 
 def _int8_blocks_layout(weight: GGUFWeight, shape, dtype, cpu_format) -> PreparedLinearWeight | None:
     """The "int8_blocks_onednn" layout of a GGUF Q8_0 weight where oneDNN packs bf16 here (for
-    cpu_format "int8_blocks_w8a8": "int8_blocks_w8a8_onednn", an int8 copy), else None."""
+    cpu_format "int8_blocks_w8a8": "int8_blocks_w8a8_packed", an int8 copy), else None."""
     if weight.qtype != "Q8_0":
         return None
     values, scales = split_q8_0(weight)
@@ -333,7 +333,7 @@ def _int8_blocks_layout(weight: GGUFWeight, shape, dtype, cpu_format) -> Prepare
         rows = cpu_w8a8.pack(weight.dequantize(torch.float32))
         if rows is None:
             return None
-        return PreparedLinearWeight("int8_blocks_w8a8_onednn", (values, scales, *rows), shape, None, dtype)
+        return PreparedLinearWeight("int8_blocks_w8a8_packed", (values, scales, *rows), shape, None, dtype)
     rows = onednn_pack(weight.dequantize(torch.bfloat16))  # d * q in float32 (exact), then bf16
     if rows is None:
         return None
@@ -451,9 +451,9 @@ def prepared_matrix(
         packed = tensors[0]
         identity = torch.eye(packed.shape[1], dtype=packed.dtype)
         return onednn_linear(identity, packed, None).T.to(torch.float64)
-    if layout == "w8a8_onednn":  # the int8 copy holds W / smooth
+    if layout == "w8a8_packed":  # the int8 copy holds W / smooth
         return w8a8_matrix(layout, tensors) * tensors[3].to(torch.float64)[None, :]
-    if layout in ("int4", "int4_onednn", "int4_w8a8_onednn"):  # a bf16 copy: the same matrix, rounded
+    if layout in ("int4", "int4_onednn", "int4_w8a8_packed"):  # a bf16 copy: the same matrix, rounded
         packed, scales_and_zeros = tensors[:2]
         groups, n = scales_and_zeros.shape[:2]
         k = groups * INT4_GROUP_SIZE
@@ -469,7 +469,7 @@ def prepared_matrix(
         return (q.to(torch.float64) - 8.0) * scale + zero
     if layout == "int8_weight":
         return tensors[0].to(torch.float64) * tensors[1].to(torch.float64)[:, None]
-    if layout in ("int8_blocks_onednn", "int8_blocks_w8a8_onednn"):  # as "int4_onednn"
+    if layout in ("int8_blocks_onednn", "int8_blocks_w8a8_packed"):  # as "int4_onednn"
         values, scales = tensors[:2]
         blocks = values.to(torch.float64).view(values.shape[0], -1, INT8_BLOCK_SIZE)
         return (blocks * scales.to(torch.float64)[..., None]).view(values.shape)
@@ -485,7 +485,7 @@ def smooth_w8a8(
 ) -> PreparedLinearWeight:
     """`prepared` (a W8A8_COPY_AT layout) with its int8 copy rebuilt for SmoothQuant factors
     (cpu_w8a8.smoothing_factors) from the calibration's input column peaks (float [in_features]): the
-    copy of the matrix the weight stands for (int4 / Q8_0 exactly; "w8a8_onednn" its current int8
+    copy of the matrix the weight stands for (int4 / Q8_0 exactly; "w8a8_packed" its current int8
     values) divided by the factors, x multiplied by them in the op."""
     at = W8A8_COPY_AT[prepared.layout]
     matrix = prepared_matrix(prepared.layout, prepared.tensors)
@@ -500,8 +500,9 @@ def smooth_w8a8(
 
 def w8a8_matrix(layout: str, tensors) -> torch.Tensor:
     """The float64 [out, in] matrix of a W8A8 layout's int8 copy (W8A8_COPY_AT), int8 value times its
-    channel's scale (W / smooth): what several-row calls of "int4_w8a8_onednn" /
-    "int8_blocks_w8a8_onednn" and every call of "w8a8_onednn" multiply (by x * smooth quantized per
+    channel's scale (W / smooth): what several-row calls of "int4_w8a8_packed" /
+    "int8_blocks_w8a8_packed" and every call of "w8a8_packed" multiply (by x * smooth quantized per
     row, kiln.ops.gemm.cpu_w8a8)."""
     at = W8A8_COPY_AT[layout]
-    return cpu_w8a8.values(tensors[at]).to(torch.float64) * tensors[at + 1].to(torch.float64)[:, None]
+    values = cpu_w8a8.values(tensors[at : at + 4]).to(torch.float64)
+    return values * tensors[at + 1].to(torch.float64)[:, None]

@@ -10,9 +10,9 @@
   "int4_onednn"  one row: as "int4"; several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
   "int8_blocks_onednn"  one row: int8_blocks_gemv (float32 on GGUF Q8_0's values and scales, exact);
                  several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
-  "w8a8_onednn"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, oneDNN's int8 GEMM (one
+  "w8a8_packed"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, oneDNN's int8 GEMM (one
                  native op);
-  "int4_w8a8_onednn", "int8_blocks_w8a8_onednn"  one row: as "int4" / "int8_blocks_onednn"; several
+  "int4_w8a8_packed", "int8_blocks_w8a8_packed"  one row: as "int4" / "int8_blocks_onednn"; several
                  rows: W8A8 on the int8 copy;
   "int8_weight"  PyTorch's weight-only int8 CPU matmul (per-channel bf16 scales, bfloat16
                  activations); the bias is added in float32;
@@ -121,7 +121,7 @@ def _w8a8(x, weight, bias, out_dtype):
 
 
 # The hybrids hand each call to the kernel of the layout whose tensors it reads: "int4" / the one-row
-# branch of "int8_blocks_onednn" (which reads only the values and scales) / "w8a8_onednn".
+# branch of "int8_blocks_onednn" (which reads only the values and scales) / "w8a8_packed".
 
 
 def _int4_w8a8(x, weight, bias, out_dtype):
@@ -152,9 +152,9 @@ KERNELS = {
     "int4_onednn": _int4_onednn,
     "int8_weight": _int8_weight,
     "int8_blocks_onednn": _int8_blocks_onednn,
-    "w8a8_onednn": _w8a8,
-    "int4_w8a8_onednn": _int4_w8a8,
-    "int8_blocks_w8a8_onednn": _int8_blocks_w8a8,
+    "w8a8_packed": _w8a8,
+    "int4_w8a8_packed": _int4_w8a8,
+    "int8_blocks_w8a8_packed": _int8_blocks_w8a8,
     **{layout: _gguf(qtype) for layout, qtype in GGUF_LAYOUTS.items()},
     **dict.fromkeys(QUANTIZED_LAYOUTS, run_quantized),
 }

@@ -4,8 +4,8 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
 
     x:         [M, K] float32 / float16 / bfloat16
     layout:    a PreparedLinearWeight's layout ("dense", "onednn", "fp16_onednn", "fp16_rows", "int4",
-               "int4_onednn", "int4_w8a8_onednn", "w8a8_onednn", "int8_weight", "int8_blocks_onednn",
-               "int8_blocks_w8a8_onednn", "gguf_<qtype>" for the GGUF block types of
+               "int4_onednn", "int4_w8a8_packed", "w8a8_packed", "int8_weight", "int8_blocks_onednn",
+               "int8_blocks_w8a8_packed", "gguf_<qtype>" for the GGUF block types of
                kiln.ops.gguf_linear; the quantized checkpoint layouts of
                kiln.ops.gemm.quantized_layouts: "fp8_dynamic", "fp8_static", "int8_dynamic",
                "int8_static", "w4a16_g<gs>[_perm]", "fp8_block<bn>x<bk>")
@@ -15,7 +15,7 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
     y = x @ W^T + bias, [M, N]. Where the layout computes in a narrower dtype (its compute_dtype: fp16
     for one-row "fp16_*" inputs, bf16 for "int4" and bf16 "onednn"), x is rounded to it first.
     The W8A8 and block-FP8 layouts quantize x as their checkpoint format says (the reference does too);
-    the "*w8a8_onednn" layouts quantize x to int8 per row (all calls of "w8a8_onednn", several-row
+    the "*w8a8_packed" layouts quantize x to int8 per row (all calls of "w8a8_packed", several-row
     calls of the others) and multiply by their int8 copy; the reference does the same in float64.
 """
 
@@ -66,7 +66,7 @@ from kiln.quant.sparse24 import Sparse24Weight, compress_24, prune_24
 def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
     """In float64 from the matrix the prepared weight stands for (float64 x stays float64: the
     verifier's reference; otherwise the result is rounded to out_dtype / x's dtype once)."""
-    if layout in W8A8_COPY_AT and (layout == "w8a8_onednn" or x.shape[0] > 1):
+    if layout in W8A8_COPY_AT and (layout == "w8a8_packed" or x.shape[0] > 1):
         smooth = weight[W8A8_COPY_AT[layout] + 3]
         matrix, xq = w8a8_matrix(layout, weight), cpu_w8a8.quantize_rows_reference(x, smooth)
     else:
@@ -83,10 +83,10 @@ def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
 
 
 def _in_features(layout: str, weight) -> int | None:
-    if layout in ("int4", "int4_onednn", "int4_w8a8_onednn"):
+    if layout in ("int4", "int4_onednn", "int4_w8a8_packed"):
         return weight[1].shape[0] * INT4_GROUP_SIZE  # scales_and_zeros [K / 32, N, 2]
-    if layout == "w8a8_onednn":
-        return weight[0].shape[0]  # oneDNN's packed int8 weight reports [K, N]
+    if layout == "w8a8_packed":
+        return weight[3].shape[0]  # smooth [K]
     if layout in GGUF_LAYOUTS or layout in W4A16_LAYOUTS:
         return None  # validate_gguf_weight / _validate_w4a16 check the packing against x
     if layout in SPARSE24_LAYOUTS:
@@ -172,11 +172,11 @@ def _validate_int8_blocks(op, weight, device) -> None:
 def _validate_w8a8(op, layout, weight, device) -> None:
     """The int8 copy of a W8A8 layout (W8A8_COPY_AT), and the int4 / Q8_0 tensors before it."""
     at = W8A8_COPY_AT[layout]
-    if layout == "int4_w8a8_onednn":
+    if layout == "int4_w8a8_packed":
         check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.uint8,), device=device)
         check_tensor(op, "weight[1]", weight[1], ndim=3, dtypes=(torch.bfloat16,), device=device)
         expected = (weight[1].shape[0] * INT4_GROUP_SIZE, weight[1].shape[1])
-    elif layout == "int8_blocks_w8a8_onednn":
+    elif layout == "int8_blocks_w8a8_packed":
         check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int8,), device=device)
         check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
         n, k = weight[0].shape
@@ -189,23 +189,30 @@ def _validate_w8a8(op, layout, weight, device) -> None:
     else:
         expected = None
     packed, w_scale, zero_point, smooth = weight[at : at + 4]
-    check_tensor(op, f"weight[{at}]", packed, ndim=2, dtypes=(torch.int8,), device=device)
-    if expected is not None and tuple(packed.shape) != expected:
-        raise ValueError(
-            f"{op}: {layout} int8 copy reports {tuple(packed.shape)}, expected {expected} ([K, N])"
-        )
-    n = packed.shape[1]
+    check_tensor(op, f"weight[{at}]", packed, ndim=(2, 5), dtypes=(torch.int8,), device=device)
     check_tensor(op, f"weight[{at + 1}]", w_scale, ndim=1, dtypes=(torch.float32,), device=device)
     check_tensor(op, f"weight[{at + 2}]", zero_point, ndim=1, dtypes=(torch.int64,), device=device)
-    if w_scale.shape[0] != n or zero_point.shape[0] != n:
-        raise ValueError(
-            f"{op}: {layout} scales {tuple(w_scale.shape)} and zero points {tuple(zero_point.shape)}, "
-            f"expected ({n},) each"
-        )
     check_tensor(op, f"weight[{at + 3}]", smooth, ndim=1, dtypes=(torch.float32,), device=device)
-    if smooth.shape[0] != packed.shape[0]:
+    k, n = smooth.shape[0], w_scale.shape[0]
+    if expected is not None and (k, n) != expected:
         raise ValueError(
-            f"{op}: {layout} smooth has {smooth.shape[0]} elements, expected {packed.shape[0]} (K)"
+            f"{op}: {layout} int8 copy has scales for {n} out- and smooth for {k} in-features, expected "
+            f"{expected[1]} and {expected[0]}"
+        )
+    if zero_point.shape[0] != n:
+        raise ValueError(
+            f"{op}: {layout} zero points {tuple(zero_point.shape)}, expected ({n},) as the scales"
+        )
+    if packed.dim() == 5:  # AMX tiles (kiln.ops.gemm.cpu_w8a8.to_tiles)
+        group = cpu_w8a8.TILE_GROUP
+        tiles = (-(-n // group), -(-k // group), 4, 16, 64)
+        if tuple(packed.shape) != tiles or not packed.is_contiguous():
+            raise ValueError(
+                f"{op}: {layout} AMX tiles {tuple(packed.shape)}, expected contiguous {tiles} ([{n}, {k}])"
+            )
+    elif tuple(packed.shape) != (k, n):
+        raise ValueError(
+            f"{op}: {layout} int8 copy reports {tuple(packed.shape)}, expected {(k, n)} ([K, N])"
         )
 
 
@@ -268,7 +275,7 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
 
 
 def _out_features(layout, weight) -> int:
-    return weight[0].shape[1] if layout == "w8a8_onednn" else weight[0].shape[0]  # oneDNN's int8: [K, N]
+    return weight[1].shape[0] if layout == "w8a8_packed" else weight[0].shape[0]  # w_scale: [N]
 
 
 def _fake(x, layout, weight, bias, out_dtype):
@@ -381,9 +388,9 @@ _FUZZ_FORMATS = (
     ("int8_blocks", "Q8_0"),  # "int8_blocks_onednn" where this CPU packs bf16, else "onednn" / "dense"
     ("fp16", "Q6_K"),
     ("gguf", "Q5_K"),
-    ("w8a8", "float"),  # "w8a8_onednn" where the native op and oneDNN's int8 GEMM run here, else bf16
-    ("int4_w8a8", "Q4_1"),  # "int4_w8a8_onednn" (same fallback: "int4_onednn" / "int4")
-    ("int8_blocks_w8a8", "Q8_0"),  # "int8_blocks_w8a8_onednn" (fallback "int8_blocks_onednn")
+    ("w8a8", "float"),  # "w8a8_packed" where the native op and oneDNN's int8 GEMM run here, else bf16
+    ("int4_w8a8", "Q4_1"),  # "int4_w8a8_packed" (same fallback: "int4_onednn" / "int4")
+    ("int8_blocks_w8a8", "Q8_0"),  # "int8_blocks_w8a8_packed" (fallback "int8_blocks_onednn")
 )
 
 
