@@ -39,6 +39,9 @@ constexpr int64_t kRows = 16;      // rows of an A / C tile
 constexpr int64_t kStep = 64;      // int8 k per tile row
 constexpr int64_t kGroup = 64;     // output columns per group: four C tiles of 16
 constexpr int64_t kTileBytes = 1024;
+// the weight stream is prefetched two K steps (8 KiB) ahead on a group's first row block: SmolLM2's
+// 120 decoder GEMMs at 16 rows, cache-cold, 6.2-6.5 ms against 6.8-6.9 without (16 KiB: 6.6)
+constexpr int64_t kPrefetchAhead = 2 * 4 * kTileBytes;
 
 bool amx_available() {
 #ifdef KILN_AMX
@@ -80,14 +83,18 @@ __attribute__((target("amx-tile,amx-int8"))) void configure_tiles() {
 
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
-// C [16][64] int32 = A (16 rows of xq from `a`, row stride a_stride) times one group's weights `b`
+// C [16][64] int32 = A (16 rows of xq from `a`, row stride a_stride) times one group's weights `b`;
+// prefetch: read ahead in the weight stream (later row blocks find the group in cache)
 __attribute__((target("amx-tile,amx-int8"))) void group_product(const int8_t* a, int64_t a_stride,
-                                                                const int8_t* b, int64_t steps, int32_t* c) {
+                                                                const int8_t* b, int64_t steps, int32_t* c, bool prefetch) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t s = 0; s < steps; ++s, b += 4 * kTileBytes) {
+    if (prefetch)
+      for (int64_t line = 0; line < 4 * kTileBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T0);
     _tile_loadd(4, a + s * kStep, a_stride);
     _tile_loadd(5, b, kStep);
     _tile_dpbssd(0, 4, 5);
@@ -196,7 +203,7 @@ at::Tensor w8a8_amx_linear(const at::Tensor& x, const at::Tensor& tiles, const a
       for (int64_t g = begin; g < end; ++g) {
         const int64_t n0 = g * kGroup, width = std::min(kGroup, n - n0);
         for (int64_t b = 0; b < blocks; ++b) {
-          group_product(qp + b * kRows * padded_k, padded_k, wp + g * group_bytes, steps, c);
+          group_product(qp + b * kRows * padded_k, padded_k, wp + g * group_bytes, steps, c, b == 0);
           const int64_t r0 = b * kRows;
           rescale_tile<scalar_t>(c, xs + r0, ws, bp, op + r0 * n, n, std::min(kRows, m - r0), n0, width);
         }
