@@ -32,7 +32,7 @@ def kernel(request, monkeypatch):
     monkeypatch.setenv("KILN_CPU_AMX", "1" if request.param == "amx" else "0")
     if request.param == "amx" and not cpu_w8a8.uses_amx():
         pytest.skip("this CPU has no AMX int8 tiles (or Linux does not hand them out)")
-    if request.param == "onednn" and not cpu_w8a8._onednn_runs():
+    if request.param == "onednn" and not cpu_w8a8._state["onednn"]:
         pytest.skip("oneDNN's int8 GEMM does not run here")
     return request.param
 
@@ -80,6 +80,21 @@ def test_rows_are_quantized_independently_and_match_float64(out_dtype):
     assert_close(together, ref, tolerance, "w8a8")
     # and within W8A8's rounding of the unquantized product (x and W each to 255 levels)
     assert_close(together, big.double() @ matrix.double().T + bias.double(), 3e-2, "w8a8 vs exact")
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+def test_16bit_activations_match_float64(x_dtype):
+    """bf16 / fp16 x (read as they are, no float32 copy first) against the reference; 100 x 70 puts
+    one full 64-column group (vector rescale) and a 36-column one (scalar tail) in the output, and
+    70 in-features leave the quantizer a tail past its vectors."""
+    g = torch.Generator().manual_seed(9)
+    matrix, bias = torch.randn(100, 70, generator=g), torch.randn(100, generator=g)
+    prepared = prepare_linear_weight(matrix, device=CPU, dtype=torch.float32, cpu_format="w8a8")
+    x = torch.randn(19, 70, generator=g).to(x_dtype)
+    out = kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors, bias, x_dtype)
+    ref = prepared_linear_reference(x.double(), prepared.layout, list(prepared.tensors), bias)
+    assert out.dtype == x_dtype
+    assert_close(out, ref, {torch.bfloat16: 4e-3, torch.float16: 1e-3}[x_dtype], "w8a8 16-bit x")
 
 
 def test_a_nan_row_stays_nan_and_leaves_the_others_alone():

@@ -2,11 +2,8 @@
 // oneDNN's int8 GEMM (AVX512-VNNI / AMX where the host has them).
 //
 // Registered as torch.ops.kiln_cpu.w8a8_linear (built and loaded by kiln/ops/native_cpu.py; cpu_w8a8.py
-// gives it its fake implementation so compiled graphs hold it as one node). Each input column k is
-// first multiplied by smooth[k] (SmoothQuant's migration of activation peaks into the weight, whose
-// columns the packer multiplied by 1 / smooth[k]; ones: none). Per row m of that:
-// s_m = max(max_k |x[m, k]|, 1e-12) / 127 and q[m, k] = round-half-even(x[m, k] * (1 / s_m)), in
-// [-127, 127], every step in float32.
+// gives it its fake implementation so compiled graphs hold it as one node). x is quantized per row as
+// cpu_w8a8_quantize.h says (SmoothQuant factors first); CPUs with AMX run cpu_w8a8_amx.cpp instead.
 // oneDNN multiplies q by the packed weight with int32 accumulation (exact) and the weight's scale per
 // output channel, in float32; this file then multiplies each row by s_m, adds the bias and rounds
 // once to the output dtype. Its call overhead is one op instead of the ~6 small ops (amax, divide,
@@ -59,11 +56,6 @@ void scale_rows(const float* y, const float* row_scales, const float* bias, T* o
   });
 }
 
-#define KILN_W8A8_DTYPES(...)                \
-  AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)  \
-  AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
-  AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)
-
 // x [M, K] float32 / bfloat16 / float16; weight: torch.ops.onednn.qlinear_prepack of an int8 [N, K]
 // matrix (reports shape [K, N]); w_scale float32 [N]; w_zero_point int64 [N] (zeros: symmetric);
 // smooth float32 [K]; bias float32 [N] or None. Returns [M, N] in out_dtype (float32 / bfloat16 / float16).
@@ -94,11 +86,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
                                  c10::List<std::optional<at::Scalar>>(), std::string("")};
   qlinear.callBoxed(&stack);
   const at::Tensor y = stack[0].toTensor().contiguous();
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "kiln_cpu.w8a8_linear: bias has ", bias->numel(), " elements, expected ", n);
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = kiln_w8a8::float_bias(bias, n, "kiln_cpu.w8a8_linear");
   const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   AT_DISPATCH_SWITCH(out_dtype, "kiln_cpu_w8a8_scale", KILN_W8A8_DTYPES([&] {
     scale_rows<scalar_t>(y.data_ptr<float>(), row_scales.data_ptr<float>(), bias_ptr, out.data_ptr<scalar_t>(), m, n);

@@ -19,9 +19,9 @@ SmoothQuant, Xiao et al. 2023: y = (x * smooth) @ (W / smooth)^T moves activatio
 per-row int8 cannot hold, into weight columns, which per-channel int8 holds better); then the per-row
 scale is s = max(amax, 1e-12) / 127 and q = round-half-even(x / s) in [-127, 127]; the weight (W /
 smooth) the same per output channel; int32 products, exact, then y = (acc * w_scale) * s + bias,
-rounded once. SmolLM2-135M's 120 decoder GEMMs, cache-cold, on a 2-core Xeon with AMX (one run,
-/tmp harness, median of 15): 16 rows 7.3 ms on the tiles vs 12.6 ms through oneDNN; 1 row 5.6 vs
-9.1 ms; 270 rows (prefill) 28-32 vs 46-54 ms. Accuracy and engine speed: README, "A second host".
+rounded once. SmolLM2-135M's 120 decoder GEMMs, cache-cold, on a 2-core Xeon with AMX (/tmp harness,
+median of 15): 16 rows 6.2-6.5 ms on the tiles vs 12.6 ms through oneDNN; 1 row 5.6 vs 9.1 ms; 270
+rows (prefill) 28-32 vs 46-54 ms. Accuracy and engine speed: README, "A second host".
 """
 
 from __future__ import annotations
@@ -33,19 +33,20 @@ import torch
 from kiln.ops import native_cpu
 from kiln.ops.gemm.scaled import AMAX_FLOOR, INT8_MAX
 
-_state: dict = {"loaded": None, "amx": False}
+_state: dict = {"loaded": None, "amx": False, "onednn": False}
 TILE_GROUP = 64  # the AMX layout pads N and K to multiples of this
 
 
 def load() -> bool:
     """Load Kiln's native CPU library and register the ops' fakes, once per process; True when one of
-    the two GEMMs runs here: the AMX tiles, or oneDNN's int8 ops."""
+    the two GEMMs runs here: the AMX tiles, or oneDNN's int8 ops (each probed once)."""
     if _state["loaded"] is None:
         _state["loaded"] = native_cpu.load()
         if _state["loaded"]:
             _register_fakes()
             _state["amx"] = torch.ops.kiln_cpu.amx_int8_available()
-            _state["loaded"] = _state["amx"] or _onednn_runs()
+            _state["onednn"] = _onednn_runs()
+            _state["loaded"] = _state["amx"] or _state["onednn"]
     return _state["loaded"]
 
 
@@ -73,13 +74,15 @@ def _onednn_runs() -> bool:
 
 
 def _register_fakes() -> None:
-    @torch.library.register_fake("kiln_cpu::w8a8_linear")
-    def _(x, weight, w_scale, w_zero_point, smooth, bias, out_dtype):
+    def output(x, w_scale, out_dtype):  # [M, N]: both ops
         return x.new_empty((x.shape[0], w_scale.shape[0]), dtype=out_dtype)
 
-    @torch.library.register_fake("kiln_cpu::w8a8_amx_linear")
-    def _(x, tiles, w_scale, smooth, bias, out_dtype):
-        return x.new_empty((x.shape[0], w_scale.shape[0]), dtype=out_dtype)
+    torch.library.register_fake("kiln_cpu::w8a8_linear")(
+        lambda x, weight, w_scale, w_zero_point, smooth, bias, out_dtype: output(x, w_scale, out_dtype)
+    )
+    torch.library.register_fake("kiln_cpu::w8a8_amx_linear")(
+        lambda x, tiles, w_scale, smooth, bias, out_dtype: output(x, w_scale, out_dtype)
+    )
 
 
 def quantize_per_channel(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,13 +97,16 @@ def pack(matrix: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torc
     """matrix float [N, K] on the CPU -> (the int8 copy of matrix / smooth, w_scale float32 [N],
     w_zero_point int64 [N] zeros, smooth float32 [K]; ones when None), or None where neither GEMM
     runs here. The copy is AMX tiles (to_tiles) where uses_amx(), else oneDNN's packing (reporting
-    shape [K, N])."""
+    shape [K, N]) where oneDNN's int8 GEMM runs (KILN_CPU_AMX=0 on a build where it does not: None).
+    The kernel follows the copy: KILN_CPU_AMX affects weights packed after it is set."""
     if matrix.device.type != "cpu" or matrix.dim() != 2 or 0 in matrix.shape or not load():
         return None
     smooth = torch.ones(matrix.shape[1]) if smooth is None else smooth.to(torch.float32).contiguous()
     values, scale = quantize_per_channel(matrix.to(torch.float64) / smooth.to(torch.float64))
     if uses_amx():
         packed = to_tiles(values)
+    elif not _state["onednn"]:
+        return None
     else:
         try:  # contiguous: the packing reads the values' memory as [N, K] whatever their strides say
             packed = torch.ops.onednn.qlinear_prepack(values.contiguous(), None)

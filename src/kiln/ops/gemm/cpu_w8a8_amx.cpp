@@ -8,7 +8,7 @@
 // one pass quantizes x, one loop over the weight multiplies it on tiles and rescales each finished tile
 // straight into the output.
 //
-// Weight layout (cpu_w8a8.pack_amx): int8 [N / 64, K / 64, 4, 16, 64], N and K padded to 64 with zeros.
+// Weight layout (cpu_w8a8.to_tiles): int8 [ceil(N / 64), ceil(K / 64), 4, 16, 64], N and K padded with zeros.
 // Element [g, kb, j, r, 4 * c + i] = W[64 g + 16 j + c, 64 kb + 4 r + i]: for column group g and K step
 // kb, four B tiles (16 columns each) in the layout TDPBSSD reads (four consecutive k of one column in
 // one 32-bit lane), so each group's weights are one sequential stream.
@@ -25,7 +25,9 @@
 
 #include <cstdint>
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__x86_64__) && defined(__linux__)
+// the AMX intrinsics need GCC 11 / clang 12; an older compiler builds the library without this kernel
+#if defined(CPU_CAPABILITY_AVX512) && defined(__x86_64__) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #define KILN_AMX 1
 #include <cpuid.h>
 #include <immintrin.h>
@@ -84,15 +86,17 @@ __attribute__((target("amx-tile,amx-int8"))) void configure_tiles() {
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
 // C [16][64] int32 = A (16 rows of xq from `a`, row stride a_stride) times one group's weights `b`;
-// prefetch: read ahead in the weight stream (later row blocks find the group in cache)
+// read ahead in the weight stream, within the prefetch_bytes that follow `b` (0: later row blocks, which
+// find the group in cache)
 __attribute__((target("amx-tile,amx-int8"))) void group_product(const int8_t* a, int64_t a_stride,
-                                                                const int8_t* b, int64_t steps, int32_t* c, bool prefetch) {
+                                                                const int8_t* b, int64_t steps, int32_t* c,
+                                                                int64_t prefetch_bytes) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t s = 0; s < steps; ++s, b += 4 * kTileBytes) {
-    if (prefetch)
+  for (int64_t s = 0; s < steps; ++s, b += 4 * kTileBytes, prefetch_bytes -= 4 * kTileBytes) {
+    if (prefetch_bytes >= kPrefetchAhead + 4 * kTileBytes)
       for (int64_t line = 0; line < 4 * kTileBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T0);
     _tile_loadd(4, a + s * kStep, a_stride);
@@ -149,11 +153,6 @@ void rescale_tile(const int32_t* c, const float* x_scales, const float* w_scale,
 
 #endif  // KILN_AMX
 
-#define KILN_AMX_DTYPES(...)                     \
-  AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)      \
-  AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)   \
-  AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)
-
 // x [M, K] float32 / bfloat16 / float16; tiles int8 [ceil(N / 64), ceil(K / 64), 4, 16, 64] (the layout
 // above); w_scale float32 [N]; smooth float32 [K]; bias float [N] or None. Returns [M, N] in out_dtype.
 at::Tensor w8a8_amx_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& w_scale,
@@ -176,16 +175,12 @@ at::Tensor w8a8_amx_linear(const at::Tensor& x, const at::Tensor& tiles, const a
   if (m == 0 || n == 0) return out;
 #ifdef KILN_AMX
   const at::Tensor xc = x.contiguous(), smooth_c = smooth.contiguous(), scale_c = w_scale.contiguous();
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "kiln_cpu.w8a8_amx_linear: bias has ", bias->numel(), " elements, expected ", n);
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = kiln_w8a8::float_bias(bias, n, "kiln_cpu.w8a8_amx_linear");
   const int64_t blocks = (m + kRows - 1) / kRows, padded_k = steps * kStep;
   // zeros: the padding rows and columns take part in the tile products
   at::Tensor q = at::zeros({blocks * kRows, padded_k}, xc.options().dtype(at::kChar));
   at::Tensor x_scales = at::empty({m}, xc.options().dtype(at::kFloat));
-  AT_DISPATCH_SWITCH(xc.scalar_type(), "kiln_cpu_w8a8_amx_quantize", KILN_AMX_DTYPES([&] {
+  AT_DISPATCH_SWITCH(xc.scalar_type(), "kiln_cpu_w8a8_amx_quantize", KILN_W8A8_DTYPES([&] {
     kiln_w8a8::quantize_rows<scalar_t>(xc.data_ptr<scalar_t>(), smooth_c.data_ptr<float>(), q.data_ptr<int8_t>(),
                                        x_scales.data_ptr<float>(), m, k, padded_k);
   }));
@@ -195,7 +190,7 @@ at::Tensor w8a8_amx_linear(const at::Tensor& x, const at::Tensor& tiles, const a
   const float* ws = scale_c.data_ptr<float>();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const int64_t group_bytes = steps * 4 * kTileBytes;
-  AT_DISPATCH_SWITCH(out_dtype, "kiln_cpu_w8a8_amx", KILN_AMX_DTYPES([&] {
+  AT_DISPATCH_SWITCH(out_dtype, "kiln_cpu_w8a8_amx", KILN_W8A8_DTYPES([&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       alignas(64) int32_t c[kRows * kGroup];
@@ -203,7 +198,8 @@ at::Tensor w8a8_amx_linear(const at::Tensor& x, const at::Tensor& tiles, const a
       for (int64_t g = begin; g < end; ++g) {
         const int64_t n0 = g * kGroup, width = std::min(kGroup, n - n0);
         for (int64_t b = 0; b < blocks; ++b) {
-          group_product(qp + b * kRows * padded_k, padded_k, wp + g * group_bytes, steps, c, b == 0);
+          group_product(qp + b * kRows * padded_k, padded_k, wp + g * group_bytes, steps, c,
+                        b == 0 ? (groups - g) * group_bytes : 0);
           const int64_t r0 = b * kRows;
           rescale_tile<scalar_t>(c, xs + r0, ws, bp, op + r0 * n, n, std::min(kRows, m - r0), n0, width);
         }

@@ -5,6 +5,8 @@
 // NaN gets scale NaN (its output row is NaN) and levels 0.
 #pragma once
 
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -44,22 +46,36 @@ void quantize_row_range(const T* __restrict x, const float* __restrict smooth, i
       const Vec v = at::vec::clamp((Vec::loadu(f + i) * inverse).round(), low, high);
       Vec::blendv(v, zero, v.isnan()).store(f + i);
     }
-    for (; i < k; ++i) {
-      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(f[i] * (1.f / scale))));
-      f[i] = std::isnan(v) ? 0.f : v;
+    for (; i < k; ++i) {  // NaN tested before the clamp, which would turn it into -127
+      const float v = std::nearbyint(f[i] * (1.f / scale));
+      f[i] = std::isnan(v) ? 0.f : std::min(127.f, std::max(-127.f, v));
     }
     int8_t* __restrict out = q + r * q_stride;
     for (i = 0; i < k; ++i) out[i] = static_cast<int8_t>(static_cast<int32_t>(f[i]));
   }
 }
 
-// x [rows, k] -> q [rows, q_stride] int8 levels and scales [rows], rows split across threads.
+// x [rows, k] -> q [rows, q_stride] int8 levels and scales [rows], rows split across threads; k > 0.
 template <typename T>
 void quantize_rows(const T* x, const float* smooth, int8_t* q, float* scales, int64_t rows, int64_t k,
                    int64_t q_stride) {
+  TORCH_CHECK(k > 0, "kiln_cpu W8A8: x has no in-features");
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / k), [&](int64_t begin, int64_t end) {
     quantize_row_range(x, smooth, q, scales, begin, end, k, q_stride);
   });
+}
+
+// the activation and output dtypes both ops take
+#define KILN_W8A8_DTYPES(...)                  \
+  AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)    \
+  AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
+  AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)
+
+// bias [n] as contiguous float32, or undefined when absent
+inline at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t n, const char* op) {
+  if (!bias.has_value()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected ", n);
+  return bias->to(at::kFloat).contiguous();
 }
 
 }  // namespace kiln_w8a8

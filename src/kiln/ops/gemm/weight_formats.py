@@ -19,9 +19,10 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
     "int8_blocks_onednn"  [Q8_0's int8 values [N, K], its        1 row: a GEMV inductor compiles, in
                      scales float32 [N, K/32], oneDNN's blocked  float32 on the stored values (exact);
                      bf16 copy of the same matrix]               more rows: oneDNN bf16 on the copy
-    "w8a8_packed"   [int8 W / smooth packed for oneDNN (reports  kiln.ops.gemm.cpu_w8a8: x * smooth
-                     [K, N]), w_scale float32 [N], zero points   quantized to int8 per row, oneDNN's
-                     int64 [N], smooth float32 [K]]              int8 GEMM
+    "w8a8_packed"   [int8 W / smooth as AMX tiles (5-D) or      kiln.ops.gemm.cpu_w8a8: x * smooth
+                     packed for oneDNN (reports [K, N]), w_scale quantized to int8 per row, Kiln's AMX
+                     float32 [N], zero points int64 [N],         tile kernel or oneDNN's int8 GEMM
+                     smooth float32 [K]]
     "int4_w8a8_packed"  ["int4"'s two tensors, then             1 row: torch's int4 CPU matmul; more rows:
                      "w8a8_packed"'s four of the same matrix]    W8A8 on the int8 copy
     "int8_blocks_w8a8_packed"  [Q8_0's values and scales as in   1 row: int8_blocks_gemv (exact); more
@@ -61,16 +62,17 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     this way against ~2.3 ms for packed bf16 (cache-cold). Several rows run oneDNN's bf16 GEMM on a
     copy, as "int4_bf16" does. Other weights, or a CPU where oneDNN cannot pack bf16, get "bf16";
   - CPU, "w8a8", any weight (GGUF blocks dequantized): "w8a8_packed", int8 per output channel
-    (symmetric, scale amax / 127) packed for oneDNN's int8 GEMM, activations quantized to int8 per row
-    on every call (kiln.ops.gemm.cpu_w8a8, a native op): one byte a weight, and AMX / VNNI int8
-    arithmetic. Rounding x and W to 255 levels each costs more accuracy than bf16 does, even with the
-    SmoothQuant factors load_model sets (kiln.loaders.w8a8_smoothing; measured on SmolLM2: README,
+    (symmetric, scale amax / 127) laid out for Kiln's AMX tile kernel where the CPU has AMX int8, else
+    packed for oneDNN's int8 GEMM; activations quantized to int8 per row on every call
+    (kiln.ops.gemm.cpu_w8a8, a native op): one byte a weight, and AMX / VNNI int8 arithmetic.
+    Rounding x and W to 255 levels each costs more accuracy than bf16 does, even with the SmoothQuant
+    factors load_model sets (kiln.loaders.w8a8_smoothing; measured on SmolLM2: README,
     "Measured on a 2-core CPU"), so it is opt-in. "int4_w8a8" and "int8_blocks_w8a8" are
     "int4_bf16" and "int8_blocks" with an int8 copy for several rows instead of the bf16 copy
     ("int4_w8a8_packed", "int8_blocks_w8a8_packed"): one-row steps keep their int4 / exact Q8_0
     kernels, batched decode reads half the bytes of bf16 (SmolLM2 at 16 sequences on the 2-core Xeon
-    with AMX this project measures on: a 1.27x faster decode step); other weights get "w8a8_packed".
-    Where the native op cannot be built or oneDNN has no int8 GEMM, these formats fall back to
+    with AMX this project measures on: 2.0x vLLM-CPU's throughput); other weights get "w8a8_packed".
+    Where the native op cannot be built or neither int8 GEMM runs, these formats fall back to
     "int4_bf16" / "int8_blocks" / "bf16" (logged);
   - CPU, "int8", any weight with in-features a multiple of 16 (GGUF blocks and dequantized checkpoint
     weights included; others get the "fp16" layouts): "int8_weight",
@@ -173,8 +175,8 @@ class PreparedLinearWeight:
     @property
     def kind(self) -> str:
         """How the weight is stored: "gguf" (file blocks), "int4" (repacked nibbles), "int8_weight"
-        (weight-only int8), "int8_blocks" (GGUF Q8_0's values and scales), "w8a8" (int8 for oneDNN's
-        int8 GEMM, activations quantized per row), "fp8" / "int8" (W8A8 checkpoints),
+        (weight-only int8), "int8_blocks" (GGUF Q8_0's values and scales), "w8a8" (int8 for Kiln's AMX
+        or oneDNN's int8 GEMM, activations quantized per row), "fp8" / "int8" (W8A8 checkpoints),
         "w4a16" (int4_linear), "fp8_block", "sparse24" (2:4) or "dense"."""
         if self.layout in GGUF_LAYOUTS:
             return "gguf"
@@ -353,8 +355,8 @@ def split_q8_0(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
 @functools.cache
 def _log_w8a8_unavailable(cpu_format: str) -> None:
     logger.warning(
-        "cpu_format %r: the native W8A8 op (kiln.ops.gemm.cpu_w8a8) or oneDNN's int8 GEMM is not "
-        "available here; using %r", cpu_format, W8A8_FALLBACK[cpu_format],
+        "cpu_format %r: the native W8A8 op (kiln.ops.gemm.cpu_w8a8) or an int8 GEMM (AMX tiles or "
+        "oneDNN's) is not available here; using %r", cpu_format, W8A8_FALLBACK[cpu_format],
     )  # fmt: skip
 
 

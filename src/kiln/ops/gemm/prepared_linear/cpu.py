@@ -10,8 +10,8 @@
   "int4_onednn"  one row: as "int4"; several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
   "int8_blocks_onednn"  one row: int8_blocks_gemv (float32 on GGUF Q8_0's values and scales, exact);
                  several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
-  "w8a8_packed"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, oneDNN's int8 GEMM (one
-                 native op);
+  "w8a8_packed"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, Kiln's AMX tile kernel
+                 or oneDNN's int8 GEMM (one native op);
   "int4_w8a8_packed", "int8_blocks_w8a8_packed"  one row: as "int4" / "int8_blocks_onednn"; several
                  rows: W8A8 on the int8 copy;
   "int8_weight"  PyTorch's weight-only int8 CPU matmul (per-channel bf16 scales, bfloat16

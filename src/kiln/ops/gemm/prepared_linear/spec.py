@@ -388,7 +388,7 @@ _FUZZ_FORMATS = (
     ("int8_blocks", "Q8_0"),  # "int8_blocks_onednn" where this CPU packs bf16, else "onednn" / "dense"
     ("fp16", "Q6_K"),
     ("gguf", "Q5_K"),
-    ("w8a8", "float"),  # "w8a8_packed" where the native op and oneDNN's int8 GEMM run here, else bf16
+    ("w8a8", "float"),  # "w8a8_packed" where the native op and an int8 GEMM run here, else bf16
     ("int4_w8a8", "Q4_1"),  # "int4_w8a8_packed" (same fallback: "int4_onednn" / "int4")
     ("int8_blocks_w8a8", "Q8_0"),  # "int8_blocks_w8a8_packed" (fallback "int8_blocks_onednn")
 )
