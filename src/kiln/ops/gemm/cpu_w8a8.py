@@ -19,9 +19,10 @@ SmoothQuant, Xiao et al. 2023: y = (x * smooth) @ (W / smooth)^T moves activatio
 per-row int8 cannot hold, into weight columns, which per-channel int8 holds better); then the per-row
 scale is s = max(amax, 1e-12) / 127 and q = round-half-even(x / s) in [-127, 127]; the weight (W /
 smooth) the same per output channel; int32 products, exact, then y = (acc * w_scale) * s + bias,
-rounded once. SmolLM2-135M's 120 decoder GEMMs, cache-cold, on a 2-core Xeon with AMX (/tmp harness,
-median of 15): 16 rows 6.2-6.5 ms on the tiles vs 12.6 ms through oneDNN; 1 row 5.6 vs 9.1 ms; 270
-rows (prefill) 28-32 vs 46-54 ms. Accuracy and engine speed: README, "A second host".
+rounded once. SmolLM2-135M's 120 decoder GEMMs, cache-cold, on a 2-core Xeon with AMX
+(scripts/cpu_w8a8_kernels.py, bench/results/2026-11-25-cpu-w8a8-kernels-intel-amx.json): 16 rows 4.6
+ms on the tiles vs 8.3 ms through oneDNN; 1 row 3.9 vs 7.3 ms; 270 rows (prefill) 26.5 vs 42.7 ms;
+the LM head at 270 rows 16.4 vs 43.8 ms. Accuracy and engine speed: README, "A second host".
 """
 
 from __future__ import annotations
