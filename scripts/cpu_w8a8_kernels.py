@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 
 from kiln import environment
+from kiln.loaders.cpu_format_probe import time_call
 from kiln.ops.gemm import cpu_w8a8
 
 LAYERS = 30
@@ -32,16 +32,6 @@ def _pack(matrix: torch.Tensor, kernel: str) -> tuple[torch.Tensor, ...]:
         return cpu_w8a8.pack(matrix)
     finally:
         os.environ.pop("KILN_CPU_AMX")
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
 
 
 def _calls(weights: list, x: dict):
@@ -60,20 +50,19 @@ def main() -> None:
     args = parser.parse_args()
     if not cpu_w8a8.load():
         raise SystemExit("the native W8A8 op is not available here (KILN_CPU_NATIVE, compiler, ninja)")
-    kernels = [k for k, ok in (("amx", cpu_w8a8._state["amx"]), ("onednn", cpu_w8a8._state["onednn"])) if ok]
     g = torch.Generator().manual_seed(0)
     matrices = [torch.randn(n, k, generator=g) for _ in range(LAYERS) for k, n in SHAPES]
     head = torch.randn(HEAD[1], HEAD[0], generator=g)
     result = {"cpu": environment.cpu(), "threads": torch.get_num_threads(), "torch": torch.__version__}
-    for kernel in kernels:
+    for kernel in cpu_w8a8.kernels():
         layers = [_pack(m, kernel) for m in matrices]
         head_rows = _pack(head, kernel)
         for m in (int(r) for r in args.rows.split(",")):
             x = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
             repeats = 15 if m <= 64 else 5
             result[f"{kernel}_rows{m}"] = {
-                "decoder_120_gemms_ms": round(_median_ms(_calls(layers, x), repeats), 3),
-                "lm_head_ms": round(_median_ms(_calls([head_rows], x), repeats), 3),
+                "decoder_120_gemms_ms": round(1e3 * time_call(_calls(layers, x), repeats), 3),
+                "lm_head_ms": round(1e3 * time_call(_calls([head_rows], x), repeats), 3),
             }
     print(json.dumps(result, indent=1))
 

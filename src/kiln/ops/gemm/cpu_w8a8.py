@@ -51,10 +51,17 @@ def load() -> bool:
     return _state["loaded"]
 
 
+def kernels() -> tuple[str, ...]:
+    """The int8 GEMMs that run here, of "amx" (the CPU has AMX int8 tiles and Linux hands them to this
+    process) and "onednn" (its int8 GEMM takes int8 activations), whatever KILN_CPU_AMX says."""
+    load()
+    return tuple(kernel for kernel in ("amx", "onednn") if _state[kernel])
+
+
 def uses_amx() -> bool:
-    """Whether pack() lays weights out for the AMX kernel: the CPU has AMX int8 tiles (and Linux hands
-    them to this process) and KILN_CPU_AMX is not 0 (which keeps oneDNN's packing, e.g. to compare)."""
-    return load() and _state["amx"] and os.environ.get("KILN_CPU_AMX", "1") != "0"
+    """Whether pack() lays weights out for the AMX kernel: it runs here and KILN_CPU_AMX is not 0
+    (which keeps oneDNN's packing, e.g. to compare)."""
+    return "amx" in kernels() and os.environ.get("KILN_CPU_AMX", "1") != "0"
 
 
 def _onednn_runs() -> bool:
@@ -106,7 +113,7 @@ def pack(matrix: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torc
     values, scale = quantize_per_channel(matrix.to(torch.float64) / smooth.to(torch.float64))
     if uses_amx():
         packed = to_tiles(values)
-    elif not _state["onednn"]:
+    elif "onednn" not in kernels():
         return None
     else:
         try:  # contiguous: the packing reads the values' memory as [N, K] whatever their strides say
@@ -116,12 +123,17 @@ def pack(matrix: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torc
     return packed, scale.contiguous(), torch.zeros(matrix.shape[0], dtype=torch.int64), smooth
 
 
+def tiles_shape(n: int, k: int) -> tuple[int, ...]:
+    """The shape of to_tiles' layout for an [n, k] matrix."""
+    return -(-n // TILE_GROUP), -(-k // TILE_GROUP), 4, 16, 64
+
+
 def to_tiles(values: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] -> the AMX kernel's layout, int8 [ceil(N / 64), ceil(K / 64), 4, 16, 64] (N and K
     padded with zeros): element [g, s, j, r, 4 c + i] = values[64 g + 16 j + c, 64 s + 4 r + i], the four
     16-column B tiles of column group g and K step s, each as TDPBSSD reads it (cpu_w8a8_amx.cpp)."""
     n, k = values.shape
-    groups, steps = -(-n // TILE_GROUP), -(-k // TILE_GROUP)
+    groups, steps = tiles_shape(n, k)[:2]
     padded = values.new_zeros(groups * TILE_GROUP, steps * TILE_GROUP)
     padded[:n, :k] = values
     tiles = padded.view(groups, 4, 16, steps, 16, 4).permute(0, 3, 1, 4, 2, 5)

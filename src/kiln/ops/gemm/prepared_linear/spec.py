@@ -204,8 +204,7 @@ def _validate_w8a8(op, layout, weight, device) -> None:
             f"{op}: {layout} zero points {tuple(zero_point.shape)}, expected ({n},) as the scales"
         )
     if packed.dim() == 5:  # AMX tiles (kiln.ops.gemm.cpu_w8a8.to_tiles)
-        group = cpu_w8a8.TILE_GROUP
-        tiles = (-(-n // group), -(-k // group), 4, 16, 64)
+        tiles = cpu_w8a8.tiles_shape(n, k)
         if tuple(packed.shape) != tiles or not packed.is_contiguous():
             raise ValueError(
                 f"{op}: {layout} AMX tiles {tuple(packed.shape)}, expected contiguous {tiles} ([{n}, {k}])"
