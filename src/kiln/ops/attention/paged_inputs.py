@@ -38,9 +38,11 @@ def make_paged_kv(
     device,
     generator: torch.Generator,
     extra_blocks: int = 3,
+    exact_window: int | None = None,
 ) -> dict:
     """key_cache/value_cache `[num_blocks, block_size, Hkv, D]`, block_tables int32 (rows padded with
-    -1 past each sequence's blocks), seq_lens int32, and k_scale/v_scale (fp8 only, else None)."""
+    -1 past each sequence's blocks), seq_lens int32, and k_scale/v_scale (fp8 only, else None).
+    exact_window (fp8 only): also make_exact_kv's exact caches and tables for that window."""
     needed = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(needed) + extra_blocks
     order = torch.randperm(num_blocks, generator=generator)
@@ -67,7 +69,31 @@ def make_paged_kv(
     else:
         kv["key_cache"] = randn(cache_shape, dtype, device, generator)
         kv["value_cache"] = randn(cache_shape, dtype, device, generator)
+    if exact_window is not None and dtype in FP8_DTYPES:
+        kv.update(make_exact_kv(len(context_lens), cache_shape[1:], exact_window, kv, device, generator))
     return kv
+
+
+def make_exact_kv(
+    num_seqs: int, block_shape: tuple, window: int, kv: dict, device, generator: torch.Generator
+) -> dict:
+    """exact_key_cache/exact_value_cache float16 `[num_exact_blocks, block_size, Hkv, D]`, in the fp8
+    cache's units (value / scale) but drawn independently of it, so a kernel that reads an exact
+    position from the wrong cache or the wrong ring entry is far off; exact_block_tables int32
+    `[num_seqs, 1 + R]` over shuffled blocks, with the smallest ring the window allows plus one
+    (ring entries then wrap at a different period than the window); exact_window."""
+    block_size, num_kv_heads, _ = block_shape
+    ring = -(-window // block_size) + 2 if window else 0
+    num_blocks = num_seqs * (1 + ring) + 2
+    order = torch.randperm(num_blocks, generator=generator)[: num_seqs * (1 + ring)]
+    out = {
+        "exact_block_tables": order.view(num_seqs, 1 + ring).to(device=device, dtype=torch.int32),
+        "exact_window": window,
+    }
+    for name, scale in (("exact_key_cache", kv["k_scale"]), ("exact_value_cache", kv["v_scale"])):
+        values = randn((num_blocks, *block_shape), torch.float32, device, generator) / scale[:, None]
+        out[name] = values.to(torch.float16)
+    return out
 
 
 def make_paged_attention_inputs(
@@ -79,11 +105,18 @@ def make_paged_attention_inputs(
     generator: torch.Generator,
     extra: dict | None = None,
 ) -> dict:
-    """A paged attention op's kwargs: make_paged_kv's cache, q `[num_queries, H, D]` (float16 over an
-    fp8 cache; larger scores when soft-capping, so the cap actually bends them), `extra`, then the
+    """A paged attention op's kwargs: make_paged_kv's cache (with exact positions when the shape has an
+    exact_window and the cache is fp8), q `[num_queries, H, D]` (float16 over an fp8 cache; larger scores when soft-capping, so the cap actually bends them), `extra`, then the
     shape's scale, sliding_window and softcap."""
     inputs = make_paged_kv(
-        context_lens, shape["num_kv_heads"], shape["head_dim"], shape["block_size"], dtype, device, generator
+        context_lens,
+        shape["num_kv_heads"],
+        shape["head_dim"],
+        shape["block_size"],
+        dtype,
+        device,
+        generator,
+        exact_window=shape.get("exact_window"),
     )
     softcap = shape.get("softcap")
     inputs.update(
@@ -116,3 +149,16 @@ def visible_pairs(q_len: int, k_len: int, causal: bool, sliding_window: int | No
         else torch.zeros_like(position)
     )
     return int(torch.clamp(hi - lo, min=0).sum())
+
+
+def exact_read(shape: dict, dtype: torch.dtype) -> int:
+    """How many key positions (over all sequences) an fp8 case with exact positions reads from the
+    exact caches: each sequence's first block and its last exact_window positions (0 otherwise)."""
+    window = shape.get("exact_window")
+    if window is None or dtype not in FP8_DTYPES:
+        return 0
+    block_size = shape["block_size"]
+    total = 0
+    for length in lengths(shape, "context_lens", "context"):
+        total += min(length, block_size) + max(0, length - max(block_size, length - window))
+    return total

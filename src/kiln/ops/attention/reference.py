@@ -68,18 +68,46 @@ def attend_one_sequence(
 
 
 def gather_paged(
-    cache: torch.Tensor, block_table_row: torch.Tensor, length: int, scale: torch.Tensor | None
+    cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    length: int,
+    scale: torch.Tensor | None,
+    exact: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """The first `length` tokens of one sequence from a paged cache, dequantized.
 
     cache `[num_blocks, block_size, Hkv, D]`; token t lives in block block_table_row[t // block_size]
     at offset t % block_size. scale `[Hkv]` (fp8 caches store value / scale) or None.
+    exact: (exact_cache `[num_exact_blocks, block_size, Hkv, D]`, exact_row `[1 + R]`, window W) of
+    an fp8 cache with exact positions (see `exact_positions`): those tokens are read from the exact
+    cache instead, before the scale is applied.
     Returns `[length, Hkv, D]` in the cache's dtype (or the scale's when given).
     """
     block_size = cache.shape[1]
     t = torch.arange(length, device=cache.device)
     blocks = block_table_row.long()[t // block_size]
     tokens = cache[blocks, t % block_size]
+    if exact is not None:
+        exact_cache, exact_row, window = exact
+        tokens = tokens.to(exact_cache.dtype)
+        for position in exact_positions(length, block_size, window):
+            block, offset = exact_slot(exact_row.tolist(), position, block_size)
+            tokens[position] = exact_cache[block, offset]
     if scale is not None:
         tokens = tokens.to(scale.dtype) * scale[None, :, None]
     return tokens
+
+
+def exact_positions(length: int, block_size: int, window: int) -> list[int]:
+    """The positions of a `length`-long context an fp8 cache with exact positions reads from its
+    exact caches: the first block (positions < block_size) and the last `window` positions."""
+    return [j for j in range(length) if j < block_size or j >= length - window]
+
+
+def exact_slot(exact_row: list[int], position: int, block_size: int) -> tuple[int, int]:
+    """(block, offset) of `position` in the exact caches: the first block's positions in block
+    exact_row[0], every later one in the ring exact_row[1:], at entry (position // block_size) % R."""
+    if position < block_size:
+        return exact_row[0], position
+    ring = exact_row[1:]
+    return ring[(position // block_size) % len(ring)], position % block_size

@@ -218,3 +218,89 @@ def check_block_tables(
                     f"cache's {num_blocks} blocks (sequence {seq} reads its first {int(pages_read[seq])} "
                     "entries)"
                 )
+
+
+def check_exact_cache(
+    op: str,
+    exact_key_cache: object,
+    exact_value_cache: object,
+    exact_block_tables: object,
+    exact_window: object,
+    key_cache: object,
+    num_seqs: int,
+) -> None:
+    """The exact positions of an fp8 cache: float16 `[num_exact_blocks, block_size, Hkv, D]` caches
+    matching key_cache's block size, heads and head dim, int32 `[num_seqs, 1 + R]` exact_block_tables
+    whose ring (R columns) holds a window of exact_window positions (R >= ceil(W / block_size) + 1
+    when W > 0), every entry inside the exact caches. All three tensors or none; exact_window 0
+    without them."""
+    given = [t is not None for t in (exact_key_cache, exact_value_cache, exact_block_tables)]
+    if not isinstance(exact_window, int) or isinstance(exact_window, bool) or exact_window < 0:
+        raise ValueError(f"{op}: exact_window must be a non-negative int, got {exact_window!r}")
+    if not any(given):
+        if exact_window:
+            raise ValueError(
+                f"{op}: exact_window={exact_window} needs exact_key_cache, exact_value_cache and "
+                "exact_block_tables"
+            )
+        return
+    if not all(given):
+        raise ValueError(
+            f"{op}: exact_key_cache, exact_value_cache and exact_block_tables go together; "
+            "give all three or none"
+        )
+    if not is_fp8(key_cache.dtype):
+        raise ValueError(
+            f"{op}: exact caches keep an fp8 cache's first block and recent window unrounded; the cache "
+            f"is {dtype_name(key_cache.dtype)}, not float8_e4m3fn"
+        )
+    device = device_of(key_cache)
+    exact_key_cache = check_tensor(
+        op, "exact_key_cache", exact_key_cache, ndim=4, dtypes=(torch.float16, torch.float64), device=device
+    )
+    exact_value_cache = check_tensor(
+        op, "exact_value_cache", exact_value_cache, ndim=4, dtypes=(torch.float16, torch.float64), device=device
+    )
+    if tuple(exact_key_cache.shape) != tuple(exact_value_cache.shape) or dtype_name(
+        exact_key_cache.dtype
+    ) != dtype_name(exact_value_cache.dtype):
+        raise ValueError(
+            f"{op}: exact_key_cache {tuple(exact_key_cache.shape)} and exact_value_cache "
+            f"{tuple(exact_value_cache.shape)} must have one shape and dtype"
+        )
+    if tuple(exact_key_cache.shape[1:]) != tuple(key_cache.shape[1:]):
+        raise ValueError(
+            f"{op}: exact_key_cache blocks are {tuple(exact_key_cache.shape[1:])} [block_size, Hkv, D], "
+            f"expected key_cache's {tuple(key_cache.shape[1:])}"
+        )
+    if not (unit_last_stride(exact_key_cache) and unit_last_stride(exact_value_cache)):
+        raise ValueError(f"{op}: exact_key_cache and exact_value_cache need a contiguous head_dim (stride 1)")
+    exact_block_tables = check_tensor(
+        op, "exact_block_tables", exact_block_tables, ndim=2, dtypes=(torch.int32,), device=device
+    )
+    if exact_block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"{op}: exact_block_tables has {exact_block_tables.shape[0]} rows, expected num_seqs {num_seqs}"
+        )
+    if not unit_last_stride(exact_block_tables):
+        raise ValueError(f"{op}: exact_block_tables rows must be contiguous")
+    if exact_block_tables.shape[1] < 1:
+        raise ValueError(f"{op}: exact_block_tables needs at least one column (the first block's)")
+    block_size = key_cache.shape[1]
+    ring = exact_block_tables.shape[1] - 1
+    needed = -(-exact_window // block_size) + 1 if exact_window else 0
+    if ring < needed:
+        raise ValueError(
+            f"{op}: exact_block_tables has {ring} ring columns after the first block's, but a window of "
+            f"{exact_window} positions over blocks of {block_size} spans up to {needed}; widen it to "
+            f"{needed + 1} columns"
+        )
+    if num_seqs and host_checkable(exact_block_tables):
+        num_blocks = exact_key_cache.shape[0]
+        bad = (exact_block_tables < 0) | (exact_block_tables >= num_blocks)
+        if bool(bad.any()):
+            seq, column = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"{op}: exact_block_tables[{seq}, {column}] = {int(exact_block_tables[seq, column])} is "
+                f"outside the exact caches' {num_blocks} blocks"
+            )

@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.attention.cpu_exact import exact_slots, overlay_exact
 from kiln.ops.attention.cpu_sdpa import compute_dtype
 from kiln.ops.attention.paged_decode_attention import cpu_native
 from kiln.ops.attention.paged_decode_attention.spec import PAGED_DECODE_ATTENTION
@@ -24,9 +25,12 @@ from kiln.ops.registry import Implementation, cpu_only
 
 
 def _decode_batched(
-    q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale, v_scale
-):
+    q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale, v_scale,
+    exact=None,
+):  # fmt: skip
     """All sequences at once, padded to the longest context, one SDPA call with a key-padding mask.
+    exact: (exact_key_cache, exact_value_cache, exact_block_tables, exact_window) of an fp8 cache's
+    exact positions, laid over the gathered keys and values before they are scaled (cpu_exact).
 
     Measured (SmolLM2 9:3 heads, head_dim 64, one thread, best of 60, shared machine so +-30%):
     fp32 batch 1: 0.05 / 0.09 / 0.29 ms at context 128 / 512 / 2048, same as a per-sequence SDPA
@@ -51,17 +55,22 @@ def _decode_batched(
     # +0.1 ms at batch 16 / context 128, within noise at context 512). A single sequence gathers
     # exactly its own tokens: nothing to zero, the path is unchanged.
     short = [(b, length) for b, length in enumerate(lens_list) if length < longest]
+    if exact is not None:
+        exact_mask, slots = exact_slots(exact[2], lens, longest, block_size, exact[3])
 
-    def gather(cache, cache_scale):
+    def gather(cache, cache_scale, exact_cache=None):
         tokens = cache.index_select(0, blocks).view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
         tokens = tokens[:, :longest].to(dtype)
+        if exact_cache is not None:
+            tokens = overlay_exact(tokens, exact_cache, exact_mask, slots)
         if cache_scale is not None:
             tokens = tokens * cache_scale.to(dtype)[:, None]
         for b, length in short:  # tokens is this call's own gathered copy
             tokens[b, length:] = 0
         return tokens.transpose(1, 2)  # [B, Hkv, L, D]
 
-    k, v = gather(key_cache, k_scale), gather(value_cache, v_scale)
+    k = gather(key_cache, k_scale, None if exact is None else exact[0])
+    v = gather(value_cache, v_scale, None if exact is None else exact[1])
     scale = head_dim**-0.5 if scale is None else scale
     group = num_heads // num_kv_heads
     # One sequence without a window sees every gathered key: no mask, SDPA's faster unmasked path
@@ -158,6 +167,10 @@ def _traceable(
     softcap=None,
     k_scale=None,
     v_scale=None,
+    exact_key_cache=None,
+    exact_value_cache=None,
+    exact_block_tables=None,
+    exact_window=0,
 ) -> bool:
     """Float caches without soft-capping are read in-graph up to IN_GRAPH_MAX_CONTEXT gathered
     positions; the rest stay one opaque node. Evaluated while tracing, the width test is a guard on
@@ -181,6 +194,10 @@ def paged_decode_attention_cpu(
     softcap=None,
     k_scale=None,
     v_scale=None,
+    exact_key_cache=None,
+    exact_value_cache=None,
+    exact_block_tables=None,
+    exact_window=0,
 ):
     if not torch.compiler.is_compiling():
         if q.shape[0] == 0:
@@ -193,9 +210,13 @@ def paged_decode_attention_cpu(
         )
     if torch.compiler.is_compiling():  # only reached when _traceable says so (kiln.ops.registry)
         return _decode_in_graph(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window)
+    exact = None
+    if exact_block_tables is not None:
+        exact = (exact_key_cache, exact_value_cache, exact_block_tables, exact_window)
     return _decode_batched(
-        q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale, v_scale
-    )
+        q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale, v_scale,
+        exact,
+    )  # fmt: skip
 
 
 PAGED_DECODE_ATTENTION.register(

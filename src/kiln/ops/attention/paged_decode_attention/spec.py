@@ -9,6 +9,15 @@ seq_lens:       int32 [num_seqs], context length including the new token (alread
                 cache slots at or past a sequence's seq_len are never read (they may hold anything)
 The query sits at position seq_len - 1 and sees every key (causal is trivially satisfied); a
 sliding window W keeps keys j > seq_len - 1 - W; soft-capping as in flash_attention.
+exact_key_cache,
+exact_value_cache: an fp8 cache's exact positions (optional, all three or none): float16
+                [num_exact_blocks, block_size, num_kv_heads, head_dim] holding the values the fp8
+                cache stores (value / scale, saturated at +-448) before their rounding to e4m3
+exact_block_tables: int32 [num_seqs, 1 + R]: column 0 the exact block of the sequence's first
+                block_size positions, columns 1..R a ring for its last exact_window positions
+                (position j in column 1 + (j // block_size) % R; R >= ceil(exact_window / block_size) + 1)
+exact_window:   W >= 0. Key j of a sequence of seq_len L is read from the exact caches when
+                j < block_size or j >= L - W, from the fp8 cache otherwise (then scaled as usual).
 Returns out [num_seqs, num_heads, head_dim] in q's dtype.
 """
 
@@ -16,11 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.attention.paged_inputs import data_dtype, lengths, make_paged_attention_inputs
+from kiln.ops.attention.paged_inputs import data_dtype, exact_read, lengths, make_paged_attention_inputs
 from kiln.ops.attention.reference import attend_one_sequence, gather_paged
 from kiln.ops.attention.validate import (
     check_attention_options,
     check_block_tables,
+    check_exact_cache,
     check_paged_cache,
     check_query,
 )
@@ -42,23 +52,35 @@ def paged_decode_attention_reference(
     softcap=None,
     k_scale=None,
     v_scale=None,
+    exact_key_cache=None,
+    exact_value_cache=None,
+    exact_block_tables=None,
+    exact_window=0,
 ):
     out = torch.zeros_like(q)
     for b, k_len in enumerate(seq_lens.tolist()):
-        k = gather_paged(key_cache, block_tables[b], k_len, k_scale).to(q.dtype)
-        v = gather_paged(value_cache, block_tables[b], k_len, v_scale).to(q.dtype)
+        exact_k = exact_v = None
+        if exact_block_tables is not None:
+            exact_k = (exact_key_cache, exact_block_tables[b], exact_window)
+            exact_v = (exact_value_cache, exact_block_tables[b], exact_window)
+        k = gather_paged(key_cache, block_tables[b], k_len, k_scale, exact_k).to(q.dtype)
+        v = gather_paged(value_cache, block_tables[b], k_len, v_scale, exact_v).to(q.dtype)
         o, _ = attend_one_sequence(q[b : b + 1], k, v, scale, True, sliding_window, softcap)
         out[b] = o[0]
     return out
 
 
 def validate_paged_decode_attention(
-    q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale, v_scale
-) -> None:
+    q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale, v_scale,
+    exact_key_cache, exact_value_cache, exact_block_tables, exact_window,
+) -> None:  # fmt: skip
     q = check_query(OP, "q", q)
     block_size, _ = check_paged_cache(OP, key_cache, value_cache, k_scale, v_scale, q)
     check_block_tables(OP, block_tables, seq_lens, q.shape[0], block_size, device_of(q), key_cache.shape[0])
     check_attention_options(OP, scale, sliding_window, softcap)
+    check_exact_cache(
+        OP, exact_key_cache, exact_value_cache, exact_block_tables, exact_window, key_cache, q.shape[0]
+    )
 
 
 def paged_decode_tune_shape(q, key_cache, block_tables) -> dict:
@@ -74,7 +96,8 @@ def paged_decode_tune_shape(q, key_cache, block_tables) -> dict:
 
 
 def _make_inputs(shape, dtype, device, generator):
-    """dtype float8_e4m3fn: float16 queries over an fp8 cache."""
+    """dtype float8_e4m3fn: float16 queries over an fp8 cache (with exact positions when the shape
+    has an exact_window; other dtypes ignore that key)."""
     lens = lengths(shape, "context_lens", "context")
     return make_paged_attention_inputs(shape, lens, len(lens), dtype, device, generator)
 
@@ -99,7 +122,28 @@ def _fuzz_shapes(rng):
             "softcap": 5.0,
         },
         {"context_lens": [100], "num_heads": 4, "num_kv_heads": 4, "head_dim": 256, "block_size": 32},
-    ]
+        # fp8 with exact positions: a sequence shorter than its first block, one whose window reaches
+        # into it, windows across ring wrap-arounds; a window with a sliding window; the first block only
+        {
+            "context_lens": [5, 20, 37, 70],
+            "num_heads": 9,
+            "num_kv_heads": 3,
+            "head_dim": 64,
+            "block_size": 16,
+            "exact_window": 20,
+        },
+        {
+            "context_lens": [61, 33],
+            "num_heads": 8,
+            "num_kv_heads": 2,
+            "head_dim": 64,
+            "block_size": 8,
+            "exact_window": 16,
+            "sliding_window": 40,
+        },
+        {"context_lens": [50], "num_heads": 4, "num_kv_heads": 4, "head_dim": 128, "block_size": 16,
+         "exact_window": 0},
+    ]  # fmt: skip
     shapes.append(
         {
             "context_lens": [rng.randint(1, 90) for _ in range(rng.randint(1, 4))],
@@ -108,6 +152,7 @@ def _fuzz_shapes(rng):
             "head_dim": rng.choice([64, 96, 128]),
             "block_size": rng.choice([8, 16]),
             "sliding_window": rng.choice([None, rng.randint(1, 50)]),
+            "exact_window": rng.choice([None, rng.randint(0, 40)]),
         }
     )
     return shapes
@@ -123,9 +168,11 @@ def _flops(shape, dtype):
 
 
 def _bytes(shape, dtype):
-    """Dominated by the KV read: 2 * seq_len * num_kv_heads * head_dim * elem_size per sequence."""
+    """Dominated by the KV read: 2 * seq_len * num_kv_heads * head_dim * elem_size per sequence (an
+    fp8 cache's exact positions at float16's 2 bytes)."""
     d = shape["head_dim"]
     kv = 2 * sum(_visible(shape)) * shape["num_kv_heads"] * d * element_size(dtype)
+    kv += 2 * exact_read(shape, dtype) * shape["num_kv_heads"] * d
     batch = len(lengths(shape, "context_lens", "context"))
     return kv + 2 * batch * shape["num_heads"] * d * element_size(data_dtype(dtype))
 
@@ -188,7 +235,8 @@ PAGED_DECODE_ATTENTION = OpSpec(
     schema=(
         "(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
         "float? scale=None, int? sliding_window=None, float? softcap=None, Tensor? k_scale=None, "
-        "Tensor? v_scale=None) -> Tensor"
+        "Tensor? v_scale=None, Tensor? exact_key_cache=None, Tensor? exact_value_cache=None, "
+        "Tensor? exact_block_tables=None, int exact_window=0) -> Tensor"
     ),
     validate=validate_paged_decode_attention,
     fake=lambda q, *args: torch.empty_like(q),

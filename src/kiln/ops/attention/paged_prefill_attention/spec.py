@@ -12,6 +12,10 @@ seq_lens:       int32 [num_seqs], the full context length k_len >= q_len of each
 Sequence b's queries are its **last** q_len tokens, whose keys/values are already in the cache
 (write_kv_cache first): chunked prefill, prefix-cache hits and mixed batches where decodes have
 q_len 1. Causal, bottom-right aligned; sliding window and soft-capping as in flash_attention.
+exact_key_cache, exact_value_cache, exact_block_tables, exact_window: an fp8 cache's exact positions,
+                as in paged_decode_attention: key j of a sequence of seq_len L is read from the exact
+                caches when j < block_size or j >= L - exact_window (for every query of the sequence:
+                the window follows the context's end, not each query's position)
 Returns out [total_q, num_heads, head_dim] in q's dtype.
 """
 
@@ -22,6 +26,7 @@ import torch
 from kiln.ops.attention.paged_inputs import (
     cu_seqlens,
     data_dtype,
+    exact_read,
     lengths,
     make_paged_attention_inputs,
     visible_pairs,
@@ -31,6 +36,7 @@ from kiln.ops.attention.validate import (
     check_attention_options,
     check_block_tables,
     check_cu_seqlens,
+    check_exact_cache,
     check_lengths,
     check_paged_cache,
     check_query,
@@ -56,12 +62,20 @@ def paged_prefill_attention_reference(
     softcap=None,
     k_scale=None,
     v_scale=None,
+    exact_key_cache=None,
+    exact_value_cache=None,
+    exact_block_tables=None,
+    exact_window=0,
 ):
     out = torch.zeros_like(q)
     starts = cu_seqlens_q.tolist()
     for b, k_len in enumerate(seq_lens.tolist()):
-        k = gather_paged(key_cache, block_tables[b], k_len, k_scale).to(q.dtype)
-        v = gather_paged(value_cache, block_tables[b], k_len, v_scale).to(q.dtype)
+        exact_k = exact_v = None
+        if exact_block_tables is not None:
+            exact_k = (exact_key_cache, exact_block_tables[b], exact_window)
+            exact_v = (exact_value_cache, exact_block_tables[b], exact_window)
+        k = gather_paged(key_cache, block_tables[b], k_len, k_scale, exact_k).to(q.dtype)
+        v = gather_paged(value_cache, block_tables[b], k_len, v_scale, exact_v).to(q.dtype)
         o, _ = attend_one_sequence(q[starts[b] : starts[b + 1]], k, v, scale, True, sliding_window, softcap)
         out[starts[b] : starts[b + 1]] = o
     return out
@@ -80,6 +94,10 @@ def validate_paged_prefill_attention(
     softcap,
     k_scale,
     v_scale,
+    exact_key_cache,
+    exact_value_cache,
+    exact_block_tables,
+    exact_window,
 ) -> None:
     q = check_query(OP, "q", q)
     block_size, _ = check_paged_cache(OP, key_cache, value_cache, k_scale, v_scale, q)
@@ -97,6 +115,9 @@ def validate_paged_prefill_attention(
                     "the last q_len tokens of the context, so seq_lens must include them"
                 )
     check_attention_options(OP, scale, sliding_window, softcap)
+    check_exact_cache(
+        OP, exact_key_cache, exact_value_cache, exact_block_tables, exact_window, key_cache, num_seqs
+    )
 
 
 def paged_prefill_tune_shape(q, key_cache, block_tables, max_seqlen_q) -> dict:
@@ -113,7 +134,8 @@ def paged_prefill_tune_shape(q, key_cache, block_tables, max_seqlen_q) -> dict:
 
 
 def _make_inputs(shape, dtype, device, generator):
-    """dtype float8_e4m3fn: float16 queries over an fp8 cache."""
+    """dtype float8_e4m3fn: float16 queries over an fp8 cache (with exact positions when the shape
+    has an exact_window; other dtypes ignore that key)."""
     lens_q = lengths(shape, "query_lens", "seqlen_q")
     lens_k = lengths(shape, "context_lens", "context")
     extra = {"cu_seqlens_q": cu_seqlens(lens_q, device), "max_seqlen_q": max(lens_q)}
@@ -149,6 +171,27 @@ def _fuzz_shapes(rng):
             "head_dim": 128,
             "block_size": 16,
         },
+        # fp8 with exact positions: a prefill shorter than its first block, chunks whose queries
+        # straddle the window's start, a decode (q_len 1), a ring that wraps; with a sliding window
+        {
+            "query_lens": [9, 21, 1, 12],
+            "context_lens": [9, 40, 35, 70],
+            "num_heads": 6,
+            "num_kv_heads": 2,
+            "head_dim": 64,
+            "block_size": 16,
+            "exact_window": 20,
+        },
+        {
+            "query_lens": [19],
+            "context_lens": [50],
+            "num_heads": 4,
+            "num_kv_heads": 1,
+            "head_dim": 64,
+            "block_size": 8,
+            "sliding_window": 30,
+            "exact_window": 9,
+        },
     ]
     q_lens = [rng.randint(1, 30) for _ in range(2)]
     shapes.append(
@@ -160,6 +203,7 @@ def _fuzz_shapes(rng):
             "head_dim": 64,
             "block_size": rng.choice([8, 16]),
             "sliding_window": rng.choice([None, rng.randint(1, 40)]),
+            "exact_window": rng.choice([None, rng.randint(0, 40)]),
         }
     )
     return shapes
@@ -176,10 +220,10 @@ def _flops(shape, dtype):
 def _bytes(shape, dtype):
     tokens_q = sum(lengths(shape, "query_lens", "seqlen_q"))
     tokens_k = sum(lengths(shape, "context_lens", "context"))
-    d = shape["head_dim"]
-    return 2 * tokens_q * shape["num_heads"] * d * element_size(data_dtype(dtype)) + 2 * tokens_k * shape[
-        "num_kv_heads"
-    ] * d * element_size(dtype)
+    d, kv_heads = shape["head_dim"], shape["num_kv_heads"]
+    q_and_out = 2 * tokens_q * shape["num_heads"] * d * element_size(data_dtype(dtype))
+    kv = 2 * tokens_k * kv_heads * d * element_size(dtype)
+    return q_and_out + kv + 2 * exact_read(shape, dtype) * kv_heads * d  # exact positions: 2 bytes
 
 
 def _gather_sdpa(**inputs):
@@ -240,7 +284,8 @@ PAGED_PREFILL_ATTENTION = OpSpec(
     schema=(
         "(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor cu_seqlens_q, "
         "Tensor seq_lens, int max_seqlen_q, float? scale=None, int? sliding_window=None, "
-        "float? softcap=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor"
+        "float? softcap=None, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? exact_key_cache=None, "
+        "Tensor? exact_value_cache=None, Tensor? exact_block_tables=None, int exact_window=0) -> Tensor"
     ),
     validate=validate_paged_prefill_attention,
     fake=lambda q, *args: torch.empty_like(q),
