@@ -106,8 +106,9 @@ def make_paged_attention_inputs(
     extra: dict | None = None,
 ) -> dict:
     """A paged attention op's kwargs: make_paged_kv's cache (with exact positions when the shape has an
-    exact_window and the cache is fp8), q `[num_queries, H, D]` (float16 over an fp8 cache; larger scores when soft-capping, so the cap actually bends them), `extra`, then the
-    shape's scale, sliding_window and softcap."""
+    exact_window and the cache is fp8), q `[num_queries, H, D]` (float16 over an fp8 cache; larger
+    scores when soft-capping, so the cap actually bends them), `extra`, then the shape's scale,
+    sliding_window and softcap."""
     inputs = make_paged_kv(
         context_lens,
         shape["num_kv_heads"],
