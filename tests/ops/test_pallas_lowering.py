@@ -6,8 +6,9 @@ The other Pallas tests run the kernels in Pallas's interpreters, which accept th
 reject (Mosaic's (8, 128) tiling and supported ops; Triton's power-of-two blocks, gathers, some dtypes).
 Here each op's first two fuzz shapes are traced with `compile_for_tpu()` / `compile_for_gpu()` (no
 interpreter) and exported for the target, the same lowering the device would compile; only the final
-Mosaic / PTX compile needs the hardware. Per-op test files add lowering checks for the shapes and
-options these two shapes miss."""
+Mosaic / PTX compile needs the hardware. The paged attention ops' fuzz shapes with exact positions
+(an fp8 cache with exact caches, further down their lists) are lowered too, in fp8. Per-op test files
+add lowering checks for the shapes and options these shapes miss."""
 
 import random
 
@@ -33,11 +34,20 @@ def _kernel_dtype(spec) -> torch.dtype:
     return torch.bfloat16 if torch.bfloat16 in spec.dtypes else spec.dtypes[0]
 
 
-def _lower_every_shape(name: str, backend: str, lower) -> None:
+# op -> its fuzz shapes that only an fp8 cache reads (exact positions), lowered in float8_e4m3fn.
+EXACT_POSITION_OPS = ("paged_decode_attention", "paged_prefill_attention")
+
+
+def _exact_shapes(spec) -> list[dict]:
+    return [shape for shape in spec.fuzz_shapes(random.Random(0)) if shape.get("exact_window") is not None]
+
+
+def _lower_every_shape(name: str, backend: str, lower, exact_positions: bool = False) -> None:
     spec = all_ops()[name]
     kernel = spec.jax_implementations[backend]
-    dtype = _kernel_dtype(spec)
-    for shape in spec.fuzz_shapes(random.Random(0))[:2]:
+    dtype = torch.float8_e4m3fn if exact_positions else _kernel_dtype(spec)
+    shapes = _exact_shapes(spec) if exact_positions else spec.fuzz_shapes(random.Random(0))[:2]
+    for shape in shapes:
         inputs = spec.make_inputs(shape, dtype, CPU, torch.Generator().manual_seed(0))
         bound = spec.bind((), inputs)
         array_at = [i for i, a in enumerate(bound) if isinstance(a, torch.Tensor)]
@@ -61,6 +71,18 @@ def test_pallas_tpu_kernel_lowers_through_mosaic(name, lower_for_tpu):
 @pytest.mark.parametrize("name", _with("pallas_gpu"))
 def test_pallas_gpu_kernel_lowers_to_triton(name, lower_for_gpu):
     _lower_every_shape(name, "pallas_gpu", lower_for_gpu)
+
+
+@pytest.mark.parametrize("backend", sorted(TARGETS))
+@pytest.mark.parametrize("name", EXACT_POSITION_OPS)
+def test_paged_attention_kernels_lower_with_exact_positions_of_an_fp8_cache(name, backend, request):
+    spec = all_ops()[name]
+    inputs = spec.make_inputs(
+        _exact_shapes(spec)[0], torch.float8_e4m3fn, CPU, torch.Generator().manual_seed(0)
+    )
+    assert inputs["exact_block_tables"] is not None  # the shapes really carry exact caches
+    lower = request.getfixturevalue("lower_for_tpu" if backend == "pallas_tpu" else "lower_for_gpu")
+    _lower_every_shape(name, backend, lower, exact_positions=True)
 
 
 def test_every_op_with_a_jax_backend_is_lowered_for_both_targets():

@@ -1,9 +1,11 @@
 """paged_decode_attention's JAX backends (the Pallas TPU kernel, the Pallas GPU kernel, XLA) against
 the spec's float64 reference through the torch-facing implementations, and the generated kiln.jax
-entry."""
+entry; an fp8 cache's exact positions included."""
 
+import functools
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,8 +14,14 @@ import jax.numpy as jnp  # noqa: E402
 
 import kiln.jax as kjax  # noqa: E402
 from kiln.ops import get_op  # noqa: E402
+from kiln.ops.attention.jax_common import decode_page_range  # noqa: E402
+from kiln.ops.attention.jax_exact import exact_physical_page  # noqa: E402
 from kiln.ops.attention.paged_decode_attention.pallas_tpu import paged_decode_attention_pallas_tpu  # noqa: E402
+from kiln.ops.attention.reference import exact_positions, exact_slot  # noqa: E402
+from kiln.ops.jax_bridge import to_jax  # noqa: E402
 from kiln.verify import run_case  # noqa: E402
+from kiln.verify.compare import relative_error  # noqa: E402
+from kiln.verify.runner import upcast_to_float64  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -42,6 +50,45 @@ DECODE_MHA = {
 }
 
 
+# The spec's fuzz shapes with exact positions (fp8 caches only). The input maker draws the exact caches
+# independently of the fp8 cache and gives each sequence a ring one entry wider than its window needs,
+# so an exact position read from the fp8 cache, the wrong ring entry or the wrong offset is far off.
+EXACT_RING_WRAPS_AND_SHORT_SEQUENCE = {
+    "context_lens": [5, 20, 37, 70],  # 5: inside its first block; 20: window reaches into it; 70: wraps
+    "num_heads": 9,
+    "num_kv_heads": 3,
+    "head_dim": 64,
+    "block_size": 16,
+    "exact_window": 20,
+}
+EXACT_WINDOW_WITH_SLIDING_WINDOW = {
+    "context_lens": [61, 33],  # the sliding window (40) hides the first block of the 61-long sequence
+    "num_heads": 8,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "block_size": 8,
+    "exact_window": 16,
+    "sliding_window": 40,
+}
+EXACT_FIRST_BLOCK_ONLY = {  # W = 0: exact_block_tables has its first column only
+    "context_lens": [50],
+    "num_heads": 4,
+    "num_kv_heads": 4,
+    "head_dim": 128,
+    "block_size": 16,
+    "exact_window": 0,
+}
+EXACT_TIGHT_RING = {  # the spec's input maker gives R one column more than the contract's least
+    "context_lens": [50, 37, 70],
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "block_size": 16,
+    "exact_window": 20,
+}
+EXACT_SHAPES = [EXACT_RING_WRAPS_AND_SHORT_SEQUENCE, EXACT_WINDOW_WITH_SLIDING_WINDOW, EXACT_FIRST_BLOCK_ONLY]
+
+
 @pytest.mark.parametrize(
     "backend, dtype, shape",
     [
@@ -64,6 +111,99 @@ def test_paged_decode_attention_with_shuffled_block_tables_matches_float64(backe
     assert case.passed, case
 
 
+def test_exact_shapes_are_the_specs():
+    spec_shapes = [s for s in get_op("paged_decode_attention").fuzz_shapes(random.Random(0))[:-1]]
+    assert all(shape in spec_shapes for shape in EXACT_SHAPES)
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu", "xla"])
+@pytest.mark.parametrize(
+    "shape", EXACT_SHAPES, ids=["ring_wraps_short_sequence", "sliding_window", "first_block_only"]
+)
+def test_paged_decode_attention_reads_exact_positions_of_an_fp8_cache_matches_float64(backend, shape):
+    op = get_op("paged_decode_attention")
+    case = run_case(op, backend, shape, torch.float8_e4m3fn, CPU, seed=random.randrange(2**31))
+    assert case.passed, case
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu", "xla"])
+def test_paged_decode_attention_tightest_exact_ring_matches_float64(backend):
+    """R = ceil(W / block_size) ring columns, the fewest the contract allows: a window over R + 1
+    pages (seq_len 50: positions 30..49 on pages 1, 2, 3) has its first and last pages in one ring
+    block, at different offsets."""
+    op = get_op("paged_decode_attention")
+    seed = random.randrange(2**31)
+    inputs = op.make_inputs(EXACT_TIGHT_RING, torch.float8_e4m3fn, CPU, torch.Generator().manual_seed(seed))
+    inputs["exact_block_tables"] = inputs["exact_block_tables"][:, :3].contiguous()  # R = 2 = ceil(20 / 16)
+    want = op.reference(**upcast_to_float64(inputs))
+    got = op.implementation(backend).fn(**inputs)
+    assert relative_error(got, want) < op.tolerance[torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu", "xla"])
+def test_kiln_jax_paged_decode_attention_with_exact_positions_under_jit_matches_torch_cpu(implementation):
+    op = get_op("paged_decode_attention")
+    seed = random.randrange(2**31)
+    inputs = op.make_inputs(
+        EXACT_WINDOW_WITH_SLIDING_WINDOW, torch.float8_e4m3fn, CPU, torch.Generator().manual_seed(seed)
+    )
+    want = op.implementation("cpu").fn(**inputs).float().numpy()
+    arrays = {k: to_jax(v) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    static = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
+    assert static["exact_window"] == 16 and "exact_block_tables" in arrays
+
+    @jax.jit
+    def decode(arrays):  # exact_window, sliding_window: static Python ints, as in a model's step
+        return kjax.paged_decode_attention(**arrays, **static, implementation=implementation)
+
+    got = np.asarray(decode(arrays).astype(jnp.float32))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "pages", "window", "exact_window", "ring"))
+def _held_exact_blocks(tables, *, block_size, pages, window, exact_window, ring):
+    """int32 [seq_len - 1, page]: the exact block the TPU decode kernel's exact index map names for each
+    grid step of one sequence of every seq_len in [1, pages * block_size]."""
+
+    def held(seq_len, page):
+        first, last = decode_page_range(seq_len, block_size, window)
+        return exact_physical_page(tables, 0, page, first, last, seq_len, block_size, exact_window, ring)[0]
+
+    seq_lens = jnp.arange(1, pages * block_size + 1, dtype=jnp.int32)
+    return jax.vmap(lambda n: jax.vmap(lambda i: held(n, i))(jnp.arange(pages, dtype=jnp.int32)))(seq_lens)
+
+
+def test_paged_tpu_exact_index_map_holds_each_pages_exact_block_without_extra_copies():
+    """Every visible page with an exact slot holds the block exact_slot names for it, and along one
+    sequence's pages the exact caches' block index changes only where the next exact page needs
+    another block (Pallas copies a block when its index changes): pages without exact slots cost no
+    copy. With and without a sliding window; W = 0, tight rings (R = ceil(W / block_size), the
+    window's first and last pages sharing a ring block) and wider ones."""
+    block_size, pages = 8, 10
+    tables = np.random.default_rng(0).permutation(40)[:6].reshape(1, 6).astype(np.int32)
+    for window in (None, 20):
+        for exact_window, ring in ((0, 0), (8, 1), (9, 2), (24, 3), (9, 5), (30, 5)):
+            held = np.asarray(
+                _held_exact_blocks(
+                    jnp.asarray(tables), block_size=block_size, pages=pages, window=window,
+                    exact_window=exact_window, ring=ring,
+                )
+            ).tolist()  # fmt: skip
+            row = tables[0, : 1 + ring].tolist()
+            for seq_len, steps in enumerate(held, start=1):
+                first, last = (int(x) for x in decode_page_range(seq_len, block_size, window))
+                needed = {}  # visible page -> its exact block
+                for j in exact_positions(seq_len, block_size, exact_window):
+                    if first * block_size <= j < (last + 1) * block_size:
+                        needed[j // block_size] = exact_slot(row, j, block_size)[0]
+                for page, block in needed.items():
+                    assert steps[page] == block, (window, exact_window, seq_len, page)
+                blocks = [needed[page] for page in sorted(needed)]
+                runs = 1 + sum(a != b for a, b in zip(blocks, blocks[1:], strict=False))
+                copies = 1 + sum(a != b for a, b in zip(steps, steps[1:], strict=False))
+                assert copies == runs, (window, exact_window, seq_len, steps)
+
+
 @pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu", "xla"])
 def test_paged_decode_attention_never_lets_stale_nan_past_a_sequence_length_through(implementation):
     """Cache slots at or past a sequence's seq_len are never read: NaN there (the rest of sequence 0's
@@ -84,11 +224,38 @@ def _decode(block_size, cache_dtype=jnp.float32):
     )
 
 
+def _decode_exact(**overrides):
+    """An fp8 decode with exact positions through kiln.jax, one argument replaced."""
+    cache, scales = jnp.ones((8, 16, 1, 64), jnp.float8_e4m3fn), jnp.ones((1,), jnp.float32)
+    args = {
+        "exact_key_cache": jnp.ones((4, 16, 1, 64), jnp.float16),
+        "exact_value_cache": jnp.ones((4, 16, 1, 64), jnp.float16),
+        "exact_block_tables": jnp.zeros((2, 3), jnp.int32),
+        "exact_window": 10,
+        **overrides,
+    }
+    q, tables, seq_lens = (
+        jnp.ones((2, 4, 64), jnp.float16),
+        jnp.zeros((2, 3), jnp.int32),
+        jnp.ones(2, jnp.int32),
+    )
+    return kjax.paged_decode_attention(
+        q, cache, cache, tables, seq_lens, k_scale=scales, v_scale=scales, **args
+    )
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
         (lambda: _decode(12), "block_size \\(dim 1\\) is 12, expected a power of two"),
         (lambda: _decode(16, jnp.float8_e4m3fn), "so k_scale .* is required"),
+        (lambda: _decode_exact(exact_value_cache=None), "go together; give all three or none"),
+        (lambda: _decode_exact(exact_block_tables=jnp.zeros((2, 1), jnp.int32)), "widen it to 2 columns"),
+        (
+            lambda: _decode_exact(exact_key_cache=jnp.ones((4, 16, 1, 64))),
+            "exact_key_cache has dtype float32",
+        ),
+        (lambda: _decode_exact(exact_window=-1), "exact_window must be a non-negative int"),
     ],
 )
 def test_paged_decode_attention_rejects_bad_input(call, message):

@@ -1,9 +1,11 @@
 """paged_prefill_attention's JAX backends (the Pallas TPU kernel in the TPU interpreter, the Pallas GPU
 kernel in the Pallas interpreter, XLA) against the spec's float64 reference through the torch-facing
-implementations, the generated kiln.jax entry, and the kernels' Mosaic / Triton lowerings."""
+implementations, the generated kiln.jax entry, and the kernels' Mosaic / Triton lowerings; an fp8
+cache's exact positions included."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +16,10 @@ import kiln.jax as kjax  # noqa: E402
 from kiln.ops import get_op  # noqa: E402
 from kiln.ops.attention.paged_prefill_attention.pallas_gpu import paged_prefill_attention_pallas_gpu  # noqa: E402
 from kiln.ops.attention.paged_prefill_attention.pallas_tpu import paged_prefill_attention_pallas_tpu  # noqa: E402
+from kiln.ops.jax_bridge import to_jax  # noqa: E402
 from kiln.verify import run_case  # noqa: E402
+from kiln.verify.compare import relative_error  # noqa: E402
+from kiln.verify.runner import upcast_to_float64  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -38,6 +43,39 @@ WINDOW_SOFTCAP_GQA_8 = {
 }
 MHA_3 = {"query_lens": [7, 16], "context_lens": [7, 33], "num_heads": 3, "num_kv_heads": 3, "head_dim": 128,
          "block_size": 16}  # fmt: skip
+# fp8 caches with exact positions: the spec's two fuzz shapes and one with W = 0. The exact caches are
+# drawn independently of the fp8 cache, rings one entry wider than the window needs.
+EXACT_MIXED_RING_WRAPS = {  # a prefill inside its first block, chunks straddling the window, a decode
+    "query_lens": [9, 21, 1, 12],
+    "context_lens": [9, 40, 35, 70],
+    "num_heads": 6,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "block_size": 16,
+    "exact_window": 20,
+}
+EXACT_WITH_SLIDING_WINDOW = {  # early queries' sliding windows still see the first block, later ones not
+    "query_lens": [19],
+    "context_lens": [50],
+    "num_heads": 4,
+    "num_kv_heads": 1,
+    "head_dim": 64,
+    "block_size": 8,
+    "sliding_window": 30,
+    "exact_window": 9,
+}
+EXACT_FIRST_BLOCK_ONLY = {"query_lens": [5, 12], "context_lens": [5, 30], "num_heads": 2, "num_kv_heads": 2,
+                          "head_dim": 64, "block_size": 8, "exact_window": 0}  # fmt: skip
+
+EXACT_TIGHT_RING = {  # the spec's input maker gives R one column more than the contract's least
+    "query_lens": [10, 1, 30],
+    "context_lens": [50, 37, 70],
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "block_size": 16,
+    "exact_window": 20,
+}
 
 
 @pytest.mark.parametrize(
@@ -63,19 +101,75 @@ def test_paged_prefill_attention_with_shuffled_block_tables_matches_float64(back
     assert case.passed, case
 
 
+def test_exact_shapes_are_the_specs():
+    spec_shapes = get_op("paged_prefill_attention").fuzz_shapes(random.Random(0))[:-1]
+    assert EXACT_MIXED_RING_WRAPS in spec_shapes and EXACT_WITH_SLIDING_WINDOW in spec_shapes
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu", "xla"])
 @pytest.mark.parametrize(
-    "kernel, shape",
-    [(paged_prefill_attention_pallas_tpu, MIXED_GQA_4), (paged_prefill_attention_pallas_gpu, MIXED_GQA_4),
-     (paged_prefill_attention_pallas_gpu, WINDOW_SOFTCAP_GQA_8)],
+    "shape",
+    [EXACT_MIXED_RING_WRAPS, EXACT_WITH_SLIDING_WINDOW, EXACT_FIRST_BLOCK_ONLY],
+    ids=["mixed_ring_wraps", "sliding_window", "first_block_only"],
+)
+def test_paged_prefill_attention_reads_exact_positions_of_an_fp8_cache_matches_float64(backend, shape):
+    op = get_op("paged_prefill_attention")
+    case = run_case(op, backend, shape, torch.float8_e4m3fn, CPU, seed=random.randrange(2**31))
+    assert case.passed, case
+
+
+@pytest.mark.parametrize(
+    "kernel, shape, dtype",
+    [(paged_prefill_attention_pallas_tpu, MIXED_GQA_4, torch.float32),
+     (paged_prefill_attention_pallas_gpu, MIXED_GQA_4, torch.float32),
+     (paged_prefill_attention_pallas_gpu, WINDOW_SOFTCAP_GQA_8, torch.float32),
+     # each query block's own page range holds its own mix of exact and fp8 pages
+     (paged_prefill_attention_pallas_tpu, EXACT_WITH_SLIDING_WINDOW, torch.float8_e4m3fn),
+     (paged_prefill_attention_pallas_gpu, EXACT_WITH_SLIDING_WINDOW, torch.float8_e4m3fn)],
 )  # fmt: skip
-def test_paged_prefill_pallas_several_query_blocks_match_xla(kernel, shape):
+def test_paged_prefill_pallas_several_query_blocks_match_xla(kernel, shape, dtype):
     # block_q 8 over 21 (19) queries: three query blocks, the last partial, each with its own page range.
     op = get_op("paged_prefill_attention")
-    inputs = op.make_inputs(shape, torch.float32, CPU, torch.Generator().manual_seed(random.randrange(2**31)))
-    args = {k: jnp.asarray(v.numpy()) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    got = kernel(**args, block_q=8)
-    want = kjax.paged_prefill_attention(**args, implementation="xla")
-    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
+    inputs = op.make_inputs(shape, dtype, CPU, torch.Generator().manual_seed(random.randrange(2**31)))
+    args = {k: to_jax(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    got = kernel(**args, block_q=8).astype(jnp.float32)
+    want = kjax.paged_prefill_attention(**args, implementation="xla").astype(jnp.float32)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < tolerance
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu", "xla"])
+def test_paged_prefill_attention_tightest_exact_ring_matches_float64(backend):
+    """R = ceil(W / block_size) ring columns, the fewest the contract allows: a window over R + 1
+    pages (seq_len 50: positions 30..49 on pages 1, 2, 3) has its first and last pages in one ring
+    block, at different offsets."""
+    op = get_op("paged_prefill_attention")
+    seed = random.randrange(2**31)
+    inputs = op.make_inputs(EXACT_TIGHT_RING, torch.float8_e4m3fn, CPU, torch.Generator().manual_seed(seed))
+    inputs["exact_block_tables"] = inputs["exact_block_tables"][:, :3].contiguous()  # R = 2 = ceil(20 / 16)
+    want = op.reference(**upcast_to_float64(inputs))
+    got = op.implementation(backend).fn(**inputs)
+    assert relative_error(got, want) < op.tolerance[torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu", "xla"])
+def test_kiln_jax_paged_prefill_attention_with_exact_positions_under_jit_matches_torch_cpu(implementation):
+    op = get_op("paged_prefill_attention")
+    seed = random.randrange(2**31)
+    inputs = op.make_inputs(
+        EXACT_MIXED_RING_WRAPS, torch.float8_e4m3fn, CPU, torch.Generator().manual_seed(seed)
+    )
+    want = op.implementation("cpu").fn(**inputs).float().numpy()
+    arrays = {k: to_jax(v) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    static = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
+    assert static["exact_window"] == 20 and "exact_block_tables" in arrays
+
+    @jax.jit
+    def prefill(arrays):  # max_seqlen_q, exact_window: static Python ints, as in a model's step
+        return kjax.paged_prefill_attention(**arrays, **static, implementation=implementation)
+
+    got = np.asarray(prefill(arrays).astype(jnp.float32))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
 
 
 @pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu", "xla"])
@@ -97,6 +191,39 @@ def test_paged_prefill_attention_kiln_jax_rejects_bad_input():
             jnp.ones((3, 2, 64)), cache, cache, jnp.zeros((1, 2), jnp.int32), jnp.array([0, 3], jnp.int32),
             jnp.array([5], jnp.int32), -1,
         )  # fmt: skip
+
+
+def _prefill_exact(cache_dtype=jnp.float8_e4m3fn, **overrides):
+    """A prefill with exact positions through kiln.jax, one argument replaced."""
+    cache, exact = jnp.ones((4, 16, 1, 64), cache_dtype), jnp.ones((3, 16, 1, 64), jnp.float16)
+    scales = jnp.ones((1,), jnp.float32) if cache_dtype == jnp.float8_e4m3fn else None
+    args = {
+        "exact_key_cache": exact,
+        "exact_value_cache": exact,
+        "exact_block_tables": jnp.zeros((1, 3), jnp.int32),
+        "exact_window": 5,
+        "k_scale": scales,
+        "v_scale": scales,
+        **overrides,
+    }
+    return kjax.paged_prefill_attention(
+        jnp.ones((3, 2, 64), jnp.float16), cache, cache, jnp.zeros((1, 2), jnp.int32),
+        jnp.array([0, 3], jnp.int32), jnp.array([5], jnp.int32), 3, **args,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: _prefill_exact(exact_key_cache=None, exact_value_cache=None), "go together; give all three"),
+        (lambda: _prefill_exact(jnp.float16), "the cache is float16, not float8_e4m3fn"),
+        (lambda: _prefill_exact(exact_block_tables=jnp.zeros((2, 3), jnp.int32)), "has 2 rows, expected num"),
+        (lambda: _prefill_exact(exact_value_cache=jnp.ones((3, 8, 1, 64), jnp.float16)), "one shape and"),
+    ],
+)
+def test_paged_prefill_attention_kiln_jax_rejects_bad_exact_positions(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
 
 
 def test_paged_prefill_tpu_kernel_lowers_to_mosaic(lower_for_tpu):

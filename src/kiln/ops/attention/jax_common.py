@@ -1,8 +1,9 @@
 """What the attention family's JAX backends share: the mask, one online-softmax step and its finish,
 the key blocks (or cache pages) a query block can see and the index maps that clamp to them (the
 Pallas kernels), attention over a padded batch in plain jax.numpy (the "xla" backends), the varlen
-<-> padded-batch layout change that puts flash_attention's varlen signature over them, and the
-paged cache's gather (xla) and per-page step (Pallas TPU).
+<-> padded-batch layout change that puts flash_attention's varlen signature over them, the paged
+cache's gather (xla) and per-page step (Pallas TPU); where an fp8 cache's exact positions sit is in
+jax_exact.py.
 
 Padded-batch layout (jax.nn.dot_product_attention's): q [B, Sq, H, D], k/v [B, Sk, Hkv, D] with
 q_lens/kv_lens int32 [B] the valid length of each batch row; rows past a length are ignored and their
@@ -16,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from kiln.ops.attention.jax_exact import overlay_exact, static_exact_window
 
 NEG_INF = float("-inf")
 
@@ -163,20 +166,36 @@ def over_varlen(padded_kernel, with_lse: bool):
 # ---- paged cache ---------------------------------------------------------------------------------
 
 
-def gather_pages(cache, block_tables, seq_lens, scale, dtype):
+def gather_pages(cache, block_tables, seq_lens, scale, dtype, exact=None):
     """Each sequence's pages as a padded batch: cache [num_blocks, block_size, Hkv, D], block_tables
     int32 [B, max_blocks], seq_lens int32 [B] -> [B, max_blocks * block_size, Hkv, D] in `dtype`
-    (fp8 pages times scale [Hkv] in float32 first). Slots at or past a sequence's length are never
-    read by contract and may hold anything (NaN too): they are zeroed, since the length mask alone
-    would leave probability 0 times a NaN value in the sum."""
+    (fp8 pages times scale [Hkv] in float32 first). exact: (exact_cache, exact_block_tables, window)
+    of an fp8 cache's exact positions, laid over the pages before the scale (overlay_exact). Slots at
+    or past a sequence's length are never read by contract and may hold anything (NaN too): they are
+    zeroed, since the length mask alone would leave probability 0 times a NaN value in the sum."""
     batch, max_blocks = block_tables.shape
     block_size = cache.shape[1]
     pages = cache[jnp.maximum(block_tables, 0)]  # unused entries may be -1; what they gather is zeroed
     pages = pages.reshape(batch, max_blocks * block_size, *cache.shape[2:])
+    if exact is not None:
+        pages = overlay_exact(pages, *exact, seq_lens)
     if scale is not None:
         pages = pages.astype(jnp.float32) * scale.astype(jnp.float32)[None, None, :, None]
     unread = jnp.arange(max_blocks * block_size)[None, :] >= seq_lens[:, None]
     return jnp.where(unread[:, :, None, None], jnp.zeros((), dtype), pages.astype(dtype))
+
+
+def gather_kv_pages(
+    key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, exact_key_cache, exact_value_cache,
+    exact_block_tables, exact_window, dtype,
+):  # fmt: skip
+    """(k, v) of gather_pages, each with its exact cache when exact_block_tables is given."""
+    exact_k = exact_v = None
+    if exact_block_tables is not None:
+        exact_k = (exact_key_cache, exact_block_tables, exact_window)
+        exact_v = (exact_value_cache, exact_block_tables, exact_window)
+    k = gather_pages(key_cache, block_tables, seq_lens, k_scale, dtype, exact_k)
+    return k, gather_pages(value_cache, block_tables, seq_lens, v_scale, dtype, exact_v)
 
 
 def over_varlen_backward(padded_backward):
@@ -303,30 +322,44 @@ def softmax_scratch(lead, rows, head_dim):
 # ---- paged cache: the Pallas TPU kernels' page step ----------------------------------------------
 
 
-def paged_tpu_operands(q_operand, q_spec, page_spec, key_cache, value_cache, k_scale, v_scale):
+def paged_tpu_operands(
+    q_operand, q_spec, page_spec, key_cache, value_cache, k_scale, v_scale, exact_spec=None, exact_caches=()
+):
     """(in_specs, operands) of the paged TPU kernels after their scalar prefetch: the fp8 scales [Hkv]
-    (float32, in SMEM) when set, then the queries and the two caches."""
+    (float32, in SMEM) when set, then the queries, the two caches and the exact caches (when given,
+    blocks by `exact_spec`)."""
     in_specs, operands = [q_spec, page_spec, page_spec], [q_operand, key_cache, value_cache]
     if k_scale is not None:
         smem = pl.BlockSpec(memory_space=pltpu.SMEM)
         in_specs = [smem, smem, *in_specs]
         operands = [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32), *operands]
-    return in_specs, operands
+    return in_specs + [exact_spec] * len(exact_caches), operands + list(exact_caches)
 
 
-def paged_tpu_refs(refs, quantized):
-    """The paged TPU kernels' refs after the scalar prefetch, as (k_scale_ref, v_scale_ref) (None
-    unless quantized), q_ref, k_ref, v_ref, o_ref, (m_ref, l_ref, acc_ref)."""
+def paged_tpu_refs(refs, quantized, exact):
+    """The paged TPU kernels' refs after block_tables, seq_lens (and q_lens), as (k_scale_ref,
+    v_scale_ref) (None unless quantized), q_ref, k_ref, v_ref, (exact_k_ref, exact_v_ref) (None
+    unless exact), o_ref, (m_ref, l_ref, acc_ref); with exact, refs start with the scalar-prefetched
+    exact_block_tables, which only the index maps read."""
+    if exact:
+        refs = refs[1:]
     scales = refs[:2] if quantized else (None, None)
-    q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref = refs[2:] if quantized else refs
-    return scales, q_ref, k_ref, v_ref, o_ref, (m_ref, l_ref, acc_ref)
+    refs = refs[2:] if quantized else refs
+    q_ref, k_ref, v_ref = refs[:3]
+    exact_refs = refs[3:5] if exact else None
+    o_ref, m_ref, l_ref, acc_ref = refs[5:] if exact else refs[3:]
+    return scales, q_ref, k_ref, v_ref, exact_refs, o_ref, (m_ref, l_ref, acc_ref)
 
 
-def paged_page_update(page, seq_len, visible, q_ref, k_ref, v_ref, scale_refs, state, *, scale, softcap):
+def paged_page_update(
+    page, seq_len, visible, q_ref, k_ref, v_ref, scale_refs, state, *, scale, softcap, exact=None
+):
     """One logical page of the paged TPU kernels: for each kv head g, its query tile q_ref[g]
     [rows, D] against the page's k/v [block_size, D] (fp8 pages times their scale refs' [Hkv] value,
     when set), scores masked by `visible` [rows, block_size], one online-softmax step on the state
-    refs (m, l, acc) [Hkv, rows, ...]."""
+    refs (m, l, acc) [Hkv, rows, ...]. exact: (exact_k_ref, exact_v_ref, rows bool [block_size, 1]):
+    the exact blocks [block_size, Hkv, D] this page holds, taken over the fp8 values at `rows`
+    before the scale (the same units)."""
     k_scale_ref, v_scale_ref = scale_refs
     m_ref, l_ref, acc_ref = state
     block_size = k_ref.shape[0]
@@ -337,6 +370,10 @@ def paged_page_update(page, seq_len, visible, q_ref, k_ref, v_ref, scale_refs, s
     for g in range(q_ref.shape[0]):  # static: each kv head against its query group
         q = q_ref[g]  # [rows, D]
         k, v = k_ref[:, g, :], v_ref[:, g, :]  # [block_size, D]
+        if exact is not None:
+            exact_k_ref, exact_v_ref, rows = exact
+            k = jnp.where(rows, exact_k_ref[:, g, :].astype(jnp.float32), k.astype(jnp.float32))
+            v = jnp.where(rows, exact_v_ref[:, g, :].astype(jnp.float32), v.astype(jnp.float32))
         if k_scale_ref is not None:
             k = (k.astype(jnp.float32) * k_scale_ref[g]).astype(q.dtype)
             v = (v.astype(jnp.float32) * v_scale_ref[g]).astype(q.dtype)
@@ -355,19 +392,23 @@ def write_softmax_out(o_ref, state):
 def over_paged_decode(kernel, default_interpret):
     """paged_decode_attention's signature (q [B, H, D] over the paged cache -> [B, H, D], spec.py)
     over a jitted Pallas `kernel(q, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale,
-    *, scale, window, softcap, interpret)`: an empty batch gives an empty result, the options become
-    static, and `interpret` defaults to default_interpret() (off the kernel's own hardware)."""
+    exact_key_cache, exact_value_cache, exact_block_tables, *, scale, window, softcap, exact_window,
+    interpret)`: an empty batch gives an empty result, the options become static, and `interpret`
+    defaults to default_interpret() (off the kernel's own hardware)."""
 
     def paged_decode(
         q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None, softcap=None,
-        k_scale=None, v_scale=None, *, interpret=None,
+        k_scale=None, v_scale=None, exact_key_cache=None, exact_value_cache=None, exact_block_tables=None,
+        exact_window=0, *, interpret=None,
     ):  # fmt: skip
         if q.shape[0] == 0:
             return jnp.zeros(q.shape, q.dtype)
         scale, window, softcap = static_options(scale, sliding_window, softcap, q.shape[-1])
         return kernel(
-            q, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, scale=scale, window=window,
-            softcap=softcap, interpret=default_interpret() if interpret is None else interpret,
+            q, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, exact_key_cache,
+            exact_value_cache, exact_block_tables, scale=scale, window=window, softcap=softcap,
+            exact_window=static_exact_window(exact_block_tables, exact_window),
+            interpret=default_interpret() if interpret is None else interpret,
         )  # fmt: skip
 
     return paged_decode

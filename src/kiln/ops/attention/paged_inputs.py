@@ -83,7 +83,7 @@ def make_exact_kv(
     `[num_seqs, 1 + R]` over shuffled blocks, with the smallest ring the window allows plus one
     (ring entries then wrap at a different period than the window); exact_window."""
     block_size, num_kv_heads, _ = block_shape
-    ring = -(-window // block_size) + 2 if window else 0
+    ring = -(-window // block_size) + 1 if window else 0
     num_blocks = num_seqs * (1 + ring) + 2
     order = torch.randperm(num_blocks, generator=generator)[: num_seqs * (1 + ring)]
     out = {

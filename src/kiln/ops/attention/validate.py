@@ -231,9 +231,9 @@ def check_exact_cache(
 ) -> None:
     """The exact positions of an fp8 cache: float16 `[num_exact_blocks, block_size, Hkv, D]` caches
     matching key_cache's block size, heads and head dim, int32 `[num_seqs, 1 + R]` exact_block_tables
-    whose ring (R columns) holds a window of exact_window positions (R >= ceil(W / block_size) + 1
-    when W > 0), every entry inside the exact caches. All three tensors or none; exact_window 0
-    without them."""
+    whose ring (R columns: R * block_size positions, a circular buffer) holds a window of exact_window
+    positions (R >= ceil(W / block_size)), every entry inside the exact caches. All three tensors or
+    none; exact_window 0 without them."""
     given = [t is not None for t in (exact_key_cache, exact_value_cache, exact_block_tables)]
     if not isinstance(exact_window, int) or isinstance(exact_window, bool) or exact_window < 0:
         raise ValueError(f"{op}: exact_window must be a non-negative int, got {exact_window!r}")
@@ -255,11 +255,12 @@ def check_exact_cache(
             f"is {dtype_name(key_cache.dtype)}, not float8_e4m3fn"
         )
     device = device_of(key_cache)
+    exact_dtypes = (torch.float16, torch.float64)  # float64: the verifier's reference
     exact_key_cache = check_tensor(
-        op, "exact_key_cache", exact_key_cache, ndim=4, dtypes=(torch.float16, torch.float64), device=device
+        op, "exact_key_cache", exact_key_cache, ndim=4, dtypes=exact_dtypes, device=device
     )
     exact_value_cache = check_tensor(
-        op, "exact_value_cache", exact_value_cache, ndim=4, dtypes=(torch.float16, torch.float64), device=device
+        op, "exact_value_cache", exact_value_cache, ndim=4, dtypes=exact_dtypes, device=device
     )
     if tuple(exact_key_cache.shape) != tuple(exact_value_cache.shape) or dtype_name(
         exact_key_cache.dtype
@@ -288,12 +289,12 @@ def check_exact_cache(
         raise ValueError(f"{op}: exact_block_tables needs at least one column (the first block's)")
     block_size = key_cache.shape[1]
     ring = exact_block_tables.shape[1] - 1
-    needed = -(-exact_window // block_size) + 1 if exact_window else 0
+    needed = -(-exact_window // block_size)
     if ring < needed:
         raise ValueError(
             f"{op}: exact_block_tables has {ring} ring columns after the first block's, but a window of "
-            f"{exact_window} positions over blocks of {block_size} spans up to {needed}; widen it to "
-            f"{needed + 1} columns"
+            f"{exact_window} positions needs {needed} blocks of {block_size}; widen it to {needed + 1} "
+            "columns"
         )
     if num_seqs and host_checkable(exact_block_tables):
         num_blocks = exact_key_cache.shape[0]

@@ -15,7 +15,8 @@ exact_value_cache: an fp8 cache's exact positions (optional, all three or none):
                 cache stores (value / scale, saturated at +-448) before their rounding to e4m3
 exact_block_tables: int32 [num_seqs, 1 + R]: column 0 the exact block of the sequence's first
                 block_size positions, columns 1..R a ring for its last exact_window positions
-                (position j in column 1 + (j // block_size) % R; R >= ceil(exact_window / block_size) + 1)
+                (position j in column 1 + (j // block_size) % R at offset j % block_size: a circular
+                buffer of R * block_size positions; R >= ceil(exact_window / block_size))
 exact_window:   W >= 0. Key j of a sequence of seq_len L is read from the exact caches when
                 j < block_size or j >= L - W, from the fp8 cache otherwise (then scaled as usual).
 Returns out [num_seqs, num_heads, head_dim] in q's dtype.

@@ -8,7 +8,10 @@ Grid (B, Hkv, query blocks): a program walks the logical pages its query block c
 bottom-right, sliding window; kiln.ops.attention.jax_common.kv_block_range) with fori_loop, reading
 each physical page through the block table (whole-array refs, pages loaded by index, as in
 paged_decode_attention's GPU kernel), with an online softmax in float32. fp8 pages are widened and
-scaled in float32, then rounded to the queries' dtype for the dots.
+scaled in float32, then rounded to the queries' dtype for the dots. An fp8 cache's exact positions
+(whole-array exact_block_tables and exact caches) are read as in paged_decode_attention's GPU
+kernel: each page's exact slots loaded under a row mask from the exact block its table names, taken
+over the fp8 values before the scale; the window follows the context's end, the same for every query.
 
 Triton's dots want every dim >= 16: pages of 16 slots or more go through tl.dot; smaller pages
 (block_size 8 and below) use broadcast-multiply-sums instead. head_dim is zero-padded to a power of
@@ -35,6 +38,7 @@ from kiln.ops.attention.jax_common import (
     token_rows,
     visible_mask,
 )
+from kiln.ops.attention.jax_exact import exact_window_page, gpu_exact_overlay, ring_size, static_exact_window
 from kiln.ops.attention.paged_prefill_attention.spec import PAGED_PREFILL_ATTENTION
 from kiln.ops.pallas_common import gpu_interpret, pad_to, round_up, squeezed
 
@@ -54,14 +58,14 @@ def _small_page_update(s, v, m, l_, acc):
 
 def _gpu_kernel(
     block_tables_ref, seq_lens_ref, q_lens_ref, *refs, scale, window, softcap, block_q, group_rows,
-    block_size, quantized,
+    block_size, quantized, exact, exact_window, ring,
 ):  # fmt: skip
     from jax.experimental.pallas import triton as plgpu
 
     if quantized:
-        k_scale_ref, v_scale_ref, q_ref, k_ref, v_ref, o_ref = refs
-    else:
-        q_ref, k_ref, v_ref, o_ref = refs
+        k_scale_ref, v_scale_ref, *refs = refs
+    q_ref, k_ref, v_ref, *refs = refs
+    exact_refs, (o_ref,) = (refs[:3], refs[3:]) if exact else (None, refs)
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq_len, q_len = seq_lens_ref[b], q_lens_ref[b]
     q = q_ref[...]  # [block_q * Gp, D]
@@ -71,14 +75,21 @@ def _gpu_kernel(
         jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 0), jnp.int32(group_rows)
     )
     page_rows = (pl.ds(0, block_size), h, pl.ds(0, width))
+    window_page = exact_window_page(seq_len, block_size, exact_window) if exact else None
 
     def body(j, carry):
         page = jnp.maximum(block_tables_ref[b, j], 0)
         k = plgpu.load(k_ref.at[(page, *page_rows)])  # [block_size, D]
         v = plgpu.load(v_ref.at[(page, *page_rows)])
-        if quantized:
-            k = (k.astype(jnp.float32) * k_scale_ref[h]).astype(q.dtype)
-            v = (v.astype(jnp.float32) * v_scale_ref[h]).astype(q.dtype)
+        if quantized or exact:
+            k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+            if exact:
+                k, v = gpu_exact_overlay(
+                    k, v, exact_refs, b, j, page_rows, seq_len, window_page, window=exact_window, ring=ring
+                )
+            if quantized:
+                k, v = k * k_scale_ref[h], v * v_scale_ref[h]
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         cols = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
         visible = visible_mask(query, cols, seq_len - q_len, seq_len, True, window) & (query < q_len)
         # Slots past seq_len are never read by contract (NaN there must not reach P V): zeroed.
@@ -105,11 +116,13 @@ def _gpu_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("max_seqlen_q", "scale", "window", "softcap", "block_q", "interpret")
+    jax.jit,
+    static_argnames=("max_seqlen_q", "scale", "window", "softcap", "exact_window", "block_q", "interpret"),
 )
 def _paged_prefill_gpu(
-    q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale, max_seqlen_q,
-    scale, window, softcap, block_q, interpret,
+    q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale, exact_key_cache,
+    exact_value_cache, exact_block_tables, max_seqlen_q, scale, window, softcap, exact_window, block_q,
+    interpret,
 ):  # fmt: skip
     from jax.experimental.pallas import triton as plgpu
 
@@ -135,10 +148,14 @@ def _paged_prefill_gpu(
     operands = [*lengths, padded, *caches]
     if k_scale is not None:
         operands = [*lengths, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32), padded, *caches]
+    exact = exact_block_tables is not None
+    if exact:
+        operands += [exact_block_tables, *(pad_to(c, 3, width) for c in (exact_key_cache, exact_value_cache))]
     in_specs = [q_spec if op is padded else whole for op in operands]
     kernel = functools.partial(
         _gpu_kernel, scale=scale, window=window, softcap=softcap, block_q=block_q, group_rows=group_rows,
-        block_size=block_size, quantized=k_scale is not None,
+        block_size=block_size, quantized=k_scale is not None, exact=exact, exact_window=exact_window,
+        ring=ring_size(exact_block_tables, exact_window) if exact else 0,
     )  # fmt: skip
     out = pl.pallas_call(
         kernel,
@@ -157,7 +174,8 @@ def _paged_prefill_gpu(
 
 def paged_prefill_attention_pallas_gpu(
     q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale=None,
-    sliding_window=None, softcap=None, k_scale=None, v_scale=None, *, block_q=None, interpret=None,
+    sliding_window=None, softcap=None, k_scale=None, v_scale=None, exact_key_cache=None,
+    exact_value_cache=None, exact_block_tables=None, exact_window=0, *, block_q=None, interpret=None,
 ):  # fmt: skip
     """q [total_q, H, D] (each sequence's last q_len tokens) over the paged cache -> [total_q, H, D];
     the Pallas Triton kernel (interpreted off-GPU). block_q: queries per tile (a power of two)."""
@@ -166,9 +184,10 @@ def paged_prefill_attention_pallas_gpu(
     scale, window, softcap = static_options(scale, sliding_window, softcap, q.shape[-1])
     interpret = gpu_interpret() if interpret is None else interpret
     return _paged_prefill_gpu(
-        q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale,
-        max_seqlen_q=int(max_seqlen_q), scale=scale, window=window, softcap=softcap, block_q=block_q,
-        interpret=interpret,
+        q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale, exact_key_cache,
+        exact_value_cache, exact_block_tables, max_seqlen_q=int(max_seqlen_q), scale=scale, window=window,
+        softcap=softcap, exact_window=static_exact_window(exact_block_tables, exact_window),
+        block_q=block_q, interpret=interpret,
     )  # fmt: skip
 
 
