@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kiln.engine.cpu_args import add_cpu_arguments
-from kiln.engine.kv_cache_args import add_kv_cache_arguments
+from kiln.engine.kv_cache_args import add_kv_cache_arguments, kv_cache_config_from_args
 from kiln.engine.speculative.args import add_speculative_arguments
 from kiln.environment import environment
 
@@ -103,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     add_cpu_arguments(parser)  # --cpu-format, --lm-head-format, --compile-cpu-decode (as kiln generate)
-    add_kv_cache_arguments(parser)  # --kv-cache-dtype, --kv-cache-scales (as kiln generate)
+    add_kv_cache_arguments(parser)  # --kv-cache-dtype, --kv-cache-scales, --kv-cache-exact-window
     parser.add_argument(
         "--threads",
         type=int,
@@ -261,8 +261,7 @@ def bench_kiln(args, loaded, concurrencies: list[int], info: dict | None = None)
             device=args.device,
             max_num_seqs=max_seqs,
             compile_cpu_decode=compile_cpu_decode,
-            kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-            kv_cache_scales=getattr(args, "kv_cache_scales", "calibrated"),
+            **kv_cache_config_from_args(args),
         ),
         loaded=loaded,
     )

@@ -35,7 +35,8 @@ def micro_batch_bounds(cu_seqlens_q: list[int], count: int) -> list[tuple[int, i
 def split_micro_batches(inputs: ModelInputs, count: int) -> list[ModelInputs]:
     """`inputs` as up to `count` micro-batches of whole sequences, in order (see micro_batch_bounds);
     [inputs] itself when count <= 1 or the batch has one sequence. The micro-batches' sample rows,
-    concatenated in order, are the step's sample rows."""
+    concatenated in order, are the step's sample rows. The step's exact_fill is not split: the caller
+    copies it before running any micro-batch."""
     metadata = inputs.attn_metadata
     cu = [int(x) for x in metadata.cu_seqlens_q.tolist()]
     bounds = micro_batch_bounds(cu, count)
@@ -56,6 +57,9 @@ def split_micro_batches(inputs: ModelInputs, count: int) -> list[ModelInputs]:
             max_seqlen_k=int(seq_lens.max()),
             decode_only=all(n == 1 for n in q_lens),
         )
+        if metadata.exact_block_tables is not None:
+            part.exact_block_tables = metadata.exact_block_tables[s0:s1]
+            part.exact_slot_mapping = metadata.exact_slot_mapping[t0:t1]
         rows = [r - t0 for r in inputs.sample_rows if t0 <= r < t1]
         out.append(ModelInputs(inputs.input_ids[t0:t1], inputs.positions[t0:t1], part, rows))
     return out

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import kiln.ops
 from kiln.distributed.groups import PipelineGroup
 from kiln.distributed.micro_batches import split_micro_batches
+from kiln.engine.exact_kv import copy_exact_fill
 from kiln.engine.model_runner import ModelInputs, ModelRunner
 
 LOGITS_TAG = 1 << 20  # + micro-batch index; hidden states use the micro-batch index
@@ -80,6 +81,8 @@ class PipelineStageRunner(ModelRunner):
         `collect` waits for them. Rank 0 (stage 0) can launch the next step while later stages still
         run this one."""
         group, model = self.group, self.model
+        if inputs.exact_fill is not None:  # this stage's layers, before any micro-batch reads them
+            copy_exact_fill(self.kv_caches, inputs.exact_fill[0], inputs.exact_fill[1])
         micro = split_micro_batches(inputs, self.micro_batches)
         hidden_size, device = model.config.hidden_size, self.device
         pipe = group.pipe_group

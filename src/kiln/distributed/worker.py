@@ -37,7 +37,7 @@ from kiln.distributed.groups import (
     launched_by_torchrun,
 )
 from kiln.distributed.stage_runner import PipelineStageRunner
-from kiln.engine.config import EngineConfig, kv_cache_dtype_for, num_kv_blocks_for_model
+from kiln.engine.config import EngineConfig, exact_kv_layout_for, kv_cache_dtype_for, num_kv_blocks_for_model
 from kiln.engine.kv_scales import engine_kv_calibration
 from kiln.engine.model_runner import ModelRunner
 from kiln.loaders import Checkpoint, LoadedModel, load_model
@@ -146,6 +146,7 @@ def run_rank(group: TPGroup | PipelineGroup, device_type: str) -> None:
         kv_cache_dtype=kv_cache_dtype,
         **stage_args,
         kv_calibration=kv_calibration,
+        exact_kv=exact_kv_layout_for(config, kv_cache_dtype),
     )
     serve_steps(runner, group, device)
 

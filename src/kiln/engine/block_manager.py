@@ -9,12 +9,17 @@ prefixes. A new request walks its prompt's full blocks through that map and shar
 that matches (ref_count + 1), computing only the rest. Blocks whose ref_count drops to 0 keep
 their content and stay findable until the allocator needs them: they are evicted in LRU order,
 plain never-cached free blocks being used first.
+
+An fp8 cache with exact positions has a second pool, of float16 exact blocks (`exact`,
+kiln.engine.exact_kv.ExactBlockPool): a sequence gets its ring and its first block's copy with its
+first blocks, and gives the ring back when it is freed; the copy follows its fp8 block's life.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from kiln.engine.exact_kv import ExactBlockPool
 from kiln.engine.sequence import Sequence
 
 
@@ -34,7 +39,13 @@ def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        exact: ExactBlockPool | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"BlockManager: num_blocks={num_blocks}, expected >= 1")
         self.num_blocks = num_blocks
@@ -46,6 +57,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        self.exact = exact
 
     # ---- counts ----
     @property
@@ -62,6 +74,8 @@ class BlockManager:
         return max(0, total - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        if self.exact is not None and self.exact.blocks_needed(seq) > self.exact.num_available:
+            return False
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     # ---- allocation ----
@@ -77,6 +91,8 @@ class BlockManager:
             block.token_ids = None
         else:
             raise RuntimeError("BlockManager: out of KV blocks (the scheduler should have preempted)")
+        if self.exact is not None:
+            self.exact.block_dropped(block_id)
         self.blocks[block_id].ref_count = 1
         return block_id
 
@@ -86,8 +102,12 @@ class BlockManager:
         if block.ref_count == 0:
             if block.hash is not None:
                 self.evictable[block_id] = None  # most recently released goes last
+                if self.exact is not None:
+                    self.exact.block_unreferenced(block_id)
             else:
                 self.free_block_ids.append(block_id)
+                if self.exact is not None:
+                    self.exact.block_dropped(block_id)
 
     def match_prefix(self, seq: Sequence) -> int:
         """At admission (empty block table): share the cached blocks of seq's longest cached prefix.
@@ -112,6 +132,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.evictable[block_id]
+                if self.exact is not None:
+                    self.exact.block_referenced(block_id)
             block.ref_count += 1
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
@@ -130,9 +152,13 @@ class BlockManager:
         self.free(seq)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Grow seq's block table to cover its next num_new_tokens positions (check can_allocate first)."""
+        """Grow seq's block table to cover its next num_new_tokens positions (check can_allocate first);
+        with exact positions, a sequence's first allocation also gives it its exact blocks."""
+        first_block_is_new = not seq.block_table
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             seq.block_table.append(self._take_free_block())
+        if self.exact is not None and seq.exact_ring is None and seq.block_table:
+            self.exact.admit(seq, first_block_is_new)
 
     def trim(self, seq: Sequence, num_positions: int) -> None:
         """Release the blocks of seq's table past the first num_positions positions (speculative
@@ -166,6 +192,8 @@ class BlockManager:
         first so they are evicted before the prefix blocks more requests are likely to share."""
         for block_id in reversed(seq.block_table):
             self._release(block_id)
+        if self.exact is not None:
+            self.exact.release(seq)
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.engine.exact_kv import ExactKVLayout, exact_kv_layout
 from kiln.engine.speculative.config import SpeculativeConfig
+from kiln.ops.attention.validate import FP8_DTYPES
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32, small on a 24 GiB box
 # EngineConfig.kv_cache_dtype's accepted names -> the cache dtype (None = the model's own)
@@ -55,6 +57,12 @@ class EngineConfig:
         mean, which attention ignores, and scales at twice the peaks over 448) or "unit" (1.0, as
         vLLM uses when a checkpoint gives none). Under tensor or pipeline parallelism the scales
         stay 1.0 (logged): each rank holds other heads and the calibration prefill runs one process.
+    kv_cache_exact_window: for an fp8 cache, every sequence's first block and its last this many
+        positions are also kept unrounded (float16) and attention reads them from there
+        (kiln.engine.exact_kv): the attention sink and the recent tokens, where e4m3's rounding flips
+        greedy tokens most. 0 keeps only the first block, None none. The float16 blocks (rings of
+        ceil((window + speculative tokens) / block_size) + 1 blocks per sequence, plus first blocks,
+        for max_num_seqs sequences) come out of the KV budget.
     """
 
     model: str | None = None
@@ -76,8 +84,14 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     kv_cache_dtype: str = "auto"
     kv_cache_scales: str = "calibrated"
+    kv_cache_exact_window: int | None = 32
 
     def __post_init__(self) -> None:
+        window = self.kv_cache_exact_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
+            raise ValueError(
+                f"EngineConfig: kv_cache_exact_window={window!r}, expected an int >= 0 or None (off)"
+            )
         if self.kv_cache_scales not in KV_CACHE_SCALES:
             raise ValueError(
                 f"EngineConfig: kv_cache_scales={self.kv_cache_scales!r}, expected one of "
@@ -124,8 +138,11 @@ def kv_block_bytes(
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
-def num_kv_blocks_for(config: EngineConfig, device: torch.device, block_bytes: int) -> int:
-    """How many KV blocks fit the configured budget (explicit count, byte size, or GPU share)."""
+def num_kv_blocks_for(
+    config: EngineConfig, device: torch.device, block_bytes: int, reserved_bytes: int = 0
+) -> int:
+    """How many KV blocks fit the configured budget (explicit count, byte size, or GPU share) once
+    `reserved_bytes` (an fp8 cache's exact blocks) are taken out of it."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if config.kv_cache_bytes is not None:
@@ -136,11 +153,13 @@ def num_kv_blocks_for(config: EngineConfig, device: torch.device, block_bytes: i
         budget = free - (1.0 - config.gpu_memory_utilization) * total - (512 << 20)
     else:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
-    blocks = int(budget // block_bytes)
+    blocks = int((budget - reserved_bytes) // block_bytes)
     if blocks < 1:
+        reserved = f" after {reserved_bytes} bytes of exact blocks" if reserved_bytes else ""
         raise ValueError(
-            f"EngineConfig: a KV budget of {int(budget)} bytes holds no {block_bytes}-byte block; "
+            f"EngineConfig: a KV budget of {int(budget)} bytes holds no {block_bytes}-byte block{reserved}; "
             "raise kv_cache_bytes / gpu_memory_utilization"
+            + (" or lower kv_cache_exact_window / max_num_seqs" if reserved_bytes else "")
         )
     return blocks
 
@@ -160,11 +179,31 @@ def kv_cache_dtype_for(config: EngineConfig, model) -> torch.dtype:
     return dtype
 
 
+def exact_kv_layout_for(config: EngineConfig, kv_cache_dtype: torch.dtype) -> ExactKVLayout | None:
+    """The exact positions of an fp8 cache under `config` (kiln.engine.exact_kv), None for other
+    caches or with kv_cache_exact_window None."""
+    if kv_cache_dtype not in FP8_DTYPES:
+        return None
+    spec = config.speculative
+    return exact_kv_layout(
+        config.kv_cache_exact_window,
+        config.block_size,
+        config.max_num_seqs,
+        spec.num_speculative_tokens if spec is not None else 0,
+    )
+
+
 def num_kv_blocks_for_model(config: EngineConfig, device: torch.device, model) -> int:
     """How many KV blocks of `model` (its config's layers and kv heads, in kv_cache_dtype_for's dtype)
-    fit the configured budget."""
+    fit the configured budget, after an fp8 cache's exact blocks."""
     c = model.config
-    block_bytes = kv_block_bytes(
-        c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, kv_cache_dtype_for(config, model)
-    )
-    return num_kv_blocks_for(config, device, block_bytes)
+    dtype = kv_cache_dtype_for(config, model)
+    block_bytes = kv_block_bytes(c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, dtype)
+    layout = exact_kv_layout_for(config, dtype)
+    reserved = 0
+    if layout is not None:
+        exact_block = kv_block_bytes(
+            c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, torch.float16
+        )
+        reserved = layout.num_blocks * exact_block
+    return num_kv_blocks_for(config, device, block_bytes, reserved)

@@ -102,7 +102,9 @@ class CompiledDecodeSteps:
         self.sizes = graph_batch_sizes(max_num_seqs)
         cpu = torch.device("cpu")
         with torch.inference_mode(False):  # ordinary tensors: the graph reads them outside inference mode
-            self.buffers = DecodeBuffers(self.sizes[-1], runner.max_model_len, runner.block_size, cpu)
+            self.buffers = DecodeBuffers(
+                self.sizes[-1], runner.max_model_len, runner.block_size, cpu, runner.exact_kv
+            )
         if any(t.is_inference() for layer in runner.kv_caches for t in layer[:2]):
             raise ValueError(
                 "CompiledDecodeSteps: the KV caches were allocated in inference mode; the compiled step "
@@ -141,6 +143,8 @@ class CompiledDecodeSteps:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         cu_seqlens_q: torch.Tensor,
+        exact_slot_mapping: torch.Tensor | None = None,
+        exact_block_tables: torch.Tensor | None = None,
     ) -> torch.Tensor:
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -150,6 +154,9 @@ class CompiledDecodeSteps:
             max_seqlen_q=1,
             max_seqlen_k=self.runner.max_model_len,  # a constant, as in the CUDA graphs
             decode_only=True,
+            exact_block_tables=exact_block_tables,
+            exact_slot_mapping=exact_slot_mapping,
+            exact_window=self.buffers.exact_window,
         )
         hidden = self._model_forward(self.runner.model, input_ids, positions, self.runner.kv_caches, metadata)
         return self._compute_logits(self.runner.model, hidden) if self.logits_in_graph else hidden
@@ -172,6 +179,9 @@ class CompiledDecodeSteps:
         # dimension of size 1), its width dynamic, so context growth never recompiles
         capacity = buffers.block_tables.shape[1]
         width = min(capacity, max(2, -(-metadata.max_seqlen_k // self.runner.block_size)))
+        exact_args = ()
+        if buffers.exact_block_tables is not None:
+            exact_args = (buffers.exact_slot_mapping[:bs], buffers.exact_block_tables[:bs])
         try:
             # outside inference mode: the graph's inputs (the table's copy included) are ordinary tensors
             with torch.inference_mode(False), torch.no_grad():
@@ -187,6 +197,7 @@ class CompiledDecodeSteps:
                     block_tables,
                     buffers.seq_lens[:bs],
                     buffers.cu_seqlens_q[: bs + 1],
+                    *exact_args,
                 )
         except Exception as exc:  # compile errors surface on a size's first call
             self.failed = True

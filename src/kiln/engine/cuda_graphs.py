@@ -35,7 +35,7 @@ class DecodeGraphs:
         device = runner.device
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.buffers = buffers = DecodeBuffers(
-            self.sizes[-1], runner.max_model_len, runner.block_size, device
+            self.sizes[-1], runner.max_model_len, runner.block_size, device, runner.exact_kv
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

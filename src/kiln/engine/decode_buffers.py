@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.engine.exact_kv import ExactKVLayout
 from kiln.models.attention_metadata import AttentionMetadata
 
 
@@ -20,9 +21,18 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeBuffers:
     """input_ids, positions, slot_mapping [max_bs]; block_tables [max_bs, max_blocks];
-    seq_lens [max_bs]; cu_seqlens_q [max_bs + 1] (one query per sequence), on `device`."""
+    seq_lens [max_bs]; cu_seqlens_q [max_bs + 1] (one query per sequence), on `device`. With
+    `exact_kv` (an fp8 cache's exact positions): exact_slot_mapping [max_bs] and exact_block_tables
+    [max_bs, 1 + ring_blocks] too (padding: slot -1, exact block 0), else those are None."""
 
-    def __init__(self, max_bs: int, max_model_len: int, block_size: int, device: torch.device):
+    def __init__(
+        self,
+        max_bs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        exact_kv: ExactKVLayout | None = None,
+    ):
         max_blocks = -(-max_model_len // block_size)
         self.max_model_len = max_model_len
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
@@ -31,6 +41,13 @@ class DecodeBuffers:
         self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.exact_window = 0 if exact_kv is None else exact_kv.window
+        self.exact_slot_mapping = self.exact_block_tables = None
+        if exact_kv is not None:
+            self.exact_slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
+            self.exact_block_tables = torch.zeros(
+                max_bs, 1 + exact_kv.ring_blocks, dtype=torch.int32, device=device
+            )
 
     def fill(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, bs: int
@@ -47,6 +64,11 @@ class DecodeBuffers:
         self.seq_lens[n:bs].fill_(1)
         self.block_tables[:bs].zero_()
         self.block_tables[:n, :width].copy_(metadata.block_tables)
+        if self.exact_block_tables is not None:
+            self.exact_slot_mapping[:n].copy_(metadata.exact_slot_mapping)
+            self.exact_slot_mapping[n:bs].fill_(-1)
+            self.exact_block_tables[:n].copy_(metadata.exact_block_tables)
+            self.exact_block_tables[n:bs].zero_()
 
     def metadata(self, bs: int) -> AttentionMetadata:
         """The decode metadata over the first bs rows; max_seqlen_k is the constant max_model_len
@@ -59,4 +81,7 @@ class DecodeBuffers:
             max_seqlen_q=1,
             max_seqlen_k=self.max_model_len,
             decode_only=True,
+            exact_block_tables=None if self.exact_block_tables is None else self.exact_block_tables[:bs],
+            exact_slot_mapping=None if self.exact_slot_mapping is None else self.exact_slot_mapping[:bs],
+            exact_window=self.exact_window,
         )

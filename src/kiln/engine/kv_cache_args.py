@@ -1,4 +1,4 @@
-"""The KV-cache command-line flags `kiln generate` and `kiln serve` share."""
+"""The KV-cache command-line flags `kiln generate`, `kiln serve` and `kiln bench engine` share."""
 
 from __future__ import annotations
 
@@ -6,11 +6,26 @@ import argparse
 
 from kiln.engine.config import KV_CACHE_DTYPES, KV_CACHE_SCALES
 
+DEFAULT_EXACT_WINDOW = 32  # EngineConfig.kv_cache_exact_window's default
+
+
+def exact_window_arg(text: str) -> int | None:
+    """--kv-cache-exact-window's value: an int >= 0, or "off" (None)."""
+    if text == "off":
+        return None
+    try:
+        window = int(text)
+    except ValueError:
+        window = -1
+    if window < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0 or 'off', got {text!r}")
+    return window
+
 
 def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    """--kv-cache-dtype auto|bfloat16|bf16|float16|fp16|fp8|fp8_e4m3 and --kv-cache-scales
-    calibrated|unit (EngineConfig's
-    kv_cache_dtype and kv_cache_scales)."""
+    """--kv-cache-dtype auto|bfloat16|bf16|float16|fp16|fp8|fp8_e4m3, --kv-cache-scales calibrated|unit
+    and --kv-cache-exact-window N|off (EngineConfig's kv_cache_dtype, kv_cache_scales and
+    kv_cache_exact_window)."""
     parser.add_argument(
         "--kv-cache-dtype",
         choices=list(KV_CACHE_DTYPES),
@@ -25,3 +40,22 @@ def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="fp8 KV cache: calibrated = per-head scales and centred keys measured by one prefill at "
         "start-up; unit = scales 1.0",
     )
+    parser.add_argument(
+        "--kv-cache-exact-window",
+        type=exact_window_arg,
+        default=DEFAULT_EXACT_WINDOW,
+        metavar="N|off",
+        help="fp8 KV cache: keep every sequence's first block and its last N positions unrounded "
+        f"(float16) and read them from there (default {DEFAULT_EXACT_WINDOW}; 0 = the first block only; "
+        "off = none)",
+    )
+
+
+def kv_cache_config_from_args(args: argparse.Namespace) -> dict:
+    """EngineConfig's KV-cache keyword arguments from the flags add_kv_cache_arguments defines
+    (their defaults where a caller's parser lacks them)."""
+    return {
+        "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
+        "kv_cache_scales": getattr(args, "kv_cache_scales", "calibrated"),
+        "kv_cache_exact_window": getattr(args, "kv_cache_exact_window", DEFAULT_EXACT_WINDOW),
+    }

@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable
 
 from kiln.engine.block_manager import BlockManager
-from kiln.engine.config import EngineConfig, kv_cache_dtype_for, num_kv_blocks_for_model
+from kiln.engine.config import EngineConfig, exact_kv_layout_for, kv_cache_dtype_for, num_kv_blocks_for_model
 from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.exact_kv import ExactBlockPool
 from kiln.engine.kv_scales import engine_kv_calibration
 from kiln.engine.model_runner import ModelInputs, ModelRunner
 from kiln.engine.outputs import EngineStats, RequestOutput
@@ -64,10 +65,16 @@ class LLMEngine:
         )
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or model_config.eos_token_ids or [])
         self.eos_token_ids = eos
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_cache_dtype = kv_cache_dtype_for(config, self.model)
+        exact_kv = exact_kv_layout_for(config, kv_cache_dtype)
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            exact=None if exact_kv is None else ExactBlockPool(exact_kv, config.block_size),
+        )
         spec = config.speculative
         self.scheduler = self.new_scheduler(config.max_num_seqs)
-        kv_cache_dtype = kv_cache_dtype_for(config, self.model)
         # one process or tensor parallelism (whose workers calibrate at the same point); not a pipeline
         kv_calibration = engine_kv_calibration(
             config, self.model, self.tokenizer, kv_cache_dtype, pipeline=runner_class is not ModelRunner
@@ -85,6 +92,7 @@ class LLMEngine:
             before_forward=before_forward,
             kv_cache_dtype=kv_cache_dtype,
             kv_calibration=kv_calibration,
+            exact_kv=exact_kv,
         )
         # per-phase wall time of every step (kiln.engine.step_times); the runner adds its phases
         self.step_times = self.runner.step_times

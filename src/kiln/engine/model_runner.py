@@ -28,11 +28,19 @@ from dataclasses import dataclass
 import torch
 
 import kiln.ops
+from kiln.engine.exact_kv import (
+    ExactKVLayout,
+    allocate_exact_caches,
+    copy_exact_fill,
+    exact_block_table_row,
+    exact_slots_for,
+)
 from kiln.engine.sampler import Sampler
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.speculative.verify import verify_proposals
 from kiln.engine.step_times import StepTimes
 from kiln.models.attention_metadata import AttentionMetadata
+from kiln.models.layer_kv_cache import LayerKVCache
 from kiln.ops.attention.validate import FP8_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -55,13 +63,15 @@ class ModelInputs:
 
     input_ids, positions: int64 [T]; attn_metadata: the batch layout; sample_rows: the rows of the T
     tokens whose logits are wanted (the last token of each sequence that samples this step; every
-    token of a sequence that verifies proposals).
+    token of a sequence that verifies proposals). exact_fill: int64 [2, n], fp8 slots (row 0) to copy
+    into exact slots (row 1) in every layer before the step runs (kiln.engine.exact_kv), or None.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     sample_rows: list[int]
+    exact_fill: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> ModelInputs:
         """The same inputs with every tensor on `device` (self when they are there already)."""
@@ -78,24 +88,36 @@ class ModelInputs:
             self.positions.to(device),
             dataclasses.replace(metadata, **moved),
             self.sample_rows,
+            None if self.exact_fill is None else self.exact_fill.to(device),
         )
 
 
 def allocate_layer_kv_cache(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, calibration: tuple | None = None
-) -> tuple:
-    """One layer's (key_cache, value_cache) of `shape` [num_blocks, block_size, num_kv_heads, head_dim],
-    plus for an fp8 dtype (k_scale, v_scale) float32 [num_kv_heads]: ones, or with `calibration` (one
-    layer of kiln.engine.kv_scales.calibrate_kv_cache: k_scale, v_scale, k_shift) the measured scales
-    and the key shift float32 [num_kv_heads, head_dim] as a fifth entry."""
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    calibration: tuple | None = None,
+    exact_kv: ExactKVLayout | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | LayerKVCache:
+    """One layer's cache: (key_cache, value_cache) of `shape` [num_blocks, block_size, num_kv_heads,
+    head_dim]; for an fp8 dtype a LayerKVCache of those plus k_scale and v_scale float32
+    [num_kv_heads] (ones, or with `calibration`, one layer of kiln.engine.kv_scales.calibrate_kv_cache,
+    the measured scales and the key shift float32 [num_kv_heads, head_dim]) and, with `exact_kv`, its
+    exact caches."""
     # zeros, not empty: masked-out lanes of a partly filled block must not hold NaN bit patterns
     caches = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
     if dtype not in FP8_DTYPES:
         return caches
     if calibration is not None:  # copies: calibration may have made them in inference mode
-        return (*caches, *(t.to(device=device, dtype=torch.float32).clone() for t in calibration))
-    num_kv_heads = shape[2]
-    return (*caches, *(torch.ones(num_kv_heads, dtype=torch.float32, device=device) for _ in range(2)))
+        scales = tuple(t.to(device=device, dtype=torch.float32).clone() for t in calibration)
+    else:
+        num_kv_heads = shape[2]
+        ones = (torch.ones(num_kv_heads, dtype=torch.float32, device=device) for _ in range(2))
+        scales = (*ones, None)
+    exact = (None, None)
+    if exact_kv is not None:
+        exact = allocate_exact_caches(exact_kv, *shape[1:], device)
+    return LayerKVCache(*caches, *scales, *exact)
 
 
 class ModelRunner:
@@ -124,6 +146,7 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         compile_cpu_decode: bool = False,
         kv_calibration: list[tuple[torch.Tensor, ...]] | None = None,
+        exact_kv: ExactKVLayout | None = None,
     ):
         self.model = model
         self.before_forward = before_forward
@@ -139,11 +162,16 @@ class ModelRunner:
                 f"ModelRunner: kv_calibration has {len(kv_calibration)} layers, the model {cfg.num_layers}"
             )
         self.kv_calibrated = kv_calibration is not None and dtype in FP8_DTYPES
+        if exact_kv is not None and dtype not in FP8_DTYPES:
+            raise ValueError(f"ModelRunner: exact positions are for an fp8 cache, not {dtype}")
+        self.exact_kv = exact_kv
         # ordinary tensors even when the engine is built inside inference mode: the compiled CPU
         # decode step writes them in place from a graph run outside it (kiln.engine.cpu_compiled_step)
         with torch.inference_mode(False):
             self.kv_caches = [
-                allocate_layer_kv_cache(shape, dtype, device, kv_calibration[i] if kv_calibration else None)
+                allocate_layer_kv_cache(
+                    shape, dtype, device, kv_calibration[i] if kv_calibration else None, exact_kv
+                )
                 for i in range(cfg.num_layers)
             ]
         logger.info("KV cache: %s", self.kv_cache_description())
@@ -167,10 +195,16 @@ class ModelRunner:
 
     def kv_cache_description(self) -> str:
         """One line for the start-up log: blocks, tokens, dtype and bytes of the KV cache."""
-        nbytes = sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
+        nbytes = sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer if t is not None)
         dtype = str(self.kv_cache_dtype).removeprefix("torch.")
         if self.kv_cache_dtype in FP8_DTYPES:
             dtype += " (calibrated scales, centred keys)" if self.kv_calibrated else " (scales 1.0)"
+        if self.exact_kv is not None:
+            layout = self.exact_kv
+            dtype += (
+                f", first block and last {layout.window} positions exact (float16, {layout.num_blocks} "
+                f"exact blocks, rings of {layout.ring_blocks})"
+            )
         return (
             f"{self.num_blocks} blocks x {self.block_size} tokens, {dtype}, "
             f"{nbytes / (1 << 20):.1f} MiB over {len(self.kv_caches)} layers"
@@ -187,9 +221,16 @@ class ModelRunner:
         cu_seqlens_q = [0]
         sample_rows: list[int] = []
         sample_seqs = []
+        exact = self.exact_kv
+        exact_slot_mapping: list[int] = []
+        exact_fill: list[tuple[int, int]] = []
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             start = seq.num_computed_tokens
             end = start + n
+            if exact is not None:
+                exact_slot_mapping += exact_slots_for(seq, start, end, size, exact.ring_blocks)
+                exact_fill += seq.exact_fill
+                seq.exact_fill = []
             table = seq.block_table
             spec = seq.spec_token_ids
             if spec:  # verify: the last token, then the proposals (n == 1 + len(spec))
@@ -227,15 +268,28 @@ class ModelRunner:
             max_seqlen_k=max(seq_lens),
             decode_only=all(n == 1 for n in batch.num_tokens),
         )
+        fill = None
+        if exact is not None:
+            metadata.exact_block_tables = torch.tensor(
+                [exact_block_table_row(seq) for seq in batch.seqs], dtype=torch.int32
+            ).to(dev, non_blocking=True)
+            metadata.exact_slot_mapping = torch.tensor(exact_slot_mapping, dtype=torch.int64).to(
+                dev, non_blocking=True
+            )
+            metadata.exact_window = exact.window
+            if exact_fill:
+                fill = torch.tensor(exact_fill, dtype=torch.int64).T.contiguous().to(dev, non_blocking=True)
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
-        return ModelInputs(ids, pos, metadata, sample_rows), sample_seqs
+        return ModelInputs(ids, pos, metadata, sample_rows, fill), sample_seqs
 
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> torch.Tensor | None:
         """Run the model on one step's inputs: float32 logits [len(sample_rows), vocab] (under tensor
         parallelism, on rank 0), or None when no row samples. Every rank of a group calls it."""
         metadata = inputs.attn_metadata
+        if inputs.exact_fill is not None:
+            copy_exact_fill(self.kv_caches, inputs.exact_fill[0], inputs.exact_fill[1])
         with kiln.ops.trusted_inputs():
             hidden = logits = None
             if self.graphs is not None and metadata.decode_only and self.graphs.fits(metadata.num_seqs):

@@ -53,6 +53,11 @@ class Sequence:
         # only once verified), and the draft's distributions they were drawn from (None = deterministic)
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: torch.Tensor | None = None
+        # an fp8 cache's exact positions (kiln.engine.exact_kv), while it holds blocks: the exact block
+        # of its first block, its ring, and the (fp8 slot, exact slot) copies due before its next step
+        self.exact_first: int | None = None
+        self.exact_ring: list[int] | None = None
+        self.exact_fill: list[tuple[int, int]] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

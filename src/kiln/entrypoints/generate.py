@@ -7,7 +7,7 @@ import sys
 import time
 
 from kiln.engine.cpu_args import add_cpu_arguments, cpu_config_from_args
-from kiln.engine.kv_cache_args import add_kv_cache_arguments
+from kiln.engine.kv_cache_args import add_kv_cache_arguments, kv_cache_config_from_args
 from kiln.engine.speculative.args import add_speculative_arguments, speculative_config_from_args
 
 
@@ -70,8 +70,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             max_num_seqs=1,
             speculative=speculative,
-            kv_cache_dtype=args.kv_cache_dtype,
-            kv_cache_scales=args.kv_cache_scales,
+            **kv_cache_config_from_args(args),
             **cpu_config_from_args(args),
         )
         if args.tp > 1 or args.ep > 1 or args.pp > 1:  # parallel: None on a torchrun rank > 0 (done)

@@ -25,6 +25,12 @@ class AttentionMetadata:
     max_seqlen_q:  longest q_len in the batch
     max_seqlen_k:  longest seq_len in the batch
     decode_only:   every sequence has exactly one new token (-> paged_decode_attention)
+    An fp8 cache with exact positions (kiln.engine.exact_kv) also has:
+    exact_block_tables: int32 [num_seqs, 1 + R]  each sequence's exact block of its first block, then
+                                        its ring of R exact blocks for the recent window
+    exact_slot_mapping: int64 [num_tokens]  where each new token also goes in the exact caches
+                                        (negative = not an exact position)
+    exact_window:  how many of a sequence's last positions attention reads exactly (0 = none)
     """
 
     slot_mapping: torch.Tensor
@@ -34,6 +40,9 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     decode_only: bool
+    exact_block_tables: torch.Tensor | None = None
+    exact_slot_mapping: torch.Tensor | None = None
+    exact_window: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -57,7 +57,13 @@ def create_app(
     metrics = ServerMetrics()
     runner = getattr(engine, "runner", None)
     if runner is not None:  # an LLMEngine: its KV cache is known (and its block count) before any step
-        metrics.set_kv_cache(str(runner.kv_cache_dtype).removeprefix("torch."), runner.block_size)
+        exact = getattr(runner, "exact_kv", None)
+        metrics.set_kv_cache(
+            str(runner.kv_cache_dtype).removeprefix("torch."),
+            runner.block_size,
+            exact.num_blocks if exact is not None else 0,
+            exact.window if exact is not None else -1,
+        )
         metrics.set_engine_stats(engine.stats())
     async_engine = AsyncEngine(engine, metrics, max_queue)
     serving = OpenAIServing(async_engine, model_name, allow_special_tokens_in_chat)

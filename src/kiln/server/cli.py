@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from kiln.engine.cpu_args import add_cpu_arguments, cpu_config_from_args
-from kiln.engine.kv_cache_args import add_kv_cache_arguments
+from kiln.engine.kv_cache_args import add_kv_cache_arguments, kv_cache_config_from_args
 from kiln.engine.speculative.args import add_speculative_arguments, speculative_config_from_args
 
 
@@ -83,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             device=args.device,
             speculative=speculative_config_from_args(args),
-            kv_cache_dtype=args.kv_cache_dtype,
-            kv_cache_scales=args.kv_cache_scales,
+            **kv_cache_config_from_args(args),
             **cpu_config_from_args(args),
         )
     except ValueError as exc:

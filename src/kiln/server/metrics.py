@@ -144,10 +144,25 @@ class ServerMetrics:
             ["dtype", "block_size"],
             registry=self.registry,
         )
+        self.kv_cache_exact_blocks = Gauge(
+            "kiln_kv_cache_exact_blocks_total",
+            "float16 blocks holding an fp8 cache's exact positions (first blocks, recent windows); 0 without",
+            registry=self.registry,
+        )
+        self.kv_cache_exact_window = Gauge(
+            "kiln_kv_cache_exact_window",
+            "recent positions per sequence an fp8 cache keeps exact (its first block too); -1 without",
+            registry=self.registry,
+        )
 
-    def set_kv_cache(self, dtype: str, block_size: int) -> None:
-        """Record the KV cache's dtype name ("float8_e4m3fn", "bfloat16", ...) and block size."""
+    def set_kv_cache(
+        self, dtype: str, block_size: int, exact_blocks: int = 0, exact_window: int = -1
+    ) -> None:
+        """Record the KV cache's dtype name ("float8_e4m3fn", "bfloat16", ...) and block size, and an fp8
+        cache's exact blocks and window (kiln.engine.exact_kv; 0 and -1 without)."""
         self.kv_cache_info.labels(dtype, str(block_size)).set(1)
+        self.kv_cache_exact_blocks.set(exact_blocks)
+        self.kv_cache_exact_window.set(exact_window)
 
     def set_engine_stats(self, stats: EngineStats) -> None:
         self._engine.stats = stats

@@ -16,11 +16,20 @@ import torch
 
 import kiln.ops
 from kiln.models.attention_metadata import AttentionMetadata
+from kiln.models.layer_kv_cache import LayerKVCache
 from kiln.models.layers.linear import Linear
 from kiln.models.layers.parallel_linear import RowParallelLinear
 from kiln.models.layers.rotary import RotaryEmbedding
 from kiln.models.layers.tp import TPGroup
 from kiln.models.weights import Weight, cat_rows
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value: the fp8 cache writers saturate there
+
+
+def fp8_units(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, Hkv, D] as an fp8 cache with per-head `scale` [Hkv] stores it, before its rounding to
+    e4m3: float16 x / scale, saturated at +-448 as the cache writers saturate (exact caches)."""
+    return (x.float() / scale.float()[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float16)
 
 
 class PagedAttention(torch.nn.Module):
@@ -28,13 +37,15 @@ class PagedAttention(torch.nn.Module):
 
     num_heads, num_kv_heads: this rank's (all of them in one process); q [num_heads * head_dim, hidden],
     k and v [num_kv_heads * head_dim, hidden], o [hidden, num_heads * head_dim]: this rank's slices.
-    kv_cache: (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; this
-    step's keys and values are written into it in place. A cache of another float dtype than the
-    activations (a 16-bit cache under a float32 model) gets q, k and v rounded to its dtype; the
-    output returns in the activations' dtype. A float8_e4m3fn cache comes with its scales:
-    (key_cache, value_cache, k_scale, v_scale), float32 [num_kv_heads] (stored = value / scale), and
-    optionally a fifth entry k_shift float32 [num_kv_heads, head_dim] subtracted from every key before
-    it is stored (softmax is unchanged by it; kiln.engine.kv_scales).
+    kv_cache: a kiln.models.layer_kv_cache.LayerKVCache (or a plain (key_cache, value_cache) pair),
+    caches [num_blocks, block_size, num_kv_heads, head_dim]; this step's keys and values are written
+    into it in place. A cache of another float dtype than the activations (a 16-bit cache under a
+    float32 model) gets q, k and v rounded to its dtype; the output returns in the activations'
+    dtype. A float8_e4m3fn cache comes with its scales (stored = value / scale), optionally a key
+    shift subtracted from every key before it is stored (softmax is unchanged by it;
+    kiln.engine.kv_scales) and optionally exact caches: this step's keys and values also go there
+    unrounded (float16, in the fp8 cache's units) at attn_metadata.exact_slot_mapping, and attention
+    reads each sequence's first block and last attn_metadata.exact_window positions from them.
     scale: the attention scores' scale (None = head_dim ** -0.5; Gemma 3: query_pre_attn_scalar ** -0.5).
     qk_norm: (q_weight, k_weight), each [head_dim]: RMSNorm every q and k head (eps `qk_norm_eps`)
     before RoPE, fused with it in `kiln.ops.qk_norm_rope` (Qwen3); None = RoPE only.
@@ -80,7 +91,7 @@ class PagedAttention(torch.nn.Module):
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKVCache | tuple[torch.Tensor, ...],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -96,8 +107,8 @@ class PagedAttention(torch.nn.Module):
             q, k = kiln.ops.qk_norm_rope(
                 positions, q, k, q_weight, k_weight, self.rotary.cos_sin_cache, self.qk_norm_eps, True
             )
-        key_cache, value_cache, *extra = kv_cache
-        k_scale, v_scale, k_shift = (*extra, None, None, None)[:3]
+        cache = kv_cache if isinstance(kv_cache, LayerKVCache) else LayerKVCache(*kv_cache)
+        key_cache, value_cache, k_scale, v_scale, k_shift = cache[:5]
         if k_shift is not None:
             # Every key minus one fixed vector per head: q.(k - s) = q.k - q.s shifts all of a query's
             # scores by the same amount, which softmax ignores; centred keys round finer in fp8.
@@ -108,6 +119,21 @@ class PagedAttention(torch.nn.Module):
             # dtype, so this step's q, k and v round to the cache's and the output comes back below.
             q, k, v = q.to(key_cache.dtype), k.to(key_cache.dtype), v.to(key_cache.dtype)
         kiln.ops.write_kv_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping, k_scale, v_scale)
+        exact_args = {}
+        if cache.exact_key_cache is not None:
+            kiln.ops.write_kv_cache(
+                fp8_units(k, k_scale),
+                fp8_units(v, v_scale),
+                cache.exact_key_cache,
+                cache.exact_value_cache,
+                attn_metadata.exact_slot_mapping,
+            )
+            exact_args = {
+                "exact_key_cache": cache.exact_key_cache,
+                "exact_value_cache": cache.exact_value_cache,
+                "exact_block_tables": attn_metadata.exact_block_tables,
+                "exact_window": attn_metadata.exact_window,
+            }
         if k_scale is not None and q.device.type != "cpu":
             # The GPU kernels read fp8 pages as float16 next to float16 queries (the combination they
             # are verified in); the CPU kernels compute in float32 whatever q is.
@@ -123,6 +149,7 @@ class PagedAttention(torch.nn.Module):
                 sliding_window=self.sliding_window,
                 k_scale=k_scale,
                 v_scale=v_scale,
+                **exact_args,
             )
         else:
             out = kiln.ops.paged_prefill_attention(
@@ -137,5 +164,6 @@ class PagedAttention(torch.nn.Module):
                 sliding_window=self.sliding_window,
                 k_scale=k_scale,
                 v_scale=v_scale,
+                **exact_args,
             )
         return self.o_proj(out.to(out_dtype).reshape(num_tokens, self.q_size))
