@@ -44,16 +44,20 @@ def test_failed_capture_is_recorded_as_a_fallback_to_eager(no_fallbacks):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_matches_eager_greedy_tokens(no_fallbacks):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])  # fp8: with exact positions (the default)
+def test_cuda_graph_decode_matches_eager_greedy_tokens(no_fallbacks, kv_cache_dtype):
     from kiln.loaders import load_model
 
     # float32: random weights give near-tied logits, which bf16 rounding could flip between the paths
     loaded = load_model("random:tiny", device="cuda", dtype=torch.float32)
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    graphed = LLM(loaded=loaded, device="cuda", max_num_seqs=8, num_kv_blocks=256)
+    # 40 tokens: decode steps run past the first block and the 32-position window of an fp8 cache
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine_args = dict(device="cuda", max_num_seqs=8, num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype)
+    graphed = LLM(loaded=loaded, **engine_args)
     assert graphed.engine.runner.graphs is not None, f"CUDA graph capture failed: {fallbacks.taken()}"
-    eager = LLM(loaded=loaded, device="cuda", max_num_seqs=8, num_kv_blocks=256, enforce_eager=True)
+    assert (graphed.engine.runner.exact_kv is not None) == (kv_cache_dtype == "fp8")
+    eager = LLM(loaded=loaded, **engine_args, enforce_eager=True)
     ours = graphed.generate(prompts, params)
     ref = eager.generate(prompts, params)
     # batch-size-dependent kernels may still flip a near-tie late; the first tokens must agree
