@@ -36,6 +36,7 @@ def test_failed_capture_is_recorded_as_a_fallback_to_eager(no_fallbacks):
         max_model_len=64,
         block_size=16,
         kv_caches=[],
+        exact_kv=None,
     )
     with pytest.raises(RuntimeError, match="not graph-safe"):
         DecodeGraphs(runner, max_num_seqs=4)

@@ -37,6 +37,9 @@ def test_every_recorded_launch_compiles_for_sm90(tmp_path):
     # dense/TMA/scaled/int4/gguf GEMMs, MoE, attention, norms, elementwise: the sweep reached them all
     assert len(kernels) >= 20, sorted(kernels)
     assert any(name.endswith("_linear_tma_kernel") for name in kernels), "the TMA GEMM was never launched"
+    # the engine's fp8 cache keeps exact positions by default: both paged attention kernels for them
+    for exact in ("_decode_partition_exact_kernel", "_paged_prefill_exact_kernel"):
+        assert any(name.endswith(exact) for name in kernels), f"{exact} was never launched"
     # 16/8-bit launches at bench/model shapes are the GPU's hot path: no register spills there
     # (fp32 launches and odd fuzz-only shapes are reported by the CLI, not asserted)
     spilled = [r for r in report["results"] if r["hot_spill"]]

@@ -1,11 +1,12 @@
-"""What the paged attention tests share: paged KV caches with a query batch, and the bad arguments
-both paged ops must reject."""
+"""What the paged attention tests share: paged KV caches with a query batch (with an fp8 cache's
+exact positions too), and the bad arguments both paged ops must reject."""
 
 import random
 
 import torch
 
 from kiln.ops.attention.paged_inputs import make_paged_kv
+from kiln.ops.attention.reference import exact_positions, exact_slot
 
 DTYPES = [torch.float32, torch.float16, torch.float8_e4m3fn]  # fp8: float16 queries over an fp8 cache
 
@@ -38,3 +39,70 @@ BAD_COMMON = [
     ),
     ({"sliding_window": 0}, "sliding_window must be positive"),
 ]
+
+
+# ---- an fp8 cache with exact positions (exact_key_cache / exact_value_cache / exact_block_tables) ----
+
+FP8 = torch.float8_e4m3fn
+
+
+def exact_inputs(device, context_lens, heads, kv_heads, block_size, window, seed=None):
+    """make_paged_kv's fp8 cache with make_exact_kv's exact caches for `window`, q float16
+    [num_seqs, heads, 64]."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31) if seed is None else seed)
+    inputs = make_paged_kv(context_lens, kv_heads, 64, block_size, FP8, device, gen, exact_window=window)
+    inputs["q"] = torch.randn(len(context_lens), heads, 64, generator=gen).half().to(device)
+    return inputs
+
+
+def float64_reference(spec, inputs: dict) -> torch.Tensor:
+    return spec.reference(**{k: v.double() if k == "q" else v for k, v in inputs.items()})
+
+
+def poison_exact_reads(inputs: dict) -> None:
+    """NaN where the contract reads nothing: in every fp8 cache slot holding an exact position of a
+    sequence (the first block, the last exact_window positions: read from the exact caches instead),
+    and in every exact cache slot no exact position of any sequence maps to (exact_slot)."""
+    block_size = inputs["key_cache"].shape[1]
+    exact_read = torch.zeros(inputs["exact_key_cache"].shape[:2], dtype=torch.bool)
+    tables, exact_tables = inputs["block_tables"].tolist(), inputs["exact_block_tables"].tolist()
+    for table, exact_row, length in zip(tables, exact_tables, inputs["seq_lens"].tolist(), strict=True):
+        for j in exact_positions(length, block_size, inputs["exact_window"]):
+            for cache in (inputs["key_cache"], inputs["value_cache"]):
+                cache.view(torch.uint8)[table[j // block_size], j % block_size] = 0x7F  # e4m3fn's NaN
+            exact_read[exact_slot(exact_row, j, block_size)] = True
+    for cache in (inputs["exact_key_cache"], inputs["exact_value_cache"]):
+        cache[~exact_read.to(cache.device)] = float("nan")
+
+
+_fp16_cache = torch.zeros(4, 16, 2, 64, dtype=torch.float16)
+_small_blocks = torch.zeros(9, 8, 2, 64, dtype=torch.float16)
+BAD_EXACT = [
+    ({"exact_value_cache": None}, "go together; give all three or none"),
+    ({"exact_block_tables": None}, "go together; give all three or none"),
+    (
+        {"key_cache": _fp16_cache, "value_cache": _fp16_cache, "k_scale": None, "v_scale": None},
+        "the cache is float16, not float8_e4m3fn",
+    ),
+    (
+        {"exact_key_cache": torch.zeros(9, 16, 2, 64), "exact_value_cache": torch.zeros(9, 16, 2, 64)},
+        "exact_key_cache has dtype float32",
+    ),
+    (
+        {"exact_key_cache": _small_blocks, "exact_value_cache": _small_blocks},
+        r"exact_key_cache blocks are \(8, 2, 64\)",
+    ),
+    ({"exact_value_cache": torch.zeros(5, 16, 2, 64).half()}, "must have one shape and dtype"),
+    ({"exact_block_tables": torch.zeros(2, 2, dtype=torch.int32)}, "has 1 ring columns .* widen it to 3"),
+    ({"exact_block_tables": torch.zeros(1, 5, dtype=torch.int32)}, "has 1 rows, expected num_seqs 2"),
+    ({"exact_block_tables": torch.zeros(2, 5, dtype=torch.int64)}, "exact_block_tables has dtype int64"),
+    (
+        {"exact_block_tables": torch.tensor([[0, 1, 2, 3, 4], [5, 6, 99, 7, 8]], dtype=torch.int32)},
+        r"exact_block_tables\[1, 2\] = 99 is outside the exact caches' \d+ blocks",
+    ),
+    (
+        {"exact_key_cache": None, "exact_value_cache": None, "exact_block_tables": None},
+        "exact_window=20 needs exact_key_cache, exact_value_cache and exact_block_tables",
+    ),
+    ({"exact_window": -1}, "exact_window must be a non-negative int, got -1"),
+]  # fmt: skip

@@ -1,4 +1,8 @@
+import os
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -11,7 +15,16 @@ from kiln.ops.attention.paged_decode_attention import PAGED_DECODE_ATTENTION
 from kiln.ops.attention.paged_decode_attention.triton import paged_decode_attention_triton
 from kiln.ops.attention.reference import gather_paged
 from kiln.verify import assert_close, run_case
-from tests.ops.attention.paged_cases import BAD_COMMON, DTYPES, decode_inputs
+from tests.ops.attention.paged_cases import (
+    BAD_COMMON,
+    BAD_EXACT,
+    DTYPES,
+    FP8,
+    decode_inputs,
+    exact_inputs,
+    float64_reference,
+    poison_exact_reads,
+)
 
 DECODE_SHAPES = [
     {"context_lens": [1], "num_heads": 2, "num_kv_heads": 2, "head_dim": 64, "block_size": 16},
@@ -198,3 +211,125 @@ def test_paged_decode_rejects_a_block_table_entry_outside_the_cache(backend, bad
     padded = torch.tensor([[0, bad_entry], [2, 1]], dtype=torch.int32, device=device)
     out = kiln.ops.paged_decode_attention(q, cache, cache.clone(), padded, seq_lens.new_tensor([16, 30]))
     assert out.isfinite().all()
+
+
+# ---- an fp8 cache with exact positions (exact_key_cache / exact_value_cache / exact_block_tables) ----
+
+EXACT_SHAPES = [
+    s for s in PAGED_DECODE_ATTENTION.fuzz_shapes(random.Random(0)) if s.get("exact_window") is not None
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("shape", EXACT_SHAPES)
+def test_paged_decode_fp8_exact_positions_match_float64_reference(backend, shape, device):
+    """The spec's exact fuzz shapes: a context shorter than its first block, windows reaching into the
+    first block, rings wrapping around, with a sliding window, and exact_window 0 (first block only)."""
+    case = run_case(PAGED_DECODE_ATTENTION, backend, shape, FP8, device, seed=random.randrange(2**31))
+    assert case.passed, case
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    context_lens=st.lists(st.integers(1, 90), min_size=1, max_size=3),
+    group=st.sampled_from([1, 3]),
+    block_size=st.sampled_from([8, 16]),
+    exact_window=st.integers(0, 40),
+    sliding_window=st.one_of(st.none(), st.integers(1, 60)),
+)
+def test_paged_decode_triton_fp8_exact_positions_fuzzed(
+    context_lens, group, block_size, exact_window, sliding_window, device
+):
+    """Random contexts (the ring of make_exact_kv wraps around for the longer ones), windows 0..40."""
+    shape = {
+        "context_lens": context_lens,
+        "num_heads": 3 * group,
+        "num_kv_heads": 3,
+        "head_dim": 64,
+        "block_size": block_size,
+        "exact_window": exact_window,
+        "sliding_window": sliding_window,
+    }
+    case = run_case(PAGED_DECODE_ATTENTION, "triton", shape, FP8, device, random.randrange(2**31))
+    assert case.passed, case
+
+
+@pytest.mark.parametrize("partition_size", [16, 48, 4096])
+def test_paged_decode_triton_split_k_reads_exact_positions_in_every_partition(partition_size, device):
+    """Partitions of 16 / 48 tokens (the window and the first block in different partitions, a window
+    across a partition edge) and a single one; block size 8 so partitions cut through the ring."""
+    inputs = exact_inputs(device, [90, 7, 41], 6, 2, block_size=8, window=21)
+    config = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "partition_size": partition_size}
+    out = paged_decode_attention_triton(**inputs, config=config)
+    expected = float64_reference(PAGED_DECODE_ATTENTION, inputs)
+    assert_close(out, expected, PAGED_DECODE_ATTENTION.tolerance[FP8])
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("exact_window, sliding_window", [(20, None), (0, None), (13, 30)])
+def test_paged_decode_fp8_reads_exact_positions_only_from_the_exact_caches(
+    backend, exact_window, sliding_window, device, monkeypatch
+):
+    """NaN in the fp8 slots of every exact position and in every exact slot no position maps to: the
+    output is still finite and the clean inputs' reference, so each position is read from the cache
+    the contract names and the ring entry exact_slot names (block size 8: rings wrap around)."""
+    monkeypatch.setenv("KILN_BACKEND", backend)
+    inputs = exact_inputs(device, [70, 5, 33], 6, 2, block_size=8, window=exact_window)
+    inputs["sliding_window"] = sliding_window
+    expected = float64_reference(PAGED_DECODE_ATTENTION, inputs)
+    poison_exact_reads(inputs)
+    out = kiln.ops.paged_decode_attention(**inputs)
+    assert out.isfinite().all()
+    assert_close(out, expected, PAGED_DECODE_ATTENTION.tolerance[FP8])
+
+
+def _exact_args(**overrides):
+    inputs = exact_inputs(torch.device("cpu"), [20, 9], 4, 2, block_size=16, window=20, seed=7)
+    inputs.update(overrides)
+    return inputs
+
+
+@pytest.mark.parametrize("overrides, message", BAD_EXACT)
+def test_paged_decode_rejects_bad_exact_positions(overrides, message):
+    with pytest.raises(ValueError, match=f"paged_decode_attention: .*{message}"):
+        kiln.ops.paged_decode_attention(**_exact_args(**overrides))
+
+
+_BAD_EXACT_IDS_CHILD = textwrap.dedent(
+    """
+    import sys, torch, kiln.ops
+    from kiln.ops.attention.paged_inputs import make_paged_kv
+    device = torch.device(sys.argv[1])
+    gen = torch.Generator().manual_seed(0)
+    inputs = make_paged_kv([40, 70], 2, 64, 16, torch.float8_e4m3fn, device, gen, exact_window=20)
+    exact_tables = inputs["exact_block_tables"]
+    prefill = {"q": torch.randn(9, 4, 64, device=device).half(), "max_seqlen_q": 5,
+               "cu_seqlens_q": torch.tensor([0, 4, 9], dtype=torch.int32, device=device)}
+    with kiln.ops.trusted_inputs():
+        for bad in (1000, 2**31 - 1, -1, -(2**31)):
+            inputs["exact_block_tables"] = exact_tables.clone()
+            inputs["exact_block_tables"][0, 0] = bad  # sequence 0's first block
+            inputs["exact_block_tables"][1, 1:] = bad  # sequence 1's whole ring
+            out = kiln.ops.paged_decode_attention(torch.randn(2, 4, 64, device=device).half(), **inputs)
+            assert out.isfinite().all(), ("decode", bad)
+            out = kiln.ops.paged_prefill_attention(**prefill, **inputs)
+            assert out.isfinite().all(), ("prefill", bad)
+    print("ok")
+    """
+)  # fmt: skip
+
+
+def test_triton_exact_positions_stay_inside_the_exact_caches_with_unchecked_bad_ids(device):
+    """Inside kiln.ops.trusted_inputs() exact_block_tables is not checked: a bad entry (first block or
+    ring) gives wrong values for its own sequence but no read outside the exact caches (they are
+    clamped like the block tables). A child process, as an out-of-bounds read may kill it."""
+    result = subprocess.run(
+        [sys.executable, "-c", _BAD_EXACT_IDS_CHILD, str(device)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "KILN_BACKEND": "triton"},
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
+        f"rc {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    )

@@ -8,7 +8,16 @@ from hypothesis import strategies as st
 import kiln.ops
 from kiln.ops.attention.paged_prefill_attention import PAGED_PREFILL_ATTENTION
 from kiln.verify import assert_close, run_case
-from tests.ops.attention.paged_cases import BAD_COMMON, DTYPES, decode_inputs
+from tests.ops.attention.paged_cases import (
+    BAD_COMMON,
+    BAD_EXACT,
+    DTYPES,
+    FP8,
+    decode_inputs,
+    exact_inputs,
+    float64_reference,
+    poison_exact_reads,
+)
 
 PREFILL_SHAPES = [
     # mixed batch: fresh prefill, chunk after a prefix-cache hit (crosses pages), two decodes (q_len 1)
@@ -127,3 +136,84 @@ def test_paged_prefill_rejects_a_block_table_entry_outside_the_cache(backend, de
     block_tables = torch.tensor([[0, 1], [2, -7]], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match=r"block_tables\[1, 1\] = -7 is outside the cache's 4 blocks"):
         kiln.ops.paged_prefill_attention(q, cache, cache.clone(), block_tables, cu_seqlens_q, seq_lens, 3)
+
+
+# ---- an fp8 cache with exact positions (exact_key_cache / exact_value_cache / exact_block_tables) ----
+
+EXACT_SHAPES = [
+    s for s in PAGED_PREFILL_ATTENTION.fuzz_shapes(random.Random(0)) if s.get("exact_window") is not None
+]
+
+
+def exact_prefill_inputs(device, query_lens, context_lens, block_size, window, seed=None):
+    """exact_inputs' fp8 cache with exact caches (6 heads over 2 kv heads), q float16 for the last
+    query_lens[b] tokens of each sequence."""
+    inputs = exact_inputs(device, context_lens, 6, 2, block_size, window, seed)
+    inputs["q"] = torch.randn(sum(query_lens), 6, 64, device=device).half()
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    inputs["cu_seqlens_q"] = torch.tensor(starts, dtype=torch.int32, device=device)
+    inputs["max_seqlen_q"] = max(query_lens)
+    return inputs
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("shape", EXACT_SHAPES)
+def test_paged_prefill_fp8_exact_positions_match_float64_reference(backend, shape, device):
+    """The spec's exact fuzz shapes: a prefill shorter than its first block, chunks whose queries
+    straddle the window's start, a decode, a wrapping ring, a sliding window."""
+    case = run_case(PAGED_PREFILL_ATTENTION, backend, shape, FP8, device, seed=random.randrange(2**31))
+    assert case.passed, case
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 50)), min_size=1, max_size=3),
+    block_size=st.sampled_from([8, 16]),
+    exact_window=st.integers(0, 40),
+    sliding_window=st.one_of(st.none(), st.integers(1, 60)),
+)
+def test_paged_prefill_triton_fp8_exact_positions_fuzzed(
+    lens, block_size, exact_window, sliding_window, device
+):
+    """Random chunks over random contexts (rings wrap around for the longer ones), windows 0..40."""
+    shape = {
+        "query_lens": [q for q, _ in lens],
+        "context_lens": [q + extra for q, extra in lens],
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "block_size": block_size,
+        "exact_window": exact_window,
+        "sliding_window": sliding_window,
+    }
+    case = run_case(PAGED_PREFILL_ATTENTION, "triton", shape, FP8, device, random.randrange(2**31))
+    assert case.passed, case
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("exact_window, sliding_window", [(20, None), (0, None), (13, 30)])
+def test_paged_prefill_fp8_reads_exact_positions_only_from_the_exact_caches(
+    backend, exact_window, sliding_window, device, monkeypatch
+):
+    """NaN in the fp8 slots of every exact position and in every exact slot no position maps to: the
+    output is still finite and the clean inputs' reference. Chunks of 30 and 12 queries over contexts
+    of 70 and 33 (block size 8, rings wrapping): every query reads the window of its sequence's end,
+    not of its own position."""
+    monkeypatch.setenv("KILN_BACKEND", backend)
+    inputs = exact_prefill_inputs(device, [30, 5, 12], [70, 5, 33], block_size=8, window=exact_window)
+    inputs["sliding_window"] = sliding_window
+    expected = float64_reference(PAGED_PREFILL_ATTENTION, inputs)
+    poison_exact_reads(inputs)
+    out = kiln.ops.paged_prefill_attention(**inputs)
+    assert out.isfinite().all()
+    assert_close(out, expected, PAGED_PREFILL_ATTENTION.tolerance[FP8])
+
+
+@pytest.mark.parametrize("overrides, message", BAD_EXACT)
+def test_paged_prefill_rejects_bad_exact_positions(overrides, message):
+    inputs = exact_prefill_inputs(torch.device("cpu"), [5, 9], [20, 9], block_size=16, window=20, seed=7)
+    inputs.update(overrides)
+    with pytest.raises(ValueError, match=f"paged_prefill_attention: .*{message}"):
+        kiln.ops.paged_prefill_attention(**inputs)

@@ -8,6 +8,15 @@ row max, row sum and output accumulator in float32 registers (online softmax, ba
 [q_len, k_len] score matrix never exists. The key range a tile needs is computed up front: tiles
 that causality or the sliding window hide entirely are never loaded, and only the tiles on the
 diagonal / window edge / sequence end pay for the mask.
+
+Exact positions (paged_prefill_attention over an fp8 cache, spec.py): `_paged_prefill_exact_kernel`
+runs the same program with HAS_EXACT, which overlays each key/value tile's exact positions (the
+sequence's first block and its last exact_window positions) with the float16 exact caches' values
+after the fp8 tile is converted, before the scales folded into the scores and the output apply (the
+exact values are in the fp8 cache's units). A tile that overlaps neither the first block nor the
+window skips the overlay with one scalar branch, so interior tiles read only the fp8 cache. Every
+other launch (flash_attention, paged without exact caches) is `_prefill_kernel`, with its signature
+and its code as before: HAS_EXACT is False there and the overlay's code does not exist.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.alloc import empty, empty_like
+from kiln.ops.attention.triton_exact import exact_kernel_args, overlay_exact_tile, tile_has_exact
 from kiln.ops.attention.validate import FP8_DTYPES
 from kiln.ops.registry import triton_interpreting
 
@@ -57,12 +67,15 @@ def _load_kv_tile(
 def _attend_tiles(
     acc, m_i, l_i, q, lo, hi, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start, k_len, seq,
     block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, num_blocks, qk_scale, softcap,
-    window, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    window, exact_row_ptr, exact_k_head_ptr, exact_v_head_ptr, stride_ekb, stride_ekt, stride_evb,
+    stride_evt, num_exact_blocks, exact_ring, exact_window_start, HEAD_DIM: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_EXACT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Fold key tiles [lo, hi) into the running (acc, m_i, l_i); MASKED tiles apply the bounds,
-    causal and window masks, the others are known to be fully visible."""
+    causal and window masks, the others are known to be fully visible. HAS_EXACT: tiles that hold
+    exact positions get them from the exact caches (overlay_exact_tile)."""
     offs_d = tl.arange(0, BLOCK_D)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -70,6 +83,14 @@ def _attend_tiles(
             k_ptr, k_head_offset, offs_n, offs_d, k_start, k_len, seq, block_tables_ptr, stride_bt, stride_kb,
             stride_kt, num_blocks, HEAD_DIM, PAGED, PAGE_SIZE, MASKED, BLOCK_D,
         ).to(q.dtype)  # fmt: skip
+        if HAS_EXACT:
+            tile_end = tl.minimum(start + BLOCK_N, k_len)
+            has_exact = tile_has_exact(start, tile_end, exact_window_start, PAGE_SIZE)
+            if has_exact:
+                k = overlay_exact_tile(
+                    k, offs_n, offs_d, offs_n < k_len, exact_window_start, exact_row_ptr, exact_k_head_ptr,
+                    stride_ekb, stride_ekt, num_exact_blocks, exact_ring, HEAD_DIM, PAGE_SIZE,
+                )  # fmt: skip
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -97,6 +118,12 @@ def _attend_tiles(
             v_ptr, v_head_offset, offs_n, offs_d, k_start, k_len, seq, block_tables_ptr, stride_bt, stride_vb,
             stride_vt, num_blocks, HEAD_DIM, PAGED, PAGE_SIZE, MASKED, BLOCK_D,
         ).to(q.dtype)  # fmt: skip
+        if HAS_EXACT:
+            if has_exact:
+                v = overlay_exact_tile(
+                    v, offs_n, offs_d, offs_n < k_len, exact_window_start, exact_row_ptr, exact_v_head_ptr,
+                    stride_evb, stride_evt, num_exact_blocks, exact_ring, HEAD_DIM, PAGE_SIZE,
+                )  # fmt: skip
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
         else:
@@ -106,15 +133,20 @@ def _attend_tiles(
 
 
 @triton.jit
-def _prefill_kernel(
+def _prefill_program(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seq_lens_ptr, block_tables_ptr,
     k_scale_ptr, v_scale_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
     stride_vh, stride_ot, stride_oh, stride_lse_h, stride_bt, num_blocks, table_width, num_queries_per_kv,
-    sm_scale, softcap, window, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
+    sm_scale, softcap, window, exact_k_ptr, exact_v_ptr, exact_tables_ptr, stride_ekb, stride_ekt, stride_ekh,
+    stride_evb, stride_evt, stride_evh, stride_et, num_exact_blocks, exact_ring, exact_window,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KV_SCALE: tl.constexpr, HAS_EXACT: tl.constexpr,
     RETURN_LSE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
+    """One program of both kernels below (inlined into each): BLOCK_M queries of one head of one
+    sequence. HAS_EXACT (paged, fp8 cache): exact caches [num_exact_blocks, PAGE_SIZE, Hkv, D] and
+    their table [num_seqs, 1 + R] (exact_ring = max(R, 1)), see overlay_exact_tile."""
     # Heaviest (last, under causality) query tiles first, so the tail of the grid is short work.
     tile_m = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -171,23 +203,31 @@ def _prefill_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     k_head_offset = kv_head.to(tl.int64) * stride_kh
     v_head_offset = kv_head.to(tl.int64) * stride_vh
+    # The exact window follows the context's end: the same positions for every query of the sequence.
+    exact_row_ptr = exact_tables_ptr + seq.to(tl.int64) * stride_et
+    exact_k_head_ptr = exact_k_ptr + kv_head.to(tl.int64) * stride_ekh
+    exact_v_head_ptr = exact_v_ptr + kv_head.to(tl.int64) * stride_evh
+    exact_window_start = k_len - exact_window
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, lo, full_lo, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start, k_len,
-        seq, block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, num_blocks, qk_scale,
-        softcap, window, HEAD_DIM, PAGED, PAGE_SIZE, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, IEEE, BLOCK_N,
-        BLOCK_D,
+        acc, m_i, l_i, q, lo, full_lo, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start,
+        k_len, seq, block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, num_blocks,
+        qk_scale, softcap, window, exact_row_ptr, exact_k_head_ptr, exact_v_head_ptr, stride_ekb, stride_ekt,
+        stride_evb, stride_evt, num_exact_blocks, exact_ring, exact_window_start, HEAD_DIM, PAGED, PAGE_SIZE,
+        True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_EXACT, IEEE, BLOCK_N, BLOCK_D,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, full_lo, full_hi, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start,
         k_len, seq, block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, num_blocks,
-        qk_scale, softcap, window, HEAD_DIM, PAGED, PAGE_SIZE, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, IEEE,
-        BLOCK_N, BLOCK_D,
+        qk_scale, softcap, window, exact_row_ptr, exact_k_head_ptr, exact_v_head_ptr, stride_ekb, stride_ekt,
+        stride_evb, stride_evt, num_exact_blocks, exact_ring, exact_window_start, HEAD_DIM, PAGED, PAGE_SIZE,
+        False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_EXACT, IEEE, BLOCK_N, BLOCK_D,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, full_hi, hi, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start, k_len,
-        seq, block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, num_blocks, qk_scale,
-        softcap, window, HEAD_DIM, PAGED, PAGE_SIZE, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, IEEE, BLOCK_N,
-        BLOCK_D,
+        acc, m_i, l_i, q, full_hi, hi, positions, k_ptr, v_ptr, k_head_offset, v_head_offset, k_start,
+        k_len, seq, block_tables_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, num_blocks,
+        qk_scale, softcap, window, exact_row_ptr, exact_k_head_ptr, exact_v_head_ptr, stride_ekb, stride_ekt,
+        stride_evb, stride_evt, num_exact_blocks, exact_ring, exact_window_start, HEAD_DIM, PAGED, PAGE_SIZE,
+        True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_EXACT, IEEE, BLOCK_N, BLOCK_D,
     )  # fmt: skip
 
     # A query that sees no key at all (only possible with k_len < q_len) gets 0 and lse -inf.
@@ -204,6 +244,52 @@ def _prefill_kernel(
         # m_i and the sum are in base 2; ln(sum e^s) = (m + log2(l)) * ln 2.
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
         tl.store(lse_ptr + head * stride_lse_h + q_start + offs_m, lse, mask=offs_m < q_len)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seq_lens_ptr, block_tables_ptr,
+    k_scale_ptr, v_scale_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+    stride_vh, stride_ot, stride_oh, stride_lse_h, stride_bt, num_blocks, table_width, num_queries_per_kv,
+    sm_scale, softcap, window, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
+    RETURN_LSE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """flash_attention and paged_prefill_attention without exact positions (the exact arguments are
+    placeholders HAS_EXACT=False never reads)."""
+    _prefill_program(
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seq_lens_ptr,
+        block_tables_ptr, k_scale_ptr, v_scale_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+        stride_vb, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h, stride_bt, num_blocks,
+        table_width, num_queries_per_kv, sm_scale, softcap, window, k_ptr, v_ptr, block_tables_ptr, 0, 0,
+        0, 0, 0, 0, 0, 1, 1, 0, HEAD_DIM, PAGED, PAGE_SIZE, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KV_SCALE,
+        False, RETURN_LSE, IEEE, BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+
+
+@triton.jit
+def _paged_prefill_exact_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seq_lens_ptr, block_tables_ptr,
+    k_scale_ptr, v_scale_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+    stride_vh, stride_ot, stride_oh, stride_lse_h, stride_bt, num_blocks, table_width, num_queries_per_kv,
+    sm_scale, softcap, window, exact_k_ptr, exact_v_ptr, exact_tables_ptr, stride_ekb, stride_ekt, stride_ekh,
+    stride_evb, stride_evt, stride_evh, stride_et, num_exact_blocks, exact_ring, exact_window,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
+    RETURN_LSE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """paged_prefill_attention over an fp8 cache with exact positions (PAGED, HAS_KV_SCALE)."""
+    _prefill_program(
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seq_lens_ptr,
+        block_tables_ptr, k_scale_ptr, v_scale_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+        stride_vb, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h, stride_bt, num_blocks,
+        table_width, num_queries_per_kv, sm_scale, softcap, window, exact_k_ptr, exact_v_ptr,
+        exact_tables_ptr, stride_ekb, stride_ekt, stride_ekh, stride_evb, stride_evt, stride_evh, stride_et,
+        num_exact_blocks, exact_ring, exact_window, HEAD_DIM, PAGED, PAGE_SIZE, CAUSAL, HAS_WINDOW,
+        HAS_SOFTCAP, HAS_KV_SCALE, True, RETURN_LSE, IEEE, BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
 
 
 def prefill_configs(shape: dict, dtype: torch.dtype) -> list[dict]:
@@ -234,12 +320,14 @@ def heuristic_config(head_dim: int, max_seqlen_q: int) -> dict:
 
 def launch_prefill(
     q, k, v, cu_seqlens_q, cu_seqlens_k, seq_lens, block_tables, k_scale, v_scale, max_seqlen_q, causal,
-    scale, sliding_window, softcap, return_lse, paged, config,
+    scale, sliding_window, softcap, return_lse, paged, config, exact=None,
 ):  # fmt: skip
     """Run the kernel: contiguous varlen k/v `[total_k, Hkv, D]` (paged=False, sequences delimited by
     cu_seqlens_k) or paged caches `[num_blocks, block_size, Hkv, D]` (paged=True, through block_tables
-    and seq_lens). Returns (out `[total_q, H, D]`, lse float32 `[H, total_q]`, or out itself as a
-    placeholder without return_lse)."""
+    and seq_lens). exact (paged fp8 caches only): (exact_key_cache, exact_value_cache float16
+    `[num_exact_blocks, block_size, Hkv, D]`, exact_block_tables int32 `[num_seqs, 1 + R]`,
+    exact_window), read by `_paged_prefill_exact_kernel`. Returns (out `[total_q, H, D]`, lse float32
+    `[H, total_q]`, or out itself as a placeholder without return_lse)."""
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     num_seqs = cu_seqlens_q.shape[0] - 1
@@ -261,7 +349,7 @@ def launch_prefill(
         page_size = 1
     has_scale = k.dtype in FP8_DTYPES
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
-    _prefill_kernel[grid](
+    args = (
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_q if paged else cu_seqlens_k,
         seq_lens if paged else cu_seqlens_q, block_tables if paged else cu_seqlens_q,
         k_scale.float() if has_scale else q, v_scale.float() if has_scale else q, q.stride(0), q.stride(1),
@@ -269,11 +357,17 @@ def launch_prefill(
         block_tables.stride(0) if paged else 0, k.shape[0] if paged else 1,
         block_tables.shape[1] if paged else 0, num_heads // num_kv_heads,
         head_dim**-0.5 if scale is None else scale, float(softcap) if softcap is not None else 1.0,
-        int(sliding_window) if sliding_window is not None else 0, HEAD_DIM=head_dim, PAGED=paged,
-        PAGE_SIZE=page_size, CAUSAL=causal, HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None, HAS_KV_SCALE=has_scale, RETURN_LSE=return_lse,
-        IEEE=q.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+        int(sliding_window) if sliding_window is not None else 0,
+    )  # fmt: skip
+    constexprs = dict(
+        HEAD_DIM=head_dim, PAGED=paged, PAGE_SIZE=page_size, CAUSAL=causal,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_KV_SCALE=has_scale,
+        RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=config.get("num_warps", 4),
         num_stages=config.get("num_stages", 2),
     )  # fmt: skip
+    if exact is None:
+        _prefill_kernel[grid](*args, **constexprs)
+    else:
+        _paged_prefill_exact_kernel[grid](*args, *exact_kernel_args(*exact), **constexprs)
     return out, lse

@@ -4,7 +4,8 @@ Every registered op with a Triton implementation ("triton", "triton_tma", and "t
 such as the pointer GEMM) is called on CPU tensors made by its spec's input maker, for each shape of
 its bench suite ("llm": Llama-3-8B GEMMs, M in {1, 16, 64, 256, 2048, 8192}, ...), a few of its
 fuzz shapes and the shapes the engine gives it for the `random:llama3-8b` and `random:tiny` models
-(`model_shapes`), in every dtype the op takes, with the config the launcher picks itself (tuning cache,
+(`model_shapes`; an fp8 cache's attention also with the exact positions the engine keeps by
+default), in every dtype the op takes, with the config the launcher picks itself (tuning cache,
 else heuristics), while `kiln.tune.aot.record.record_launches` records the launches. Each distinct launch is
 then compiled for sm_90.
 
@@ -59,6 +60,7 @@ def sweep_cases(op_names: list[str] | None, suite: str, fuzz: int, quick: bool) 
     and last suite shape, one fuzz shape, only bf16 and the dtypes bf16 does not cover (fp8), and
     only cases whose byte model (`OpSpec.bytes`) is under QUICK_MAX_BYTES (cheap inputs to make)."""
     from kiln.ops import all_ops
+    from kiln.ops.attention.validate import FP8_DTYPES
 
     registry = all_ops()
     unknown = [name for name in op_names or [] if name not in registry]
@@ -85,11 +87,14 @@ def sweep_cases(op_names: list[str] | None, suite: str, fuzz: int, quick: bool) 
             for shape, kind in shapes:
                 if quick and spec.bytes(shape, dtype) > QUICK_MAX_BYTES:
                     continue
+                if kind == "model" and "exact_window" in shape and dtype not in FP8_DTYPES:
+                    continue  # exact positions are an fp8 cache's: the plain model shape's launches again
                 yield spec, backends, shape, dtype, kind
 
 
 MODEL_PRESETS = ("llama3-8b", "tiny")
 ENGINE_BLOCK_SIZE = 16  # EngineConfig's default KV block size
+ENGINE_EXACT_WINDOW = 32  # EngineConfig's default kv_cache_exact_window (exact positions of an fp8 cache)
 
 
 def model_shapes(preset_name: str, quick: bool = False) -> dict[str, list[dict]]:
@@ -132,6 +137,10 @@ def model_shapes(preset_name: str, quick: bool = False) -> dict[str, list[dict]]
             {"batch": 1, "seqlen_q": q, "context": q, **attn} for q in ((64,) if quick else (16, 512, 2048))
         ],
     }
+    # An fp8 cache keeps exact positions by default: the same attention shapes again with exact caches
+    # (the input makers honour exact_window for fp8 only; sweep_cases drives these for fp8 alone).
+    for name in ("paged_decode_attention", "paged_prefill_attention"):
+        shapes[name] += [{**shape, "exact_window": ENGINE_EXACT_WINDOW} for shape in shapes[name]]
     return shapes
 
 

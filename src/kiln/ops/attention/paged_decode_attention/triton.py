@@ -8,6 +8,14 @@ from memory exactly once, and walks its partition BLOCK_N tokens at a time throu
 output scaling). It writes a partial output normalized by its own softmax sum plus that sum's
 log2 (the partial's log-sum-exp); a second kernel combines the partitions of each (sequence, head).
 With a single partition the first kernel writes the final output directly.
+
+Exact positions (an fp8 cache with exact caches, spec.py): `_decode_partition_exact_kernel` runs the
+same program with HAS_EXACT. A tile holding some of the sequence's first block or its last
+exact_window positions takes those keys and values from the float16 exact caches after converting
+the fp8 tile, before the folded scales apply (the exact values are in the fp8 cache's units;
+triton_exact.overlay_exact_tile); every other tile skips that with one scalar branch and reads
+only the fp8 cache. Launches without exact caches use `_decode_partition_kernel`, with its signature
+and its compiled code as before: HAS_EXACT is False there and none of that code exists.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import triton.language as tl
 
 from kiln.ops.alloc import empty, empty_like
 from kiln.ops.attention.paged_decode_attention.spec import PAGED_DECODE_ATTENTION, paged_decode_tune_shape
+from kiln.ops.attention.triton_exact import exact_kernel_args, overlay_exact_tile, tile_has_exact
 from kiln.ops.attention.validate import FP8_DTYPES
 from kiln.ops.registry import Implementation, triton_available, triton_interpreting
 from kiln.ops.tuned_configs import lookup
@@ -29,15 +38,20 @@ MAX_SPLITS = 64
 
 
 @triton.jit
-def _decode_partition_kernel(
+def _decode_partition(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
     part_out_ptr, part_lse_ptr, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
     stride_vh, stride_bt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    num_blocks, table_width, num_queries_per_kv, sm_scale, softcap, window, partition_size,
-    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_KV_SCALE: tl.constexpr, IEEE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_blocks, table_width, num_queries_per_kv, sm_scale, softcap, window, partition_size, exact_k_ptr,
+    exact_v_ptr, exact_tables_ptr, stride_ekb, stride_ekt, stride_ekh, stride_evb, stride_evt, stride_evh,
+    stride_et, num_exact_blocks, exact_ring, exact_window, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KV_SCALE: tl.constexpr, HAS_EXACT: tl.constexpr,
+    IEEE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
+    """One program of both partition kernels below (inlined into each): one partition of one sequence
+    for the query heads of one kv head. HAS_EXACT (fp8 cache): exact caches [num_exact_blocks,
+    PAGE_SIZE, Hkv, D] and their table [num_seqs, 1 + R] (exact_ring = max(R, 1))."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,6 +82,10 @@ def _decode_partition_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    exact_row = exact_tables_ptr + seq.to(tl.int64) * stride_et
+    exact_k_head = exact_k_ptr + kv_head.to(tl.int64) * stride_ekh
+    exact_v_head = exact_v_ptr + kv_head.to(tl.int64) * stride_evh
+    exact_window_start = seq_len - exact_window
     for tile in range(start, end, BLOCK_N):
         offs_n = tile + tl.arange(0, BLOCK_N)
         in_range = offs_n < end
@@ -86,6 +104,16 @@ def _decode_partition_kernel(
             mask=kv_mask,
             other=0.0,
         ).to(q.dtype)
+        if HAS_EXACT:
+            if tile_has_exact(tile, tl.minimum(tile + BLOCK_N, end), exact_window_start, PAGE_SIZE):
+                k = overlay_exact_tile(
+                    k, offs_n, offs_d, in_range, exact_window_start, exact_row, exact_k_head, stride_ekb,
+                    stride_ekt, num_exact_blocks, exact_ring, HEAD_DIM, PAGE_SIZE,
+                )  # fmt: skip
+                v = overlay_exact_tile(
+                    v, offs_n, offs_d, in_range, exact_window_start, exact_row, exact_v_head, stride_evb,
+                    stride_evt, num_exact_blocks, exact_ring, HEAD_DIM, PAGE_SIZE,
+                )  # fmt: skip
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -130,6 +158,50 @@ def _decode_partition_kernel(
             lse,
             mask=offs_g < num_queries_per_kv,
         )
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+    stride_vh, stride_bt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    num_blocks, table_width, num_queries_per_kv, sm_scale, softcap, window, partition_size,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_KV_SCALE: tl.constexpr, IEEE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Without exact positions (the exact arguments are placeholders HAS_EXACT=False never reads)."""
+    _decode_partition(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+        part_out_ptr, part_lse_ptr, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb,
+        stride_vt, stride_vh, stride_bt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
+        stride_lh, num_blocks, table_width, num_queries_per_kv, sm_scale, softcap, window, partition_size,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, HEAD_DIM, PAGE_SIZE,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_KV_SCALE, False, IEEE, SINGLE_SPLIT, BLOCK_G, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+
+
+@triton.jit
+def _decode_partition_exact_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+    stride_vh, stride_bt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    num_blocks, table_width, num_queries_per_kv, sm_scale, softcap, window, partition_size, exact_k_ptr,
+    exact_v_ptr, exact_tables_ptr, stride_ekb, stride_ekt, stride_ekh, stride_evb, stride_evt, stride_evh,
+    stride_et, num_exact_blocks, exact_ring, exact_window, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KV_SCALE: tl.constexpr, IEEE: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """An fp8 cache with exact positions (HAS_KV_SCALE)."""
+    _decode_partition(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+        part_out_ptr, part_lse_ptr, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb,
+        stride_vt, stride_vh, stride_bt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
+        stride_lh, num_blocks, table_width, num_queries_per_kv, sm_scale, softcap, window, partition_size,
+        exact_k_ptr, exact_v_ptr, exact_tables_ptr, stride_ekb, stride_ekt, stride_ekh, stride_evb,
+        stride_evt, stride_evh, stride_et, num_exact_blocks, exact_ring, exact_window, HEAD_DIM, PAGE_SIZE,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_KV_SCALE, True, IEEE, SINGLE_SPLIT, BLOCK_G, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -203,7 +275,8 @@ def _partition_size(
 
 def paged_decode_attention_triton(
     q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None, softcap=None,
-    k_scale=None, v_scale=None, config=None,
+    k_scale=None, v_scale=None, exact_key_cache=None, exact_value_cache=None, exact_block_tables=None,
+    exact_window=0, config=None,
 ):  # fmt: skip
     num_seqs, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = key_cache.shape
@@ -242,19 +315,27 @@ def paged_decode_attention_triton(
             part_lse.stride(1),
         )
     block_d = max(16, triton.next_power_of_2(head_dim))
-    _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
+    args = (
         q, key_cache, value_cache, block_tables, seq_lens, k_scale.float() if has_scale else q,
         v_scale.float() if has_scale else q, out, part_out, part_lse, q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
         value_cache.stride(1), value_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         *part_strides, key_cache.shape[0], block_tables.shape[1], group,
         head_dim**-0.5 if scale is None else scale, float(softcap) if softcap is not None else 1.0,
-        int(sliding_window) if sliding_window is not None else 0, partition, HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_KV_SCALE=has_scale, IEEE=q.dtype == torch.float32, SINGLE_SPLIT=single,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        int(sliding_window) if sliding_window is not None else 0, partition,
+    )  # fmt: skip
+    constexprs = dict(
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None, HAS_KV_SCALE=has_scale, IEEE=q.dtype == torch.float32,
+        SINGLE_SPLIT=single, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
     )  # fmt: skip
+    grid = (num_seqs, num_kv_heads, num_splits)
+    if exact_block_tables is None:
+        _decode_partition_kernel[grid](*args, **constexprs)
+    else:
+        exact = exact_kernel_args(exact_key_cache, exact_value_cache, exact_block_tables, exact_window)
+        _decode_partition_exact_kernel[grid](*args, *exact, **constexprs)
     if not single:
         _decode_combine_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, *part_strides, out.stride(0), out.stride(1), num_splits,
