@@ -229,11 +229,12 @@ def test_cpu_write_and_decode_compile_in_graph_for_float_caches(
 ):
     """The CPU write and decode attention traced by torch.compile (the compiled decode step): float
     caches become graph code (the PyTorch form only up to IN_GRAPH_MAX_CONTEXT gathered positions; the
-    native kernel, when built, is one graph node at any width), fp8 ones one opaque node each; either
-    way the same cache and output as eager. Row 1 is padding (slot -1), slots past each length hold NaN,
+    native kernel, when built, is one graph node at any width), fp8 ones one opaque node each (the
+    decode a native graph node when built); either way the same cache and output as eager. Row 1 is
+    padding (slot -1), slots past each length hold NaN,
     and the block table is wider than any context with out-of-range entries, which the in-graph form
     gathers and masks and the native kernel never reads."""
-    native = native_decode and dtype != torch.float8_e4m3fn
+    native = native_decode
     if native:
         opaque = opaque - {"kiln.paged_decode_attention"}
     g = torch.Generator().manual_seed(11)
@@ -265,7 +266,8 @@ def test_cpu_write_and_decode_compile_in_graph_for_float_caches(
         torch._dynamo.reset()
         compiled = run(torch.compile(_decode_layer, backend=backend, fullgraph=True))
     assert {op for op in _graph_ops(graphs) if op.startswith("kiln.")} == opaque
-    assert ("kiln_cpu.paged_decode" in _graph_ops(graphs)) == native
+    native_op = "kiln_cpu.paged_decode_fp8" if dtype == torch.float8_e4m3fn else "kiln_cpu.paged_decode"
+    assert (native_op in _graph_ops(graphs)) == native
     assert not compiled[0].isnan().any()
     tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.float8_e4m3fn: 2e-3}[dtype]
     assert_close(compiled[0].float(), eager[0].float(), tol, "decode attention")

@@ -1,6 +1,6 @@
-"""Fast CPU paged_decode_attention. A float cache without scales or soft-capping goes to the native
-kernel (cpu_native: one C++ call per batch, eager or inside a compiled graph) when it could be built;
-otherwise, the whole batch in one call: gather every sequence's blocks
+"""Fast CPU paged_decode_attention. Without soft-capping, a float cache, or a float8_e4m3fn one with its
+scales and exact positions, goes to the native kernel (cpu_native: one C++ call per batch, eager or
+inside a compiled graph) when it could be built; otherwise, the whole batch in one call: gather every sequence's blocks
 (padded to the longest context) with one index_select per cache, zero the slots past each
 sequence's length, then one SDPA with a key-padding mask (explicit float32 scores when
 soft-capping). Traced by torch.compile (the compiled CPU decode step, kiln.engine.cpu_compiled_step),
@@ -150,10 +150,10 @@ def _decode_in_graph(q, key_cache, value_cache, block_tables, seq_lens, scale, s
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
-def _native(q, key_cache, softcap, k_scale) -> bool:
+def _native(q, key_cache, softcap) -> bool:
     """Whether the native kernel (cpu_native) serves this call: built, head dim instantiated, a float
-    cache without scales, no soft-capping."""
-    return softcap is None and k_scale is None and cpu_native.ready(q.shape[-1], key_cache.dtype)
+    or float8_e4m3fn cache (its scales and exact positions included), no soft-capping."""
+    return softcap is None and cpu_native.ready(q.shape[-1], key_cache.dtype)
 
 
 def _traceable(
@@ -176,7 +176,7 @@ def _traceable(
     positions; the rest stay one opaque node. Evaluated while tracing, the width test is a guard on
     the block table's dynamic width: a longer context compiles a second graph with the opaque node.
     The native kernel, when loaded, is one node of the graph at any context."""
-    if _native(q, key_cache, softcap, k_scale):
+    if _native(q, key_cache, softcap):
         return True
     if softcap is not None or key_cache.dtype in FP8_DTYPES:
         return False
@@ -203,8 +203,13 @@ def paged_decode_attention_cpu(
         if q.shape[0] == 0:
             return torch.empty_like(q)
         cpu_native.load()  # once per process; while tracing, the compiled step has loaded it already
-    if _native(q, key_cache, softcap, k_scale):
+    if _native(q, key_cache, softcap):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if key_cache.dtype in FP8_DTYPES:
+            return cpu_native.paged_decode_fp8(
+                q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, k_scale, v_scale,
+                exact_key_cache, exact_value_cache, exact_block_tables, exact_window,
+            )  # fmt: skip
         return cpu_native.paged_decode(
             q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window
         )

@@ -1,6 +1,7 @@
 """The native CPU paged decode kernel (cpu_native.cpp, part of Kiln's native CPU library, see
-kiln.ops.native_cpu for how and when it is built): torch.ops.kiln_cpu.paged_decode, with a fake
-implementation so a compiled graph holds it as one node.
+kiln.ops.native_cpu for how and when it is built): torch.ops.kiln_cpu.paged_decode (float caches) and
+torch.ops.kiln_cpu.paged_decode_fp8 (float8_e4m3fn caches with their scales and exact positions), with
+fake implementations so a compiled graph holds them as one node.
 
 `load()` returns True when the op is usable; where the library cannot be built (no C++ compiler or
 ninja, or KILN_CPU_NATIVE=0) it returns False and callers keep their pure-PyTorch path.
@@ -13,7 +14,7 @@ import torch
 from kiln.ops import native_cpu
 
 _state: dict = {"loaded": None, "head_dims": frozenset()}
-NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
 
 def load() -> bool:
@@ -40,6 +41,10 @@ def _register_fake() -> None:
     def _(q, key_cache, value_cache, block_tables, seq_lens, scale, window):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("kiln_cpu::paged_decode_fp8")
+    def _(q, key_cache, value_cache, block_tables, seq_lens, scale, window, k_scale, v_scale, *exact):
+        return torch.empty_like(q)
+
 
 def paged_decode(q, key_cache, value_cache, block_tables, seq_lens, scale: float, sliding_window):
     """q [B, H, D] (float32 / bfloat16 / float16); caches [num_blocks, block_size, Hkv, D] (float);
@@ -48,3 +53,18 @@ def paged_decode(q, key_cache, value_cache, block_tables, seq_lens, scale: float
     Requires load() to have returned True."""
     window = -1 if sliding_window is None else int(sliding_window)
     return torch.ops.kiln_cpu.paged_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, window)
+
+
+def paged_decode_fp8(
+    q, key_cache, value_cache, block_tables, seq_lens, scale: float, sliding_window, k_scale, v_scale,
+    exact_key_cache=None, exact_value_cache=None, exact_block_tables=None, exact_window: int = 0,
+):  # fmt: skip
+    """paged_decode over float8_e4m3fn caches with k_scale, v_scale float32 [Hkv] (value = stored *
+    scale) and optionally an fp8 cache's exact positions (float16 exact caches [num_exact_blocks,
+    block_size, Hkv, D], exact_block_tables int32 [B, 1 + R], exact_window: paged_decode_attention's
+    contract). Returns [B, H, D] in q's dtype. Requires load() to have returned True."""
+    window = -1 if sliding_window is None else int(sliding_window)
+    return torch.ops.kiln_cpu.paged_decode_fp8(
+        q, key_cache, value_cache, block_tables, seq_lens, scale, window, k_scale, v_scale, exact_key_cache,
+        exact_value_cache, exact_block_tables, int(exact_window),
+    )  # fmt: skip
