@@ -2,7 +2,8 @@
 C++ extension builder and the vector ISA flags of ATen's CPU capability on this host, registering
 their ops under torch.ops.kiln_cpu:
 
-    paged_decode_attention/cpu_native.cpp   kiln_cpu.paged_decode, kiln_cpu.supports_head_dim
+    paged_decode_attention/cpu_native.cpp   kiln_cpu.paged_decode, kiln_cpu.paged_decode_fp8,
+                                            kiln_cpu.supports_head_dim
     gemm/cpu_w8a8.cpp                       kiln_cpu.w8a8_linear (on oneDNN)
     gemm/cpu_w8a8_amx.cpp                   kiln_cpu.w8a8_amx_linear, kiln_cpu.amx_int8_available
 
