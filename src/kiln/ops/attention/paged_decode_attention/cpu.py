@@ -1,8 +1,8 @@
 """Fast CPU paged_decode_attention. Without soft-capping, a float cache, or a float8_e4m3fn one with its
 scales and exact positions, goes to the native kernel (cpu_native: one C++ call per batch, eager or
-inside a compiled graph) when it could be built; otherwise, the whole batch in one call: gather every sequence's blocks
-(padded to the longest context) with one index_select per cache, zero the slots past each
-sequence's length, then one SDPA with a key-padding mask (explicit float32 scores when
+inside a compiled graph) when it could be built; otherwise, the whole batch in one call: gather every
+sequence's blocks (padded to the longest context) with one index_select per cache, zero the slots
+past each sequence's length, then one SDPA with a key-padding mask (explicit float32 scores when
 soft-capping). Traced by torch.compile (the compiled CPU decode step, kiln.engine.cpu_compiled_step),
 a float cache without soft-capping is read by `_decode_in_graph`, whose shapes follow the block
 table's width only.
