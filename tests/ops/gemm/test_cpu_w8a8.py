@@ -222,3 +222,30 @@ def test_bad_inputs_are_refused_by_name():
     wide = torch.ones(100)
     with pytest.raises(ValueError, match="AMX tiles" if packed.dim() == 5 else "int8 copy reports"):
         kiln.ops.prepared_linear(x, prepared.layout, [packed, wide, zero_point.new_zeros(100), smooth])
+
+
+_ONEDNN_PROBE = """
+import torch
+from kiln.ops.gemm import cpu_w8a8
+assert cpu_w8a8.load()
+packed = cpu_w8a8.pack(torch.randn(96, 160))
+cpu_w8a8.w8a8_linear(torch.randn(5, 160), *packed, None, torch.float32)
+"""
+
+
+def test_onednn_runs_a_vectorized_int8_matmul_not_its_reference_loop(kernel):
+    """int8 activations reach oneDNN's `ref_int8` matmul on CPUs without AMX (~0.1 GFLOP/s, which made
+    the W8A8 model test take 50 minutes); the op's uint8 levels with a zero point must not. oneDNN names
+    the implementation it ran when ONEDNN_VERBOSE is set."""
+    import os
+    import subprocess
+    import sys
+
+    if kernel != "onednn":
+        pytest.skip("the AMX kernel is Kiln's own, not oneDNN's")
+    env = dict(os.environ, ONEDNN_VERBOSE="1", KILN_CPU_AMX="0")
+    run = subprocess.run([sys.executable, "-c", _ONEDNN_PROBE], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    matmuls = [line.split(",")[6] for line in run.stdout.splitlines() if ",exec,cpu,matmul," in line]
+    assert matmuls, run.stdout[-2000:]
+    assert not any(impl.startswith("ref") for impl in matmuls), matmuls

@@ -6,7 +6,8 @@ a compiled graph holds it as one node (kiln.ops.native_cpu builds them). Two ker
         (Sapphire Rapids and later) and KILN_CPU_AMX is not 0: Kiln's own tile loop, weights in
         `to_tiles` layout, each finished tile rescaled straight into the output;
     oneDNN's int8 GEMM elsewhere (cpu_w8a8.cpp, torch.ops.kiln_cpu.w8a8_linear; AVX512-VNNI etc.),
-        weights packed by torch.ops.onednn.qlinear_prepack.
+        weights packed by torch.ops.onednn.qlinear_prepack, levels passed as uint8 with zero point 128
+        (int8 activations reach oneDNN's reference loop on CPUs without AMX).
 
     pack(matrix, smooth=None)  float [N, K] -> (packed int8, w_scale float32 [N], w_zero_point int64
                   [N], smooth float32 [K]) or None where neither kernel runs here (callers keep bf16
@@ -65,8 +66,8 @@ def uses_amx() -> bool:
 
 
 def _onednn_runs() -> bool:
-    """Whether oneDNN here takes int8 activations in its int8 GEMM (some PyTorch builds accept uint8
-    only): one tiny call, so a load-time failure becomes the bf16 fallback, not a crash later."""
+    """Whether oneDNN's int8 GEMM runs here through the op (uint8 levels with zero point 128 against
+    int8 weights): one tiny call, so a load-time failure becomes the bf16 fallback, not a crash later."""
     ops = getattr(torch.ops, "onednn", None)
     if not torch.backends.mkldnn.is_available() or not all(
         hasattr(ops, name) for name in ("qlinear_prepack", "qlinear_pointwise")
@@ -150,10 +151,10 @@ def values(rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
         groups, steps = packed.shape[:2]
         matrix = packed.view(groups, steps, 4, 16, 16, 4).permute(0, 2, 4, 1, 3, 5)
         return matrix.reshape(groups * TILE_GROUP, steps * TILE_GROUP)[:n, :k]
-    identity = torch.eye(k, dtype=torch.int8)
+    identity = torch.eye(k, dtype=torch.uint8) + 128  # as the op passes levels: uint8, zero point 128
     unit, zeros = torch.ones(n), torch.zeros(n, dtype=torch.int64)
     columns = torch.ops.onednn.qlinear_pointwise(
-        identity, 1.0, 0, packed, unit, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        identity, 1.0, 128, packed, unit, zeros, None, 1.0, 0, torch.float32, "none", [], ""
     )
     return columns.t().to(torch.int8)
 
