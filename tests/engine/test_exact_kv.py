@@ -84,26 +84,26 @@ def test_a_prefix_hit_shares_the_first_block_copy_and_fills_the_ring_from_fp8():
     assert b.exact_fill == expected
 
 
-def test_a_first_block_copy_given_up_under_pressure_is_refilled_on_the_next_hit():
+def test_a_first_block_copy_given_up_under_pressure_takes_its_block_out_of_the_prefix_cache():
     bm = manager(exact_blocks=6, ring=2)
     a = make_seq(range(100, 109), "a")
     admit(bm, a)
     first_block = a.block_table[0]
-    bm.free(a)  # its copy becomes reclaimable
+    bm.free(a)  # its copy becomes reclaimable; its blocks stay cached
+    assert first_block in bm.evictable
     others = [make_seq(range(200 + 20 * i, 209 + 20 * i), f"o{i}") for i in range(2)]
     for seq in others:  # 2 x (ring 2 + copy 1) = 6: the last one takes a's copy back
         admit(bm, seq)
     assert first_block not in bm.exact.first_block_copies
+    # the fp8 block left the prefix cache with its copy: a plain free block now
+    assert first_block not in bm.evictable and first_block in bm.free_block_ids
+    assert first_block not in bm.hash_to_block.values() and bm.blocks[first_block].hash is None
     assert bm.exact.num_available == 0
-    c = make_seq(range(100, 109), "c")
-    bm.match_prefix(c)
-    assert not bm.can_allocate(c, c.num_uncomputed_tokens)  # no exact block left: the scheduler preempts
-    bm.unmatch_prefix(c)
     bm.free(others[0])
-    assert admit(bm, c) == 8
-    size = 4
-    first_copy = [(first_block * size + p, c.exact_first * size + p) for p in range(4)]
-    assert c.exact_fill[:4] == first_copy  # the copy is rebuilt from the (rounded) fp8 block
+    c = make_seq(range(100, 109), "c")
+    # no hit: the first block and the one chained after it are computed again, exactly
+    assert admit(bm, c) == 0
+    assert c.exact_fill == []
 
 
 def test_a_recycled_fp8_block_drops_its_copy():
@@ -265,9 +265,10 @@ def _same_prompt_twice(tiny, prompt, window):
 def test_a_prefix_hit_that_computes_its_window_gives_the_logits_of_the_run_that_computed_the_prefix(tiny):
     """A 76-token prompt twice: the second run shares the first one's fp8 blocks and its first block's
     exact copy and computes its last 12 positions itself, which hold the whole window of 8: every
-    position it reads is the value the first run read, so its logits are the first run's, bit for bit."""
+    position it reads is the value the first run read, so its logits are the first run's up to float32
+    rounding (bit for bit where the GEMMs of 12 and 76 rows block alike; the fp8 error is ~1e-3)."""
     first, second, errors = _same_prompt_twice(tiny, list(range(5, 81)), window=8)
-    assert second == first and max(errors) == 0.0, errors
+    assert second == first and max(errors) < 1e-5, errors
 
 
 def test_a_prefix_hit_inside_the_window_reads_the_filled_fp8_values(tiny, monkeypatch):

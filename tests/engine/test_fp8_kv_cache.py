@@ -98,24 +98,52 @@ def fp8_reference(smollm2):
     return [llm.generate(p, GREEDY)[0] for p in PATH_PROMPTS]
 
 
+def _long_prompts(tokenizer, count: int) -> list[list[int]]:
+    """scripts/fp8_kv_agreement.py --prompts long: the chat template over Kiln's perplexity text and a
+    question about it (417-423 tokens), the first `count` questions."""
+    from kiln.models.calibration import read_text
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "kv_cache_sensitivity.py"
+    spec = importlib.util.spec_from_file_location("kv_cache_sensitivity", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = read_text("perplexity.txt").strip()
+    questions = module.LONG_QUESTIONS[:count]
+    return [tokenizer.encode_chat([{"role": "user", "content": f"{text}\n\n{q}"}]) for q in questions]
+
+
 @needs_embedded_model
 def test_fp8_cache_with_exact_positions_gives_the_bf16_caches_greedy_tokens(smollm2):
     """The issue's bar: `kv_cache_dtype="fp8"` as it runs by default (calibrated scales, each sequence's
-    first block and last 32 positions exact) gives the 16-bit cache's first 16 greedy tokens on every
-    prompt, plain and through the chat template. Measured over 64 tokens (scripts/fp8_kv_agreement.py,
-    docs/contracts.md): leading equal tokens >= 16 on 8/8 prompts of each set, median 64; without the
-    exact positions 6/8 plain and 5/8 chat, and a wrong scale or a garbled page parts on the first
-    tokens."""
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    plain = [smollm2.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
-    chat = [smollm2.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    bf16 = LLM(loaded=smollm2, device="cpu", num_kv_blocks=64, kv_cache_dtype="bfloat16")
-    fp8_engine = fp8_llm(smollm2)
-    assert fp8_engine.engine.runner.exact_kv.window == 32
-    for prompts in (plain, chat):
-        reference = [o.token_ids for o in bf16.generate(prompts, params)]
-        fp8 = [o.token_ids for o in fp8_engine.generate(prompts, params)]
-        assert fp8 == reference, [leading_equal(a, b) for a, b in zip(reference, fp8, strict=True)]
+    first block and last 32 positions exact) gives the 16-bit cache's first 16 greedy tokens, on the
+    short prompts through the chat template (33-40 tokens, so their last steps read some fp8 positions)
+    and on long ones (~420 tokens, of which ~390 are read from fp8 at every step). Measured over 64 and
+    48 tokens (scripts/fp8_kv_agreement.py, docs/contracts.md): leading equal tokens >= 16 on 8/8
+    prompts of each set (long: 28-48); without the exact positions 5/8 chat and 3/8 long, and a wrong
+    scale or a garbled page parts on the first tokens. A part is allowed only where the bf16 run's top
+    two logprobs are within NEAR_TIE (another host's GEMM blocking can flip such a tie by itself)."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    tokenizer = smollm2.tokenizer
+    chat = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    long = _long_prompts(tokenizer, 4)
+    block_size, window = 16, 32
+    assert min(len(p) for p in long) - block_size - window >= 300  # positions only fp8 holds
+    bf16 = LLM(loaded=smollm2, device="cpu", num_kv_blocks=160, kv_cache_dtype="bfloat16")
+    fp8_engine = fp8_llm(smollm2, num_kv_blocks=160)
+    assert fp8_engine.engine.runner.exact_kv.window == window
+    assert fp8_engine.engine.config.block_size == block_size
+    leads = []
+    for prompts in (chat, long):
+        reference = bf16.generate(prompts, params)
+        fp8 = fp8_engine.generate(prompts, params)
+        for ref, out in zip(reference, fp8, strict=True):
+            lead = leading_equal(ref.token_ids, out.token_ids)
+            leads.append(lead)
+            if lead < len(ref.token_ids):
+                top = sorted(ref.logprobs[lead].values(), reverse=True)
+                assert top[0] - top[1] < NEAR_TIE, (leads, top)
+    print("fp8 exact vs bf16 leading equal tokens (chat, long)", leads)
+    assert sum(lead == 16 for lead in leads) >= len(leads) - 1, leads
 
 
 @needs_embedded_model
@@ -181,16 +209,20 @@ def test_fp8_tensor_parallel_ranks_keep_fp8_caches(tmp_path):
     from tests.distributed.checkpoints import record_logits, run_to_completion, write_checkpoint
 
     path = write_checkpoint(tmp_path, "llama", num_key_value_heads=2)
-    prompts = [[5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33, 7, 8, 9, 10, 11, 12, 13, 14], [2, 3, 4]]
+    # 30 + 4 tokens with a window of 4: positions 16-25 and on are read from the fp8 cache only
+    prompts = [[5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33, *range(7, 15), *range(40, 51)], [2, 3, 4]]
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     runs = {}
     for name, kv_cache_dtype in (("float32", "auto"), ("fp8", "fp8")):
-        engine = LLMEngine(
-            EngineConfig(model=path, device="cpu", num_kv_blocks=32, kv_cache_dtype=kv_cache_dtype)
+        config = EngineConfig(
+            model=path, device="cpu", num_kv_blocks=32, kv_cache_dtype=kv_cache_dtype, kv_cache_exact_window=4
         )
+        engine = LLMEngine(config)
         logits = record_logits(engine)
         runs[name] = (run_to_completion(engine, prompts, greedy), logits)
-    config = EngineConfig(model=path, device="cpu", num_kv_blocks=32, kv_cache_dtype="fp8")
+    config = EngineConfig(
+        model=path, device="cpu", num_kv_blocks=32, kv_cache_dtype="fp8", kv_cache_exact_window=4
+    )
     with TensorParallelEngine(config, tp_size=2, timeout_s=30) as engine:
         workers = list(engine.workers)
         assert engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn

@@ -12,7 +12,8 @@ plain never-cached free blocks being used first.
 
 An fp8 cache with exact positions has a second pool, of float16 exact blocks (`exact`,
 kiln.engine.exact_kv.ExactBlockPool): a sequence gets its ring and its first block's copy with its
-first blocks, and gives the ring back when it is freed; the copy follows its fp8 block's life.
+first blocks, and gives the ring back when it is freed; the copy follows its fp8 block's life, and
+an unreferenced block whose copy the exact pool gives up leaves the prefix cache (`_forget`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
         self.exact = exact
+        if exact is not None:
+            exact.forget_block = self._forget
 
     # ---- counts ----
     @property
@@ -95,6 +98,18 @@ class BlockManager:
             self.exact.block_dropped(block_id)
         self.blocks[block_id].ref_count = 1
         return block_id
+
+    def _forget(self, block_id: int) -> None:
+        """Take an unreferenced cached block out of the prefix cache (its exact first-block copy was
+        given up): it becomes a plain free block, and the blocks chained after it can no longer match."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0 and block_id in self.evictable:
+            del self.evictable[block_id]
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = None
+            block.token_ids = None
+            self.free_block_ids.append(block_id)
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -60,9 +60,9 @@ class EngineConfig:
     kv_cache_exact_window: for an fp8 cache, every sequence's first block and its last this many
         positions are also kept unrounded (float16) and attention reads them from there
         (kiln.engine.exact_kv): the attention sink and the recent tokens, where e4m3's rounding flips
-        greedy tokens most. 0 keeps only the first block, None none. The float16 blocks (rings of
-        ceil((window + speculative tokens) / block_size) + 1 blocks per sequence, plus first blocks,
-        for max_num_seqs sequences) come out of the KV budget.
+        greedy tokens most. 0 keeps only the first block, None none. The float16 blocks (a ring of
+        ceil((window + speculative tokens - 1) / block_size) blocks per sequence, none for window 0,
+        and two first-block copies per sequence: max_num_seqs * (ring + 2)) come out of the KV budget.
     """
 
     model: str | None = None

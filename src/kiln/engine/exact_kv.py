@@ -16,15 +16,18 @@ Where the exact values live, in a pool of `num_blocks` float16 blocks:
   before they are verified) overwrite a position a later window reads.
 - one block per fp8 block that starts a sequence: a copy of that first block. It lives as long as the
   fp8 block does, so a prefix-cache hit shares it with the fp8 block; a copy of a block nobody
-  references is given up when the pool runs short.
-A sequence that starts from the prefix cache (or whose first block's copy was given up) has its ring,
-and that copy, filled from the fp8 cache when it is admitted (`Sequence.exact_fill`): those positions
-are read as rounded as a plain fp8 cache reads them until they leave the window.
+  references is given up when the pool runs short, and its fp8 block leaves the prefix cache with it
+  (`forget_block`), so a later request recomputes that block exactly instead of reading a copy
+  rebuilt from rounded values (which would stay rounded for every request sharing it).
+A sequence that starts from the prefix cache has its ring filled from the fp8 cache when it is
+admitted (`Sequence.exact_fill`): those positions are read as rounded as a plain fp8 cache reads them
+until they leave the window.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +55,7 @@ def exact_kv_layout(
     ring and first block plus as many first blocks again for the prefix cache."""
     if window is None:
         return None
-    ring = -(-(window + max(num_speculative_tokens - 1, 0)) // block_size)
+    ring = -(-(window + max(num_speculative_tokens - 1, 0)) // block_size) if window else 0
     return ExactKVLayout(num_blocks=max_num_seqs * (ring + 2), ring_blocks=ring, window=window)
 
 
@@ -73,6 +76,8 @@ class ExactBlockPool:
 
     first_block_copies: fp8 block id -> the exact block holding its copy; `reclaimable` lists, oldest
     first, the fp8 blocks whose copy may be given up (the fp8 block is cached but unreferenced).
+    forget_block: set by the BlockManager; called with an fp8 block whose copy was given up, to take
+    that block out of the prefix cache.
     """
 
     def __init__(self, layout: ExactKVLayout, block_size: int):
@@ -86,6 +91,7 @@ class ExactBlockPool:
         self.free_ids: deque[int] = deque(range(layout.num_blocks))
         self.first_block_copies: dict[int, int] = {}
         self.reclaimable: OrderedDict[int, None] = OrderedDict()
+        self.forget_block: Callable[[int], None] | None = None
 
     @property
     def num_available(self) -> int:
@@ -103,7 +109,10 @@ class ExactBlockPool:
             return self.free_ids.popleft()
         if self.reclaimable:
             fp8_block, _ = self.reclaimable.popitem(last=False)
-            return self.first_block_copies.pop(fp8_block)
+            copy = self.first_block_copies.pop(fp8_block)
+            if self.forget_block is not None:
+                self.forget_block(fp8_block)
+            return copy
         raise RuntimeError("ExactBlockPool: out of exact blocks (the scheduler should have preempted)")
 
     def admit(self, seq: Sequence, first_block_is_new: bool) -> None:
@@ -118,7 +127,7 @@ class ExactBlockPool:
         copy = self.first_block_copies.get(first)
         if copy is None:
             copy = self.first_block_copies[first] = self._take()
-            if not first_block_is_new:
+            if not first_block_is_new:  # a hit on a block whose copy is gone: only without forget_block
                 fill += [(first * size + p, copy * size + p) for p in range(min(size, computed))]
         seq.exact_first = copy
         if ring_size:
