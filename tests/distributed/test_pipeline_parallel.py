@@ -74,6 +74,16 @@ def test_pp2_llama_with_uneven_layer_split_matches_one_process(tmp_path):
     _compare(path, tp_size=1, pp_size=2, tol=1e-5)  # stages of 2 + 1 layers
 
 
+def test_pp2_fp8_cache_with_exact_positions_matches_one_process(tmp_path):
+    """Each stage keeps its layers' fp8 caches and exact rings (window 4, so a 30-token prompt's
+    positions 16-25 onward are read from fp8): the same logits as one process. Scales 1.0 in both, since
+    pipeline ranks do not calibrate."""
+    path = write_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+    prompts = [[*PROMPTS[0], *range(40, 51)], *PROMPTS[1:]]
+    options = {"kv_cache_dtype": "fp8", "kv_cache_scales": "unit", "kv_cache_exact_window": 4}
+    _compare(path, tp_size=1, pp_size=2, tol=1e-5, prompts=prompts, **options)
+
+
 def test_tp2_pp2_qwen2_with_tied_embeddings_matches_one_process(tmp_path):
     path = write_checkpoint(tmp_path, "qwen2", num_hidden_layers=3)
     _compare(path, tp_size=2, pp_size=2, tol=1e-5)
