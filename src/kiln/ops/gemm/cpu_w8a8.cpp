@@ -76,16 +76,15 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   at::Tensor q = at::empty({m, k}, xc.options().dtype(at::kByte));
   at::Tensor row_scales = at::empty({m}, xc.options().dtype(at::kFloat));
   const at::Tensor smooth_c = smooth.contiguous();
-  uint8_t* const levels = q.data_ptr<uint8_t>();
-  AT_DISPATCH_SWITCH(xc.scalar_type(), "kiln_cpu_w8a8_quantize", KILN_W8A8_DTYPES([&] {
-    kiln_w8a8::quantize_rows<scalar_t>(xc.data_ptr<scalar_t>(), smooth_c.data_ptr<float>(),
-                                       reinterpret_cast<int8_t*>(levels), row_scales.data_ptr<float>(), m, k, k);
-  }));
   // oneDNN multiplies uint8 activations with a zero point on its VNNI / AMX kernels, while int8 ones
   // reach its reference loop on CPUs without AMX (~0.1 GFLOP/s on an AVX512-VNNI Xeon, 2000x slower):
   // so each level v goes in as v + 128 with zero point 128, the int8's bits with the sign bit flipped.
   // The products stay exact: oneDNN subtracts 128 * (column sums) in int32.
-  for (int64_t i = 0; i < m * k; ++i) levels[i] ^= 0x80;
+  AT_DISPATCH_SWITCH(xc.scalar_type(), "kiln_cpu_w8a8_quantize", KILN_W8A8_DTYPES([&] {
+    kiln_w8a8::quantize_rows<scalar_t>(xc.data_ptr<scalar_t>(), smooth_c.data_ptr<float>(),
+                                       reinterpret_cast<int8_t*>(q.data_ptr<uint8_t>()),
+                                       row_scales.data_ptr<float>(), m, k, k, 0x80);
+  }));
   static const auto qlinear = c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
   std::vector<c10::IValue> stack{q, 1.0, int64_t(128), weight, w_scale, w_zero_point, c10::IValue(),
                                  1.0, int64_t(0), c10::IValue(at::kFloat), std::string("none"),

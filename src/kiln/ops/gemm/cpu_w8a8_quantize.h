@@ -24,10 +24,11 @@ constexpr int64_t kGrainElements = 1 << 15;  // below this many elements per thr
 // Rows [begin, end) of x [rows, k] into q (row stride q_stride >= k; columns past k untouched) and
 // scales. A plain function of locals: int8 stores may alias anything, so with the sizes read through
 // a lambda's captures the compiler reloads them on every element and leaves the int8 loop scalar.
+// sign_flip 0x80 stores each level v as the uint8 v + 128 (the same bits with the sign bit flipped).
 template <typename T>
 void quantize_row_range(const T* __restrict x, const float* __restrict smooth, int8_t* __restrict q,
                         float* __restrict scales, const int64_t begin, const int64_t end, const int64_t k,
-                        const int64_t q_stride) {
+                        const int64_t q_stride, const int32_t sign_flip) {
   std::vector<float> buffer(k);
   float* __restrict f = buffer.data();
   const Vec zero(0.f), low(-127.f), high(127.f);
@@ -51,17 +52,18 @@ void quantize_row_range(const T* __restrict x, const float* __restrict smooth, i
       f[i] = std::isnan(v) ? 0.f : std::min(127.f, std::max(-127.f, v));
     }
     int8_t* __restrict out = q + r * q_stride;
-    for (i = 0; i < k; ++i) out[i] = static_cast<int8_t>(static_cast<int32_t>(f[i]));
+    for (i = 0; i < k; ++i) out[i] = static_cast<int8_t>(static_cast<int32_t>(f[i]) ^ sign_flip);
   }
 }
 
-// x [rows, k] -> q [rows, q_stride] int8 levels and scales [rows], rows split across threads; k > 0.
+// x [rows, k] -> q [rows, q_stride] int8 levels (as uint8 + 128 with sign_flip 0x80) and scales
+// [rows], rows split across threads; k > 0.
 template <typename T>
 void quantize_rows(const T* x, const float* smooth, int8_t* q, float* scales, int64_t rows, int64_t k,
-                   int64_t q_stride) {
+                   int64_t q_stride, int32_t sign_flip = 0) {
   TORCH_CHECK(k > 0, "kiln_cpu W8A8: x has no in-features");
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / k), [&](int64_t begin, int64_t end) {
-    quantize_row_range(x, smooth, q, scales, begin, end, k, q_stride);
+    quantize_row_range(x, smooth, q, scales, begin, end, k, q_stride, sign_flip);
   });
 }
 
