@@ -1,12 +1,18 @@
 """What the paged attention tests share: paged KV caches with a query batch (with an fp8 cache's
 exact positions too), and the bad arguments both paged ops must reject."""
 
+import os
 import random
+import subprocess
+import sys
 
 import torch
 
+from kiln.ops import get_op
 from kiln.ops.attention.paged_inputs import make_paged_kv
 from kiln.ops.attention.reference import exact_positions, exact_slot
+from kiln.verify import relative_error
+from kiln.verify.runner import upcast_to_float64
 
 DTYPES = [torch.float32, torch.float16, torch.float8_e4m3fn]  # fp8: float16 queries over an fp8 cache
 
@@ -73,6 +79,61 @@ def poison_exact_reads(inputs: dict) -> None:
             exact_read[exact_slot(exact_row, j, block_size)] = True
     for cache in (inputs["exact_key_cache"], inputs["exact_value_cache"]):
         cache[~exact_read.to(cache.device)] = float("nan")
+
+
+def tightest_exact_ring_error(op_name: str, backend: str, shape: dict) -> float:
+    """||out - ref|| / ||ref|| of one backend on `shape` (fp8 cache, exact positions) against float64,
+    with exact_block_tables cut to R = ceil(exact_window / block_size) ring columns, the fewest the
+    contract allows (the spec's input maker gives one more)."""
+    op = get_op(op_name)
+    generator = torch.Generator().manual_seed(random.randrange(2**31))
+    inputs = op.make_inputs(shape, FP8, torch.device("cpu"), generator)
+    ring = -(-shape["exact_window"] // shape["block_size"])
+    inputs["exact_block_tables"] = inputs["exact_block_tables"][:, : 1 + ring].contiguous()
+    want = op.reference(**upcast_to_float64(inputs))
+    return relative_error(op.implementation(backend).fn(**inputs), want)
+
+
+def jax_jit_against_torch_cpu(op_name: str, implementation: str, shape: dict) -> tuple[float, dict, set]:
+    """The generated kiln.jax entry of `op_name` under jax.jit (the op's non-tensor arguments static
+    Python ints, as in a model's step) against the torch CPU implementation on the same fp8 inputs:
+    (relative error, the static arguments, the names of the array arguments)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import kiln.jax as kjax
+    from kiln.ops.jax_bridge import to_jax
+
+    op = get_op(op_name)
+    generator = torch.Generator().manual_seed(random.randrange(2**31))
+    inputs = op.make_inputs(shape, FP8, torch.device("cpu"), generator)
+    want = op.implementation("cpu").fn(**inputs).float().numpy()
+    arrays = {k: to_jax(v) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    static = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
+    entry = getattr(kjax, op_name)
+
+    @jax.jit
+    def run(arrays):
+        return entry(**arrays, **static, implementation=implementation)
+
+    got = np.asarray(run(arrays).astype(jnp.float32))
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want)), static, set(arrays)
+
+
+def assert_triton_child_prints_ok(code: str, device) -> None:
+    """Run `code` in a child Python (an out-of-bounds read may kill the process) on the Triton backend,
+    with `device` as its argv[1]: it must exit 0 and print "ok" last."""
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(device)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "KILN_BACKEND": "triton"},
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
+        f"rc {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    )
 
 
 _fp16_cache = torch.zeros(4, 16, 2, 64, dtype=torch.float16)

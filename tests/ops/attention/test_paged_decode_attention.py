@@ -1,7 +1,4 @@
-import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -20,6 +17,7 @@ from tests.ops.attention.paged_cases import (
     BAD_EXACT,
     DTYPES,
     FP8,
+    assert_triton_child_prints_ok,
     decode_inputs,
     exact_inputs,
     float64_reference,
@@ -323,13 +321,4 @@ def test_triton_exact_positions_stay_inside_the_exact_caches_with_unchecked_bad_
     """Inside kiln.ops.trusted_inputs() exact_block_tables is not checked: a bad entry (first block or
     ring) gives wrong values for its own sequence but no read outside the exact caches (they are
     clamped like the block tables). A child process, as an out-of-bounds read may kill it."""
-    result = subprocess.run(
-        [sys.executable, "-c", _BAD_EXACT_IDS_CHILD, str(device)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "KILN_BACKEND": "triton"},
-    )
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
-        f"rc {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-    )
+    assert_triton_child_prints_ok(_BAD_EXACT_IDS_CHILD, device)

@@ -17,11 +17,13 @@ from kiln.ops import get_op  # noqa: E402
 from kiln.ops.attention.jax_common import decode_page_range  # noqa: E402
 from kiln.ops.attention.jax_exact import exact_physical_page  # noqa: E402
 from kiln.ops.attention.paged_decode_attention.pallas_tpu import paged_decode_attention_pallas_tpu  # noqa: E402
+from kiln.ops.attention.paged_decode_attention.spec import (  # noqa: E402
+    EXACT_FUZZ_SHAPES,
+    EXACT_WINDOW_WITH_SLIDING_WINDOW,
+)
 from kiln.ops.attention.reference import exact_positions, exact_slot  # noqa: E402
-from kiln.ops.jax_bridge import to_jax  # noqa: E402
 from kiln.verify import run_case  # noqa: E402
-from kiln.verify.compare import relative_error  # noqa: E402
-from kiln.verify.runner import upcast_to_float64  # noqa: E402
+from tests.ops.attention.paged_cases import jax_jit_against_torch_cpu, tightest_exact_ring_error  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -50,34 +52,10 @@ DECODE_MHA = {
 }
 
 
-# The spec's fuzz shapes with exact positions (fp8 caches only). The input maker draws the exact caches
-# independently of the fp8 cache and gives each sequence a ring one entry wider than its window needs,
-# so an exact position read from the fp8 cache, the wrong ring entry or the wrong offset is far off.
-EXACT_RING_WRAPS_AND_SHORT_SEQUENCE = {
-    "context_lens": [5, 20, 37, 70],  # 5: inside its first block; 20: window reaches into it; 70: wraps
-    "num_heads": 9,
-    "num_kv_heads": 3,
-    "head_dim": 64,
-    "block_size": 16,
-    "exact_window": 20,
-}
-EXACT_WINDOW_WITH_SLIDING_WINDOW = {
-    "context_lens": [61, 33],  # the sliding window (40) hides the first block of the 61-long sequence
-    "num_heads": 8,
-    "num_kv_heads": 2,
-    "head_dim": 64,
-    "block_size": 8,
-    "exact_window": 16,
-    "sliding_window": 40,
-}
-EXACT_FIRST_BLOCK_ONLY = {  # W = 0: exact_block_tables has its first column only
-    "context_lens": [50],
-    "num_heads": 4,
-    "num_kv_heads": 4,
-    "head_dim": 128,
-    "block_size": 16,
-    "exact_window": 0,
-}
+# With exact positions (fp8 caches only): the spec's fuzz shapes (EXACT_FUZZ_SHAPES) and this one. The
+# input maker draws the exact caches independently of the fp8 cache and gives each sequence a ring one
+# entry wider than its window needs, so an exact position read from the fp8 cache, the wrong ring entry
+# or the wrong offset is far off.
 EXACT_TIGHT_RING = {  # the spec's input maker gives R one column more than the contract's least
     "context_lens": [50, 37, 70],
     "num_heads": 4,
@@ -86,7 +64,6 @@ EXACT_TIGHT_RING = {  # the spec's input maker gives R one column more than the 
     "block_size": 16,
     "exact_window": 20,
 }
-EXACT_SHAPES = [EXACT_RING_WRAPS_AND_SHORT_SEQUENCE, EXACT_WINDOW_WITH_SLIDING_WINDOW, EXACT_FIRST_BLOCK_ONLY]
 
 
 @pytest.mark.parametrize(
@@ -113,12 +90,12 @@ def test_paged_decode_attention_with_shuffled_block_tables_matches_float64(backe
 
 def test_exact_shapes_are_the_specs():
     spec_shapes = [s for s in get_op("paged_decode_attention").fuzz_shapes(random.Random(0))[:-1]]
-    assert all(shape in spec_shapes for shape in EXACT_SHAPES)
+    assert all(shape in spec_shapes for shape in EXACT_FUZZ_SHAPES)
 
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu", "xla"])
 @pytest.mark.parametrize(
-    "shape", EXACT_SHAPES, ids=["ring_wraps_short_sequence", "sliding_window", "first_block_only"]
+    "shape", EXACT_FUZZ_SHAPES, ids=["ring_wraps_short_sequence", "sliding_window", "first_block_only"]
 )
 def test_paged_decode_attention_reads_exact_positions_of_an_fp8_cache_matches_float64(backend, shape):
     op = get_op("paged_decode_attention")
@@ -131,33 +108,17 @@ def test_paged_decode_attention_tightest_exact_ring_matches_float64(backend):
     """R = ceil(W / block_size) ring columns, the fewest the contract allows: a window over R + 1
     pages (seq_len 50: positions 30..49 on pages 1, 2, 3) has its first and last pages in one ring
     block, at different offsets."""
-    op = get_op("paged_decode_attention")
-    seed = random.randrange(2**31)
-    inputs = op.make_inputs(EXACT_TIGHT_RING, torch.float8_e4m3fn, CPU, torch.Generator().manual_seed(seed))
-    inputs["exact_block_tables"] = inputs["exact_block_tables"][:, :3].contiguous()  # R = 2 = ceil(20 / 16)
-    want = op.reference(**upcast_to_float64(inputs))
-    got = op.implementation(backend).fn(**inputs)
-    assert relative_error(got, want) < op.tolerance[torch.float8_e4m3fn]
+    error = tightest_exact_ring_error("paged_decode_attention", backend, EXACT_TIGHT_RING)  # R = 2
+    assert error < get_op("paged_decode_attention").tolerance[torch.float8_e4m3fn]
 
 
 @pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu", "xla"])
 def test_kiln_jax_paged_decode_attention_with_exact_positions_under_jit_matches_torch_cpu(implementation):
-    op = get_op("paged_decode_attention")
-    seed = random.randrange(2**31)
-    inputs = op.make_inputs(
-        EXACT_WINDOW_WITH_SLIDING_WINDOW, torch.float8_e4m3fn, CPU, torch.Generator().manual_seed(seed)
+    error, static, arrays = jax_jit_against_torch_cpu(
+        "paged_decode_attention", implementation, shape=EXACT_WINDOW_WITH_SLIDING_WINDOW
     )
-    want = op.implementation("cpu").fn(**inputs).float().numpy()
-    arrays = {k: to_jax(v) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    static = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
     assert static["exact_window"] == 16 and "exact_block_tables" in arrays
-
-    @jax.jit
-    def decode(arrays):  # exact_window, sliding_window: static Python ints, as in a model's step
-        return kjax.paged_decode_attention(**arrays, **static, implementation=implementation)
-
-    got = np.asarray(decode(arrays).astype(jnp.float32))
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+    assert error < 2e-3
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "pages", "window", "exact_window", "ring"))

@@ -5,7 +5,6 @@ cache's exact positions included."""
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,10 +15,13 @@ import kiln.jax as kjax  # noqa: E402
 from kiln.ops import get_op  # noqa: E402
 from kiln.ops.attention.paged_prefill_attention.pallas_gpu import paged_prefill_attention_pallas_gpu  # noqa: E402
 from kiln.ops.attention.paged_prefill_attention.pallas_tpu import paged_prefill_attention_pallas_tpu  # noqa: E402
+from kiln.ops.attention.paged_prefill_attention.spec import (  # noqa: E402
+    EXACT_MIXED_RING_WRAPS,
+    EXACT_WITH_SLIDING_WINDOW,
+)
 from kiln.ops.jax_bridge import to_jax  # noqa: E402
 from kiln.verify import run_case  # noqa: E402
-from kiln.verify.compare import relative_error  # noqa: E402
-from kiln.verify.runner import upcast_to_float64  # noqa: E402
+from tests.ops.attention.paged_cases import jax_jit_against_torch_cpu, tightest_exact_ring_error  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -43,27 +45,8 @@ WINDOW_SOFTCAP_GQA_8 = {
 }
 MHA_3 = {"query_lens": [7, 16], "context_lens": [7, 33], "num_heads": 3, "num_kv_heads": 3, "head_dim": 128,
          "block_size": 16}  # fmt: skip
-# fp8 caches with exact positions: the spec's two fuzz shapes and one with W = 0. The exact caches are
-# drawn independently of the fp8 cache, rings one entry wider than the window needs.
-EXACT_MIXED_RING_WRAPS = {  # a prefill inside its first block, chunks straddling the window, a decode
-    "query_lens": [9, 21, 1, 12],
-    "context_lens": [9, 40, 35, 70],
-    "num_heads": 6,
-    "num_kv_heads": 2,
-    "head_dim": 64,
-    "block_size": 16,
-    "exact_window": 20,
-}
-EXACT_WITH_SLIDING_WINDOW = {  # early queries' sliding windows still see the first block, later ones not
-    "query_lens": [19],
-    "context_lens": [50],
-    "num_heads": 4,
-    "num_kv_heads": 1,
-    "head_dim": 64,
-    "block_size": 8,
-    "sliding_window": 30,
-    "exact_window": 9,
-}
+# fp8 caches with exact positions: the spec's two fuzz shapes (imported) and one with W = 0. The exact
+# caches are drawn independently of the fp8 cache, rings one entry wider than the window needs.
 EXACT_FIRST_BLOCK_ONLY = {"query_lens": [5, 12], "context_lens": [5, 30], "num_heads": 2, "num_kv_heads": 2,
                           "head_dim": 64, "block_size": 8, "exact_window": 0}  # fmt: skip
 
@@ -143,33 +126,17 @@ def test_paged_prefill_attention_tightest_exact_ring_matches_float64(backend):
     """R = ceil(W / block_size) ring columns, the fewest the contract allows: a window over R + 1
     pages (seq_len 50: positions 30..49 on pages 1, 2, 3) has its first and last pages in one ring
     block, at different offsets."""
-    op = get_op("paged_prefill_attention")
-    seed = random.randrange(2**31)
-    inputs = op.make_inputs(EXACT_TIGHT_RING, torch.float8_e4m3fn, CPU, torch.Generator().manual_seed(seed))
-    inputs["exact_block_tables"] = inputs["exact_block_tables"][:, :3].contiguous()  # R = 2 = ceil(20 / 16)
-    want = op.reference(**upcast_to_float64(inputs))
-    got = op.implementation(backend).fn(**inputs)
-    assert relative_error(got, want) < op.tolerance[torch.float8_e4m3fn]
+    error = tightest_exact_ring_error("paged_prefill_attention", backend, EXACT_TIGHT_RING)  # R = 2
+    assert error < get_op("paged_prefill_attention").tolerance[torch.float8_e4m3fn]
 
 
 @pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu", "xla"])
 def test_kiln_jax_paged_prefill_attention_with_exact_positions_under_jit_matches_torch_cpu(implementation):
-    op = get_op("paged_prefill_attention")
-    seed = random.randrange(2**31)
-    inputs = op.make_inputs(
-        EXACT_MIXED_RING_WRAPS, torch.float8_e4m3fn, CPU, torch.Generator().manual_seed(seed)
+    error, static, arrays = jax_jit_against_torch_cpu(
+        "paged_prefill_attention", implementation, shape=EXACT_MIXED_RING_WRAPS
     )
-    want = op.implementation("cpu").fn(**inputs).float().numpy()
-    arrays = {k: to_jax(v) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    static = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
     assert static["exact_window"] == 20 and "exact_block_tables" in arrays
-
-    @jax.jit
-    def prefill(arrays):  # max_seqlen_q, exact_window: static Python ints, as in a model's step
-        return kjax.paged_prefill_attention(**arrays, **static, implementation=implementation)
-
-    got = np.asarray(prefill(arrays).astype(jnp.float32))
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+    assert error < 2e-3
 
 
 @pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu", "xla"])

@@ -3,10 +3,9 @@ kernels must still never read or write outside the cache when one is wrong (a ba
 wrong values for its own sequence, nothing more). Run in a child process, since an out-of-bounds
 access used to kill the process (segfault) rather than raise."""
 
-import os
-import subprocess
-import sys
 import textwrap
+
+from tests.ops.attention.paged_cases import assert_triton_child_prints_ok
 
 CHILD = textwrap.dedent(
     """
@@ -41,13 +40,4 @@ CHILD = textwrap.dedent(
 
 
 def test_triton_paged_kernels_stay_inside_the_cache_with_unchecked_bad_indices(device):
-    result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(device)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "KILN_BACKEND": "triton"},
-    )
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
-        f"rc {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-    )
+    assert_triton_child_prints_ok(CHILD, device)

@@ -103,6 +103,39 @@ def _make_inputs(shape, dtype, device, generator):
     return make_paged_attention_inputs(shape, lens, len(lens), dtype, device, generator)
 
 
+# fp8 with exact positions (the fuzz shapes; the JAX tests run them by name)
+EXACT_RING_WRAPS_AND_SHORT_SEQUENCE = {
+    "context_lens": [5, 20, 37, 70],  # 5: inside its first block; 20: window reaches into it; 70: wraps
+    "num_heads": 9,
+    "num_kv_heads": 3,
+    "head_dim": 64,
+    "block_size": 16,
+    "exact_window": 20,
+}
+EXACT_WINDOW_WITH_SLIDING_WINDOW = {
+    "context_lens": [61, 33],  # the sliding window (40) hides the first block of the 61-long sequence
+    "num_heads": 8,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "block_size": 8,
+    "exact_window": 16,
+    "sliding_window": 40,
+}
+EXACT_FIRST_BLOCK_ONLY = {  # W = 0: exact_block_tables has its first column only
+    "context_lens": [50],
+    "num_heads": 4,
+    "num_kv_heads": 4,
+    "head_dim": 128,
+    "block_size": 16,
+    "exact_window": 0,
+}
+EXACT_FUZZ_SHAPES = (
+    EXACT_RING_WRAPS_AND_SHORT_SEQUENCE,
+    EXACT_WINDOW_WITH_SLIDING_WINDOW,
+    EXACT_FIRST_BLOCK_ONLY,
+)
+
+
 def _fuzz_shapes(rng):
     shapes = [
         {"context_lens": [1], "num_heads": 2, "num_kv_heads": 2, "head_dim": 64, "block_size": 16},
@@ -123,27 +156,7 @@ def _fuzz_shapes(rng):
             "softcap": 5.0,
         },
         {"context_lens": [100], "num_heads": 4, "num_kv_heads": 4, "head_dim": 256, "block_size": 32},
-        # fp8 with exact positions: a sequence shorter than its first block, one whose window reaches
-        # into it, windows across ring wrap-arounds; a window with a sliding window; the first block only
-        {
-            "context_lens": [5, 20, 37, 70],
-            "num_heads": 9,
-            "num_kv_heads": 3,
-            "head_dim": 64,
-            "block_size": 16,
-            "exact_window": 20,
-        },
-        {
-            "context_lens": [61, 33],
-            "num_heads": 8,
-            "num_kv_heads": 2,
-            "head_dim": 64,
-            "block_size": 8,
-            "exact_window": 16,
-            "sliding_window": 40,
-        },
-        {"context_lens": [50], "num_heads": 4, "num_kv_heads": 4, "head_dim": 128, "block_size": 16,
-         "exact_window": 0},
+        *(dict(shape) for shape in EXACT_FUZZ_SHAPES),
     ]  # fmt: skip
     shapes.append(
         {

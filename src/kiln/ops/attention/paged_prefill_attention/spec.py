@@ -142,6 +142,31 @@ def _make_inputs(shape, dtype, device, generator):
     return make_paged_attention_inputs(shape, lens_k, sum(lens_q), dtype, device, generator, extra)
 
 
+# fp8 with exact positions (the fuzz shapes; the JAX tests run them by name): a prefill shorter than
+# its first block, chunks whose queries straddle the window's start, a decode (q_len 1), a ring that
+# wraps; and a window with a sliding window, whose early queries still see the first block
+EXACT_MIXED_RING_WRAPS = {
+    "query_lens": [9, 21, 1, 12],
+    "context_lens": [9, 40, 35, 70],
+    "num_heads": 6,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "block_size": 16,
+    "exact_window": 20,
+}
+EXACT_WITH_SLIDING_WINDOW = {
+    "query_lens": [19],
+    "context_lens": [50],
+    "num_heads": 4,
+    "num_kv_heads": 1,
+    "head_dim": 64,
+    "block_size": 8,
+    "sliding_window": 30,
+    "exact_window": 9,
+}
+EXACT_FUZZ_SHAPES = (EXACT_MIXED_RING_WRAPS, EXACT_WITH_SLIDING_WINDOW)
+
+
 def _fuzz_shapes(rng):
     shapes = [
         # a mixed batch: a fresh prefill, a chunk after a prefix hit, two decodes (q_len 1)
@@ -171,27 +196,7 @@ def _fuzz_shapes(rng):
             "head_dim": 128,
             "block_size": 16,
         },
-        # fp8 with exact positions: a prefill shorter than its first block, chunks whose queries
-        # straddle the window's start, a decode (q_len 1), a ring that wraps; with a sliding window
-        {
-            "query_lens": [9, 21, 1, 12],
-            "context_lens": [9, 40, 35, 70],
-            "num_heads": 6,
-            "num_kv_heads": 2,
-            "head_dim": 64,
-            "block_size": 16,
-            "exact_window": 20,
-        },
-        {
-            "query_lens": [19],
-            "context_lens": [50],
-            "num_heads": 4,
-            "num_kv_heads": 1,
-            "head_dim": 64,
-            "block_size": 8,
-            "sliding_window": 30,
-            "exact_window": 9,
-        },
+        *(dict(shape) for shape in EXACT_FUZZ_SHAPES),
     ]
     q_lens = [rng.randint(1, 30) for _ in range(2)]
     shapes.append(
