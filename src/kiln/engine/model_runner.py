@@ -41,6 +41,7 @@ from kiln.engine.speculative.verify import verify_proposals
 from kiln.engine.step_times import StepTimes
 from kiln.models.attention_metadata import AttentionMetadata
 from kiln.models.layer_kv_cache import LayerKVCache
+from kiln.ops.attention.paged_decode_attention import cpu_native as paged_decode_native
 from kiln.ops.attention.validate import FP8_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,9 @@ class ModelRunner:
             except Exception as exc:  # capture needs every op to be graph-safe; eager still works
                 logger.warning("CUDA graph capture failed (%s); running eagerly", exc)
                 self.graphs = None
+        if device.type == "cpu":
+            # built (a host's first run, ~30-60 s) or loaded here, so that no step's time includes it
+            paged_decode_native.load()
         self.compiled_decode = None  # CPU: decode steps through a compiled forward per batch size
         if device.type == "cpu" and compile_cpu_decode and not enforce_eager:
             from kiln.engine.cpu_compiled_step import CompiledDecodeSteps

@@ -7,6 +7,8 @@ their ops under torch.ops.kiln_cpu:
     gemm/cpu_w8a8.cpp                       kiln_cpu.w8a8_linear (on oneDNN)
     gemm/cpu_w8a8_amx.cpp                   kiln_cpu.w8a8_amx_linear, kiln_cpu.amx_int8_available
 
+An engine on the CPU calls `load()` when it starts (kiln.engine.model_runner), so a host's first
+build (~40 s on 2 cores, announced by a warning) is part of loading, not of the first step's time.
 `load()` returns True when the ops are usable. The build needs a C++ compiler and ninja (the compiled
 decode step needs the compiler anyway); when either is missing, or KILN_CPU_NATIVE=0, it returns False
 once with a warning and each op's callers keep their PyTorch path. The build is cached by PyTorch
@@ -18,7 +20,9 @@ implementation after a successful load, so a compiled graph holds the op as one 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import time
 import warnings
 
 import torch
@@ -39,6 +43,7 @@ ISA_FLAGS = {
 }
 
 _state: dict = {"loaded": None}
+logger = logging.getLogger(__name__)
 
 
 def _isa_flags() -> list[str]:
@@ -74,7 +79,9 @@ def _build() -> bool:
         library = os.path.join(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")
         if os.path.exists(library):
             torch.ops.load_library(library)
-        else:
+        else:  # a warning, not info: a minute of silence on a host's first run would look like a hang
+            logger.warning("kiln: building the native CPU kernels for this host (once; cached as %s)", library)
+            start = time.perf_counter()
             cpp_extension.load(
                 name=name,
                 sources=list(SOURCES),
@@ -82,6 +89,7 @@ def _build() -> bool:
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
             )
+            logger.warning("kiln: native CPU kernels built in %.0f s", time.perf_counter() - start)
     except (OSError, RuntimeError, ImportError, ModuleNotFoundError) as error:
         warnings.warn(
             f"kiln: the native CPU kernels could not be built ({error}); using their PyTorch forms",
