@@ -17,6 +17,7 @@
 #    - `gpu_check.sh --dry-run`: every phase within its budget and every runbook call within 540 s, each
 #      pytest step collects, each kiln step parses and imports what it names, the commit is recorded,
 #      the results pack into at most 8 files;
+#    - every Triton launch of `kiln tune aot --quick` compiles for sm_90 with the venv's triton;
 #    - the tests of the GPU phases under the Triton audit (scripts/rehearsal_triton_audit.py): none
 #      sends CPU tensors to Triton or needs the embedded GGUF;
 #    - the tests that prove what the results record (fallbacks taken, environment, commit).
@@ -119,6 +120,14 @@ bash scripts/gpu_check.sh --dry-run 2>&1 | tee "$SCRATCH/dry.log" | grep -vE '^t
 rc=${PIPESTATUS[0]}
 [ "$rc" = 0 ] || fail "gpu_check.sh --dry-run: exit $rc"
 grep -q "^commit $HEAD_SHA" "$SCRATCH/dry.log" || fail "the dry run did not record commit $HEAD_SHA from .kiln-commit"
+
+section "sm_90 compile of every Triton launch with the image's triton (kiln tune aot --quick)"
+# the suite's own AOT test compiles with this machine's triton; this compiles with the GPU image's
+# (3.6), so a language feature or launch argument the image lacks fails here, not on the visit
+"$VPY" -m kiln.tune.aot --quick --json "$SCRATCH/aot.json" >"$SCRATCH/aot.log" 2>&1
+rc=$?
+grep -vE '^ok ' "$SCRATCH/aot.log" | tail -n 12
+[ $rc = 0 ] || fail "kiln tune aot --quick with triton $("$VPY" -c 'import triton; print(triton.__version__)'): exit $rc"
 
 section "Triton audit of the GPU phases' tests (interpreter on, as here; the GPU machine has it off)"
 # the test paths of gpu_check.sh's tests phase, but tests/jax: its tests hand CPU tensors to the JAX

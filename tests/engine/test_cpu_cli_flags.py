@@ -4,7 +4,6 @@ the EngineConfig (default: None / None / off, the loader's timed choice), and re
 import pytest
 
 import kiln.engine.llm_engine
-import kiln.server.launch
 from kiln.cli import build_parser
 from kiln.models.config import ModelLoadError
 
@@ -21,7 +20,8 @@ def test_generate_and_serve_cpu_flags_reach_the_engine_config(monkeypatch, capsy
         raise ModelLoadError("stop here")
 
     monkeypatch.setattr(kiln.engine.llm_engine, "LLMEngine", engine)
-    monkeypatch.setattr(kiln.server.launch, "build_off_main_thread", build)
+    # `kiln serve` needs uvicorn, which the GPU machine lacks: skip there rather than fail to collect
+    monkeypatch.setattr(pytest.importorskip("kiln.server.launch"), "build_off_main_thread", build)
     flags = ["--cpu-format", "int4_bf16", "--lm-head-format", "int8", "--compile-cpu-decode"]
     flags += ["--device", "cpu"]
     args = build_parser().parse_args(["generate", "hi", *flags])

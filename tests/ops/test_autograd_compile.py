@@ -18,7 +18,7 @@ def _block(x, residual, weight, bias, gate_up, q, k, positions, cache):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_compiled_block_backpropagates_like_eager(backend, monkeypatch):
+def test_compiled_block_backpropagates_like_eager(backend, device, monkeypatch):
     monkeypatch.setenv("KILN_BACKEND", backend)
     g = torch.Generator().manual_seed(0)
     inputs = [
@@ -30,7 +30,9 @@ def test_compiled_block_backpropagates_like_eager(backend, monkeypatch):
         torch.randn(3, 2, 8, generator=g),
         torch.randn(3, 1, 8, generator=g),
     ]
-    positions, cache = torch.tensor([0, 4, 2]), kiln.ops.rope_cos_sin_cache(8, 8)
+    inputs = [t.to(device) for t in inputs]
+    positions = torch.tensor([0, 4, 2], device=device)
+    cache = kiln.ops.rope_cos_sin_cache(8, 8, device=device)
 
     def grads(fn):
         leaves = [t.clone().requires_grad_() for t in inputs]

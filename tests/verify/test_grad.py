@@ -25,8 +25,8 @@ def test_every_backward_passes_on_the_cpu_path(op):
 
 
 @pytest.mark.parametrize("op", ["silu_and_mul", "softmax", "layer_norm"])
-def test_triton_backward_passes_under_the_interpreter(op):
-    rows = verify_grad([op], ["triton"], ["float32", "float16"], device="cpu", max_shapes=3)
+def test_triton_backward_passes(op, device):  # interpreted on the CPU, compiled on a GPU
+    rows = verify_grad([op], ["triton"], ["float32", "float16"], device=device, max_shapes=3)
     assert rows and all(r.passed for r in rows), [
         (r.input, r.dtype, r.failures) for r in rows if not r.passed
     ]

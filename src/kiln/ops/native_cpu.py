@@ -80,7 +80,9 @@ def _build() -> bool:
         if os.path.exists(library):
             torch.ops.load_library(library)
         else:  # a warning, not info: a minute of silence on a host's first run would look like a hang
-            logger.warning("kiln: building the native CPU kernels for this host (once; cached as %s)", library)
+            logger.warning(
+                "kiln: building the native CPU kernels for this host (once; cached as %s)", library
+            )
             start = time.perf_counter()
             cpp_extension.load(
                 name=name,

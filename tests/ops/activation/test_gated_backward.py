@@ -33,12 +33,12 @@ def test_gated_backward_gradcheck_float64(op, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["triton", "cpu"])
-def test_gelu_tanh_backward_keeps_float32_precision_for_negative_gates(backend, monkeypatch):
+def test_gelu_tanh_backward_keeps_float32_precision_for_negative_gates(backend, device, monkeypatch):
     # 1 + tanh(z) cancels in float32 for gates below about -3 (1e-4 relative at -4): the backward must
     # not form it. Gates in [-6, -3] only, so that no well-conditioned element hides the error.
     monkeypatch.setenv("KILN_BACKEND", backend)
     g = torch.Generator().manual_seed(random.randrange(2**31))
     gate = -3.0 - 3.0 * torch.rand(5, 64, generator=g)
-    x = torch.cat([gate, torch.randn(5, 64, generator=g)], dim=-1)
+    x = torch.cat([gate, torch.randn(5, 64, generator=g)], dim=-1).to(device)
     (error,) = grad_errors(gelu_tanh_and_mul, kiln.ops.gelu_tanh_and_mul.spec.reference, [x])
     assert error <= 1e-5, error
