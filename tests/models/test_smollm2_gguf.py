@@ -159,6 +159,23 @@ def test_int8_blocks_lm_head_keeps_the_q8_0_values_and_hf_greedy_tokens(
         assert greedy(model, ids, 24) == theirs
 
 
+def test_q4_blocks_layers_keep_the_q4_1_values_and_hf_greedy_tokens(
+    hf_model, gguf_weights, prompts, hf_continuations
+):
+    """Q4_1 layers as their blocks (one row: Kiln's native GEMV in float32 on the exact weights; a
+    prompt: the float32 copy): the logits within float32 tolerance of HF's, the greedy tokens HF's."""
+    config, weights = gguf_weights
+    model = LlamaForCausalLM(config, weights, cpu_format="q4_blocks", lm_head_format="fp32").eval()
+    layouts = {
+        p.layout for p in (model.layers[0].mlp.down_proj.prepared, model.layers[0].self_attn.o_proj.prepared)
+    }
+    if layouts != {"q4_blocks_onednn"}:
+        pytest.skip(f"q4_blocks fell back to {layouts} here (no oneDNN float32 packing)")
+    for ids, (theirs, _) in zip(prompts, hf_continuations, strict=True):
+        assert _rel(prompt_logits(model, ids), _hf_logits(hf_model, ids)).max() < FP32_TOL
+        assert greedy(model, ids, 24) == theirs
+
+
 def test_chunked_prefill_then_decode_matches_one_prefill(kiln_fp32, prompts):
     # float32 weights: fp16 GEMMs round differently for different row counts, which would hide
     # nothing here but blur the tolerance; the cache/metadata handling is what is under test.

@@ -17,7 +17,8 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[*CPU_WEIGHT_FORMATS, "auto"],
         default=None,
         help=f"CPU linear weights: {formats}, or auto (timed on this host, any checkpoint). Default: "
-        "for GGUF files the faster of fp16 / fp32, timed on this host once and cached. int4_bf16 "
+        "for GGUF files the fastest of fp16 / fp32 / q4_blocks (Q4 blocks kept 4-bit, exact), timed on this "
+        "host once and cached. int4_bf16 "
         "with --compile-cpu-decode is the fastest measured, with bf16 activations; int4_w8a8 (an int8 "
         "copy for several rows, x quantized to int8 per row) decodes batches faster at an accuracy cost",
     )

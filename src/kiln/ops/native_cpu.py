@@ -6,6 +6,7 @@ their ops under torch.ops.kiln_cpu:
                                             kiln_cpu.supports_head_dim
     gemm/cpu_w8a8.cpp                       kiln_cpu.w8a8_linear (on oneDNN)
     gemm/cpu_w8a8_amx.cpp                   kiln_cpu.w8a8_amx_linear, kiln_cpu.amx_int8_available
+    gemm/cpu_q4_blocks.cpp                  kiln_cpu.q4_blocks_gemv (GGUF Q4_0 / Q4_1 blocks, one row)
 
 An engine on the CPU calls `load()` when it starts (kiln.engine.model_runner), so a host's first
 build (~40 s on 2 cores, announced by a warning) is part of loading, not of the first step's time.
@@ -32,6 +33,7 @@ SOURCES = (
     os.path.join(_OPS, "attention", "paged_decode_attention", "cpu_native.cpp"),
     os.path.join(_OPS, "gemm", "cpu_w8a8.cpp"),
     os.path.join(_OPS, "gemm", "cpu_w8a8_amx.cpp"),
+    os.path.join(_OPS, "gemm", "cpu_q4_blocks.cpp"),
 )
 HEADERS = (os.path.join(_OPS, "gemm", "cpu_w8a8_quantize.h"),)  # hashed into the build's name too
 

@@ -16,6 +16,10 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      bf16 copy of the same matrix]               oneDNN bf16 on the copy
     "int8_weight"   [W int8 [N, K], scales bf16 [N]]             torch's int8 weight-only CPU matmul
                                                                 (per output channel), bf16 activations
+    "q4_blocks_onednn"  [Q4 blocks' nibbles uint8 [N, K/2] (a    1 row: Kiln's native GEMV on the blocks,
+                     block's 16 bytes as in the file), d and m   in float32 (exact; kiln_cpu.q4_blocks_gemv);
+                     float32 [N, K/32], oneDNN's blocked fp32    more rows: oneDNN fp32 on the copy
+                     copy of the same matrix]
     "int8_blocks_onednn"  [Q8_0's int8 values [N, K], its        1 row: a GEMV inductor compiles, in
                      scales float32 [N, K/32], oneDNN's blocked  float32 on the stored values (exact);
                      bf16 copy of the same matrix]               more rows: oneDNN bf16 on the copy
@@ -54,6 +58,13 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     this project measures on, 3072x576 at 16 rows: 341 us int4, 150 us oneDNN bf16); ~2.6 bytes a
     weight in all (int4 with its bf16 scale and zero per 32, and the bf16 copy). Other weights, or a
     CPU where oneDNN cannot pack bf16, get the "bf16" / "int4" layouts;
+  - CPU, "q4_blocks", GGUF Q4_0 / Q4_1 / Q4_K weights: "q4_blocks_onednn", the blocks' 4-bit values
+    with d and m per 32 weights in float32 (w = d * q + m exactly, Q4_K's sub-blocks as in "int4"), so
+    one-row inputs read ~0.6 bytes a weight with no rounding of the weight or of x (Kiln's native
+    kernel, kiln.ops.gemm.cpu_q4_blocks; 3x the fp16 GEMV's speed over SmolLM2's 120 decoder matrices
+    on the 2-core Xeon this project measures on), and a oneDNN-packed float32 copy of the same matrix
+    for several rows, as "fp32". Exact like "fp32", so the probe times it by default. Other weights, or
+    a CPU where oneDNN cannot pack, get "fp32";
   - CPU, "int8_blocks", GGUF Q8_0 weights: "int8_blocks_onednn", the file's blocks split into their
     int8 values and their scales (fp16 in the file, exact in float32): w = d * q exactly, so one-row
     inputs (single-stream decode) read one byte a weight with no rounding of the weight or of x. Made
@@ -122,8 +133,8 @@ from kiln.quant.linear_weights import QUANTIZED_WEIGHT_TYPES, BlockFP8Weight, In
 from kiln.quant.sparse24 import Sparse24Weight
 
 CPU_WEIGHT_FORMATS = (
-    "int4", "int4_bf16", "int4_w8a8", "int8", "int8_blocks", "int8_blocks_w8a8", "w8a8", "fp16", "bf16",
-    "fp32", "gguf",
+    "int4", "int4_bf16", "int4_w8a8", "int8", "int8_blocks", "int8_blocks_w8a8", "w8a8", "q4_blocks", "fp16",
+    "bf16", "fp32", "gguf",
 )  # fmt: skip
 W8A8_FALLBACK = {"w8a8": "bf16", "int4_w8a8": "int4_bf16", "int8_blocks_w8a8": "int8_blocks"}
 FORMAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -149,6 +160,7 @@ LAYOUTS = {
     "int4_onednn": 3,
     "int8_weight": 2,
     "int8_blocks_onednn": 3,
+    "q4_blocks_onednn": 4,
     "w8a8_packed": 4,
     "int4_w8a8_packed": 6,
     "int8_blocks_w8a8_packed": 6,
@@ -192,6 +204,8 @@ class PreparedLinearWeight:
             return "int4"
         if self.layout in ("int8_blocks_onednn", "int8_blocks_w8a8_packed"):
             return "int8_blocks"
+        if self.layout == "q4_blocks_onednn":
+            return "q4_blocks"
         if self.layout == "w8a8_packed":
             return "w8a8"
         return self.layout if self.layout in ("int4", "int8_weight") else "dense"
@@ -244,6 +258,11 @@ def prepare_linear_weight(
         prepared = _int8_blocks_layout(weight, shape, dtype, cpu_format)
         if prepared is not None:
             return prepared
+    if device.type == "cpu" and cpu_format == "q4_blocks":
+        prepared = _q4_blocks_layout(weight, shape, dtype)
+        if prepared is not None:
+            return prepared
+        cpu_format = "fp32"  # the other exact format
     if cpu_format in ("int4_w8a8", "int8_blocks_w8a8"):  # no int4 / Q8_0 packing for this weight
         cpu_format = "w8a8"
     if cpu_format in ("int4_bf16", "int8_blocks"):  # no int4 / Q8_0 packing for this weight: bf16
@@ -340,6 +359,24 @@ def _int8_blocks_layout(weight: GGUFWeight, shape, dtype, cpu_format) -> Prepare
     if rows is None:
         return None
     return PreparedLinearWeight("int8_blocks_onednn", (values, scales, rows), shape, None, dtype)
+
+
+def _q4_blocks_layout(weight, shape, dtype) -> PreparedLinearWeight | None:
+    """The "q4_blocks_onednn" layout of a GGUF Q4_0 / Q4_1 / Q4_K weight where oneDNN packs float32
+    here, else None."""
+    if not isinstance(weight, GGUFWeight) or weight.qtype not in INT4_QTYPES:
+        return None
+    rows = onednn_pack(weight.dequantize(torch.float32))
+    if rows is None:
+        return None
+    n, k = shape
+    q = weight.nibbles().to(torch.uint8).view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+    half = INT4_GROUP_SIZE // 2
+    nibbles = (q[..., :half] | (q[..., half:] << 4)).reshape(n, k // 2).contiguous()
+    scales, mins = (t.contiguous() for t in weight.scales_and_mins())
+    return PreparedLinearWeight(
+        "q4_blocks_onednn", (nibbles, scales, mins, rows), shape, torch.float32, dtype
+    )
 
 
 def split_q8_0(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -471,6 +508,12 @@ def prepared_matrix(
         return (q.to(torch.float64) - 8.0) * scale + zero
     if layout == "int8_weight":
         return tensors[0].to(torch.float64) * tensors[1].to(torch.float64)[:, None]
+    if layout == "q4_blocks_onednn":  # the fp32 copy holds the same values, rounded once
+        nibbles, scales, mins = (t.to(torch.float64) if t.is_floating_point() else t for t in tensors[:3])
+        n, groups = scales.shape
+        blocks = nibbles.view(n, groups, INT4_GROUP_SIZE // 2)
+        q = torch.cat([blocks & 15, blocks >> 4], dim=-1).to(torch.float64)
+        return (q * scales[..., None] + mins[..., None]).view(n, groups * INT4_GROUP_SIZE)
     if layout in ("int8_blocks_onednn", "int8_blocks_w8a8_packed"):  # as "int4_onednn"
         values, scales = tensors[:2]
         blocks = values.to(torch.float64).view(values.shape[0], -1, INT8_BLOCK_SIZE)

@@ -8,6 +8,8 @@
   "int4"         PyTorch's weight-packed int4 CPU matmul, group size 32, bfloat16 activations (its
                  fast path); the bias is added in float32;
   "int4_onednn"  one row: as "int4"; several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
+  "q4_blocks_onednn"  one row: q4_blocks_gemv (float32 on GGUF Q4 blocks' values, d and m, exact);
+                 several rows: oneDNN's fp32 GEMM on the copy of the same matrix;
   "int8_blocks_onednn"  one row: int8_blocks_gemv (float32 on GGUF Q8_0's values and scales, exact);
                  several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
   "w8a8_packed"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, Kiln's AMX tile kernel
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from kiln.ops.gemm.cpu_w8a8 import w8a8_linear
 from kiln.ops.gemm.gguf_linear import gguf_linear
 from kiln.ops.gemm.prepared_linear.int8_blocks_gemv import int8_blocks_gemv
+from kiln.ops.gemm.prepared_linear.q4_blocks_gemv import q4_blocks_gemv
 from kiln.ops.gemm.prepared_linear.spec import PREPARED_LINEAR
 from kiln.ops.gemm.quantized_layouts import QUANTIZED_LAYOUTS, run_quantized
 from kiln.ops.gemm.weight_formats import GGUF_LAYOUTS, INT4_GROUP_SIZE
@@ -116,6 +119,18 @@ def _int8_blocks_onednn(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
+def _q4_blocks_onednn(x, weight, bias, out_dtype):
+    if x.shape[0] != 1:
+        x = x.to(torch.float32).contiguous()
+        return torch.ops.mkldnn._linear_pointwise(x, weight[3], _as(bias, torch.float32), "none", [], "").to(
+            out_dtype
+        )
+    y = q4_blocks_gemv(x, weight[0], weight[1], weight[2])
+    if bias is not None:
+        y = y.add_(bias.float())
+    return y.to(out_dtype)
+
+
 def _w8a8(x, weight, bias, out_dtype):
     return w8a8_linear(x, weight[0], weight[1], weight[2], weight[3], bias, out_dtype)
 
@@ -152,6 +167,7 @@ KERNELS = {
     "int4_onednn": _int4_onednn,
     "int8_weight": _int8_weight,
     "int8_blocks_onednn": _int8_blocks_onednn,
+    "q4_blocks_onednn": _q4_blocks_onednn,
     "w8a8_packed": _w8a8,
     "int4_w8a8_packed": _int4_w8a8,
     "int8_blocks_w8a8_packed": _int8_blocks_w8a8,
@@ -170,5 +186,5 @@ def prepared_linear_cpu(x, layout, weight, bias=None, out_dtype=None):
 PREPARED_LINEAR.register(
     Implementation("cpu", prepared_linear_cpu, cpu_only,
                    description="oneDNN fp32/bf16, fp16 GEMV + packed fp32 copy, int4 (+ bf16 / int8), int8, "
-                               "Q8_0, W8A8")
+                               "Q4 / Q8_0 blocks, W8A8")
 )  # fmt: skip

@@ -5,7 +5,7 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
     x:         [M, K] float32 / float16 / bfloat16
     layout:    a PreparedLinearWeight's layout ("dense", "onednn", "fp16_onednn", "fp16_rows", "int4",
                "int4_onednn", "int4_w8a8_packed", "w8a8_packed", "int8_weight", "int8_blocks_onednn",
-               "int8_blocks_w8a8_packed", "gguf_<qtype>" for the GGUF block types of
+               "int8_blocks_w8a8_packed", "q4_blocks_onednn", "gguf_<qtype>" for the GGUF block types of
                kiln.ops.gguf_linear; the quantized checkpoint layouts of
                kiln.ops.gemm.quantized_layouts: "fp8_dynamic", "fp8_static", "int8_dynamic",
                "int8_static", "w4a16_g<gs>[_perm]", "fp8_block<bn>x<bk>")
@@ -45,6 +45,7 @@ from kiln.ops.gemm.shapes import GEMM_TOLERANCE, SMOLLM2_135M, gemm_flops
 from kiln.ops.gemm.weight_formats import (
     GGUF_LAYOUTS,
     INT4_GROUP_SIZE,
+    INT4_QTYPES,
     INT8_BLOCK_SIZE,
     INT8_K_MULTIPLE,
     LAYOUTS,
@@ -89,8 +90,8 @@ def _in_features(layout: str, weight) -> int | None:
         return weight[3].shape[0]  # smooth [K]
     if layout in GGUF_LAYOUTS or layout in W4A16_LAYOUTS:
         return None  # validate_gguf_weight / _validate_w4a16 check the packing against x
-    if layout in SPARSE24_LAYOUTS:
-        return 2 * weight[0].shape[1]  # values [N, K/2]
+    if layout in SPARSE24_LAYOUTS or layout == "q4_blocks_onednn":
+        return 2 * weight[0].shape[1]  # values / nibbles [N, K/2]
     return weight[0].shape[1]
 
 
@@ -167,6 +168,23 @@ def _validate_int8_blocks(op, weight, device) -> None:
         )
     if tuple(weight[2].shape) != (n, k):  # oneDNN's packing of the bf16 copy reports the matrix's shape
         raise ValueError(f"{op}: int8_blocks_onednn copy has shape {tuple(weight[2].shape)}, expected {n, k}")
+
+
+def _validate_q4_blocks(op, weight, device) -> None:
+    check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.uint8,), device=device)
+    check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
+    check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(torch.float32,), device=device)
+    check_tensor(op, "weight[3]", weight[3], ndim=2, dtypes=(torch.float32,), device=device)
+    n, k = weight[0].shape[0], 2 * weight[0].shape[1]
+    groups = k // INT4_GROUP_SIZE
+    if k % INT4_GROUP_SIZE or tuple(weight[1].shape) != (n, groups) or tuple(weight[2].shape) != (n, groups):
+        raise ValueError(
+            f"{op}: q4_blocks_onednn nibbles [{n}, {k // 2}], scales {tuple(weight[1].shape)} and mins "
+            f"{tuple(weight[2].shape)}, expected in-features a multiple of {INT4_GROUP_SIZE} and "
+            f"scales and mins ({n}, {groups})"
+        )
+    if tuple(weight[3].shape) != (n, k):  # oneDNN's packing of the float32 copy reports the matrix's shape
+        raise ValueError(f"{op}: q4_blocks_onednn copy has shape {tuple(weight[3].shape)}, expected {n, k}")
 
 
 def _validate_w8a8(op, layout, weight, device) -> None:
@@ -249,6 +267,8 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
             )
     elif layout == "int8_blocks_onednn":
         _validate_int8_blocks(op, weight, device)
+    elif layout == "q4_blocks_onednn":
+        _validate_q4_blocks(op, weight, device)
     elif layout in GGUF_LAYOUTS:
         validate_gguf_weight(op, weight[0], GGUF_LAYOUTS[layout], x.shape[-1], device)
     elif layout in QUANTIZED_LAYOUTS:
@@ -390,6 +410,10 @@ _FUZZ_FORMATS = (
     ("w8a8", "float"),  # "w8a8_packed" where the native op and an int8 GEMM run here, else bf16
     ("int4_w8a8", "Q4_1"),  # "int4_w8a8_packed" (same fallback: "int4_onednn" / "int4")
     ("int8_blocks_w8a8", "Q8_0"),  # "int8_blocks_w8a8_packed" (fallback "int8_blocks_onednn")
+    ("q4_blocks", "Q4_0"),  # "q4_blocks_onednn" where oneDNN packs float32 here, else "onednn" / "dense"
+    ("q4_blocks", "Q4_1"),
+    ("q4_blocks", "Q4_K"),
+    ("q4_blocks", "Q8_0"),  # not a Q4 type: "fp32"'s layouts
 )
 
 
@@ -478,6 +502,8 @@ def _weight_bytes(shape) -> float:
         return N * K * 2
     if fmt == "int8":
         return N * K + N * 2
+    if fmt == "q4_blocks" and shape["source"] in INT4_QTYPES:  # one row: nibbles, d and m per 32
+        return N * K / 2 + N * K / 32 * 8 if shape["M"] == 1 else N * K * 4
     if fmt in ("int8_blocks", "int8_blocks_w8a8"):  # one row: the values and a float32 scale per 32
         return N * K + N * K / 32 * 4 if shape["M"] == 1 else N * K * 2
     if fmt == "fp16":
@@ -504,6 +530,7 @@ def _torch_linear_fp32(x, layout, weight, bias=None, out_dtype=None):
 _BENCH_FORMATS = (
     ("fp32", "float"), ("fp16", "float"), ("bf16", "float"),
     ("int4", "Q4_1"), ("int4_bf16", "Q4_1"), ("int4_w8a8", "Q4_1"), ("int8", "Q4_1"), ("w8a8", "float"),
+    ("q4_blocks", "Q4_1"),
 )  # fmt: skip
 
 PREPARED_LINEAR = OpSpec(

@@ -1,0 +1,120 @@
+// The one-row kernel of the "q4_blocks_onednn" layout (kiln.ops.gemm.weight_formats):
+// y = x @ W^T with W kept as GGUF Q4_0 / Q4_1 blocks of 32 weights, w = d * q + m (q in 0..15),
+// computed in float32 on those exact values:
+//
+//   y[n] = sum_g d[n, g] * sum_j x[32 g + j] * q[n, g, j]  +  m[n, g] * sum_j x[32 g + j]
+//
+// nibbles uint8 [N, K / 2] hold each block's 16 bytes as in the file: byte j's low nibble is weight j,
+// its high nibble weight j + 16. One row of x reads half a byte a weight (plus two floats a block)
+// instead of the two bytes of an fp16 GEMV; the block sums of x are computed once per call.
+// Registered as torch.ops.kiln_cpu.q4_blocks_gemv.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // weights per GGUF Q4 block
+constexpr int64_t kRowsPerTask = 16;
+
+// sum_j x[j] * q[j] over one block, q the 32 nibbles of `bytes` (low nibbles weights 0..15)
+inline float block_dot_scalar(const float* x, const uint8_t* bytes) {
+  float s = 0.f;
+  for (int j = 0; j < 16; ++j) {
+    s += x[j] * static_cast<float>(bytes[j] & 15) + x[j + 16] * static_cast<float>(bytes[j] >> 4);
+  }
+  return s;
+}
+
+float row_dot(const float* x, const float* xsum, const uint8_t* row, const float* d, const float* m, int64_t groups) {
+  float tail = 0.f;  // the m * sum(x) terms, a scalar loop over the groups
+  for (int64_t g = 0; g < groups; ++g) tail += m[g] * xsum[g];
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i low = _mm512_set1_epi32(15);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16)));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+    __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(x + g * kBlock));
+    t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + g * kBlock + 16), t);
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(d[g]), t, acc);
+  }
+  return _mm512_reduce_add_ps(acc) + tail;
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i low = _mm256_set1_epi32(15);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* bytes = row + g * 16;
+    const float* xb = x + g * kBlock;
+    __m256 t = _mm256_setzero_ps();
+    for (int half = 0; half < 2; ++half) {  // bytes 0..7, then 8..15
+      const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * half)));
+      t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), _mm256_loadu_ps(xb + 8 * half), t);
+      t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), _mm256_loadu_ps(xb + 16 + 8 * half), t);
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d[g]), t, acc);
+  }
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair))) + tail;
+#else
+  float s = 0.f;
+  for (int64_t g = 0; g < groups; ++g) s += d[g] * block_dot_scalar(x + g * kBlock, row + g * 16);
+  return s + tail;
+#endif
+}
+
+at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
+                          const at::Tensor& mins) {
+  TORCH_CHECK(x.device().is_cpu() && nibbles.device().is_cpu() && scales.device().is_cpu() && mins.device().is_cpu(),
+              "q4_blocks_gemv: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == 1,
+              "q4_blocks_gemv: x must be float32 [1, K], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(nibbles.scalar_type() == at::kByte && nibbles.dim() == 2,
+              "q4_blocks_gemv: nibbles must be uint8 [N, K / 2], got ", nibbles.scalar_type(), " ", nibbles.sizes());
+  const int64_t n = nibbles.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0 && nibbles.size(1) * 2 == k,
+              "q4_blocks_gemv: K = ", k, " must be a multiple of 32 with nibbles [N, K / 2], got ", nibbles.sizes());
+  const int64_t groups = k / kBlock;
+  for (const at::Tensor* t : {&scales, &mins}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == n && t->size(1) == groups,
+                "q4_blocks_gemv: scales and mins must be float32 [N, K / 32] = [", n, ", ", groups, "], got ",
+                t->scalar_type(), " ", t->sizes());
+  }
+  const at::Tensor xc = x.contiguous(), qc = nibbles.contiguous(), dc = scales.contiguous(), mc = mins.contiguous();
+  at::Tensor y = at::empty({1, n}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  std::vector<float> xsum(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    float s = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) s += xp[g * kBlock + j];
+    xsum[g] = s;
+  }
+  const uint8_t* qp = qc.data_ptr<uint8_t>();
+  const float* dp = dc.data_ptr<float>();
+  const float* mp = mc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      yp[row] = row_dot(xp, xsum.data(), qp + row * (k / 2), dp + row * groups, mp + row * groups, groups);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
+  m.def("q4_blocks_gemv(Tensor x, Tensor nibbles, Tensor scales, Tensor mins) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("q4_blocks_gemv", &q4_blocks_gemv); }
