@@ -93,6 +93,8 @@ def test_tp2_embedded_smollm2_matches_tp1():
         # int4 rounds activations and each rank's partial outputs to bf16 (2^-9) in every layer, where
         # TP 1 rounds the whole sum once: measured 3.1e-2, the size of int4's own error against fp32
         ("int4", None, 5e-2),
+        # Q4 blocks in float32 on their exact values (one row) or the float32 copy: as fp32
+        ("q4_blocks", "fp32", 1e-5),
     ],
 )
 def test_tp2_embedded_smollm2_honours_the_cpu_weight_formats(cpu_format, lm_head_format, tol):
