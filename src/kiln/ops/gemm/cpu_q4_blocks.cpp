@@ -24,6 +24,10 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // weights per GGUF Q4 block
 constexpr int64_t kRowsPerTask = 16;
+// Software prefetch this many bytes ahead of the blocks being read, once per 64-byte line: SmolLM2's
+// matrices are 0.3-1.7 MB each, too short a stream for the hardware prefetcher to reach full speed
+// (cache-cold, its 120 decoder GEMVs on 2 cores: 8.2 ms without, 5.8 ms with 4 KiB ahead).
+constexpr int64_t kPrefetchAhead = 4096;
 
 // sum_j x[j] * q[j] over one block, q the 32 nibbles of `bytes` (low nibbles weights 0..15)
 inline float block_dot_scalar(const float* x, const uint8_t* bytes) {
@@ -34,13 +38,17 @@ inline float block_dot_scalar(const float* x, const uint8_t* bytes) {
   return s;
 }
 
-float row_dot(const float* x, const float* xsum, const uint8_t* row, const float* d, const float* m, int64_t groups) {
+// `stop`: the end of the rows this task reads; prefetches stay before it (inside the weights)
+float row_dot(const float* x, const float* xsum, const uint8_t* row, const float* d, const float* m, int64_t groups,
+              const uint8_t* stop) {
   float tail = 0.f;  // the m * sum(x) terms, a scalar loop over the groups
   for (int64_t g = 0; g < groups; ++g) tail += m[g] * xsum[g];
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512i low = _mm512_set1_epi32(15);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* ahead = row + g * 16 + kPrefetchAhead;
+    if ((g & 3) == 0 && ahead < stop) _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16)));
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
@@ -54,6 +62,9 @@ float row_dot(const float* x, const float* xsum, const uint8_t* row, const float
   __m256 acc = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* bytes = row + g * 16;
+    if ((g & 3) == 0 && bytes + kPrefetchAhead < stop) {
+      _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchAhead), _MM_HINT_T0);
+    }
     const float* xb = x + g * kBlock;
     __m256 t = _mm256_setzero_ps();
     for (int half = 0; half < 2; ++half) {  // bytes 0..7, then 8..15
@@ -67,6 +78,7 @@ float row_dot(const float* x, const float* xsum, const uint8_t* row, const float
   const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair))) + tail;
 #else
+  (void)stop;
   float s = 0.f;
   for (int64_t g = 0; g < groups; ++g) s += d[g] * block_dot_scalar(x + g * kBlock, row + g * 16);
   return s + tail;
@@ -105,7 +117,8 @@ at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const 
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      yp[row] = row_dot(xp, xsum.data(), qp + row * (k / 2), dp + row * groups, mp + row * groups, groups);
+      yp[row] = row_dot(xp, xsum.data(), qp + row * (k / 2), dp + row * groups, mp + row * groups, groups,
+                        qp + end * (k / 2));
     }
   });
   return y;
