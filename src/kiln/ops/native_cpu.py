@@ -14,7 +14,7 @@ build (~40 s on 2 cores, announced by a warning) is part of loading, not of the 
 decode step needs the compiler anyway); when either is missing, or KILN_CPU_NATIVE=0, it returns False
 once with a warning and each op's callers keep their PyTorch path. The build is cached by PyTorch
 under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), named by the sources and the flags.
-Each op's Python module (the `cpu_native` / `cpu_w8a8` beside its source) registers its fake
+Each op's Python module (the `cpu_native` / `cpu_w8a8` / `cpu_q4_blocks` beside its source) registers its fake
 implementation after a successful load, so a compiled graph holds the op as one node.
 """
 

@@ -115,7 +115,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.ops.gemm import cpu_w8a8
+from kiln.ops.gemm import cpu_q4_blocks, cpu_w8a8
 from kiln.ops.gemm.quantized_layouts import (
     QUANTIZED_LAYOUTS,
     W4A16_LAYOUTS,
@@ -369,13 +369,8 @@ def _q4_blocks_layout(weight, shape, dtype) -> PreparedLinearWeight | None:
     rows = onednn_pack(weight.dequantize(torch.float32))
     if rows is None:
         return None
-    n, k = shape
-    q = weight.nibbles().to(torch.uint8).view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
-    half = INT4_GROUP_SIZE // 2
-    nibbles = (q[..., :half] | (q[..., half:] << 4)).reshape(n, k // 2).contiguous()
-    scales, mins = (t.contiguous() for t in weight.scales_and_mins())
     return PreparedLinearWeight(
-        "q4_blocks_onednn", (nibbles, scales, mins, rows), shape, torch.float32, dtype
+        "q4_blocks_onednn", (*cpu_q4_blocks.pack(weight), rows), shape, torch.float32, dtype
     )
 
 
@@ -509,10 +504,9 @@ def prepared_matrix(
     if layout == "int8_weight":
         return tensors[0].to(torch.float64) * tensors[1].to(torch.float64)[:, None]
     if layout == "q4_blocks_onednn":  # the fp32 copy holds the same values, rounded once
-        nibbles, scales, mins = (t.to(torch.float64) if t.is_floating_point() else t for t in tensors[:3])
+        nibbles, scales, mins = tensors[0], tensors[1].to(torch.float64), tensors[2].to(torch.float64)
         n, groups = scales.shape
-        blocks = nibbles.view(n, groups, INT4_GROUP_SIZE // 2)
-        q = torch.cat([blocks & 15, blocks >> 4], dim=-1).to(torch.float64)
+        q = cpu_q4_blocks.block_values(nibbles, groups).to(torch.float64)
         return (q * scales[..., None] + mins[..., None]).view(n, groups * INT4_GROUP_SIZE)
     if layout in ("int8_blocks_onednn", "int8_blocks_w8a8_packed"):  # as "int4_onednn"
         values, scales = tensors[:2]

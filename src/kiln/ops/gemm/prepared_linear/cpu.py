@@ -32,10 +32,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.gemm.cpu_q4_blocks import q4_blocks_gemv
 from kiln.ops.gemm.cpu_w8a8 import w8a8_linear
 from kiln.ops.gemm.gguf_linear import gguf_linear
 from kiln.ops.gemm.prepared_linear.int8_blocks_gemv import int8_blocks_gemv
-from kiln.ops.gemm.prepared_linear.q4_blocks_gemv import q4_blocks_gemv
 from kiln.ops.gemm.prepared_linear.spec import PREPARED_LINEAR
 from kiln.ops.gemm.quantized_layouts import QUANTIZED_LAYOUTS, run_quantized
 from kiln.ops.gemm.weight_formats import GGUF_LAYOUTS, INT4_GROUP_SIZE
@@ -120,11 +120,8 @@ def _int8_blocks_onednn(x, weight, bias, out_dtype):
 
 
 def _q4_blocks_onednn(x, weight, bias, out_dtype):
-    if x.shape[0] != 1:
-        x = x.to(torch.float32).contiguous()
-        return torch.ops.mkldnn._linear_pointwise(x, weight[3], _as(bias, torch.float32), "none", [], "").to(
-            out_dtype
-        )
+    if x.shape[0] != 1:  # the float32 copy, as "onednn"
+        return _onednn(x, weight[3:], bias, out_dtype)
     y = q4_blocks_gemv(x, weight[0], weight[1], weight[2])
     if bias is not None:
         y = y.add_(bias.float())
