@@ -20,12 +20,13 @@ import torch
 
 import kiln.ops
 from kiln import environment
+from kiln.ops.gemm.shapes import SMOLLM2_135M
 from kiln.ops.gemm.weight_formats import prepare_linear_weight
 from kiln.quant import quantize_blocks
 from kiln.quant.gguf_blocks import GGUFWeight
 
 LAYERS = 30
-SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (K, N) per decoder layer
+SHAPES = SMOLLM2_135M  # (K, N) per decoder layer
 
 
 def main() -> None:

@@ -20,9 +20,10 @@ import torch
 from kiln import environment
 from kiln.loaders.cpu_format_probe import time_call
 from kiln.ops.gemm import cpu_w8a8
+from kiln.ops.gemm.shapes import SMOLLM2_135M
 
 LAYERS = 30
-SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (K, N) per decoder layer
+SHAPES = SMOLLM2_135M  # (K, N) per decoder layer
 HEAD = (576, 49152)
 
 
