@@ -159,20 +159,27 @@ def test_int8_blocks_lm_head_keeps_the_q8_0_values_and_hf_greedy_tokens(
         assert greedy(model, ids, 24) == theirs
 
 
-def test_q4_blocks_layers_keep_the_q4_1_values_and_hf_greedy_tokens(
+def test_q4_blocks_layers_and_q8_blocks_head_keep_the_file_values_and_hf_greedy_tokens(
     hf_model, gguf_weights, prompts, hf_continuations
 ):
-    """Q4_1 layers as their blocks (one row: Kiln's native GEMV in float32 on the exact weights; a
-    prompt: the float32 copy): the logits within float32 tolerance of HF's, the greedy tokens HF's."""
+    """Q4_1 layers and the tied Q8_0 head as their blocks (one row: Kiln's native GEMVs in float32 on the
+    exact weights; a prompt: the float32 copies): the logits within float32 tolerance of HF's, the
+    greedy tokens HF's."""
     config, weights = gguf_weights
-    model = LlamaForCausalLM(config, weights, cpu_format="q4_blocks", lm_head_format="fp32").eval()
+    model = LlamaForCausalLM(config, weights, cpu_format="q4_blocks", lm_head_format="q8_blocks").eval()
     layouts = {
         p.layout for p in (model.layers[0].mlp.down_proj.prepared, model.layers[0].self_attn.o_proj.prepared)
     }
+    head = model.lm_head.prepared.layout
+    if head != "q8_blocks_onednn":
+        pytest.skip(f"q8_blocks fell back to {head} here (no oneDNN float32 packing)")
     if layouts != {"q4_blocks_onednn"}:
         pytest.skip(f"q4_blocks fell back to {layouts} here (no oneDNN float32 packing)")
     for ids, (theirs, _) in zip(prompts, hf_continuations, strict=True):
-        assert _rel(prompt_logits(model, ids), _hf_logits(hf_model, ids)).max() < FP32_TOL
+        ref = _hf_logits(hf_model, ids)
+        assert _rel(prompt_logits(model, ids), ref).max() < FP32_TOL  # several rows: the float32 copies
+        hidden = PagedSequence(model, len(ids), block_size=16, seed=3).step(ids)
+        assert _rel(model.compute_logits(hidden[-1:]), ref[-1:]).max() < FP32_TOL  # one row: the GEMV
         assert greedy(model, ids, 24) == theirs
 
 

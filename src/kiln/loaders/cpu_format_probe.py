@@ -7,10 +7,11 @@ model's own layer-0 projections (fused QKV, o_proj, fused gate/up, down_proj; an
 head), one-row inputs (single-stream decode, where the formats differ most: several-row inputs run
 the same packed fp32 copy under "fp16" and "fp32"), in each candidate format, and keeps the fastest.
 
-Candidates (`KILN_CPU_FORMATS`, comma-separated, overrides them): "fp16", "fp32" and "q4_blocks" (GGUF
-Q4_0 / Q4_1 / Q4_K matrices only) by default, the formats whose greedy tokens stay those of the
-checkpoint (fp16 holds GGUF block values to one rounding, fp32 exactly, q4_blocks exactly: float32
-arithmetic on the blocks' own values at one row, the fp32 copy for several). "bf16", "int4" (GGUF Q4
+Candidates (`KILN_CPU_FORMATS`, comma-separated, overrides them): "fp16", "fp32", "q4_blocks" (GGUF
+Q4_0 / Q4_1 / Q4_K matrices only) and "q8_blocks" (GGUF Q8_0 matrices only: a GGUF model's LM head,
+usually) by default, the formats whose greedy tokens stay those of the checkpoint (fp16 holds GGUF
+block values to one rounding, fp32 exactly, q4_blocks and q8_blocks exactly: float32 arithmetic on the
+blocks' own values at one row, the fp32 copy for several). "bf16", "int4" (GGUF Q4
 weights only) and "int8" round activations to bfloat16 (~3e-2 logit error, flipping near-tied greedy
 choices; int8 also requantizes the weights per output channel, which GGUF's 32-weight blocks resolve
 more finely), so they are candidates only when asked for: `KILN_CPU_FORMATS=fp16,fp32,bf16,int4,int8`.
@@ -44,7 +45,7 @@ from kiln.ops.gemm.weight_formats import CPU_WEIGHT_FORMATS, INT4_QTYPES, prepar
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CANDIDATES = ("fp16", "fp32", "q4_blocks")
+DEFAULT_CANDIDATES = ("fp16", "fp32", "q4_blocks", "q8_blocks")
 CACHE_OP = "cpu_weight_format"  # the tuning cache's "op" of these entries
 REPEATS = 5  # timed passes per format; the median counts
 
@@ -64,8 +65,8 @@ def cpu_model_name() -> str:
 def candidate_formats(weights: list) -> tuple[str, ...]:
     """The formats to time for `weights` (float tensors or GGUFWeights): KILN_CPU_FORMATS or
     DEFAULT_CANDIDATES, without "int4" / "int4_bf16" / "q4_blocks" unless every weight is a GGUF Q4
-    matrix, without "int8_blocks" unless every one is GGUF Q8_0 (elsewhere they fall back to other
-    layouts), without "gguf"."""
+    matrix, without "int8_blocks" / "q8_blocks" unless every one is GGUF Q8_0 (elsewhere they fall back
+    to other layouts), without "gguf"."""
     names = os.environ.get("KILN_CPU_FORMATS")
     wanted = tuple(n.strip() for n in names.split(",") if n.strip()) if names else DEFAULT_CANDIDATES
     unknown = [n for n in wanted if n not in CPU_WEIGHT_FORMATS]
@@ -80,7 +81,7 @@ def candidate_formats(weights: list) -> tuple[str, ...]:
         for n in wanted
         if n != "gguf"
         and (not n.startswith(("int4", "q4_blocks")) or q4)
-        and (not n.startswith("int8_blocks") or q8)
+        and (not n.startswith(("int8_blocks", "q8_blocks")) or q8)
     )
 
 

@@ -7,6 +7,7 @@ their ops under torch.ops.kiln_cpu:
     gemm/cpu_w8a8.cpp                       kiln_cpu.w8a8_linear (on oneDNN)
     gemm/cpu_w8a8_amx.cpp                   kiln_cpu.w8a8_amx_linear, kiln_cpu.amx_int8_available
     gemm/cpu_q4_blocks.cpp                  kiln_cpu.q4_blocks_gemv (GGUF Q4_0 / Q4_1 blocks, one row)
+    gemm/cpu_q8_blocks.cpp                  kiln_cpu.q8_blocks_gemv (GGUF Q8_0 blocks, one row)
 
 An engine on the CPU calls `load()` when it starts (kiln.engine.model_runner), so a host's first
 build (~40 s on 2 cores, announced by a warning) is part of loading, not of the first step's time.
@@ -14,8 +15,9 @@ build (~40 s on 2 cores, announced by a warning) is part of loading, not of the 
 decode step needs the compiler anyway); when either is missing, or KILN_CPU_NATIVE=0, it returns False
 once with a warning and each op's callers keep their PyTorch path. The build is cached by PyTorch
 under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), named by the sources and the flags.
-Each op's Python module (the `cpu_native` / `cpu_w8a8` / `cpu_q4_blocks` beside its source) registers its fake
-implementation after a successful load, so a compiled graph holds the op as one node.
+Each op's Python module (the `cpu_native` / `cpu_w8a8` / `cpu_q4_blocks` / `cpu_q8_blocks` beside its
+source) registers its fake implementation after a successful load, so a compiled graph holds the op as
+one node.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ SOURCES = (
     os.path.join(_OPS, "gemm", "cpu_w8a8.cpp"),
     os.path.join(_OPS, "gemm", "cpu_w8a8_amx.cpp"),
     os.path.join(_OPS, "gemm", "cpu_q4_blocks.cpp"),
+    os.path.join(_OPS, "gemm", "cpu_q8_blocks.cpp"),
 )
 HEADERS = (os.path.join(_OPS, "gemm", "cpu_w8a8_quantize.h"),)  # hashed into the build's name too
 

@@ -67,19 +67,29 @@ def uses_amx() -> bool:
 
 def _onednn_runs() -> bool:
     """Whether oneDNN's int8 GEMM runs here through the op (uint8 levels with zero point 128 against
-    int8 weights): one tiny call, so a load-time failure becomes the bf16 fallback, not a crash later."""
+    int8 weights) and gets the integer products right: one small call, so a load-time failure becomes
+    the bf16 fallback, not a crash or a wrong answer later. On x86 CPUs without VNNI oneDNN multiplies
+    with vpmaddubsw, whose int16 pair sums saturate, and halves the weights to avoid that (an AMD
+    EPYC with AVX2 only: 11% error on random levels, 64.25 for a sum of 64): such a GEMM is refused."""
     ops = getattr(torch.ops, "onednn", None)
     if not torch.backends.mkldnn.is_available() or not all(
         hasattr(ops, name) for name in ("qlinear_prepack", "qlinear_pointwise")
     ):
         return False
+    # levels that reach both ends of the range: x's rows hold a 127 (scale 1, so x is its own levels),
+    # odd weights of both signs (halving them rounds), products whose pair sums pass int16
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randint(-127, 128, (16, 64), generator=generator, dtype=torch.int8)
+    weights[:, :2] = 127
+    x = torch.randint(-127, 128, (2, 64), generator=generator).float()
+    x[:, :2] = 127.0
     try:
-        packed = torch.ops.onednn.qlinear_prepack(torch.ones(16, 16, dtype=torch.int8), None)
+        packed = torch.ops.onednn.qlinear_prepack(weights, None)
         ones, zeros = torch.ones(16), torch.zeros(16, dtype=torch.int64)
-        y = torch.ops.kiln_cpu.w8a8_linear(torch.ones(2, 16), packed, ones, zeros, ones, None, torch.float32)
+        y = torch.ops.kiln_cpu.w8a8_linear(x, packed, ones, zeros, torch.ones(64), None, torch.float32)
     except RuntimeError:
         return False
-    return torch.allclose(y, torch.full((2, 16), 16.0))  # 16 products of 127 levels, times 1 / 127
+    return torch.equal(y.double(), x.double() @ weights.double().T)  # integers below 2^24: exact
 
 
 def _register_fakes() -> None:

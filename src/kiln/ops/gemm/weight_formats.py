@@ -20,9 +20,12 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      block's 16 bytes as in the file), d and m   in float32 (exact; kiln_cpu.q4_blocks_gemv);
                      float32 [N, K/32], oneDNN's blocked fp32    more rows: oneDNN fp32 on the copy
                      copy of the same matrix]
-    "int8_blocks_onednn"  [Q8_0's int8 values [N, K], its        1 row: a GEMV inductor compiles, in
-                     scales float32 [N, K/32], oneDNN's blocked  float32 on the stored values (exact);
-                     bf16 copy of the same matrix]               more rows: oneDNN bf16 on the copy
+    "q8_blocks_onednn"  [Q8_0's int8 values [N, K], its scales   1 row: Kiln's native GEMV on the blocks,
+                     float32 [N, K/32], oneDNN's blocked fp32    in float32 (exact; kiln_cpu.q8_blocks_gemv);
+                     copy of the same matrix]                    more rows: oneDNN fp32 on the copy
+    "int8_blocks_onednn"  [Q8_0's int8 values [N, K], its        1 row: as "q8_blocks_onednn" (exact);
+                     scales float32 [N, K/32], oneDNN's blocked  more rows: oneDNN bf16 on the copy
+                     bf16 copy of the same matrix]
     "w8a8_packed"   [int8 W / smooth as AMX tiles (5-D) or      kiln.ops.gemm.cpu_w8a8: x * smooth
                      packed for oneDNN (reports [K, N]), w_scale quantized to int8 per row, Kiln's AMX
                      float32 [N], zero points int64 [N],         tile kernel or oneDNN's int8 GEMM
@@ -65,13 +68,17 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     on the 2-core Xeon this project measures on), and a oneDNN-packed float32 copy of the same matrix
     for several rows, as "fp32". Exact like "fp32", so the probe times it by default. Other weights, or
     a CPU where oneDNN cannot pack, get "fp32";
+  - CPU, "q8_blocks", GGUF Q8_0 weights: "q8_blocks_onednn", the same for Q8_0: its int8 values and
+    its scales (fp16 in the file, exact in float32), one row through Kiln's native GEMV
+    (kiln.ops.gemm.cpu_q8_blocks, one byte a weight), several rows through a oneDNN-packed float32
+    copy. Made for the LM head, the largest matrix of a small model, whose GGUF type is usually Q8_0;
+    exact, so the probe times it by default. Other weights, or a CPU where oneDNN cannot pack, get
+    "fp32";
   - CPU, "int8_blocks", GGUF Q8_0 weights: "int8_blocks_onednn", the file's blocks split into their
     int8 values and their scales (fp16 in the file, exact in float32): w = d * q exactly, so one-row
-    inputs (single-stream decode) read one byte a weight with no rounding of the weight or of x. Made
-    for the LM head, the largest matrix of a small model, whose GGUF type is usually Q8_0: on the
-    2-core AVX512-BF16 machine this project measures on, SmolLM2's 49152x576 head takes ~1.5 ms a row
-    this way against ~2.3 ms for packed bf16 (cache-cold). Several rows run oneDNN's bf16 GEMM on a
-    copy, as "int4_bf16" does. Other weights, or a CPU where oneDNN cannot pack bf16, get "bf16";
+    inputs (single-stream decode) read one byte a weight with no rounding of the weight or of x, as
+    "q8_blocks". Several rows run oneDNN's bf16 GEMM on a copy, as "int4_bf16" does. Other weights, or
+    a CPU where oneDNN cannot pack bf16, get "bf16";
   - CPU, "w8a8", any weight (GGUF blocks dequantized): "w8a8_packed", int8 per output channel
     (symmetric, scale amax / 127) laid out for Kiln's AMX tile kernel where the CPU has AMX int8, else
     packed for oneDNN's int8 GEMM; activations quantized to int8 per row on every call
@@ -115,7 +122,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.ops.gemm import cpu_q4_blocks, cpu_w8a8
+from kiln.ops.gemm import cpu_q4_blocks, cpu_q8_blocks, cpu_w8a8
 from kiln.ops.gemm.quantized_layouts import (
     QUANTIZED_LAYOUTS,
     W4A16_LAYOUTS,
@@ -128,20 +135,20 @@ from kiln.ops.gemm.quantized_layouts import (
     w4a16_layout,
     w8a8_layout,
 )
-from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, KERNEL_QTYPES, GGUFWeight, dequantize_blocks
+from kiln.quant.gguf_blocks import BLOCK_WEIGHTS, KERNEL_QTYPES, GGUFWeight, dequantize_blocks
 from kiln.quant.linear_weights import QUANTIZED_WEIGHT_TYPES, BlockFP8Weight, Int4Weight, ScaledWeight
 from kiln.quant.sparse24 import Sparse24Weight
 
 CPU_WEIGHT_FORMATS = (
-    "int4", "int4_bf16", "int4_w8a8", "int8", "int8_blocks", "int8_blocks_w8a8", "w8a8", "q4_blocks", "fp16",
-    "bf16", "fp32", "gguf",
+    "int4", "int4_bf16", "int4_w8a8", "int8", "int8_blocks", "int8_blocks_w8a8", "w8a8", "q4_blocks",
+    "q8_blocks", "fp16", "bf16", "fp32", "gguf",
 )  # fmt: skip
 W8A8_FALLBACK = {"w8a8": "bf16", "int4_w8a8": "int4_bf16", "int8_blocks_w8a8": "int8_blocks"}
 FORMAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 INT4_GROUP_SIZE = 32  # one GGUF block (a Q4_K sub-block) per group
 INT4_QTYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT4_FORMATS = ("int4", "int4_bf16", "int4_w8a8")  # cpu formats that keep GGUF Q4 / int4 weights as int4
-INT8_BLOCK_SIZE = BLOCK_WEIGHTS["Q8_0"]  # weights per scale in "int8_blocks_onednn": one Q8_0 block
+INT8_BLOCK_SIZE = BLOCK_WEIGHTS["Q8_0"]  # weights per scale in "q8_blocks_onednn" etc.: one Q8_0 block
 # torch's int8 CPU matmul reads K in steps of 16 (other K give garbage or crash): "int8" keeps a weight
 # whose in-features are not a multiple in the "fp16" layouts instead
 INT8_K_MULTIPLE = 16
@@ -161,6 +168,7 @@ LAYOUTS = {
     "int8_weight": 2,
     "int8_blocks_onednn": 3,
     "q4_blocks_onednn": 4,
+    "q8_blocks_onednn": 3,
     "w8a8_packed": 4,
     "int4_w8a8_packed": 6,
     "int8_blocks_w8a8_packed": 6,
@@ -204,8 +212,8 @@ class PreparedLinearWeight:
             return "int4"
         if self.layout in ("int8_blocks_onednn", "int8_blocks_w8a8_packed"):
             return "int8_blocks"
-        if self.layout == "q4_blocks_onednn":
-            return "q4_blocks"
+        if self.layout in ("q4_blocks_onednn", "q8_blocks_onednn"):
+            return self.layout.removesuffix("_onednn")
         if self.layout == "w8a8_packed":
             return "w8a8"
         return self.layout if self.layout in ("int4", "int8_weight") else "dense"
@@ -263,6 +271,11 @@ def prepare_linear_weight(
         if prepared is not None:
             return prepared
         cpu_format = "fp32"  # the other exact format
+    if device.type == "cpu" and cpu_format == "q8_blocks":
+        prepared = _q8_blocks_layout(weight, shape, dtype)
+        if prepared is not None:
+            return prepared
+        cpu_format = "fp32"
     if cpu_format in ("int4_w8a8", "int8_blocks_w8a8"):  # no int4 / Q8_0 packing for this weight
         cpu_format = "w8a8"
     if cpu_format in ("int4_bf16", "int8_blocks"):  # no int4 / Q8_0 packing for this weight: bf16
@@ -374,14 +387,23 @@ def _q4_blocks_layout(weight, shape, dtype) -> PreparedLinearWeight | None:
     )
 
 
+def _q8_blocks_layout(weight, shape, dtype) -> PreparedLinearWeight | None:
+    """The "q8_blocks_onednn" layout of a GGUF Q8_0 weight where oneDNN packs float32 here, else None."""
+    if not isinstance(weight, GGUFWeight) or weight.qtype != "Q8_0":
+        return None
+    rows = onednn_pack(weight.dequantize(torch.float32))
+    if rows is None:
+        return None
+    return PreparedLinearWeight(
+        "q8_blocks_onednn", (*cpu_q8_blocks.pack(weight), rows), shape, torch.float32, dtype
+    )
+
+
 def split_q8_0(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """A GGUF Q8_0 weight [N, K] -> (values int8 [N, K], scales float32 [N, K / 32]), w = d * q
-    exactly (d is fp16 in the file)."""
-    n, k = weight.shape
-    blocks = weight.data.view(n, k // INT8_BLOCK_SIZE, BLOCK_BYTES["Q8_0"])
-    scales = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32).view(n, -1)
-    values = blocks[..., 2:].contiguous().view(torch.int8).view(n, k)
-    return values, scales
+    exactly (d is fp16 in the file); kiln.ops.gemm.cpu_q8_blocks.pack, which loads the native one-row
+    kernel too."""
+    return cpu_q8_blocks.pack(weight)
 
 
 @functools.cache
@@ -427,6 +449,13 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
     except RuntimeError:
         return None
+
+
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU (the "bf16" / "int4_bf16" / "int8_blocks"
+    copies; elsewhere those formats fall back to plain bf16 matrices)."""
+    return onednn_pack(torch.ones(16, 16, dtype=torch.bfloat16)) is not None
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -508,7 +537,7 @@ def prepared_matrix(
         n, groups = scales.shape
         q = cpu_q4_blocks.block_values(nibbles, groups).to(torch.float64)
         return (q * scales[..., None] + mins[..., None]).view(n, groups * INT4_GROUP_SIZE)
-    if layout in ("int8_blocks_onednn", "int8_blocks_w8a8_packed"):  # as "int4_onednn"
+    if layout in ("q8_blocks_onednn", "int8_blocks_onednn", "int8_blocks_w8a8_packed"):  # as "int4_onednn"
         values, scales = tensors[:2]
         blocks = values.to(torch.float64).view(values.shape[0], -1, INT8_BLOCK_SIZE)
         return (blocks * scales.to(torch.float64)[..., None]).view(values.shape)

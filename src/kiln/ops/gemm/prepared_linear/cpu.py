@@ -10,8 +10,9 @@
   "int4_onednn"  one row: as "int4"; several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
   "q4_blocks_onednn"  one row: q4_blocks_gemv (float32 on GGUF Q4 blocks' values, d and m, exact);
                  several rows: oneDNN's fp32 GEMM on the copy of the same matrix;
-  "int8_blocks_onednn"  one row: int8_blocks_gemv (float32 on GGUF Q8_0's values and scales, exact);
-                 several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
+  "q8_blocks_onednn"  one row: int8_blocks_gemv (float32 on GGUF Q8_0's values and scales, exact;
+                 Kiln's native kernel); several rows: oneDNN's fp32 GEMM on the copy of the same matrix;
+  "int8_blocks_onednn"  one row: as "q8_blocks_onednn"; several rows: oneDNN's bf16 GEMM on the copy;
   "w8a8_packed"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, Kiln's AMX tile kernel
                  or oneDNN's int8 GEMM (one native op);
   "int4_w8a8_packed", "int8_blocks_w8a8_packed"  one row: as "int4" / "int8_blocks_onednn"; several
@@ -119,6 +120,15 @@ def _int8_blocks_onednn(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
+def _q8_blocks_onednn(x, weight, bias, out_dtype):
+    if x.shape[0] != 1:  # the float32 copy, as "onednn"
+        return _onednn(x, weight[2:], bias, out_dtype)
+    y = int8_blocks_gemv(x, weight[0], weight[1])
+    if bias is not None:
+        y = y.add_(bias.float())
+    return y.to(out_dtype)
+
+
 def _q4_blocks_onednn(x, weight, bias, out_dtype):
     if x.shape[0] != 1:  # the float32 copy, as "onednn"
         return _onednn(x, weight[3:], bias, out_dtype)
@@ -165,6 +175,7 @@ KERNELS = {
     "int8_weight": _int8_weight,
     "int8_blocks_onednn": _int8_blocks_onednn,
     "q4_blocks_onednn": _q4_blocks_onednn,
+    "q8_blocks_onednn": _q8_blocks_onednn,
     "w8a8_packed": _w8a8,
     "int4_w8a8_packed": _int4_w8a8,
     "int8_blocks_w8a8_packed": _int8_blocks_w8a8,

@@ -1,11 +1,14 @@
-"""The one-row kernel of the "int8_blocks_onednn" layout: y = x @ W^T with W = d * q stored as GGUF
-Q8_0's int8 values q [N, K] and float32 scales d [N, K / 32], computed in float32 on those values.
+"""The one-row kernel of the "q8_blocks_onednn" and "int8_blocks_onednn" layouts: y = x @ W^T with
+W = d * q stored as GGUF Q8_0's int8 values q [N, K] and float32 scales d [N, K / 32], computed in
+float32 on those values.
 
-PyTorch has no CPU kernel for int8 weights with a scale per 32 (`_weight_int8pack_mm` takes one per
-row), so this one is written as tensor code and compiled by inductor into one C++ loop that reads
-each weight byte once. Eager calls run it through `torch.compile` (one graph per weight shape, static:
-inductor's dynamic-shape code of it is ~2x slower); inside the engine's compiled decode step it is
-traced into the step's graph (calling the compiled function there would break the graph).
+Kiln's native kernel runs it (kiln.ops.gemm.cpu_q8_blocks, loaded when the weight was packed). Where
+that library cannot be built, PyTorch has no CPU kernel for int8 weights with a scale per 32
+(`_weight_int8pack_mm` takes one per row), so the same sum is written as tensor code and compiled by
+inductor into one C++ loop that reads each weight byte once. Eager calls run it through
+`torch.compile` (one graph per weight shape, static: inductor's dynamic-shape code of it is ~2x
+slower); inside the engine's compiled decode step it is traced into the step's graph (calling the
+compiled function there would break the graph).
 
 Traced into a larger graph, inductor would fuse a pointwise producer of x into this loop and recompute
 it once per output row (a final RMSNorm: 2x slower); there x passes through `kiln.ops.realize.realized`.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ops.gemm import cpu_q8_blocks
 from kiln.ops.gemm.weight_formats import INT8_BLOCK_SIZE
 from kiln.ops.realize import realized
 
@@ -35,6 +39,8 @@ _compiled_gemv = torch.compile(_gemv, dynamic=False)
 def int8_blocks_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [1, K] float (any float dtype, read as float32), values int8 [N, K], scales float32 [N, K / 32]
     -> y float32 [1, N], y[n] = sum_k x[k] * scales[n, k // 32] * values[n, k]."""
+    if cpu_q8_blocks.loaded():
+        return cpu_q8_blocks.q8_blocks_gemv(x.float(), values, scales)
     if torch.compiler.is_compiling():  # traced into the caller's graph
         return _gemv(realized(x.float()), values, scales)
     return _compiled_gemv(x.float(), values, scales)  # float32 first: one graph per shape, not per dtype

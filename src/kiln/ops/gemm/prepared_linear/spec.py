@@ -5,8 +5,8 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
     x:         [M, K] float32 / float16 / bfloat16
     layout:    a PreparedLinearWeight's layout ("dense", "onednn", "fp16_onednn", "fp16_rows", "int4",
                "int4_onednn", "int4_w8a8_packed", "w8a8_packed", "int8_weight", "int8_blocks_onednn",
-               "int8_blocks_w8a8_packed", "q4_blocks_onednn", "gguf_<qtype>" for the GGUF block types of
-               kiln.ops.gguf_linear; the quantized checkpoint layouts of
+               "int8_blocks_w8a8_packed", "q4_blocks_onednn", "q8_blocks_onednn", "gguf_<qtype>" for
+               the GGUF block types of kiln.ops.gguf_linear; the quantized checkpoint layouts of
                kiln.ops.gemm.quantized_layouts: "fp8_dynamic", "fp8_static", "int8_dynamic",
                "int8_static", "w4a16_g<gs>[_perm]", "fp8_block<bn>x<bk>")
     weight:    its tensors (PreparedLinearWeight.tensors), W standing for [N, K]
@@ -51,6 +51,7 @@ from kiln.ops.gemm.weight_formats import (
     LAYOUTS,
     W8A8_COPY_AT,
     W8A8_FALLBACK,
+    onednn_packs_bf16,
     prepare_linear_weight,
     prepared_matrix,
     w8a8_matrix,
@@ -156,18 +157,20 @@ def _validate_quantized(op, layout, weight, K, device) -> None:
             raise ValueError(f"{op}: {layout} scale has shape {tuple(weight[1].shape)}, expected {expected}")
 
 
-def _validate_int8_blocks(op, weight, device) -> None:
+def _validate_q8_blocks(op, layout, weight, device) -> None:
+    """The layouts "int8_blocks_onednn" (a bf16 copy) and "q8_blocks_onednn" (a float32 copy)."""
+    copy_dtype = torch.bfloat16 if layout == "int8_blocks_onednn" else torch.float32
     check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int8,), device=device)
     check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
-    check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(torch.bfloat16,), device=device)
+    check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(copy_dtype,), device=device)
     n, k = weight[0].shape
     if k % INT8_BLOCK_SIZE or tuple(weight[1].shape) != (n, k // INT8_BLOCK_SIZE):
         raise ValueError(
-            f"{op}: int8_blocks_onednn values [{n}, {k}] and scales {tuple(weight[1].shape)}, expected "
+            f"{op}: {layout} values [{n}, {k}] and scales {tuple(weight[1].shape)}, expected "
             f"in-features a multiple of {INT8_BLOCK_SIZE} and scales ({n}, {k // INT8_BLOCK_SIZE})"
         )
-    if tuple(weight[2].shape) != (n, k):  # oneDNN's packing of the bf16 copy reports the matrix's shape
-        raise ValueError(f"{op}: int8_blocks_onednn copy has shape {tuple(weight[2].shape)}, expected {n, k}")
+    if tuple(weight[2].shape) != (n, k):  # oneDNN's packing of the copy reports the matrix's shape
+        raise ValueError(f"{op}: {layout} copy has shape {tuple(weight[2].shape)}, expected {n, k}")
 
 
 def _validate_q4_blocks(op, weight, device) -> None:
@@ -265,8 +268,8 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
                 f"{op}: int8_weight in-features {weight[0].shape[1]} are not a multiple of "
                 f"{INT8_K_MULTIPLE} (torch's int8 CPU matmul)"
             )
-    elif layout == "int8_blocks_onednn":
-        _validate_int8_blocks(op, weight, device)
+    elif layout in ("int8_blocks_onednn", "q8_blocks_onednn"):
+        _validate_q8_blocks(op, layout, weight, device)
     elif layout == "q4_blocks_onednn":
         _validate_q4_blocks(op, weight, device)
     elif layout in GGUF_LAYOUTS:
@@ -414,6 +417,8 @@ _FUZZ_FORMATS = (
     ("q4_blocks", "Q4_1"),
     ("q4_blocks", "Q4_K"),
     ("q4_blocks", "Q8_0"),  # not a Q4 type: "fp32"'s layouts
+    ("q8_blocks", "Q8_0"),  # "q8_blocks_onednn" where oneDNN packs float32 here, else "onednn" / "dense"
+    ("q8_blocks", "Q4_1"),  # not Q8_0: "fp32"'s layouts
 )
 
 
@@ -472,7 +477,7 @@ def _case_tolerance(shape, dtype) -> float:
         # moves one element of x by one step (rare); the op rounds its float32 result once at the end
         inside = GEMM_TOLERANCE[torch.float32]
     elif fmt in ("bf16", "int4", "int4_bf16", "int4_w8a8", "int8") or (
-        fmt == "int8_blocks" and shape["M"] > 1
+        fmt == "int8_blocks" and (shape["M"] > 1 or not onednn_packs_bf16())  # else the "bf16" layout
     ):
         inside = GEMM_TOLERANCE[torch.bfloat16]  # the bf16 copies also round the weight to bf16
     elif fmt == "fp16" and shape["M"] == 1:
@@ -485,7 +490,7 @@ def _case_tolerance(shape, dtype) -> float:
 def _weight_bytes(shape) -> float:
     """Bytes the CPU layout reads per call: fp32 / bf16 the matrix; fp16 the fp16 matrix for one row,
     its float32 copy for more; int4 the nibbles and a bf16 (scale, zero) per 32 weights; gguf the blocks;
-    int8_blocks the values and scales for one row, the bf16 copy for more."""
+    int8_blocks / q8_blocks the values and scales for one row, the bf16 / float32 copy for more."""
     N, K, fmt = shape["N"], shape["K"], shape["format"]
     if fmt == "kernel":
         source = shape["source"]
@@ -506,6 +511,8 @@ def _weight_bytes(shape) -> float:
         return N * K / 2 + N * K / 32 * 8 if shape["M"] == 1 else N * K * 4
     if fmt in ("int8_blocks", "int8_blocks_w8a8"):  # one row: the values and a float32 scale per 32
         return N * K + N * K / 32 * 4 if shape["M"] == 1 else N * K * 2
+    if fmt == "q8_blocks" and shape["source"] == "Q8_0":
+        return N * K + N * K / 32 * 4 if shape["M"] == 1 else N * K * 4
     if fmt == "fp16":
         return N * K * (2 if shape["M"] == 1 else 4)
     return N * K * (2 if fmt == "bf16" else 4)
@@ -554,7 +561,7 @@ PREPARED_LINEAR = OpSpec(
         + [  # the LM head (its GGUF type is Q8_0): packed bf16 against Q8_0's own values
             {"M": m, "N": 49152, "K": 576, "format": fmt, "source": "Q8_0"}
             for m in (1, 16)
-            for fmt in ("bf16", "int8_blocks", "int8_blocks_w8a8")
+            for fmt in ("fp16", "bf16", "q8_blocks", "int8_blocks", "int8_blocks_w8a8")
         ]
     },
     baselines={"torch_linear_fp32": _torch_linear_fp32},

@@ -1,0 +1,110 @@
+// The one-row kernel of the "q8_blocks_onednn" and "int8_blocks_onednn" layouts
+// (kiln.ops.gemm.weight_formats): y = x @ W^T with W kept as GGUF Q8_0 blocks of 32 weights,
+// w = d * q (q int8), computed in float32 on those exact values:
+//
+//   y[n] = sum_g d[n, g] * sum_j x[32 g + j] * q[n, g, 32 g + j]
+//
+// values int8 [N, K] are the blocks' q in weight order, scales float32 [N, K / 32] their d. One row of
+// x reads a byte a weight (plus a float a block) instead of the two bytes of an fp16 GEMV or the four
+// of a float32 one. Registered as torch.ops.kiln_cpu.q8_blocks_gemv.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // weights per GGUF Q8_0 block
+constexpr int64_t kRowsPerTask = 16;
+// Software prefetch this far ahead of the block being read, once per 64-byte line (as the Q4 kernel,
+// cpu_q4_blocks.cpp: a matrix is too short a stream for the hardware prefetcher to reach full speed)
+constexpr int64_t kPrefetchAhead = 4096;
+
+// `stop`: the end of the rows this task reads; prefetches stay before it (inside the weights)
+float row_dot(const float* x, const int8_t* row, const float* d, int64_t groups, const int8_t* stop) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* q = row + g * kBlock;
+    if ((g & 1) == 0 && q + kPrefetchAhead < stop) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchAhead), _MM_HINT_T0);
+    }
+    const float* xb = x + g * kBlock;
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+    const __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+    __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xb));
+    t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), t);
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(d[g]), t, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* q = row + g * kBlock;
+    if ((g & 1) == 0 && q + kPrefetchAhead < stop) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchAhead), _MM_HINT_T0);
+    }
+    const float* xb = x + g * kBlock;
+    __m256 t = _mm256_setzero_ps();
+    for (int part = 0; part < 4; ++part) {  // 8 weights at a time
+      const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * part)));
+      t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_loadu_ps(xb + 8 * part), t);
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d[g]), t, acc);
+  }
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+#else
+  (void)stop;
+  float s = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    float t = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) t += x[g * kBlock + j] * static_cast<float>(row[g * kBlock + j]);
+    s += d[g] * t;
+  }
+  return s;
+#endif
+}
+
+at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
+  TORCH_CHECK(x.device().is_cpu() && values.device().is_cpu() && scales.device().is_cpu(),
+              "q8_blocks_gemv: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == 1,
+              "q8_blocks_gemv: x must be float32 [1, K], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(values.scalar_type() == at::kChar && values.dim() == 2,
+              "q8_blocks_gemv: values must be int8 [N, K], got ", values.scalar_type(), " ", values.sizes());
+  const int64_t n = values.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0 && values.size(1) == k,
+              "q8_blocks_gemv: K = ", k, " must be a multiple of 32 with values [N, K], got ", values.sizes());
+  const int64_t groups = k / kBlock;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == n &&
+                  scales.size(1) == groups,
+              "q8_blocks_gemv: scales must be float32 [N, K / 32] = [", n, ", ", groups, "], got ",
+              scales.scalar_type(), " ", scales.sizes());
+  const at::Tensor xc = x.contiguous(), qc = values.contiguous(), dc = scales.contiguous();
+  at::Tensor y = at::empty({1, n}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const int8_t* qp = qc.data_ptr<int8_t>();
+  const float* dp = dc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      yp[row] = row_dot(xp, qp + row * k, dp + row * groups, groups, qp + end * k);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) { m.def("q8_blocks_gemv(Tensor x, Tensor values, Tensor scales) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("q8_blocks_gemv", &q8_blocks_gemv); }

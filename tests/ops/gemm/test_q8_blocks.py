@@ -1,0 +1,152 @@
+"""The "q8_blocks" CPU format: GGUF Q8_0 weights kept as their int8 values with a float32 scale per 32
+weights, one row through Kiln's native GEMV (kiln_cpu.q8_blocks_gemv) in float32 on the exact weights,
+several rows through a oneDNN float32 copy. Blocks are written by the `gguf` package, and `gguf`'s
+dequantization is the weights' reference."""
+
+import random
+
+import pytest
+import torch
+
+import kiln.ops
+from kiln.ops.gemm import cpu_q8_blocks as q8_module
+from kiln.ops.gemm import weight_formats
+from kiln.ops.gemm.prepared_linear import int8_blocks_gemv
+from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
+from kiln.quant.gguf_blocks import GGUFWeight
+from kiln.verify import assert_close
+
+gguf = pytest.importorskip("gguf")
+CPU = torch.device("cpu")
+
+
+def _q8_weight(n: int, k: int, generator) -> tuple[GGUFWeight, torch.Tensor]:
+    """(GGUFWeight, its float64 matrix as `gguf` dequantizes it): rows of unlike size, fresh values."""
+    weight = torch.randn(n, k, generator=generator) * torch.rand(n, 1, generator=generator)
+    kind = gguf.GGMLQuantizationType.Q8_0
+    blocks = torch.from_numpy(gguf.quants.quantize(weight.numpy(), kind))
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), kind)).double()
+    return GGUFWeight("Q8_0", blocks, (n, k)), expected
+
+
+@pytest.fixture(scope="module")
+def native():
+    if not q8_module.load():
+        pytest.skip("Kiln's native CPU library could not be built here (no C++ compiler or ninja)")
+
+
+def _prepared(weight):
+    prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q8_blocks")
+    if prepared.layout != "q8_blocks_onednn":
+        pytest.skip(f"q8_blocks fell back to {prepared.layout!r} here (no oneDNN float32 packing)")
+    return prepared
+
+
+@pytest.mark.parametrize("n,k", [(37, 96), (50, 576), (3, 32)])
+def test_q8_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(n, k, native):
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    weight, expected = _q8_weight(n, k, g)
+    prepared = _prepared(weight)
+    assert prepared.kind == "q8_blocks" and prepared.compute_dtype == torch.float32
+    values, scales, copy = prepared.tensors
+    assert values.dtype == torch.int8 and values.shape == (n, k) and scales.shape == (n, k // 32)
+    matrix = prepared_matrix(prepared.layout, prepared.tensors)
+    assert torch.equal(matrix, expected)  # d * q exactly: no rounding of the weight
+    read_back = weight_formats.onednn_linear(torch.eye(k), copy, None).T
+    assert torch.equal(read_back, expected.float())  # the several-row copy: the same matrix in float32
+    run, bias = kiln.ops.prepared_linear, torch.randn(n, generator=g)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        one = torch.randn(1, k, generator=g).to(dtype)
+        y = torch.full((1, n), float("nan"))
+        y.copy_(run(one, prepared.layout, prepared.tensors, bias, torch.float32))
+        # float32 arithmetic on the exact weights: only the accumulation rounds (not x, not W)
+        assert_close(y, one.double() @ matrix.T + bias.double(), 1e-6, f"one {dtype} row")
+    rows = torch.randn(5, k, generator=g)
+    y = run(rows, prepared.layout, prepared.tensors, bias)
+    assert torch.equal(y, weight_formats.onednn_linear(rows, copy, bias))
+    assert_close(y, rows.double() @ matrix.T + bias.double(), 1e-6, "5 rows")
+
+
+def test_q8_blocks_native_kernel_matches_the_compiled_tensor_form_and_keeps_nan(native, monkeypatch):
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    n, k = 129, 1536  # rows past several of the kernel's 16-row tasks, SmolLM2's down_proj K
+    weight, _ = _q8_weight(n, k, g)
+    values, scales, _ = _prepared(weight).tensors
+    x = torch.randn(1, k, generator=g)
+    native_y = int8_blocks_gemv.int8_blocks_gemv(x, values, scales)
+    monkeypatch.setitem(q8_module._state, "loaded", False)  # as where the library cannot be built
+    tensor_y = int8_blocks_gemv.int8_blocks_gemv(x, values, scales)
+    monkeypatch.undo()
+    assert_close(native_y, tensor_y.double(), 1e-6, "native against the compiled tensor form")
+    x[0, 700] = float("nan")  # one NaN input poisons every output: no row may hide it
+    assert torch.isnan(q8_module.q8_blocks_gemv(x, values, scales)).all()
+
+
+def test_q8_blocks_refuses_malformed_inputs_by_name(native):
+    g = torch.Generator().manual_seed(3)
+    weight, _ = _q8_weight(40, 160, g)
+    values, scales, copy = _prepared(weight).tensors
+    run, x = kiln.ops.prepared_linear, torch.randn(2, 160, generator=g)
+    with pytest.raises(ValueError, match=r"scales \(40, 4\), expected .* scales \(40, 5\)"):
+        run(x, "q8_blocks_onednn", [values, scales[:, :4].contiguous(), copy])
+    with pytest.raises(ValueError, match=r"weight\[0\].*int8"):
+        run(x, "q8_blocks_onednn", [values.to(torch.uint8), scales, copy])
+    bf16_copy = weight_formats.onednn_pack(torch.ones(40, 160, dtype=torch.bfloat16))
+    if bf16_copy is not None:  # the float32 copy is this layout's (a bf16 one is int8_blocks')
+        with pytest.raises(ValueError, match=r"weight\[2\].*float32"):
+            run(x, "q8_blocks_onednn", [values, scales, bf16_copy])
+    with pytest.raises(ValueError, match=r"x has 96 in-features, the 'q8_blocks_onednn' weight 160"):
+        run(torch.randn(1, 96), "q8_blocks_onednn", [values, scales, copy])
+    op = torch.ops.kiln_cpu.q8_blocks_gemv
+    with pytest.raises(RuntimeError, match=r"K = 80 must be a multiple of 32"):
+        op(torch.randn(1, 80), torch.zeros(40, 80, dtype=torch.int8), scales)
+    with pytest.raises(RuntimeError, match=r"x must be float32 \[1, K\]"):
+        op(torch.randn(2, 160), values, scales)
+    with pytest.raises(RuntimeError, match=r"scales must be float32 \[N, K / 32\] = \[40, 5\]"):
+        op(torch.randn(1, 160), values, scales.double())
+
+
+def test_q8_blocks_gives_other_weights_the_float32_layouts():
+    g = torch.Generator().manual_seed(4)
+    blocks = torch.from_numpy(
+        gguf.quants.quantize(torch.randn(16, 64, generator=g).numpy(), gguf.GGMLQuantizationType.Q4_1)
+    )
+    for weight in (GGUFWeight("Q4_1", blocks, (16, 64)), torch.randn(16, 64, generator=g)):
+        prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q8_blocks")
+        assert prepared.layout in ("onednn", "dense") and prepared.compute_dtype == torch.float32
+
+
+COMPILED_CHILD = """
+import gguf
+import torch
+import kiln.ops
+from kiln.ops.gemm.prepared_linear import int8_blocks_gemv
+from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
+from kiln.quant.gguf_blocks import GGUFWeight
+
+blocks = gguf.quants.quantize(torch.randn(48, 96).numpy(), gguf.GGMLQuantizationType.Q8_0)
+weight = GGUFWeight("Q8_0", torch.from_numpy(blocks), (48, 96))
+p = prepare_linear_weight(weight, device=torch.device("cpu"), dtype=torch.float32, cpu_format="q8_blocks")
+
+
+def refuse(*args):
+    raise AssertionError("the compiled graph traced the tensor form, not the native op")
+
+
+int8_blocks_gemv._gemv = refuse
+x = torch.randn(1, 96)
+step = torch.compile(lambda x: kiln.ops.prepared_linear(x, p.layout, p.tensors, None, None), fullgraph=True)
+error = (step(x).double() - x.double() @ prepared_matrix(p.layout, p.tensors).T).norm()
+print("ok", float(error))
+"""
+
+
+def test_a_compiled_step_traced_before_any_eager_call_holds_the_native_op(native):
+    """As for q4_blocks: packing the weight loads the op, so a graph traced before any eager one-row
+    call (the engine's compiled decode step) holds it. A fresh process, where nothing loaded it yet."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", COMPILED_CHILD], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-2000:]
+    assert float(done.stdout.split()[1]) < 1e-3
