@@ -165,4 +165,8 @@ def test_bf16_cache_keeps_the_float32_cache_greedy_tokens_on_the_embedded_model(
             for x, y in zip(a.logprobs, b.logprobs, strict=True)
         ]
         moved = max(abs(x - y) for x, y in chosen)
-        assert 0 < moved < 0.05, moved  # it moves (the cache is 16-bit), by bf16 rounding's order
+        # it moves (the cache is 16-bit), by bf16 rounding's order: float32 arithmetic that differs only in
+        # its rounding (Kiln's native small ops against their PyTorch forms, which agree to 2e-5 with a
+        # float32 cache) rounds other keys to bf16, and the largest move of these prompts went 0.027 -> 0.052
+        # (AMD EPYC, 2026-11-28)
+        assert 0 < moved < 0.1, moved

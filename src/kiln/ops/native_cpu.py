@@ -8,6 +8,13 @@ their ops under torch.ops.kiln_cpu:
     gemm/cpu_w8a8_amx.cpp                   kiln_cpu.w8a8_amx_linear, kiln_cpu.amx_int8_available
     gemm/cpu_q4_blocks.cpp                  kiln_cpu.q4_blocks_gemv (GGUF Q4_0 / Q4_1 blocks, one row)
     gemm/cpu_q8_blocks.cpp                  kiln_cpu.q8_blocks_gemv (GGUF Q8_0 blocks, one row)
+    norm/rms_norm/rms_norm_cpu.cpp          kiln_cpu.rms_norm (float32)
+    rope/rotary_embedding/rotary_embedding_cpu.cpp  kiln_cpu.rotary_embedding_ (float32, in place)
+    activation/silu_and_mul/silu_and_mul_cpu.cpp    kiln_cpu.silu_and_mul (float32)
+    attention/write_kv_cache/write_kv_cache_cpu.cpp kiln_cpu.write_kv_cache (float32 caches)
+
+The last four serve the eager CPU path of their ops (each op's cpu.py) for float32 tensors, one call
+each instead of several ATen calls; a compiled decode step traces those ops' tensor forms instead.
 
 An engine on the CPU calls `load()` when it starts (kiln.engine.model_runner), so a host's first
 build (~40 s on 2 cores, announced by a warning) is part of loading, not of the first step's time.
@@ -32,11 +39,16 @@ import torch
 
 _OPS = os.path.dirname(__file__)
 SOURCES = (
+    # (the builder names object files after their sources: no two may share a file name)
     os.path.join(_OPS, "attention", "paged_decode_attention", "cpu_native.cpp"),
     os.path.join(_OPS, "gemm", "cpu_w8a8.cpp"),
     os.path.join(_OPS, "gemm", "cpu_w8a8_amx.cpp"),
     os.path.join(_OPS, "gemm", "cpu_q4_blocks.cpp"),
     os.path.join(_OPS, "gemm", "cpu_q8_blocks.cpp"),
+    os.path.join(_OPS, "norm", "rms_norm", "rms_norm_cpu.cpp"),
+    os.path.join(_OPS, "rope", "rotary_embedding", "rotary_embedding_cpu.cpp"),
+    os.path.join(_OPS, "activation", "silu_and_mul", "silu_and_mul_cpu.cpp"),
+    os.path.join(_OPS, "attention", "write_kv_cache", "write_kv_cache_cpu.cpp"),
 )
 HEADERS = (os.path.join(_OPS, "gemm", "cpu_w8a8_quantize.h"),)  # hashed into the build's name too
 
@@ -63,6 +75,11 @@ def load() -> bool:
     if _state["loaded"] is None:
         _state["loaded"] = _build()
     return _state["loaded"]
+
+
+def ready() -> bool:
+    """Whether `load` ran and succeeded in this process (no build or load attempted)."""
+    return bool(_state["loaded"])
 
 
 def _build() -> bool:

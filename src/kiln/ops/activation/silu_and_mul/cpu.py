@@ -1,14 +1,18 @@
-"""Fast CPU silu_and_mul: PyTorch's vectorized CPU silu and an in-place multiply."""
+"""Fast CPU silu_and_mul: float32 through Kiln's native kernel (silu_and_mul_cpu.cpp, one pass; eager only),
+others through PyTorch's vectorized CPU silu and an in-place multiply."""
 
 from __future__ import annotations
 
 import torch
 
+from kiln.ops import native_cpu
 from kiln.ops.activation.silu_and_mul.spec import SILU_AND_MUL
 from kiln.ops.registry import Implementation, cpu_only
 
 
 def silu_and_mul_cpu(x):
+    if not torch.compiler.is_compiling() and x.dtype == torch.float32 and native_cpu.load():
+        return torch.ops.kiln_cpu.silu_and_mul(x)
     d = x.shape[-1] // 2
     return torch.nn.functional.silu(x[..., :d]).mul_(x[..., d:])
 

@@ -1,11 +1,14 @@
-"""Fast CPU write_kv_cache: one index_copy_ per cache into its flat [slots, Hkv, D] view (fp8 caches
-quantize in float32 first and move their bytes as uint8). Traced by torch.compile (the compiled CPU
+"""Fast CPU write_kv_cache: float32 data into contiguous float32 caches through Kiln's native kernel
+(write_kv_cache_cpu.cpp: one call, padding skipped without a host read-back); otherwise one index_copy_ per
+cache into its flat [slots, Hkv, D] view (fp8 caches quantize in float32 first and move their bytes
+as uint8). Traced by torch.compile (the compiled CPU
 decode step, kiln.engine.cpu_compiled_step), a float cache is written in-graph by `_write_in_graph`."""
 
 from __future__ import annotations
 
 import torch
 
+from kiln.ops import native_cpu
 from kiln.ops.attention.validate import FP8_DTYPES
 from kiln.ops.attention.write_kv_cache.spec import WRITE_KV_CACHE
 from kiln.ops.registry import Implementation, cpu_only
@@ -40,6 +43,14 @@ def _traceable(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v
 def write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
     if torch.compiler.is_compiling():  # only reached when _traceable says so (kiln.ops.registry)
         return _write_in_graph(key, value, key_cache, value_cache, slot_mapping)
+    if (
+        key.dtype == value.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and native_cpu.load()
+    ):
+        torch.ops.kiln_cpu.write_kv_cache(key, value, key_cache, value_cache, slot_mapping.long())
+        return
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]

@@ -1,11 +1,13 @@
-"""Fast CPU path for rotary embedding: one gather of the cos/sin rows, then vectorized PyTorch
-arithmetic on strided views of q and k, written back in place. Traced by torch.compile (the compiled
-CPU decode step), the rotated heads are built as new tensors by `_rotary_in_graph`."""
+"""Fast CPU path for rotary embedding: float32 q, k and cache through Kiln's native kernel
+(rotary_embedding_cpu.cpp, one call, in place); otherwise one gather of the cos/sin rows, then vectorized
+PyTorch arithmetic on strided views of q and k, written back in place. Traced by torch.compile (the
+compiled CPU decode step), the rotated heads are built as new tensors by `_rotary_in_graph`."""
 
 from __future__ import annotations
 
 import torch
 
+from kiln.ops import native_cpu
 from kiln.ops.registry import Implementation, cpu_only
 from kiln.ops.rope.rotary_embedding.spec import ROTARY_EMBEDDING
 
@@ -59,6 +61,13 @@ def _rotary_in_graph(positions, q, k, cos_sin_cache, is_neox):
 def rotary_embedding_cpu(positions, q, k, cos_sin_cache, is_neox=True):
     if torch.compiler.is_compiling():
         return _rotary_in_graph(positions, q, k, cos_sin_cache, is_neox)
+    if (
+        q.dtype == k.dtype == cos_sin_cache.dtype == torch.float32
+        and q.dim() == k.dim() == 3
+        and native_cpu.load()
+    ):
+        torch.ops.kiln_cpu.rotary_embedding_(positions.long(), q, k, cos_sin_cache, is_neox)
+        return q, k
     cos_sin = cos_sin_cache.index_select(0, positions).float()  # [T, rotary_dim]
     cos, sin = cos_sin[:, None, : cos_sin.shape[-1] // 2], cos_sin[:, None, cos_sin.shape[-1] // 2 :]
     _rotate_(q, cos, sin, is_neox)
