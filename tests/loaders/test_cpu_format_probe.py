@@ -133,10 +133,12 @@ def test_real_timer_picks_one_of_the_candidates(monkeypatch):
     assert cpu_format_probe.choose_format(weights, torch.float32, "layers") in ("fp16", "fp32")
 
 
-def test_default_candidates_time_q4_blocks_only_for_gguf_q4_matrices(monkeypatch):
+def test_default_candidates_time_the_blocks_formats_only_for_their_gguf_types(monkeypatch):
     monkeypatch.delenv("KILN_CPU_FORMATS", raising=False)
     q4 = [GGUFWeight(t, quantize_blocks(torch.randn(32, 64), t), (32, 64)) for t in ("Q4_0", "Q4_1")]
     q8 = GGUFWeight("Q8_0", quantize_blocks(torch.randn(32, 64), "Q8_0"), (32, 64))
     assert cpu_format_probe.candidate_formats(q4) == ("fp16", "fp32", "q4_blocks")
+    assert cpu_format_probe.candidate_formats([q8]) == ("fp16", "fp32", "q8_blocks")  # a GGUF LM head
+    assert cpu_format_probe.choose_format([q8], torch.float32, "lm_head") in ("fp16", "fp32", "q8_blocks")
     assert cpu_format_probe.candidate_formats([*q4, q8]) == ("fp16", "fp32")
     assert cpu_format_probe.candidate_formats([torch.randn(32, 64)]) == ("fp16", "fp32")
