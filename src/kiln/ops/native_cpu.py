@@ -77,6 +77,16 @@ def load() -> bool:
     return _state["loaded"]
 
 
+def load_op(state: dict, register_fake) -> bool:
+    """An op module's `load()`: `load` the library once into state["loaded"] and, when that succeeds,
+    call register_fake() (the op's fake implementation, so a compiled graph holds it as one node)."""
+    if state["loaded"] is None:
+        state["loaded"] = load()
+        if state["loaded"]:
+            register_fake()
+    return state["loaded"]
+
+
 def ready() -> bool:
     """Whether `load` ran and succeeded in this process (no build or load attempted)."""
     return bool(_state["loaded"])

@@ -148,7 +148,8 @@ def test_paged_prefill_attention_never_lets_stale_nan_past_a_sequence_length_thr
         jnp.ones((4, 2, 64)), cache, cache, tables, jnp.array([0, 4], jnp.int32), seq_lens, 4,
         implementation=implementation,
     )  # fmt: skip
-    assert bool(jnp.all(out == 1.0)), out[:, 0, :2]
+    # an average of ones: 1 to a rounding of the softmax weights' sum (XLA on an AVX2 CPU: 1.0000001)
+    assert not bool(jnp.any(jnp.isnan(out))) and float(jnp.max(jnp.abs(out - 1.0))) <= 1e-6, out[:, 0, :2]
 
 
 def test_paged_prefill_attention_kiln_jax_rejects_bad_input():

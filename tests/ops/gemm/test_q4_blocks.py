@@ -16,6 +16,7 @@ from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
 from kiln.quant import quantize_blocks
 from kiln.quant.gguf_blocks import GGUFWeight
 from kiln.verify import assert_close
+from tests.ops.gemm.native_gemv_child import assert_compiled_call_holds_native_op
 
 gguf = pytest.importorskip("gguf")
 CPU = torch.device("cpu")
@@ -112,37 +113,11 @@ def test_q4_blocks_gives_other_weights_the_float32_layouts():
         assert prepared.layout in ("onednn", "dense") and prepared.compute_dtype == torch.float32
 
 
-COMPILED_CHILD = """
-import torch
-import kiln.ops
+def test_a_compiled_step_traced_before_any_eager_call_holds_the_native_op(native):
+    setup = """
 from kiln.ops.gemm import cpu_q4_blocks
-from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
 from kiln.quant import quantize_blocks
 from kiln.quant.gguf_blocks import GGUFWeight
-
 weight = GGUFWeight("Q4_1", quantize_blocks(torch.randn(48, 96), "Q4_1"), (48, 96))
-p = prepare_linear_weight(weight, device=torch.device("cpu"), dtype=torch.float32, cpu_format="q4_blocks")
-
-
-def refuse(*args):
-    raise AssertionError("the compiled graph traced the tensor form, not the native op")
-
-
-cpu_q4_blocks._tensor_gemv = refuse
-x = torch.randn(1, 96)
-step = torch.compile(lambda x: kiln.ops.prepared_linear(x, p.layout, p.tensors, None, None), fullgraph=True)
-error = (step(x).double() - x.double() @ prepared_matrix(p.layout, p.tensors).T).norm()
-print("ok", float(error))
 """
-
-
-def test_a_compiled_step_traced_before_any_eager_call_holds_the_native_op(native):
-    """The engine's compiled decode step is traced before any one-row call ran eagerly (prefill runs
-    the float32 copy): packing the weight must have loaded the op, else the graph holds the tensor
-    form. A fresh process, where nothing has loaded it yet."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", COMPILED_CHILD], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-2000:]
-    assert float(done.stdout.split()[1]) < 1e-3
+    assert_compiled_call_holds_native_op(setup, "q4_blocks", "cpu_q4_blocks._tensor_gemv")

@@ -15,6 +15,7 @@ from kiln.ops.gemm.prepared_linear import int8_blocks_gemv
 from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
 from kiln.quant.gguf_blocks import GGUFWeight
 from kiln.verify import assert_close
+from tests.ops.gemm.native_gemv_child import assert_compiled_call_holds_native_op
 
 gguf = pytest.importorskip("gguf")
 CPU = torch.device("cpu")
@@ -116,37 +117,12 @@ def test_q8_blocks_gives_other_weights_the_float32_layouts():
         assert prepared.layout in ("onednn", "dense") and prepared.compute_dtype == torch.float32
 
 
-COMPILED_CHILD = """
+def test_a_compiled_step_traced_before_any_eager_call_holds_the_native_op(native):
+    setup = """
 import gguf
-import torch
-import kiln.ops
 from kiln.ops.gemm.prepared_linear import int8_blocks_gemv
-from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
 from kiln.quant.gguf_blocks import GGUFWeight
-
 blocks = gguf.quants.quantize(torch.randn(48, 96).numpy(), gguf.GGMLQuantizationType.Q8_0)
 weight = GGUFWeight("Q8_0", torch.from_numpy(blocks), (48, 96))
-p = prepare_linear_weight(weight, device=torch.device("cpu"), dtype=torch.float32, cpu_format="q8_blocks")
-
-
-def refuse(*args):
-    raise AssertionError("the compiled graph traced the tensor form, not the native op")
-
-
-int8_blocks_gemv._gemv = refuse
-x = torch.randn(1, 96)
-step = torch.compile(lambda x: kiln.ops.prepared_linear(x, p.layout, p.tensors, None, None), fullgraph=True)
-error = (step(x).double() - x.double() @ prepared_matrix(p.layout, p.tensors).T).norm()
-print("ok", float(error))
 """
-
-
-def test_a_compiled_step_traced_before_any_eager_call_holds_the_native_op(native):
-    """As for q4_blocks: packing the weight loads the op, so a graph traced before any eager one-row
-    call (the engine's compiled decode step) holds it. A fresh process, where nothing loaded it yet."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", COMPILED_CHILD], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-2000:]
-    assert float(done.stdout.split()[1]) < 1e-3
+    assert_compiled_call_holds_native_op(setup, "q8_blocks", "int8_blocks_gemv._gemv")

@@ -23,15 +23,13 @@ _state: dict = {"loaded": None}
 def load() -> bool:
     """Load Kiln's native CPU library and register the op's fake, once per process. True when the
     native kernel runs here. Call it eagerly (not while torch.compile traces)."""
-    if _state["loaded"] is None:
-        _state["loaded"] = native_cpu.load()
-        if _state["loaded"]:
+    return native_cpu.load_op(_state, _register_fake)
 
-            @torch.library.register_fake("kiln_cpu::q8_blocks_gemv")
-            def _(x, values, scales):
-                return x.new_empty((1, values.shape[0]))
 
-    return _state["loaded"]
+def _register_fake() -> None:
+    @torch.library.register_fake("kiln_cpu::q8_blocks_gemv")
+    def _(x, values, scales):
+        return x.new_empty((1, values.shape[0]))
 
 
 def loaded() -> bool:
