@@ -17,7 +17,7 @@ The last four serve the eager CPU path of their ops (each op's cpu.py) for float
 each instead of several ATen calls; a compiled decode step traces those ops' tensor forms instead.
 
 An engine on the CPU calls `load()` when it starts (kiln.engine.model_runner), so a host's first
-build (~40 s on 2 cores, announced by a warning) is part of loading, not of the first step's time.
+build (~1 minute on 2 cores, announced by a warning) is part of loading, not of the first step's time.
 `load()` returns True when the ops are usable. The build needs a C++ compiler and ninja (the compiled
 decode step needs the compiler anyway); when either is missing, or KILN_CPU_NATIVE=0, it returns False
 once with a warning and each op's callers keep their PyTorch path. The build is cached by PyTorch
