@@ -34,7 +34,10 @@ void norm_row(const float* x, float* residual, const float* weight, float offset
       sum = at::vec::fmadd(v, v, sum);
     }
   }
-  float total = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+  float lanes[Vec::size()];  // a plain horizontal sum: vec_reduce_all's signature differs across ISAs
+  sum.store(lanes);
+  float total = 0.f;
+  for (int64_t l = 0; l < Vec::size(); ++l) total += lanes[l];
   for (; i < d; ++i) {
     const float v = residual != nullptr ? (residual[i] += x[i]) : x[i];
     total += v * v;
