@@ -87,11 +87,6 @@ def load_op(state: dict, register_fake) -> bool:
     return state["loaded"]
 
 
-def ready() -> bool:
-    """Whether `load` ran and succeeded in this process (no build or load attempted)."""
-    return bool(_state["loaded"])
-
-
 def _build() -> bool:
     if os.environ.get("KILN_CPU_NATIVE", "1") == "0":
         return False

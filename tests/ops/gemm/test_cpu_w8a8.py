@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import kiln.ops
-from kiln.ops.gemm import cpu_w8a8, weight_formats
+from kiln.ops.gemm import cpu_q8_blocks, cpu_w8a8, weight_formats
 from kiln.ops.gemm.prepared_linear.spec import prepared_linear_reference
-from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix, split_q8_0, w8a8_matrix
+from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix, w8a8_matrix
 from kiln.quant import quantize_blocks
 from kiln.quant.gguf_blocks import GGUFWeight
 from kiln.verify import assert_close
@@ -146,7 +146,7 @@ def test_int8_blocks_w8a8_keeps_the_q8_0_values_for_one_row():
     weight = _gguf("Q8_0", 40, 96, g)
     prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="int8_blocks_w8a8")
     assert prepared.layout == "int8_blocks_w8a8_packed" and prepared.kind == "int8_blocks"
-    values, scales = split_q8_0(weight)
+    values, scales = cpu_q8_blocks.pack(weight)
     assert torch.equal(prepared.tensors[0], values) and torch.equal(prepared.tensors[1], scales)
     x = torch.randn(1, 96, generator=g)
     exact = x.double() @ weight.dequantize(torch.float64).T

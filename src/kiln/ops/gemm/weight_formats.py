@@ -148,6 +148,11 @@ FORMAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.fl
 INT4_GROUP_SIZE = 32  # one GGUF block (a Q4_K sub-block) per group
 INT4_QTYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT4_FORMATS = ("int4", "int4_bf16", "int4_w8a8")  # cpu formats that keep GGUF Q4 / int4 weights as int4
+# the exact blocks formats: cpu format -> (layout, GGUF types it keeps, the packer of their tensors)
+BLOCKS_FORMATS = {
+    "q4_blocks": ("q4_blocks_onednn", INT4_QTYPES, cpu_q4_blocks.pack),
+    "q8_blocks": ("q8_blocks_onednn", ("Q8_0",), cpu_q8_blocks.pack),
+}
 INT8_BLOCK_SIZE = BLOCK_WEIGHTS["Q8_0"]  # weights per scale in "q8_blocks_onednn" etc.: one Q8_0 block
 # torch's int8 CPU matmul reads K in steps of 16 (other K give garbage or crash): "int8" keeps a weight
 # whose in-features are not a multiple in the "fp16" layouts instead
@@ -266,16 +271,11 @@ def prepare_linear_weight(
         prepared = _int8_blocks_layout(weight, shape, dtype, cpu_format)
         if prepared is not None:
             return prepared
-    if device.type == "cpu" and cpu_format == "q4_blocks":
-        prepared = _q4_blocks_layout(weight, shape, dtype)
+    if device.type == "cpu" and cpu_format in BLOCKS_FORMATS:
+        prepared = _blocks_layout(weight, shape, dtype, cpu_format)
         if prepared is not None:
             return prepared
         cpu_format = "fp32"  # the other exact format
-    if device.type == "cpu" and cpu_format == "q8_blocks":
-        prepared = _q8_blocks_layout(weight, shape, dtype)
-        if prepared is not None:
-            return prepared
-        cpu_format = "fp32"
     if cpu_format in ("int4_w8a8", "int8_blocks_w8a8"):  # no int4 / Q8_0 packing for this weight
         cpu_format = "w8a8"
     if cpu_format in ("int4_bf16", "int8_blocks"):  # no int4 / Q8_0 packing for this weight: bf16
@@ -362,7 +362,7 @@ def _int8_blocks_layout(weight: GGUFWeight, shape, dtype, cpu_format) -> Prepare
     cpu_format "int8_blocks_w8a8": "int8_blocks_w8a8_packed", an int8 copy), else None."""
     if weight.qtype != "Q8_0":
         return None
-    values, scales = split_q8_0(weight)
+    values, scales = cpu_q8_blocks.pack(weight)
     if cpu_format == "int8_blocks_w8a8":
         rows = cpu_w8a8.pack(weight.dequantize(torch.float32))
         if rows is None:
@@ -374,36 +374,16 @@ def _int8_blocks_layout(weight: GGUFWeight, shape, dtype, cpu_format) -> Prepare
     return PreparedLinearWeight("int8_blocks_onednn", (values, scales, rows), shape, None, dtype)
 
 
-def _q4_blocks_layout(weight, shape, dtype) -> PreparedLinearWeight | None:
-    """The "q4_blocks_onednn" layout of a GGUF Q4_0 / Q4_1 / Q4_K weight where oneDNN packs float32
-    here, else None."""
-    if not isinstance(weight, GGUFWeight) or weight.qtype not in INT4_QTYPES:
+def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | None:
+    """The "q4_blocks_onednn" / "q8_blocks_onednn" layout (BLOCKS_FORMATS[cpu_format]) of a GGUF weight
+    of its block types, where oneDNN packs float32 here; else None."""
+    layout, qtypes, pack = BLOCKS_FORMATS[cpu_format]
+    if not isinstance(weight, GGUFWeight) or weight.qtype not in qtypes:
         return None
     rows = onednn_pack(weight.dequantize(torch.float32))
     if rows is None:
         return None
-    return PreparedLinearWeight(
-        "q4_blocks_onednn", (*cpu_q4_blocks.pack(weight), rows), shape, torch.float32, dtype
-    )
-
-
-def _q8_blocks_layout(weight, shape, dtype) -> PreparedLinearWeight | None:
-    """The "q8_blocks_onednn" layout of a GGUF Q8_0 weight where oneDNN packs float32 here, else None."""
-    if not isinstance(weight, GGUFWeight) or weight.qtype != "Q8_0":
-        return None
-    rows = onednn_pack(weight.dequantize(torch.float32))
-    if rows is None:
-        return None
-    return PreparedLinearWeight(
-        "q8_blocks_onednn", (*cpu_q8_blocks.pack(weight), rows), shape, torch.float32, dtype
-    )
-
-
-def split_q8_0(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GGUF Q8_0 weight [N, K] -> (values int8 [N, K], scales float32 [N, K / 32]), w = d * q
-    exactly (d is fp16 in the file); kiln.ops.gemm.cpu_q8_blocks.pack, which loads the native one-row
-    kernel too."""
-    return cpu_q8_blocks.pack(weight)
+    return PreparedLinearWeight(layout, (*pack(weight), rows), shape, torch.float32, dtype)
 
 
 @functools.cache
