@@ -41,8 +41,8 @@ class EngineConfig:
         (kiln.engine.cpu_compiled_step; each size compiles on its first step: ~2 minutes for SmolLM2
         from a cold inductor cache, 10-15 s from a warm one).
     cpu_format, lm_head_format: how the loader keeps CPU linear / LM-head weights ("int4",
-        "int4_bf16", "int8", "int8_blocks", "q4_blocks", "fp16", "bf16", "fp32", ...; None = the loader's
-        default), see kiln.ops.gemm.weight_formats.
+        "int4_bf16", "int8", "int8_blocks", "q4_blocks", "q4_blocks_a8", "fp16", "bf16", "fp32", ...;
+        None = the loader's default), see kiln.ops.gemm.weight_formats.
     speculative: speculative decoding (kiln.engine.speculative.SpeculativeConfig), None = off.
     kv_cache_dtype: "auto" (the model's dtype), "bfloat16" / "bf16" or "float16" / "fp16" (a 16-bit
         cache under a float32 model: half the bytes attention reads per step, and 2x the blocks; the

@@ -8,6 +8,8 @@ their ops under torch.ops.kiln_cpu:
     gemm/cpu_w8a8_amx.cpp                   kiln_cpu.w8a8_amx_linear, kiln_cpu.amx_int8_available
     gemm/cpu_q4_blocks.cpp                  kiln_cpu.q4_blocks_gemv (GGUF Q4_0 / Q4_1 blocks, one row)
     gemm/cpu_q8_blocks.cpp                  kiln_cpu.q8_blocks_gemv (GGUF Q8_0 blocks, one row)
+    gemm/cpu_blocks_a8.cpp                  kiln_cpu.q4_blocks_a8_gemv, q8_blocks_a8_gemv (the same
+                                            blocks, x quantized to Q8_0 first), kiln_cpu.quantize_q8_0
     norm/rms_norm/rms_norm_cpu.cpp          kiln_cpu.rms_norm (float32)
     rope/rotary_embedding/rotary_embedding_cpu.cpp  kiln_cpu.rotary_embedding_ (float32, in place)
     activation/silu_and_mul/silu_and_mul_cpu.cpp    kiln_cpu.silu_and_mul (float32)
@@ -45,6 +47,7 @@ SOURCES = (
     os.path.join(_OPS, "gemm", "cpu_w8a8_amx.cpp"),
     os.path.join(_OPS, "gemm", "cpu_q4_blocks.cpp"),
     os.path.join(_OPS, "gemm", "cpu_q8_blocks.cpp"),
+    os.path.join(_OPS, "gemm", "cpu_blocks_a8.cpp"),
     os.path.join(_OPS, "norm", "rms_norm", "rms_norm_cpu.cpp"),
     os.path.join(_OPS, "rope", "rotary_embedding", "rotary_embedding_cpu.cpp"),
     os.path.join(_OPS, "activation", "silu_and_mul", "silu_and_mul_cpu.cpp"),

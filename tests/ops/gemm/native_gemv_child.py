@@ -1,4 +1,4 @@
-"""The fresh-process check shared by the native one-row GEMVs' tests (q4_blocks, q8_blocks): the
+"""The fresh-process check shared by the native one-row GEMVs' tests (q4_blocks, q8_blocks, a8): the
 engine's compiled decode step is traced before any one-row call ran eagerly (prefill runs the float32
 copy), so packing the weight must have loaded the op, else the graph holds the tensor form. A child
 process, where nothing has loaded it yet, compiles one call with the tensor form replaced by a
@@ -10,7 +10,8 @@ import sys
 CHILD = """
 import torch
 import kiln.ops
-from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
+from kiln.ops.gemm.prepared_linear.spec import prepared_linear_reference
+from kiln.ops.gemm.weight_formats import prepare_linear_weight
 {setup}
 p = prepare_linear_weight(weight, device=torch.device("cpu"), dtype=torch.float32, cpu_format="{fmt}")
 
@@ -22,7 +23,7 @@ def refuse(*args):
 {tensor_form} = refuse
 x = torch.randn(1, weight.shape[1])
 step = torch.compile(lambda x: kiln.ops.prepared_linear(x, p.layout, p.tensors, None, None), fullgraph=True)
-error = (step(x).double() - x.double() @ prepared_matrix(p.layout, p.tensors).T).norm()
+error = (step(x).double() - prepared_linear_reference(x.double(), p.layout, p.tensors)).norm()
 print("ok", float(error))
 """
 

@@ -23,6 +23,10 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
     "q8_blocks_onednn"  [Q8_0's int8 values [N, K], its scales   1 row: Kiln's native GEMV on the blocks,
                      float32 [N, K/32], oneDNN's blocked fp32    in float32 (exact; kiln_cpu.q8_blocks_gemv);
                      copy of the same matrix]                    more rows: oneDNN fp32 on the copy
+    "q4_blocks_a8_onednn", "q8_blocks_a8_onednn"  the tensors    1 row: x quantized to Q8_0 (int8 per 32
+                     of "q4_blocks_onednn" / "q8_blocks_onednn"  values), then Kiln's native integer GEMV
+                                                                (kiln.ops.gemm.cpu_blocks_a8); more rows:
+                                                                oneDNN fp32 on the copy (exact)
     "int8_blocks_onednn"  [Q8_0's int8 values [N, K], its        1 row: as "q8_blocks_onednn" (exact);
                      scales float32 [N, K/32], oneDNN's blocked  more rows: oneDNN bf16 on the copy
                      bf16 copy of the same matrix]
@@ -74,6 +78,15 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     copy. Made for the LM head, the largest matrix of a small model, whose GGUF type is usually Q8_0;
     exact, so the probe times it by default. Other weights, or a CPU where oneDNN cannot pack, get
     "fp32";
+  - CPU, "q4_blocks_a8" / "q8_blocks_a8", the same weights: "q4_blocks_a8_onednn" /
+    "q8_blocks_a8_onednn", the same tensors, but a one-row x is quantized to Q8_0 blocks first (int8
+    per 32 values, a float32 scale: llama.cpp's CPU arithmetic) and each block's dot product is integer
+    (kiln.ops.gemm.cpu_blocks_a8): the kernel then runs at the memory bandwidth where the exact one
+    converts every weight to float32 (SmolLM2's 120 decoder matrices on the 2-core AVX2 EPYC this
+    project measures on: 4.1 vs 5.5 ms). Rounding x to 255 levels a block is not exact, so these are
+    candidates only when asked for (README, "Measured on a 2-core CPU", states the divergence);
+    several rows stay exact (the fp32 copy). Other weights, or a CPU where oneDNN cannot pack, get
+    "fp32";
   - CPU, "int8_blocks", GGUF Q8_0 weights: "int8_blocks_onednn", the file's blocks split into their
     int8 values and their scales (fp16 in the file, exact in float32): w = d * q exactly, so one-row
     inputs (single-stream decode) read one byte a weight with no rounding of the weight or of x, as
@@ -122,7 +135,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.ops.gemm import cpu_q4_blocks, cpu_q8_blocks, cpu_w8a8
+from kiln.ops.gemm import cpu_blocks_a8, cpu_q4_blocks, cpu_q8_blocks, cpu_w8a8
 from kiln.ops.gemm.quantized_layouts import (
     QUANTIZED_LAYOUTS,
     W4A16_LAYOUTS,
@@ -141,7 +154,7 @@ from kiln.quant.sparse24 import Sparse24Weight
 
 CPU_WEIGHT_FORMATS = (
     "int4", "int4_bf16", "int4_w8a8", "int8", "int8_blocks", "int8_blocks_w8a8", "w8a8", "q4_blocks",
-    "q8_blocks", "fp16", "bf16", "fp32", "gguf",
+    "q8_blocks", "q4_blocks_a8", "q8_blocks_a8", "fp16", "bf16", "fp32", "gguf",
 )  # fmt: skip
 W8A8_FALLBACK = {"w8a8": "bf16", "int4_w8a8": "int4_bf16", "int8_blocks_w8a8": "int8_blocks"}
 FORMAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -152,6 +165,8 @@ INT4_FORMATS = ("int4", "int4_bf16", "int4_w8a8")  # cpu formats that keep GGUF 
 BLOCKS_FORMATS = {
     "q4_blocks": ("q4_blocks_onednn", INT4_QTYPES, cpu_q4_blocks.pack),
     "q8_blocks": ("q8_blocks_onednn", ("Q8_0",), cpu_q8_blocks.pack),
+    "q4_blocks_a8": ("q4_blocks_a8_onednn", INT4_QTYPES, cpu_blocks_a8.pack_q4),
+    "q8_blocks_a8": ("q8_blocks_a8_onednn", ("Q8_0",), cpu_blocks_a8.pack_q8),
 }
 INT8_BLOCK_SIZE = BLOCK_WEIGHTS["Q8_0"]  # weights per scale in "q8_blocks_onednn" etc.: one Q8_0 block
 # torch's int8 CPU matmul reads K in steps of 16 (other K give garbage or crash): "int8" keeps a weight
@@ -174,6 +189,8 @@ LAYOUTS = {
     "int8_blocks_onednn": 3,
     "q4_blocks_onednn": 4,
     "q8_blocks_onednn": 3,
+    "q4_blocks_a8_onednn": 4,
+    "q8_blocks_a8_onednn": 3,
     "w8a8_packed": 4,
     "int4_w8a8_packed": 6,
     "int8_blocks_w8a8_packed": 6,
@@ -217,8 +234,13 @@ class PreparedLinearWeight:
             return "int4"
         if self.layout in ("int8_blocks_onednn", "int8_blocks_w8a8_packed"):
             return "int8_blocks"
-        if self.layout in ("q4_blocks_onednn", "q8_blocks_onednn"):
-            return self.layout.removesuffix("_onednn")
+        if self.layout in (
+            "q4_blocks_onednn",
+            "q8_blocks_onednn",
+            "q4_blocks_a8_onednn",
+            "q8_blocks_a8_onednn",
+        ):
+            return self.layout[:9]  # "q4_blocks" / "q8_blocks": the a8 layouts store the same tensors
         if self.layout == "w8a8_packed":
             return "w8a8"
         return self.layout if self.layout in ("int4", "int8_weight") else "dense"
@@ -375,8 +397,8 @@ def _int8_blocks_layout(weight: GGUFWeight, shape, dtype, cpu_format) -> Prepare
 
 
 def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | None:
-    """The "q4_blocks_onednn" / "q8_blocks_onednn" layout (BLOCKS_FORMATS[cpu_format]) of a GGUF weight
-    of its block types, where oneDNN packs float32 here; else None."""
+    """The "q4_blocks[_a8]_onednn" / "q8_blocks[_a8]_onednn" layout (BLOCKS_FORMATS[cpu_format]) of a
+    GGUF weight of its block types, where oneDNN packs float32 here; else None."""
     layout, qtypes, pack = BLOCKS_FORMATS[cpu_format]
     if not isinstance(weight, GGUFWeight) or weight.qtype not in qtypes:
         return None
@@ -512,12 +534,12 @@ def prepared_matrix(
         return (q.to(torch.float64) - 8.0) * scale + zero
     if layout == "int8_weight":
         return tensors[0].to(torch.float64) * tensors[1].to(torch.float64)[:, None]
-    if layout == "q4_blocks_onednn":  # the fp32 copy holds the same values, rounded once
+    if layout in ("q4_blocks_onednn", "q4_blocks_a8_onednn"):  # the fp32 copy: the same values, rounded once
         nibbles, scales, mins = tensors[0], tensors[1].to(torch.float64), tensors[2].to(torch.float64)
         n, groups = scales.shape
         q = cpu_q4_blocks.block_values(nibbles, groups).to(torch.float64)
         return (q * scales[..., None] + mins[..., None]).view(n, groups * INT4_GROUP_SIZE)
-    if layout in ("q8_blocks_onednn", "int8_blocks_onednn", "int8_blocks_w8a8_packed"):  # as "int4_onednn"
+    if layout in ("q8_blocks_onednn", "q8_blocks_a8_onednn", "int8_blocks_onednn", "int8_blocks_w8a8_packed"):
         values, scales = tensors[:2]
         blocks = values.to(torch.float64).view(values.shape[0], -1, INT8_BLOCK_SIZE)
         return (blocks * scales.to(torch.float64)[..., None]).view(values.shape)

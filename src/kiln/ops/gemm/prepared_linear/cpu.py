@@ -12,6 +12,8 @@
                  several rows: oneDNN's fp32 GEMM on the copy of the same matrix;
   "q8_blocks_onednn"  one row: int8_blocks_gemv (float32 on GGUF Q8_0's values and scales, exact;
                  Kiln's native kernel); several rows: oneDNN's fp32 GEMM on the copy of the same matrix;
+  "q4_blocks_a8_onednn", "q8_blocks_a8_onednn"  one row: x quantized to Q8_0, then Kiln's integer GEMV
+                 on the same blocks (kiln.ops.gemm.cpu_blocks_a8); several rows: as the exact layouts;
   "int8_blocks_onednn"  one row: as "q8_blocks_onednn"; several rows: oneDNN's bf16 GEMM on the copy;
   "w8a8_packed"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, Kiln's AMX tile kernel
                  or oneDNN's int8 GEMM (one native op);
@@ -33,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.gemm.cpu_blocks_a8 import q4_blocks_a8_gemv, q8_blocks_a8_gemv
 from kiln.ops.gemm.cpu_q4_blocks import q4_blocks_gemv
 from kiln.ops.gemm.cpu_w8a8 import w8a8_linear
 from kiln.ops.gemm.gguf_linear import gguf_linear
@@ -138,6 +141,24 @@ def _q4_blocks_onednn(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
+def _q4_blocks_a8_onednn(x, weight, bias, out_dtype):
+    if x.shape[0] != 1:  # the float32 copy, as "onednn"
+        return _onednn(x, weight[3:], bias, out_dtype)
+    y = q4_blocks_a8_gemv(x, weight[0], weight[1], weight[2])
+    if bias is not None:
+        y = y.add_(bias.float())
+    return y.to(out_dtype)
+
+
+def _q8_blocks_a8_onednn(x, weight, bias, out_dtype):
+    if x.shape[0] != 1:
+        return _onednn(x, weight[2:], bias, out_dtype)
+    y = q8_blocks_a8_gemv(x, weight[0], weight[1])
+    if bias is not None:
+        y = y.add_(bias.float())
+    return y.to(out_dtype)
+
+
 def _w8a8(x, weight, bias, out_dtype):
     return w8a8_linear(x, weight[0], weight[1], weight[2], weight[3], bias, out_dtype)
 
@@ -176,6 +197,8 @@ KERNELS = {
     "int8_blocks_onednn": _int8_blocks_onednn,
     "q4_blocks_onednn": _q4_blocks_onednn,
     "q8_blocks_onednn": _q8_blocks_onednn,
+    "q4_blocks_a8_onednn": _q4_blocks_a8_onednn,
+    "q8_blocks_a8_onednn": _q8_blocks_a8_onednn,
     "w8a8_packed": _w8a8,
     "int4_w8a8_packed": _int4_w8a8,
     "int8_blocks_w8a8_packed": _int8_blocks_w8a8,

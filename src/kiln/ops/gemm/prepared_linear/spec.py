@@ -5,7 +5,8 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
     x:         [M, K] float32 / float16 / bfloat16
     layout:    a PreparedLinearWeight's layout ("dense", "onednn", "fp16_onednn", "fp16_rows", "int4",
                "int4_onednn", "int4_w8a8_packed", "w8a8_packed", "int8_weight", "int8_blocks_onednn",
-               "int8_blocks_w8a8_packed", "q4_blocks_onednn", "q8_blocks_onednn", "gguf_<qtype>" for
+               "int8_blocks_w8a8_packed", "q4_blocks_onednn", "q8_blocks_onednn", "q4_blocks_a8_onednn",
+               "q8_blocks_a8_onednn", "gguf_<qtype>" for
                the GGUF block types of kiln.ops.gguf_linear; the quantized checkpoint layouts of
                kiln.ops.gemm.quantized_layouts: "fp8_dynamic", "fp8_static", "int8_dynamic",
                "int8_static", "w4a16_g<gs>[_perm]", "fp8_block<bn>x<bk>")
@@ -17,6 +18,8 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
     The W8A8 and block-FP8 layouts quantize x as their checkpoint format says (the reference does too);
     the "*w8a8_packed" layouts quantize x to int8 per row (all calls of "w8a8_packed", several-row
     calls of the others) and multiply by their int8 copy; the reference does the same in float64.
+    The "*_a8_onednn" layouts quantize a one-row x to Q8_0 blocks (kiln.ops.gemm.cpu_blocks_a8); the
+    reference reads x through gguf's own Q8_0 quantizer (cpu_blocks_a8.q8_0_reference).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import weakref
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
-from kiln.ops.gemm import cpu_w8a8
+from kiln.ops.gemm import cpu_blocks_a8, cpu_w8a8
 from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
 from kiln.ops.gemm.quantized_layouts import (
     FP8_BLOCK_LAYOUTS,
@@ -73,15 +76,19 @@ def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
         matrix, xq = w8a8_matrix(layout, weight), cpu_w8a8.quantize_rows_reference(x, smooth)
     else:
         matrix = prepared_matrix(layout, weight, x.shape[-1]).to(x.device)
-        xq = (
-            quantized_reference_input(layout, weight, x)
-            if layout in QUANTIZED_LAYOUTS
-            else x.to(torch.float64)
-        )
+        if layout in QUANTIZED_LAYOUTS:
+            xq = quantized_reference_input(layout, weight, x)
+        elif layout in A8_LAYOUTS and x.shape[0] == 1:
+            xq = cpu_blocks_a8.q8_0_reference(x)
+        else:
+            xq = x.to(torch.float64)
     y = xq @ matrix.T
     if bias is not None:
         y = y + bias.to(torch.float64)
     return y if x.dtype == torch.float64 else y.to(out_dtype or x.dtype)
+
+
+A8_LAYOUTS = ("q4_blocks_a8_onednn", "q8_blocks_a8_onednn")  # one-row x quantized to Q8_0
 
 
 def _in_features(layout: str, weight) -> int | None:
@@ -91,7 +98,7 @@ def _in_features(layout: str, weight) -> int | None:
         return weight[3].shape[0]  # smooth [K]
     if layout in GGUF_LAYOUTS or layout in W4A16_LAYOUTS:
         return None  # validate_gguf_weight / _validate_w4a16 check the packing against x
-    if layout in SPARSE24_LAYOUTS or layout == "q4_blocks_onednn":
+    if layout in SPARSE24_LAYOUTS or layout in ("q4_blocks_onednn", "q4_blocks_a8_onednn"):
         return 2 * weight[0].shape[1]  # values / nibbles [N, K/2]
     return weight[0].shape[1]
 
@@ -158,7 +165,7 @@ def _validate_quantized(op, layout, weight, K, device) -> None:
 
 
 def _validate_q8_blocks(op, layout, weight, device) -> None:
-    """The layouts "int8_blocks_onednn" (a bf16 copy) and "q8_blocks_onednn" (a float32 copy)."""
+    """The layouts "int8_blocks_onednn" (a bf16 copy) and "q8_blocks[_a8]_onednn" (a float32 copy)."""
     copy_dtype = torch.bfloat16 if layout == "int8_blocks_onednn" else torch.float32
     check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int8,), device=device)
     check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
@@ -173,7 +180,7 @@ def _validate_q8_blocks(op, layout, weight, device) -> None:
         raise ValueError(f"{op}: {layout} copy has shape {tuple(weight[2].shape)}, expected {n, k}")
 
 
-def _validate_q4_blocks(op, weight, device) -> None:
+def _validate_q4_blocks(op, layout, weight, device) -> None:
     check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.uint8,), device=device)
     check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
     check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(torch.float32,), device=device)
@@ -182,12 +189,12 @@ def _validate_q4_blocks(op, weight, device) -> None:
     groups = k // INT4_GROUP_SIZE
     if k % INT4_GROUP_SIZE or tuple(weight[1].shape) != (n, groups) or tuple(weight[2].shape) != (n, groups):
         raise ValueError(
-            f"{op}: q4_blocks_onednn nibbles [{n}, {k // 2}], scales {tuple(weight[1].shape)} and mins "
+            f"{op}: {layout} nibbles [{n}, {k // 2}], scales {tuple(weight[1].shape)} and mins "
             f"{tuple(weight[2].shape)}, expected in-features a multiple of {INT4_GROUP_SIZE} and "
             f"scales and mins ({n}, {groups})"
         )
     if tuple(weight[3].shape) != (n, k):  # oneDNN's packing of the float32 copy reports the matrix's shape
-        raise ValueError(f"{op}: q4_blocks_onednn copy has shape {tuple(weight[3].shape)}, expected {n, k}")
+        raise ValueError(f"{op}: {layout} copy has shape {tuple(weight[3].shape)}, expected {n, k}")
 
 
 def _validate_w8a8(op, layout, weight, device) -> None:
@@ -268,10 +275,10 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
                 f"{op}: int8_weight in-features {weight[0].shape[1]} are not a multiple of "
                 f"{INT8_K_MULTIPLE} (torch's int8 CPU matmul)"
             )
-    elif layout in ("int8_blocks_onednn", "q8_blocks_onednn"):
+    elif layout in ("int8_blocks_onednn", "q8_blocks_onednn", "q8_blocks_a8_onednn"):
         _validate_q8_blocks(op, layout, weight, device)
-    elif layout == "q4_blocks_onednn":
-        _validate_q4_blocks(op, weight, device)
+    elif layout in ("q4_blocks_onednn", "q4_blocks_a8_onednn"):
+        _validate_q4_blocks(op, layout, weight, device)
     elif layout in GGUF_LAYOUTS:
         validate_gguf_weight(op, weight[0], GGUF_LAYOUTS[layout], x.shape[-1], device)
     elif layout in QUANTIZED_LAYOUTS:
@@ -419,6 +426,9 @@ _FUZZ_FORMATS = (
     ("q4_blocks", "Q8_0"),  # not a Q4 type: "fp32"'s layouts
     ("q8_blocks", "Q8_0"),  # "q8_blocks_onednn" where oneDNN packs float32 here, else "onednn" / "dense"
     ("q8_blocks", "Q4_1"),  # not Q8_0: "fp32"'s layouts
+    ("q4_blocks_a8", "Q4_1"),  # "q4_blocks_a8_onednn" (x quantized to Q8_0 at one row)
+    ("q4_blocks_a8", "Q4_K"),
+    ("q8_blocks_a8", "Q8_0"),  # "q8_blocks_a8_onednn"
 )
 
 
@@ -507,11 +517,11 @@ def _weight_bytes(shape) -> float:
         return N * K * 2
     if fmt == "int8":
         return N * K + N * 2
-    if fmt == "q4_blocks" and shape["source"] in INT4_QTYPES:  # one row: nibbles, d and m per 32
+    if fmt in ("q4_blocks", "q4_blocks_a8") and shape["source"] in INT4_QTYPES:  # 1 row: nibbles, d, m
         return N * K / 2 + N * K / 32 * 8 if shape["M"] == 1 else N * K * 4
     if fmt in ("int8_blocks", "int8_blocks_w8a8"):  # one row: the values and a float32 scale per 32
         return N * K + N * K / 32 * 4 if shape["M"] == 1 else N * K * 2
-    if fmt == "q8_blocks" and shape["source"] == "Q8_0":
+    if fmt in ("q8_blocks", "q8_blocks_a8") and shape["source"] == "Q8_0":
         return N * K + N * K / 32 * 4 if shape["M"] == 1 else N * K * 4
     if fmt == "fp16":
         return N * K * (2 if shape["M"] == 1 else 4)
@@ -537,7 +547,7 @@ def _torch_linear_fp32(x, layout, weight, bias=None, out_dtype=None):
 _BENCH_FORMATS = (
     ("fp32", "float"), ("fp16", "float"), ("bf16", "float"),
     ("int4", "Q4_1"), ("int4_bf16", "Q4_1"), ("int4_w8a8", "Q4_1"), ("int8", "Q4_1"), ("w8a8", "float"),
-    ("q4_blocks", "Q4_1"),
+    ("q4_blocks", "Q4_1"), ("q4_blocks_a8", "Q4_1"),
 )  # fmt: skip
 
 PREPARED_LINEAR = OpSpec(
@@ -561,7 +571,7 @@ PREPARED_LINEAR = OpSpec(
         + [  # the LM head (its GGUF type is Q8_0): packed bf16 against Q8_0's own values
             {"M": m, "N": 49152, "K": 576, "format": fmt, "source": "Q8_0"}
             for m in (1, 16)
-            for fmt in ("fp16", "bf16", "q8_blocks", "int8_blocks", "int8_blocks_w8a8")
+            for fmt in ("fp16", "bf16", "q8_blocks", "q8_blocks_a8", "int8_blocks", "int8_blocks_w8a8")
         ]
     },
     baselines={"torch_linear_fp32": _torch_linear_fp32},
