@@ -123,40 +123,19 @@ def _int8_blocks_onednn(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
-def _q8_blocks_onednn(x, weight, bias, out_dtype):
-    if x.shape[0] != 1:  # the float32 copy, as "onednn"
-        return _onednn(x, weight[2:], bias, out_dtype)
-    y = int8_blocks_gemv(x, weight[0], weight[1])
-    if bias is not None:
-        y = y.add_(bias.float())
-    return y.to(out_dtype)
+def _blocks_kernel(gemv, copy_at: int):
+    """The "q4/q8_blocks[_a8]_onednn" kernels: one row through `gemv` on the first `copy_at` tensors
+    (the blocks' values and scales), several rows through the float32 copy after them, as "onednn"."""
 
+    def run(x, weight, bias, out_dtype):
+        if x.shape[0] != 1:
+            return _onednn(x, weight[copy_at:], bias, out_dtype)
+        y = gemv(x, *weight[:copy_at])
+        if bias is not None:
+            y = y.add_(bias.float())
+        return y.to(out_dtype)
 
-def _q4_blocks_onednn(x, weight, bias, out_dtype):
-    if x.shape[0] != 1:  # the float32 copy, as "onednn"
-        return _onednn(x, weight[3:], bias, out_dtype)
-    y = q4_blocks_gemv(x, weight[0], weight[1], weight[2])
-    if bias is not None:
-        y = y.add_(bias.float())
-    return y.to(out_dtype)
-
-
-def _q4_blocks_a8_onednn(x, weight, bias, out_dtype):
-    if x.shape[0] != 1:  # the float32 copy, as "onednn"
-        return _onednn(x, weight[3:], bias, out_dtype)
-    y = q4_blocks_a8_gemv(x, weight[0], weight[1], weight[2])
-    if bias is not None:
-        y = y.add_(bias.float())
-    return y.to(out_dtype)
-
-
-def _q8_blocks_a8_onednn(x, weight, bias, out_dtype):
-    if x.shape[0] != 1:
-        return _onednn(x, weight[2:], bias, out_dtype)
-    y = q8_blocks_a8_gemv(x, weight[0], weight[1])
-    if bias is not None:
-        y = y.add_(bias.float())
-    return y.to(out_dtype)
+    return run
 
 
 def _w8a8(x, weight, bias, out_dtype):
@@ -195,10 +174,10 @@ KERNELS = {
     "int4_onednn": _int4_onednn,
     "int8_weight": _int8_weight,
     "int8_blocks_onednn": _int8_blocks_onednn,
-    "q4_blocks_onednn": _q4_blocks_onednn,
-    "q8_blocks_onednn": _q8_blocks_onednn,
-    "q4_blocks_a8_onednn": _q4_blocks_a8_onednn,
-    "q8_blocks_a8_onednn": _q8_blocks_a8_onednn,
+    "q4_blocks_onednn": _blocks_kernel(q4_blocks_gemv, 3),
+    "q8_blocks_onednn": _blocks_kernel(int8_blocks_gemv, 2),
+    "q4_blocks_a8_onednn": _blocks_kernel(q4_blocks_a8_gemv, 3),
+    "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2),
     "w8a8_packed": _w8a8,
     "int4_w8a8_packed": _int4_w8a8,
     "int8_blocks_w8a8_packed": _int8_blocks_w8a8,
