@@ -40,6 +40,7 @@ from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.speculative.verify import verify_proposals
 from kiln.engine.step_times import StepTimes
 from kiln.models.attention_metadata import AttentionMetadata
+from kiln.models.cpu_flat_decode import FlatDecodeLayers
 from kiln.models.layer_kv_cache import LayerKVCache
 from kiln.ops.attention.paged_decode_attention import cpu_native as paged_decode_native
 from kiln.ops.attention.validate import FP8_DTYPES
@@ -191,6 +192,8 @@ class ModelRunner:
         if device.type == "cpu":
             # built (a host's first run, ~30-60 s) or loaded here, so that no step's time includes it
             paged_decode_native.load()
+            if hasattr(model, "flat_decode"):  # one-token eager steps as one loop over the kernels
+                model.flat_decode = FlatDecodeLayers.build(model, self.kv_caches)
         self.compiled_decode = None  # CPU: decode steps through a compiled forward per batch size
         if device.type == "cpu" and compile_cpu_decode and not enforce_eager:
             from kiln.engine.cpu_compiled_step import CompiledDecodeSteps

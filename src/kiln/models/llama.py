@@ -225,6 +225,8 @@ class LlamaForCausalLM(torch.nn.Module):
         pipeline_layers: tuple[int, int] | None = None,
     ):
         super().__init__()
+        # set by a CPU ModelRunner: one-token eager decode steps as one loop (kiln.models.cpu_flat_decode)
+        self.flat_decode = None
         device = torch.device(device)
         start, end = pipeline_layers or (0, config.num_layers)
         if not 0 <= start < end <= config.num_layers:
@@ -310,6 +312,9 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers this model holds: hidden, residual [T, hidden] (residual None before the
         first layer) -> (hidden, residual) after the last; kv_caches: one per held layer."""
+        flat = self.flat_decode
+        if flat is not None and flat.applies(hidden, kv_caches, attn_metadata):
+            return flat(positions, hidden, residual, kv_caches, attn_metadata)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
         return hidden, residual

@@ -181,3 +181,17 @@ blocks = gguf.quants.quantize(torch.randn(48, 96).numpy(), gguf.GGMLQuantization
 weight = GGUFWeight("{qtype}", torch.from_numpy(blocks), (48, 96))
 """
     assert_compiled_call_holds_native_op(setup, fmt, "cpu_blocks_a8._quantize_tensor")
+
+
+def test_the_reference_quantizer_without_gguf_gives_gguf_values(monkeypatch):
+    """The GPU image has no `gguf`: there q8_0_reference falls back to the tensor form, which must give
+    the same x' (ties and non-finite blocks included)."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    x = torch.randn(3, 96, generator=g) * 4
+    x[0, :32] = torch.arange(32) * 0.5 - 7.75
+    x[1, 40] = float("nan")
+    with_gguf = a8.q8_0_reference(x)
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)  # `from gguf import ...` now fails
+    without = a8.q8_0_reference(x)
+    assert torch.equal(with_gguf.isnan(), without.isnan()) and with_gguf.isnan()[1, 32:64].all()
+    assert torch.equal(with_gguf.nan_to_num(), without.nan_to_num())

@@ -102,14 +102,19 @@ def q8_0_reference(x: torch.Tensor) -> torch.Tensor:
     Q8_0 quantizer (the `gguf` package, ggml's reference rounding) times the float32 scale
     max|x| / 127 of each block (which gguf would round to float16); NaN for a block with a NaN or an
     infinity. The verifier's reference for the "*_a8_onednn" layouts, written without Kiln's
-    quantizer."""
-    from gguf import GGMLQuantizationType, quants
-
+    quantizer where `gguf` is installed (a core dependency; the GPU image lacks it, and there the
+    tensor form below stands in)."""
     m, k = x.shape
     blocks = x.detach().float().cpu().view(m, k // BLOCK, BLOCK)
     finite = blocks.isfinite().all(-1, keepdim=True)
-    data = quants.quantize(blocks.masked_fill(~finite, 0).reshape(m, k).numpy(), GGMLQuantizationType.Q8_0)
-    q = torch.from_numpy(data.reshape(m, k // BLOCK, BLOCK + 2)[..., 2:].copy()).view(torch.int8)
+    try:
+        from gguf import GGMLQuantizationType, quants
+    except ImportError:
+        q = _quantize_tensor(blocks.reshape(m, k))[0].view(m, k // BLOCK, BLOCK)
+    else:
+        values = blocks.masked_fill(~finite, 0).reshape(m, k).numpy()
+        data = quants.quantize(values, GGMLQuantizationType.Q8_0)
+        q = torch.from_numpy(data.reshape(m, k // BLOCK, BLOCK + 2)[..., 2:].copy()).view(torch.int8)
     d = blocks.abs().amax(-1, keepdim=True) / 127.0
     xq = (q.to(torch.float64) * d.to(torch.float64)).masked_fill(~finite, float("nan"))
     return xq.view(m, k).to(x.device)

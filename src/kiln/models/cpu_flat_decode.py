@@ -1,0 +1,148 @@
+"""One-row CPU decode through a Llama-family model's layers as one flat loop over its kernels.
+
+An eager decode step of a small model on the CPU spends about a third of its time between kernels:
+per layer ~10 module calls, public `kiln.ops` functions and dispatch (SmolLM2-135M on a 2-core AVX2
+EPYC: ~3.5 ms of a 12.5 ms step). For a step of one sequence, `FlatDecodeLayers` runs the same layers
+as one Python loop that calls what those modules end up calling, with every argument bound once at
+start: Kiln's native CPU ops for the norms, RoPE, the KV write and paged attention
+(torch.ops.kiln_cpu.*), silu_and_mul's CPU implementation, and the prepared_linear CPU kernel of
+each weight's layout (kiln.ops.gemm.prepared_linear.cpu.KERNELS). Same kernels, same order, same
+arguments, so the same floats as the module path (the tests compare logprobs bit for bit).
+
+`FlatDecodeLayers.build(model, kv_caches)` returns None (the model keeps its module path) unless every
+layer is a plain pre-norm `DecoderLayer` with `PagedAttention` (no q/k norm, no sliding window) and a
+SiLU `GatedMLP`, NeoX RoPE, no tensor parallelism, float32 norms and activations, float32 KV caches
+without scales, shifts or exact copies, and the native library serves paged decode at this head dim.
+`KILN_CPU_FLAT_DECODE=0` turns it off. The model's forward_layers uses it for decode-only steps of one
+token outside torch.compile (the compiled step traces the modules).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kiln.models.layers.attention import PagedAttention
+from kiln.models.layers.mlp import GATED_ACTIVATIONS, GatedMLP
+from kiln.models.layers.rotary import RotaryEmbedding
+from kiln.ops import native_cpu
+from kiln.ops.activation.silu_and_mul.cpu import silu_and_mul_cpu
+from kiln.ops.attention.paged_decode_attention import cpu_native as paged_decode_native
+from kiln.ops.gemm.prepared_linear.cpu import KERNELS
+from kiln.ops.gemm.quantized_layouts import run_quantized
+
+F32 = torch.float32
+
+
+def _layer_args(layer, kv_cache) -> tuple | None:
+    """The bound arguments of one layer's flat step, or None when the layer is not the plain form."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not PagedAttention or type(mlp) is not GatedMLP:
+        return None
+    rotary = attn.rotary
+    if type(rotary) is not RotaryEmbedding or attn.qk_norm is not None or attn.sliding_window is not None:
+        return None
+    if mlp.act_and_mul is not GATED_ACTIVATIONS["silu"]:
+        return None
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if any(getattr(linear, "tp_group", None) is not None for linear in linears):
+        return None
+    if any(linear.bias is not None for linear in linears[1:]):  # only the QKV bias (Qwen2) is supported
+        return None
+    if len(kv_cache) < 2 or any(t is not None for t in tuple(kv_cache)[2:]):  # scales, shift, exact copies
+        return None
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if not all(t.dtype == F32 and t.is_contiguous() for t in (key_cache, value_cache)):
+        return None
+    if not all(w.dtype == F32 for w in (layer.input_layernorm, layer.post_attention_layernorm)):
+        return None
+    if rotary.cos_sin_cache.dtype != F32 or not paged_decode_native.ready(attn.head_dim, F32):
+        return None
+    qkv, o, gate_up, down = (linear.prepared for linear in linears)
+    if any(KERNELS[w.layout] is run_quantized for w in (qkv, o, gate_up, down)):
+        return None  # the quantized checkpoint layouts' runner takes other arguments
+    qkv_bias = attn.qkv_proj.bias
+    if qkv_bias is not None and qkv_bias.dtype != F32:
+        return None
+    return (
+        layer.input_layernorm, layer.post_attention_layernorm, layer.eps,
+        KERNELS[qkv.layout], qkv.tensors, qkv_bias, KERNELS[o.layout], o.tensors,
+        KERNELS[gate_up.layout], gate_up.tensors, gate_up.compute_dtype or F32,
+        KERNELS[down.layout], down.tensors,
+        attn.q_size, attn.kv_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+        rotary.cos_sin_cache, key_cache, value_cache,
+    )  # fmt: skip
+
+
+class FlatDecodeLayers:
+    """The layers of a Llama-family model for decode steps of one token on the CPU (module docstring).
+
+    Call with forward_layers' arguments for one token: positions [1], hidden [1, hidden] float32,
+    residual [1, hidden] or None, kv_caches (the ones it was built with), attn_metadata of a decode-only
+    step -> (hidden, residual) after the last layer, as the modules give them.
+    """
+
+    def __init__(self, layers: list[tuple], kv_caches):
+        self.layers = layers
+        self.kv_caches = kv_caches
+
+    @classmethod
+    def build(cls, model, kv_caches) -> FlatDecodeLayers | None:
+        """The flat loop over `model.layers` with these KV caches, or None where it does not apply."""
+        if os.environ.get("KILN_CPU_FLAT_DECODE", "1") == "0" or not native_cpu.load():
+            return None
+        paged_decode_native.load()
+        layers = getattr(model, "layers", None)
+        if not layers or len(layers) != len(kv_caches):
+            return None
+        if any(type(layer).forward is not type(layers[0]).forward for layer in layers):
+            return None
+        from kiln.models.llama import DecoderLayer
+
+        if type(layers[0]) is not DecoderLayer:
+            return None
+        args = [_layer_args(layer, kv) for layer, kv in zip(layers, kv_caches, strict=True)]
+        if any(a is None for a in args):
+            return None
+        return cls(args, kv_caches)
+
+    def applies(self, hidden: torch.Tensor, kv_caches, attn_metadata) -> bool:
+        """Whether this step may run flat: one float32 token of a decode-only step, eager, on the
+        caches the loop was built with."""
+        return (
+            hidden.shape[0] == 1
+            and hidden.dtype == F32
+            and attn_metadata.decode_only
+            and attn_metadata.exact_block_tables is None
+            and kv_caches is self.kv_caches
+            and not torch.compiler.is_compiling()
+        )
+
+    def __call__(self, positions, hidden, residual, kv_caches, attn_metadata):
+        ops = torch.ops.kiln_cpu
+        positions, slots = positions.long(), attn_metadata.slot_mapping.long()
+        block_tables, seq_lens = attn_metadata.block_tables, attn_metadata.seq_lens
+        for (
+            norm_in, norm_post, eps, qkv_kernel, qkv_w, qkv_bias, o_kernel, o_w, gate_up_kernel, gate_up_w,
+            gate_up_dtype, down_kernel, down_w, q_size, kv_size, heads, kv_heads, head_dim, scale, cos_sin,
+            key_cache, value_cache,
+        ) in self.layers:  # fmt: skip
+            if residual is None:
+                residual = hidden
+                hidden = ops.rms_norm(hidden, norm_in, eps, None, 0.0)
+            else:
+                hidden = ops.rms_norm(hidden, norm_in, eps, residual, 0.0)
+            qkv = qkv_kernel(hidden, qkv_w, qkv_bias, F32)
+            q = qkv[:, :q_size].view(1, heads, head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(1, kv_heads, head_dim)
+            v = qkv[:, q_size + kv_size :].view(1, kv_heads, head_dim)
+            ops.rotary_embedding_(positions, q, k, cos_sin, True)
+            ops.write_kv_cache(k, v, key_cache, value_cache, slots)
+            out = ops.paged_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, -1)
+            hidden = o_kernel(out.view(1, q_size), o_w, None, F32)
+            hidden = ops.rms_norm(hidden, norm_post, eps, residual, 0.0)
+            # as GatedMLP: gate_up's output stays in its layout's compute dtype (fp16 for "fp16_*")
+            gate_up = gate_up_kernel(hidden, gate_up_w, None, gate_up_dtype)
+            hidden = down_kernel(silu_and_mul_cpu(gate_up), down_w, None, F32)
+        return hidden, residual
