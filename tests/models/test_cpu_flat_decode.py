@@ -69,10 +69,12 @@ def test_flat_decode_gives_the_module_paths_tokens_and_logprobs_exactly(cpu_form
     calls = _counting(flat_engine, monkeypatch)
     flat = [_run(flat_engine, [p]) for p in prompts]  # one at a time: one-token decode steps
     assert len(calls) == 2 * 15 and set(calls) == {1}  # every decode step after each prefill ran flat
-    module_engine = _engine(MODEL, loaded)
+    counted = loaded.model.flat_decode
+    module_engine = _engine(MODEL, loaded)  # the same model: its runner builds its own loop, removed here
     module_engine.runner.model.flat_decode = None
     modules = [_run(module_engine, [p]) for p in prompts]
     assert flat == modules  # token ids and logprobs, bit for bit
+    loaded.model.flat_decode = counted
     calls.clear()
     batched = _run(flat_engine, prompts)  # two sequences a step: the module path
     assert not calls and [b[0] for b in batched] == [m[0][0] for m in modules]
