@@ -90,6 +90,14 @@ def test_flat_decode_is_not_built_where_the_modules_do_more(kw):
     assert engine.runner.model.flat_decode is None
 
 
+def test_a_forced_backend_keeps_the_modules(monkeypatch):
+    engine = _engine(MODEL, load_model(MODEL, device="cpu", dtype=torch.float32))
+    calls = _counting(engine, monkeypatch)
+    monkeypatch.setenv("KILN_BACKEND", "reference")  # the modules run the float64-reference ops
+    _run(engine, [[5, 6, 7, 8]], max_tokens=4)
+    assert not calls
+
+
 def test_flat_decode_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("KILN_CPU_FLAT_DECODE", "0")
     engine = _engine(MODEL, load_model(MODEL, device="cpu", dtype=torch.float32))

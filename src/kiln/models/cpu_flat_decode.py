@@ -14,7 +14,8 @@ layer is a plain pre-norm `DecoderLayer` with `PagedAttention` (no q/k norm, no 
 SiLU `GatedMLP`, NeoX RoPE, no tensor parallelism, float32 norms and activations, float32 KV caches
 without scales, shifts or exact copies, and the native library serves paged decode at this head dim.
 `KILN_CPU_FLAT_DECODE=0` turns it off. The model's forward_layers uses it for decode-only steps of one
-token outside torch.compile (the compiled step traces the modules).
+token outside torch.compile (the compiled step traces the modules) unless KILN_BACKEND forces an
+implementation.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kiln.ops.activation.silu_and_mul.cpu import silu_and_mul_cpu
 from kiln.ops.attention.paged_decode_attention import cpu_native as paged_decode_native
 from kiln.ops.gemm.prepared_linear.cpu import KERNELS
 from kiln.ops.gemm.quantized_layouts import run_quantized
+from kiln.ops.registry import env_backend
 
 F32 = torch.float32
 
@@ -109,9 +111,11 @@ class FlatDecodeLayers:
 
     def applies(self, hidden: torch.Tensor, kv_caches, attn_metadata) -> bool:
         """Whether this step may run flat: one float32 token of a decode-only step, eager, on the
-        caches the loop was built with."""
+        caches the loop was built with, no implementation forced by KILN_BACKEND (the modules honour
+        it; the loop calls the CPU kernels)."""
         return (
             hidden.shape[0] == 1
+            and env_backend() is None
             and hidden.dtype == F32
             and attn_metadata.decode_only
             and attn_metadata.exact_block_tables is None
