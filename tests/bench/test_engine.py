@@ -5,12 +5,15 @@ JSON report with the benchmark's own options only (a random-weight tiny Llama, n
 import argparse
 import json
 
+import pytest
 import torch
 from engine.toy_model import toy_loaded  # tests/engine/toy_model.py
 
 from kiln.bench import engine as benchmark
 from kiln.cli import main
 from kiln.loaders import load_model
+from kiln.models.cpu_flat_decode import FlatDecodeLayers
+from kiln.ops import native_cpu
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -44,10 +47,20 @@ def test_decode_loop_prefills_once_then_decodes_one_token_per_step():
     tokens_per_forward = []
     loaded.model.register_forward_hook(lambda module, args, output: tokens_per_forward.append(len(args[0])))
     prompt = list(range(100, 111))
-    wall_tok_s, cpu_tok_s = benchmark.decode_tokens_per_second(loaded.model, prompt, steps=6)
+    flat_steps, flat_call = [], FlatDecodeLayers.__call__
+
+    def counting(flat, *args):  # the one-token steps the flat loop takes
+        flat_steps.append(args[1].shape[0])
+        return flat_call(flat, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FlatDecodeLayers, "__call__", counting)
+        wall_tok_s, cpu_tok_s = benchmark.decode_tokens_per_second(loaded.model, prompt, steps=6)
     # the prompt in one forward, 4 warm-up steps, then the 6 timed ones
     assert tokens_per_forward == [len(prompt)] + [1] * (4 + 6)
     assert wall_tok_s > 0 and cpu_tok_s > 0
+    # the one-token steps ran as the engine's runner runs them: flat (where the native library is built)
+    assert len(flat_steps) == (10 if native_cpu.load() else 0) and loaded.model.flat_decode is None
 
 
 def test_decode_loop_mode_writes_one_result_and_its_summary(tmp_path):

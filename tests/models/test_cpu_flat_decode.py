@@ -9,6 +9,7 @@ import torch
 
 from kiln.engine import EngineConfig, LLMEngine, SamplingParams
 from kiln.loaders import load_model
+from kiln.models.cpu_flat_decode import FlatDecodeLayers
 from kiln.ops import native_cpu
 
 MODEL = "random:tiny:seed=5"
@@ -34,29 +35,16 @@ def _run(engine, prompts, max_tokens=16):
 
 
 def _counting(engine, monkeypatch) -> list:
-    """Count the flat loop's calls on `engine`'s model."""
-    flat, calls = engine.runner.model.flat_decode, []
-    assert flat is not None
+    """Count the flat loop's calls (the hidden rows of each) from here on; `engine` must have one."""
+    assert engine.runner.model.flat_decode is not None
+    calls, call = [], FlatDecodeLayers.__call__
 
-    def counted(*args):
+    def counted(flat, *args):
         calls.append(args[1].shape[0])  # hidden [T, hidden_size]
-        return flat(*args)
+        return call(flat, *args)
 
-    monkeypatch.setattr(engine.runner.model, "flat_decode", _Wrapper(flat, counted))
+    monkeypatch.setattr(FlatDecodeLayers, "__call__", counted)
     return calls
-
-
-class _Wrapper:
-    """A FlatDecodeLayers whose calls go through `call` (instances' __call__ is looked up on the type)."""
-
-    def __init__(self, flat, call):
-        self.flat, self.call = flat, call
-
-    def applies(self, *args):
-        return self.flat.applies(*args)
-
-    def __call__(self, *args):
-        return self.call(*args)
 
 
 @pytest.mark.parametrize("cpu_format", ["fp32", "fp16", "int4_bf16"])
@@ -69,12 +57,12 @@ def test_flat_decode_gives_the_module_paths_tokens_and_logprobs_exactly(cpu_form
     calls = _counting(flat_engine, monkeypatch)
     flat = [_run(flat_engine, [p]) for p in prompts]  # one at a time: one-token decode steps
     assert len(calls) == 2 * 15 and set(calls) == {1}  # every decode step after each prefill ran flat
-    counted = loaded.model.flat_decode
+    flat_loop = loaded.model.flat_decode
     module_engine = _engine(MODEL, loaded)  # the same model: its runner builds its own loop, removed here
     module_engine.runner.model.flat_decode = None
     modules = [_run(module_engine, [p]) for p in prompts]
     assert flat == modules  # token ids and logprobs, bit for bit
-    loaded.model.flat_decode = counted
+    loaded.model.flat_decode = flat_loop
     calls.clear()
     batched = _run(flat_engine, prompts)  # two sequences a step: the module path
     assert not calls and [b[0] for b in batched] == [m[0][0] for m in modules]

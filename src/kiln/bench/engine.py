@@ -177,9 +177,12 @@ def decode_tokens_per_second(
 ) -> tuple[float, float]:
     """(wall tok/s, CPU-time tok/s) over `steps` greedy decode steps of `model` after prefilling
     `prompt` into a paged KV cache of its own (blocks in order, so slot == position). The forward runs
-    as the engine's model runner runs it: with the ops' argument checks off (kiln.ops.trusted_inputs)."""
+    as the engine's model runner runs it: with the ops' argument checks off (kiln.ops.trusted_inputs)
+    and, on the CPU, one-token steps through the flat loop over these caches where it applies
+    (kiln.models.cpu_flat_decode; the model's own loop is put back after)."""
     import kiln.ops
     from kiln.models.attention_metadata import AttentionMetadata
+    from kiln.models.cpu_flat_decode import FlatDecodeLayers
 
     c, device = model.config, model.device
     num_blocks = (len(prompt) + steps + 8) // block_size + 1
@@ -209,14 +212,21 @@ def decode_tokens_per_second(
         hidden = model(ids, positions, kv_caches, metadata)
         return int(model.compute_logits(hidden[-1:]).argmax())
 
-    with torch.inference_mode(), kiln.ops.trusted_inputs():
-        token, length = step(prompt, 0), len(prompt)
-        for _ in range(4):  # warm-up
-            token, length = step([token], length), length + 1
-        wall, cpu = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            token, length = step([token], length), length + 1
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    flat_before = getattr(model, "flat_decode", None)
+    if device.type == "cpu" and hasattr(model, "flat_decode"):
+        model.flat_decode = FlatDecodeLayers.build(model, kv_caches)
+    try:
+        with torch.inference_mode(), kiln.ops.trusted_inputs():
+            token, length = step(prompt, 0), len(prompt)
+            for _ in range(4):  # warm-up
+                token, length = step([token], length), length + 1
+            wall, cpu = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                token, length = step([token], length), length + 1
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    finally:
+        if hasattr(model, "flat_decode"):
+            model.flat_decode = flat_before
     return steps / wall, steps / cpu
 
 
