@@ -212,9 +212,9 @@ def decode_tokens_per_second(
         hidden = model(ids, positions, kv_caches, metadata)
         return int(model.compute_logits(hidden[-1:]).argmax())
 
-    flat_before = getattr(model, "flat_decode", None)
-    if device.type == "cpu" and hasattr(model, "flat_decode"):
-        model.flat_decode = FlatDecodeLayers.build(model, kv_caches)
+    swap = device.type == "cpu" and hasattr(model, "flat_decode")
+    if swap:
+        flat_before, model.flat_decode = model.flat_decode, FlatDecodeLayers.build(model, kv_caches)
     try:
         with torch.inference_mode(), kiln.ops.trusted_inputs():
             token, length = step(prompt, 0), len(prompt)
@@ -225,7 +225,7 @@ def decode_tokens_per_second(
                 token, length = step([token], length), length + 1
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
-        if hasattr(model, "flat_decode"):
+        if swap:
             model.flat_decode = flat_before
     return steps / wall, steps / cpu
 

@@ -27,6 +27,7 @@ import torch
 from kiln.models.layers.attention import PagedAttention
 from kiln.models.layers.mlp import GATED_ACTIVATIONS, GatedMLP
 from kiln.models.layers.rotary import RotaryEmbedding
+from kiln.models.llama import DecoderLayer
 from kiln.ops import native_cpu
 from kiln.ops.activation.silu_and_mul.cpu import silu_and_mul_cpu
 from kiln.ops.attention.paged_decode_attention import cpu_native as paged_decode_native
@@ -39,6 +40,8 @@ F32 = torch.float32
 
 def _layer_args(layer, kv_cache) -> tuple | None:
     """The bound arguments of one layer's flat step, or None when the layer is not the plain form."""
+    if type(layer) is not DecoderLayer:
+        return None
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not PagedAttention or type(mlp) is not GatedMLP:
         return None
@@ -97,12 +100,6 @@ class FlatDecodeLayers:
         paged_decode_native.load()
         layers = getattr(model, "layers", None)
         if not layers or len(layers) != len(kv_caches):
-            return None
-        if any(type(layer).forward is not type(layers[0]).forward for layer in layers):
-            return None
-        from kiln.models.llama import DecoderLayer
-
-        if type(layers[0]) is not DecoderLayer:
             return None
         args = [_layer_args(layer, kv) for layer, kv in zip(layers, kv_caches, strict=True)]
         if any(a is None for a in args):
