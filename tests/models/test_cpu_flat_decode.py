@@ -1,6 +1,7 @@
-"""One-token CPU decode as one flat loop over the layers' kernels (kiln.models.cpu_flat_decode): the
-same floats as the module path, bit for bit, on a random Llama and on the embedded SmolLM2 GGUF; and
-the module path wherever the loop does not apply."""
+"""One-token CPU decode as one flat loop over the layers' kernels (kiln.models.cpu_flat_decode), in
+Python or as one native call (kiln_cpu.FlatDecode): the same floats as the module path, bit for bit,
+on a random Llama, on tiny GGUF-block Llamas and on the embedded SmolLM2 GGUF; and the module path
+wherever the loop does not apply."""
 
 import importlib.util
 
@@ -98,10 +99,121 @@ def test_flat_decode_can_be_turned_off(monkeypatch):
 )
 def test_flat_decode_gives_the_module_paths_logprobs_on_the_embedded_model(monkeypatch):
     engine = _engine(None, cpu_format="q4_blocks", lm_head_format="q8_blocks")  # this host's default kind
-    assert engine.runner.model.flat_decode is not None
+    assert engine.runner.model.flat_decode is not None and engine.runner.model.flat_decode.native is not None
     calls = _counting(engine, monkeypatch)
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Name three colours."}])
     flat = _run(engine, [prompt], max_tokens=12)
     assert len(calls) == 11
     monkeypatch.setattr(engine.runner.model, "flat_decode", None)
     assert _run(engine, [prompt], max_tokens=12) == flat
+
+
+HAS_GGUF = importlib.util.find_spec("gguf") is not None and importlib.util.find_spec("transformers") is not None
+
+
+@pytest.fixture(scope="module")
+def blocks_gguf(tmp_path_factory):
+    """name -> a tiny Llama stored as GGUF blocks, written once: "q4" (Q4_1 q/k/v, gate/up and down,
+    Q4_0 o), "q8" (every layer matrix Q8_0) and "mixed" (Q4 but a Q8_0 down); Q8_0 embeddings and head."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.loaders.gguf_tiny import write_tiny_gguf
+    from tests.loaders.test_gguf_loader import tiny_llama
+
+    q4 = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.Q4_0,
+          "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1}  # fmt: skip
+    kinds = {"q4": q4, "q8": dict.fromkeys(q4, Q.Q8_0), "mixed": {**q4, "ffn_down": Q.Q8_0}}
+    folder, written = tmp_path_factory.mktemp("flat_blocks"), {}
+
+    def path(name: str) -> str:
+        if name not in written:
+            hf = tiny_llama(
+                seed=7, hidden_size=128, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2
+            )
+            types = {**kinds[name], "token_embd": Q.Q8_0, "output": Q.Q8_0}
+            write_tiny_gguf(hf, folder / f"{name}.gguf", tensor_types=types)
+            written[name] = str(folder / f"{name}.gguf")
+        return written[name]
+
+    return path
+
+
+def _with_qkv_bias(loaded, seed: int):
+    """Give every layer's QKV projection a random float32 bias (as Qwen2's), so the native call's bias
+    path runs; the module path adds the same bias."""
+    generator = torch.Generator().manual_seed(seed)
+    for layer in loaded.model.layers:
+        proj = layer.self_attn.qkv_proj
+        attn = layer.self_attn
+        bias = 0.5 * torch.randn(attn.q_size + 2 * attn.kv_size, generator=generator)
+        proj.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return loaded
+
+
+def _three_ways(path, loaded, monkeypatch) -> dict:
+    """Greedy outputs of two prompts, one at a time, through the engine's flat loop as built (native
+    call or not), the same loop kept in Python, and the modules."""
+    prompts = [[(5 * j + 11) % 60 + 2 for j in range(9)], [(3 * j + 2) % 60 + 2 for j in range(21)]]
+    engine = _engine(path, loaded)
+    calls = _counting(engine, monkeypatch)
+    outputs = {"built": [_run(engine, [p]) for p in prompts]}
+    assert len(calls) == 2 * 15
+    monkeypatch.setenv("KILN_CPU_FLAT_DECODE", "python")
+    python_loop = FlatDecodeLayers.build(loaded.model, engine.runner.kv_caches)
+    assert python_loop is not None and python_loop.native is None
+    loaded.model.flat_decode = python_loop
+    outputs["python"] = [_run(engine, [p]) for p in prompts]
+    loaded.model.flat_decode = None
+    outputs["modules"] = [_run(engine, [p]) for p in prompts]
+    assert len(calls) == 4 * 15  # the Python loop ran too; the module path did not call it
+    return outputs
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+@pytest.mark.parametrize(
+    "weights, cpu_format, layout",
+    [("q4", "q4_blocks", "q4_blocks_onednn"), ("q4", "q4_blocks_a8", "q4_blocks_a8_onednn"),
+     ("q8", "q8_blocks", "q8_blocks_onednn"), ("q8", "q8_blocks_a8", "q8_blocks_a8_onednn")],
+    ids=["q4", "q4_a8", "q8", "q8_a8"],
+)  # fmt: skip
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["no_bias", "qkv_bias"])
+def test_native_flat_decode_gives_the_python_loops_and_the_modules_logprobs(
+    blocks_gguf, weights, cpu_format, layout, qkv_bias, monkeypatch
+):
+    path = blocks_gguf(weights)
+    loaded = load_model(path, device="cpu", cpu_format=cpu_format, lm_head_format="q8_blocks")
+    if qkv_bias:
+        _with_qkv_bias(loaded, seed=11)
+    linears = [loaded.model.layers[0].self_attn.qkv_proj, loaded.model.layers[0].mlp.down_proj]
+    assert {linear.prepared.layout for linear in linears} == {layout}
+    outputs = _three_ways(path, loaded, monkeypatch)
+    assert loaded.model.flat_decode is None  # (the modules' run cleared it)
+    assert outputs["built"] == outputs["python"] == outputs["modules"]  # token ids and logprobs, bit for bit
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+def test_a_layout_without_a_native_kernel_keeps_the_python_loop(blocks_gguf, monkeypatch):
+    path = blocks_gguf("mixed")  # the Q8_0 down_proj stays float32 ("onednn") under the q4_blocks format
+    loaded = load_model(path, device="cpu", cpu_format="q4_blocks", lm_head_format="q8_blocks")
+    assert loaded.model.layers[0].mlp.down_proj.prepared.layout == "onednn"
+    engine = _engine(path, loaded)
+    assert engine.runner.model.flat_decode is not None and engine.runner.model.flat_decode.native is None
+    monkeypatch.undo()
+    outputs = _three_ways(path, loaded, monkeypatch)
+    assert outputs["built"] == outputs["python"] == outputs["modules"]
+
+
+def test_native_flat_decode_names_malformed_arguments():
+    flat_decode = torch.classes.kiln_cpu.FlatDecode
+    norm, cos_sin = torch.ones(64), torch.ones(128, 16)
+    cache = torch.zeros(4, 16, 2, 16)
+    with pytest.raises(RuntimeError, match="10 ints and 2 floats a layer"):
+        flat_decode([norm], [0, 0, 0], [1e-5, 0.25])
+    with pytest.raises(RuntimeError, match="layer 0 has weight kind 7"):
+        flat_decode([norm], [7, 0, 0, 0, 0, 64, 32, 4, 2, 16], [1e-5, 0.25])
+    with pytest.raises(RuntimeError, match="are not heads"):
+        flat_decode([norm] * 20, [1, 1, 1, 1, 0, 64, 32, 4, 2, 8], [1e-5, 0.25])
+    with pytest.raises(RuntimeError, match="tensors are too few"):
+        flat_decode([norm, norm, cos_sin, cache, cache], [1, 1, 1, 1, 0, 64, 32, 4, 2, 16], [1e-5, 0.25])
+    with pytest.raises(RuntimeError, match="1 tensors left over"):
+        flat_decode([norm, norm, cos_sin, cache, cache] + [norm] * 9, [1] * 4 + [0, 64, 32, 4, 2, 16], [1e-5, 0.25])

@@ -16,6 +16,12 @@ without scales, shifts or exact copies, and the native library serves paged deco
 `KILN_CPU_FLAT_DECODE=0` turns it off. The model's forward_layers uses it for decode-only steps of one
 token outside torch.compile (the compiled step traces the modules) unless KILN_BACKEND forces an
 implementation.
+
+Where every linear's layout is a GGUF-block one with a native one-row kernel (`NATIVE_LAYOUTS`: the
+embedded model's default q4_blocks / q8_blocks, and their _a8 forms) the whole loop runs as one native
+call, `torch.classes.kiln_cpu.FlatDecode` (cpu_flat_decode.cpp): the same C++ functions in the same
+order, without the Python and dispatch between them. `KILN_CPU_FLAT_DECODE=python` keeps the loop in
+Python (to compare the two).
 """
 
 from __future__ import annotations
@@ -36,6 +42,15 @@ from kiln.ops.gemm.quantized_layouts import run_quantized
 from kiln.ops.registry import env_backend
 
 F32 = torch.float32
+
+# layouts whose one-row kernel FlatDecode calls natively -> (its kind there, how many of the layout's
+# tensors that kernel reads: the blocks' values and scales, before the float32 copy for several rows)
+NATIVE_LAYOUTS = {
+    "q4_blocks_onednn": (0, 3),
+    "q8_blocks_onednn": (1, 2),
+    "q4_blocks_a8_onednn": (2, 3),
+    "q8_blocks_a8_onednn": (3, 2),
+}
 
 
 def _layer_args(layer, kv_cache) -> tuple | None:
@@ -80,6 +95,26 @@ def _layer_args(layer, kv_cache) -> tuple | None:
     )  # fmt: skip
 
 
+def _native_decode(layers, kv_caches):
+    """torch.classes.kiln_cpu.FlatDecode over these layers (each already accepted by `_layer_args`), or
+    None when a linear's layout has no native one-row kernel or gate_up computes in another dtype."""
+    tensors, ints, floats = [], [], []
+    for layer, kv_cache in zip(layers, kv_caches, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        weights = [linear.prepared for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(w.layout not in NATIVE_LAYOUTS for w in weights) or weights[2].compute_dtype not in (None, F32):
+            return None
+        bias = attn.qkv_proj.bias
+        tensors += [layer.input_layernorm, layer.post_attention_layernorm, attn.rotary.cos_sin_cache]
+        tensors += [kv_cache[0], kv_cache[1], *([] if bias is None else [bias])]
+        for w in weights:
+            tensors += w.tensors[: NATIVE_LAYOUTS[w.layout][1]]
+        ints += [NATIVE_LAYOUTS[w.layout][0] for w in weights]
+        ints += [int(bias is not None), attn.q_size, attn.kv_size, attn.num_heads, attn.num_kv_heads, attn.head_dim]
+        floats += [float(layer.eps), float(attn.scale)]
+    return torch.classes.kiln_cpu.FlatDecode(tensors, ints, floats)
+
+
 class FlatDecodeLayers:
     """The layers of a Llama-family model for decode steps of one token on the CPU (module docstring).
 
@@ -88,14 +123,16 @@ class FlatDecodeLayers:
     step -> (hidden, residual) after the last layer, as the modules give them.
     """
 
-    def __init__(self, layers: list[tuple], kv_caches):
+    def __init__(self, layers: list[tuple], kv_caches, native=None):
         self.layers = layers
         self.kv_caches = kv_caches
+        self.native = native  # torch.classes.kiln_cpu.FlatDecode, or None: the loop below
 
     @classmethod
     def build(cls, model, kv_caches) -> FlatDecodeLayers | None:
         """The flat loop over `model.layers` with these KV caches, or None where it does not apply."""
-        if os.environ.get("KILN_CPU_FLAT_DECODE", "1") == "0" or not native_cpu.load():
+        mode = os.environ.get("KILN_CPU_FLAT_DECODE", "1")
+        if mode == "0" or not native_cpu.load():
             return None
         paged_decode_native.load()
         layers = getattr(model, "layers", None)
@@ -104,7 +141,7 @@ class FlatDecodeLayers:
         args = [_layer_args(layer, kv) for layer, kv in zip(layers, kv_caches, strict=True)]
         if any(a is None for a in args):
             return None
-        return cls(args, kv_caches)
+        return cls(args, kv_caches, None if mode == "python" else _native_decode(layers, kv_caches))
 
     def applies(self, hidden: torch.Tensor, kv_caches, attn_metadata) -> bool:
         """Whether this step may run flat: one float32 token of a decode-only step, eager, on the
@@ -121,9 +158,11 @@ class FlatDecodeLayers:
         )
 
     def __call__(self, positions, hidden, residual, kv_caches, attn_metadata):
-        ops = torch.ops.kiln_cpu
         positions, slots = positions.long(), attn_metadata.slot_mapping.long()
         block_tables, seq_lens = attn_metadata.block_tables, attn_metadata.seq_lens
+        if self.native is not None:
+            return self.native.forward(positions, hidden, residual, slots, block_tables, seq_lens)
+        ops = torch.ops.kiln_cpu
         for (
             norm_in, norm_post, eps, qkv_kernel, qkv_w, qkv_bias, o_kernel, o_w, gate_up_kernel, gate_up_w,
             gate_up_dtype, down_kernel, down_w, q_size, kv_size, heads, kv_heads, head_dim, scale, cos_sin,

@@ -14,9 +14,12 @@ their ops under torch.ops.kiln_cpu:
     rope/rotary_embedding/rotary_embedding_cpu.cpp  kiln_cpu.rotary_embedding_ (float32, in place)
     activation/silu_and_mul/silu_and_mul_cpu.cpp    kiln_cpu.silu_and_mul (float32)
     attention/write_kv_cache/write_kv_cache_cpu.cpp kiln_cpu.write_kv_cache (float32 caches)
+    ../models/cpu_flat_decode.cpp           torch.classes.kiln_cpu.FlatDecode (a model's one-token
+                                            decode through the layers above in one call)
 
 The last four serve the eager CPU path of their ops (each op's cpu.py) for float32 tensors, one call
 each instead of several ATen calls; a compiled decode step traces those ops' tensor forms instead.
+native_cpu_ops.h declares the ops' C++ entry points, so that FlatDecode calls them directly.
 
 An engine on the CPU calls `load()` when it starts (kiln.engine.model_runner), so a host's first
 build (~1 minute on 2 cores, announced by a warning) is part of loading, not of the first step's time.
@@ -52,8 +55,10 @@ SOURCES = (
     os.path.join(_OPS, "rope", "rotary_embedding", "rotary_embedding_cpu.cpp"),
     os.path.join(_OPS, "activation", "silu_and_mul", "silu_and_mul_cpu.cpp"),
     os.path.join(_OPS, "attention", "write_kv_cache", "write_kv_cache_cpu.cpp"),
+    os.path.join(os.path.dirname(_OPS), "models", "cpu_flat_decode.cpp"),
 )
-HEADERS = (os.path.join(_OPS, "gemm", "cpu_w8a8_quantize.h"),)  # hashed into the build's name too
+# hashed into the build's name too
+HEADERS = (os.path.join(_OPS, "gemm", "cpu_w8a8_quantize.h"), os.path.join(_OPS, "native_cpu_ops.h"))
 
 # ATen's own CPU capability (what its kernels dispatch to on this host) -> the compiler flags and the
 # macro that select the same at::vec implementation (inductor's choice for these ISAs too)
@@ -118,6 +123,7 @@ def _build() -> bool:
                 name=name,
                 sources=list(SOURCES),
                 extra_cflags=flags,
+                extra_include_paths=[_OPS],
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
             )

@@ -22,6 +22,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "native_cpu_ops.h"
+
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #define KILN_A8_AVX2 1  // AVX-512 builds run the AVX2 code: 32 bytes a block is one ymm register
@@ -182,6 +184,10 @@ void check_scales(const char* op, const char* what, const at::Tensor& t, int64_t
               t.scalar_type(), " ", t.sizes(), " on ", t.device());
 }
 
+}  // namespace
+
+namespace kiln_cpu {
+
 std::tuple<at::Tensor, at::Tensor> quantize_q8_0(const at::Tensor& x) {
   check_x("quantize_q8_0", x, -1);
   const at::Tensor xc = x.contiguous();
@@ -251,7 +257,7 @@ at::Tensor q8_blocks_a8_gemv(const at::Tensor& x, const at::Tensor& values, cons
   return y;
 }
 
-}  // namespace
+}  // namespace kiln_cpu
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   m.def("quantize_q8_0(Tensor x) -> (Tensor, Tensor)");
@@ -260,7 +266,7 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
-  m.impl("quantize_q8_0", &quantize_q8_0);
-  m.impl("q4_blocks_a8_gemv", &q4_blocks_a8_gemv);
-  m.impl("q8_blocks_a8_gemv", &q8_blocks_a8_gemv);
+  m.impl("quantize_q8_0", &kiln_cpu::quantize_q8_0);
+  m.impl("q4_blocks_a8_gemv", &kiln_cpu::q4_blocks_a8_gemv);
+  m.impl("q8_blocks_a8_gemv", &kiln_cpu::q8_blocks_a8_gemv);
 }

@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "native_cpu_ops.h"
+
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
@@ -85,6 +87,10 @@ float row_dot(const float* x, const float* xsum, const uint8_t* row, const float
 #endif
 }
 
+}  // namespace
+
+namespace kiln_cpu {
+
 at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
                           const at::Tensor& mins) {
   TORCH_CHECK(x.device().is_cpu() && nibbles.device().is_cpu() && scales.device().is_cpu() && mins.device().is_cpu(),
@@ -124,10 +130,10 @@ at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const 
   return y;
 }
 
-}  // namespace
+}  // namespace kiln_cpu
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   m.def("q4_blocks_gemv(Tensor x, Tensor nibbles, Tensor scales, Tensor mins) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("q4_blocks_gemv", &q4_blocks_gemv); }
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("q4_blocks_gemv", &kiln_cpu::q4_blocks_gemv); }

@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "native_cpu_ops.h"
+
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
@@ -74,6 +76,10 @@ float row_dot(const float* x, const int8_t* row, const float* d, int64_t groups,
 #endif
 }
 
+}  // namespace
+
+namespace kiln_cpu {
+
 at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
   TORCH_CHECK(x.device().is_cpu() && values.device().is_cpu() && scales.device().is_cpu(),
               "q8_blocks_gemv: CPU tensors only");
@@ -103,8 +109,8 @@ at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const a
   return y;
 }
 
-}  // namespace
+}  // namespace kiln_cpu
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) { m.def("q8_blocks_gemv(Tensor x, Tensor values, Tensor scales) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("q8_blocks_gemv", &q8_blocks_gemv); }
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("q8_blocks_gemv", &kiln_cpu::q8_blocks_gemv); }

@@ -7,11 +7,17 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "native_cpu_ops.h"
+
 #include <cmath>
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+
+}  // namespace
+
+namespace kiln_cpu {
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) % 2 == 0,
@@ -42,8 +48,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return y;
 }
 
-}  // namespace
+}  // namespace kiln_cpu
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) { m.def("silu_and_mul(Tensor x) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("silu_and_mul", &silu_and_mul); }
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("silu_and_mul", &kiln_cpu::silu_and_mul); }

@@ -23,6 +23,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "native_cpu_ops.h"
+
 #include <algorithm>
 #include <atomic>
 #include <limits>
@@ -304,6 +306,10 @@ void check_shapes(const char* op, const at::Tensor& q, const at::Tensor& key_cac
   TORCH_CHECK(supports_head_dim(q.size(2)), op, ": head_dim ", q.size(2), " is not built");
 }
 
+}  // namespace
+
+namespace kiln_cpu {
+
 // q [B, H, D]; key_cache / value_cache [num_blocks, block_size, Hkv, D] (float32, bfloat16 or float16,
 // the same dtype); block_tables [B, W] and seq_lens [B] int32; window <= 0: no sliding window.
 // Returns [B, H, D] in q's dtype. Shapes and dtypes are validated by the caller (kiln.ops); an entry
@@ -390,7 +396,7 @@ at::Tensor paged_decode_fp8(const at::Tensor& q, const at::Tensor& key_cache, co
   return out;
 }
 
-}  // namespace
+}  // namespace kiln_cpu
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   m.def(
@@ -404,6 +410,6 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
-  m.impl("paged_decode", &paged_decode);
-  m.impl("paged_decode_fp8", &paged_decode_fp8);
+  m.impl("paged_decode", &kiln_cpu::paged_decode);
+  m.impl("paged_decode_fp8", &kiln_cpu::paged_decode_fp8);
 }

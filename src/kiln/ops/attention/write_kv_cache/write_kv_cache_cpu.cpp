@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "native_cpu_ops.h"
+
 #include <cstring>
 
 namespace {
@@ -19,6 +21,10 @@ void check_data(const char* name, const at::Tensor& t, const at::Tensor& cache) 
               "kiln_cpu.write_kv_cache: ", name, " must be float32 [T, ", cache.size(2), ", ", cache.size(3),
               "] with a dense last dim, got ", t.scalar_type(), " ", t.sizes(), " strides ", t.strides());
 }
+
+}  // namespace
+
+namespace kiln_cpu {
 
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                     const at::Tensor& slot_mapping) {
@@ -59,7 +65,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   });
 }
 
-}  // namespace
+}  // namespace kiln_cpu
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   m.def(
@@ -67,4 +73,4 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
       "-> ()");
 }
 
-TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("write_kv_cache", &write_kv_cache); }
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("write_kv_cache", &kiln_cpu::write_kv_cache); }

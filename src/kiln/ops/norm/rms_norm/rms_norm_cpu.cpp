@@ -10,6 +10,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "native_cpu_ops.h"
+
 #include <cmath>
 #include <optional>
 
@@ -51,6 +53,10 @@ void norm_row(const float* x, float* residual, const float* weight, float offset
   for (; j < d; ++j) y[j] = s[j] * rstd * (weight[j] + offset);
 }
 
+}  // namespace
+
+namespace kiln_cpu {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                     const std::optional<at::Tensor>& residual, double weight_offset) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1,
@@ -82,10 +88,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
   return y;
 }
 
-}  // namespace
+}  // namespace kiln_cpu
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual, float weight_offset) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("rms_norm", &rms_norm); }
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("rms_norm", &kiln_cpu::rms_norm); }

@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "native_cpu_ops.h"
+
 #include <cstdint>
 
 namespace {
@@ -41,6 +43,10 @@ void check_heads(const char* name, const at::Tensor& t, int64_t tokens, int64_t 
               " strides ", t.strides());
 }
 
+}  // namespace
+
+namespace kiln_cpu {
+
 void rotary_embedding_(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos_sin_cache,
                        bool is_neox) {
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1,
@@ -72,10 +78,10 @@ void rotary_embedding_(const at::Tensor& positions, at::Tensor& q, at::Tensor& k
   });
 }
 
-}  // namespace
+}  // namespace kiln_cpu
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   m.def("rotary_embedding_(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache, bool is_neox) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("rotary_embedding_", &rotary_embedding_); }
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("rotary_embedding_", &kiln_cpu::rotary_embedding_); }

@@ -1,0 +1,136 @@
+// The flat one-token decode of kiln.models.cpu_flat_decode in one native call: every layer of a
+// Llama-family model for one float32 token whose four linears are GGUF-block layouts with native one-row
+// kernels (q4_blocks / q8_blocks, exact or with x quantized to Q8_0). It calls the same C++ functions
+// the Python loop reaches through torch.ops.kiln_cpu (native_cpu_ops.h), in the same order with the same
+// arguments, so the floats are the loop's; what goes is the Python and the dispatcher between them
+// (~12 calls a layer, ~1.5 ms a token for SmolLM2's 30 layers on a 2-core host).
+//
+// Registered as the custom class torch.classes.kiln_cpu.FlatDecode, built once per model and KV caches:
+//
+//   FlatDecode(tensors, ints, floats)   per layer, in order:
+//       ints    qkv_kind, o_kind, gate_up_kind, down_kind, has_qkv_bias, q_size, kv_size, heads,
+//               kv_heads, head_dim                                        (kKindTensors: a kind's count)
+//       floats  eps, scale
+//       tensors input_norm [H], post_norm [H], cos_sin_cache [P, R], key_cache, value_cache
+//               [blocks, block_size, Hkv, D], qkv bias [Q + 2 KV] if has_qkv_bias, then the tensors of
+//               the qkv, o, gate_up and down weights (as their layouts keep them)
+//   forward(positions int64 [1], hidden float32 [1, H], residual float32 [1, H] or None,
+//           slot_mapping int64 [1], block_tables int32 [1, W], seq_lens int32 [1]) -> (hidden, residual)
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "native_cpu_ops.h"  // kiln/ops, on the include path
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+enum Kind : int64_t { kQ4Blocks = 0, kQ8Blocks = 1, kQ4BlocksA8 = 2, kQ8BlocksA8 = 3, kKinds = 4 };
+constexpr int64_t kKindTensors[kKinds] = {3, 2, 3, 2};  // nibbles, scales, mins / values, scales
+constexpr int64_t kInts = 10, kFloats = 2;
+
+struct Linear {
+  int64_t kind;
+  std::vector<at::Tensor> w;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    switch (kind) {
+      case kQ4Blocks: return kiln_cpu::q4_blocks_gemv(x, w[0], w[1], w[2]);
+      case kQ8Blocks: return kiln_cpu::q8_blocks_gemv(x, w[0], w[1]);
+      case kQ4BlocksA8: return kiln_cpu::q4_blocks_a8_gemv(x, w[0], w[1], w[2]);
+      default: return kiln_cpu::q8_blocks_a8_gemv(x, w[0], w[1]);
+    }
+  }
+};
+
+struct Layer {
+  at::Tensor norm_in, norm_post, cos_sin, key_cache, value_cache;
+  std::optional<at::Tensor> qkv_bias;
+  Linear qkv, o, gate_up, down;
+  int64_t q_size, kv_size, heads, kv_heads, head_dim;
+  double eps, scale;
+};
+
+struct FlatDecode : torch::CustomClassHolder {
+  std::vector<Layer> layers;
+
+  FlatDecode(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, std::vector<double> floats) {
+    TORCH_CHECK(!ints.empty() && ints.size() % kInts == 0 && floats.size() * kInts == ints.size() * kFloats,
+                "kiln_cpu.FlatDecode: ", kInts, " ints and ", kFloats, " floats a layer, got ", ints.size(),
+                " and ", floats.size());
+    size_t next = 0;
+    auto take = [&]() -> at::Tensor {
+      TORCH_CHECK(next < tensors.size(), "kiln_cpu.FlatDecode: ", tensors.size(), " tensors are too few");
+      return tensors[next++];
+    };
+    for (size_t l = 0; l < ints.size() / kInts; ++l) {
+      const int64_t* in = ints.data() + l * kInts;
+      for (int i = 0; i < 4; ++i) {
+        TORCH_CHECK(in[i] >= 0 && in[i] < kKinds, "kiln_cpu.FlatDecode: layer ", l, " has weight kind ", in[i]);
+      }
+      Layer layer;
+      layer.norm_in = take();
+      layer.norm_post = take();
+      layer.cos_sin = take();
+      layer.key_cache = take();
+      layer.value_cache = take();
+      if (in[4] != 0) layer.qkv_bias = take();
+      for (auto [i, linear] : {std::pair{0, &layer.qkv}, {1, &layer.o}, {2, &layer.gate_up}, {3, &layer.down}}) {
+        linear->kind = in[i];
+        for (int64_t t = 0; t < kKindTensors[in[i]]; ++t) linear->w.push_back(take());
+      }
+      layer.q_size = in[5];
+      layer.kv_size = in[6];
+      layer.heads = in[7];
+      layer.kv_heads = in[8];
+      layer.head_dim = in[9];
+      TORCH_CHECK(layer.heads * layer.head_dim == layer.q_size && layer.kv_heads * layer.head_dim == layer.kv_size,
+                  "kiln_cpu.FlatDecode: layer ", l, ": q_size ", layer.q_size, " / kv_size ", layer.kv_size,
+                  " are not heads ", layer.heads, " / ", layer.kv_heads, " x head_dim ", layer.head_dim);
+      layer.eps = floats[l * kFloats];
+      layer.scale = floats[l * kFloats + 1];
+      layers.push_back(std::move(layer));
+    }
+    TORCH_CHECK(next == tensors.size(), "kiln_cpu.FlatDecode: ", tensors.size() - next, " tensors left over");
+  }
+
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& positions, at::Tensor hidden,
+                                             std::optional<at::Tensor> residual, const at::Tensor& slot_mapping,
+                                             const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+    TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.size(0) == 1,
+                "kiln_cpu.FlatDecode: hidden must be float32 [1, H], got ", hidden.scalar_type(), " ",
+                hidden.sizes());
+    for (Layer& l : layers) {
+      if (residual.has_value()) {
+        hidden = kiln_cpu::rms_norm(hidden, l.norm_in, l.eps, residual, 0.0);
+      } else {  // the first layer: the residual stream starts as the embeddings themselves
+        residual = hidden;
+        hidden = kiln_cpu::rms_norm(hidden, l.norm_in, l.eps, std::nullopt, 0.0);
+      }
+      at::Tensor qkv = l.qkv(hidden);
+      if (l.qkv_bias.has_value()) qkv.add_(*l.qkv_bias);
+      at::Tensor q = qkv.slice(1, 0, l.q_size).view({1, l.heads, l.head_dim});
+      at::Tensor k = qkv.slice(1, l.q_size, l.q_size + l.kv_size).view({1, l.kv_heads, l.head_dim});
+      at::Tensor v = qkv.slice(1, l.q_size + l.kv_size).view({1, l.kv_heads, l.head_dim});
+      kiln_cpu::rotary_embedding_(positions, q, k, l.cos_sin, true);
+      kiln_cpu::write_kv_cache(k, v, l.key_cache, l.value_cache, slot_mapping);
+      const at::Tensor out = kiln_cpu::paged_decode(q, l.key_cache, l.value_cache, block_tables, seq_lens, l.scale, -1);
+      hidden = l.o(out.view({1, l.q_size}));
+      hidden = kiln_cpu::rms_norm(hidden, l.norm_post, l.eps, residual, 0.0);
+      hidden = l.down(kiln_cpu::silu_and_mul(l.gate_up(hidden)));
+    }
+    return {hidden, *residual};
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
+  m.class_<FlatDecode>("FlatDecode")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
+      .def("forward", &FlatDecode::forward);
+}
