@@ -217,3 +217,25 @@ def test_native_flat_decode_names_malformed_arguments():
         flat_decode([norm, norm, cos_sin, cache, cache], [1, 1, 1, 1, 0, 64, 32, 4, 2, 16], [1e-5, 0.25])
     with pytest.raises(RuntimeError, match="1 tensors left over"):
         flat_decode([norm, norm, cos_sin, cache, cache] + [norm] * 9, [1] * 4 + [0, 64, 32, 4, 2, 16], [1e-5, 0.25])
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+def test_the_profiler_sees_each_kernel_of_the_native_call(blocks_gguf):
+    path = blocks_gguf("q4")
+    loaded = load_model(path, device="cpu", cpu_format="q4_blocks", lm_head_format="q8_blocks")
+    engine = _engine(path, loaded)
+    assert loaded.model.flat_decode.native is not None
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("r", [5, 6, 7, 8], params)
+    engine.step()  # the prefill (the modules)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.step()  # one decode step: one native call
+    counts = {}
+    for event in prof.events():
+        counts[event.name] = counts.get(event.name, 0) + 1
+    layers = len(loaded.model.layers)
+    assert counts.get("kiln_cpu::FlatDecode.forward") == 1
+    assert counts.get("kiln_cpu::q4_blocks_gemv") == 4 * layers  # qkv, o, gate_up, down
+    for name in ("rotary_embedding_", "write_kv_cache", "paged_decode", "silu_and_mul"):
+        assert counts.get(f"kiln_cpu::{name}") == layers, name
+    assert counts.get("kiln_cpu::rms_norm", 0) >= 2 * layers
