@@ -108,7 +108,7 @@ def test_flat_decode_gives_the_module_paths_logprobs_on_the_embedded_model(monke
     assert _run(engine, [prompt], max_tokens=12) == flat
 
 
-HAS_GGUF = importlib.util.find_spec("gguf") is not None and importlib.util.find_spec("transformers") is not None
+HAS_GGUF = all(importlib.util.find_spec(name) is not None for name in ("gguf", "transformers"))
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +216,8 @@ def test_native_flat_decode_names_malformed_arguments():
     with pytest.raises(RuntimeError, match="tensors are too few"):
         flat_decode([norm, norm, cos_sin, cache, cache], [1, 1, 1, 1, 0, 64, 32, 4, 2, 16], [1e-5, 0.25])
     with pytest.raises(RuntimeError, match="1 tensors left over"):
-        flat_decode([norm, norm, cos_sin, cache, cache] + [norm] * 9, [1] * 4 + [0, 64, 32, 4, 2, 16], [1e-5, 0.25])
+        tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 9
+        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16], [1e-5, 0.25])
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")

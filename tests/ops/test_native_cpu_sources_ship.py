@@ -3,6 +3,7 @@ source and header kiln.ops.native_cpu builds from must be in the package data py
 
 import fnmatch
 import os
+
 import tomllib
 
 from kiln.ops import native_cpu

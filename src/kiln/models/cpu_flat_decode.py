@@ -101,8 +101,11 @@ def _native_decode(layers, kv_caches):
     tensors, ints, floats = [], [], []
     for layer, kv_cache in zip(layers, kv_caches, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
-        weights = [linear.prepared for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(w.layout not in NATIVE_LAYOUTS for w in weights) or weights[2].compute_dtype not in (None, F32):
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        weights = [linear.prepared for linear in linears]
+        if any(w.layout not in NATIVE_LAYOUTS for w in weights):
+            return None
+        if weights[2].compute_dtype not in (None, F32):  # gate_up's output is down's input as is
             return None
         bias = attn.qkv_proj.bias
         tensors += [layer.input_layernorm, layer.post_attention_layernorm, attn.rotary.cos_sin_cache]
@@ -110,7 +113,8 @@ def _native_decode(layers, kv_caches):
         for w in weights:
             tensors += w.tensors[: NATIVE_LAYOUTS[w.layout][1]]
         ints += [NATIVE_LAYOUTS[w.layout][0] for w in weights]
-        ints += [int(bias is not None), attn.q_size, attn.kv_size, attn.num_heads, attn.num_kv_heads, attn.head_dim]
+        ints += [int(bias is not None), attn.q_size, attn.kv_size]
+        ints += [attn.num_heads, attn.num_kv_heads, attn.head_dim]
         floats += [float(layer.eps), float(attn.scale)]
     return torch.classes.kiln_cpu.FlatDecode(tensors, ints, floats)
 

@@ -77,6 +77,12 @@ def _isa_flags() -> list[str]:
     return ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
 
 
+def isa() -> str:
+    """The vector ISA the library is built for here: "AVX512", "AVX2" or "DEFAULT" (scalar-width)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability if capability in ISA_FLAGS else "DEFAULT"
+
+
 def load() -> bool:
     """Build (first call on a host; cached on disk after) and load the library, once per process.
     True when its ops can be called. Call it eagerly, not while torch.compile traces."""

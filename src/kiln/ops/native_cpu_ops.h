@@ -34,6 +34,8 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 // gemm/cpu_q4_blocks.cpp, gemm/cpu_q8_blocks.cpp, gemm/cpu_blocks_a8.cpp
 at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
                           const at::Tensor& mins);
+at::Tensor q4_blocks_gemm(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
+                          const at::Tensor& mins);
 at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales);
 std::tuple<at::Tensor, at::Tensor> quantize_q8_0(const at::Tensor& x);
 at::Tensor q4_blocks_a8_gemv(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,

@@ -60,10 +60,14 @@ def test_q4_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(qtype, n
         y.copy_(run(one, prepared.layout, prepared.tensors, bias, torch.float32))
         # float32 arithmetic on the exact weights: only the accumulation rounds (not x, not W)
         assert_close(y, one.double() @ matrix.T + bias.double(), 1e-6, f"{qtype}, one {dtype} row")
-    rows = torch.randn(5, k, generator=g)
-    y = run(rows, prepared.layout, prepared.tensors, bias)
+    # a few rows (batched decode): q4_blocks_gemm where its multi-row kernel is built (AVX2), the copy
+    # elsewhere; past gemm_rows(), always the float32 copy through oneDNN
+    for m in (5, q4_module.gemm_rows() + 1):
+        rows = torch.randn(m, k, generator=g)
+        y = torch.full((m, n), float("nan"))
+        y.copy_(run(rows, prepared.layout, prepared.tensors, bias))
+        assert_close(y, rows.double() @ matrix.T + bias.double(), 1e-6, f"{qtype}, {m} rows")
     assert torch.equal(y, weight_formats.onednn_linear(rows, copy, bias))
-    assert_close(y, rows.double() @ matrix.T + bias.double(), 1e-6, f"{qtype}, 5 rows")
 
 
 def test_q4_blocks_native_kernel_matches_its_tensor_form_and_keeps_nan(native, monkeypatch):
@@ -81,6 +85,33 @@ def test_q4_blocks_native_kernel_matches_its_tensor_form_and_keeps_nan(native, m
     assert_close(native_y, tensor_y.double(), 1e-6, "native against tensor form")
     x[0, 40] = float("nan")  # one NaN input poisons every output: no row may hide it
     assert torch.isnan(q4_module.q4_blocks_gemv(x, nibbles, scales, mins)).all()
+
+
+@pytest.mark.parametrize("m", [2, 3, 8, 11, 19])  # the AVX2 kernel takes x rows 8 at a time
+def test_q4_blocks_gemm_matches_float64_and_its_tensor_form_row_by_row(m, native, monkeypatch):
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    n, k = 45, 544  # 17 groups: the prefetch and remainder paths, three 16-row tasks
+    weight, matrix = _q4_weight("Q4_1", n, k, g)
+    nibbles, scales, mins, _ = prepare_linear_weight(
+        weight, device=CPU, dtype=torch.float32, cpu_format="q4_blocks"
+    ).tensors
+    x = torch.randn(m, k, generator=g)
+    y = torch.full((m, n), float("nan"))
+    y.copy_(q4_module.q4_blocks_gemm(x, nibbles, scales, mins))
+    assert_close(y, x.double() @ matrix.T, 1e-6, f"{m} rows")
+    one_row = torch.cat([q4_module.q4_blocks_gemv(x[i : i + 1], nibbles, scales, mins) for i in range(m)])
+    assert_close(y, one_row.double(), 1e-6, "against the one-row kernel")
+    monkeypatch.setitem(q4_module._state, "loaded", False)  # as where the library cannot be built
+    tensor_y = q4_module.q4_blocks_gemm(x, nibbles, scales, mins)
+    monkeypatch.undo()
+    assert_close(y, tensor_y.double(), 1e-6, "native against tensor form")
+    x[m - 1, 7] = float("nan")  # a NaN poisons its own row's outputs, and no other row's
+    y = q4_module.q4_blocks_gemm(x, nibbles, scales, mins)
+    assert torch.isnan(y[m - 1]).all() and not torch.isnan(y[: m - 1]).any()
+    with pytest.raises(RuntimeError, match=r"q4_blocks_gemm: x must be float32 \[M, K\]"):
+        torch.ops.kiln_cpu.q4_blocks_gemm(x.double(), nibbles, scales, mins)
+    with pytest.raises(RuntimeError, match=r"q4_blocks_gemm: K = 512 must be a multiple of 32 with nibbles"):
+        torch.ops.kiln_cpu.q4_blocks_gemm(x[:, :512].contiguous(), nibbles, scales, mins)
 
 
 def test_q4_blocks_refuses_malformed_inputs_by_name(native):

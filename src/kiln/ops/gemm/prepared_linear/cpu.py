@@ -9,11 +9,13 @@
                  fast path); the bias is added in float32;
   "int4_onednn"  one row: as "int4"; several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
   "q4_blocks_onednn"  one row: q4_blocks_gemv (float32 on GGUF Q4 blocks' values, d and m, exact);
-                 several rows: oneDNN's fp32 GEMM on the copy of the same matrix;
+                 2 to cpu_q4_blocks.gemm_rows() rows (batched decode; 32 on AVX2 builds): q4_blocks_gemm
+                 on the same blocks; more rows: oneDNN's fp32 GEMM on the copy of the same matrix;
   "q8_blocks_onednn"  one row: int8_blocks_gemv (float32 on GGUF Q8_0's values and scales, exact;
                  Kiln's native kernel); several rows: oneDNN's fp32 GEMM on the copy of the same matrix;
   "q4_blocks_a8_onednn", "q8_blocks_a8_onednn"  one row: x quantized to Q8_0, then Kiln's integer GEMV
-                 on the same blocks (kiln.ops.gemm.cpu_blocks_a8); several rows: as the exact layouts;
+                 on the same blocks (kiln.ops.gemm.cpu_blocks_a8); several rows: as the exact layouts
+                 (q4_blocks_gemm included);
   "int8_blocks_onednn"  one row: as "q8_blocks_onednn"; several rows: oneDNN's bf16 GEMM on the copy;
   "w8a8_packed"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, Kiln's AMX tile kernel
                  or oneDNN's int8 GEMM (one native op);
@@ -36,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.gemm.cpu_blocks_a8 import q4_blocks_a8_gemv, q8_blocks_a8_gemv
-from kiln.ops.gemm.cpu_q4_blocks import q4_blocks_gemv
+from kiln.ops.gemm.cpu_q4_blocks import gemm_rows, q4_blocks_gemm, q4_blocks_gemv
 from kiln.ops.gemm.cpu_w8a8 import w8a8_linear
 from kiln.ops.gemm.gguf_linear import gguf_linear
 from kiln.ops.gemm.prepared_linear.int8_blocks_gemv import int8_blocks_gemv
@@ -123,14 +125,19 @@ def _int8_blocks_onednn(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
-def _blocks_kernel(gemv, copy_at: int):
+def _blocks_kernel(gemv, copy_at: int, gemm=None):
     """The "q4/q8_blocks[_a8]_onednn" kernels: one row through `gemv` on the first `copy_at` tensors
-    (the blocks' values and scales), several rows through the float32 copy after them, as "onednn"."""
+    (the blocks' values and scales), up to gemm_rows() rows through `gemm` on them where there is one,
+    more rows through the float32 copy after them, as "onednn"."""
 
     def run(x, weight, bias, out_dtype):
-        if x.shape[0] != 1:
+        rows = x.shape[0]
+        if rows == 1:
+            y = gemv(x, *weight[:copy_at])
+        elif gemm is not None and rows <= gemm_rows():
+            y = gemm(x, *weight[:copy_at])
+        else:
             return _onednn(x, weight[copy_at:], bias, out_dtype)
-        y = gemv(x, *weight[:copy_at])
         if bias is not None:
             y = y.add_(bias.float())
         return y.to(out_dtype)
@@ -174,9 +181,9 @@ KERNELS = {
     "int4_onednn": _int4_onednn,
     "int8_weight": _int8_weight,
     "int8_blocks_onednn": _int8_blocks_onednn,
-    "q4_blocks_onednn": _blocks_kernel(q4_blocks_gemv, 3),
+    "q4_blocks_onednn": _blocks_kernel(q4_blocks_gemv, 3, q4_blocks_gemm),
     "q8_blocks_onednn": _blocks_kernel(int8_blocks_gemv, 2),
-    "q4_blocks_a8_onednn": _blocks_kernel(q4_blocks_a8_gemv, 3),
+    "q4_blocks_a8_onednn": _blocks_kernel(q4_blocks_a8_gemv, 3, q4_blocks_gemm),
     "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2),
     "w8a8_packed": _w8a8,
     "int4_w8a8_packed": _int4_w8a8,
