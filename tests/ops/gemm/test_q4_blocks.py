@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kiln.ops
+from kiln.ops import native_cpu
 from kiln.ops.gemm import cpu_q4_blocks as q4_module
 from kiln.ops.gemm import weight_formats
 from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
@@ -61,8 +62,8 @@ def test_q4_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(qtype, n
         # float32 arithmetic on the exact weights: only the accumulation rounds (not x, not W)
         assert_close(y, one.double() @ matrix.T + bias.double(), 1e-6, f"{qtype}, one {dtype} row")
     # a few rows (batched decode): q4_blocks_gemm where its multi-row kernel is built (AVX2), the copy
-    # elsewhere; past gemm_rows(), always the float32 copy through oneDNN
-    for m in (5, q4_module.gemm_rows() + 1):
+    # elsewhere; past blocks_gemm_rows(), always the float32 copy through oneDNN
+    for m in (5, native_cpu.blocks_gemm_rows() + 1):
         rows = torch.randn(m, k, generator=g)
         y = torch.full((m, n), float("nan"))
         y.copy_(run(rows, prepared.layout, prepared.tensors, bias))
@@ -87,7 +88,7 @@ def test_q4_blocks_native_kernel_matches_its_tensor_form_and_keeps_nan(native, m
     assert torch.isnan(q4_module.q4_blocks_gemv(x, nibbles, scales, mins)).all()
 
 
-@pytest.mark.parametrize("m", [2, 3, 8, 11, 19])  # the AVX2 kernel takes x rows 8 at a time
+@pytest.mark.parametrize("m", [2, 3, 8, 11, 19])  # the AVX2 kernel takes x rows 4 at a time
 def test_q4_blocks_gemm_matches_float64_and_its_tensor_form_row_by_row(m, native, monkeypatch):
     g = torch.Generator().manual_seed(random.randrange(2**31))
     n, k = 45, 544  # 17 groups: the prefetch and remainder paths, three 16-row tasks
@@ -101,6 +102,9 @@ def test_q4_blocks_gemm_matches_float64_and_its_tensor_form_row_by_row(m, native
     assert_close(y, x.double() @ matrix.T, 1e-6, f"{m} rows")
     one_row = torch.cat([q4_module.q4_blocks_gemv(x[i : i + 1], nibbles, scales, mins) for i in range(m)])
     assert_close(y, one_row.double(), 1e-6, "against the one-row kernel")
+    if native_cpu.blocks_gemm_rows() > 1:  # the multi-row kernel: each row's floats whatever shares the call
+        alone = torch.cat([q4_module.q4_blocks_gemm(x[i : i + 1], nibbles, scales, mins) for i in range(m)])
+        assert torch.equal(y, alone)
     monkeypatch.setitem(q4_module._state, "loaded", False)  # as where the library cannot be built
     tensor_y = q4_module.q4_blocks_gemm(x, nibbles, scales, mins)
     monkeypatch.undo()

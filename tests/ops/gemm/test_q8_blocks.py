@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kiln.ops
+from kiln.ops import native_cpu
 from kiln.ops.gemm import cpu_q8_blocks as q8_module
 from kiln.ops.gemm import weight_formats
 from kiln.ops.gemm.prepared_linear import int8_blocks_gemv
@@ -62,10 +63,42 @@ def test_q8_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(n, k, na
         y.copy_(run(one, prepared.layout, prepared.tensors, bias, torch.float32))
         # float32 arithmetic on the exact weights: only the accumulation rounds (not x, not W)
         assert_close(y, one.double() @ matrix.T + bias.double(), 1e-6, f"one {dtype} row")
-    rows = torch.randn(5, k, generator=g)
-    y = run(rows, prepared.layout, prepared.tensors, bias)
+    # a few rows (batched decode): q8_blocks_gemm where its multi-row kernel is built (AVX2), the copy
+    # elsewhere; past blocks_gemm_rows(), always the float32 copy through oneDNN
+    for m in (5, native_cpu.blocks_gemm_rows() + 1):
+        rows = torch.randn(m, k, generator=g)
+        y = torch.full((m, n), float("nan"))
+        y.copy_(run(rows, prepared.layout, prepared.tensors, bias))
+        assert_close(y, rows.double() @ matrix.T + bias.double(), 1e-6, f"{m} rows")
     assert torch.equal(y, weight_formats.onednn_linear(rows, copy, bias))
-    assert_close(y, rows.double() @ matrix.T + bias.double(), 1e-6, "5 rows")
+
+
+@pytest.mark.parametrize("m", [2, 3, 8, 11, 19])  # the AVX2 kernel takes x rows 4 at a time
+def test_q8_blocks_gemm_matches_float64_and_its_tensor_form_row_by_row(m, native, monkeypatch):
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    n, k = 45, 544  # 17 groups: the prefetch path's odd end, three 16-row tasks
+    weight, matrix = _q8_weight(n, k, g)
+    values, scales, _ = _prepared(weight).tensors
+    x = torch.randn(m, k, generator=g)
+    y = torch.full((m, n), float("nan"))
+    y.copy_(q8_module.q8_blocks_gemm(x, values, scales))
+    assert_close(y, x.double() @ matrix.T, 1e-6, f"{m} rows")
+    one_row = torch.cat([q8_module.q8_blocks_gemv(x[i : i + 1], values, scales) for i in range(m)])
+    assert_close(y, one_row.double(), 1e-6, "against the one-row kernel")
+    if native_cpu.blocks_gemm_rows() > 1:  # the multi-row kernel: each row's floats whatever shares the call
+        alone = torch.cat([q8_module.q8_blocks_gemm(x[i : i + 1], values, scales) for i in range(m)])
+        assert torch.equal(y, alone)
+    monkeypatch.setitem(q8_module._state, "loaded", False)  # as where the library cannot be built
+    tensor_y = q8_module.q8_blocks_gemm(x, values, scales)
+    monkeypatch.undo()
+    assert_close(y, tensor_y.double(), 1e-6, "native against tensor form")
+    x[m - 1, 7] = float("nan")  # a NaN poisons its own row's outputs, and no other row's
+    y = q8_module.q8_blocks_gemm(x, values, scales)
+    assert torch.isnan(y[m - 1]).all() and not torch.isnan(y[: m - 1]).any()
+    with pytest.raises(RuntimeError, match=r"q8_blocks_gemm: x must be float32 \[M, K\]"):
+        torch.ops.kiln_cpu.q8_blocks_gemm(x.double(), values, scales)
+    with pytest.raises(RuntimeError, match=r"q8_blocks_gemm: K = 512 must be a multiple of 32 with values"):
+        torch.ops.kiln_cpu.q8_blocks_gemm(x[:, :512].contiguous(), values, scales)
 
 
 def test_q8_blocks_native_kernel_matches_the_compiled_tensor_form_and_keeps_nan(native, monkeypatch):

@@ -95,15 +95,15 @@ void rows_dot(const float* x, const float* xsum, const uint8_t* rows, int64_t ro
 
 // R rows of x (`k` apart) against one weight row: each block's 32 weights become float32 once for all R
 // rows, w = fma(d, q, m), the float32 copy's values (one rounding of d * q + m, as gguf's), so the rows
-// then cost 4 FMAs a block each. y[i * n] for x row i.
+// then cost 4 FMAs a block each, into two accumulators a row (the four FMAs are not one latency chain).
+// Each row's sum is in the same order whatever R is: a row's result does not depend on how many rows
+// share the call (batch-invariant). y[i * n] for x row i.
 template <int R>
 void x_rows_dot(const float* x, int64_t k, const uint8_t* row, const float* d, const float* m, int64_t groups,
                 const uint8_t* stop, float* y, int64_t n) {
-  // few rows: two accumulators a row, so that a block's four FMAs are not one latency chain
-  constexpr int C = R <= 4 ? 2 : 1;
   const __m256i low = _mm256_set1_epi32(15);
-  __m256 acc[C * R];
-  for (int i = 0; i < C * R; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 acc[2 * R];
+  for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* bytes = row + g * 16;
     if ((g & 3) == 0 && bytes + kPrefetchAhead < stop) {
@@ -118,22 +118,23 @@ void x_rows_dot(const float* x, int64_t k, const uint8_t* row, const float* d, c
     const __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4)), dg, mg);   // 24..31
     for (int i = 0; i < R; ++i) {
       const float* xb = x + i * k + g * kBlock;
-      __m256& a = acc[C * i];
-      __m256& b = acc[C * i + C - 1];
+      __m256& a = acc[2 * i];
+      __m256& b = acc[2 * i + 1];
       a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), a);
       b = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), b);
       a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), a);
       b = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), b);
     }
   }
-  for (int i = 0; i < R; ++i) y[i * n] = hsum(C == 2 ? _mm256_add_ps(acc[C * i], acc[C * i + 1]) : acc[C * i]);
+  for (int i = 0; i < R; ++i) y[i * n] = hsum(_mm256_add_ps(acc[2 * i], acc[2 * i + 1]));
 }
 
 using XRowsDot = void (*)(const float*, int64_t, const uint8_t*, const float*, const float*, int64_t, const uint8_t*,
                           float*, int64_t);
-constexpr int kXRows = 8;  // x rows a pass: 8 accumulators and 4 weight vectors stay in registers
-constexpr XRowsDot kXRowsDot[kXRows + 1] = {nullptr,        x_rows_dot<1>, x_rows_dot<2>, x_rows_dot<3>, x_rows_dot<4>,
-                                            x_rows_dot<5>, x_rows_dot<6>, x_rows_dot<7>, x_rows_dot<8>};
+// x rows a pass: their 8 accumulators and the 4 weight vectors stay in registers (8 rows with two
+// accumulators each would spill; with one, a row's sum would depend on how many rows share the call)
+constexpr int kXRows = 4;
+constexpr XRowsDot kXRowsDot[kXRows + 1] = {nullptr, x_rows_dot<1>, x_rows_dot<2>, x_rows_dot<3>, x_rows_dot<4>};
 #else
 // `stop`: the end of the rows this task reads; prefetches stay before it (inside the weights)
 float row_dot(const float* x, const float* xsum, const uint8_t* row, const float* d, const float* m, int64_t groups,
@@ -221,7 +222,7 @@ at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const 
 
 // x float32 [M, K] (M >= 1) -> y float32 [M, N]: the rows of q4_blocks_gemv for several rows of x at
 // once. A task's weight rows (16 of them, at most 16 KB for K <= 2048) stay in the L1/L2 cache while
-// every group of up to 8 x rows passes over them, so the weights are read from memory once, and on
+// every group of up to 4 x rows passes over them, so the weights are read from memory once, and on
 // AVX2 each block is converted to float32 once for all the rows of a group (x_rows_dot). For batched
 // decode: a few rows read 0.75 bytes a weight instead of the float32 copy's 4.
 at::Tensor q4_blocks_gemm(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,

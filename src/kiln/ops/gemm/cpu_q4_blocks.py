@@ -19,24 +19,7 @@ from kiln.ops import native_cpu
 from kiln.quant.gguf_blocks import BLOCK_WEIGHTS
 
 BLOCK = BLOCK_WEIGHTS["Q4_0"]  # weights per GGUF Q4 block (and per Q4_K sub-block)
-# Up to this many rows, q4_blocks_gemm beats oneDNN's float32 GEMM on the copy (SmolLM2's 120 decoder
-# matrices, cache-cold, 2-core Zen 3: 3.4x at 2 rows, 1.9x at 8, 1.36x at 16, 1.05x at 32, 0.91x at
-# 64). Only the AVX2 build has the multi-row kernel; elsewhere each row runs the one-row kernel.
-GEMM_MAX_ROWS = 32
 _state: dict = {"loaded": None}
-
-
-def gemm_rows() -> int:
-    """The most rows prepared_linear sends to q4_blocks_gemm: GEMM_MAX_ROWS where the native library
-    is built for AVX2 (its multi-row kernel), else 1 (several rows use the float32 copy)."""
-    rows = _state.get("gemm_rows")
-    if rows is None:
-        compiling = torch.compiler.is_compiling()
-        loaded = _state["loaded"] if compiling else load()
-        rows = GEMM_MAX_ROWS if loaded and native_cpu.isa() == "AVX2" else 1
-        if not compiling:
-            _state["gemm_rows"] = rows
-    return rows
 
 
 def load() -> bool:

@@ -1,6 +1,7 @@
 """GGUF Q8_0 weights kept as their int8 values and per-32 scales on the CPU, for the "q8_blocks_onednn"
 and "int8_blocks_onednn" layouts (kiln.ops.gemm.weight_formats): `pack` splits a weight into them
-(w = d * q exactly), `q8_blocks_gemv` computes one row of y = x @ W^T in float32 on those values.
+(w = d * q exactly), `q8_blocks_gemv` computes one row of y = x @ W^T in float32 on those values,
+`q8_blocks_gemm` a few rows (batched decode).
 
 torch.ops.kiln_cpu.q8_blocks_gemv (cpu_q8_blocks.cpp, part of Kiln's native CPU library,
 kiln.ops.native_cpu) reads a byte a weight; where the library cannot be built the same sum runs as a
@@ -31,6 +32,10 @@ def _register_fake() -> None:
     def _(x, values, scales):
         return x.new_empty((1, values.shape[0]))
 
+    @torch.library.register_fake("kiln_cpu::q8_blocks_gemm")
+    def _(x, values, scales):
+        return x.new_empty((x.shape[0], values.shape[0]))
+
 
 def loaded() -> bool:
     """Whether `load` ran and the native kernel is there (no build or load attempted: safe while
@@ -54,3 +59,14 @@ def q8_blocks_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) 
     y[n] = sum_k x[k] * scales[n, k // 32] * values[n, k], through the native kernel (`load` must
     have returned True)."""
     return torch.ops.kiln_cpu.q8_blocks_gemv(x, values, scales)
+
+
+def q8_blocks_gemm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float (read as float32) -> y float32 [M, N], each row as `q8_blocks_gemv` computes it;
+    where the native library is not loaded, the same sum as tensor code."""
+    x = x.float()
+    if loaded():
+        return torch.ops.kiln_cpu.q8_blocks_gemm(x, values, scales)
+    n, k = values.shape
+    blocks = values.view(n, k // BLOCK, BLOCK).float() * scales.view(n, -1, 1)
+    return x @ blocks.view(n, k).T

@@ -9,13 +9,14 @@
                  fast path); the bias is added in float32;
   "int4_onednn"  one row: as "int4"; several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
   "q4_blocks_onednn"  one row: q4_blocks_gemv (float32 on GGUF Q4 blocks' values, d and m, exact);
-                 2 to cpu_q4_blocks.gemm_rows() rows (batched decode; 32 on AVX2 builds): q4_blocks_gemm
-                 on the same blocks; more rows: oneDNN's fp32 GEMM on the copy of the same matrix;
+                 2 to native_cpu.blocks_gemm_rows() rows (batched decode; 32 on AVX2 builds, else 1):
+                 q4_blocks_gemm on the same blocks; more: oneDNN's fp32 GEMM on the copy of the matrix;
   "q8_blocks_onednn"  one row: int8_blocks_gemv (float32 on GGUF Q8_0's values and scales, exact;
-                 Kiln's native kernel); several rows: oneDNN's fp32 GEMM on the copy of the same matrix;
+                 Kiln's native kernel); a few rows: q8_blocks_gemm (as q4_blocks_gemm above); more:
+                 oneDNN's fp32 GEMM on the copy of the same matrix;
   "q4_blocks_a8_onednn", "q8_blocks_a8_onednn"  one row: x quantized to Q8_0, then Kiln's integer GEMV
                  on the same blocks (kiln.ops.gemm.cpu_blocks_a8); several rows: as the exact layouts
-                 (q4_blocks_gemm included);
+                 (q4_blocks_gemm / q8_blocks_gemm included);
   "int8_blocks_onednn"  one row: as "q8_blocks_onednn"; several rows: oneDNN's bf16 GEMM on the copy;
   "w8a8_packed"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, Kiln's AMX tile kernel
                  or oneDNN's int8 GEMM (one native op);
@@ -38,13 +39,15 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.gemm.cpu_blocks_a8 import q4_blocks_a8_gemv, q8_blocks_a8_gemv
-from kiln.ops.gemm.cpu_q4_blocks import gemm_rows, q4_blocks_gemm, q4_blocks_gemv
+from kiln.ops.gemm.cpu_q4_blocks import q4_blocks_gemm, q4_blocks_gemv
+from kiln.ops.gemm.cpu_q8_blocks import q8_blocks_gemm
 from kiln.ops.gemm.cpu_w8a8 import w8a8_linear
 from kiln.ops.gemm.gguf_linear import gguf_linear
 from kiln.ops.gemm.prepared_linear.int8_blocks_gemv import int8_blocks_gemv
 from kiln.ops.gemm.prepared_linear.spec import PREPARED_LINEAR
 from kiln.ops.gemm.quantized_layouts import QUANTIZED_LAYOUTS, run_quantized
 from kiln.ops.gemm.weight_formats import GGUF_LAYOUTS, INT4_GROUP_SIZE
+from kiln.ops.native_cpu import blocks_gemm_rows
 from kiln.ops.registry import Implementation, cpu_only
 
 # Each kernel is flat (no helper calls; the W8A8 hybrids below add one): the engine makes ~120 of these
@@ -127,14 +130,14 @@ def _int8_blocks_onednn(x, weight, bias, out_dtype):
 
 def _blocks_kernel(gemv, copy_at: int, gemm=None):
     """The "q4/q8_blocks[_a8]_onednn" kernels: one row through `gemv` on the first `copy_at` tensors
-    (the blocks' values and scales), up to gemm_rows() rows through `gemm` on them where there is one,
+    (the blocks' values and scales), up to blocks_gemm_rows() rows through `gemm` on them where there is one,
     more rows through the float32 copy after them, as "onednn"."""
 
     def run(x, weight, bias, out_dtype):
         rows = x.shape[0]
         if rows == 1:
             y = gemv(x, *weight[:copy_at])
-        elif gemm is not None and rows <= gemm_rows():
+        elif gemm is not None and rows <= blocks_gemm_rows():
             y = gemm(x, *weight[:copy_at])
         else:
             return _onednn(x, weight[copy_at:], bias, out_dtype)
@@ -182,9 +185,9 @@ KERNELS = {
     "int8_weight": _int8_weight,
     "int8_blocks_onednn": _int8_blocks_onednn,
     "q4_blocks_onednn": _blocks_kernel(q4_blocks_gemv, 3, q4_blocks_gemm),
-    "q8_blocks_onednn": _blocks_kernel(int8_blocks_gemv, 2),
+    "q8_blocks_onednn": _blocks_kernel(int8_blocks_gemv, 2, q8_blocks_gemm),
     "q4_blocks_a8_onednn": _blocks_kernel(q4_blocks_a8_gemv, 3, q4_blocks_gemm),
-    "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2),
+    "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2, q8_blocks_gemm),
     "w8a8_packed": _w8a8,
     "int4_w8a8_packed": _int4_w8a8,
     "int8_blocks_w8a8_packed": _int8_blocks_w8a8,
