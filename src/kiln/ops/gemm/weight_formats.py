@@ -69,13 +69,14 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     with d and m per 32 weights in float32 (w = d * q + m exactly, Q4_K's sub-blocks as in "int4"), so
     one-row inputs read ~0.6 bytes a weight with no rounding of the weight or of x (Kiln's native
     kernel, kiln.ops.gemm.cpu_q4_blocks; 3x the fp16 GEMV's speed over SmolLM2's 120 decoder matrices
-    on the 2-core Xeon this project measures on), and a oneDNN-packed float32 copy of the same matrix
-    for several rows, as "fp32". Exact like "fp32", so the probe times it by default. Other weights, or
-    a CPU where oneDNN cannot pack, get "fp32";
+    on the 2-core Xeon this project measures on), 2 to native_cpu.blocks_gemm_rows() rows (24 on AVX2
+    builds: batched decode) through kiln_cpu.q4_blocks_gemm on the same blocks, and a oneDNN-packed
+    float32 copy of the same matrix for more rows, as "fp32". Exact like "fp32", so the probe times it
+    by default. Other weights, or a CPU where oneDNN cannot pack, get "fp32";
   - CPU, "q8_blocks", GGUF Q8_0 weights: "q8_blocks_onednn", the same for Q8_0: its int8 values and
     its scales (fp16 in the file, exact in float32), one row through Kiln's native GEMV
-    (kiln.ops.gemm.cpu_q8_blocks, one byte a weight), several rows through a oneDNN-packed float32
-    copy. Made for the LM head, the largest matrix of a small model, whose GGUF type is usually Q8_0;
+    (kiln.ops.gemm.cpu_q8_blocks, one byte a weight), a few rows through its q8_blocks_gemm (as
+    "q4_blocks"), more through a oneDNN-packed float32 copy. Made for the LM head, the largest matrix of a small model, whose GGUF type is usually Q8_0;
     exact, so the probe times it by default. Other weights, or a CPU where oneDNN cannot pack, get
     "fp32";
   - CPU, "q4_blocks_a8" / "q8_blocks_a8", the same weights: "q4_blocks_a8_onednn" /
@@ -85,8 +86,8 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     converts every weight to float32 (SmolLM2's 120 decoder matrices on the 2-core AVX2 EPYC this
     project measures on: 4.1 vs 5.5 ms). Rounding x to 255 levels a block is not exact, so these are
     candidates only when asked for (README, "Measured on a 2-core CPU", states the divergence);
-    several rows stay exact (the fp32 copy). Other weights, or a CPU where oneDNN cannot pack, get
-    "fp32";
+    several rows stay exact (as "q4_blocks" / "q8_blocks"). Other weights, or a CPU where oneDNN
+    cannot pack, get "fp32";
   - CPU, "int8_blocks", GGUF Q8_0 weights: "int8_blocks_onednn", the file's blocks split into their
     int8 values and their scales (fp16 in the file, exact in float32): w = d * q exactly, so one-row
     inputs (single-stream decode) read one byte a weight with no rounding of the weight or of x, as
