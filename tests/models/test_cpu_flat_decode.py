@@ -243,3 +243,25 @@ def test_the_profiler_sees_each_kernel_of_the_native_call(blocks_gguf):
     for name in ("rotary_embedding_", "write_kv_cache", "paged_decode", "silu_and_mul"):
         assert counts.get(f"kiln_cpu::{name}") == layers, name
     assert counts.get("kiln_cpu::rms_norm", 0) >= 2 * layers
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+@pytest.mark.skipif(
+    native_cpu.blocks_gemm_rows() < 3, reason="no multi-row blocks kernels in this build (they are AVX2's)"
+)
+@pytest.mark.parametrize(
+    "weights, cpu_format", [("q4", "q4_blocks"), ("q8", "q8_blocks_a8")], ids=["q4", "q8_a8"]
+)
+def test_native_flat_decode_runs_batched_steps_as_the_modules_do(
+    blocks_gguf, weights, cpu_format, monkeypatch
+):
+    path = blocks_gguf(weights)
+    loaded = load_model(path, device="cpu", cpu_format=cpu_format, lm_head_format="q8_blocks")
+    _with_qkv_bias(loaded, seed=3)
+    engine = _engine(path, loaded)
+    calls = _counting(engine, monkeypatch)
+    prompts = [[(7 * j + i) % 60 + 2 for j in range(5 + 6 * i)] for i in range(3)]  # 5, 11, 17 tokens
+    batched = _run(engine, prompts)  # three sequences a decode step, through the native call
+    assert calls and set(calls) <= {1, 2, 3} and 3 in calls
+    loaded.model.flat_decode = None
+    assert _run(engine, prompts) == batched  # token ids and logprobs, bit for bit

@@ -1,6 +1,7 @@
-// The flat one-token decode of kiln.models.cpu_flat_decode in one native call: every layer of a
-// Llama-family model for one float32 token whose four linears are GGUF-block layouts with native one-row
-// kernels (q4_blocks / q8_blocks, exact or with x quantized to Q8_0). It calls the same C++ functions
+// The flat decode of kiln.models.cpu_flat_decode in one native call: every layer of a Llama-family
+// model for one float32 token of each of T sequences, whose four linears are GGUF-block layouts with
+// native kernels (q4_blocks / q8_blocks, exact or with a one-row x quantized to Q8_0; several rows
+// through the exact multi-row kernels, as prepared_linear runs them). It calls the same C++ functions
 // the Python loop reaches through torch.ops.kiln_cpu (native_cpu_ops.h), in the same order with the same
 // arguments, so the floats are the loop's; what goes is the Python and the dispatcher between them
 // (~12 calls a layer, ~1.5 ms a token for SmolLM2's 30 layers on a 2-core host).
@@ -14,8 +15,10 @@
 //       tensors input_norm [H], post_norm [H], cos_sin_cache [P, R], key_cache, value_cache
 //               [blocks, block_size, Hkv, D], qkv bias [Q + 2 KV] if has_qkv_bias, then the tensors of
 //               the qkv, o, gate_up and down weights (as their layouts keep them)
-//   forward(positions int64 [1], hidden float32 [1, H], residual float32 [1, H] or None,
-//           slot_mapping int64 [1], block_tables int32 [1, W], seq_lens int32 [1]) -> (hidden, residual)
+//   forward(positions int64 [T], hidden float32 [T, H], residual float32 [T, H] or None,
+//           slot_mapping int64 [T], block_tables int32 [T, W], seq_lens int32 [T]) -> (hidden, residual)
+//   (T sequences of a decode-only step, one token each; the caller keeps T within the multi-row
+//   kernels' rows, native_cpu.blocks_gemm_rows())
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -40,6 +43,7 @@ namespace {
 
 constexpr const char* kKindOps[] = {"kiln_cpu::q4_blocks_gemv", "kiln_cpu::q8_blocks_gemv",
                                     "kiln_cpu::q4_blocks_a8_gemv", "kiln_cpu::q8_blocks_a8_gemv"};
+constexpr const char* kKindRowsOps[] = {"kiln_cpu::q4_blocks_gemm", "kiln_cpu::q8_blocks_gemm"};
 
 enum Kind : int64_t { kQ4Blocks = 0, kQ8Blocks = 1, kQ4BlocksA8 = 2, kQ8BlocksA8 = 3, kKinds = 4 };
 constexpr int64_t kKindTensors[kKinds] = {3, 2, 3, 2};  // nibbles, scales, mins / values, scales
@@ -49,7 +53,14 @@ struct Linear {
   int64_t kind;
   std::vector<at::Tensor> w;
 
+  // x [T, K]: one row through the kind's one-row kernel; several (one token of each of T sequences)
+  // through the exact multi-row kernel of its blocks, as prepared_linear's "*_blocks[_a8]_onednn"
   at::Tensor operator()(const at::Tensor& x) const {
+    if (x.size(0) > 1) {
+      const bool q4 = kind == kQ4Blocks || kind == kQ4BlocksA8;
+      RECORD_FUNCTION(kKindRowsOps[q4 ? 0 : 1], std::vector<c10::IValue>());
+      return q4 ? kiln_cpu::q4_blocks_gemm(x, w[0], w[1], w[2]) : kiln_cpu::q8_blocks_gemm(x, w[0], w[1]);
+    }
     RECORD_FUNCTION(kKindOps[kind], std::vector<c10::IValue>());
     switch (kind) {
       case kQ4Blocks: return kiln_cpu::q4_blocks_gemv(x, w[0], w[1], w[2]);
@@ -115,9 +126,10 @@ struct FlatDecode : torch::CustomClassHolder {
                                              std::optional<at::Tensor> residual, const at::Tensor& slot_mapping,
                                              const at::Tensor& block_tables, const at::Tensor& seq_lens) {
     RECORD_FUNCTION("kiln_cpu::FlatDecode.forward", std::vector<c10::IValue>());
-    TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.size(0) == 1,
-                "kiln_cpu.FlatDecode: hidden must be float32 [1, H], got ", hidden.scalar_type(), " ",
+    TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.size(0) >= 1,
+                "kiln_cpu.FlatDecode: hidden must be float32 [T, H], got ", hidden.scalar_type(), " ",
                 hidden.sizes());
+    const int64_t t = hidden.size(0);
     for (Layer& l : layers) {
       if (residual.has_value()) {
         KILN_RECORDED("kiln_cpu::rms_norm", hidden = kiln_cpu::rms_norm(hidden, l.norm_in, l.eps, residual, 0.0));
@@ -127,16 +139,16 @@ struct FlatDecode : torch::CustomClassHolder {
       }
       at::Tensor qkv = l.qkv(hidden);
       if (l.qkv_bias.has_value()) qkv.add_(*l.qkv_bias);
-      at::Tensor q = qkv.slice(1, 0, l.q_size).view({1, l.heads, l.head_dim});
-      at::Tensor k = qkv.slice(1, l.q_size, l.q_size + l.kv_size).view({1, l.kv_heads, l.head_dim});
-      at::Tensor v = qkv.slice(1, l.q_size + l.kv_size).view({1, l.kv_heads, l.head_dim});
+      at::Tensor q = qkv.slice(1, 0, l.q_size).view({t, l.heads, l.head_dim});
+      at::Tensor k = qkv.slice(1, l.q_size, l.q_size + l.kv_size).view({t, l.kv_heads, l.head_dim});
+      at::Tensor v = qkv.slice(1, l.q_size + l.kv_size).view({t, l.kv_heads, l.head_dim});
       KILN_RECORDED("kiln_cpu::rotary_embedding_", kiln_cpu::rotary_embedding_(positions, q, k, l.cos_sin, true));
       KILN_RECORDED("kiln_cpu::write_kv_cache",
                     kiln_cpu::write_kv_cache(k, v, l.key_cache, l.value_cache, slot_mapping));
       at::Tensor out;
       KILN_RECORDED("kiln_cpu::paged_decode", out = kiln_cpu::paged_decode(q, l.key_cache, l.value_cache, block_tables,
                                                                          seq_lens, l.scale, -1));
-      hidden = l.o(out.view({1, l.q_size}));
+      hidden = l.o(out.view({t, l.q_size}));
       KILN_RECORDED("kiln_cpu::rms_norm", hidden = kiln_cpu::rms_norm(hidden, l.norm_post, l.eps, residual, 0.0));
       at::Tensor gate_up = l.gate_up(hidden);
       KILN_RECORDED("kiln_cpu::silu_and_mul", gate_up = kiln_cpu::silu_and_mul(gate_up));

@@ -20,8 +20,10 @@ implementation.
 Where every linear's layout is a GGUF-block one with a native one-row kernel (`NATIVE_LAYOUTS`: the
 embedded model's default q4_blocks / q8_blocks, and their _a8 forms) the whole loop runs as one native
 call, `torch.classes.kiln_cpu.FlatDecode` (cpu_flat_decode.cpp): the same C++ functions in the same
-order, without the Python and dispatch between them. `KILN_CPU_FLAT_DECODE=python` keeps the loop in
-Python (to compare the two).
+order, without the Python and dispatch between them. It also takes batched decode steps (one token of
+each of up to native_cpu.blocks_gemm_rows() sequences: 24 on AVX2 builds), whose linears then run the
+blocks' exact multi-row kernels, as the modules do. `KILN_CPU_FLAT_DECODE=python` keeps the loop in
+Python (one token; to compare the two).
 """
 
 from __future__ import annotations
@@ -122,9 +124,10 @@ def _native_decode(layers, kv_caches):
 class FlatDecodeLayers:
     """The layers of a Llama-family model for decode steps of one token on the CPU (module docstring).
 
-    Call with forward_layers' arguments for one token: positions [1], hidden [1, hidden] float32,
-    residual [1, hidden] or None, kv_caches (the ones it was built with), attn_metadata of a decode-only
-    step -> (hidden, residual) after the last layer, as the modules give them.
+    Call with forward_layers' arguments for T tokens of a decode-only step (T = 1, or up to
+    native_cpu.blocks_gemm_rows() through the native call: `applies`): positions [T], hidden [T, hidden]
+    float32, residual [T, hidden] or None, kv_caches (the ones it was built with), attn_metadata ->
+    (hidden, residual) after the last layer, as the modules give them.
     """
 
     def __init__(self, layers: list[tuple], kv_caches, native=None):
@@ -148,11 +151,13 @@ class FlatDecodeLayers:
         return cls(args, kv_caches, None if mode == "python" else _native_decode(layers, kv_caches))
 
     def applies(self, hidden: torch.Tensor, kv_caches, attn_metadata) -> bool:
-        """Whether this step may run flat: one float32 token of a decode-only step, eager, on the
-        caches the loop was built with, no implementation forced by KILN_BACKEND (the modules honour
-        it; the loop calls the CPU kernels)."""
+        """Whether this step may run flat: float32 tokens of a decode-only step, one (or, through the
+        native call, up to native_cpu.blocks_gemm_rows(): the rows its multi-row kernels take), eager,
+        on the caches the loop was built with, no implementation forced by KILN_BACKEND (the modules
+        honour it; the loop calls the CPU kernels)."""
+        rows = hidden.shape[0]
         return (
-            hidden.shape[0] == 1
+            (rows == 1 or (self.native is not None and rows <= native_cpu.blocks_gemm_rows()))
             and env_backend() is None
             and hidden.dtype == F32
             and attn_metadata.decode_only
