@@ -76,9 +76,9 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
   - CPU, "q8_blocks", GGUF Q8_0 weights: "q8_blocks_onednn", the same for Q8_0: its int8 values and
     its scales (fp16 in the file, exact in float32), one row through Kiln's native GEMV
     (kiln.ops.gemm.cpu_q8_blocks, one byte a weight), a few rows through its q8_blocks_gemm (as
-    "q4_blocks"), more through a oneDNN-packed float32 copy. Made for the LM head, the largest matrix of a small model, whose GGUF type is usually Q8_0;
-    exact, so the probe times it by default. Other weights, or a CPU where oneDNN cannot pack, get
-    "fp32";
+    "q4_blocks"), more through a oneDNN-packed float32 copy. Made for the LM head, the largest matrix
+    of a small model, whose GGUF type is usually Q8_0; exact, so the probe times it by default. Other
+    weights, or a CPU where oneDNN cannot pack, get "fp32";
   - CPU, "q4_blocks_a8" / "q8_blocks_a8", the same weights: "q4_blocks_a8_onednn" /
     "q8_blocks_a8_onednn", the same tensors, but a one-row x is quantized to Q8_0 blocks first (int8
     per 32 values, a float32 scale: llama.cpp's CPU arithmetic) and each block's dot product is integer
