@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from kiln.engine import EngineConfig, LLMEngine, SamplingParams
+from kiln.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from kiln.loaders import load_model
 from kiln.models.cpu_flat_decode import FlatDecodeLayers
 from kiln.ops import native_cpu
@@ -265,3 +265,23 @@ def test_native_flat_decode_runs_batched_steps_as_the_modules_do(
     assert calls and set(calls) <= {1, 2, 3} and 3 in calls
     loaded.model.flat_decode = None
     assert _run(engine, prompts) == batched  # token ids and logprobs, bit for bit
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+def test_a_compiled_batched_step_on_the_blocks_compiles_and_equals_eager(blocks_gguf):
+    """--compile-cpu-decode traces the batched steps (the flat loop is eager only): the blocks'
+    multi-row kernels must trace as graph nodes, with no fallback, and give eager's tokens."""
+    from kiln import fallbacks
+
+    path = blocks_gguf("q4")
+    fallbacks.clear()
+    prompts = [[(7 * j + i) % 60 + 2 for j in range(5 + 6 * i)] for i in range(2)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for compiled in (False, True):
+        llm = LLM(path, device="cpu", max_num_seqs=2, cpu_format="q4_blocks", lm_head_format="q8_blocks",
+                  compile_cpu_decode=compiled)  # fmt: skip
+        tokens[compiled] = [out.token_ids for out in llm.generate(prompts, params)]
+    assert fallbacks.taken() == []
+    assert llm.engine.runner.compiled_decode.compiled_sizes == {2}
+    assert tokens[True] == tokens[False]

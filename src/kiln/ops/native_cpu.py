@@ -74,7 +74,7 @@ ISA_FLAGS = {
 # 1.6x at 32). Only the AVX2 build has them; elsewhere each row would run the one-row kernel.
 BLOCKS_GEMM_MAX_ROWS = 24
 
-_state: dict = {"loaded": None}
+_state: dict = {"loaded": None, "gemm_rows": None}
 logger = logging.getLogger(__name__)
 
 
@@ -93,10 +93,11 @@ def isa() -> str:
 
 def blocks_gemm_rows() -> int:
     """The most rows of x prepared_linear gives the blocks layouts' multi-row kernels (more go to the
-    float32 copy): BLOCKS_GEMM_MAX_ROWS where the library is loaded and built for AVX2, else 1. Safe
-    while torch.compile traces (it does not build or load the library then)."""
-    loaded = _state["loaded"] if torch.compiler.is_compiling() else load()
-    return BLOCKS_GEMM_MAX_ROWS if loaded and isa() == "AVX2" else 1
+    float32 copy): BLOCKS_GEMM_MAX_ROWS where the library is loaded and built for AVX2, else 1. A
+    constant once `load` ran, so torch.compile traces it as one (before that, while tracing: 1)."""
+    if _state["gemm_rows"] is None and not torch.compiler.is_compiling():
+        load()
+    return _state["gemm_rows"] or 1
 
 
 def load() -> bool:
@@ -104,6 +105,7 @@ def load() -> bool:
     True when its ops can be called. Call it eagerly, not while torch.compile traces."""
     if _state["loaded"] is None:
         _state["loaded"] = _build()
+        _state["gemm_rows"] = BLOCKS_GEMM_MAX_ROWS if _state["loaded"] and isa() == "AVX2" else 1
     return _state["loaded"]
 
 
