@@ -69,10 +69,11 @@ ISA_FLAGS = {
 }
 
 # Up to this many rows of x, the GGUF-block layouts' multi-row kernels (q4_blocks_gemm, q8_blocks_gemm)
-# beat oneDNN's float32 GEMM on their float32 copies (2-core Zen 3, cache-cold, SmolLM2's shapes: Q4
-# layers 3.7x at 2 rows, 1.9x at 8, 1.27x at 16, 1.04x at 24, 0.96x at 32; the Q8_0 head 2.4x at 16,
-# 1.6x at 32). Only the AVX2 build has them; elsewhere each row would run the one-row kernel.
-BLOCKS_GEMM_MAX_ROWS = 24
+# beat oneDNN's float32 GEMM on their float32 copies (2-core Zen 3, cache-cold, SmolLM2's shapes,
+# scripts/cpu_blocks_rows.py: Q4 layers 3.2x at 2 rows, 2.2x at 8, 1.5x at 16, 1.17x at 32, 0.98x at
+# 48; the Q8_0 head 2.4x at 2, 1.2x at 16, 0.99x at 32, 0.79x at 48). Only the AVX2 build has them;
+# elsewhere each row would run the one-row kernel.
+BLOCKS_GEMM_MAX_ROWS = 32
 
 _state: dict = {"loaded": None, "gemm_rows": None}
 logger = logging.getLogger(__name__)

@@ -88,7 +88,7 @@ def test_q4_blocks_native_kernel_matches_its_tensor_form_and_keeps_nan(native, m
     assert torch.isnan(q4_module.q4_blocks_gemv(x, nibbles, scales, mins)).all()
 
 
-@pytest.mark.parametrize("m", [2, 3, 8, 11, 19])  # the AVX2 kernel takes x rows 4 at a time
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 9, 19])  # the AVX2 kernel: x rows 8 at a time, W weight rows
 def test_q4_blocks_gemm_matches_float64_and_its_tensor_form_row_by_row(m, native, monkeypatch):
     g = torch.Generator().manual_seed(random.randrange(2**31))
     n, k = 45, 544  # 17 groups: the prefetch and remainder paths, three 16-row tasks

@@ -73,7 +73,7 @@ def test_q8_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(n, k, na
     assert torch.equal(y, weight_formats.onednn_linear(rows, copy, bias))
 
 
-@pytest.mark.parametrize("m", [2, 3, 8, 11, 19])  # the AVX2 kernel takes x rows 4 at a time
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 9, 19])  # the AVX2 kernel: x rows 8 at a time, W weight rows
 def test_q8_blocks_gemm_matches_float64_and_its_tensor_form_row_by_row(m, native, monkeypatch):
     g = torch.Generator().manual_seed(random.randrange(2**31))
     n, k = 45, 544  # 17 groups: the prefetch path's odd end, three 16-row tasks

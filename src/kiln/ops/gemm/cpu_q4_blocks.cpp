@@ -93,48 +93,81 @@ void rows_dot(const float* x, const float* xsum, const uint8_t* rows, int64_t ro
   for (int i = 0; i < R; ++i) y[i] = hsum(acc[i]) + min_terms(m + i * groups, xsum, groups);
 }
 
-// R rows of x (`k` apart) against one weight row: each block's 32 weights become float32 once for all R
-// rows, w = fma(d, q, m), the float32 copy's values (one rounding of d * q + m, as gguf's), so the rows
-// then cost 4 FMAs a block each, into two accumulators a row (the four FMAs are not one latency chain).
-// Each row's sum is in the same order whatever R is: a row's result does not depend on how many rows
-// share the call (batch-invariant). y[i * n] for x row i.
-template <int R>
-void x_rows_dot(const float* x, int64_t k, const uint8_t* row, const float* d, const float* m, int64_t groups,
-                const uint8_t* stop, float* y, int64_t n) {
+// R rows of x (`k` apart) against W consecutive weight rows (`row_bytes` apart; d and m `groups` apart):
+// each block's weights become float32 once for all R rows, w = fma(d, q, m), the float32 copy's values
+// (one rounding of d * q + m, as gguf's). Every (x row, weight row) pair sums into one accumulator in
+// the same order whatever R and W are, so a row's result does not depend on how many rows share the
+// call (batch-invariant); W weight rows at once keep R * W >= 6 chains in flight where R is small.
+// y[i * n + j] for x row i and weight row j.
+template <int R, int W>
+void x_rows_dot(const float* x, int64_t k, const uint8_t* rows, int64_t row_bytes, const float* d, const float* m,
+                int64_t groups, const uint8_t* stop, float* y, int64_t n) {
   const __m256i low = _mm256_set1_epi32(15);
-  __m256 acc[2 * R];
-  for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 acc[R * W];
+  for (int i = 0; i < R * W; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* bytes = row + g * 16;
-    if ((g & 3) == 0 && bytes + kPrefetchAhead < stop) {
-      _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchAhead), _MM_HINT_T0);
+    if ((g & 3) == 0) {
+      for (int j = 0; j < W; ++j) {
+        const uint8_t* ahead = rows + j * row_bytes + g * 16 + kPrefetchAhead;
+        if (ahead < stop) _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+      }
     }
-    const __m256i qa = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
-    const __m256i qb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8)));
-    const __m256 dg = _mm256_set1_ps(d[g]), mg = _mm256_set1_ps(m[g]);
-    const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(qa, low)), dg, mg);  // weights 0..7
-    const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(qb, low)), dg, mg);  // 8..15
-    const __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qa, 4)), dg, mg);   // 16..23
-    const __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4)), dg, mg);   // 24..31
-    for (int i = 0; i < R; ++i) {
-      const float* xb = x + i * k + g * kBlock;
-      __m256& a = acc[2 * i];
-      __m256& b = acc[2 * i + 1];
-      a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), a);
-      b = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), b);
-      a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), a);
-      b = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), b);
+    for (int j = 0; j < W; ++j) {
+      const uint8_t* bytes = rows + j * row_bytes + g * 16;
+      const __m256i qa = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+      const __m256i qb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8)));
+      const __m256 dg = _mm256_set1_ps(d[j * groups + g]), mg = _mm256_set1_ps(m[j * groups + g]);
+      const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(qa, low)), dg, mg);  // weights 0..7
+      const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(qb, low)), dg, mg);  // 8..15
+      const __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qa, 4)), dg, mg);   // 16..23
+      const __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4)), dg, mg);   // 24..31
+      for (int i = 0; i < R; ++i) {
+        const float* xb = x + i * k + g * kBlock;
+        __m256& a = acc[i * W + j];
+        a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), a);
+        a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), a);
+        a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), a);
+        a = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), a);
+      }
     }
   }
-  for (int i = 0; i < R; ++i) y[i * n] = hsum(_mm256_add_ps(acc[2 * i], acc[2 * i + 1]));
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < W; ++j) y[i * n + j] = hsum(acc[i * W + j]);
+  }
 }
 
-using XRowsDot = void (*)(const float*, int64_t, const uint8_t*, const float*, const float*, int64_t, const uint8_t*,
-                          float*, int64_t);
-// x rows a pass: their 8 accumulators and the 4 weight vectors stay in registers (8 rows with two
-// accumulators each would spill; with one, a row's sum would depend on how many rows share the call)
-constexpr int kXRows = 4;
-constexpr XRowsDot kXRowsDot[kXRows + 1] = {nullptr, x_rows_dot<1>, x_rows_dot<2>, x_rows_dot<3>, x_rows_dot<4>};
+// x rows [0, rows) (at most kXRows) against weight rows [begin, end): W weight rows at a time, then
+// one at a time for the rest (the same sums either way)
+template <int R>
+void x_rows_times_weight_rows(const float* x, int64_t k, const uint8_t* q, int64_t row_bytes, const float* d,
+                              const float* m, int64_t groups, int64_t begin, int64_t end, const uint8_t* stop, float* y,
+                              int64_t n) {
+  constexpr int W = R >= 5 ? 1 : R >= 3 ? 2 : 8 / R;  // R * W >= 6 independent accumulators
+  int64_t row = begin;
+  for (; row + W <= end; row += W) {
+    x_rows_dot<R, W>(x, k, q + row * row_bytes, row_bytes, d + row * groups, m + row * groups, groups, stop, y + row,
+                     n);
+  }
+  for (; row < end; ++row) {
+    x_rows_dot<R, 1>(x, k, q + row * row_bytes, row_bytes, d + row * groups, m + row * groups, groups, stop, y + row,
+                     n);
+  }
+}
+
+using XRowsTimesWeightRows = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, const float*,
+                                      int64_t, int64_t, int64_t, const uint8_t*, float*, int64_t);
+// x rows a pass: 8 accumulators (one a pair) and a weight vector stay in registers
+constexpr int kXRows = 8;
+constexpr XRowsTimesWeightRows kXRowsTimesWeightRows[kXRows + 1] = {
+    nullptr,
+    x_rows_times_weight_rows<1>,
+    x_rows_times_weight_rows<2>,
+    x_rows_times_weight_rows<3>,
+    x_rows_times_weight_rows<4>,
+    x_rows_times_weight_rows<5>,
+    x_rows_times_weight_rows<6>,
+    x_rows_times_weight_rows<7>,
+    x_rows_times_weight_rows<8>};
 #else
 // `stop`: the end of the rows this task reads; prefetches stay before it (inside the weights)
 float row_dot(const float* x, const float* xsum, const uint8_t* row, const float* d, const float* m, int64_t groups,
@@ -222,7 +255,7 @@ at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const 
 
 // x float32 [M, K] (M >= 1) -> y float32 [M, N]: the rows of q4_blocks_gemv for several rows of x at
 // once. A task's weight rows (16 of them, at most 16 KB for K <= 2048) stay in the L1/L2 cache while
-// every group of up to 4 x rows passes over them, so the weights are read from memory once, and on
+// every group of up to 8 x rows passes over them, so the weights are read from memory once, and on
 // AVX2 each block is converted to float32 once for all the rows of a group (x_rows_dot). For batched
 // decode: a few rows read 0.75 bytes a weight instead of the float32 copy's 4.
 at::Tensor q4_blocks_gemm(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
@@ -254,10 +287,8 @@ at::Tensor q4_blocks_gemm(const at::Tensor& x, const at::Tensor& nibbles, const 
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     const uint8_t* stop = qp + end * row_bytes;
     for (int64_t r = 0; r < rows; r += kXRows) {
-      const XRowsDot dot = kXRowsDot[std::min<int64_t>(kXRows, rows - r)];
-      for (int64_t row = begin; row < end; ++row) {
-        dot(xp + r * k, k, qp + row * row_bytes, dp + row * groups, mp + row * groups, groups, stop, yp + r * n + row, n);
-      }
+      kXRowsTimesWeightRows[std::min<int64_t>(kXRows, rows - r)](xp + r * k, k, qp, row_bytes, dp, mp, groups, begin,
+                                                                  end, stop, yp + r * n, n);
     }
   });
 #else

@@ -7,7 +7,7 @@
 // values int8 [N, K] are the blocks' q in weight order, scales float32 [N, K / 32] their d. One row of
 // x reads a byte a weight (plus a float a block) instead of the two bytes of an fp16 GEMV or the four
 // of a float32 one. q8_blocks_gemm does a few rows at once (batched decode; its AVX2 kernel converts
-// each block to float32 once for up to 4 rows of x). Registered as torch.ops.kiln_cpu.q8_blocks_gemv
+// each block to float32 once for up to 8 rows of x). Registered as torch.ops.kiln_cpu.q8_blocks_gemv
 // and q8_blocks_gemm.
 
 #include <ATen/ATen.h>
@@ -81,49 +81,70 @@ float row_dot(const float* x, const int8_t* row, const float* d, int64_t groups,
 
 
 #if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
-// R rows of x (`k` apart) against one weight row: each block's 32 weights become float32 once for all R
-// rows, w = d * q (the float32 copy's values), then 4 FMAs a block a row into two accumulators (not
-// one latency chain); a row's sum is in the same order whatever R is (batch-invariant). y[i * n] for x
-// row i.
-template <int R>
-void x_rows_dot(const float* x, int64_t k, const int8_t* row, const float* d, int64_t groups, const int8_t* stop,
+// R rows of x (`k` apart) against W consecutive weight rows (`k` bytes apart; d `groups` apart): each
+// block's weights become float32 once for all R rows, w = d * q (the float32 copy's values). Every
+// (x row, weight row) pair sums into one accumulator in the same order whatever R and W are, so a row's
+// result does not depend on how many rows share the call (batch-invariant); W weight rows at once keep
+// R * W >= 6 chains in flight where R is small. y[i * n + j] for x row i and weight row j.
+template <int R, int W>
+void x_rows_dot(const float* x, int64_t k, const int8_t* rows, const float* d, int64_t groups, const int8_t* stop,
                 float* y, int64_t n) {
-  __m256 acc[2 * R];
-  for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 acc[R * W];
+  for (int i = 0; i < R * W; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* q = row + g * kBlock;
-    if ((g & 1) == 0 && q + kPrefetchAhead < stop) {
-      _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchAhead), _MM_HINT_T0);
-    }
-    const __m256 dg = _mm256_set1_ps(d[g]);
-    __m256 w[4];
-    for (int part = 0; part < 4; ++part) {  // weights 8 part .. 8 part + 7
-      const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * part)));
-      w[part] = _mm256_mul_ps(_mm256_cvtepi32_ps(v), dg);
-    }
-    for (int i = 0; i < R; ++i) {
-      const float* xb = x + i * k + g * kBlock;
-      __m256& a = acc[2 * i];
-      __m256& b = acc[2 * i + 1];
-      a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a);
-      b = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), b);
-      a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), a);
-      b = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), b);
+    for (int j = 0; j < W; ++j) {
+      const int8_t* q = rows + j * k + g * kBlock;
+      if ((g & 1) == 0 && q + kPrefetchAhead < stop) {
+        _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchAhead), _MM_HINT_T0);
+      }
+      const __m256 dg = _mm256_set1_ps(d[j * groups + g]);
+      __m256 w[4];
+      for (int part = 0; part < 4; ++part) {  // weights 8 part .. 8 part + 7
+        const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * part)));
+        w[part] = _mm256_mul_ps(_mm256_cvtepi32_ps(v), dg);
+      }
+      for (int i = 0; i < R; ++i) {
+        const float* xb = x + i * k + g * kBlock;
+        __m256& a = acc[i * W + j];
+        for (int part = 0; part < 4; ++part) a = _mm256_fmadd_ps(w[part], _mm256_loadu_ps(xb + 8 * part), a);
+      }
     }
   }
   for (int i = 0; i < R; ++i) {
-    const __m256 s = _mm256_add_ps(acc[2 * i], acc[2 * i + 1]);
-    const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-    y[i * n] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+    for (int j = 0; j < W; ++j) {
+      const __m256 s = acc[i * W + j];
+      const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+      const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+      y[i * n + j] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+    }
   }
 }
 
-using XRowsDot = void (*)(const float*, int64_t, const int8_t*, const float*, int64_t, const int8_t*, float*, int64_t);
-// x rows a pass: their 8 accumulators and the 4 weight vectors stay in registers (8 rows with two
-// accumulators each would spill; with one, a row's sum would depend on how many rows share the call)
-constexpr int kXRows = 4;
-constexpr XRowsDot kXRowsDot[kXRows + 1] = {nullptr, x_rows_dot<1>, x_rows_dot<2>, x_rows_dot<3>, x_rows_dot<4>};
+// x rows [0, rows) (at most kXRows) against weight rows [begin, end): W weight rows at a time, then
+// one at a time for the rest (the same sums either way)
+template <int R>
+void x_rows_times_weight_rows(const float* x, int64_t k, const int8_t* q, const float* d, int64_t groups,
+                              int64_t begin, int64_t end, const int8_t* stop, float* y, int64_t n) {
+  constexpr int W = R >= 5 ? 1 : R >= 3 ? 2 : 8 / R;  // R * W >= 6 independent accumulators
+  int64_t row = begin;
+  for (; row + W <= end; row += W) x_rows_dot<R, W>(x, k, q + row * k, d + row * groups, groups, stop, y + row, n);
+  for (; row < end; ++row) x_rows_dot<R, 1>(x, k, q + row * k, d + row * groups, groups, stop, y + row, n);
+}
+
+using XRowsTimesWeightRows = void (*)(const float*, int64_t, const int8_t*, const float*, int64_t, int64_t, int64_t,
+                                      const int8_t*, float*, int64_t);
+// x rows a pass: 8 accumulators (one a pair) and the block's weight vectors stay in registers
+constexpr int kXRows = 8;
+constexpr XRowsTimesWeightRows kXRowsTimesWeightRows[kXRows + 1] = {
+    nullptr,
+    x_rows_times_weight_rows<1>,
+    x_rows_times_weight_rows<2>,
+    x_rows_times_weight_rows<3>,
+    x_rows_times_weight_rows<4>,
+    x_rows_times_weight_rows<5>,
+    x_rows_times_weight_rows<6>,
+    x_rows_times_weight_rows<7>,
+    x_rows_times_weight_rows<8>};
 #endif
 
 }  // namespace
@@ -161,7 +182,7 @@ at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const a
 
 
 // x float32 [M, K] (M >= 1) -> y float32 [M, N], each row as q8_blocks_gemv computes it. A task's 16
-// weight rows stay in the cache while each group of up to 4 x rows passes over them: the weights are
+// weight rows stay in the cache while each group of up to 8 x rows passes over them: the weights are
 // read from memory once, a byte a weight instead of the float32 copy's four.
 at::Tensor q8_blocks_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
   TORCH_CHECK(x.device().is_cpu() && values.device().is_cpu() && scales.device().is_cpu(),
@@ -188,10 +209,8 @@ at::Tensor q8_blocks_gemm(const at::Tensor& x, const at::Tensor& values, const a
     const int8_t* stop = qp + end * k;
 #if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
     for (int64_t r = 0; r < rows; r += kXRows) {
-      const XRowsDot dot = kXRowsDot[std::min<int64_t>(kXRows, rows - r)];
-      for (int64_t row = begin; row < end; ++row) {
-        dot(xp + r * k, k, qp + row * k, dp + row * groups, groups, stop, yp + r * n + row, n);
-      }
+      kXRowsTimesWeightRows[std::min<int64_t>(kXRows, rows - r)](xp + r * k, k, qp, dp, groups, begin, end, stop,
+                                                                  yp + r * n, n);
     }
 #else
     for (int64_t r = 0; r < rows; ++r) {

@@ -69,7 +69,7 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     with d and m per 32 weights in float32 (w = d * q + m exactly, Q4_K's sub-blocks as in "int4"), so
     one-row inputs read ~0.6 bytes a weight with no rounding of the weight or of x (Kiln's native
     kernel, kiln.ops.gemm.cpu_q4_blocks; 3x the fp16 GEMV's speed over SmolLM2's 120 decoder matrices
-    on the 2-core Xeon this project measures on), 2 to native_cpu.blocks_gemm_rows() rows (24 on AVX2
+    on the 2-core Xeon this project measures on), 2 to native_cpu.blocks_gemm_rows() rows (32 on AVX2
     builds: batched decode) through kiln_cpu.q4_blocks_gemm on the same blocks, and a oneDNN-packed
     float32 copy of the same matrix for more rows, as "fp32". Exact like "fp32", so the probe times it
     by default. Other weights, or a CPU where oneDNN cannot pack, get "fp32";
