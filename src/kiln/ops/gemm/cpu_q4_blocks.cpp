@@ -21,7 +21,9 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -158,16 +160,11 @@ using XRowsTimesWeightRows = void (*)(const float*, int64_t, const uint8_t*, int
                                       int64_t, int64_t, int64_t, const uint8_t*, float*, int64_t);
 // x rows a pass: 8 accumulators (one a pair) and a weight vector stay in registers
 constexpr int kXRows = 8;
-constexpr XRowsTimesWeightRows kXRowsTimesWeightRows[kXRows + 1] = {
-    nullptr,
-    x_rows_times_weight_rows<1>,
-    x_rows_times_weight_rows<2>,
-    x_rows_times_weight_rows<3>,
-    x_rows_times_weight_rows<4>,
-    x_rows_times_weight_rows<5>,
-    x_rows_times_weight_rows<6>,
-    x_rows_times_weight_rows<7>,
-    x_rows_times_weight_rows<8>};
+template <size_t... R>
+constexpr std::array<XRowsTimesWeightRows, kXRows + 1> rows_table(std::index_sequence<R...>) {
+  return {nullptr, x_rows_times_weight_rows<R + 1>...};
+}
+constexpr auto kXRowsTimesWeightRows = rows_table(std::make_index_sequence<kXRows>());  // [R]: R x rows
 #else
 // `stop`: the end of the rows this task reads; prefetches stay before it (inside the weights)
 float row_dot(const float* x, const float* xsum, const uint8_t* row, const float* d, const float* m, int64_t groups,

@@ -62,12 +62,7 @@ def q4_blocks_gemv(
 ) -> torch.Tensor:
     """x [1, K] float (read as float32), nibbles uint8 [N, K / 2] (`pack`), scales and mins float32
     [N, K / 32] -> y float32 [1, N], y[n] = sum_k x[k] * (scales[n, k // 32] * q[n, k] + mins[n, k // 32])."""
-    x = x.float()
-    if not torch.compiler.is_compiling():
-        load()
-    if _state["loaded"]:
-        return torch.ops.kiln_cpu.q4_blocks_gemv(x, nibbles, scales, mins)
-    return _tensor_gemv(x, nibbles, scales, mins)
+    return _native_or_tensor("q4_blocks_gemv", x, nibbles, scales, mins)
 
 
 def q4_blocks_gemm(
@@ -75,11 +70,16 @@ def q4_blocks_gemm(
 ) -> torch.Tensor:
     """x [M, K] float (read as float32) -> y float32 [M, N], each row as `q4_blocks_gemv` computes it:
     for a few rows (batched decode), which read the blocks once instead of the float32 copy."""
+    return _native_or_tensor("q4_blocks_gemm", x, nibbles, scales, mins)
+
+
+def _native_or_tensor(op: str, x, nibbles, scales, mins) -> torch.Tensor:
+    """torch.ops.kiln_cpu.<op> on float32 x where the library loads, else the same sum as tensor code."""
     x = x.float()
     if not torch.compiler.is_compiling():
         load()
     if _state["loaded"]:
-        return torch.ops.kiln_cpu.q4_blocks_gemm(x, nibbles, scales, mins)
+        return getattr(torch.ops.kiln_cpu, op)(x, nibbles, scales, mins)
     return _tensor_gemv(x, nibbles, scales, mins)
 
 

@@ -21,7 +21,9 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <utility>
 
 namespace {
 
@@ -135,16 +137,11 @@ using XRowsTimesWeightRows = void (*)(const float*, int64_t, const int8_t*, cons
                                       const int8_t*, float*, int64_t);
 // x rows a pass: 8 accumulators (one a pair) and the block's weight vectors stay in registers
 constexpr int kXRows = 8;
-constexpr XRowsTimesWeightRows kXRowsTimesWeightRows[kXRows + 1] = {
-    nullptr,
-    x_rows_times_weight_rows<1>,
-    x_rows_times_weight_rows<2>,
-    x_rows_times_weight_rows<3>,
-    x_rows_times_weight_rows<4>,
-    x_rows_times_weight_rows<5>,
-    x_rows_times_weight_rows<6>,
-    x_rows_times_weight_rows<7>,
-    x_rows_times_weight_rows<8>};
+template <size_t... R>
+constexpr std::array<XRowsTimesWeightRows, kXRows + 1> rows_table(std::index_sequence<R...>) {
+  return {nullptr, x_rows_times_weight_rows<R + 1>...};
+}
+constexpr auto kXRowsTimesWeightRows = rows_table(std::make_index_sequence<kXRows>());  // [R]: R x rows
 #endif
 
 }  // namespace
