@@ -27,7 +27,7 @@ def main() -> int:
     for isa in args.isa or list(flag_sets):
         command = [
             "g++", "-std=c++20", "-fopenmp", "-fsyntax-only", "-w",
-            *(f"-I{path}" for path in cpp_extension.include_paths()),
+            *(f"-I{path}" for path in (*cpp_extension.include_paths(), *native_cpu.INCLUDE_DIRS)),
             *flag_sets[isa], *native_cpu.SOURCES,
         ]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True)

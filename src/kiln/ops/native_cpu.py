@@ -60,6 +60,7 @@ SOURCES = (
 )
 # hashed into the build's name too
 HEADERS = (os.path.join(_OPS, "gemm", "cpu_w8a8_quantize.h"), os.path.join(_OPS, "native_cpu_ops.h"))
+INCLUDE_DIRS = (_OPS,)  # where the sources find native_cpu_ops.h
 
 # ATen's own CPU capability (what its kernels dispatch to on this host) -> the compiler flags and the
 # macro that select the same at::vec implementation (inductor's choice for these ISAs too)
@@ -148,7 +149,7 @@ def _build() -> bool:
                 name=name,
                 sources=list(SOURCES),
                 extra_cflags=flags,
-                extra_include_paths=[_OPS],
+                extra_include_paths=list(INCLUDE_DIRS),
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
             )
