@@ -29,6 +29,7 @@ Python (one token; to compare the two).
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -53,9 +54,37 @@ NATIVE_LAYOUTS = {
     "q4_blocks_a8_onednn": (2, 3),
     "q8_blocks_a8_onednn": (3, 2),
 }
+_NATIVE_KERNELS = {KERNELS[layout]: kind for layout, kind in NATIVE_LAYOUTS.items()}  # the same, by kernel
 
 
-def _layer_args(layer, kv_cache) -> tuple | None:
+class _LayerArgs(NamedTuple):
+    """One layer's bound arguments (the loop unpacks them in this order)."""
+
+    norm_in: torch.Tensor
+    norm_post: torch.Tensor
+    eps: float
+    qkv_kernel: object
+    qkv_w: list
+    qkv_bias: torch.Tensor | None
+    o_kernel: object
+    o_w: list
+    gate_up_kernel: object
+    gate_up_w: list
+    gate_up_dtype: torch.dtype
+    down_kernel: object
+    down_w: list
+    q_size: int
+    kv_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    cos_sin: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+
+
+def _layer_args(layer, kv_cache) -> _LayerArgs | None:
     """The bound arguments of one layer's flat step, or None when the layer is not the plain form."""
     if type(layer) is not DecoderLayer:
         return None
@@ -87,7 +116,7 @@ def _layer_args(layer, kv_cache) -> tuple | None:
     qkv_bias = attn.qkv_proj.bias
     if qkv_bias is not None and qkv_bias.dtype != F32:
         return None
-    return (
+    return _LayerArgs(
         layer.input_layernorm, layer.post_attention_layernorm, layer.eps,
         KERNELS[qkv.layout], qkv.tensors, qkv_bias, KERNELS[o.layout], o.tensors,
         KERNELS[gate_up.layout], gate_up.tensors, gate_up.compute_dtype or F32,
@@ -97,27 +126,24 @@ def _layer_args(layer, kv_cache) -> tuple | None:
     )  # fmt: skip
 
 
-def _native_decode(layers, kv_caches):
-    """torch.classes.kiln_cpu.FlatDecode over these layers (each already accepted by `_layer_args`), or
-    None when a linear's layout has no native one-row kernel or gate_up computes in another dtype."""
+def _native_decode(args: list[_LayerArgs]):
+    """torch.classes.kiln_cpu.FlatDecode over the layers bound in `args`, or None when a linear's kernel
+    has no native form (`NATIVE_LAYOUTS`) or gate_up computes in another dtype."""
     tensors, ints, floats = [], [], []
-    for layer, kv_cache in zip(layers, kv_caches, strict=True):
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        weights = [linear.prepared for linear in linears]
-        if any(w.layout not in NATIVE_LAYOUTS for w in weights):
+    for a in args:
+        linears = ((a.qkv_kernel, a.qkv_w), (a.o_kernel, a.o_w), (a.gate_up_kernel, a.gate_up_w),
+                   (a.down_kernel, a.down_w))  # fmt: skip
+        if any(kernel not in _NATIVE_KERNELS for kernel, _ in linears):
             return None
-        if weights[2].compute_dtype not in (None, F32):  # gate_up's output is down's input as is
+        if a.gate_up_dtype != F32:  # gate_up's output is down's input as is
             return None
-        bias = attn.qkv_proj.bias
-        tensors += [layer.input_layernorm, layer.post_attention_layernorm, attn.rotary.cos_sin_cache]
-        tensors += [kv_cache[0], kv_cache[1], *([] if bias is None else [bias])]
-        for w in weights:
-            tensors += w.tensors[: NATIVE_LAYOUTS[w.layout][1]]
-        ints += [NATIVE_LAYOUTS[w.layout][0] for w in weights]
-        ints += [int(bias is not None), attn.q_size, attn.kv_size]
-        ints += [attn.num_heads, attn.num_kv_heads, attn.head_dim]
-        floats += [float(layer.eps), float(attn.scale)]
+        tensors += [a.norm_in, a.norm_post, a.cos_sin, a.key_cache, a.value_cache]
+        tensors += [] if a.qkv_bias is None else [a.qkv_bias]
+        for kernel, weight in linears:
+            tensors += weight[: _NATIVE_KERNELS[kernel][1]]
+        ints += [_NATIVE_KERNELS[kernel][0] for kernel, _ in linears]
+        ints += [int(a.qkv_bias is not None), a.q_size, a.kv_size, a.heads, a.kv_heads, a.head_dim]
+        floats += [float(a.eps), float(a.scale)]
     return torch.classes.kiln_cpu.FlatDecode(tensors, ints, floats)
 
 
@@ -130,7 +156,7 @@ class FlatDecodeLayers:
     (hidden, residual) after the last layer, as the modules give them.
     """
 
-    def __init__(self, layers: list[tuple], kv_caches, native=None):
+    def __init__(self, layers: list[_LayerArgs], kv_caches, native=None):
         self.layers = layers
         self.kv_caches = kv_caches
         self.native = native  # torch.classes.kiln_cpu.FlatDecode, or None: the loop below
@@ -148,7 +174,7 @@ class FlatDecodeLayers:
         args = [_layer_args(layer, kv) for layer, kv in zip(layers, kv_caches, strict=True)]
         if any(a is None for a in args):
             return None
-        return cls(args, kv_caches, None if mode == "python" else _native_decode(layers, kv_caches))
+        return cls(args, kv_caches, None if mode == "python" else _native_decode(args))
 
     def applies(self, hidden: torch.Tensor, kv_caches, attn_metadata) -> bool:
         """Whether this step may run flat: float32 tokens of a decode-only step, one (or, through the

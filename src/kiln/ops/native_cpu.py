@@ -34,7 +34,6 @@ one node.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -86,13 +85,6 @@ def _isa_flags() -> list[str]:
     return ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
 
 
-@functools.cache
-def isa() -> str:
-    """The vector ISA the library is built for here: "AVX512", "AVX2" or "DEFAULT" (scalar-width)."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    return capability if capability in ISA_FLAGS else "DEFAULT"
-
-
 def blocks_gemm_rows() -> int:
     """The most rows of x prepared_linear gives the blocks layouts' multi-row kernels (more go to the
     float32 copy): BLOCKS_GEMM_MAX_ROWS where the library is loaded and built for AVX2, else 1. A
@@ -107,7 +99,8 @@ def load() -> bool:
     True when its ops can be called. Call it eagerly, not while torch.compile traces."""
     if _state["loaded"] is None:
         _state["loaded"] = _build()
-        _state["gemm_rows"] = BLOCKS_GEMM_MAX_ROWS if _state["loaded"] and isa() == "AVX2" else 1
+        avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"  # the build's ISA (_isa_flags)
+        _state["gemm_rows"] = BLOCKS_GEMM_MAX_ROWS if _state["loaded"] and avx2 else 1
     return _state["loaded"]
 
 
