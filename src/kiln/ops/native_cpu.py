@@ -58,7 +58,11 @@ SOURCES = (
     os.path.join(os.path.dirname(_OPS), "models", "cpu_flat_decode.cpp"),
 )
 # hashed into the build's name too
-HEADERS = (os.path.join(_OPS, "gemm", "cpu_w8a8_quantize.h"), os.path.join(_OPS, "native_cpu_ops.h"))
+HEADERS = (
+    os.path.join(_OPS, "gemm", "cpu_w8a8_quantize.h"),
+    os.path.join(_OPS, "gemm", "cpu_vec_sum.h"),
+    os.path.join(_OPS, "native_cpu_ops.h"),
+)
 INCLUDE_DIRS = (_OPS,)  # where the sources find native_cpu_ops.h
 
 # ATen's own CPU capability (what its kernels dispatch to on this host) -> the compiler flags and the

@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_vec_sum.h"
 #include "native_cpu_ops.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -97,11 +98,7 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s) {
 }
 
 #if defined(KILN_A8_AVX2)
-inline float hsum(__m256 acc) {
-  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-}
+using kiln_cpu::hsum;
 #endif
 
 // One Q4 row: `row` the nibbles (byte j: weight j low, weight j + 16 high), dw / mw its d and m.

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_vec_sum.h"
 #include "native_cpu_ops.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -45,11 +46,7 @@ inline float block_dot_scalar(const float* x, const uint8_t* bytes) {
 }
 
 #if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
-inline float hsum(__m256 v) {
-  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-}
+using kiln_cpu::hsum;
 
 // sum_g m[g] * xsum[g], 8 groups a step
 inline float min_terms(const float* m, const float* xsum, int64_t groups) {
@@ -194,36 +191,49 @@ float row_dot(const float* x, const float* xsum, const uint8_t* row, const float
 }
 #endif
 
+// The argument checks of both ops; `one_row`: x must be [1, K] (q4_blocks_gemv), else [M, K]
+void check_args(const char* op, bool one_row, const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
+                const at::Tensor& mins) {
+  TORCH_CHECK(x.device().is_cpu() && nibbles.device().is_cpu() && scales.device().is_cpu() && mins.device().is_cpu(),
+              op, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && (!one_row || x.size(0) == 1), op,
+              ": x must be float32 ", one_row ? "[1, K]" : "[M, K]", ", got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(nibbles.scalar_type() == at::kByte && nibbles.dim() == 2,
+              op, ": nibbles must be uint8 [N, K / 2], got ", nibbles.scalar_type(), " ", nibbles.sizes());
+  const int64_t n = nibbles.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0 && nibbles.size(1) * 2 == k,
+              op, ": K = ", k, " must be a multiple of 32 with nibbles [N, K / 2], got ", nibbles.sizes());
+  const int64_t groups = k / kBlock;
+  for (const at::Tensor* t : {&scales, &mins}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == n && t->size(1) == groups,
+                op, ": scales and mins must be float32 [N, K / 32] = [", n, ", ", groups, "], got ",
+                t->scalar_type(), " ", t->sizes());
+  }
+}
+
+// the sum of each block of 32 values of each of `rows` rows of x [rows, k]: [rows, k / 32]
+std::vector<float> block_sums(const float* x, int64_t rows, int64_t k) {
+  std::vector<float> sums(rows * (k / kBlock));
+  for (size_t b = 0; b < sums.size(); ++b) {
+    float s = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) s += x[b * kBlock + j];
+    sums[b] = s;
+  }
+  return sums;
+}
+
 }  // namespace
 
 namespace kiln_cpu {
 
 at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
                           const at::Tensor& mins) {
-  TORCH_CHECK(x.device().is_cpu() && nibbles.device().is_cpu() && scales.device().is_cpu() && mins.device().is_cpu(),
-              "q4_blocks_gemv: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == 1,
-              "q4_blocks_gemv: x must be float32 [1, K], got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(nibbles.scalar_type() == at::kByte && nibbles.dim() == 2,
-              "q4_blocks_gemv: nibbles must be uint8 [N, K / 2], got ", nibbles.scalar_type(), " ", nibbles.sizes());
-  const int64_t n = nibbles.size(0), k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0 && nibbles.size(1) * 2 == k,
-              "q4_blocks_gemv: K = ", k, " must be a multiple of 32 with nibbles [N, K / 2], got ", nibbles.sizes());
-  const int64_t groups = k / kBlock;
-  for (const at::Tensor* t : {&scales, &mins}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == n && t->size(1) == groups,
-                "q4_blocks_gemv: scales and mins must be float32 [N, K / 32] = [", n, ", ", groups, "], got ",
-                t->scalar_type(), " ", t->sizes());
-  }
+  check_args("q4_blocks_gemv", true, x, nibbles, scales, mins);
+  const int64_t n = nibbles.size(0), k = x.size(1), groups = k / kBlock;
   const at::Tensor xc = x.contiguous(), qc = nibbles.contiguous(), dc = scales.contiguous(), mc = mins.contiguous();
   at::Tensor y = at::empty({1, n}, x.options());
   const float* xp = xc.data_ptr<float>();
-  std::vector<float> xsum(groups);
-  for (int64_t g = 0; g < groups; ++g) {
-    float s = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) s += xp[g * kBlock + j];
-    xsum[g] = s;
-  }
+  const std::vector<float> xsum = block_sums(xp, 1, k);
   const uint8_t* qp = qc.data_ptr<uint8_t>();
   const float* dp = dc.data_ptr<float>();
   const float* mp = mc.data_ptr<float>();
@@ -257,21 +267,8 @@ at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const 
 // decode: a few rows read 0.75 bytes a weight instead of the float32 copy's 4.
 at::Tensor q4_blocks_gemm(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
                           const at::Tensor& mins) {
-  TORCH_CHECK(x.device().is_cpu() && nibbles.device().is_cpu() && scales.device().is_cpu() && mins.device().is_cpu(),
-              "q4_blocks_gemm: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2,
-              "q4_blocks_gemm: x must be float32 [M, K], got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(nibbles.scalar_type() == at::kByte && nibbles.dim() == 2,
-              "q4_blocks_gemm: nibbles must be uint8 [N, K / 2], got ", nibbles.scalar_type(), " ", nibbles.sizes());
-  const int64_t rows = x.size(0), n = nibbles.size(0), k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0 && nibbles.size(1) * 2 == k,
-              "q4_blocks_gemm: K = ", k, " must be a multiple of 32 with nibbles [N, K / 2], got ", nibbles.sizes());
-  const int64_t groups = k / kBlock;
-  for (const at::Tensor* t : {&scales, &mins}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == n && t->size(1) == groups,
-                "q4_blocks_gemm: scales and mins must be float32 [N, K / 32] = [", n, ", ", groups, "], got ",
-                t->scalar_type(), " ", t->sizes());
-  }
+  check_args("q4_blocks_gemm", false, x, nibbles, scales, mins);
+  const int64_t rows = x.size(0), n = nibbles.size(0), k = x.size(1), groups = k / kBlock;
   const at::Tensor xc = x.contiguous(), qc = nibbles.contiguous(), dc = scales.contiguous(), mc = mins.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   const float* xp = xc.data_ptr<float>();
@@ -289,14 +286,7 @@ at::Tensor q4_blocks_gemm(const at::Tensor& x, const at::Tensor& nibbles, const 
     }
   });
 #else
-  std::vector<float> xsum(rows * groups);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) s += xp[r * k + g * kBlock + j];
-      xsum[r * groups + g] = s;
-    }
-  }
+  const std::vector<float> xsum = block_sums(xp, rows, k);
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     const uint8_t* stop = qp + end * row_bytes;
     for (int64_t r = 0; r < rows; ++r) {

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_vec_sum.h"
 #include "native_cpu_ops.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -66,9 +67,7 @@ float row_dot(const float* x, const int8_t* row, const float* d, int64_t groups,
     }
     acc = _mm256_fmadd_ps(_mm256_set1_ps(d[g]), t, acc);
   }
-  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+  return kiln_cpu::hsum(acc);
 #else
   (void)stop;
   float s = 0.f;
@@ -113,12 +112,7 @@ void x_rows_dot(const float* x, int64_t k, const int8_t* rows, const float* d, i
     }
   }
   for (int i = 0; i < R; ++i) {
-    for (int j = 0; j < W; ++j) {
-      const __m256 s = acc[i * W + j];
-      const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-      const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-      y[i * n + j] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-    }
+    for (int j = 0; j < W; ++j) y[i * n + j] = kiln_cpu::hsum(acc[i * W + j]);
   }
 }
 
@@ -144,25 +138,30 @@ constexpr std::array<XRowsTimesWeightRows, kXRows + 1> rows_table(std::index_seq
 constexpr auto kXRowsTimesWeightRows = rows_table(std::make_index_sequence<kXRows>());  // [R]: R x rows
 #endif
 
+// The argument checks of both ops; `one_row`: x must be [1, K] (q8_blocks_gemv), else [M, K]
+void check_args(const char* op, bool one_row, const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
+  TORCH_CHECK(x.device().is_cpu() && values.device().is_cpu() && scales.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && (!one_row || x.size(0) == 1), op,
+              ": x must be float32 ", one_row ? "[1, K]" : "[M, K]", ", got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(values.scalar_type() == at::kChar && values.dim() == 2,
+              op, ": values must be int8 [N, K], got ", values.scalar_type(), " ", values.sizes());
+  const int64_t n = values.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0 && values.size(1) == k,
+              op, ": K = ", k, " must be a multiple of 32 with values [N, K], got ", values.sizes());
+  const int64_t groups = k / kBlock;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == n &&
+                  scales.size(1) == groups,
+              op, ": scales must be float32 [N, K / 32] = [", n, ", ", groups, "], got ", scales.scalar_type(), " ",
+              scales.sizes());
+}
+
 }  // namespace
 
 namespace kiln_cpu {
 
 at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
-  TORCH_CHECK(x.device().is_cpu() && values.device().is_cpu() && scales.device().is_cpu(),
-              "q8_blocks_gemv: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == 1,
-              "q8_blocks_gemv: x must be float32 [1, K], got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(values.scalar_type() == at::kChar && values.dim() == 2,
-              "q8_blocks_gemv: values must be int8 [N, K], got ", values.scalar_type(), " ", values.sizes());
-  const int64_t n = values.size(0), k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0 && values.size(1) == k,
-              "q8_blocks_gemv: K = ", k, " must be a multiple of 32 with values [N, K], got ", values.sizes());
-  const int64_t groups = k / kBlock;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == n &&
-                  scales.size(1) == groups,
-              "q8_blocks_gemv: scales must be float32 [N, K / 32] = [", n, ", ", groups, "], got ",
-              scales.scalar_type(), " ", scales.sizes());
+  check_args("q8_blocks_gemv", true, x, values, scales);
+  const int64_t n = values.size(0), k = x.size(1), groups = k / kBlock;
   const at::Tensor xc = x.contiguous(), qc = values.contiguous(), dc = scales.contiguous();
   at::Tensor y = at::empty({1, n}, x.options());
   const float* xp = xc.data_ptr<float>();
@@ -182,20 +181,8 @@ at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const a
 // weight rows stay in the cache while each group of up to 8 x rows passes over them: the weights are
 // read from memory once, a byte a weight instead of the float32 copy's four.
 at::Tensor q8_blocks_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
-  TORCH_CHECK(x.device().is_cpu() && values.device().is_cpu() && scales.device().is_cpu(),
-              "q8_blocks_gemm: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2,
-              "q8_blocks_gemm: x must be float32 [M, K], got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(values.scalar_type() == at::kChar && values.dim() == 2,
-              "q8_blocks_gemm: values must be int8 [N, K], got ", values.scalar_type(), " ", values.sizes());
-  const int64_t rows = x.size(0), n = values.size(0), k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0 && values.size(1) == k,
-              "q8_blocks_gemm: K = ", k, " must be a multiple of 32 with values [N, K], got ", values.sizes());
-  const int64_t groups = k / kBlock;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == n &&
-                  scales.size(1) == groups,
-              "q8_blocks_gemm: scales must be float32 [N, K / 32] = [", n, ", ", groups, "], got ",
-              scales.scalar_type(), " ", scales.sizes());
+  check_args("q8_blocks_gemm", false, x, values, scales);
+  const int64_t rows = x.size(0), n = values.size(0), k = x.size(1), groups = k / kBlock;
   const at::Tensor xc = x.contiguous(), qc = values.contiguous(), dc = scales.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   const float* xp = xc.data_ptr<float>();
