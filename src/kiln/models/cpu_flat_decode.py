@@ -21,9 +21,9 @@ Where every linear's layout is a GGUF-block one with a native one-row kernel (`N
 embedded model's default q4_blocks / q8_blocks, and their _a8 forms) the whole loop runs as one native
 call, `torch.classes.kiln_cpu.FlatDecode` (cpu_flat_decode.cpp): the same C++ functions in the same
 order, without the Python and dispatch between them. It also takes batched decode steps (one token of
-each of up to native_cpu.blocks_gemm_rows() sequences: 32 on AVX2 builds), whose linears then run the
-blocks' exact multi-row kernels, as the modules do. `KILN_CPU_FLAT_DECODE=python` keeps the loop in
-Python (one token; to compare the two).
+each of up to native_cpu.blocks_gemm_rows() sequences: 32 on AVX2 and AVX-512 builds), whose linears
+then run the blocks' exact multi-row kernels, as the modules do. `KILN_CPU_FLAT_DECODE=python` keeps
+the loop in Python (one token; to compare the two).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ SOURCES = (
 # hashed into the build's name too
 HEADERS = (
     os.path.join(_OPS, "gemm", "cpu_w8a8_quantize.h"),
-    os.path.join(_OPS, "gemm", "cpu_vec_sum.h"),
+    os.path.join(_OPS, "gemm", "cpu_float_lanes.h"),
     os.path.join(_OPS, "native_cpu_ops.h"),
 )
 INCLUDE_DIRS = (_OPS,)  # where the sources find native_cpu_ops.h
@@ -73,10 +73,11 @@ ISA_FLAGS = {
 }
 
 # Up to this many rows of x, the GGUF-block layouts' multi-row kernels (q4_blocks_gemm, q8_blocks_gemm)
-# beat oneDNN's float32 GEMM on their float32 copies (2-core Zen 3, cache-cold, SmolLM2's shapes,
-# scripts/cpu_blocks_rows.py: Q4 layers 3.2x at 2 rows, 2.2x at 8, 1.5x at 16, 1.17x at 32, 0.98x at
-# 48; the Q8_0 head 2.4x at 2, 1.2x at 16, 0.99x at 32, 0.79x at 48). Only the AVX2 build has them;
-# elsewhere each row would run the one-row kernel.
+# beat oneDNN's float32 GEMM on their float32 copies (2 cores, cache-cold, SmolLM2's shapes,
+# scripts/cpu_blocks_rows.py). Zen 3, AVX2: Q4 layers 3.2x at 2 rows, 2.2x at 8, 1.5x at 16, 1.17x at
+# 32, 0.98x at 48; the Q8_0 head 2.4x at 2, 1.2x at 16, 0.99x at 32, 0.79x at 48. Zen 5, AVX-512:
+# layers 3.0x at 2, 1.9x at 8, 1.35x at 16, 1.04x at 32, 0.96x at 48; head 2.5x at 2, 1.16x at 16,
+# 0.91x at 32. The AVX2 and AVX-512 builds have them; elsewhere each row would run the one-row kernel.
 BLOCKS_GEMM_MAX_ROWS = 32
 
 _state: dict = {"loaded": None, "gemm_rows": None}
@@ -91,7 +92,7 @@ def _isa_flags() -> list[str]:
 
 def blocks_gemm_rows() -> int:
     """The most rows of x prepared_linear gives the blocks layouts' multi-row kernels (more go to the
-    float32 copy): BLOCKS_GEMM_MAX_ROWS where the library is loaded and built for AVX2, else 1. A
+    float32 copy): BLOCKS_GEMM_MAX_ROWS where the library is loaded and built for AVX2 or AVX-512, else 1. A
     constant once `load` ran, so torch.compile traces it as one (before that, while tracing: 1)."""
     if _state["gemm_rows"] is None and not torch.compiler.is_compiling():
         load()
@@ -103,8 +104,8 @@ def load() -> bool:
     True when its ops can be called. Call it eagerly, not while torch.compile traces."""
     if _state["loaded"] is None:
         _state["loaded"] = _build()
-        avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"  # the build's ISA (_isa_flags)
-        _state["gemm_rows"] = BLOCKS_GEMM_MAX_ROWS if _state["loaded"] and avx2 else 1
+        vector = torch.backends.cpu.get_cpu_capability() in ISA_FLAGS  # the build's ISA (_isa_flags)
+        _state["gemm_rows"] = BLOCKS_GEMM_MAX_ROWS if _state["loaded"] and vector else 1
     return _state["loaded"]
 
 

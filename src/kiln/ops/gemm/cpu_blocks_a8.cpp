@@ -22,7 +22,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "cpu_vec_sum.h"
+#include "cpu_float_lanes.h"
 #include "native_cpu_ops.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)

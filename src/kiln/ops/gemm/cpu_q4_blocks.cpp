@@ -7,19 +7,16 @@
 // nibbles uint8 [N, K / 2] hold each block's 16 bytes as in the file: byte j's low nibble is weight j,
 // its high nibble weight j + 16. One row of x reads half a byte a weight (plus two floats a block)
 // instead of the two bytes of an fp16 GEMV; the block sums of x are computed once per call. The AVX2
-// build reads four weight rows at a time (rows_dot); AVX-512 builds keep one row at a time.
+// build reads four weight rows at a time, the AVX-512 one a row at a time (rows_dot), in 8 or 16 float
+// lanes (cpu_float_lanes.h); other builds a scalar loop.
 // Registered as torch.ops.kiln_cpu.q4_blocks_gemv.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "cpu_vec_sum.h"
+#include "cpu_float_lanes.h"
 #include "native_cpu_ops.h"
-
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <array>
@@ -36,24 +33,20 @@ constexpr int64_t kRowsPerTask = 16;
 // (cache-cold, its 120 decoder GEMVs on 2 cores: 8.2 ms without, 5.8 ms with 4 KiB ahead).
 constexpr int64_t kPrefetchAhead = 4096;
 
-// sum_j x[j] * q[j] over one block, q the 32 nibbles of `bytes` (low nibbles weights 0..15)
-inline float block_dot_scalar(const float* x, const uint8_t* bytes) {
-  float s = 0.f;
-  for (int j = 0; j < 16; ++j) {
-    s += x[j] * static_cast<float>(bytes[j] & 15) + x[j + 16] * static_cast<float>(bytes[j] >> 4);
-  }
-  return s;
-}
+#if defined(KILN_FLOAT_LANES)
+using namespace kiln_cpu::lanes;  // Floats: kLanes floats, 16 (AVX-512) or 8 (AVX2)
+constexpr int kParts = 16 / kLanes;  // a block's 16 bytes, kLanes bytes a part
+// Weight rows a one-row GEMV reads at once: 4 on AVX2 (above); on a 2-core Zen 5 with AVX-512 one row
+// already reads at the memory bandwidth (SmolLM2's 120 decoder GEMVs cache-cold: 2.9 ms, ~28 GB/s;
+// 2 rows the same, 4 rows 3.1-3.5 ms)
+constexpr int kGemvRows = kLanes == 16 ? 1 : 4;
 
-#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
-using kiln_cpu::hsum;
-
-// sum_g m[g] * xsum[g], 8 groups a step
+// sum_g m[g] * xsum[g], kLanes groups a step
 inline float min_terms(const float* m, const float* xsum, int64_t groups) {
-  __m256 acc = _mm256_setzero_ps();
+  Floats acc = zero();
   int64_t g = 0;
-  for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + g), _mm256_loadu_ps(xsum + g), acc);
-  float s = hsum(acc);
+  for (; g + kLanes <= groups; g += kLanes) acc = fmadd(load(m + g), load(xsum + g), acc);
+  float s = sum(acc);
   for (; g < groups; ++g) s += m[g] * xsum[g];
   return s;
 }
@@ -61,13 +54,13 @@ inline float min_terms(const float* m, const float* xsum, int64_t groups) {
 // R consecutive rows at once (rows r .. r + R - 1, `row_bytes` apart; d and m `groups` apart): each
 // loaded x vector serves R rows, and the R accumulators are independent chains. With one row a
 // block's scaled add waits on the previous block's (FMA latency), and the m * sum(x) terms were a
-// scalar chain too: 1.2-1.3x slower on a Zen 3 (SmolLM2's shapes, cache-cold, 2 cores).
+// scalar chain too: 1.2-1.3x slower on a Zen 3 (SmolLM2's shapes, cache-cold, 2 cores). Part p of a
+// block's bytes holds weights kLanes p .. (low nibbles) and 16 + kLanes p .. (high nibbles).
 template <int R>
 void rows_dot(const float* x, const float* xsum, const uint8_t* rows, int64_t row_bytes, const float* d, const float* m,
               int64_t groups, const uint8_t* stop, float* y) {
-  const __m256i low = _mm256_set1_epi32(15);
-  __m256 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  Floats acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = zero();
   for (int64_t g = 0; g < groups; ++g) {
     if ((g & 3) == 0) {
       for (int i = 0; i < R; ++i) {
@@ -76,20 +69,20 @@ void rows_dot(const float* x, const float* xsum, const uint8_t* rows, int64_t ro
       }
     }
     const float* xb = x + g * kBlock;
-    __m256 t[R];
-    for (int i = 0; i < R; ++i) t[i] = _mm256_setzero_ps();
-    for (int half = 0; half < 2; ++half) {  // bytes 0..7, then 8..15
-      const __m256 xlo = _mm256_loadu_ps(xb + 8 * half), xhi = _mm256_loadu_ps(xb + 16 + 8 * half);
+    Floats t[R];
+    for (int i = 0; i < R; ++i) t[i] = zero();
+    for (int part = 0; part < kParts; ++part) {
+      const Floats xlo = load(xb + kLanes * part), xhi = load(xb + 16 + kLanes * part);
       for (int i = 0; i < R; ++i) {
-        const uint8_t* bytes = rows + i * row_bytes + g * 16 + 8 * half;
-        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
-        t[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), xlo, t[i]);
-        t[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), xhi, t[i]);
+        Floats lo, hi;
+        nibbles(rows + i * row_bytes + g * 16 + kLanes * part, lo, hi);
+        t[i] = fmadd(lo, xlo, t[i]);
+        t[i] = fmadd(hi, xhi, t[i]);
       }
     }
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d[i * groups + g]), t[i], acc[i]);
+    for (int i = 0; i < R; ++i) acc[i] = fmadd(set1(d[i * groups + g]), t[i], acc[i]);
   }
-  for (int i = 0; i < R; ++i) y[i] = hsum(acc[i]) + min_terms(m + i * groups, xsum, groups);
+  for (int i = 0; i < R; ++i) y[i] = sum(acc[i]) + min_terms(m + i * groups, xsum, groups);
 }
 
 // R rows of x (`k` apart) against W consecutive weight rows (`row_bytes` apart; d and m `groups` apart):
@@ -101,9 +94,8 @@ void rows_dot(const float* x, const float* xsum, const uint8_t* rows, int64_t ro
 template <int R, int W>
 void x_rows_dot(const float* x, int64_t k, const uint8_t* rows, int64_t row_bytes, const float* d, const float* m,
                 int64_t groups, const uint8_t* stop, float* y, int64_t n) {
-  const __m256i low = _mm256_set1_epi32(15);
-  __m256 acc[R * W];
-  for (int i = 0; i < R * W; ++i) acc[i] = _mm256_setzero_ps();
+  Floats acc[R * W];
+  for (int i = 0; i < R * W; ++i) acc[i] = zero();
   for (int64_t g = 0; g < groups; ++g) {
     if ((g & 3) == 0) {
       for (int j = 0; j < W; ++j) {
@@ -113,25 +105,23 @@ void x_rows_dot(const float* x, int64_t k, const uint8_t* rows, int64_t row_byte
     }
     for (int j = 0; j < W; ++j) {
       const uint8_t* bytes = rows + j * row_bytes + g * 16;
-      const __m256i qa = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
-      const __m256i qb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8)));
-      const __m256 dg = _mm256_set1_ps(d[j * groups + g]), mg = _mm256_set1_ps(m[j * groups + g]);
-      const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(qa, low)), dg, mg);  // weights 0..7
-      const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(qb, low)), dg, mg);  // 8..15
-      const __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qa, 4)), dg, mg);   // 16..23
-      const __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4)), dg, mg);   // 24..31
+      const Floats dg = set1(d[j * groups + g]), mg = set1(m[j * groups + g]);
+      Floats w[2 * kParts];  // w[c]: weights kLanes c .. kLanes c + kLanes - 1 of the block
+      for (int part = 0; part < kParts; ++part) {
+        Floats lo, hi;
+        nibbles(bytes + kLanes * part, lo, hi);
+        w[part] = fmadd(lo, dg, mg);
+        w[kParts + part] = fmadd(hi, dg, mg);
+      }
       for (int i = 0; i < R; ++i) {
         const float* xb = x + i * k + g * kBlock;
-        __m256& a = acc[i * W + j];
-        a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), a);
-        a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), a);
-        a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), a);
-        a = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), a);
+        Floats& a = acc[i * W + j];
+        for (int c = 0; c < 2 * kParts; ++c) a = fmadd(w[c], load(xb + kLanes * c), a);
       }
     }
   }
   for (int i = 0; i < R; ++i) {
-    for (int j = 0; j < W; ++j) y[i * n + j] = hsum(acc[i * W + j]);
+    for (int j = 0; j < W; ++j) y[i * n + j] = sum(acc[i * W + j]);
   }
 }
 
@@ -163,31 +153,19 @@ constexpr std::array<XRowsTimesWeightRows, kXRows + 1> rows_table(std::index_seq
 }
 constexpr auto kXRowsTimesWeightRows = rows_table(std::make_index_sequence<kXRows>());  // [R]: R x rows
 #else
-// `stop`: the end of the rows this task reads; prefetches stay before it (inside the weights)
-float row_dot(const float* x, const float* xsum, const uint8_t* row, const float* d, const float* m, int64_t groups,
-              const uint8_t* stop) {
-  float tail = 0.f;  // the m * sum(x) terms, a scalar loop over the groups
-  for (int64_t g = 0; g < groups; ++g) tail += m[g] * xsum[g];
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512i low = _mm512_set1_epi32(15);
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* ahead = row + g * 16 + kPrefetchAhead;
-    if ((g & 3) == 0 && ahead < stop) _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16)));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-    __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(x + g * kBlock));
-    t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + g * kBlock + 16), t);
-    acc = _mm512_fmadd_ps(_mm512_set1_ps(d[g]), t, acc);
-  }
-  return _mm512_reduce_add_ps(acc) + tail;
-#else
-  (void)stop;
+// sum_j x[j] * q[j] over one block, q the 32 nibbles of `bytes` (low nibbles weights 0..15)
+inline float block_dot_scalar(const float* x, const uint8_t* bytes) {
   float s = 0.f;
-  for (int64_t g = 0; g < groups; ++g) s += d[g] * block_dot_scalar(x + g * kBlock, row + g * 16);
-  return s + tail;
-#endif
+  for (int j = 0; j < 16; ++j) {
+    s += x[j] * static_cast<float>(bytes[j] & 15) + x[j + 16] * static_cast<float>(bytes[j] >> 4);
+  }
+  return s;
+}
+
+float row_dot(const float* x, const float* xsum, const uint8_t* row, const float* d, const float* m, int64_t groups) {
+  float s = 0.f;
+  for (int64_t g = 0; g < groups; ++g) s += d[g] * block_dot_scalar(x + g * kBlock, row + g * 16) + m[g] * xsum[g];
+  return s;
 }
 #endif
 
@@ -242,17 +220,18 @@ at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const 
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     const uint8_t* stop = qp + end * row_bytes;
     int64_t row = begin;
-#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+#if defined(KILN_FLOAT_LANES)
     const float* xs = xsum.data();
-    for (; row + 4 <= end; row += 4) {
-      rows_dot<4>(xp, xs, qp + row * row_bytes, row_bytes, dp + row * groups, mp + row * groups, groups, stop, yp + row);
+    for (; row + kGemvRows <= end; row += kGemvRows) {
+      rows_dot<kGemvRows>(xp, xs, qp + row * row_bytes, row_bytes, dp + row * groups, mp + row * groups, groups, stop, yp + row);
     }
     for (; row < end; ++row) {
       rows_dot<1>(xp, xs, qp + row * row_bytes, row_bytes, dp + row * groups, mp + row * groups, groups, stop, yp + row);
     }
 #else
+    (void)stop;
     for (; row < end; ++row) {
-      yp[row] = row_dot(xp, xsum.data(), qp + row * row_bytes, dp + row * groups, mp + row * groups, groups, stop);
+      yp[row] = row_dot(xp, xsum.data(), qp + row * row_bytes, dp + row * groups, mp + row * groups, groups);
     }
 #endif
   });
@@ -263,7 +242,7 @@ at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const 
 // x float32 [M, K] (M >= 1) -> y float32 [M, N]: the rows of q4_blocks_gemv for several rows of x at
 // once. A task's weight rows (16 of them, at most 16 KB for K <= 2048) stay in the L1/L2 cache while
 // every group of up to 8 x rows passes over them, so the weights are read from memory once, and on
-// AVX2 each block is converted to float32 once for all the rows of a group (x_rows_dot). For batched
+// AVX2 and AVX-512 each block is converted to float32 once for all the rows of a group (x_rows_dot). For batched
 // decode: a few rows read 0.75 bytes a weight instead of the float32 copy's 4.
 at::Tensor q4_blocks_gemm(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
                           const at::Tensor& mins) {
@@ -277,7 +256,7 @@ at::Tensor q4_blocks_gemm(const at::Tensor& x, const at::Tensor& nibbles, const 
   const float* mp = mc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = k / 2;
-#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+#if defined(KILN_FLOAT_LANES)
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     const uint8_t* stop = qp + end * row_bytes;
     for (int64_t r = 0; r < rows; r += kXRows) {
@@ -288,11 +267,10 @@ at::Tensor q4_blocks_gemm(const at::Tensor& x, const at::Tensor& nibbles, const 
 #else
   const std::vector<float> xsum = block_sums(xp, rows, k);
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    const uint8_t* stop = qp + end * row_bytes;
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t row = begin; row < end; ++row) {
         yp[r * n + row] = row_dot(xp + r * k, xsum.data() + r * groups, qp + row * row_bytes, dp + row * groups,
-                                  mp + row * groups, groups, stop);
+                                  mp + row * groups, groups);
       }
     }
   });

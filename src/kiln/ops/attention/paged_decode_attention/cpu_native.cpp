@@ -192,7 +192,7 @@ inline void attend_heads(int64_t G, const float* queries, const ItemRows<TC>& it
   }
 }
 
-// Head dims the kernel is instantiated for: multiples of the vector width up to 32 vectors (D = 32 ... 512
+// Head dims the kernel is instantiated for: multiples of the vector width up to 32 vectors (D = 16 ... 512
 // with AVX-512), those of the models Kiln runs among them; others: nullptr, and the Python side keeps its
 // PyTorch form.
 template <bool EXACT, typename TC>
@@ -203,6 +203,7 @@ AttendHeads<EXACT, TC> attend_for(int64_t D) {
   constexpr int64_t V = Vec::size();
   if (D % V != 0) return nullptr;
   switch (D / V) {
+    case 1: return &attend_heads<1, EXACT, TC>;  // the tests' tiny models (head_dim 16) on AVX-512
     case 2: return &attend_heads<2, EXACT, TC>;
     case 4: return &attend_heads<4, EXACT, TC>;
     case 5: return &attend_heads<5, EXACT, TC>;

@@ -9,8 +9,9 @@
                  fast path); the bias is added in float32;
   "int4_onednn"  one row: as "int4"; several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
   "q4_blocks_onednn"  one row: q4_blocks_gemv (float32 on GGUF Q4 blocks' values, d and m, exact);
-                 2 to native_cpu.blocks_gemm_rows() rows (batched decode; 32 on AVX2 builds, else 1):
-                 q4_blocks_gemm on the same blocks; more: oneDNN's fp32 GEMM on the copy of the matrix;
+                 2 to native_cpu.blocks_gemm_rows() rows (batched decode; 32 on AVX2 and AVX-512
+                 builds, else 1): q4_blocks_gemm on the same blocks; more: oneDNN's fp32 GEMM on
+                 the copy of the matrix;
   "q8_blocks_onednn"  one row: int8_blocks_gemv (float32 on GGUF Q8_0's values and scales, exact;
                  Kiln's native kernel); a few rows: q8_blocks_gemm (as q4_blocks_gemm above); more:
                  oneDNN's fp32 GEMM on the copy of the same matrix;
