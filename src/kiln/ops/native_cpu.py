@@ -4,6 +4,8 @@ their ops under torch.ops.kiln_cpu:
 
     paged_decode_attention/cpu_native.cpp   kiln_cpu.paged_decode, kiln_cpu.paged_decode_fp8,
                                             kiln_cpu.supports_head_dim
+    attention/cpu_causal_attention.cpp      kiln_cpu.causal_attention (one sequence's prefill attention,
+                                            float32), kiln_cpu.causal_attention_head_dim
     gemm/cpu_w8a8.cpp                       kiln_cpu.w8a8_linear (on oneDNN)
     gemm/cpu_w8a8_amx.cpp                   kiln_cpu.w8a8_amx_linear, kiln_cpu.amx_int8_available
     gemm/cpu_q4_blocks.cpp                  kiln_cpu.q4_blocks_gemv (GGUF Q4_0 / Q4_1 blocks, one row)
@@ -46,6 +48,7 @@ _OPS = os.path.dirname(__file__)
 SOURCES = (
     # (the builder names object files after their sources: no two may share a file name)
     os.path.join(_OPS, "attention", "paged_decode_attention", "cpu_native.cpp"),
+    os.path.join(_OPS, "attention", "cpu_causal_attention.cpp"),
     os.path.join(_OPS, "gemm", "cpu_w8a8.cpp"),
     os.path.join(_OPS, "gemm", "cpu_w8a8_amx.cpp"),
     os.path.join(_OPS, "gemm", "cpu_q4_blocks.cpp"),

@@ -1,6 +1,8 @@
 """The CPU attention of one sequence that flash_attention and paged_prefill_attention's CPU paths
-share: PyTorch's fused scaled_dot_product_attention when it can, explicit float32 matmuls when the
-scores themselves are needed (soft-capping, the LSE). Never float64, never a loop over tokens.
+share: Kiln's native causal kernel (torch.ops.kiln_cpu.causal_attention, cpu_causal_attention.cpp)
+for causal float32 attention with the queries at the end of the keys (prefill, chunked prefill),
+else PyTorch's fused scaled_dot_product_attention, and explicit float32 matmuls when the scores
+themselves are needed (soft-capping, the LSE). Never float64, never a loop over tokens.
 
 Layouts: q `[Lq, H, D]`, k/v `[Lk, Hkv, D]` (the public ops' layout); GQA is handled without
 copying the kv heads (SDPA's enable_gqa, or a grouped view for the matmuls).
@@ -13,7 +15,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kiln.ops import native_cpu
 from kiln.ops.attention.reference import visible_keys
+
+_native: dict = {"loaded": None}
 
 
 def compute_dtype(q: torch.Tensor) -> torch.dtype:
@@ -65,6 +70,28 @@ def attend_sdpa(q, k, v, scale, causal, sliding_window):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[0]
 
 
+def _register_fake() -> None:
+    @torch.library.register_fake("kiln_cpu::causal_attention")
+    def _(q, k, v, scale, window):
+        return torch.empty_like(q)
+
+
+def native_causal_ready(head_dim: int) -> bool:
+    """Whether kiln_cpu.causal_attention can run this head dim (the library loads, and builds on a
+    host's first call; never while torch.compile traces: the graph keeps SDPA)."""
+    if torch.compiler.is_compiling() or not native_cpu.load_op(_native, _register_fake):
+        return False
+    return torch.ops.kiln_cpu.causal_attention_head_dim(head_dim)
+
+
+def attend_native_causal(q, k, v, scale, sliding_window):
+    """q [Lq, H, D], k/v [Lk, Hkv, D] float32 CPU, Lk >= Lq, the queries the last Lq positions ->
+    out [Lq, H, D]: causal attention (within the last sliding_window keys when set) through Kiln's
+    native kernel; requires native_causal_ready(D)."""
+    window = -1 if sliding_window is None else int(sliding_window)
+    return torch.ops.kiln_cpu.causal_attention(q, k, v, scale, window)
+
+
 def attend_sequence(q, k, v, scale, causal, sliding_window, softcap, return_lse):
     """One sequence in the public layout: q [Lq, H, D], k/v [Lk, Hkv, D] -> (out [Lq, H, D],
     lse [H, Lq] or None). Scores are materialized only for soft-capping, the LSE or no keys."""
@@ -74,5 +101,10 @@ def attend_sequence(q, k, v, scale, causal, sliding_window, softcap, return_lse)
         out, lse = attend_math(qt, kt, vt, scale, causal, sliding_window, softcap)
         return out.transpose(0, 1), lse
     dtype = compute_dtype(q)
+    native = causal and q.device.type == "cpu" and dtype == torch.float32 and k.shape[0] >= q.shape[0]
+    native = native and (sliding_window is None or sliding_window > 0)
+    if native and native_causal_ready(q.shape[-1]):
+        out = attend_native_causal(q.to(dtype), k.to(dtype), v.to(dtype), scale, sliding_window)
+        return out.to(q.dtype), None
     qt, kt, vt = (t.to(dtype).transpose(0, 1) for t in (q, k, v))
     return attend_sdpa(qt, kt, vt, scale, causal, sliding_window).transpose(0, 1).to(q.dtype), None
