@@ -94,7 +94,9 @@ def test_attend_sequence_takes_the_native_kernel_for_causal_float_inputs(monkeyp
     k, v = (torch.randn(19, 2, 64, generator=g) for _ in range(2))
     expected = _reference(q, k, v, 0.125, None)
     for dtype in (torch.float32, torch.bfloat16):
-        out, lse = cpu_sdpa.attend_sequence(q.to(dtype), k.to(dtype), v.to(dtype), 0.125, True, None, None, False)
+        out, lse = cpu_sdpa.attend_sequence(
+            q.to(dtype), k.to(dtype), v.to(dtype), 0.125, True, None, None, False
+        )
         assert lse is None and out.dtype == dtype
         assert_close(out, expected, 2e-6 if dtype == torch.float32 else 2e-2, f"{dtype}")
     assert calls == [q.shape, q.shape]
@@ -119,4 +121,6 @@ def test_attend_sequence_takes_the_native_kernel_for_causal_float_inputs(monkeyp
 def test_native_causal_attention_refuses_malformed_inputs_by_name(q, k, v, message):
     dtype = torch.float64 if message == "float32" else torch.float32
     with pytest.raises(RuntimeError, match=message):
-        torch.ops.kiln_cpu.causal_attention(torch.randn(q, dtype=dtype), torch.randn(k), torch.randn(v), 0.1, -1)
+        torch.ops.kiln_cpu.causal_attention(
+            torch.randn(q, dtype=dtype), torch.randn(k), torch.randn(v), 0.1, -1
+        )
