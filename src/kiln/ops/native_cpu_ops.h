@@ -20,6 +20,10 @@ void rotary_embedding_(const at::Tensor& positions, at::Tensor& q, at::Tensor& k
 // attention/write_kv_cache/write_kv_cache_cpu.cpp
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                     const at::Tensor& slot_mapping);
+// attention/cpu_causal_attention.cpp
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                            int64_t window);
+bool causal_attention_head_dim(int64_t head_dim);
 // attention/paged_decode_attention/cpu_native.cpp
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window);

@@ -24,6 +24,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "native_cpu_ops.h"
+
 #include <algorithm>
 #include <vector>
 
