@@ -10,6 +10,7 @@ copying the kv heads (SDPA's enable_gqa, or a grouped view for the matmuls).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from kiln.ops import native_cpu
 from kiln.ops.attention.reference import visible_keys
 
-_native: dict = {"loaded": None}
+_native: dict = {"loaded": None, "off": False}
 
 
 def compute_dtype(q: torch.Tensor) -> torch.dtype:
@@ -76,10 +77,22 @@ def _register_fake() -> None:
         return torch.empty_like(q)
 
 
+@contextlib.contextmanager
+def without_native():
+    """Within it, attend_sequence keeps PyTorch's SDPA / explicit matmuls: the benchmarks' baselines
+    (flash_attention's torch_sdpa, paged_prefill_attention's gather_sdpa)."""
+    previous, _native["off"] = _native["off"], True
+    try:
+        yield
+    finally:
+        _native["off"] = previous
+
+
 def native_causal_ready(head_dim: int) -> bool:
     """Whether kiln_cpu.causal_attention can run this head dim (the library loads, and builds on a
-    host's first call; never while torch.compile traces: the graph keeps SDPA)."""
-    if torch.compiler.is_compiling() or not native_cpu.load_op(_native, _register_fake):
+    host's first call; never while torch.compile traces: the graph keeps SDPA; nor within
+    without_native())."""
+    if _native["off"] or torch.compiler.is_compiling() or not native_cpu.load_op(_native, _register_fake):
         return False
     return torch.ops.kiln_cpu.causal_attention_head_dim(head_dim)
 

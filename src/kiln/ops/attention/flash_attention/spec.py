@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ops.attention import cpu_sdpa
 from kiln.ops.attention.flash_attention.jax_baseline import jax_dot_product_attention
 from kiln.ops.attention.paged_inputs import cu_seqlens, lengths, visible_pairs
 from kiln.ops.attention.reference import attend_one_sequence
@@ -192,8 +193,10 @@ def _bytes(shape, dtype):
 
 
 def _torch_sdpa(**inputs):
-    """PyTorch SDPA per sequence: the op's CPU path (cpu.py), run on the bench's device."""
-    return FLASH_ATTENTION.implementation("cpu").fn(**inputs)
+    """PyTorch SDPA per sequence: the op's CPU path (cpu.py) without Kiln's native causal kernel, run
+    on the bench's device."""
+    with cpu_sdpa.without_native():
+        return FLASH_ATTENTION.implementation("cpu").fn(**inputs)
 
 
 def _torch_sdpa_with_lse(**inputs):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ops.attention import cpu_sdpa
 from kiln.ops.attention.paged_inputs import (
     cu_seqlens,
     data_dtype,
@@ -232,9 +233,10 @@ def _bytes(shape, dtype):
 
 
 def _gather_sdpa(**inputs):
-    """Gather each sequence's context, one SDPA per sequence: the op's CPU path (cpu.py), on the
-    bench's device."""
-    return PAGED_PREFILL_ATTENTION.implementation("cpu").fn(**inputs)
+    """Gather each sequence's context, one SDPA per sequence: the op's CPU path (cpu.py) without
+    Kiln's native causal kernel, on the bench's device."""
+    with cpu_sdpa.without_native():
+        return PAGED_PREFILL_ATTENTION.implementation("cpu").fn(**inputs)
 
 
 def _llm_shapes():
