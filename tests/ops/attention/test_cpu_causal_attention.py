@@ -104,6 +104,9 @@ def test_attend_sequence_takes_the_native_kernel_for_causal_float_inputs(monkeyp
     cpu_sdpa.attend_sequence(q, k, v, 0.125, False, None, None, False)
     cpu_sdpa.attend_sequence(q, k, v, 0.125, True, None, 5.0, False)
     cpu_sdpa.attend_sequence(q, k, v, 0.125, True, None, None, True)
+    with cpu_sdpa.without_native():  # the benchmarks' SDPA baselines
+        out, _ = cpu_sdpa.attend_sequence(q, k, v, 0.125, True, None, None, False)
+    assert_close(out, expected, 2e-6, "SDPA")
     assert len(calls) == 2
 
 
