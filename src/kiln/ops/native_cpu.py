@@ -107,7 +107,7 @@ def load() -> bool:
     True when its ops can be called. Call it eagerly, not while torch.compile traces."""
     if _state["loaded"] is None:
         _state["loaded"] = _build()
-        vector = torch.backends.cpu.get_cpu_capability() in ISA_FLAGS  # the build's ISA (_isa_flags)
+        vector = bool(_isa_flags())  # the build has a vector ISA (AVX2 or AVX-512)
         _state["gemm_rows"] = BLOCKS_GEMM_MAX_ROWS if _state["loaded"] and vector else 1
     return _state["loaded"]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kiln.ops.attention import cpu_sdpa
-from kiln.ops.attention.reference import visible_keys
+from kiln.ops.attention.reference import attend_one_sequence
 from kiln.verify import assert_close
 
 pytestmark = pytest.mark.skipif(
@@ -18,12 +18,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _reference(q, k, v, scale, window):
-    """float64 softmax attention, bottom-right causal (kiln.ops.attention.reference.visible_keys)."""
-    group = q.shape[1] // k.shape[1]
-    qd, kd, vd = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    scores = torch.einsum("ihd,jhd->hij", qd, kd) * scale
-    scores.masked_fill_(~visible_keys(q.shape[0], k.shape[0], True, window, q.device), -math.inf)
-    return torch.einsum("hij,jhd->ihd", scores.softmax(-1), vd)
+    """float64 causal attention (bottom-right aligned): the ops' own reference."""
+    return attend_one_sequence(q.double(), k.double(), v.double(), scale, True, window, None)[0]
 
 
 CASES = [

@@ -53,8 +53,10 @@ struct Rows {
   int64_t h, i0, n;
   const Problem* pb;
   int64_t position(int64_t r) const { return pb->Lk - pb->Lq + i0 + r % n; }
-  const float* query(int64_t r) const { return pb->q + ((i0 + r % n) * pb->H + h * pb->G + r / n) * pb->D; }
-  float* output(int64_t r) const { return pb->out + ((i0 + r % n) * pb->H + h * pb->G + r / n) * pb->D; }
+  // row r's offset in q and out [Lq, H, D]
+  int64_t offset(int64_t r) const { return ((i0 + r % n) * pb->H + h * pb->G + r / n) * pb->D; }
+  const float* query(int64_t r) const { return pb->q + offset(r); }
+  float* output(int64_t r) const { return pb->out + offset(r); }
 };
 
 // scores[r][c] = scale * q_r . k[klo + c] for RT rows from r0 and kKeyVecs * V columns from c0; kt: the

@@ -114,9 +114,14 @@ def attend_sequence(q, k, v, scale, causal, sliding_window, softcap, return_lse)
         out, lse = attend_math(qt, kt, vt, scale, causal, sliding_window, softcap)
         return out.transpose(0, 1), lse
     dtype = compute_dtype(q)
-    native = causal and q.device.type == "cpu" and dtype == torch.float32 and k.shape[0] >= q.shape[0]
-    native = native and (sliding_window is None or sliding_window > 0)
-    if native and native_causal_ready(q.shape[-1]):
+    if (
+        causal
+        and q.device.type == "cpu"
+        and dtype == torch.float32
+        and k.shape[0] >= q.shape[0]
+        and (sliding_window is None or sliding_window > 0)
+        and native_causal_ready(q.shape[-1])
+    ):
         out = attend_native_causal(q.to(dtype), k.to(dtype), v.to(dtype), scale, sliding_window)
         return out.to(q.dtype), None
     qt, kt, vt = (t.to(dtype).transpose(0, 1) for t in (q, k, v))

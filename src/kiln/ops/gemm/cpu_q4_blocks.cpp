@@ -223,10 +223,12 @@ at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const 
 #if defined(KILN_FLOAT_LANES)
     const float* xs = xsum.data();
     for (; row + kGemvRows <= end; row += kGemvRows) {
-      rows_dot<kGemvRows>(xp, xs, qp + row * row_bytes, row_bytes, dp + row * groups, mp + row * groups, groups, stop, yp + row);
+      rows_dot<kGemvRows>(xp, xs, qp + row * row_bytes, row_bytes, dp + row * groups, mp + row * groups, groups,
+                          stop, yp + row);
     }
     for (; row < end; ++row) {
-      rows_dot<1>(xp, xs, qp + row * row_bytes, row_bytes, dp + row * groups, mp + row * groups, groups, stop, yp + row);
+      rows_dot<1>(xp, xs, qp + row * row_bytes, row_bytes, dp + row * groups, mp + row * groups, groups, stop,
+                  yp + row);
     }
 #else
     (void)stop;

@@ -7,9 +7,9 @@
 // values int8 [N, K] are the blocks' q in weight order, scales float32 [N, K / 32] their d. One row of
 // x reads a byte a weight (plus a float a block) instead of the two bytes of an fp16 GEMV or the four
 // of a float32 one; the AVX2 build reads four weight rows at a time, the AVX-512 one a row at a time,
-// in 8 or 16 float lanes (cpu_float_lanes.h). q8_blocks_gemm does a few rows at once (batched decode; its vector
-// kernel converts each block to float32 once for up to 8 rows of x). Registered as torch.ops.kiln_cpu.q8_blocks_gemv
-// and q8_blocks_gemm.
+// in 8 or 16 float lanes (cpu_float_lanes.h). q8_blocks_gemm does a few rows at once (batched decode;
+// its vector kernel converts each block to float32 once for up to 8 rows of x). Registered as
+// torch.ops.kiln_cpu.q8_blocks_gemv and q8_blocks_gemm.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
