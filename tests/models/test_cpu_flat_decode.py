@@ -72,13 +72,9 @@ def test_flat_decode_gives_the_module_paths_tokens_and_logprobs_exactly(cpu_form
     assert not calls and [b[0] for b in batched] == [m[0][0] for m in modules]
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [{"kv_cache_dtype": "bfloat16"}, {"kv_cache_dtype": "fp8"}],
-    ids=["bf16_cache", "fp8_cache"],
-)
-def test_flat_decode_is_not_built_where_the_modules_do_more(kw):
-    engine = _engine(MODEL, load_model(MODEL, device="cpu", dtype=torch.float32), **kw)
+def test_flat_decode_is_not_built_where_the_modules_do_more():
+    # an fp8 cache: scales, and an exact window of recent tokens in a second cache
+    engine = _engine(MODEL, load_model(MODEL, device="cpu", dtype=torch.float32), kv_cache_dtype="fp8")
     assert engine.runner.model.flat_decode is None
 
 
@@ -153,11 +149,11 @@ def _with_qkv_bias(loaded, seed: int):
     return loaded
 
 
-def _three_ways(path, loaded, monkeypatch) -> dict:
+def _three_ways(path, loaded, monkeypatch, **kw) -> dict:
     """Greedy outputs of two prompts, one at a time, through the engine's flat loop as built (native
-    call or not), the same loop kept in Python, and the modules."""
+    call or not), the same loop kept in Python, and the modules (engine options `kw`)."""
     prompts = [[(5 * j + 11) % 60 + 2 for j in range(9)], [(3 * j + 2) % 60 + 2 for j in range(21)]]
-    engine = _engine(path, loaded)
+    engine = _engine(path, loaded, **kw)
     calls = _counting(engine, monkeypatch)
     outputs = {"built": [_run(engine, [p]) for p in prompts]}
     assert len(calls) == 2 * 15
@@ -192,6 +188,20 @@ def test_native_flat_decode_gives_the_python_loops_and_the_modules_logprobs(
     outputs = _three_ways(path, loaded, monkeypatch)
     assert loaded.model.flat_decode is None  # (the modules' run cleared it)
     assert outputs["built"] == outputs["python"] == outputs["modules"]  # token ids and logprobs, bit for bit
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+@pytest.mark.parametrize("kv_cache_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16_bit_kv_caches_run_flat_with_the_python_loops_and_the_modules_logprobs(
+    blocks_gguf, kv_cache_dtype, monkeypatch
+):
+    path = blocks_gguf("q4")
+    loaded = load_model(path, device="cpu", cpu_format="q4_blocks", lm_head_format="q8_blocks")
+    name = str(kv_cache_dtype).removeprefix("torch.")
+    outputs = _three_ways(path, loaded, monkeypatch, kv_cache_dtype=name)
+    assert outputs["built"] == outputs["python"] == outputs["modules"]  # token ids and logprobs, bit for bit
+    plain = _three_ways(path, loaded, monkeypatch)  # float32 caches: another rounding of K and V
+    assert plain["modules"] != outputs["modules"]
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
@@ -250,15 +260,17 @@ def test_the_profiler_sees_each_kernel_of_the_native_call(blocks_gguf):
     native_cpu.blocks_gemm_rows() < 3, reason="no multi-row blocks kernels in this build (they are AVX2's)"
 )
 @pytest.mark.parametrize(
-    "weights, cpu_format", [("q4", "q4_blocks"), ("q8", "q8_blocks_a8")], ids=["q4", "q8_a8"]
+    "weights, cpu_format, kv_cache_dtype",
+    [("q4", "q4_blocks", "auto"), ("q8", "q8_blocks_a8", "auto"), ("q4", "q4_blocks", "bfloat16")],
+    ids=["q4", "q8_a8", "q4_bf16_cache"],
 )
 def test_native_flat_decode_runs_batched_steps_as_the_modules_do(
-    blocks_gguf, weights, cpu_format, monkeypatch
+    blocks_gguf, weights, cpu_format, kv_cache_dtype, monkeypatch
 ):
     path = blocks_gguf(weights)
     loaded = load_model(path, device="cpu", cpu_format=cpu_format, lm_head_format="q8_blocks")
     _with_qkv_bias(loaded, seed=3)
-    engine = _engine(path, loaded)
+    engine = _engine(path, loaded, kv_cache_dtype=kv_cache_dtype)
     calls = _counting(engine, monkeypatch)
     prompts = [[(7 * j + i) % 60 + 2 for j in range(5 + 6 * i)] for i in range(3)]  # 5, 11, 17 tokens
     batched = _run(engine, prompts)  # three sequences a decode step, through the native call

@@ -145,10 +145,13 @@ struct FlatDecode : torch::CustomClassHolder {
       KILN_RECORDED("kiln_cpu::rotary_embedding_", kiln_cpu::rotary_embedding_(positions, q, k, l.cos_sin, true));
       KILN_RECORDED("kiln_cpu::write_kv_cache",
                     kiln_cpu::write_kv_cache(k, v, l.key_cache, l.value_cache, slot_mapping));
+      // a 16-bit cache: q rounds to its dtype and the output comes back to float32, as PagedAttention does
+      const bool narrow = l.key_cache.scalar_type() != at::kFloat;
       at::Tensor out;
-      KILN_RECORDED("kiln_cpu::paged_decode", out = kiln_cpu::paged_decode(q, l.key_cache, l.value_cache, block_tables,
-                                                                         seq_lens, l.scale, -1));
-      hidden = l.o(out.view({t, l.q_size}));
+      KILN_RECORDED("kiln_cpu::paged_decode",
+                    out = kiln_cpu::paged_decode(narrow ? q.to(l.key_cache.scalar_type()) : q, l.key_cache,
+                                                 l.value_cache, block_tables, seq_lens, l.scale, -1));
+      hidden = l.o((narrow ? out.to(at::kFloat) : out).view({t, l.q_size}));
       KILN_RECORDED("kiln_cpu::rms_norm", hidden = kiln_cpu::rms_norm(hidden, l.norm_post, l.eps, residual, 0.0));
       at::Tensor gate_up = l.gate_up(hidden);
       KILN_RECORDED("kiln_cpu::silu_and_mul", gate_up = kiln_cpu::silu_and_mul(gate_up));

@@ -11,8 +11,9 @@ arguments, so the same floats as the module path (the tests compare logprobs bit
 
 `FlatDecodeLayers.build(model, kv_caches)` returns None (the model keeps its module path) unless every
 layer is a plain pre-norm `DecoderLayer` with `PagedAttention` (no q/k norm, no sliding window) and a
-SiLU `GatedMLP`, NeoX RoPE, no tensor parallelism, float32 norms and activations, float32 KV caches
-without scales, shifts or exact copies, and the native library serves paged decode at this head dim.
+SiLU `GatedMLP`, NeoX RoPE, no tensor parallelism, float32 norms and activations, float32, bfloat16
+or float16 KV caches without scales, shifts or exact copies, and the native library serves paged
+decode at this head dim and cache dtype.
 `KILN_CPU_FLAT_DECODE=0` turns it off. The model's forward_layers uses it for decode-only steps of one
 token outside torch.compile (the compiled step traces the modules) unless KILN_BACKEND forces an
 implementation.
@@ -45,6 +46,8 @@ from kiln.ops.gemm.quantized_layouts import run_quantized
 from kiln.ops.registry import env_backend
 
 F32 = torch.float32
+# KV cache dtypes the loop takes: those the native KV write and paged decode both serve
+CACHE_DTYPES = (F32, torch.bfloat16, torch.float16)
 
 # layouts whose one-row kernel FlatDecode calls natively -> (its kind there, how many of the layout's
 # tensors that kernel reads: the blocks' values and scales, before the float32 copy for several rows)
@@ -104,11 +107,13 @@ def _layer_args(layer, kv_cache) -> _LayerArgs | None:
     if len(kv_cache) < 2 or any(t is not None for t in tuple(kv_cache)[2:]):  # scales, shift, exact copies
         return None
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    if not all(t.dtype == F32 and t.is_contiguous() for t in (key_cache, value_cache)):
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in CACHE_DTYPES:
+        return None
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         return None
     if not all(w.dtype == F32 for w in (layer.input_layernorm, layer.post_attention_layernorm)):
         return None
-    if rotary.cos_sin_cache.dtype != F32 or not paged_decode_native.ready(attn.head_dim, F32):
+    if rotary.cos_sin_cache.dtype != F32 or not paged_decode_native.ready(attn.head_dim, key_cache.dtype):
         return None
     qkv, o, gate_up, down = (linear.prepared for linear in linears)
     if any(KERNELS[w.layout] is run_quantized for w in (qkv, o, gate_up, down)):
@@ -214,8 +219,10 @@ class FlatDecodeLayers:
             v = qkv[:, q_size + kv_size :].view(1, kv_heads, head_dim)
             ops.rotary_embedding_(positions, q, k, cos_sin, True)
             ops.write_kv_cache(k, v, key_cache, value_cache, slots)
+            # a 16-bit cache: q rounds to its dtype and the output comes back to float32, as PagedAttention
+            q = q if key_cache.dtype == F32 else q.to(key_cache.dtype)
             out = ops.paged_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, -1)
-            hidden = o_kernel(out.view(1, q_size), o_w, None, F32)
+            hidden = o_kernel(out.view(1, q_size).to(F32), o_w, None, F32)
             hidden = ops.rms_norm(hidden, norm_post, eps, residual, 0.0)
             # as GatedMLP: gate_up's output stays in its layout's compute dtype (fp16 for "fp16_*")
             gate_up = gate_up_kernel(hidden, gate_up_w, None, gate_up_dtype)

@@ -131,3 +131,34 @@ def _bad(**overrides):
 def test_write_kv_cache_rejects_bad_input(overrides, message):
     with pytest.raises(ValueError, match=message):
         kiln.ops.write_kv_cache(**_bad(**overrides))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_cpu_write_rounds_float32_into_16_bit_caches_as_tensor_to(cache_dtype):
+    """The native CPU write (float32 key/value, strided views of a fused QKV row) into float32 / bf16 /
+    fp16 caches: each written row is Tensor.to's rounding of the data (ties and values past fp16's
+    range included), padding rows write nothing, the other slots keep their poison."""
+    from kiln.ops import native_cpu
+
+    if not native_cpu.load():
+        pytest.skip("Kiln's native CPU library is not built here")
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    tokens, heads, head_dim = 29, 3, 64
+    qkv = torch.randn(tokens, 3 * heads * head_dim, generator=gen)
+    qkv[0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 70000.0, 1 + 2**-11])  # bf16 / fp16 ties, fp16 inf
+    key = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    value = qkv[:, heads * head_dim : 2 * heads * head_dim].view(tokens, heads, head_dim)
+    slots = torch.randperm(64, generator=gen)[:tokens]
+    slots[::4] = -1
+    key_cache = torch.full((4, 16, heads, head_dim), float("nan"), dtype=cache_dtype)
+    value_cache = torch.full_like(key_cache, float("nan"))
+    torch.ops.kiln_cpu.write_kv_cache(key, value, key_cache, value_cache, slots)
+    valid = slots >= 0
+    for data, cache in ((key, key_cache), (value, value_cache)):
+        flat = cache.view(-1, heads, head_dim)
+        assert torch.equal(flat[slots[valid]], data[valid].to(cache_dtype))
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+        untouched[slots[valid]] = False
+        assert flat[untouched].isnan().all()
+    with pytest.raises(RuntimeError, match="caches must be contiguous float32, bfloat16 or float16"):
+        torch.ops.kiln_cpu.write_kv_cache(key, value, key_cache, value_cache.double(), slots)

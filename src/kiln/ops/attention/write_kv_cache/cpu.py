@@ -1,8 +1,9 @@
-"""Fast CPU write_kv_cache: float32 data into contiguous float32 caches through Kiln's native kernel
-(write_kv_cache_cpu.cpp: one call, padding skipped without a host read-back); otherwise one index_copy_ per
-cache into its flat [slots, Hkv, D] view (fp8 caches quantize in float32 first and move their bytes
-as uint8). Traced by torch.compile (the compiled CPU
-decode step, kiln.engine.cpu_compiled_step), a float cache is written in-graph by `_write_in_graph`."""
+"""Fast CPU write_kv_cache: float32 data into contiguous float32, bfloat16 or float16 caches through
+Kiln's native kernel (write_kv_cache_cpu.cpp: one call, 16-bit values rounded as Tensor.to rounds
+them, padding skipped without a host read-back); otherwise one index_copy_ per cache into its flat
+[slots, Hkv, D] view (fp8 caches quantize in float32 first and move their bytes as uint8). Traced by
+torch.compile (the compiled CPU decode step, kiln.engine.cpu_compiled_step), a float cache is written
+in-graph by `_write_in_graph`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kiln.ops.attention.validate import FP8_DTYPES
 from kiln.ops.attention.write_kv_cache.spec import WRITE_KV_CACHE
 from kiln.ops.registry import Implementation, cpu_only
 
+NATIVE_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the native write's caches
 FP8_MAX = 448.0  # largest finite float8_e4m3fn; casting beyond it gives NaN, so saturate first
 
 
@@ -44,7 +46,9 @@ def write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping, k_scale
     if torch.compiler.is_compiling():  # only reached when _traceable says so (kiln.ops.registry)
         return _write_in_graph(key, value, key_cache, value_cache, slot_mapping)
     if (
-        key.dtype == value.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+        key.dtype == value.dtype == torch.float32
+        and key_cache.dtype == value_cache.dtype
+        and key_cache.dtype in NATIVE_CACHE_DTYPES
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
         and native_cpu.load()

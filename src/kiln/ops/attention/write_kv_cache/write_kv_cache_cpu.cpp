@@ -1,5 +1,6 @@
 // The native CPU KV-cache write of write_kv_cache's "cpu" implementation (cpu.py) for float32 data and
-// float32 caches: row t of key / value ([T, Hkv, D], dense last dim, any token and head strides: views
+// float32, bfloat16 or float16 caches (16-bit: each value rounded to nearest-even, as Tensor.to): row t
+// of key / value ([T, Hkv, D], dense last dim, any token and head strides: views
 // of a fused QKV output) is copied to slot slot_mapping[t] of the contiguous caches [num_blocks,
 // block_size, Hkv, D]; a negative slot (padding) writes nothing. One call and no host synchronisation,
 // where the tensor form filters the padding (a .all() read back) and calls index_copy_ per cache.
@@ -7,11 +8,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include "native_cpu_ops.h"
 
-#include <cstring>
 
 namespace {
 
@@ -29,8 +30,11 @@ namespace kiln_cpu {
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                     const at::Tensor& slot_mapping) {
   for (const at::Tensor* cache : {&key_cache, &value_cache}) {
-    TORCH_CHECK(cache->scalar_type() == at::kFloat && cache->dim() == 4 && cache->is_contiguous(),
-                "kiln_cpu.write_kv_cache: caches must be contiguous float32 [num_blocks, block_size, Hkv, D], got ",
+    const auto type = cache->scalar_type();
+    TORCH_CHECK((type == at::kFloat || type == at::kBFloat16 || type == at::kHalf) && cache->dim() == 4 &&
+                    cache->is_contiguous() && type == key_cache.scalar_type(),
+                "kiln_cpu.write_kv_cache: caches must be contiguous float32, bfloat16 or float16 [num_blocks, "
+                "block_size, Hkv, D] of one dtype, got ",
                 cache->scalar_type(), " ", cache->sizes());
   }
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "kiln_cpu.write_kv_cache: key_cache ", key_cache.sizes(),
@@ -52,16 +56,18 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   }
   const float* kp = key.data_ptr<float>();
   const float* vp = value.data_ptr<float>();
-  float* kc = key_cache.data_ptr<float>();
-  float* vc = value_cache.data_ptr<float>();
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (slot[t] < 0) continue;
-      for (int64_t h = 0; h < heads; ++h) {
-        std::memcpy(kc + slot[t] * row + h * d, kp + t * key.stride(0) + h * key.stride(1), d * sizeof(float));
-        std::memcpy(vc + slot[t] * row + h * d, vp + t * value.stride(0) + h * value.stride(1), d * sizeof(float));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "write_kv_cache", [&] {
+    scalar_t* kc = key_cache.data_ptr<scalar_t>();
+    scalar_t* vc = value_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (slot[t] < 0) continue;
+        for (int64_t h = 0; h < heads; ++h) {
+          at::vec::convert(kp + t * key.stride(0) + h * key.stride(1), kc + slot[t] * row + h * d, d);
+          at::vec::convert(vp + t * value.stride(0) + h * value.stride(1), vc + slot[t] * row + h * d, d);
+        }
       }
-    }
+    });
   });
 }
 
