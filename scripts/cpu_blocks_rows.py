@@ -5,7 +5,8 @@ time, cache-cold.
 random GGUF Q4_1 matrices, and the LM head (49152 x 576) as GGUF Q8_0, each prepared as "q4_blocks" /
 "q8_blocks" and as "fp32" (kiln.ops.gemm.weight_formats) and called through kiln.ops.prepared_linear
 with M rows: up to native_cpu.blocks_gemm_rows() rows the blocks formats run their multi-row kernels
-(q4_blocks_gemm, q8_blocks_gemm), beyond it their float32 copies, as "fp32" always does. Before every
+(q4_blocks_gemm, q8_blocks_gemm) and for native_cpu.blocks_tiles_rows() rows (AVX-512 builds) the Q4
+layers their tile kernel (q4_tiles_gemm), beyond them their float32 copies, as "fp32" always does. Before every
 pass 256 MB are written, so the weights come from memory. Median wall ms over the passes, formats
 interleaved; prints one JSON object with the CPU model and ISA flags (kiln.environment.cpu).
 
@@ -83,6 +84,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "blocks_gemm_rows": native_cpu.blocks_gemm_rows(),
+        "blocks_tiles_rows": list(native_cpu.blocks_tiles_rows()),
         "layouts": {name: prepared[0].layout for name, prepared in sets.items()},
         "ms": ms,
         "fp32_over_blocks": {

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(not native_cpu.load(), reason="Kiln's native CPU
 def _engine(model, loaded=None, **kw):
     # no prefix caching: a prompt run again must prefill all its rows again, as the first time (a cached
     # prefix would leave fewer rows, which may take another GEMM kernel: other roundings)
-    kw = {"enable_prefix_caching": False, **kw}
-    config = EngineConfig(model=model, device="cpu", max_num_seqs=4, num_kv_blocks=64, **kw)
+    kw = {"enable_prefix_caching": False, "max_num_seqs": 4, "num_kv_blocks": 64, **kw}
+    config = EngineConfig(model=model, device="cpu", **kw)
     return LLMEngine(config, loaded=loaded)
 
 
@@ -220,17 +220,17 @@ def test_native_flat_decode_names_malformed_arguments():
     flat_decode = torch.classes.kiln_cpu.FlatDecode
     norm, cos_sin = torch.ones(64), torch.ones(128, 16)
     cache = torch.zeros(4, 16, 2, 16)
-    with pytest.raises(RuntimeError, match="10 ints and 2 floats a layer"):
+    with pytest.raises(RuntimeError, match="11 ints and 2 floats a layer"):
         flat_decode([norm], [0, 0, 0], [1e-5, 0.25])
     with pytest.raises(RuntimeError, match="layer 0 has weight kind 7"):
-        flat_decode([norm], [7, 0, 0, 0, 0, 64, 32, 4, 2, 16], [1e-5, 0.25])
+        flat_decode([norm], [7, 0, 0, 0, 0, 64, 32, 4, 2, 16, 0], [1e-5, 0.25])
     with pytest.raises(RuntimeError, match="are not heads"):
-        flat_decode([norm] * 20, [1, 1, 1, 1, 0, 64, 32, 4, 2, 8], [1e-5, 0.25])
+        flat_decode([norm] * 21, [1, 1, 1, 1, 0, 64, 32, 4, 2, 8, 0], [1e-5, 0.25])
     with pytest.raises(RuntimeError, match="tensors are too few"):
-        flat_decode([norm, norm, cos_sin, cache, cache], [1, 1, 1, 1, 0, 64, 32, 4, 2, 16], [1e-5, 0.25])
+        flat_decode([norm, norm, cos_sin, cache, cache], [1, 1, 1, 1, 0, 64, 32, 4, 2, 16, 0], [1e-5, 0.25])
     with pytest.raises(RuntimeError, match="1 tensors left over"):
-        tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 9
-        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16], [1e-5, 0.25])
+        tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 9  # Q8_0 kinds: values and scales
+        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, 0], [1e-5, 0.25])
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
@@ -280,20 +280,40 @@ def test_native_flat_decode_runs_batched_steps_as_the_modules_do(
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
-def test_a_compiled_batched_step_on_the_blocks_compiles_and_equals_eager(blocks_gguf):
+@pytest.mark.skipif(native_cpu.blocks_tiles_rows()[0] == 0, reason="no tile kernel in this build (AVX-512's)")
+def test_native_flat_decode_runs_tile_kernel_steps_as_the_modules_do(blocks_gguf, monkeypatch):
+    path = blocks_gguf("q4")
+    loaded = load_model(path, device="cpu", cpu_format="q4_blocks", lm_head_format="q8_blocks")
+    rows = native_cpu.blocks_tiles_rows()[0] + 1  # sequences a decode step: the tile kernel's rows
+    engine = _engine(path, loaded, max_num_seqs=rows)
+    calls = _counting(engine, monkeypatch)
+    prompts = [[(7 * j + i) % 60 + 2 for j in range(3 + i)] for i in range(rows)]
+    batched = _run(engine, prompts, max_tokens=6)
+    assert rows in calls
+    loaded.model.flat_decode = None
+    assert _run(engine, prompts, max_tokens=6) == batched  # token ids and logprobs, bit for bit
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+@pytest.mark.parametrize("sequences", [2, 9], ids=["row_kernels", "tile_kernel"])
+def test_a_compiled_batched_step_on_the_blocks_compiles_and_equals_eager(blocks_gguf, sequences):
     """--compile-cpu-decode traces the batched steps (the flat loop is eager only): the blocks'
-    multi-row kernels must trace as graph nodes, with no fallback, and give eager's tokens."""
+    multi-row kernels (the Q4 tile kernel from blocks_tiles_rows() rows) must trace as graph nodes,
+    with no fallback, and give eager's tokens."""
     from kiln import fallbacks
 
+    if not 0 < native_cpu.blocks_tiles_rows()[0] <= sequences and sequences > 2:
+        pytest.skip("no tile kernel in this build (AVX-512's)")
     path = blocks_gguf("q4")
     fallbacks.clear()
-    prompts = [[(7 * j + i) % 60 + 2 for j in range(5 + 6 * i)] for i in range(2)]
+    prompts = [[(7 * j + i) % 60 + 2 for j in range(5 + 3 * i)] for i in range(sequences)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     tokens = {}
     for compiled in (False, True):
-        llm = LLM(path, device="cpu", max_num_seqs=2, cpu_format="q4_blocks", lm_head_format="q8_blocks",
+        llm = LLM(path, device="cpu", max_num_seqs=sequences, cpu_format="q4_blocks", lm_head_format="q8_blocks",
                   compile_cpu_decode=compiled)  # fmt: skip
         tokens[compiled] = [out.token_ids for out in llm.generate(prompts, params)]
     assert fallbacks.taken() == []
-    assert llm.engine.runner.compiled_decode.compiled_sizes == {2}
+    (size,) = llm.engine.runner.compiled_decode.compiled_sizes  # one batch bucket, padded up
+    assert size >= sequences
     assert tokens[True] == tokens[False]

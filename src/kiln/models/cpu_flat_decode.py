@@ -22,7 +22,7 @@ Where every linear's layout is a GGUF-block one with a native one-row kernel (`N
 embedded model's default q4_blocks / q8_blocks, and their _a8 forms) the whole loop runs as one native
 call, `torch.classes.kiln_cpu.FlatDecode` (cpu_flat_decode.cpp): the same C++ functions in the same
 order, without the Python and dispatch between them. It also takes batched decode steps (one token of
-each of up to native_cpu.blocks_gemm_rows() sequences: 32 on AVX2 and AVX-512 builds), whose linears
+each of up to `FlatDecodeLayers.max_rows` sequences: 32, or 64 for Q4 layers on AVX-512 builds), whose linears
 then run the blocks' exact multi-row kernels, as the modules do. `KILN_CPU_FLAT_DECODE=python` keeps
 the loop in Python (one token; to compare the two).
 """
@@ -50,7 +50,7 @@ F32 = torch.float32
 CACHE_DTYPES = (F32, torch.bfloat16, torch.float16)
 
 # layouts whose one-row kernel FlatDecode calls natively -> (its kind there, how many of the layout's
-# tensors that kernel reads: the blocks' values and scales, before the float32 copy for several rows)
+# tensors that kernel reads: the blocks' values and scales, before the float32 copy and the tiles)
 NATIVE_LAYOUTS = {
     "q4_blocks_onednn": (0, 3),
     "q8_blocks_onednn": (1, 2),
@@ -144,19 +144,34 @@ def _native_decode(args: list[_LayerArgs]):
             return None
         tensors += [a.norm_in, a.norm_post, a.cos_sin, a.key_cache, a.value_cache]
         tensors += [] if a.qkv_bias is None else [a.qkv_bias]
-        for kernel, weight in linears:
-            tensors += weight[: _NATIVE_KERNELS[kernel][1]]
+        for kernel, weight in linears:  # the blocks' tensors, then a Q4 layout's tiles (not the copy)
+            blocks = _NATIVE_KERNELS[kernel][1]
+            tensors += [*weight[:blocks], *weight[blocks + 1 :]]
         ints += [_NATIVE_KERNELS[kernel][0] for kernel, _ in linears]
         ints += [int(a.qkv_bias is not None), a.q_size, a.kv_size, a.heads, a.kv_heads, a.head_dim]
+        ints += [native_cpu.blocks_tiles_rows()[0]]
         floats += [float(a.eps), float(a.scale)]
     return torch.classes.kiln_cpu.FlatDecode(tensors, ints, floats)
+
+
+def _native_rows(args: list[_LayerArgs]) -> int:
+    """The most rows the native call takes: what every linear's several-row kernels take as prepared_linear
+    routes them (Q4 layouts up to the tile kernel's last row where this build has it, Q8_0 ones up to
+    native_cpu.blocks_gemm_rows()), so that each row count runs the modules' kernels."""
+    q4_kinds = {kind for layout, (kind, _) in NATIVE_LAYOUTS.items() if layout.startswith("q4")}
+    q4 = all(
+        _NATIVE_KERNELS[kernel][0] in q4_kinds
+        for a in args
+        for kernel in (a.qkv_kernel, a.o_kernel, a.gate_up_kernel, a.down_kernel)
+    )
+    return max(native_cpu.blocks_gemm_rows(), native_cpu.blocks_tiles_rows()[1] if q4 else 0)
 
 
 class FlatDecodeLayers:
     """The layers of a Llama-family model for decode steps of one token on the CPU (module docstring).
 
     Call with forward_layers' arguments for T tokens of a decode-only step (T = 1, or up to
-    native_cpu.blocks_gemm_rows() through the native call: `applies`): positions [T], hidden [T, hidden]
+    `max_rows` through the native call: `applies`): positions [T], hidden [T, hidden]
     float32, residual [T, hidden] or None, kv_caches (the ones it was built with), attn_metadata ->
     (hidden, residual) after the last layer, as the modules give them.
     """
@@ -165,6 +180,7 @@ class FlatDecodeLayers:
         self.layers = layers
         self.kv_caches = kv_caches
         self.native = native  # torch.classes.kiln_cpu.FlatDecode, or None: the loop below
+        self.max_rows = 1 if native is None else _native_rows(layers)
 
     @classmethod
     def build(cls, model, kv_caches) -> FlatDecodeLayers | None:
@@ -183,12 +199,12 @@ class FlatDecodeLayers:
 
     def applies(self, hidden: torch.Tensor, kv_caches, attn_metadata) -> bool:
         """Whether this step may run flat: float32 tokens of a decode-only step, one (or, through the
-        native call, up to native_cpu.blocks_gemm_rows(): the rows its multi-row kernels take), eager,
+        native call, up to `max_rows`: the rows its multi-row kernels take), eager,
         on the caches the loop was built with, no implementation forced by KILN_BACKEND (the modules
         honour it; the loop calls the CPU kernels)."""
         rows = hidden.shape[0]
         return (
-            (rows == 1 or (self.native is not None and rows <= native_cpu.blocks_gemm_rows()))
+            rows <= self.max_rows
             and env_backend() is None
             and hidden.dtype == F32
             and attn_metadata.decode_only

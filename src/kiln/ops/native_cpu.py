@@ -54,6 +54,7 @@ SOURCES = (
     os.path.join(_OPS, "gemm", "cpu_q4_blocks.cpp"),
     os.path.join(_OPS, "gemm", "cpu_q8_blocks.cpp"),
     os.path.join(_OPS, "gemm", "cpu_blocks_a8.cpp"),
+    os.path.join(_OPS, "gemm", "cpu_block_tiles.cpp"),
     os.path.join(_OPS, "norm", "rms_norm", "rms_norm_cpu.cpp"),
     os.path.join(_OPS, "rope", "rotary_embedding", "rotary_embedding_cpu.cpp"),
     os.path.join(_OPS, "activation", "silu_and_mul", "silu_and_mul_cpu.cpp"),
@@ -82,8 +83,15 @@ ISA_FLAGS = {
 # layers 3.0x at 2, 1.9x at 8, 1.35x at 16, 1.04x at 32, 0.96x at 48; head 2.5x at 2, 1.16x at 16,
 # 0.91x at 32. The AVX2 and AVX-512 builds have them; elsewhere each row would run the one-row kernel.
 BLOCKS_GEMM_MAX_ROWS = 32
+# AVX-512 builds: BLOCKS_TILES_ROWS (first, last) rows of x run the Q4 layouts' 16-row tile kernel
+# (q4_tiles_gemm, kiln.ops.gemm.cpu_block_tiles), which beats both the row kernel above and oneDNN there
+# (Zen 5, the same measurement: layers 1.09x the row kernel at 16 rows and 1.18x at 32; 1.24x oneDNN at
+# 32 and 1.15x at 64; below 8 rows the row kernel wins). On AVX2 (8-lane) builds it was slower than the
+# row kernel (0.8-0.9x at 8-32 rows), and the Q8_0 head gained nothing from tiles (0.76x the row kernel
+# at 8 rows, even at 16, below oneDNN from 32): neither uses it.
+BLOCKS_TILES_ROWS = (8, 64)
 
-_state: dict = {"loaded": None, "gemm_rows": None}
+_state: dict = {"loaded": None, "gemm_rows": None, "tiles_rows": None}
 logger = logging.getLogger(__name__)
 
 
@@ -94,12 +102,22 @@ def _isa_flags() -> list[str]:
 
 
 def blocks_gemm_rows() -> int:
-    """The most rows of x prepared_linear gives the blocks layouts' multi-row kernels (more go to the
-    float32 copy): BLOCKS_GEMM_MAX_ROWS where the library is loaded and built for AVX2 or AVX-512, else 1. A
-    constant once `load` ran, so torch.compile traces it as one (before that, while tracing: 1)."""
+    """The most rows of x prepared_linear gives the blocks layouts' row kernels (q4_blocks_gemm,
+    q8_blocks_gemm; more go to the Q4 tiles or the float32 copy): BLOCKS_GEMM_MAX_ROWS where the library
+    is loaded and built for AVX2 or AVX-512, else 1. A constant once `load` ran, so torch.compile traces
+    it as one (before that, while tracing: 1)."""
     if _state["gemm_rows"] is None and not torch.compiler.is_compiling():
         load()
     return _state["gemm_rows"] or 1
+
+
+def blocks_tiles_rows() -> tuple[int, int]:
+    """(first, last): the rows of x prepared_linear gives the Q4 blocks layouts' tile kernel
+    (q4_tiles_gemm): BLOCKS_TILES_ROWS where the library is loaded and built for AVX-512, else (0, 0)
+    (no tile kernel: the layouts keep no tiles). A constant once `load` ran, as blocks_gemm_rows()."""
+    if _state["tiles_rows"] is None and not torch.compiler.is_compiling():
+        load()
+    return _state["tiles_rows"] or (0, 0)
 
 
 def load() -> bool:
@@ -107,8 +125,10 @@ def load() -> bool:
     True when its ops can be called. Call it eagerly, not while torch.compile traces."""
     if _state["loaded"] is None:
         _state["loaded"] = _build()
-        vector = bool(_isa_flags())  # the build has a vector ISA (AVX2 or AVX-512)
-        _state["gemm_rows"] = BLOCKS_GEMM_MAX_ROWS if _state["loaded"] and vector else 1
+        flags = _isa_flags()  # the build's vector ISA (AVX2 or AVX-512), none for a scalar build
+        vector = _state["loaded"] and bool(flags)
+        _state["gemm_rows"] = BLOCKS_GEMM_MAX_ROWS if vector else 1
+        _state["tiles_rows"] = BLOCKS_TILES_ROWS if vector and "-DCPU_CAPABILITY_AVX512" in flags else (0, 0)
     return _state["loaded"]
 
 

@@ -140,15 +140,15 @@ def test_a8_native_kernels_match_their_tensor_form_and_keep_nan(fmt, native, mon
 
 def test_a8_ops_refuse_malformed_inputs_by_name(native):
     g = torch.Generator().manual_seed(3)
-    nibbles, scales, mins, copy = _prepared(_weight("Q4_1", 40, 160, g), "q4_blocks_a8").tensors
-    values, q8_scales, q8_copy = _prepared(_weight("Q8_0", 40, 160, g), "q8_blocks_a8").tensors
+    nibbles, scales, mins, copy, *tiles = _prepared(_weight("Q4_1", 40, 160, g), "q4_blocks_a8").tensors
+    values, q8_scales, q8_copy, *q8_tiles = _prepared(_weight("Q8_0", 40, 160, g), "q8_blocks_a8").tensors
     run, x = kiln.ops.prepared_linear, torch.randn(1, 160, generator=g)
     with pytest.raises(ValueError, match=r"q4_blocks_a8_onednn nibbles \[40, 80\], scales \(40, 4\)"):
-        run(x, "q4_blocks_a8_onednn", [nibbles, scales[:, :4].contiguous(), mins, copy])
+        run(x, "q4_blocks_a8_onednn", [nibbles, scales[:, :4].contiguous(), mins, copy, *tiles])
     with pytest.raises(ValueError, match=r"weight\[0\].*int8"):
-        run(x, "q8_blocks_a8_onednn", [values.to(torch.uint8), q8_scales, q8_copy])
+        run(x, "q8_blocks_a8_onednn", [values.to(torch.uint8), q8_scales, q8_copy, *q8_tiles])
     with pytest.raises(ValueError, match=r"x has 96 in-features, the 'q4_blocks_a8_onednn' weight 160"):
-        run(torch.randn(1, 96), "q4_blocks_a8_onednn", [nibbles, scales, mins, copy])
+        run(torch.randn(1, 96), "q4_blocks_a8_onednn", [nibbles, scales, mins, copy, *tiles])
     ops = torch.ops.kiln_cpu
     with pytest.raises(RuntimeError, match=r"K = 80 must be a multiple of 32"):
         ops.q8_blocks_a8_gemv(torch.randn(1, 80), torch.zeros(40, 80, dtype=torch.int8), q8_scales)

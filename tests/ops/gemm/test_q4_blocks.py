@@ -48,7 +48,7 @@ def test_q4_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(qtype, n
     prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q4_blocks")
     assert prepared.layout == "q4_blocks_onednn" and prepared.kind == "q4_blocks"
     assert prepared.compute_dtype == torch.float32
-    nibbles, scales, mins, copy = prepared.tensors
+    nibbles, scales, mins, copy, *_ = prepared.tensors
     assert nibbles.dtype == torch.uint8 and nibbles.shape == (n, k // 2) and scales.shape == (n, k // 32)
     matrix = prepared_matrix(prepared.layout, prepared.tensors)
     assert torch.equal(matrix.float().double(), expected)  # d * q + m, one float32 rounding as gguf's
@@ -61,9 +61,9 @@ def test_q4_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(qtype, n
         y.copy_(run(one, prepared.layout, prepared.tensors, bias, torch.float32))
         # float32 arithmetic on the exact weights: only the accumulation rounds (not x, not W)
         assert_close(y, one.double() @ matrix.T + bias.double(), 1e-6, f"{qtype}, one {dtype} row")
-    # a few rows (batched decode): q4_blocks_gemm where its multi-row kernel is built (AVX2), the copy
-    # elsewhere; past blocks_gemm_rows(), always the float32 copy through oneDNN
-    for m in (5, native_cpu.blocks_gemm_rows() + 1):
+    # a few rows (batched decode): q4_blocks_gemm (or the tiles' kernel, test_block_tiles.py) where
+    # they are built, the copy elsewhere; past both, always the float32 copy through oneDNN
+    for m in (5, max(native_cpu.blocks_gemm_rows(), native_cpu.blocks_tiles_rows()[1]) + 1):
         rows = torch.randn(m, k, generator=g)
         y = torch.full((m, n), float("nan"))
         y.copy_(run(rows, prepared.layout, prepared.tensors, bias))
@@ -75,7 +75,7 @@ def test_q4_blocks_native_kernel_matches_its_tensor_form_and_keeps_nan(native, m
     g = torch.Generator().manual_seed(random.randrange(2**31))
     n, k = 129, 1536  # rows past several of the kernel's 16-row tasks, SmolLM2's down_proj K
     weight, _ = _q4_weight("Q4_1", n, k, g)
-    nibbles, scales, mins, _ = prepare_linear_weight(
+    nibbles, scales, mins, *_ = prepare_linear_weight(
         weight, device=CPU, dtype=torch.float32, cpu_format="q4_blocks"
     ).tensors
     x = torch.randn(1, k, generator=g)
@@ -93,7 +93,7 @@ def test_q4_blocks_gemm_matches_float64_and_its_tensor_form_row_by_row(m, native
     g = torch.Generator().manual_seed(random.randrange(2**31))
     n, k = 45, 544  # 17 groups: the prefetch and remainder paths, three 16-row tasks
     weight, matrix = _q4_weight("Q4_1", n, k, g)
-    nibbles, scales, mins, _ = prepare_linear_weight(
+    nibbles, scales, mins, *_ = prepare_linear_weight(
         weight, device=CPU, dtype=torch.float32, cpu_format="q4_blocks"
     ).tensors
     x = torch.randn(m, k, generator=g)
@@ -121,16 +121,16 @@ def test_q4_blocks_gemm_matches_float64_and_its_tensor_form_row_by_row(m, native
 def test_q4_blocks_refuses_malformed_inputs_by_name(native):
     g = torch.Generator().manual_seed(3)
     weight, _ = _q4_weight("Q4_1", 40, 160, g)
-    nibbles, scales, mins, copy = prepare_linear_weight(
+    nibbles, scales, mins, copy, *tiles = prepare_linear_weight(
         weight, device=CPU, dtype=torch.float32, cpu_format="q4_blocks"
     ).tensors
     run, x = kiln.ops.prepared_linear, torch.randn(2, 160, generator=g)
     with pytest.raises(ValueError, match=r"scales \(40, 4\) and mins \(40, 5\), expected .* \(40, 5\)"):
-        run(x, "q4_blocks_onednn", [nibbles, scales[:, :4].contiguous(), mins, copy])
+        run(x, "q4_blocks_onednn", [nibbles, scales[:, :4].contiguous(), mins, copy, *tiles])
     with pytest.raises(ValueError, match=r"weight\[0\].*uint8"):
-        run(x, "q4_blocks_onednn", [nibbles.to(torch.int8), scales, mins, copy])
+        run(x, "q4_blocks_onednn", [nibbles.to(torch.int8), scales, mins, copy, *tiles])
     with pytest.raises(ValueError, match=r"x has 96 in-features, the 'q4_blocks_onednn' weight 160"):
-        run(torch.randn(1, 96), "q4_blocks_onednn", [nibbles, scales, mins, copy])
+        run(torch.randn(1, 96), "q4_blocks_onednn", [nibbles, scales, mins, copy, *tiles])
     op = torch.ops.kiln_cpu.q4_blocks_gemv
     with pytest.raises(RuntimeError, match=r"K = 80 must be a multiple of 32"):
         op(torch.randn(1, 80), torch.zeros(40, 40, dtype=torch.uint8), scales, mins)

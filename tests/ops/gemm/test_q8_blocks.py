@@ -50,7 +50,7 @@ def test_q8_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(n, k, na
     weight, expected = _q8_weight(n, k, g)
     prepared = _prepared(weight)
     assert prepared.kind == "q8_blocks" and prepared.compute_dtype == torch.float32
-    values, scales, copy = prepared.tensors
+    values, scales, copy, *_ = prepared.tensors
     assert values.dtype == torch.int8 and values.shape == (n, k) and scales.shape == (n, k // 32)
     matrix = prepared_matrix(prepared.layout, prepared.tensors)
     assert torch.equal(matrix, expected)  # d * q exactly: no rounding of the weight
@@ -78,7 +78,7 @@ def test_q8_blocks_gemm_matches_float64_and_its_tensor_form_row_by_row(m, native
     g = torch.Generator().manual_seed(random.randrange(2**31))
     n, k = 45, 544  # 17 groups: the prefetch path's odd end, three 16-row tasks
     weight, matrix = _q8_weight(n, k, g)
-    values, scales, _ = _prepared(weight).tensors
+    values, scales, *_ = _prepared(weight).tensors
     x = torch.randn(m, k, generator=g)
     y = torch.full((m, n), float("nan"))
     y.copy_(q8_module.q8_blocks_gemm(x, values, scales))
@@ -105,7 +105,7 @@ def test_q8_blocks_native_kernel_matches_the_compiled_tensor_form_and_keeps_nan(
     g = torch.Generator().manual_seed(random.randrange(2**31))
     n, k = 129, 1536  # rows past several of the kernel's 16-row tasks, SmolLM2's down_proj K
     weight, _ = _q8_weight(n, k, g)
-    values, scales, _ = _prepared(weight).tensors
+    values, scales, *_ = _prepared(weight).tensors
     x = torch.randn(1, k, generator=g)
     native_y = int8_blocks_gemv.int8_blocks_gemv(x, values, scales)
     monkeypatch.setitem(q8_module._state, "loaded", False)  # as where the library cannot be built
@@ -119,18 +119,18 @@ def test_q8_blocks_native_kernel_matches_the_compiled_tensor_form_and_keeps_nan(
 def test_q8_blocks_refuses_malformed_inputs_by_name(native):
     g = torch.Generator().manual_seed(3)
     weight, _ = _q8_weight(40, 160, g)
-    values, scales, copy = _prepared(weight).tensors
+    values, scales, copy, *tiles = _prepared(weight).tensors
     run, x = kiln.ops.prepared_linear, torch.randn(2, 160, generator=g)
     with pytest.raises(ValueError, match=r"scales \(40, 4\), expected .* scales \(40, 5\)"):
-        run(x, "q8_blocks_onednn", [values, scales[:, :4].contiguous(), copy])
+        run(x, "q8_blocks_onednn", [values, scales[:, :4].contiguous(), copy, *tiles])
     with pytest.raises(ValueError, match=r"weight\[0\].*int8"):
-        run(x, "q8_blocks_onednn", [values.to(torch.uint8), scales, copy])
+        run(x, "q8_blocks_onednn", [values.to(torch.uint8), scales, copy, *tiles])
     bf16_copy = weight_formats.onednn_pack(torch.ones(40, 160, dtype=torch.bfloat16))
     if bf16_copy is not None:  # the float32 copy is this layout's (a bf16 one is int8_blocks')
         with pytest.raises(ValueError, match=r"weight\[2\].*float32"):
-            run(x, "q8_blocks_onednn", [values, scales, bf16_copy])
+            run(x, "q8_blocks_onednn", [values, scales, bf16_copy, *tiles])
     with pytest.raises(ValueError, match=r"x has 96 in-features, the 'q8_blocks_onednn' weight 160"):
-        run(torch.randn(1, 96), "q8_blocks_onednn", [values, scales, copy])
+        run(torch.randn(1, 96), "q8_blocks_onednn", [values, scales, copy, *tiles])
     op = torch.ops.kiln_cpu.q8_blocks_gemv
     with pytest.raises(RuntimeError, match=r"K = 80 must be a multiple of 32"):
         op(torch.randn(1, 80), torch.zeros(40, 80, dtype=torch.int8), scales)

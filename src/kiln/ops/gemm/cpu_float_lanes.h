@@ -27,6 +27,7 @@ using Floats = __m512;
 inline Floats zero() { return _mm512_setzero_ps(); }
 inline Floats set1(float v) { return _mm512_set1_ps(v); }
 inline Floats load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, Floats v) { _mm512_storeu_ps(p, v); }
 inline Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
 inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
 inline float sum(Floats v) { return _mm512_reduce_add_ps(v); }
@@ -46,6 +47,7 @@ using Floats = __m256;
 inline Floats zero() { return _mm256_setzero_ps(); }
 inline Floats set1(float v) { return _mm256_set1_ps(v); }
 inline Floats load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, Floats v) { _mm256_storeu_ps(p, v); }
 inline Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
 inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
 inline float sum(Floats v) { return hsum(v); }

@@ -28,6 +28,7 @@ import weakref
 
 import torch
 
+from kiln.ops import native_cpu
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
 from kiln.ops.gemm import cpu_blocks_a8, cpu_w8a8
 from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
@@ -164,6 +165,23 @@ def _validate_quantized(op, layout, weight, K, device) -> None:
             raise ValueError(f"{op}: {layout} scale has shape {tuple(weight[1].shape)}, expected {expected}")
 
 
+def _validate_tiles(op, layout, weight, n: int, k: int, device) -> None:
+    """weight[4], weight[5] of a Q4 blocks layout: its 16-row tiles and their scales
+    (kiln.ops.gemm.cpu_block_tiles.layout_tiles), or both empty where this build runs no tile kernel."""
+    tiles, scales = weight[4], weight[5]
+    check_tensor(op, "weight[4]", tiles, ndim=2, dtypes=(torch.uint8,), device=device)
+    check_tensor(op, "weight[5]", scales, ndim=2, dtypes=(torch.float32,), device=device)
+    if tiles.numel() == 0 and scales.numel() == 0 and not native_cpu.blocks_tiles_rows()[0]:
+        return
+    num_tiles, groups = -(-n // 16), k // INT4_GROUP_SIZE
+    expected = ((num_tiles, groups * 256), (num_tiles, groups * 32))
+    if (tuple(tiles.shape), tuple(scales.shape)) != expected:
+        raise ValueError(
+            f"{op}: {layout} tiles {tuple(tiles.shape)} and tile scales {tuple(scales.shape)}, expected "
+            f"{expected[0]} and {expected[1]} for an [{n}, {k}] weight (kiln.ops.gemm.cpu_block_tiles)"
+        )
+
+
 def _validate_q8_blocks(op, layout, weight, device) -> None:
     """The layouts "int8_blocks_onednn" (a bf16 copy) and "q8_blocks[_a8]_onednn" (a float32 copy)."""
     copy_dtype = torch.bfloat16 if layout == "int8_blocks_onednn" else torch.float32
@@ -195,6 +213,7 @@ def _validate_q4_blocks(op, layout, weight, device) -> None:
         )
     if tuple(weight[3].shape) != (n, k):  # oneDNN's packing of the float32 copy reports the matrix's shape
         raise ValueError(f"{op}: {layout} copy has shape {tuple(weight[3].shape)}, expected {n, k}")
+    _validate_tiles(op, layout, weight, n, k, device)
 
 
 def _validate_w8a8(op, layout, weight, device) -> None:

@@ -1,0 +1,140 @@
+"""The Q4 blocks layouts' 16-row tile kernel (kiln.ops.gemm.cpu_block_tiles.q4_tiles_gemm): the tiles
+hold the GGUF blocks' exact values (`gguf` writes and dequantizes the blocks), every output is a
+float32 sum of exact products within a float32 tolerance of float64, each row's floats do not depend
+on the rows beside it, NaN stays in its row, and prepared_linear hands it the rows native_cpu says.
+The kernel is built into every native library (vector or scalar), so the op tests run on any host;
+the routing test follows this host's build."""
+
+import random
+
+import pytest
+import torch
+
+import kiln.ops
+from kiln.ops import native_cpu
+from kiln.ops.gemm import cpu_block_tiles as tiles_module
+from kiln.ops.gemm import cpu_q4_blocks
+from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
+from kiln.quant import quantize_blocks
+from kiln.quant.gguf_blocks import GGUFWeight
+from kiln.verify import assert_close
+
+gguf = pytest.importorskip("gguf")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def native():
+    if not tiles_module.load():
+        pytest.skip("Kiln's native CPU library could not be built here (no C++ compiler or ninja)")
+
+
+def _weight(qtype: str, n: int, k: int, generator) -> tuple[GGUFWeight, torch.Tensor]:
+    """(GGUFWeight, its float64 matrix as `gguf` dequantizes it): rows of unlike size, fresh values."""
+    weight = torch.randn(n, k, generator=generator) * torch.rand(n, 1, generator=generator)
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    if qtype == "Q4_K":  # gguf cannot quantize Q4_K: Kiln's packer writes it, gguf reads it back
+        blocks = quantize_blocks(weight, qtype)
+    else:
+        blocks = torch.from_numpy(gguf.quants.quantize(weight.numpy(), kind))
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), kind)).double()
+    return GGUFWeight(qtype, blocks, (n, k)), expected
+
+
+def _tiles(weight: GGUFWeight):
+    """(tiles, tile scales) of a Q4 weight, packed whatever this build runs."""
+    return tiles_module.pack_q4(*cpu_q4_blocks.pack(weight))
+
+
+@pytest.mark.parametrize("qtype,n,k", [("Q4_0", 37, 96), ("Q4_1", 50, 160), ("Q4_K", 19, 512)])
+def test_the_tiles_hold_the_blocks_exact_values(qtype, n, k, native):
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    weight, expected = _weight(qtype, n, k, g)
+    tiles, tile_scales = _tiles(weight)
+    assert tiles.shape[0] == -(-n // 16)  # rows padded to whole tiles
+    matrix = tiles_module.tile_matrix(tiles, tile_scales, n)
+    assert torch.equal(matrix.float().double(), expected)  # d * q + m, one float32 rounding
+    padding = tile_scales.view(tiles.shape[0], -1, 16)[-1, :, n % 16 or 16 :]
+    assert not padding.any()  # rows past N: zero scales
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 17, 33])  # AVX-512: 8 x rows a pass; AVX2: 6
+def test_the_tile_kernel_matches_float64_row_by_row_and_its_tensor_form(qtype, m, native, monkeypatch):
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    n, k = 45, 544  # 17 blocks; 3 tiles, the last one 13 rows (a pass reads a missing second tile)
+    weight, matrix = _weight(qtype, n, k, g)
+    tiles, tile_scales = _tiles(weight)
+    x = torch.randn(m, k, generator=g)
+    y = tiles_module.q4_tiles_gemm(x, tiles, tile_scales, n)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert_close(y, x.double() @ matrix.T, 1e-6, f"{qtype}, {m} rows")
+    alone = torch.cat([tiles_module.q4_tiles_gemm(x[i : i + 1], tiles, tile_scales, n) for i in range(m)])
+    assert torch.equal(y, alone)  # each row's floats whatever shares the call
+    monkeypatch.setitem(tiles_module._state, "loaded", False)  # as where the library cannot be built
+    tensor_y = tiles_module.q4_tiles_gemm(x, tiles, tile_scales, n)
+    monkeypatch.undo()
+    assert_close(y, tensor_y.double(), 1e-6, "against the tensor form")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_nan_in_one_row_of_x_stays_in_that_row(qtype, native):
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    n, k = 40, 96
+    weight, _ = _weight(qtype, n, k, g)
+    tiles, tile_scales = _tiles(weight)
+    x = torch.randn(11, k, generator=g)
+    clean = tiles_module.q4_tiles_gemm(x, tiles, tile_scales, n)
+    x[4, 50] = float("nan")
+    y = tiles_module.q4_tiles_gemm(x, tiles, tile_scales, n)
+    assert torch.isnan(y[4]).all()
+    others = torch.arange(11) != 4
+    assert torch.equal(y[others], clean[others])
+
+
+def test_the_tile_op_refuses_malformed_inputs_by_name(native):
+    g = torch.Generator().manual_seed(5)
+    weight, _ = _weight("Q4_1", 40, 160, g)
+    tiles, tile_scales = _tiles(weight)
+    op, x = torch.ops.kiln_cpu.q4_tiles_gemm, torch.randn(3, 160)
+    with pytest.raises(
+        RuntimeError, match=r"tiles must be uint8 \[ceil\(N / 16\), K / 32 \* 256\] = \[3, 1280\]"
+    ):
+        op(x, tiles[:, :-16].contiguous(), tile_scales, 40)
+    with pytest.raises(RuntimeError, match=r"tiles must be uint8"):
+        op(x, tiles.view(torch.int8), tile_scales, 40)
+    with pytest.raises(RuntimeError, match=r"tile_scales must be float32 \[3, 160\]"):
+        op(x, tiles, tile_scales[:, :-1].contiguous(), 40)
+    with pytest.raises(RuntimeError, match=r"x must be float32 \[M, K\]"):
+        op(x.double(), tiles, tile_scales, 40)
+    with pytest.raises(RuntimeError, match=r"K = 80 must be a multiple of 32"):
+        op(torch.randn(3, 80), tiles, tile_scales, 40)
+    with pytest.raises(RuntimeError, match=r"= \[4, 1280\] for K = 160, N = 50"):
+        op(x, tiles, tile_scales, 50)  # N past the tiles
+
+
+@pytest.mark.parametrize("fmt", ["q4_blocks", "q4_blocks_a8"])
+def test_prepared_linear_hands_the_tile_kernel_the_rows_this_build_gives_it(fmt, native):
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    n, k = 45, 160
+    weight, _ = _weight("Q4_1", n, k, g)
+    prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format=fmt)
+    tiles, tile_scales = prepared.tensors[4:]
+    first, last = native_cpu.blocks_tiles_rows()
+    if first == 0:  # no tile kernel in this build: the layout keeps no tiles
+        assert tiles.numel() == 0 and tile_scales.numel() == 0
+        return
+    assert 1 < first <= native_cpu.blocks_gemm_rows() < last
+    matrix = prepared_matrix(prepared.layout, prepared.tensors)
+    for m in (first - 1, first, last):
+        x = torch.randn(m, k, generator=g)
+        y = torch.full((m, n), float("nan"))
+        y.copy_(kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors))
+        assert_close(y, x.double() @ matrix.T, 1e-6, f"{fmt}, {m} rows")
+        if m >= first:
+            assert torch.equal(y, tiles_module.q4_tiles_gemm(x, tiles, tile_scales, n))
+        else:
+            assert torch.equal(y, cpu_q4_blocks.q4_blocks_gemm(x, *prepared.tensors[:3]))
+    broken = (*prepared.tensors[:4], tiles[:, :-1].contiguous(), tile_scales)
+    with pytest.raises(ValueError, match=rf"{prepared.layout} tiles \(3, 1279\) and tile scales"):
+        kiln.ops.prepared_linear(torch.randn(first, k), prepared.layout, broken)
