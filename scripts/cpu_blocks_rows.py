@@ -4,10 +4,10 @@ time, cache-cold.
 30 layers x (fused QKV 576->960, o_proj 576->576, fused gate/up 576->3072, down 1536->576) as distinct
 random GGUF Q4_1 matrices, and the LM head (49152 x 576) as GGUF Q8_0, each prepared as "q4_blocks" /
 "q8_blocks" and as "fp32" (kiln.ops.gemm.weight_formats) and called through kiln.ops.prepared_linear
-with M rows: up to native_cpu.blocks_gemm_rows() rows the blocks formats run their multi-row kernels
-(q4_blocks_gemm, q8_blocks_gemm) and for native_cpu.blocks_tiles_rows() rows (AVX-512 builds) the Q4
-layers their tile kernel (q4_tiles_gemm), beyond them their float32 copies, as "fp32" always does. Before every
-pass 256 MB are written, so the weights come from memory. Median wall ms over the passes, formats
+with M rows: up to native_cpu.blocks_gemm_rows() rows the blocks formats run their multi-row
+kernels (q4_blocks_gemm, q8_blocks_gemm) and for native_cpu.blocks_tiles_rows() rows (AVX-512 builds)
+the Q4 layers their tile kernel (q4_tiles_gemm), beyond them their float32 copies, as "fp32" does.
+Before every pass 256 MB are written, so the weights come from memory. Median wall ms over the passes, formats
 interleaved; prints one JSON object with the CPU model and ISA flags (kiln.environment.cpu).
 
     OMP_NUM_THREADS=2 python scripts/cpu_blocks_rows.py [--rows 2,4,8,16,32,48,64] [--passes 5]

@@ -310,8 +310,8 @@ def test_a_compiled_batched_step_on_the_blocks_compiles_and_equals_eager(blocks_
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     tokens = {}
     for compiled in (False, True):
-        llm = LLM(path, device="cpu", max_num_seqs=sequences, cpu_format="q4_blocks", lm_head_format="q8_blocks",
-                  compile_cpu_decode=compiled)  # fmt: skip
+        llm = LLM(path, device="cpu", max_num_seqs=sequences, cpu_format="q4_blocks",
+                  lm_head_format="q8_blocks", compile_cpu_decode=compiled)  # fmt: skip
         tokens[compiled] = [out.token_ids for out in llm.generate(prompts, params)]
     assert fallbacks.taken() == []
     (size,) = llm.engine.runner.compiled_decode.compiled_sizes  # one batch bucket, padded up
