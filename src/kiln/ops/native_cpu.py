@@ -85,10 +85,10 @@ ISA_FLAGS = {
 BLOCKS_GEMM_MAX_ROWS = 32
 # AVX-512 builds: BLOCKS_TILES_ROWS (first, last) rows of x run the Q4 layouts' 16-row tile kernel
 # (q4_tiles_gemm, kiln.ops.gemm.cpu_block_tiles), which beats both the row kernel above and oneDNN there
-# (Zen 5, the same measurement: layers 1.09x the row kernel at 16 rows and 1.18x at 32; 1.24x oneDNN at
-# 32 and 1.15x at 64; below 8 rows the row kernel wins). On AVX2 (8-lane) builds it was slower than the
-# row kernel (0.8-0.9x at 8-32 rows), and the Q8_0 head gained nothing from tiles (0.76x the row kernel
-# at 8 rows, even at 16, below oneDNN from 32): neither uses it.
+# (Zen 5, the same measurement: layers 1.07-1.11x the row kernel at 16 rows and 1.19-1.22x at 32;
+# 1.08-1.12x oneDNN at 64, which wins from ~128 rows; below 8 rows the row kernel wins). On AVX2
+# (8-lane) builds it was slower than the row kernel (0.8-0.9x at 8-32 rows), and the Q8_0 head gained
+# nothing from tiles (0.76x the row kernel at 8 rows, even at 16, below oneDNN from 32): neither uses it.
 BLOCKS_TILES_ROWS = (8, 64)
 
 _state: dict = {"loaded": None, "gemm_rows": None, "tiles_rows": None}
