@@ -41,13 +41,12 @@ from kiln.models.llama import DecoderLayer
 from kiln.ops import native_cpu
 from kiln.ops.activation.silu_and_mul.cpu import silu_and_mul_cpu
 from kiln.ops.attention.paged_decode_attention import cpu_native as paged_decode_native
+from kiln.ops.attention.write_kv_cache.cpu import NATIVE_CACHE_DTYPES
 from kiln.ops.gemm.prepared_linear.cpu import KERNELS
 from kiln.ops.gemm.quantized_layouts import run_quantized
 from kiln.ops.registry import env_backend
 
 F32 = torch.float32
-# KV cache dtypes the loop takes: those the native KV write and paged decode both serve
-CACHE_DTYPES = (F32, torch.bfloat16, torch.float16)
 
 # layouts whose one-row kernel FlatDecode calls natively -> (its kind there, how many of the layout's
 # tensors that kernel reads: the blocks' values and scales, before the float32 copy and the tiles)
@@ -107,7 +106,8 @@ def _layer_args(layer, kv_cache) -> _LayerArgs | None:
     if len(kv_cache) < 2 or any(t is not None for t in tuple(kv_cache)[2:]):  # scales, shift, exact copies
         return None
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in CACHE_DTYPES:
+    # the caches the native KV write takes (paged decode's dtypes are checked below)
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in NATIVE_CACHE_DTYPES:
         return None
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         return None

@@ -13,7 +13,6 @@
 
 #include "native_cpu_ops.h"
 
-
 namespace {
 
 void check_data(const char* name, const at::Tensor& t, const at::Tensor& cache) {

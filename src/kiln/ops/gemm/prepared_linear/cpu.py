@@ -131,6 +131,12 @@ def _int8_blocks_onednn(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
+def _tile_rows(rows: int) -> bool:
+    """Whether `rows` rows of x go to the Q4 tile kernel here (native_cpu.blocks_tiles_rows())."""
+    first, last = blocks_tiles_rows()
+    return 0 < first <= rows <= last
+
+
 def _blocks_kernel(gemv, copy_at: int, gemm, tiles: bool = False):
     """The "q4/q8_blocks[_a8]_onednn" kernels: one row through `gemv` on the first `copy_at` tensors
     (the blocks' values and scales); with `tiles` (the Q4 layouts), blocks_tiles_rows() rows through
@@ -139,10 +145,9 @@ def _blocks_kernel(gemv, copy_at: int, gemm, tiles: bool = False):
 
     def run(x, weight, bias, out_dtype):
         rows = x.shape[0]
-        first, last = blocks_tiles_rows()
         if rows == 1:
             y = gemv(x, *weight[:copy_at])
-        elif tiles and 0 < first <= rows <= last:
+        elif tiles and _tile_rows(rows):
             y = q4_tiles_gemm(x, weight[copy_at + 1], weight[copy_at + 2], weight[0].shape[0])
         elif rows <= blocks_gemm_rows():
             y = gemm(x, *weight[:copy_at])
