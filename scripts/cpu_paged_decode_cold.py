@@ -15,31 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 from kiln import environment
+from kiln.loaders.cpu_format_probe import time_call
 from kiln.ops.attention.paged_decode_attention import cpu_native
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def stream_read_gbs(repeats: int = 10) -> float:
     """GB/s of torch.sum over a 256 MB float32 tensor (read once per call)."""
     x = torch.randn(64 * 1024 * 1024)
-    return x.numel() * 4 / _median_seconds(x.sum, repeats) / 1e9
+    return x.numel() * 4 / time_call(x.sum, repeats) / 1e9
 
 
 def layers_case(ctx: int, dtype: torch.dtype, layers: int, sequences: int, repeats: int) -> dict:
@@ -62,7 +51,7 @@ def layers_case(ctx: int, dtype: torch.dtype, layers: int, sequences: int, repea
         for (k, v), q in zip(caches, queries, strict=True):
             cpu_native.paged_decode(q, k, v, tables, lens, HEAD_DIM**-0.5, None)
 
-    seconds = _median_seconds(step, repeats)
+    seconds = time_call(step, repeats)
     read = layers * 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * caches[0][0].element_size()
     return {"context": ctx, "dtype": str(dtype).removeprefix("torch."), "ms": 1e3 * seconds,
             "read_gbs": read / seconds / 1e9, "read_mb": read / 1e6}  # fmt: skip
