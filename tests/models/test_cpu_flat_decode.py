@@ -4,6 +4,7 @@ on a random Llama, on tiny GGUF-block Llamas and on the embedded SmolLM2 GGUF; a
 wherever the loop does not apply."""
 
 import importlib.util
+import logging
 
 import pytest
 import torch
@@ -316,4 +317,65 @@ def test_a_compiled_batched_step_on_the_blocks_compiles_and_equals_eager(blocks_
     assert fallbacks.taken() == []
     (size,) = llm.engine.runner.compiled_decode.compiled_sizes  # one batch bucket, padded up
     assert size >= sequences
+    assert tokens[True] == tokens[False]
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+def test_the_q4_blocks_w8a8_hybrid_runs_its_one_row_steps_in_the_native_call(
+    blocks_gguf, monkeypatch, caplog
+):
+    """ "q4_blocks_w8a8_packed" keeps the Q4 blocks for one row: the native call takes those steps (bit
+    for bit as the Python loop and the modules) and no batched ones (their W8A8 GEMM is not native)."""
+    from kiln.ops.gemm import cpu_w8a8
+
+    if not cpu_w8a8.load():
+        pytest.skip("the native W8A8 op or oneDNN's int8 GEMM is not available here")
+    path = blocks_gguf("q4")
+    with caplog.at_level(logging.WARNING, logger="kiln.loaders.w8a8_smoothing"):
+        loaded = load_model(
+            path, device="cpu", cpu_format="q4_blocks_w8a8", lm_head_format="int8_blocks_w8a8"
+        )
+    # the tiny vocabulary has none of the calibration text's pieces: loaded, unsmoothed, and said so
+    assert "no calibration tokens" in caplog.text
+    assert loaded.model.layers[0].mlp.down_proj.prepared.layout == "q4_blocks_w8a8_packed"
+    engine = _engine(path, loaded)
+    flat = engine.runner.model.flat_decode
+    assert flat is not None and flat.native is not None and flat.max_rows == 1
+    monkeypatch.undo()
+    outputs = _three_ways(path, loaded, monkeypatch)
+    assert outputs["built"] == outputs["python"] == outputs["modules"]
+    batched = _engine(path, loaded)
+    calls = _counting(batched, monkeypatch)
+    _run(batched, [[5, 6, 7], [8, 9, 10, 11]], max_tokens=4)
+    assert calls == []  # two sequences a step: the modules (W8A8), never the flat loop
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+@pytest.mark.parametrize("cpu_format", ["q4_blocks", "q4_blocks_w8a8"])
+def test_compiled_engines_run_one_sequence_steps_in_the_native_call(blocks_gguf, cpu_format, monkeypatch):
+    """With --compile-cpu-decode a one-sequence decode step goes to the native one-call decode (faster
+    than the graph for the same kernels) and steps of more sequences to the compiled graph; the tokens
+    equal an eager engine's."""
+    from kiln import fallbacks
+    from kiln.ops.gemm import cpu_w8a8
+
+    if cpu_format.endswith("w8a8") and not cpu_w8a8.load():
+        pytest.skip("the native W8A8 op or oneDNN's int8 GEMM is not available here")
+    path = blocks_gguf("q4")
+    head = "int8_blocks_w8a8" if cpu_format.endswith("w8a8") else "q8_blocks"
+    fallbacks.clear()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * j + i) % 60 + 2 for j in range(5 + 3 * i)] for i in range(2)]
+    tokens = {}
+    for compiled in (False, True):
+        llm = LLM(path, device="cpu", max_num_seqs=2, cpu_format=cpu_format, lm_head_format=head,
+                  compile_cpu_decode=compiled)  # fmt: skip
+        calls = _counting(llm.engine, monkeypatch)
+        one = [out.token_ids for out in llm.generate(prompts[:1], params)]
+        assert calls == [1] * 5  # every decode step of the single sequence
+        two = [out.token_ids for out in llm.generate(prompts, params)]
+        tokens[compiled] = one + two
+        monkeypatch.undo()
+    assert fallbacks.taken() == []
+    assert llm.engine.runner.compiled_decode.compiled_sizes == {2}  # the two-sequence steps only
     assert tokens[True] == tokens[False]

@@ -206,8 +206,9 @@ def test_int4_cpu_format_keeps_logits_close_and_top_token(hf_model, gguf_weights
     assert out[-1].argmax() == ref[-1].argmax()
 
 
-# W8A8 (cpu formats "int4_w8a8" / "int8_blocks_w8a8" for several rows): x rounds to 255 levels per row
-# (2.5-5.5% relative error per row on this model's activations, whose peaks are 11-30x their rms)
+# W8A8 (cpu formats "int4_w8a8" / "q4_blocks_w8a8" / "int8_blocks_w8a8" for several rows): x rounds to
+# 255 levels per row (2.5-5.5% relative error per row on this model's activations, whose peaks are 11-30x
+# their rms)
 # and the Q4_1 / Q8_0 weights to 255 levels per channel; SmoothQuant at load (what load_model runs)
 # moves the activation peaks into the weights. Measured at the 4 prompts' last positions against HF:
 # unsmoothed 0.058-0.207, smoothed 0.050-0.097 (int4_bf16: 0.014-0.027); on the shipped perplexity
@@ -222,8 +223,9 @@ W8A8_TOL = 1.2e-1
 W8A8_MEAN_KL = 2e-2
 
 
+@pytest.mark.parametrize("cpu_format", ["int4_w8a8", "q4_blocks_w8a8"])
 def test_w8a8_formats_keep_logits_close_and_perplexity_within_5_percent(
-    hf_model, gguf_weights, prompts, kiln_default
+    hf_model, gguf_weights, prompts, kiln_default, cpu_format
 ):
     from kiln.loaders.w8a8_smoothing import smooth_w8a8_linears
     from kiln.ops.gemm import cpu_w8a8
@@ -232,10 +234,8 @@ def test_w8a8_formats_keep_logits_close_and_perplexity_within_5_percent(
     if not cpu_w8a8.load():
         pytest.skip("the native W8A8 op or oneDNN's int8 GEMM is not available here")
     config, weights = gguf_weights
-    model = LlamaForCausalLM(
-        config, weights, cpu_format="int4_w8a8", lm_head_format="int8_blocks_w8a8"
-    ).eval()
-    assert model.layers[0].mlp.gate_up_proj.prepared.layout == "int4_w8a8_packed"
+    model = LlamaForCausalLM(config, weights, cpu_format=cpu_format, lm_head_format="int8_blocks_w8a8").eval()
+    assert model.layers[0].mlp.gate_up_proj.prepared.layout == f"{cpu_format}_packed"
     assert model.lm_head.prepared.layout == "int8_blocks_w8a8_packed"
     refs = [_hf_logits(hf_model, ids)[-1:] for ids in prompts]
 

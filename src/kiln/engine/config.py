@@ -39,7 +39,8 @@ class EngineConfig:
     enforce_eager: skip CUDA-graph capture on CUDA, and the compiled decode step on the CPU.
     compile_cpu_decode: on the CPU, decode through a forward compiled per padded batch size
         (kiln.engine.cpu_compiled_step; each size compiles on its first step: ~2 minutes for SmolLM2
-        from a cold inductor cache, 10-15 s from a warm one).
+        from a cold inductor cache, 10-15 s from a warm one); one-sequence steps that the native
+        one-call decode takes (GGUF-block layouts) run it instead, measured faster.
     cpu_format, lm_head_format: how the loader keeps CPU linear / LM-head weights ("int4",
         "int4_bf16", "int8", "int8_blocks", "q4_blocks", "q4_blocks_a8", "fp16", "bf16", "fp32", ...;
         None = the loader's default), see kiln.ops.gemm.weight_formats.

@@ -7,7 +7,8 @@ verifying k proposed tokens (speculative decoding: its last token plus the k pro
 step's k + 1 queries, attending over its paged cache like a prefill chunk), for all k + 1 of them.
 On CUDA, decode-only steps replay CUDA graphs captured for padded batch sizes 1, 2, 4, 8, 16, 32, 64, ...
 On the CPU with compile_cpu_decode, they run a forward compiled per the same padded sizes
-(kiln.engine.cpu_compiled_step). Each step's phases are timed into `step_times` (kiln.engine.step_times).
+(kiln.engine.cpu_compiled_step), except one-sequence steps that the native one-call decode takes
+(kiln.models.cpu_flat_decode: the same kernels, faster without the graph's per-call work). Each step's phases are timed into `step_times` (kiln.engine.step_times).
 
 One step: prepare (batch -> ModelInputs) -> before_forward hook (tensor parallelism: rank 0
 broadcasts the inputs to the other ranks, which run `execute` on them) -> execute (forward and the
@@ -302,7 +303,12 @@ class ModelRunner:
             if self.graphs is not None and metadata.decode_only and self.graphs.fits(metadata.num_seqs):
                 hidden = self.graphs.run(inputs.input_ids, inputs.positions, metadata)
             compiled = self.compiled_decode
-            if compiled is not None and metadata.decode_only and compiled.fits(metadata.num_seqs):
+            if (
+                compiled is not None
+                and metadata.decode_only
+                and compiled.fits(metadata.num_seqs)
+                and not self._one_row_native(metadata)
+            ):
                 out = compiled.run(inputs.input_ids, inputs.positions, metadata)  # None: it failed
                 if compiled.logits_in_graph:
                     logits = out
@@ -316,6 +322,19 @@ class ModelRunner:
             if len(inputs.sample_rows) != rows.shape[0]:
                 rows = rows[torch.tensor(inputs.sample_rows, device=rows.device)]
             return rows if logits is not None else self.model.compute_logits(rows)
+
+    def _one_row_native(self, metadata) -> bool:
+        """Whether a one-sequence decode step goes to the native one-call decode
+        (kiln.models.cpu_flat_decode) rather than the compiled step: the same kernels without the
+        graph's per-call work (SmolLM2 Q4_1 on a 2-core Zen 5: 3.46 against 4.21 ms a step, and
+        3.52 against 4.26 with cpu_format q4_blocks_w8a8)."""
+        flat = getattr(self.model, "flat_decode", None)
+        return (
+            metadata.num_seqs == 1
+            and flat is not None
+            and flat.native is not None
+            and flat.takes(1, self.kv_caches, metadata)
+        )
 
     @torch.inference_mode()
     def launch(self, inputs: ModelInputs):

@@ -19,7 +19,8 @@ token outside torch.compile (the compiled step traces the modules) unless KILN_B
 implementation.
 
 Where every linear's layout is a GGUF-block one with a native one-row kernel (`NATIVE_LAYOUTS`: the
-embedded model's default q4_blocks / q8_blocks, and their _a8 forms) the whole loop runs as one native
+embedded model's default q4_blocks / q8_blocks, their _a8 forms and q4_blocks_w8a8's blocks, which it
+takes at one row only) the whole loop runs as one native
 call, `torch.classes.kiln_cpu.FlatDecode` (cpu_flat_decode.cpp): the same C++ functions in the same
 order, without the Python and dispatch between them. It also takes batched decode steps (one token of
 each of up to `FlatDecodeLayers.max_rows` sequences: 32, or 64 for Q4 layers on AVX-512 builds), whose linears
@@ -55,8 +56,14 @@ NATIVE_LAYOUTS = {
     "q8_blocks_onednn": (1, 2),
     "q4_blocks_a8_onednn": (2, 3),
     "q8_blocks_a8_onednn": (3, 2),
+    "q4_blocks_w8a8_packed": (0, 3),
 }
+# of those, the ones whose several-row kernel has no native form (W8A8 on an int8 copy): the native call
+# gets their blocks and no tiles, and takes one row
+ONE_ROW_LAYOUTS = ("q4_blocks_w8a8_packed",)
 _NATIVE_KERNELS = {KERNELS[layout]: kind for layout, kind in NATIVE_LAYOUTS.items()}  # the same, by kernel
+_ONE_ROW_KERNELS = tuple(KERNELS[layout] for layout in ONE_ROW_LAYOUTS)
+_NO_TILES = (torch.empty(0, 0, dtype=torch.uint8), torch.empty(0, 0))
 
 
 class _LayerArgs(NamedTuple):
@@ -146,7 +153,10 @@ def _native_decode(args: list[_LayerArgs]):
         tensors += [] if a.qkv_bias is None else [a.qkv_bias]
         for kernel, weight in linears:  # the blocks' tensors, then a Q4 layout's tiles (not the copy)
             blocks = _NATIVE_KERNELS[kernel][1]
-            tensors += [*weight[:blocks], *weight[blocks + 1 :]]
+            tensors += [
+                *weight[:blocks],
+                *(_NO_TILES if kernel in _ONE_ROW_KERNELS else weight[blocks + 1 :]),
+            ]
         ints += [_NATIVE_KERNELS[kernel][0] for kernel, _ in linears]
         ints += [int(a.qkv_bias is not None), a.q_size, a.kv_size, a.heads, a.kv_heads, a.head_dim]
         ints += [native_cpu.blocks_tiles_rows()[0]]
@@ -157,13 +167,13 @@ def _native_decode(args: list[_LayerArgs]):
 def _native_rows(args: list[_LayerArgs]) -> int:
     """The most rows the native call takes: what every linear's several-row kernels take as prepared_linear
     routes them (Q4 layouts up to the tile kernel's last row where this build has it, Q8_0 ones up to
-    native_cpu.blocks_gemm_rows()), so that each row count runs the modules' kernels."""
+    native_cpu.blocks_gemm_rows(); one where a layout is in ONE_ROW_LAYOUTS), so that each row count runs
+    the modules' kernels."""
+    kernels = [k for a in args for k in (a.qkv_kernel, a.o_kernel, a.gate_up_kernel, a.down_kernel)]
+    if any(kernel in _ONE_ROW_KERNELS for kernel in kernels):
+        return 1
     q4_kinds = {kind for layout, (kind, _) in NATIVE_LAYOUTS.items() if layout.startswith("q4")}
-    q4 = all(
-        _NATIVE_KERNELS[kernel][0] in q4_kinds
-        for a in args
-        for kernel in (a.qkv_kernel, a.o_kernel, a.gate_up_kernel, a.down_kernel)
-    )
+    q4 = all(_NATIVE_KERNELS[kernel][0] in q4_kinds for kernel in kernels)
     return max(native_cpu.blocks_gemm_rows(), native_cpu.blocks_tiles_rows()[1] if q4 else 0)
 
 
@@ -202,11 +212,13 @@ class FlatDecodeLayers:
         native call, up to `max_rows`: the rows its multi-row kernels take), eager,
         on the caches the loop was built with, no implementation forced by KILN_BACKEND (the modules
         honour it; the loop calls the CPU kernels)."""
-        rows = hidden.shape[0]
+        return hidden.dtype == F32 and self.takes(hidden.shape[0], kv_caches, attn_metadata)
+
+    def takes(self, rows: int, kv_caches, attn_metadata) -> bool:
+        """`applies` for a step of `rows` float32 tokens (the engine asks before choosing its path)."""
         return (
             rows <= self.max_rows
             and env_backend() is None
-            and hidden.dtype == F32
             and attn_metadata.decode_only
             and attn_metadata.exact_block_tables is None
             and kv_caches is self.kv_caches

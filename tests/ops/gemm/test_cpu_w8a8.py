@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kiln.ops
-from kiln.ops.gemm import cpu_q8_blocks, cpu_w8a8, weight_formats
+from kiln.ops.gemm import cpu_q4_blocks, cpu_q8_blocks, cpu_w8a8, weight_formats
 from kiln.ops.gemm.prepared_linear.spec import prepared_linear_reference
 from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix, w8a8_matrix
 from kiln.quant import quantize_blocks
@@ -153,6 +153,55 @@ def test_int8_blocks_w8a8_keeps_the_q8_0_values_for_one_row():
     assert_close(kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors), exact, 1e-6, "one row")
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_q4_blocks_w8a8_runs_the_exact_blocks_at_one_row_and_an_int8_copy_of_them_beyond(qtype):
+    g = torch.Generator().manual_seed(9)
+    k = 256 if qtype == "Q4_K" else 96
+    weight = _gguf(qtype, 40, k, g)
+    prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q4_blocks_w8a8")
+    assert prepared.layout == "q4_blocks_w8a8_packed" and prepared.kind == "q4_blocks"
+    blocks = cpu_q4_blocks.pack(weight)
+    assert all(torch.equal(a, b) for a, b in zip(prepared.tensors[:3], blocks, strict=True))
+    exact = weight.dequantize(torch.float64)
+    assert torch.equal(prepared_matrix(prepared.layout, prepared.tensors), exact)
+    x = torch.randn(1, k, generator=g)
+    one = kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors)
+    assert_close(one, x.double() @ exact.T, 1e-6, "one row")
+    q4 = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q4_blocks")
+    assert torch.equal(one, kiln.ops.prepared_linear(x, q4.layout, q4.tensors))  # the same kernel
+    # several rows: the blocks' exact matrix (not int4's bf16-rounded one) requantized per channel
+    values, scale = cpu_w8a8.quantize_per_channel(exact.float())
+    assert torch.equal(
+        w8a8_matrix(prepared.layout, prepared.tensors), values.double() * scale.double()[:, None]
+    )
+    rows = torch.randn(6, k, generator=g)
+    out = kiln.ops.prepared_linear(rows, prepared.layout, prepared.tensors)
+    ref = prepared_linear_reference(rows.double(), prepared.layout, list(prepared.tensors))
+    assert_close(out, ref, 1e-6, "q4_blocks_w8a8, 6 rows")
+    assert_close(out, rows.double() @ exact.T, 0.05, "q4_blocks_w8a8 against the exact matrix")
+
+
+def test_q4_blocks_w8a8_gives_other_weights_the_plain_w8a8_layout():
+    g = torch.Generator().manual_seed(10)
+    prepared = prepare_linear_weight(_gguf("Q8_0", 32, 64, g), device=CPU, dtype=torch.float32,
+                                     cpu_format="q4_blocks_w8a8")  # fmt: skip
+    assert prepared.layout == "w8a8_packed"
+
+
+def test_q4_blocks_w8a8_is_refused_with_malformed_blocks():
+    g = torch.Generator().manual_seed(11)
+    prepared = prepare_linear_weight(_gguf("Q4_1", 32, 64, g), device=CPU, dtype=torch.float32,
+                                     cpu_format="q4_blocks_w8a8")  # fmt: skip
+    bad = list(prepared.tensors)
+    bad[1] = bad[1][:, :1]  # one scale a row for two blocks
+    with pytest.raises(ValueError, match="q4_blocks_w8a8_packed nibbles"):
+        kiln.ops.prepared_linear(torch.randn(1, 64), prepared.layout, bad)
+    bad = list(prepared.tensors)
+    bad[0] = bad[0].to(torch.int8)
+    with pytest.raises(ValueError, match="weight\\[0\\]"):
+        kiln.ops.prepared_linear(torch.randn(2, 64), prepared.layout, bad)
+
+
 def test_amx_tiles_hold_each_value_where_tdpbssd_reads_it():
     """Known answer for to_tiles: element [g, s, j, r, 4c + i] is W[64g + 16j + c, 64s + 4r + i], with the
     padding zero, and values() unpermutes it (runs without AMX: a layout, not the kernel)."""
@@ -195,8 +244,11 @@ def test_unavailable_op_falls_back_to_the_bf16_formats_and_says_so(monkeypatch, 
                                       cpu_format="w8a8")  # fmt: skip
         hybrid = prepare_linear_weight(_gguf("Q4_1", 32, 64, g), device=CPU, dtype=torch.float32,
                                        cpu_format="int4_w8a8")  # fmt: skip
+        blocks = prepare_linear_weight(_gguf("Q4_1", 32, 64, g), device=CPU, dtype=torch.float32,
+                                       cpu_format="q4_blocks_w8a8")  # fmt: skip
     assert "w8a8" not in plain.layout and "w8a8" not in hybrid.layout
     assert hybrid.kind == "int4"
+    assert blocks.layout == "q4_blocks_onednn"  # the exact blocks alone
     assert "not available here; using 'bf16'" in caplog.text
     assert "using 'int4_bf16'" in caplog.text
     weight_formats._log_w8a8_unavailable.cache_clear()

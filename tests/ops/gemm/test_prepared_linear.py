@@ -48,12 +48,12 @@ def test_the_fuzz_shapes_reach_every_cpu_layout_with_one_and_several_rows():
     shapes = PREPARED_LINEAR.fuzz_shapes(random.Random(0))
     assert _layouts_made_by_fuzz_shapes(torch.float32) >= {"onednn", "fp16_onednn", "int4", "int8_weight"}
     formats = ("fp32", "fp16", "bf16", "int4", "int4_bf16", "int8", "int8_blocks", "q4_blocks", "q8_blocks")
-    for fmt in (*formats, "w8a8", "int4_w8a8", "int8_blocks_w8a8"):
+    for fmt in (*formats, "w8a8", "int4_w8a8", "int8_blocks_w8a8", "q4_blocks_w8a8"):
         rows = {s["M"] > 1 for s in shapes if s["format"] == fmt}
         assert rows == {False, True}, fmt
     assert {s["source"] for s in shapes if s["format"] == "int4"} == {"Q4_0", "Q4_1", "Q4_K"}
     if cpu_w8a8.load():
-        w8a8_layouts = {"w8a8_packed", "int4_w8a8_packed", "int8_blocks_w8a8_packed"}
+        w8a8_layouts = {"w8a8_packed", "int4_w8a8_packed", "int8_blocks_w8a8_packed", "q4_blocks_w8a8_packed"}
         assert _layouts_made_by_fuzz_shapes(torch.float32) >= w8a8_layouts
     assert _layouts_made_by_fuzz_shapes(torch.float32) >= {"gguf_Q5_K"}  # cpu_format "gguf"
     assert _layouts_made_by_fuzz_shapes(torch.float32) >= {"q4_blocks_onednn", "q8_blocks_onednn"}
@@ -251,6 +251,7 @@ def test_int8_keeps_in_features_the_kernel_cannot_take_in_fp16_and_refuses_them_
         ("w8a8", "float"),
         ("int4_w8a8", "Q4_1"),
         ("int8_blocks_w8a8", "Q8_0"),
+        ("q4_blocks_w8a8", "Q4_1"),
         ("q4_blocks", "Q4_1"),
         ("q8_blocks", "Q8_0"),
     ],

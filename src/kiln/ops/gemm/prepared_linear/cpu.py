@@ -22,8 +22,8 @@
   "int8_blocks_onednn"  one row: as "q8_blocks_onednn"; several rows: oneDNN's bf16 GEMM on the copy;
   "w8a8_packed"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, Kiln's AMX tile kernel
                  or oneDNN's int8 GEMM (one native op);
-  "int4_w8a8_packed", "int8_blocks_w8a8_packed"  one row: as "int4" / "int8_blocks_onednn"; several
-                 rows: W8A8 on the int8 copy;
+  "int4_w8a8_packed", "int8_blocks_w8a8_packed", "q4_blocks_w8a8_packed"  one row: as "int4" /
+                 "int8_blocks_onednn" / "q4_blocks_onednn"; several rows: W8A8 on the int8 copy;
   "int8_weight"  PyTorch's weight-only int8 CPU matmul (per-channel bf16 scales, bfloat16
                  activations); the bias is added in float32;
   "dense"        F.linear in the matrix's dtype;
@@ -160,12 +160,15 @@ def _blocks_kernel(gemv, copy_at: int, gemm, tiles: bool = False):
     return run
 
 
+_q4_blocks_onednn = _blocks_kernel(q4_blocks_gemv, 3, q4_blocks_gemm, tiles=True)
+
+
 def _w8a8(x, weight, bias, out_dtype):
     return w8a8_linear(x, weight[0], weight[1], weight[2], weight[3], bias, out_dtype)
 
 
 # The hybrids hand each call to the kernel of the layout whose tensors it reads: "int4" / the one-row
-# branch of "int8_blocks_onednn" (which reads only the values and scales) / "w8a8_packed".
+# branch of "int8_blocks_onednn" or "q4_blocks_onednn" (which read only the blocks) / "w8a8_packed".
 
 
 def _int4_w8a8(x, weight, bias, out_dtype):
@@ -178,6 +181,12 @@ def _int8_blocks_w8a8(x, weight, bias, out_dtype):
     if x.shape[0] != 1:
         return _w8a8(x, weight[2:], bias, out_dtype)
     return _int8_blocks_onednn(x, weight[:2], bias, out_dtype)
+
+
+def _q4_blocks_w8a8(x, weight, bias, out_dtype):
+    if x.shape[0] != 1:
+        return _w8a8(x, weight[3:], bias, out_dtype)
+    return _q4_blocks_onednn(x, weight[:3], bias, out_dtype)
 
 
 def _gguf(qtype):
@@ -196,13 +205,14 @@ KERNELS = {
     "int4_onednn": _int4_onednn,
     "int8_weight": _int8_weight,
     "int8_blocks_onednn": _int8_blocks_onednn,
-    "q4_blocks_onednn": _blocks_kernel(q4_blocks_gemv, 3, q4_blocks_gemm, tiles=True),
+    "q4_blocks_onednn": _q4_blocks_onednn,
     "q8_blocks_onednn": _blocks_kernel(int8_blocks_gemv, 2, q8_blocks_gemm),
     "q4_blocks_a8_onednn": _blocks_kernel(q4_blocks_a8_gemv, 3, q4_blocks_gemm, tiles=True),
     "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2, q8_blocks_gemm),
     "w8a8_packed": _w8a8,
     "int4_w8a8_packed": _int4_w8a8,
     "int8_blocks_w8a8_packed": _int8_blocks_w8a8,
+    "q4_blocks_w8a8_packed": _q4_blocks_w8a8,
     **{layout: _gguf(qtype) for layout, qtype in GGUF_LAYOUTS.items()},
     **dict.fromkeys(QUANTIZED_LAYOUTS, run_quantized),
 }

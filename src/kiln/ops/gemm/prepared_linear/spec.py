@@ -6,7 +6,7 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
     layout:    a PreparedLinearWeight's layout ("dense", "onednn", "fp16_onednn", "fp16_rows", "int4",
                "int4_onednn", "int4_w8a8_packed", "w8a8_packed", "int8_weight", "int8_blocks_onednn",
                "int8_blocks_w8a8_packed", "q4_blocks_onednn", "q8_blocks_onednn", "q4_blocks_a8_onednn",
-               "q8_blocks_a8_onednn", "gguf_<qtype>" for
+               "q8_blocks_a8_onednn", "q4_blocks_w8a8_packed", "gguf_<qtype>" for
                the GGUF block types of kiln.ops.gguf_linear; the quantized checkpoint layouts of
                kiln.ops.gemm.quantized_layouts: "fp8_dynamic", "fp8_static", "int8_dynamic",
                "int8_static", "w4a16_g<gs>[_perm]", "fp8_block<bn>x<bk>")
@@ -99,7 +99,11 @@ def _in_features(layout: str, weight) -> int | None:
         return weight[3].shape[0]  # smooth [K]
     if layout in GGUF_LAYOUTS or layout in W4A16_LAYOUTS:
         return None  # validate_gguf_weight / _validate_w4a16 check the packing against x
-    if layout in SPARSE24_LAYOUTS or layout in ("q4_blocks_onednn", "q4_blocks_a8_onednn"):
+    if layout in SPARSE24_LAYOUTS or layout in (
+        "q4_blocks_onednn",
+        "q4_blocks_a8_onednn",
+        "q4_blocks_w8a8_packed",
+    ):
         return 2 * weight[0].shape[1]  # values / nibbles [N, K/2]
     return weight[0].shape[1]
 
@@ -231,6 +235,21 @@ def _validate_w8a8(op, layout, weight, device) -> None:
             raise ValueError(
                 f"{op}: {layout} values [{n}, {k}] and scales {tuple(weight[1].shape)}, expected "
                 f"scales [{n}, {k // INT8_BLOCK_SIZE}] (one per {INT8_BLOCK_SIZE})"
+            )
+        expected = (k, n)
+    elif layout == "q4_blocks_w8a8_packed":
+        for i, dtype in enumerate((torch.uint8, torch.float32, torch.float32)):
+            check_tensor(op, f"weight[{i}]", weight[i], ndim=2, dtypes=(dtype,), device=device)
+        n, k = weight[0].shape[0], 2 * weight[0].shape[1]
+        groups = k // INT4_GROUP_SIZE
+        if (
+            k % INT4_GROUP_SIZE
+            or tuple(weight[1].shape) != (n, groups)
+            or tuple(weight[2].shape) != (n, groups)
+        ):
+            raise ValueError(
+                f"{op}: {layout} nibbles [{n}, {k // 2}], scales {tuple(weight[1].shape)} and mins "
+                f"{tuple(weight[2].shape)}, expected scales and mins ({n}, {groups})"
             )
         expected = (k, n)
     else:
@@ -439,6 +458,9 @@ _FUZZ_FORMATS = (
     ("w8a8", "float"),  # "w8a8_packed" where the native op and an int8 GEMM run here, else bf16
     ("int4_w8a8", "Q4_1"),  # "int4_w8a8_packed" (same fallback: "int4_onednn" / "int4")
     ("int8_blocks_w8a8", "Q8_0"),  # "int8_blocks_w8a8_packed" (fallback "int8_blocks_onednn")
+    ("q4_blocks_w8a8", "Q4_1"),  # "q4_blocks_w8a8_packed" (fallback "q4_blocks_onednn")
+    ("q4_blocks_w8a8", "Q4_K"),
+    ("q4_blocks_w8a8", "Q8_0"),  # not a Q4 type: "w8a8_packed"
     ("q4_blocks", "Q4_0"),  # "q4_blocks_onednn" where oneDNN packs float32 here, else "onednn" / "dense"
     ("q4_blocks", "Q4_1"),
     ("q4_blocks", "Q4_K"),
@@ -536,7 +558,8 @@ def _weight_bytes(shape) -> float:
         return N * K * 2
     if fmt == "int8":
         return N * K + N * 2
-    if fmt in ("q4_blocks", "q4_blocks_a8") and shape["source"] in INT4_QTYPES:  # 1 row: nibbles, d, m
+    q4_blocks = fmt in ("q4_blocks", "q4_blocks_a8", "q4_blocks_w8a8") and shape["source"] in INT4_QTYPES
+    if q4_blocks:  # one row: the nibbles and a float32 d and m per 32
         return N * K / 2 + N * K / 32 * 8 if shape["M"] == 1 else N * K * 4
     if fmt in ("int8_blocks", "int8_blocks_w8a8"):  # one row: the values and a float32 scale per 32
         return N * K + N * K / 32 * 4 if shape["M"] == 1 else N * K * 2
@@ -566,7 +589,7 @@ def _torch_linear_fp32(x, layout, weight, bias=None, out_dtype=None):
 _BENCH_FORMATS = (
     ("fp32", "float"), ("fp16", "float"), ("bf16", "float"),
     ("int4", "Q4_1"), ("int4_bf16", "Q4_1"), ("int4_w8a8", "Q4_1"), ("int8", "Q4_1"), ("w8a8", "float"),
-    ("q4_blocks", "Q4_1"), ("q4_blocks_a8", "Q4_1"),
+    ("q4_blocks", "Q4_1"), ("q4_blocks_a8", "Q4_1"), ("q4_blocks_w8a8", "Q4_1"),
 )  # fmt: skip
 
 PREPARED_LINEAR = OpSpec(
