@@ -8,7 +8,8 @@ step's k + 1 queries, attending over its paged cache like a prefill chunk), for 
 On CUDA, decode-only steps replay CUDA graphs captured for padded batch sizes 1, 2, 4, 8, 16, 32, 64, ...
 On the CPU with compile_cpu_decode, they run a forward compiled per the same padded sizes
 (kiln.engine.cpu_compiled_step), except one-sequence steps that the native one-call decode takes
-(kiln.models.cpu_flat_decode: the same kernels, faster without the graph's per-call work). Each step's phases are timed into `step_times` (kiln.engine.step_times).
+(kiln.models.cpu_flat_decode: the same kernels, faster without the graph's per-call work). Each
+step's phases are timed into `step_times` (kiln.engine.step_times).
 
 One step: prepare (batch -> ModelInputs) -> before_forward hook (tensor parallelism: rank 0
 broadcasts the inputs to the other ranks, which run `execute` on them) -> execute (forward and the
