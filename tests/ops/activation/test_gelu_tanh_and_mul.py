@@ -97,3 +97,19 @@ def test_gelu_tanh_cpu_path_keeps_float64_inputs_in_float64():
     out = GELU_TANH_AND_MUL.implementation("cpu").fn(x)
     assert out.dtype == torch.float64
     assert_close(out, _textbook(x), 1e-12, "float64 input")
+
+
+def test_the_float64_reference_has_no_cancellation_in_the_negative_tail():
+    """The verifier's reference (what every backend is checked against) against 200-digit arithmetic:
+    F.gelu(approximate="tanh") in float64 is 1.5e-4 off at a gate of -6.5 (1 + tanh(z) cancels), which
+    failed a correct float32 kernel's single-element case."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 200  # 1 + tanh(z) is ~1e-62 at a gate of -12
+    gate = [-6.5005, -12.0, -3.0, -0.5, 2.0]
+    x = torch.tensor([gate + [1.5] * len(gate)], dtype=torch.float64)
+    ref = GELU_TANH_AND_MUL.reference(x)[0]
+    for i, a in enumerate(gate):
+        a = mpmath.mpf(a)
+        z = mpmath.sqrt(2 / mpmath.pi) * (a + mpmath.mpf("0.044715") * a**3)
+        exact = 0.5 * a * (1 + mpmath.tanh(z)) * 1.5
+        assert abs((mpmath.mpf(ref[i].item()) - exact) / exact) < 1e-12, (gate[i], ref[i].item(), exact)

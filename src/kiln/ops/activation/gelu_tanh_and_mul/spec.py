@@ -26,9 +26,14 @@ from kiln.ops.testing import compute_dtype
 
 
 def gelu_tanh_and_mul_reference(x):
+    """In float64 (compute_dtype), with 0.5 (1 + tanh(z)) as sigmoid(2 z): the same function, but
+    F.gelu(approximate="tanh") forms 1 + tanh(z), which cancels for z << 0 even in float64 (1.5e-4
+    relative at a gate of -6.5, against 1e-15 this way, both checked with 50-digit mpmath)."""
     xf = x.to(compute_dtype(x.dtype))
     d = x.shape[-1] // 2
-    return (torch.nn.functional.gelu(xf[..., :d], approximate="tanh") * xf[..., d:]).to(x.dtype)
+    gate, up = xf[..., :d], xf[..., d:]
+    z2 = 2 * (2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)
+    return (gate * torch.sigmoid(z2) * up).to(x.dtype)
 
 
 def validate_gelu_tanh_and_mul(x) -> None:
