@@ -321,12 +321,11 @@ def test_a_compiled_batched_step_on_the_blocks_compiles_and_equals_eager(blocks_
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
-def test_the_q4_blocks_w8a8_hybrid_runs_its_one_row_steps_in_the_native_call(
-    blocks_gguf, monkeypatch, caplog
-):
-    """ "q4_blocks_w8a8_packed" keeps the Q4 blocks for one row: the native call takes those steps (bit
-    for bit as the Python loop and the modules) and no batched ones (their W8A8 GEMM is not native)."""
+def test_the_q4_blocks_w8a8_hybrid_runs_its_exact_rows_in_the_native_call(blocks_gguf, monkeypatch, caplog):
+    """ "q4_blocks_w8a8_packed" keeps the Q4 blocks for up to weight_formats.exact_rows rows: the native call
+    takes those steps (bit for bit as the Python loop and the modules) and no more (W8A8 is not native)."""
     from kiln.ops.gemm import cpu_w8a8
+    from kiln.ops.gemm.weight_formats import exact_rows
 
     if not cpu_w8a8.load():
         pytest.skip("the native W8A8 op or oneDNN's int8 GEMM is not available here")
@@ -337,17 +336,26 @@ def test_the_q4_blocks_w8a8_hybrid_runs_its_one_row_steps_in_the_native_call(
         )
     # the tiny vocabulary has none of the calibration text's pieces: loaded, unsmoothed, and said so
     assert "no calibration tokens" in caplog.text
-    assert loaded.model.layers[0].mlp.down_proj.prepared.layout == "q4_blocks_w8a8_packed"
-    engine = _engine(path, loaded)
-    flat = engine.runner.model.flat_decode
-    assert flat is not None and flat.native is not None and flat.max_rows == 1
-    monkeypatch.undo()
+    prepared = loaded.model.layers[0].mlp.down_proj.prepared
+    assert prepared.layout == "q4_blocks_w8a8_packed"
+    rows = exact_rows(prepared.layout, prepared.tensors)
     outputs = _three_ways(path, loaded, monkeypatch)
     assert outputs["built"] == outputs["python"] == outputs["modules"]
-    batched = _engine(path, loaded)
-    calls = _counting(batched, monkeypatch)
-    _run(batched, [[5, 6, 7], [8, 9, 10, 11]], max_tokens=4)
-    assert calls == []  # two sequences a step: the modules (W8A8), never the flat loop
+    monkeypatch.undo()
+    engine = _engine(path, loaded, max_num_seqs=rows + 1)  # (the model's flat loop follows its last engine)
+    flat = engine.runner.model.flat_decode
+    assert flat is not None and flat.native is not None and flat.max_rows == rows
+    if rows > 1:  # batched steps within exact_rows: native, the modules' floats
+        prompts = [[(5 * j + i) % 60 + 2 for j in range(4 + i)] for i in range(2)]
+        calls = _counting(engine, monkeypatch)
+        native = _run(engine, prompts, max_tokens=4)
+        assert 2 in calls
+        loaded.model.flat_decode = None
+        assert _run(engine, prompts, max_tokens=4) == native
+    loaded.model.flat_decode = flat
+    calls = _counting(engine, monkeypatch)
+    _run(engine, [[(3 * j + i) % 60 + 2 for j in range(3 + i)] for i in range(rows + 1)], max_tokens=4)
+    assert rows + 1 not in calls  # more rows than the blocks serve: the modules (W8A8)
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")

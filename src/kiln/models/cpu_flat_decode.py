@@ -19,8 +19,8 @@ token outside torch.compile (the compiled step traces the modules) unless KILN_B
 implementation.
 
 Where every linear's layout is a GGUF-block one with a native one-row kernel (`NATIVE_LAYOUTS`: the
-embedded model's default q4_blocks / q8_blocks, their _a8 forms and q4_blocks_w8a8's blocks, which it
-takes at one row only) the whole loop runs as one native
+embedded model's default q4_blocks / q8_blocks, their _a8 forms and q4_blocks_w8a8's blocks, up to
+the rows its blocks serve) the whole loop runs as one native
 call, `torch.classes.kiln_cpu.FlatDecode` (cpu_flat_decode.cpp): the same C++ functions in the same
 order, without the Python and dispatch between them. It also takes batched decode steps (one token of
 each of up to `FlatDecodeLayers.max_rows` sequences: 32, or 64 for Q4 layers on AVX-512 builds), whose linears
@@ -45,6 +45,7 @@ from kiln.ops.attention.paged_decode_attention import cpu_native as paged_decode
 from kiln.ops.attention.write_kv_cache.cpu import NATIVE_CACHE_DTYPES
 from kiln.ops.gemm.prepared_linear.cpu import KERNELS
 from kiln.ops.gemm.quantized_layouts import run_quantized
+from kiln.ops.gemm.weight_formats import exact_rows
 from kiln.ops.registry import env_backend
 
 F32 = torch.float32
@@ -58,11 +59,11 @@ NATIVE_LAYOUTS = {
     "q8_blocks_a8_onednn": (3, 2),
     "q4_blocks_w8a8_packed": (0, 3),
 }
-# of those, the ones whose several-row kernel has no native form (W8A8 on an int8 copy): the native call
-# gets their blocks and no tiles, and takes one row
-ONE_ROW_LAYOUTS = ("q4_blocks_w8a8_packed",)
+# of those, the W8A8 hybrids: their rows beyond weight_formats.exact_rows run W8A8, which has no native
+# form here, so the native call gets their blocks and no tiles, and takes up to exact_rows rows
+HYBRID_LAYOUTS = ("q4_blocks_w8a8_packed",)
 _NATIVE_KERNELS = {KERNELS[layout]: kind for layout, kind in NATIVE_LAYOUTS.items()}  # the same, by kernel
-_ONE_ROW_KERNELS = tuple(KERNELS[layout] for layout in ONE_ROW_LAYOUTS)
+_HYBRID_KERNELS = {KERNELS[layout]: layout for layout in HYBRID_LAYOUTS}
 _NO_TILES = (torch.empty(0, 0, dtype=torch.uint8), torch.empty(0, 0))
 
 
@@ -155,11 +156,12 @@ def _native_decode(args: list[_LayerArgs]):
             blocks = _NATIVE_KERNELS[kernel][1]
             tensors += [
                 *weight[:blocks],
-                *(_NO_TILES if kernel in _ONE_ROW_KERNELS else weight[blocks + 1 :]),
+                *(_NO_TILES if kernel in _HYBRID_KERNELS else weight[blocks + 1 :]),
             ]
         ints += [_NATIVE_KERNELS[kernel][0] for kernel, _ in linears]
         ints += [int(a.qkv_bias is not None), a.q_size, a.kv_size, a.heads, a.kv_heads, a.head_dim]
-        ints += [native_cpu.blocks_tiles_rows()[0]]
+        hybrid = any(kernel in _HYBRID_KERNELS for kernel, _ in linears)
+        ints += [0 if hybrid else native_cpu.blocks_tiles_rows()[0]]  # a hybrid's layer: never the tiles
         floats += [float(a.eps), float(a.scale)]
     return torch.classes.kiln_cpu.FlatDecode(tensors, ints, floats)
 
@@ -167,11 +169,18 @@ def _native_decode(args: list[_LayerArgs]):
 def _native_rows(args: list[_LayerArgs]) -> int:
     """The most rows the native call takes: what every linear's several-row kernels take as prepared_linear
     routes them (Q4 layouts up to the tile kernel's last row where this build has it, Q8_0 ones up to
-    native_cpu.blocks_gemm_rows(); one where a layout is in ONE_ROW_LAYOUTS), so that each row count runs
+    native_cpu.blocks_gemm_rows(); a HYBRID_LAYOUTS one up to its exact_rows), so that each row count runs
     the modules' kernels."""
-    kernels = [k for a in args for k in (a.qkv_kernel, a.o_kernel, a.gate_up_kernel, a.down_kernel)]
-    if any(kernel in _ONE_ROW_KERNELS for kernel in kernels):
-        return 1
+    linears = [
+        pair
+        for a in args
+        for pair in ((a.qkv_kernel, a.qkv_w), (a.o_kernel, a.o_w), (a.gate_up_kernel, a.gate_up_w),
+                     (a.down_kernel, a.down_w))
+    ]  # fmt: skip
+    kernels = [kernel for kernel, _ in linears]
+    hybrid = [exact_rows(_HYBRID_KERNELS[k], w) for k, w in linears if k in _HYBRID_KERNELS]
+    if hybrid:
+        return min(hybrid)
     q4_kinds = {kind for layout, (kind, _) in NATIVE_LAYOUTS.items() if layout.startswith("q4")}
     q4 = all(_NATIVE_KERNELS[kernel][0] in q4_kinds for kernel in kernels)
     return max(native_cpu.blocks_gemm_rows(), native_cpu.blocks_tiles_rows()[1] if q4 else 0)

@@ -16,7 +16,7 @@ import torch
 import kiln.ops
 from kiln.ops.gemm import cpu_q4_blocks, cpu_q8_blocks, cpu_w8a8, weight_formats
 from kiln.ops.gemm.prepared_linear.spec import prepared_linear_reference
-from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix, w8a8_matrix
+from kiln.ops.gemm.weight_formats import exact_rows, prepare_linear_weight, prepared_matrix, w8a8_matrix
 from kiln.quant import quantize_blocks
 from kiln.quant.gguf_blocks import GGUFWeight
 from kiln.verify import assert_close
@@ -174,11 +174,20 @@ def test_q4_blocks_w8a8_runs_the_exact_blocks_at_one_row_and_an_int8_copy_of_the
     assert torch.equal(
         w8a8_matrix(prepared.layout, prepared.tensors), values.double() * scale.double()[:, None]
     )
-    rows = torch.randn(6, k, generator=g)
+    # up to exact_rows rows (this host's copy is not AMX tiles): the blocks' row kernel, exact
+    few = exact_rows(prepared.layout, prepared.tensors)
+    assert few == (1 if prepared.tensors[3].dim() == 5 else weight_formats.Q4_W8A8_EXACT_ROWS)
+    rows = torch.randn(few + 2, k, generator=g)
+    if few > 1:
+        out = kiln.ops.prepared_linear(rows[:few], prepared.layout, prepared.tensors)
+        assert torch.equal(out, cpu_q4_blocks.q4_blocks_gemm(rows[:few], *blocks))
+        assert_close(out, rows[:few].double() @ exact.T, 1e-6, f"{few} rows")
+    # more: W8A8 on the int8 copy
     out = kiln.ops.prepared_linear(rows, prepared.layout, prepared.tensors)
     ref = prepared_linear_reference(rows.double(), prepared.layout, list(prepared.tensors))
-    assert_close(out, ref, 1e-6, "q4_blocks_w8a8, 6 rows")
+    assert_close(out, ref, 1e-6, f"q4_blocks_w8a8, {few + 2} rows")
     assert_close(out, rows.double() @ exact.T, 0.05, "q4_blocks_w8a8 against the exact matrix")
+    assert not torch.allclose(out.double(), rows.double() @ exact.T, rtol=0, atol=1e-4)  # not the blocks
 
 
 def test_q4_blocks_w8a8_gives_other_weights_the_plain_w8a8_layout():

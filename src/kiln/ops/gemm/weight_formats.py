@@ -41,9 +41,9 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      "w8a8_packed"'s four of the same matrix]    W8A8 on the int8 copy
     "int8_blocks_w8a8_packed"  [Q8_0's values and scales as in   1 row: int8_blocks_gemv (exact); more
                      "int8_blocks_onednn", then "w8a8_packed"'s] rows: W8A8 on the int8 copy
-    "q4_blocks_w8a8_packed"  [the Q4 blocks' nibbles, d and m    1 row: q4_blocks_gemv (exact); more rows:
-                     as in "q4_blocks_onednn", then              W8A8 on the int8 copy
-                     "w8a8_packed"'s four]
+    "q4_blocks_w8a8_packed"  [the Q4 blocks' nibbles, d and m    1 row: q4_blocks_gemv, up to exact_rows()
+                     as in "q4_blocks_onednn", then              (7) q4_blocks_gemm (exact); more rows:
+                     "w8a8_packed"'s four]                       W8A8 on the int8 copy
     "gguf_<qtype>"  [uint8 blocks [N, row_bytes] as in the file] kiln.ops.gguf_linear
                     (qtype Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)
     "fp8_*", "int8_*", "w4a16_*", "fp8_block*", "sparse24": quantized checkpoint weights
@@ -112,9 +112,10 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     ("int4_w8a8_packed", "int8_blocks_w8a8_packed"): one-row steps keep their int4 / exact Q8_0
     kernels, batched decode reads half the bytes of bf16 (SmolLM2 at 16 sequences on the 2-core Xeon
     with AMX this project measures on: 2.0x vLLM-CPU's throughput); other weights get "w8a8_packed".
-    "q4_blocks_w8a8" is the same for GGUF Q4_0 / Q4_1 / Q4_K weights with the "q4_blocks" kernel at one
-    row ("q4_blocks_w8a8_packed": exact, and faster than the int4 kernel there; the int8 copy is made
-    from the blocks' exact values, not int4's bf16-rounded ones). Where the native op cannot be built
+    "q4_blocks_w8a8" is the same for GGUF Q4_0 / Q4_1 / Q4_K weights with the "q4_blocks" kernels up
+    to Q4_W8A8_EXACT_ROWS rows ("q4_blocks_w8a8_packed": exact, and faster than the int4 kernel at one
+    row and than W8A8 up to there; the int8 copy is made from the blocks' exact values, not int4's
+    bf16-rounded ones). Where the native op cannot be built
     or neither int8 GEMM runs, these formats fall back to "int4_bf16" / "int8_blocks" / "q4_blocks" /
     "bf16" (logged);
   - CPU, "int8", any weight with in-features a multiple of 16 (GGUF blocks and dequantized checkpoint
@@ -147,6 +148,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.ops import native_cpu
 from kiln.ops.gemm import cpu_block_tiles, cpu_blocks_a8, cpu_q4_blocks, cpu_q8_blocks, cpu_w8a8
 from kiln.ops.gemm.quantized_layouts import (
     QUANTIZED_LAYOUTS,
@@ -199,6 +201,11 @@ W8A8_COPY_AT = {
     "int8_blocks_w8a8_packed": 2,
     "q4_blocks_w8a8_packed": 3,
 }
+# "q4_blocks_w8a8_packed": up to this many rows of x run the Q4 blocks' exact kernels (the row kernel
+# beyond one row), more the W8A8 GEMM (every several-row call where it runs on AMX tiles). 2-core Zen 5,
+# oneDNN's VNNI int8 GEMM, SmolLM2's 120 layer matrices cache-cold, row kernel / W8A8: 3.43 / 6.69 ms at
+# 2 rows, 4.40 / 6.33 at 4, 5.50 / 6.72 at 6, 6.68 / 6.89 at 8, 9.74 / 7.82 at 12.
+Q4_W8A8_EXACT_ROWS = 7
 # layout -> how many tensors it holds
 LAYOUTS = {
     "dense": 1,
@@ -612,6 +619,17 @@ def smooth_w8a8(
     return PreparedLinearWeight(
         prepared.layout, tensors, prepared.shape, prepared.compute_dtype, prepared.bias_dtype
     )
+
+
+def exact_rows(layout: str, tensors) -> int:
+    """The most rows of x a W8A8 hybrid layout (W8A8_COPY_AT) runs on its int4 / blocks kernels rather
+    than its int8 copy: 1, or for "q4_blocks_w8a8_packed" Q4_W8A8_EXACT_ROWS where the blocks' row kernel
+    is built (native_cpu.blocks_gemm_rows()) and the copy is not AMX tiles; 0 for "w8a8_packed"."""
+    if layout == "w8a8_packed":
+        return 0
+    if layout == "q4_blocks_w8a8_packed" and tensors[3].dim() != 5:  # 5-D: AMX tiles
+        return min(Q4_W8A8_EXACT_ROWS, native_cpu.blocks_gemm_rows())
+    return 1
 
 
 def w8a8_matrix(layout: str, tensors) -> torch.Tensor:

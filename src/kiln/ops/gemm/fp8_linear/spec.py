@@ -1,10 +1,10 @@
 """fp8_linear: the FP8 (e4m3fn) W8A8 GEMM with per-tensor or per-token x per-channel scales.
 
-    x_fp8:   [M, K] float8_e4m3fn     x_scale: float32 [M, 1] (per token) or [1] (per tensor)
-    w_fp8:   [N, K] float8_e4m3fn     w_scale: float32 [N, 1] (per channel) or [1]
-    bias:    [N] in out_dtype, or None
-    y = (x_fp8 * x_scale) @ (w_fp8 * w_scale)^T + bias, [M, N] in out_dtype (float32 / float16 /
-    bfloat16, default bfloat16); float32 accumulation. `quantize_fp8` makes x_fp8 and x_scale.
+x_fp8:   [M, K] float8_e4m3fn     x_scale: float32 [M, 1] (per token) or [1] (per tensor)
+w_fp8:   [N, K] float8_e4m3fn     w_scale: float32 [N, 1] (per channel) or [1]
+bias:    [N] in out_dtype, or None
+y = (x_fp8 * x_scale) @ (w_fp8 * w_scale)^T + bias, [M, N] in out_dtype (float32 / float16 /
+bfloat16, default bfloat16); float32 accumulation. `quantize_fp8` makes x_fp8 and x_scale.
 """
 
 from __future__ import annotations

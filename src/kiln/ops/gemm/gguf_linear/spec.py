@@ -1,11 +1,11 @@
 """gguf_linear: the fused GGUF block dequant + GEMM, weights read as stored in the file.
 
-    x:       [..., K] float32 / float16 / bfloat16; K a multiple of the qtype's block: 32, or 256 for
-             the K-quants (their super-block size)
-    qweight: uint8 [N, row_bytes] of GGUF blocks (formats: gguf_dequantize's spec)
-    qtype:   "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K" or "Q6_K"
-    bias:    [N] in x's dtype, or None
-    y = x @ W^T + bias, [..., N] in x's dtype; W decoded in float32, accumulation in float32.
+x:       [..., K] float32 / float16 / bfloat16; K a multiple of the qtype's block: 32, or 256 for
+         the K-quants (their super-block size)
+qweight: uint8 [N, row_bytes] of GGUF blocks (formats: gguf_dequantize's spec)
+qtype:   "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K" or "Q6_K"
+bias:    [N] in x's dtype, or None
+y = x @ W^T + bias, [..., N] in x's dtype; W decoded in float32, accumulation in float32.
 """
 
 from __future__ import annotations

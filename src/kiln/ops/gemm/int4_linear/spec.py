@@ -1,15 +1,15 @@
 """int4_linear: W4A16, group-wise asymmetric int4 weights times half/float activations.
 
-    x:          [..., K]  float32 / float16 / bfloat16
-    qweight:    int32 [N, ceil(K / 8)], packed ALONG K: nibble i (bits 4i..4i+3) of word j is
-                q[n, 8j + i] in 0..15 (GPTQ-style nibble order, kept in the checkpoint's [N, K]
-                orientation; padding nibbles past K are ignored)
-    scales:     [N, G] float (any float dtype), G = ceil(K / group_size)
-    zeros:      uint8 [N, G], zero points 0..15
-    group_size: 32, 64 or 128
-    y = x @ W^T with W[n, k] = (q[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size],
-    [..., N] in x's dtype. K need NOT be a multiple of group_size (the last group is short) nor of 8.
-    `kiln.quant.quantize_int4` produces this layout from a float weight.
+x:          [..., K]  float32 / float16 / bfloat16
+qweight:    int32 [N, ceil(K / 8)], packed ALONG K: nibble i (bits 4i..4i+3) of word j is
+            q[n, 8j + i] in 0..15 (GPTQ-style nibble order, kept in the checkpoint's [N, K]
+            orientation; padding nibbles past K are ignored)
+scales:     [N, G] float (any float dtype), G = ceil(K / group_size)
+zeros:      uint8 [N, G], zero points 0..15
+group_size: 32, 64 or 128
+y = x @ W^T with W[n, k] = (q[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size],
+[..., N] in x's dtype. K need NOT be a multiple of group_size (the last group is short) nor of 8.
+`kiln.quant.quantize_int4` produces this layout from a float weight.
 """
 
 from __future__ import annotations

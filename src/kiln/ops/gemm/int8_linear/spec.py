@@ -1,11 +1,11 @@
 """int8_linear: the INT8 W8A8 GEMM, int32 accumulation, per-token x per-channel scales.
 
-    x_int8: [M, K] int8     x_scale: float32 [M, 1] (per token) or [1] (per tensor)
-    w_int8: [N, K] int8     w_scale: float32 [N, 1] (per channel) or [1]
-    bias:   [N] or None
-    y = (x_int8 @ w_int8^T) * x_scale * w_scale^T + bias, [M, N] in out_dtype (float32 / float16 /
-    bfloat16, default bfloat16), with the dot product accumulated exactly in int32
-    (|sum| <= K * 127^2 < 2^31 for K < 133,000). `quantize_int8` makes x_int8 and x_scale.
+x_int8: [M, K] int8     x_scale: float32 [M, 1] (per token) or [1] (per tensor)
+w_int8: [N, K] int8     w_scale: float32 [N, 1] (per channel) or [1]
+bias:   [N] or None
+y = (x_int8 @ w_int8^T) * x_scale * w_scale^T + bias, [M, N] in out_dtype (float32 / float16 /
+bfloat16, default bfloat16), with the dot product accumulated exactly in int32
+(|sum| <= K * 127^2 < 2^31 for K < 133,000). `quantize_int8` makes x_int8 and x_scale.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """linear: the dense GEMM in the checkpoint's [out, in] weight layout.
 
-    x:      [..., K]   float32 / float16 / bfloat16
-    weight: [N, K]     same dtype as x
-    bias:   [N] or None, same dtype
-    y = x @ weight^T + bias, shape [..., N], dtype of x; accumulation in float32.
+x:      [..., K]   float32 / float16 / bfloat16
+weight: [N, K]     same dtype as x
+bias:   [N] or None, same dtype
+y = x @ weight^T + bias, shape [..., N], dtype of x; accumulation in float32.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """linear_silu_mul: the Llama MLP's first half (gate and up projections, SiLU-and-mul) in one GEMM.
 
-    x:              [..., K]  float32 / float16 / bfloat16
-    weight_gate_up: [2N, K]   same dtype as x; rows 0..N-1 are the gate projection, N..2N-1 the up
-    y = silu(x @ Wg^T) * (x @ Wu^T), shape [..., N], dtype of x; accumulation, silu and the product
-    in float32 (the [..., 2N] intermediate is never rounded to x's dtype).
+x:              [..., K]  float32 / float16 / bfloat16
+weight_gate_up: [2N, K]   same dtype as x; rows 0..N-1 are the gate projection, N..2N-1 the up
+y = silu(x @ Wg^T) * (x @ Wu^T), shape [..., N], dtype of x; accumulation, silu and the product
+in float32 (the [..., 2N] intermediate is never rounded to x's dtype).
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@
   "int8_blocks_onednn"  one row: as "q8_blocks_onednn"; several rows: oneDNN's bf16 GEMM on the copy;
   "w8a8_packed"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, Kiln's AMX tile kernel
                  or oneDNN's int8 GEMM (one native op);
-  "int4_w8a8_packed", "int8_blocks_w8a8_packed", "q4_blocks_w8a8_packed"  one row: as "int4" /
-                 "int8_blocks_onednn" / "q4_blocks_onednn"; several rows: W8A8 on the int8 copy;
+  "int4_w8a8_packed", "int8_blocks_w8a8_packed", "q4_blocks_w8a8_packed"  one row (q4_blocks_w8a8:
+                 up to weight_formats.exact_rows, the row kernel beyond one) as "int4" /
+                 "int8_blocks_onednn" / "q4_blocks_onednn"; more rows: W8A8 on the int8 copy;
   "int8_weight"  PyTorch's weight-only int8 CPU matmul (per-channel bf16 scales, bfloat16
                  activations); the bias is added in float32;
   "dense"        F.linear in the matrix's dtype;
@@ -49,7 +50,7 @@ from kiln.ops.gemm.gguf_linear import gguf_linear
 from kiln.ops.gemm.prepared_linear.int8_blocks_gemv import int8_blocks_gemv
 from kiln.ops.gemm.prepared_linear.spec import PREPARED_LINEAR
 from kiln.ops.gemm.quantized_layouts import QUANTIZED_LAYOUTS, run_quantized
-from kiln.ops.gemm.weight_formats import GGUF_LAYOUTS, INT4_GROUP_SIZE
+from kiln.ops.gemm.weight_formats import GGUF_LAYOUTS, INT4_GROUP_SIZE, exact_rows
 from kiln.ops.native_cpu import blocks_gemm_rows, blocks_tiles_rows
 from kiln.ops.registry import Implementation, cpu_only
 
@@ -184,9 +185,9 @@ def _int8_blocks_w8a8(x, weight, bias, out_dtype):
 
 
 def _q4_blocks_w8a8(x, weight, bias, out_dtype):
-    if x.shape[0] != 1:
+    if x.shape[0] > exact_rows("q4_blocks_w8a8_packed", weight):
         return _w8a8(x, weight[3:], bias, out_dtype)
-    return _q4_blocks_onednn(x, weight[:3], bias, out_dtype)
+    return _q4_blocks_onednn(x, weight[:3], bias, out_dtype)  # one row: the GEMV; more: the row kernel
 
 
 def _gguf(qtype):

@@ -53,8 +53,10 @@ from kiln.ops.gemm.weight_formats import (
     INT8_BLOCK_SIZE,
     INT8_K_MULTIPLE,
     LAYOUTS,
+    Q4_W8A8_EXACT_ROWS,
     W8A8_COPY_AT,
     W8A8_FALLBACK,
+    exact_rows,
     onednn_packs_bf16,
     prepare_linear_weight,
     prepared_matrix,
@@ -72,7 +74,7 @@ from kiln.quant.sparse24 import Sparse24Weight, compress_24, prune_24
 def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
     """In float64 from the matrix the prepared weight stands for (float64 x stays float64: the
     verifier's reference; otherwise the result is rounded to out_dtype / x's dtype once)."""
-    if layout in W8A8_COPY_AT and (layout == "w8a8_packed" or x.shape[0] > 1):
+    if layout in W8A8_COPY_AT and x.shape[0] > exact_rows(layout, weight):
         smooth = weight[W8A8_COPY_AT[layout] + 3]
         matrix, xq = w8a8_matrix(layout, weight), cpu_w8a8.quantize_rows_reference(x, smooth)
     else:
@@ -550,6 +552,9 @@ def _weight_bytes(shape) -> float:
         return N * K * (4 if source.startswith(("fp8_d", "fp8_s", "int8")) else 1)  # CPU: float32 values
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
+    q4_exact = fmt == "q4_blocks_w8a8" and shape["source"] in INT4_QTYPES and shape["M"] <= Q4_W8A8_EXACT_ROWS
+    if q4_exact:  # the blocks' row kernel: the nibbles and a float32 d and m per 32
+        return N * K / 2 + N * K / 32 * 8
     if fmt == "w8a8" or (fmt in W8A8_FALLBACK and shape["M"] > 1):  # the int8 copy and a scale per row
         return N * K + N * 4
     if fmt in ("int4", "int4_w8a8") or (fmt == "int4_bf16" and shape["M"] == 1):

@@ -1,10 +1,10 @@
 """quantize_fp8: FP8 (e4m3fn) activation quantization, amax + scale + cast fused.
 
-    x:         [M, K] float32 / float16 / bfloat16
-    per_token: one scale per row (True) or one for the whole tensor (False)
-    -> (x_fp8 [M, K] float8_e4m3fn, scale float32 [M, 1] (per token) or [1] (per tensor))
-    scale = max(amax, 1e-12) / 448 over the row (or the whole tensor); x_fp8 = round(x / scale),
-    round-to-nearest-even onto the e4m3 grid, so x ~= x_fp8 * scale.
+x:         [M, K] float32 / float16 / bfloat16
+per_token: one scale per row (True) or one for the whole tensor (False)
+-> (x_fp8 [M, K] float8_e4m3fn, scale float32 [M, 1] (per token) or [1] (per tensor))
+scale = max(amax, 1e-12) / 448 over the row (or the whole tensor); x_fp8 = round(x / scale),
+round-to-nearest-even onto the e4m3 grid, so x ~= x_fp8 * scale.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """quantize_int8: symmetric per-token INT8 activation quantization, amax + scale + round fused.
 
-    x: [M, K] float32 / float16 / bfloat16
-    -> (x_int8 [M, K] int8, scale float32 [M, 1]) with scale = max(amax_row, 1e-12) / 127 and
-    x_int8 = round-half-away-from-zero(x / scale), so x ~= x_int8 * scale.
+x: [M, K] float32 / float16 / bfloat16
+-> (x_int8 [M, K] int8, scale float32 [M, 1]) with scale = max(amax_row, 1e-12) / 127 and
+x_int8 = round-half-away-from-zero(x / scale), so x ~= x_int8 * scale.
 """
 
 from __future__ import annotations
