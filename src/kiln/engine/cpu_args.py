@@ -21,7 +21,7 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         "host once and cached. int4_bf16 "
         "with --compile-cpu-decode is the fastest measured, with bf16 activations; int4_w8a8 (an int8 "
         "copy for several rows, x quantized to int8 per row) decodes batches faster at an accuracy cost "
-        "(q4_blocks_w8a8: the same for GGUF Q4 weights with q4_blocks' exact kernel at one row); "
+        "(q4_blocks_w8a8: the same for GGUF Q4 weights with q4_blocks' exact kernels up to 7 rows); "
         "q4_blocks_a8 (with --lm-head-format q8_blocks_a8) quantizes a one-row x to Q8_0 as llama.cpp does: "
         "faster single-stream decode where the exact blocks kernels are arithmetic-bound, not exact",
     )
