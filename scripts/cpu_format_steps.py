@@ -14,30 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 from kiln import environment
-from kiln.bench.engine import _prompts
+from kiln.bench.engine import _prompts, decode_step_seconds
 from kiln.engine.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
-from kiln.engine.sampling_params import SamplingParams
 from kiln.loaders import default_model_path, load_model
-
-
-def decode_steps(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> list[float]:
-    """Seconds of each step after every sequence has its first token."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, params)
-    steps, produced = [], 0
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        outputs = engine.step()
-        seconds = time.perf_counter() - start
-        if produced >= len(prompts):
-            steps.append(seconds)
-        produced = max(produced, sum(len(o.token_ids) for o in outputs))
-    return steps
 
 
 def main() -> None:
@@ -65,7 +47,7 @@ def main() -> None:
     for r in range(args.rounds + 1):  # round 0 untimed: compiles, buffers
         prompts = _prompts(args.sequences, args.prompt_len, vocab, seed=r)
         for fmt, engine in engines.items():
-            seconds = decode_steps(engine, prompts, args.max_tokens, f"r{r}")
+            seconds, _ = decode_step_seconds(engine, prompts, args.max_tokens, f"r{r}")
             steps[fmt] += seconds if r else []
     result = {
         "environment": environment.cpu(),

@@ -14,34 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 from kiln import environment
-from kiln.bench.engine import _prompts
+from kiln.bench.engine import _prompts, decode_step_seconds
 from kiln.engine.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
-from kiln.engine.sampling_params import SamplingParams
 from kiln.loaders import default_model_path, load_model
 
 DTYPES = ("auto", "bfloat16", "float16")
-
-
-def decode_steps(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[list[float], list]:
-    """Seconds of each decode step (prefill steps left out) and the finished token ids, by request."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, params)
-    steps, tokens, produced = [], {}, 0
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        outputs = engine.step()
-        seconds = time.perf_counter() - start
-        now = sum(len(o.token_ids) for o in outputs)
-        if produced >= len(prompts):  # every sequence has its first token: a pure decode step
-            steps.append(seconds)
-        produced = max(produced, now)
-        tokens.update({o.request_id: o.token_ids for o in outputs if o.finished})
-    return steps, [tokens[f"{tag}-{i}"] for i in range(len(prompts))]
 
 
 def main() -> None:
@@ -65,10 +45,10 @@ def main() -> None:
     steps = {dtype: [] for dtype in DTYPES}
     tokens = {}
     for engine in engines.values():  # warm-up: each engine's buffers and kernels
-        decode_steps(engine, _prompts(args.sequences, args.prompt_len, vocab, seed=1), 4, "warmup")
+        decode_step_seconds(engine, _prompts(args.sequences, args.prompt_len, vocab, seed=1), 4, "warmup")
     for r in range(args.rounds):
         for dtype, engine in engines.items():
-            seconds, tokens[dtype] = decode_steps(engine, prompts, args.max_tokens, f"r{r}")
+            seconds, tokens[dtype] = decode_step_seconds(engine, prompts, args.max_tokens, f"r{r}")
             steps[dtype] += seconds
     result = {
         "environment": environment.cpu(),

@@ -172,6 +172,28 @@ def _run_engine(engine, prompts: list[list[int]], max_tokens: int, tag: str):
     return tokens, seconds, ttft * 1000, tpot * 1000
 
 
+def decode_step_seconds(
+    engine, prompts: list[list[int]], max_tokens: int, tag: str
+) -> tuple[list[float], list]:
+    """Greedy `prompts` through `engine`: the seconds of each step after every sequence has its first
+    token (the pure decode steps) and the finished token ids, by request."""
+    from kiln.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    steps, tokens, produced = [], {}, 0
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        outputs = engine.step()
+        seconds = time.perf_counter() - start
+        if produced >= len(prompts):
+            steps.append(seconds)
+        produced = max(produced, sum(len(o.token_ids) for o in outputs))
+        tokens.update({o.request_id: o.token_ids for o in outputs if o.finished})
+    return steps, [tokens[f"{tag}-{i}"] for i in range(len(prompts))]
+
+
 def decode_tokens_per_second(
     model, prompt: list[int], steps: int, block_size: int = 16
 ) -> tuple[float, float]:

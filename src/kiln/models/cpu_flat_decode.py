@@ -43,6 +43,7 @@ from kiln.ops import native_cpu
 from kiln.ops.activation.silu_and_mul.cpu import silu_and_mul_cpu
 from kiln.ops.attention.paged_decode_attention import cpu_native as paged_decode_native
 from kiln.ops.attention.write_kv_cache.cpu import NATIVE_CACHE_DTYPES
+from kiln.ops.gemm.cpu_block_tiles import NO_TILES
 from kiln.ops.gemm.prepared_linear.cpu import KERNELS
 from kiln.ops.gemm.quantized_layouts import run_quantized
 from kiln.ops.gemm.weight_formats import exact_rows
@@ -64,7 +65,6 @@ NATIVE_LAYOUTS = {
 HYBRID_LAYOUTS = ("q4_blocks_w8a8_packed",)
 _NATIVE_KERNELS = {KERNELS[layout]: kind for layout, kind in NATIVE_LAYOUTS.items()}  # the same, by kernel
 _HYBRID_KERNELS = {KERNELS[layout]: layout for layout in HYBRID_LAYOUTS}
-_NO_TILES = (torch.empty(0, 0, dtype=torch.uint8), torch.empty(0, 0))
 
 
 class _LayerArgs(NamedTuple):
@@ -156,7 +156,7 @@ def _native_decode(args: list[_LayerArgs]):
             blocks = _NATIVE_KERNELS[kernel][1]
             tensors += [
                 *weight[:blocks],
-                *(_NO_TILES if kernel in _HYBRID_KERNELS else weight[blocks + 1 :]),
+                *(NO_TILES if kernel in _HYBRID_KERNELS else weight[blocks + 1 :]),
             ]
         ints += [_NATIVE_KERNELS[kernel][0] for kernel, _ in linears]
         ints += [int(a.qkv_bias is not None), a.q_size, a.kv_size, a.heads, a.kv_heads, a.head_dim]

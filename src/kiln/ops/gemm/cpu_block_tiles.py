@@ -22,6 +22,8 @@ from kiln.ops import native_cpu
 
 BLOCK = 32  # weights per GGUF Q4_0 / Q4_1 block (and per Q4_K sub-block)
 TILE = 16  # weight rows per tile
+# what a layout keeps where no tile kernel reads tiles: empty tensors of the tiles' dtypes (read-only)
+NO_TILES = (torch.empty(0, 0, dtype=torch.uint8), torch.empty(0, 0))
 _state: dict = {"loaded": None}
 
 
@@ -67,7 +69,7 @@ def layout_tiles(
     tensors [0, 0] of the tiles' dtypes (no copy where no kernel reads it)."""
     if native_cpu.blocks_tiles_rows()[0]:
         return pack_q4(nibbles, scales, mins)
-    return torch.empty(0, 0, dtype=torch.uint8), torch.empty(0, 0)
+    return NO_TILES
 
 
 def tile_matrix(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int) -> torch.Tensor:

@@ -324,12 +324,12 @@ def prepare_linear_weight(
         prepared = _int8_blocks_layout(weight, shape, dtype, cpu_format)
         if prepared is not None:
             return prepared
-    if device.type == "cpu" and cpu_format == "q4_blocks_w8a8":
+    q4_weight = isinstance(weight, GGUFWeight) and weight.qtype in INT4_QTYPES
+    if device.type == "cpu" and cpu_format == "q4_blocks_w8a8" and q4_weight:
         prepared = _q4_blocks_w8a8_layout(weight, shape, dtype)
         if prepared is not None:
             return prepared
-        if isinstance(weight, GGUFWeight) and weight.qtype in INT4_QTYPES:
-            cpu_format = "q4_blocks"  # no int8 copy here: the exact blocks alone
+        cpu_format = "q4_blocks"  # no int8 copy here: the exact blocks alone
     if device.type == "cpu" and cpu_format in BLOCKS_FORMATS:
         prepared = _blocks_layout(weight, shape, dtype, cpu_format)
         if prepared is not None:
@@ -433,12 +433,10 @@ def _int8_blocks_layout(weight: GGUFWeight, shape, dtype, cpu_format) -> Prepare
     return PreparedLinearWeight("int8_blocks_onednn", (values, scales, rows), shape, None, dtype)
 
 
-def _q4_blocks_w8a8_layout(weight, shape, dtype) -> PreparedLinearWeight | None:
+def _q4_blocks_w8a8_layout(weight: GGUFWeight, shape, dtype) -> PreparedLinearWeight | None:
     """The "q4_blocks_w8a8_packed" layout of a GGUF Q4_0 / Q4_1 / Q4_K weight: its blocks as
     "q4_blocks_onednn" keeps them (no float32 copy, no tiles) and an int8 copy of their exact values;
-    None for other weights or where the W8A8 op cannot pack."""
-    if not isinstance(weight, GGUFWeight) or weight.qtype not in INT4_QTYPES:
-        return None
+    None where the W8A8 op cannot pack."""
     rows = cpu_w8a8.pack(weight.dequantize(torch.float32))
     if rows is None:
         return None

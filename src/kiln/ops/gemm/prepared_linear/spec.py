@@ -188,27 +188,24 @@ def _validate_tiles(op, layout, weight, n: int, k: int, device) -> None:
         )
 
 
-def _validate_q8_blocks(op, layout, weight, device) -> None:
-    """The layouts "int8_blocks_onednn" (a bf16 copy) and "q8_blocks[_a8]_onednn" (a float32 copy)."""
-    copy_dtype = torch.bfloat16 if layout == "int8_blocks_onednn" else torch.float32
+def _check_q8_0_blocks(op, layout, weight, device) -> tuple[int, int]:
+    """Q8_0's int8 values [N, K] and float32 scales [N, K / 32] (weight[0], weight[1]) -> (N, K)."""
     check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int8,), device=device)
     check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
-    check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(copy_dtype,), device=device)
     n, k = weight[0].shape
     if k % INT8_BLOCK_SIZE or tuple(weight[1].shape) != (n, k // INT8_BLOCK_SIZE):
         raise ValueError(
             f"{op}: {layout} values [{n}, {k}] and scales {tuple(weight[1].shape)}, expected "
             f"in-features a multiple of {INT8_BLOCK_SIZE} and scales ({n}, {k // INT8_BLOCK_SIZE})"
         )
-    if tuple(weight[2].shape) != (n, k):  # oneDNN's packing of the copy reports the matrix's shape
-        raise ValueError(f"{op}: {layout} copy has shape {tuple(weight[2].shape)}, expected {n, k}")
+    return n, k
 
 
-def _validate_q4_blocks(op, layout, weight, device) -> None:
+def _check_q4_blocks(op, layout, weight, device) -> tuple[int, int]:
+    """The Q4 blocks' nibbles uint8 [N, K / 2], d and m float32 [N, K / 32] (weight[0..2]) -> (N, K)."""
     check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.uint8,), device=device)
     check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
     check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(torch.float32,), device=device)
-    check_tensor(op, "weight[3]", weight[3], ndim=2, dtypes=(torch.float32,), device=device)
     n, k = weight[0].shape[0], 2 * weight[0].shape[1]
     groups = k // INT4_GROUP_SIZE
     if k % INT4_GROUP_SIZE or tuple(weight[1].shape) != (n, groups) or tuple(weight[2].shape) != (n, groups):
@@ -217,6 +214,21 @@ def _validate_q4_blocks(op, layout, weight, device) -> None:
             f"{tuple(weight[2].shape)}, expected in-features a multiple of {INT4_GROUP_SIZE} and "
             f"scales and mins ({n}, {groups})"
         )
+    return n, k
+
+
+def _validate_q8_blocks(op, layout, weight, device) -> None:
+    """The layouts "int8_blocks_onednn" (a bf16 copy) and "q8_blocks[_a8]_onednn" (a float32 copy)."""
+    copy_dtype = torch.bfloat16 if layout == "int8_blocks_onednn" else torch.float32
+    n, k = _check_q8_0_blocks(op, layout, weight, device)
+    check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(copy_dtype,), device=device)
+    if tuple(weight[2].shape) != (n, k):  # oneDNN's packing of the copy reports the matrix's shape
+        raise ValueError(f"{op}: {layout} copy has shape {tuple(weight[2].shape)}, expected {n, k}")
+
+
+def _validate_q4_blocks(op, layout, weight, device) -> None:
+    n, k = _check_q4_blocks(op, layout, weight, device)
+    check_tensor(op, "weight[3]", weight[3], ndim=2, dtypes=(torch.float32,), device=device)
     if tuple(weight[3].shape) != (n, k):  # oneDNN's packing of the float32 copy reports the matrix's shape
         raise ValueError(f"{op}: {layout} copy has shape {tuple(weight[3].shape)}, expected {n, k}")
     _validate_tiles(op, layout, weight, n, k, device)
@@ -229,30 +241,9 @@ def _validate_w8a8(op, layout, weight, device) -> None:
         check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.uint8,), device=device)
         check_tensor(op, "weight[1]", weight[1], ndim=3, dtypes=(torch.bfloat16,), device=device)
         expected = (weight[1].shape[0] * INT4_GROUP_SIZE, weight[1].shape[1])
-    elif layout == "int8_blocks_w8a8_packed":
-        check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int8,), device=device)
-        check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
-        n, k = weight[0].shape
-        if tuple(weight[1].shape) != (n, k // INT8_BLOCK_SIZE) or k % INT8_BLOCK_SIZE:
-            raise ValueError(
-                f"{op}: {layout} values [{n}, {k}] and scales {tuple(weight[1].shape)}, expected "
-                f"scales [{n}, {k // INT8_BLOCK_SIZE}] (one per {INT8_BLOCK_SIZE})"
-            )
-        expected = (k, n)
-    elif layout == "q4_blocks_w8a8_packed":
-        for i, dtype in enumerate((torch.uint8, torch.float32, torch.float32)):
-            check_tensor(op, f"weight[{i}]", weight[i], ndim=2, dtypes=(dtype,), device=device)
-        n, k = weight[0].shape[0], 2 * weight[0].shape[1]
-        groups = k // INT4_GROUP_SIZE
-        if (
-            k % INT4_GROUP_SIZE
-            or tuple(weight[1].shape) != (n, groups)
-            or tuple(weight[2].shape) != (n, groups)
-        ):
-            raise ValueError(
-                f"{op}: {layout} nibbles [{n}, {k // 2}], scales {tuple(weight[1].shape)} and mins "
-                f"{tuple(weight[2].shape)}, expected scales and mins ({n}, {groups})"
-            )
+    elif layout in ("int8_blocks_w8a8_packed", "q4_blocks_w8a8_packed"):  # the blocks for few rows
+        check = _check_q8_0_blocks if layout == "int8_blocks_w8a8_packed" else _check_q4_blocks
+        n, k = check(op, layout, weight, device)
         expected = (k, n)
     else:
         expected = None
@@ -552,8 +543,9 @@ def _weight_bytes(shape) -> float:
         return N * K * (4 if source.startswith(("fp8_d", "fp8_s", "int8")) else 1)  # CPU: float32 values
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
-    q4_exact = fmt == "q4_blocks_w8a8" and shape["source"] in INT4_QTYPES and shape["M"] <= Q4_W8A8_EXACT_ROWS
-    if q4_exact:  # the blocks' row kernel: the nibbles and a float32 d and m per 32
+    q4_blocks = fmt in ("q4_blocks", "q4_blocks_a8", "q4_blocks_w8a8") and shape["source"] in INT4_QTYPES
+    blocks_rows = Q4_W8A8_EXACT_ROWS if fmt == "q4_blocks_w8a8" else 1  # rows that read the blocks
+    if q4_blocks and shape["M"] <= blocks_rows:  # the nibbles and a float32 d and m per 32
         return N * K / 2 + N * K / 32 * 8
     if fmt == "w8a8" or (fmt in W8A8_FALLBACK and shape["M"] > 1):  # the int8 copy and a scale per row
         return N * K + N * 4
@@ -563,9 +555,8 @@ def _weight_bytes(shape) -> float:
         return N * K * 2
     if fmt == "int8":
         return N * K + N * 2
-    q4_blocks = fmt in ("q4_blocks", "q4_blocks_a8", "q4_blocks_w8a8") and shape["source"] in INT4_QTYPES
-    if q4_blocks:  # one row: the nibbles and a float32 d and m per 32
-        return N * K / 2 + N * K / 32 * 8 if shape["M"] == 1 else N * K * 4
+    if q4_blocks:  # several rows: the float32 copy
+        return N * K * 4
     if fmt in ("int8_blocks", "int8_blocks_w8a8"):  # one row: the values and a float32 scale per 32
         return N * K + N * K / 32 * 4 if shape["M"] == 1 else N * K * 2
     if fmt in ("q8_blocks", "q8_blocks_a8") and shape["source"] == "Q8_0":
