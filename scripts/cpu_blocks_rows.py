@@ -5,10 +5,12 @@ time, cache-cold.
 random GGUF Q4_1 matrices, and the LM head (49152 x 576) as GGUF Q8_0, each prepared as "q4_blocks" /
 "q8_blocks" and as "fp32" (kiln.ops.gemm.weight_formats) and called through kiln.ops.prepared_linear
 with M rows: up to native_cpu.blocks_gemm_rows() rows the blocks formats run their multi-row
-kernels (q4_blocks_gemm, q8_blocks_gemm) and for native_cpu.blocks_tiles_rows() rows (AVX-512 builds)
-the Q4 layers their tile kernel (q4_tiles_gemm), beyond them their float32 copies, as "fp32" does.
-Before every pass 256 MB are written, so the weights come from memory. Median wall ms over the passes, formats
-interleaved; prints one JSON object with the CPU model and ISA flags (kiln.environment.cpu).
+kernels (q4_blocks_gemm, q8_blocks_gemm) and for native_cpu.blocks_tiles_rows(kind) rows (AVX-512 builds)
+their tile kernels (q4_tiles_gemm, q8_tiles_gemm), beyond them their float32 copies, as "fp32" does.
+The row kernels are also timed on their own at every M ("... row kernel"), against the tiles.
+Before every pass 256 MB are written, so the weights come from memory. Median wall ms over the passes,
+formats interleaved (each pass starting at the next); prints one JSON object with the CPU model and ISA
+flags (kiln.environment.cpu).
 
     OMP_NUM_THREADS=2 python scripts/cpu_blocks_rows.py [--rows 2,4,8,16,32,48,64] [--passes 5]
 """
@@ -25,6 +27,8 @@ import torch
 import kiln.ops
 from kiln import environment
 from kiln.ops import native_cpu
+from kiln.ops.gemm.cpu_q4_blocks import q4_blocks_gemm
+from kiln.ops.gemm.cpu_q8_blocks import q8_blocks_gemm
 from kiln.ops.gemm.shapes import SMOLLM2_135M
 from kiln.ops.gemm.weight_formats import prepare_linear_weight
 from kiln.quant import quantize_blocks
@@ -39,11 +43,16 @@ def _prepared(weights, cpu_format):
     return [prepare_linear_weight(w, device=cpu, dtype=torch.float32, cpu_format=cpu_format) for w in weights]
 
 
-def _time(prepared, x, evict) -> float:
+def _time(prepared, x, evict, row_kernel: bool) -> float:
     evict.fill_(1.0)
     start = time.perf_counter()
     for p in prepared:
-        kiln.ops.prepared_linear(x[p.shape[1]], p.layout, p.tensors, None, None)
+        if row_kernel:  # the blocks' tensors before the float32 copy
+            blocks = p.tensors[:2] if p.kind == "q8_blocks" else p.tensors[:3]
+            gemm = q8_blocks_gemm if p.kind == "q8_blocks" else q4_blocks_gemm
+            gemm(x[p.shape[1]], *blocks)
+        else:
+            kiln.ops.prepared_linear(x[p.shape[1]], p.layout, p.tensors, None, None)
     return time.perf_counter() - start
 
 
@@ -66,15 +75,20 @@ def main() -> None:
         "head q8_blocks": _prepared(head, "q8_blocks"),
         "head fp32": _prepared(head, "fp32"),
     }
+    sets["layers q4_blocks row kernel"] = sets["layers q4_blocks"]
+    sets["head q8_blocks row kernel"] = sets["head q8_blocks"]
     evict = torch.empty(64 * 1024 * 1024)  # 256 MB written before each pass
     ms: dict[str, dict[int, float]] = {name: {} for name in sets}
     with torch.inference_mode(), kiln.ops.trusted_inputs():
         for m in (int(r) for r in args.rows.split(",")):
             x = {k: torch.randn(m, k, generator=generator) for k in {576, 1536}}
             times: dict[str, list[float]] = {name: [] for name in sets}
-            for _ in range(args.passes + 1):  # the first pass of each set warms its code, untimed
-                for name, prepared in sets.items():
-                    times[name].append(_time(prepared, x, evict))
+            names = list(sets)
+            for i in range(args.passes + 1):  # the first pass of each set warms its code, untimed
+                # each pass starts at another set: a set's time depended on which one ran before it
+                for name in names[i % len(names) :] + names[: i % len(names)]:
+                    prepared = sets[name]
+                    times[name].append(_time(prepared, x, evict, name.endswith("row kernel")))
             for name, t in times.items():
                 ms[name][m] = round(statistics.median(t[1:]) * 1e3, 3)
     result = {
@@ -84,7 +98,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "blocks_gemm_rows": native_cpu.blocks_gemm_rows(),
-        "blocks_tiles_rows": list(native_cpu.blocks_tiles_rows()),
+        "blocks_tiles_rows": {kind: list(native_cpu.blocks_tiles_rows(kind)) for kind in ("q4", "q8")},
         "layouts": {name: prepared[0].layout for name, prepared in sets.items()},
         "ms": ms,
         "fp32_over_blocks": {

@@ -221,17 +221,19 @@ def test_native_flat_decode_names_malformed_arguments():
     flat_decode = torch.classes.kiln_cpu.FlatDecode
     norm, cos_sin = torch.ones(64), torch.ones(128, 16)
     cache = torch.zeros(4, 16, 2, 16)
-    with pytest.raises(RuntimeError, match="11 ints and 2 floats a layer"):
+    tiles_rows = [0] * 4  # each linear's
+    with pytest.raises(RuntimeError, match="14 ints and 2 floats a layer"):
         flat_decode([norm], [0, 0, 0], [1e-5, 0.25])
     with pytest.raises(RuntimeError, match="layer 0 has weight kind 7"):
-        flat_decode([norm], [7, 0, 0, 0, 0, 64, 32, 4, 2, 16, 0], [1e-5, 0.25])
+        flat_decode([norm], [7, 0, 0, 0, 0, 64, 32, 4, 2, 16, *tiles_rows], [1e-5, 0.25])
     with pytest.raises(RuntimeError, match="are not heads"):
-        flat_decode([norm] * 21, [1, 1, 1, 1, 0, 64, 32, 4, 2, 8, 0], [1e-5, 0.25])
+        flat_decode([norm] * 21, [1, 1, 1, 1, 0, 64, 32, 4, 2, 8, *tiles_rows], [1e-5, 0.25])
     with pytest.raises(RuntimeError, match="tensors are too few"):
-        flat_decode([norm, norm, cos_sin, cache, cache], [1, 1, 1, 1, 0, 64, 32, 4, 2, 16, 0], [1e-5, 0.25])
+        layer = [1, 1, 1, 1, 0, 64, 32, 4, 2, 16, *tiles_rows]
+        flat_decode([norm, norm, cos_sin, cache, cache], layer, [1e-5, 0.25])
     with pytest.raises(RuntimeError, match="1 tensors left over"):
-        tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 9  # Q8_0 kinds: values and scales
-        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, 0], [1e-5, 0.25])
+        tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 17  # Q8_0 kinds: values, scales, tiles
+        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows], [1e-5, 0.25])
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
@@ -282,10 +284,11 @@ def test_native_flat_decode_runs_batched_steps_as_the_modules_do(
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
 @pytest.mark.skipif(native_cpu.blocks_tiles_rows()[0] == 0, reason="no tile kernel in this build (AVX-512's)")
-def test_native_flat_decode_runs_tile_kernel_steps_as_the_modules_do(blocks_gguf, monkeypatch):
-    path = blocks_gguf("q4")
-    loaded = load_model(path, device="cpu", cpu_format="q4_blocks", lm_head_format="q8_blocks")
-    rows = native_cpu.blocks_tiles_rows()[0] + 1  # sequences a decode step: the tile kernel's rows
+@pytest.mark.parametrize("weights", ["q4", "q8"])
+def test_native_flat_decode_runs_tile_kernel_steps_as_the_modules_do(blocks_gguf, weights, monkeypatch):
+    path = blocks_gguf(weights)
+    loaded = load_model(path, device="cpu", cpu_format=f"{weights}_blocks", lm_head_format="q8_blocks")
+    rows = native_cpu.blocks_tiles_rows(weights)[0] + 1  # sequences a decode step: the tile kernel's rows
     engine = _engine(path, loaded, max_num_seqs=rows)
     calls = _counting(engine, monkeypatch)
     prompts = [[(7 * j + i) % 60 + 2 for j in range(3 + i)] for i in range(rows)]
@@ -296,14 +299,15 @@ def test_native_flat_decode_runs_tile_kernel_steps_as_the_modules_do(blocks_gguf
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
-@pytest.mark.parametrize("sequences", [2, 9], ids=["row_kernels", "tile_kernel"])
+@pytest.mark.parametrize("sequences", [2, 16], ids=["row_kernels", "tile_kernels"])
 def test_a_compiled_batched_step_on_the_blocks_compiles_and_equals_eager(blocks_gguf, sequences):
     """--compile-cpu-decode traces the batched steps (the flat loop is eager only): the blocks'
-    multi-row kernels (the Q4 tile kernel from blocks_tiles_rows() rows) must trace as graph nodes,
-    with no fallback, and give eager's tokens."""
+    multi-row kernels (at 16 sequences the Q4 layers' and the Q8_0 head's tile kernels, from
+    blocks_tiles_rows("q4") / ("q8") rows) must trace as graph nodes, with no fallback, and give eager's
+    tokens."""
     from kiln import fallbacks
 
-    if not 0 < native_cpu.blocks_tiles_rows()[0] <= sequences and sequences > 2:
+    if sequences > 2 and not 0 < max(native_cpu.blocks_tiles_rows(k)[0] for k in ("q4", "q8")) <= sequences:
         pytest.skip("no tile kernel in this build (AVX-512's)")
     path = blocks_gguf("q4")
     fallbacks.clear()

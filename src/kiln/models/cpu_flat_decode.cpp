@@ -10,12 +10,12 @@
 //
 //   FlatDecode(tensors, ints, floats)   per layer, in order:
 //       ints    qkv_kind, o_kind, gate_up_kind, down_kind, has_qkv_bias, q_size, kv_size, heads,
-//               kv_heads, head_dim, tiles_rows                            (kKindTensors: a kind's count)
+//               kv_heads, head_dim, then the four linears' tiles_rows      (kKindTensors: a kind's count)
 //       floats  eps, scale
 //       tensors input_norm [H], post_norm [H], cos_sin_cache [P, R], key_cache, value_cache
 //               [blocks, block_size, Hkv, D], qkv bias [Q + 2 KV] if has_qkv_bias, then the tensors of
 //               the qkv, o, gate_up and down weights (as their layouts keep them, less the float32 copy:
-//               the blocks' tensors, then a Q4 layout's tiles; T >= tiles_rows > 0 rows run them)
+//               the blocks' tensors, then the layout's tiles; T >= its tiles_rows > 0 rows run them)
 //   forward(positions int64 [T], hidden float32 [T, H], residual float32 [T, H] or None,
 //           slot_mapping int64 [T], block_tables int32 [T, W], seq_lens int32 [T]) -> (hidden, residual)
 //   (T sequences of a decode-only step, one token each; the caller keeps T within the multi-row
@@ -47,14 +47,14 @@ constexpr const char* kKindOps[] = {"kiln_cpu::q4_blocks_gemv", "kiln_cpu::q8_bl
 constexpr const char* kKindRowsOps[] = {"kiln_cpu::q4_blocks_gemm", "kiln_cpu::q8_blocks_gemm"};
 
 enum Kind : int64_t { kQ4Blocks = 0, kQ8Blocks = 1, kQ4BlocksA8 = 2, kQ8BlocksA8 = 3, kKinds = 4 };
-// the blocks' tensors (nibbles, scales, mins, then the Q4 tiles and tile scales / values, scales)
-constexpr int64_t kKindTensors[kKinds] = {5, 2, 5, 2};
-constexpr int64_t kInts = 11, kFloats = 2;
+// the blocks' tensors (nibbles, scales, mins / values, scales), then the tiles and tile scales
+constexpr int64_t kKindTensors[kKinds] = {5, 4, 5, 4};
+constexpr int64_t kInts = 14, kFloats = 2;
 
 struct Linear {
   int64_t kind;
   std::vector<at::Tensor> w;
-  int64_t tiles_rows;  // Q4: from this many rows the tile kernel (native_cpu.blocks_tiles_rows(); 0: never)
+  int64_t tiles_rows;  // from this many rows the tile kernel (native_cpu.blocks_tiles_rows(kind); 0: never)
 
   // x [T, K]: one row through the kind's one-row kernel; several (one token of each of T sequences)
   // through the exact multi-row kernels of its blocks, as prepared_linear's "*_blocks[_a8]_onednn"
@@ -62,9 +62,10 @@ struct Linear {
   at::Tensor operator()(const at::Tensor& x) const {
     if (x.size(0) > 1) {
       const bool q4 = kind == kQ4Blocks || kind == kQ4BlocksA8;
-      if (q4 && tiles_rows > 0 && x.size(0) >= tiles_rows) {
-        RECORD_FUNCTION("kiln_cpu::q4_tiles_gemm", std::vector<c10::IValue>());
-        return kiln_cpu::q4_tiles_gemm(x, w[3], w[4], w[0].size(0));
+      if (tiles_rows > 0 && x.size(0) >= tiles_rows) {
+        RECORD_FUNCTION(q4 ? "kiln_cpu::q4_tiles_gemm" : "kiln_cpu::q8_tiles_gemm", std::vector<c10::IValue>());
+        return q4 ? kiln_cpu::q4_tiles_gemm(x, w[3], w[4], w[0].size(0))
+                  : kiln_cpu::q8_tiles_gemm(x, w[2], w[3], w[0].size(0));
       }
       RECORD_FUNCTION(kKindRowsOps[q4 ? 0 : 1], std::vector<c10::IValue>());
       return q4 ? kiln_cpu::q4_blocks_gemm(x, w[0], w[1], w[2]) : kiln_cpu::q8_blocks_gemm(x, w[0], w[1]);
@@ -113,7 +114,7 @@ struct FlatDecode : torch::CustomClassHolder {
       if (in[4] != 0) layer.qkv_bias = take();
       for (auto [i, linear] : {std::pair{0, &layer.qkv}, {1, &layer.o}, {2, &layer.gate_up}, {3, &layer.down}}) {
         linear->kind = in[i];
-        linear->tiles_rows = in[10];
+        linear->tiles_rows = in[10 + i];
         for (int64_t t = 0; t < kKindTensors[in[i]]; ++t) linear->w.push_back(take());
       }
       layer.q_size = in[5];

@@ -152,7 +152,7 @@ def _native_decode(args: list[_LayerArgs]):
             return None
         tensors += [a.norm_in, a.norm_post, a.cos_sin, a.key_cache, a.value_cache]
         tensors += [] if a.qkv_bias is None else [a.qkv_bias]
-        for kernel, weight in linears:  # the blocks' tensors, then a Q4 layout's tiles (not the copy)
+        for kernel, weight in linears:  # the blocks' tensors, then the layout's tiles (not the copy)
             blocks = _NATIVE_KERNELS[kernel][1]
             tensors += [
                 *weight[:blocks],
@@ -161,14 +161,15 @@ def _native_decode(args: list[_LayerArgs]):
         ints += [_NATIVE_KERNELS[kernel][0] for kernel, _ in linears]
         ints += [int(a.qkv_bias is not None), a.q_size, a.kv_size, a.heads, a.kv_heads, a.head_dim]
         hybrid = any(kernel in _HYBRID_KERNELS for kernel, _ in linears)
-        ints += [0 if hybrid else native_cpu.blocks_tiles_rows()[0]]  # a hybrid's layer: never the tiles
+        # from this many rows each linear's tile kernel (a hybrid's layer: never the tiles)
+        ints += [0 if hybrid else native_cpu.blocks_tiles_rows(_block_kind(k))[0] for k, _ in linears]
         floats += [float(a.eps), float(a.scale)]
     return torch.classes.kiln_cpu.FlatDecode(tensors, ints, floats)
 
 
 def _native_rows(args: list[_LayerArgs]) -> int:
     """The most rows the native call takes: what every linear's several-row kernels take as prepared_linear
-    routes them (Q4 layouts up to the tile kernel's last row where this build has it, Q8_0 ones up to
+    routes them (each up to its tile kernel's last row where this build has it and past
     native_cpu.blocks_gemm_rows(); a HYBRID_LAYOUTS one up to its exact_rows), so that each row count runs
     the modules' kernels."""
     linears = [
@@ -177,13 +178,16 @@ def _native_rows(args: list[_LayerArgs]) -> int:
         for pair in ((a.qkv_kernel, a.qkv_w), (a.o_kernel, a.o_w), (a.gate_up_kernel, a.gate_up_w),
                      (a.down_kernel, a.down_w))
     ]  # fmt: skip
-    kernels = [kernel for kernel, _ in linears]
     hybrid = [exact_rows(_HYBRID_KERNELS[k], w) for k, w in linears if k in _HYBRID_KERNELS]
     if hybrid:
         return min(hybrid)
-    q4_kinds = {kind for layout, (kind, _) in NATIVE_LAYOUTS.items() if layout.startswith("q4")}
-    q4 = all(_NATIVE_KERNELS[kernel][0] in q4_kinds for kernel in kernels)
-    return max(native_cpu.blocks_gemm_rows(), native_cpu.blocks_tiles_rows()[1] if q4 else 0)
+    gemm_rows = native_cpu.blocks_gemm_rows()
+    return min(max(gemm_rows, native_cpu.blocks_tiles_rows(_block_kind(kernel))[1]) for kernel, _ in linears)
+
+
+def _block_kind(kernel) -> str:
+    """ "q4" or "q8": the blocks a NATIVE_LAYOUTS kernel reads (3 tensors for Q4, 2 for Q8_0)."""
+    return "q4" if _NATIVE_KERNELS[kernel][1] == 3 else "q8"
 
 
 class FlatDecodeLayers:

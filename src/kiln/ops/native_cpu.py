@@ -55,6 +55,7 @@ SOURCES = (
     os.path.join(_OPS, "gemm", "cpu_q8_blocks.cpp"),
     os.path.join(_OPS, "gemm", "cpu_blocks_a8.cpp"),
     os.path.join(_OPS, "gemm", "cpu_block_tiles.cpp"),
+    os.path.join(_OPS, "gemm", "cpu_q8_tiles.cpp"),
     os.path.join(_OPS, "norm", "rms_norm", "rms_norm_cpu.cpp"),
     os.path.join(_OPS, "rope", "rotary_embedding", "rotary_embedding_cpu.cpp"),
     os.path.join(_OPS, "activation", "silu_and_mul", "silu_and_mul_cpu.cpp"),
@@ -83,13 +84,15 @@ ISA_FLAGS = {
 # layers 3.0x at 2, 1.9x at 8, 1.35x at 16, 1.04x at 32, 0.96x at 48; head 2.5x at 2, 1.16x at 16,
 # 0.91x at 32. The AVX2 and AVX-512 builds have them; elsewhere each row would run the one-row kernel.
 BLOCKS_GEMM_MAX_ROWS = 32
-# AVX-512 builds: BLOCKS_TILES_ROWS (first, last) rows of x run the Q4 layouts' 16-row tile kernel
-# (q4_tiles_gemm, kiln.ops.gemm.cpu_block_tiles), which beats both the row kernel above and oneDNN there
-# (Zen 5, the same measurement: layers 1.07-1.11x the row kernel at 16 rows and 1.19-1.22x at 32;
-# 1.08-1.12x oneDNN at 64, which wins from ~128 rows; below 8 rows the row kernel wins). On AVX2
-# (8-lane) builds it was slower than the row kernel (0.8-0.9x at 8-32 rows), and the Q8_0 head gained
-# nothing from tiles (0.76x the row kernel at 8 rows, even at 16, below oneDNN from 32): neither uses it.
-BLOCKS_TILES_ROWS = (8, 64)
+# AVX-512 builds: BLOCKS_TILES_ROWS[kind] (first, last) rows of x run the Q4 / Q8_0 layouts' 16-row tile
+# kernels (q4_tiles_gemm, q8_tiles_gemm; kiln.ops.gemm.cpu_block_tiles), which beat both the row kernels
+# above and oneDNN there. Zen 5, the same measurement: Q4 layers 1.07-1.11x the row kernel at 16 rows
+# and 1.19-1.22x at 32, 1.08-1.12x oneDNN at 64 (which wins from ~128 rows; below 8 rows the row kernel
+# wins); the Q8_0 head 1.08-1.13x the row kernel at 16 rows, 1.19-1.25x at 24-32, even at 12 and
+# slower at 8 (0.8-0.9x), oneDNN even with it from 48 rows. On AVX2 (8-lane) builds the Q4 tile kernel
+# was slower than the row kernel (0.8-0.9x at 8-32 rows), and the Q8_0 head gained nothing from tiles
+# (0.76x the row kernel at 8 rows, even at 16, below oneDNN from 32): neither uses them.
+BLOCKS_TILES_ROWS = {"q4": (8, 64), "q8": (16, 32)}
 
 _state: dict = {"loaded": None, "gemm_rows": None, "tiles_rows": None}
 logger = logging.getLogger(__name__)
@@ -111,13 +114,14 @@ def blocks_gemm_rows() -> int:
     return _state["gemm_rows"] or 1
 
 
-def blocks_tiles_rows() -> tuple[int, int]:
-    """(first, last): the rows of x prepared_linear gives the Q4 blocks layouts' tile kernel
-    (q4_tiles_gemm): BLOCKS_TILES_ROWS where the library is loaded and built for AVX-512, else (0, 0)
-    (no tile kernel: the layouts keep no tiles). A constant once `load` ran, as blocks_gemm_rows()."""
+def blocks_tiles_rows(kind: str = "q4") -> tuple[int, int]:
+    """(first, last): the rows of x prepared_linear gives the "q4" (Q4 blocks) or "q8" (Q8_0) layouts'
+    tile kernel (q4_tiles_gemm / q8_tiles_gemm): BLOCKS_TILES_ROWS[kind] where the library is loaded and
+    built for AVX-512, else (0, 0) (no tile kernel: the layouts keep no tiles). A constant once `load`
+    ran, as blocks_gemm_rows()."""
     if _state["tiles_rows"] is None and not torch.compiler.is_compiling():
         load()
-    return _state["tiles_rows"] or (0, 0)
+    return (_state["tiles_rows"] or {}).get(kind, (0, 0))
 
 
 def load() -> bool:
@@ -128,7 +132,7 @@ def load() -> bool:
         flags = _isa_flags()  # the build's vector ISA (AVX2 or AVX-512), none for a scalar build
         vector = _state["loaded"] and bool(flags)
         _state["gemm_rows"] = BLOCKS_GEMM_MAX_ROWS if vector else 1
-        _state["tiles_rows"] = BLOCKS_TILES_ROWS if vector and "-DCPU_CAPABILITY_AVX512" in flags else (0, 0)
+        _state["tiles_rows"] = BLOCKS_TILES_ROWS if vector and "-DCPU_CAPABILITY_AVX512" in flags else {}
     return _state["loaded"]
 
 

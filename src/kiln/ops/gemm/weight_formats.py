@@ -24,8 +24,10 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      elsewhere two empty tensors)]               on the copy
     "q8_blocks_onednn"  [Q8_0's int8 values [N, K], its scales   1 row: Kiln's native GEMV on the blocks,
                      float32 [N, K/32], oneDNN's blocked fp32    in float32 (exact; kiln_cpu.q8_blocks_gemv);
-                     copy of the same matrix]                    a few rows: kiln_cpu.q8_blocks_gemm;
-                                                                more rows: oneDNN fp32 on the copy
+                     copy of the same matrix, the values in      a few rows: the blocks' row or tile kernel
+                     16-row tiles and their d (AVX-512;          (exact; kiln_cpu.q8_blocks_gemm /
+                     elsewhere two empty tensors)]               q8_tiles_gemm); more rows: oneDNN fp32
+                                                                on the copy
     "q4_blocks_a8_onednn", "q8_blocks_a8_onednn"  the tensors    1 row: x quantized to Q8_0 (int8 per 32
                      of "q4_blocks_onednn" / "q8_blocks_onednn"  values), then Kiln's native integer GEMV
                                                                 (kiln.ops.gemm.cpu_blocks_a8); more rows:
@@ -76,17 +78,18 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     one-row inputs read ~0.6 bytes a weight with no rounding of the weight or of x (Kiln's native
     kernel, kiln.ops.gemm.cpu_q4_blocks; 3x the fp16 GEMV's speed over SmolLM2's 120 decoder matrices
     on the 2-core Xeon this project measures on), 2 to native_cpu.blocks_gemm_rows() rows (batched
-    decode) through kiln_cpu.q4_blocks_gemm on the same blocks or, for native_cpu.blocks_tiles_rows()
+    decode) through kiln_cpu.q4_blocks_gemm on the same blocks or, for native_cpu.blocks_tiles_rows("q4")
     rows (8 to 64, AVX-512 builds), kiln_cpu.q4_tiles_gemm on a copy of them in 16-row tiles
     (kiln.ops.gemm.cpu_block_tiles; the same values, +0.75 byte a weight), and a oneDNN-packed float32
     copy of the same matrix for more rows, as "fp32". Exact like "fp32", so the
     probe times it by default. Other weights, or a CPU where oneDNN cannot pack, get "fp32";
   - CPU, "q8_blocks", GGUF Q8_0 weights: "q8_blocks_onednn", the same for Q8_0: its int8 values and
     its scales (fp16 in the file, exact in float32), one row through Kiln's native GEMV
-    (kiln.ops.gemm.cpu_q8_blocks, one byte a weight), a few rows through its q8_blocks_gemm (as
-    "q4_blocks"; no tiles), more through a oneDNN-packed float32 copy. Made for the LM head,
-    the largest matrix of a small model, whose GGUF type is usually Q8_0; exact, so the probe times it
-    by default. Other weights, or a CPU where oneDNN cannot pack, get "fp32";
+    (kiln.ops.gemm.cpu_q8_blocks, one byte a weight), a few rows through its q8_blocks_gemm or, for
+    native_cpu.blocks_tiles_rows("q8") rows (16 to 32, AVX-512 builds), q8_tiles_gemm on a copy in
+    16-row tiles (as "q4_blocks"; +1 byte a weight), more through a oneDNN-packed float32 copy. Made
+    for the LM head, the largest matrix of a small model, whose GGUF type is usually Q8_0; exact, so
+    the probe times it by default. Other weights, or a CPU where oneDNN cannot pack, get "fp32";
   - CPU, "q4_blocks_a8" / "q8_blocks_a8", the same weights: "q4_blocks_a8_onednn" /
     "q8_blocks_a8_onednn", the same tensors, but a one-row x is quantized to Q8_0 blocks first (int8
     per 32 values, a float32 scale: llama.cpp's CPU arithmetic) and each block's dot product is integer
@@ -217,9 +220,9 @@ LAYOUTS = {
     "int8_weight": 2,
     "int8_blocks_onednn": 3,
     "q4_blocks_onednn": 6,
-    "q8_blocks_onednn": 3,
+    "q8_blocks_onednn": 5,
     "q4_blocks_a8_onednn": 6,
-    "q8_blocks_a8_onednn": 3,
+    "q8_blocks_a8_onednn": 5,
     "w8a8_packed": 4,
     "int4_w8a8_packed": 6,
     "int8_blocks_w8a8_packed": 6,
@@ -455,7 +458,7 @@ def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | N
     if rows is None:
         return None
     blocks = pack(weight)
-    tiles = cpu_block_tiles.layout_tiles(*blocks) if layout.startswith("q4") else ()
+    tiles = cpu_block_tiles.layout_tiles(*blocks)
     return PreparedLinearWeight(layout, (*blocks, rows, *tiles), shape, torch.float32, dtype)
 
 

@@ -9,16 +9,17 @@
                  fast path); the bias is added in float32;
   "int4_onednn"  one row: as "int4"; several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
   "q4_blocks_onednn"  one row: q4_blocks_gemv (float32 on GGUF Q4 blocks' values, d and m, exact);
-                 native_cpu.blocks_tiles_rows() rows (batched decode; AVX-512 builds: 8 to 64):
+                 native_cpu.blocks_tiles_rows("q4") rows (batched decode; AVX-512 builds: 8 to 64):
                  q4_tiles_gemm on their 16-row tiles; other rows up to native_cpu.blocks_gemm_rows()
                  (32 on AVX2 and AVX-512 builds, else 1): q4_blocks_gemm on the same blocks; more:
                  oneDNN's fp32 GEMM on the copy of the matrix;
   "q8_blocks_onednn"  one row: int8_blocks_gemv (float32 on GGUF Q8_0's values and scales, exact;
-                 Kiln's native kernel); a few rows: q8_blocks_gemm (as q4_blocks_gemm above); more:
-                 oneDNN's fp32 GEMM on the copy of the same matrix;
+                 Kiln's native kernel); a few rows: q8_tiles_gemm for blocks_tiles_rows("q8") rows
+                 (AVX-512: 16 to 32), else q8_blocks_gemm (as the Q4 layout above); more: oneDNN's
+                 fp32 GEMM on the copy of the same matrix;
   "q4_blocks_a8_onednn", "q8_blocks_a8_onednn"  one row: x quantized to Q8_0, then Kiln's integer GEMV
                  on the same blocks (kiln.ops.gemm.cpu_blocks_a8); several rows: as the exact layouts
-                 (q4_tiles_gemm, q4_blocks_gemm / q8_blocks_gemm included);
+                 (the tile and row kernels included);
   "int8_blocks_onednn"  one row: as "q8_blocks_onednn"; several rows: oneDNN's bf16 GEMM on the copy;
   "w8a8_packed"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, Kiln's AMX tile kernel
                  or oneDNN's int8 GEMM (one native op);
@@ -41,7 +42,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.gemm.cpu_block_tiles import q4_tiles_gemm
+from kiln.ops.gemm.cpu_block_tiles import q4_tiles_gemm, q8_tiles_gemm
 from kiln.ops.gemm.cpu_blocks_a8 import q4_blocks_a8_gemv, q8_blocks_a8_gemv
 from kiln.ops.gemm.cpu_q4_blocks import q4_blocks_gemm, q4_blocks_gemv
 from kiln.ops.gemm.cpu_q8_blocks import q8_blocks_gemm
@@ -132,24 +133,26 @@ def _int8_blocks_onednn(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
-def _tile_rows(rows: int) -> bool:
-    """Whether `rows` rows of x go to the Q4 tile kernel here (native_cpu.blocks_tiles_rows())."""
-    first, last = blocks_tiles_rows()
+def _tile_rows(rows: int, kind: str) -> bool:
+    """Whether `rows` rows of x go to the tile kernel of `kind` ("q4" / "q8") here
+    (native_cpu.blocks_tiles_rows(kind))."""
+    first, last = blocks_tiles_rows(kind)
     return 0 < first <= rows <= last
 
 
-def _blocks_kernel(gemv, copy_at: int, gemm, tiles: bool = False):
+def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm):
     """The "q4/q8_blocks[_a8]_onednn" kernels: one row through `gemv` on the first `copy_at` tensors
-    (the blocks' values and scales); with `tiles` (the Q4 layouts), blocks_tiles_rows() rows through
-    q4_tiles_gemm on the tiles after the float32 copy; up to blocks_gemm_rows() rows through `gemm` on
-    the blocks; more rows through the float32 copy, as "onednn"."""
+    (the blocks' values and scales: 3 for Q4, 2 for Q8_0); blocks_tiles_rows(kind) rows through
+    `tiles_gemm` on the tiles after the float32 copy; up to blocks_gemm_rows() rows through `gemm` on the
+    blocks; more rows through the float32 copy, as "onednn"."""
+    kind = "q4" if copy_at == 3 else "q8"
 
     def run(x, weight, bias, out_dtype):
         rows = x.shape[0]
         if rows == 1:
             y = gemv(x, *weight[:copy_at])
-        elif tiles and _tile_rows(rows):
-            y = q4_tiles_gemm(x, weight[copy_at + 1], weight[copy_at + 2], weight[0].shape[0])
+        elif _tile_rows(rows, kind):
+            y = tiles_gemm(x, weight[copy_at + 1], weight[copy_at + 2], weight[0].shape[0])
         elif rows <= blocks_gemm_rows():
             y = gemm(x, *weight[:copy_at])
         else:
@@ -161,7 +164,7 @@ def _blocks_kernel(gemv, copy_at: int, gemm, tiles: bool = False):
     return run
 
 
-_q4_blocks_onednn = _blocks_kernel(q4_blocks_gemv, 3, q4_blocks_gemm, tiles=True)
+_q4_blocks_onednn = _blocks_kernel(q4_blocks_gemv, 3, q4_blocks_gemm, q4_tiles_gemm)
 
 
 def _w8a8(x, weight, bias, out_dtype):
@@ -207,9 +210,9 @@ KERNELS = {
     "int8_weight": _int8_weight,
     "int8_blocks_onednn": _int8_blocks_onednn,
     "q4_blocks_onednn": _q4_blocks_onednn,
-    "q8_blocks_onednn": _blocks_kernel(int8_blocks_gemv, 2, q8_blocks_gemm),
-    "q4_blocks_a8_onednn": _blocks_kernel(q4_blocks_a8_gemv, 3, q4_blocks_gemm, tiles=True),
-    "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2, q8_blocks_gemm),
+    "q8_blocks_onednn": _blocks_kernel(int8_blocks_gemv, 2, q8_blocks_gemm, q8_tiles_gemm),
+    "q4_blocks_a8_onednn": _blocks_kernel(q4_blocks_a8_gemv, 3, q4_blocks_gemm, q4_tiles_gemm),
+    "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2, q8_blocks_gemm, q8_tiles_gemm),
     "w8a8_packed": _w8a8,
     "int4_w8a8_packed": _int4_w8a8,
     "int8_blocks_w8a8_packed": _int8_blocks_w8a8,

@@ -172,15 +172,19 @@ def _validate_quantized(op, layout, weight, K, device) -> None:
 
 
 def _validate_tiles(op, layout, weight, n: int, k: int, device) -> None:
-    """weight[4], weight[5] of a Q4 blocks layout: its 16-row tiles and their scales
+    """The last two tensors of a Q4 / Q8_0 blocks layout: its 16-row tiles and their scales
     (kiln.ops.gemm.cpu_block_tiles.layout_tiles), or both empty where this build runs no tile kernel."""
-    tiles, scales = weight[4], weight[5]
-    check_tensor(op, "weight[4]", tiles, ndim=2, dtypes=(torch.uint8,), device=device)
-    check_tensor(op, "weight[5]", scales, ndim=2, dtypes=(torch.float32,), device=device)
-    if tiles.numel() == 0 and scales.numel() == 0 and not native_cpu.blocks_tiles_rows()[0]:
+    at = len(weight) - 2
+    tiles, scales = weight[at], weight[at + 1]
+    q4 = layout.startswith("q4")
+    tiles_dtype = torch.uint8 if q4 else torch.int8
+    check_tensor(op, f"weight[{at}]", tiles, ndim=2, dtypes=(tiles_dtype,), device=device)
+    check_tensor(op, f"weight[{at + 1}]", scales, ndim=2, dtypes=(torch.float32,), device=device)
+    no_tiles_here = not native_cpu.blocks_tiles_rows("q4" if q4 else "q8")[0]
+    if tiles.numel() == 0 and scales.numel() == 0 and no_tiles_here:
         return
     num_tiles, groups = -(-n // 16), k // INT4_GROUP_SIZE
-    expected = ((num_tiles, groups * 256), (num_tiles, groups * 32))
+    expected = (num_tiles, groups * 256 if q4 else k * 16), (num_tiles, groups * (32 if q4 else 16))
     if (tuple(tiles.shape), tuple(scales.shape)) != expected:
         raise ValueError(
             f"{op}: {layout} tiles {tuple(tiles.shape)} and tile scales {tuple(scales.shape)}, expected "
@@ -218,12 +222,15 @@ def _check_q4_blocks(op, layout, weight, device) -> tuple[int, int]:
 
 
 def _validate_q8_blocks(op, layout, weight, device) -> None:
-    """The layouts "int8_blocks_onednn" (a bf16 copy) and "q8_blocks[_a8]_onednn" (a float32 copy)."""
+    """The layouts "int8_blocks_onednn" (a bf16 copy) and "q8_blocks[_a8]_onednn" (a float32 copy, then
+    the tiles)."""
     copy_dtype = torch.bfloat16 if layout == "int8_blocks_onednn" else torch.float32
     n, k = _check_q8_0_blocks(op, layout, weight, device)
     check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(copy_dtype,), device=device)
     if tuple(weight[2].shape) != (n, k):  # oneDNN's packing of the copy reports the matrix's shape
         raise ValueError(f"{op}: {layout} copy has shape {tuple(weight[2].shape)}, expected {n, k}")
+    if layout != "int8_blocks_onednn":
+        _validate_tiles(op, layout, weight, n, k, device)
 
 
 def _validate_q4_blocks(op, layout, weight, device) -> None:
