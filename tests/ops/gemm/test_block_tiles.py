@@ -64,6 +64,8 @@ def test_the_tiles_hold_the_blocks_exact_values(qtype, n, k, native):
     weight, expected = _weight(qtype, n, k, g)
     tiles, tile_scales = _tiles(weight)
     assert tiles.shape[0] == -(-n // 16)  # rows padded to whole tiles
+    # Q4_0 / Q4_1's d and m are the file's float16 values; Q4_K's products of two scales are not
+    assert tile_scales.dtype == (torch.float16 if qtype in ("Q4_0", "Q4_1") else torch.float32)
     matrix = _tile_matrix(qtype)(tiles, tile_scales, n)
     assert torch.equal(matrix.float().double(), expected)  # Q4: d * q + m, one float32 rounding; Q8_0: d * q
     padding = tile_scales.view(tiles.shape[0], -1, 16)[-1, :, n % 16 or 16 :]
@@ -84,6 +86,8 @@ def test_the_tile_kernel_matches_float64_row_by_row_and_its_tensor_form(qtype, m
     assert_close(y, x.double() @ matrix.T, 1e-6, f"{qtype}, {m} rows")
     alone = torch.cat([gemm(x[i : i + 1], tiles, tile_scales, n) for i in range(m)])
     assert torch.equal(y, alone)  # each row's floats whatever shares the call
+    if tile_scales.dtype == torch.float16:  # the same values as float32 scales: the same floats
+        assert torch.equal(y, gemm(x, tiles, tile_scales.float(), n))
     monkeypatch.setitem(tiles_module._state, "loaded", False)  # as where the library cannot be built
     tensor_y = gemm(x, tiles, tile_scales, n)
     monkeypatch.undo()
@@ -116,8 +120,10 @@ def test_the_tile_op_refuses_malformed_inputs_by_name(native):
         op(x, tiles[:, :-16].contiguous(), tile_scales, 40)
     with pytest.raises(RuntimeError, match=r"tiles must be uint8"):
         op(x, tiles.view(torch.int8), tile_scales, 40)
-    with pytest.raises(RuntimeError, match=r"tile_scales must be float32 \[3, 160\]"):
+    with pytest.raises(RuntimeError, match=r"tile_scales must be float32 or float16 \[3, 160\]"):
         op(x, tiles, tile_scales[:, :-1].contiguous(), 40)
+    with pytest.raises(RuntimeError, match=r"tile_scales must be float32 or float16 .* got BFloat16"):
+        op(x, tiles, tile_scales.bfloat16(), 40)
     with pytest.raises(RuntimeError, match=r"x must be float32 \[M, K\]"):
         op(x.double(), tiles, tile_scales, 40)
     with pytest.raises(RuntimeError, match=r"K = 80 must be a multiple of 32"):

@@ -60,13 +60,18 @@ def pack_q4(
     nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Q4 blocks' tensors (nibbles uint8 [N, K / 2], scales and mins float32 [N, K / 32], as
-    cpu_q4_blocks.pack returns them) -> (tiles uint8 [ceil(N / 16), K / 32 * 256], tile_scales float32
+    cpu_q4_blocks.pack returns them) -> (tiles uint8 [ceil(N / 16), K / 32 * 256], tile_scales
     [ceil(N / 16), K / 32 * 32]): per tile and block, byte j of its 16 rows (j = 0..15), then the rows'
-    16 d followed by their 16 m. Loads the native kernel (`load`) first."""
+    16 d followed by their 16 m; the scales float16 where every d and m is one exactly (Q4_0, Q4_1:
+    1/8 byte a weight less for the kernel to read), else float32 (Q4_K's products of two scales, as a
+    rule). Loads the native kernel (`load`) first."""
     load()
     tiles = _tiled(nibbles, BLOCK // 2)
     d, m = _tiled(scales, 1), _tiled(mins, 1)
     tile_scales = torch.cat([d, m], dim=2)  # [tiles, groups, 2, 16]
+    halves = tile_scales.half()
+    if torch.equal(halves.float(), tile_scales):  # exact (no rounding, no overflow to inf)
+        tile_scales = halves
     return tiles.reshape(tiles.shape[0], -1).contiguous(), tile_scales.reshape(d.shape[0], -1).contiguous()
 
 

@@ -1,10 +1,12 @@
 // Float32 vectors of the build's ISA for the GGUF-block kernels (cpu_q4_blocks.cpp, cpu_q8_blocks.cpp,
 // cpu_blocks_a8.cpp), so that each kernel is written once: `Floats` holds kLanes = 16 floats on
 // AVX-512 builds, 8 on AVX2 ones (KILN_FLOAT_LANES is defined for either; other builds keep the
-// kernels' scalar loops). hsum: a __m256's sum, in the order all the AVX2 code uses.
+// kernels' scalar loops). hsum: a __m256's sum, in the order all the AVX2 code uses. load() also widens
+// kLanes float16 values (c10::Half) to float32, exactly.
 #pragma once
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -27,6 +29,9 @@ using Floats = __m512;
 inline Floats zero() { return _mm512_setzero_ps(); }
 inline Floats set1(float v) { return _mm512_set1_ps(v); }
 inline Floats load(const float* p) { return _mm512_loadu_ps(p); }
+inline Floats load(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline void store(float* p, Floats v) { _mm512_storeu_ps(p, v); }
 inline Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
 inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
@@ -47,6 +52,9 @@ using Floats = __m256;
 inline Floats zero() { return _mm256_setzero_ps(); }
 inline Floats set1(float v) { return _mm256_set1_ps(v); }
 inline Floats load(const float* p) { return _mm256_loadu_ps(p); }
+inline Floats load(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 inline void store(float* p, Floats v) { _mm256_storeu_ps(p, v); }
 inline Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
 inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }

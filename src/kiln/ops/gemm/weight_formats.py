@@ -80,7 +80,8 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     on the 2-core Xeon this project measures on), 2 to native_cpu.blocks_gemm_rows() rows (batched
     decode) through kiln_cpu.q4_blocks_gemm on the same blocks or, for native_cpu.blocks_tiles_rows("q4")
     rows (8 to 64, AVX-512 builds), kiln_cpu.q4_tiles_gemm on a copy of them in 16-row tiles
-    (kiln.ops.gemm.cpu_block_tiles; the same values, +0.75 byte a weight), and a oneDNN-packed float32
+    (kiln.ops.gemm.cpu_block_tiles; the same values, +0.625 byte a weight with Q4_0 / Q4_1's d and m
+    as float16, +0.75 with Q4_K's as float32), and a oneDNN-packed float32
     copy of the same matrix for more rows, as "fp32". Exact like "fp32", so the
     probe times it by default. Other weights, or a CPU where oneDNN cannot pack, get "fp32";
   - CPU, "q8_blocks", GGUF Q8_0 weights: "q8_blocks_onednn", the same for Q8_0: its int8 values and

@@ -178,8 +178,9 @@ def _validate_tiles(op, layout, weight, n: int, k: int, device) -> None:
     tiles, scales = weight[at], weight[at + 1]
     q4 = layout.startswith("q4")
     tiles_dtype = torch.uint8 if q4 else torch.int8
+    scales_dtypes = (torch.float32, torch.float16) if q4 else (torch.float32,)  # Q4: float16 where exact
     check_tensor(op, f"weight[{at}]", tiles, ndim=2, dtypes=(tiles_dtype,), device=device)
-    check_tensor(op, f"weight[{at + 1}]", scales, ndim=2, dtypes=(torch.float32,), device=device)
+    check_tensor(op, f"weight[{at + 1}]", scales, ndim=2, dtypes=scales_dtypes, device=device)
     no_tiles_here = not native_cpu.blocks_tiles_rows("q4" if q4 else "q8")[0]
     if tiles.numel() == 0 and scales.numel() == 0 and no_tiles_here:
         return
