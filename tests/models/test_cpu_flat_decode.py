@@ -283,17 +283,21 @@ def test_native_flat_decode_runs_batched_steps_as_the_modules_do(
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
-@pytest.mark.skipif(native_cpu.blocks_tiles_rows()[0] == 0, reason="no tile kernel in this build (AVX-512's)")
 @pytest.mark.parametrize("weights", ["q4", "q8"])
 def test_native_flat_decode_runs_tile_kernel_steps_as_the_modules_do(blocks_gguf, weights, monkeypatch):
+    if native_cpu.blocks_tiles_rows(weights)[0] == 0:
+        pytest.skip("no tile kernel in this build (AVX-512's)")
     path = blocks_gguf(weights)
     loaded = load_model(path, device="cpu", cpu_format=f"{weights}_blocks", lm_head_format="q8_blocks")
     rows = native_cpu.blocks_tiles_rows(weights)[0] + 1  # sequences a decode step: the tile kernel's rows
     engine = _engine(path, loaded, max_num_seqs=rows)
     calls = _counting(engine, monkeypatch)
     prompts = [[(7 * j + i) % 60 + 2 for j in range(3 + i)] for i in range(rows)]
-    batched = _run(engine, prompts, max_tokens=6)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        batched = _run(engine, prompts, max_tokens=6)
     assert rows in calls
+    tile_calls = sum(event.name == f"kiln_cpu::{weights}_tiles_gemm" for event in prof.events())
+    assert tile_calls >= 4 * len(loaded.model.layers)  # the native call ran the layers' tile kernel
     loaded.model.flat_decode = None
     assert _run(engine, prompts, max_tokens=6) == batched  # token ids and logprobs, bit for bit
 

@@ -54,7 +54,9 @@ constexpr int64_t kInts = 14, kFloats = 2;
 struct Linear {
   int64_t kind;
   std::vector<at::Tensor> w;
-  int64_t tiles_rows;  // from this many rows the tile kernel (native_cpu.blocks_tiles_rows(kind); 0: never)
+  // from this many rows the tile kernel (native_cpu.blocks_tiles_rows(kind); 0: never); no upper bound
+  // here: FlatDecodeLayers.max_rows keeps T within every linear's tile rows
+  int64_t tiles_rows;
 
   // x [T, K]: one row through the kind's one-row kernel; several (one token of each of T sequences)
   // through the exact multi-row kernels of its blocks, as prepared_linear's "*_blocks[_a8]_onednn"

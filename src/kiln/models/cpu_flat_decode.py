@@ -168,10 +168,11 @@ def _native_decode(args: list[_LayerArgs]):
 
 
 def _native_rows(args: list[_LayerArgs]) -> int:
-    """The most rows the native call takes: what every linear's several-row kernels take as prepared_linear
-    routes them (each up to its tile kernel's last row where this build has it and past
-    native_cpu.blocks_gemm_rows(); a HYBRID_LAYOUTS one up to its exact_rows), so that each row count runs
-    the modules' kernels."""
+    """The most rows the native call takes: the fewest that any linear's several-row kernels take as
+    prepared_linear routes them (each up to the larger of native_cpu.blocks_gemm_rows() and its tile
+    kernel's last row where this build has one; a HYBRID_LAYOUTS one up to its exact_rows), so that each
+    row count runs the modules' kernels (the native Linear has no upper bound of its own: it relies on
+    this one)."""
     linears = [
         pair
         for a in args

@@ -12,6 +12,9 @@ their ops under torch.ops.kiln_cpu:
     gemm/cpu_q8_blocks.cpp                  kiln_cpu.q8_blocks_gemv (GGUF Q8_0 blocks, one row)
     gemm/cpu_blocks_a8.cpp                  kiln_cpu.q4_blocks_a8_gemv, q8_blocks_a8_gemv (the same
                                             blocks, x quantized to Q8_0 first), kiln_cpu.quantize_q8_0
+    gemm/cpu_block_tiles.cpp                kiln_cpu.q4_tiles_gemm (Q4 blocks in 16-row tiles, batched
+                                            decode)
+    gemm/cpu_q8_tiles.cpp                   kiln_cpu.q8_tiles_gemm (the same for Q8_0)
     norm/rms_norm/rms_norm_cpu.cpp          kiln_cpu.rms_norm (float32)
     rope/rotary_embedding/rotary_embedding_cpu.cpp  kiln_cpu.rotary_embedding_ (float32, in place)
     activation/silu_and_mul/silu_and_mul_cpu.cpp    kiln_cpu.silu_and_mul (float32)
@@ -89,9 +92,10 @@ BLOCKS_GEMM_MAX_ROWS = 32
 # above and oneDNN there. Zen 5, the same measurement: Q4 layers 1.07-1.11x the row kernel at 16 rows
 # and 1.19-1.22x at 32, 1.08-1.12x oneDNN at 64 (which wins from ~128 rows; below 8 rows the row kernel
 # wins); the Q8_0 head 1.08-1.13x the row kernel at 16 rows, 1.19-1.25x at 24-32, even at 12 and
-# slower at 8 (0.8-0.9x), oneDNN even with it from 48 rows. On AVX2 (8-lane) builds the Q4 tile kernel
-# was slower than the row kernel (0.8-0.9x at 8-32 rows), and the Q8_0 head gained nothing from tiles
-# (0.76x the row kernel at 8 rows, even at 16, below oneDNN from 32): neither uses them.
+# slower at 8 (0.8-0.9x), oneDNN even with it from 48 rows. (An earlier Q8_0 tile kernel, session 21's,
+# was 0.76x the row kernel at 8 rows and even at 16: this one takes one tile by up to 16 rows a pass.)
+# On AVX2 (8-lane) builds the Q4 tile kernel was slower than the row kernel (0.8-0.9x at 8-32 rows), and
+# the Q8_0 one is unmeasured there: neither runs on them.
 BLOCKS_TILES_ROWS = {"q4": (8, 64), "q8": (16, 32)}
 
 _state: dict = {"loaded": None, "gemm_rows": None, "tiles_rows": None}
@@ -114,11 +118,13 @@ def blocks_gemm_rows() -> int:
     return _state["gemm_rows"] or 1
 
 
-def blocks_tiles_rows(kind: str = "q4") -> tuple[int, int]:
+def blocks_tiles_rows(kind: str) -> tuple[int, int]:
     """(first, last): the rows of x prepared_linear gives the "q4" (Q4 blocks) or "q8" (Q8_0) layouts'
     tile kernel (q4_tiles_gemm / q8_tiles_gemm): BLOCKS_TILES_ROWS[kind] where the library is loaded and
     built for AVX-512, else (0, 0) (no tile kernel: the layouts keep no tiles). A constant once `load`
     ran, as blocks_gemm_rows()."""
+    if kind not in BLOCKS_TILES_ROWS:
+        raise ValueError(f"blocks_tiles_rows: kind {kind!r}, expected one of {', '.join(BLOCKS_TILES_ROWS)}")
     if _state["tiles_rows"] is None and not torch.compiler.is_compiling():
         load()
     return (_state["tiles_rows"] or {}).get(kind, (0, 0))

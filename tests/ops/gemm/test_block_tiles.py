@@ -13,7 +13,7 @@ import torch
 import kiln.ops
 from kiln.ops import native_cpu
 from kiln.ops.gemm import cpu_block_tiles as tiles_module
-from kiln.ops.gemm import cpu_q4_blocks, cpu_q8_blocks
+from kiln.ops.gemm import cpu_q4_blocks, cpu_q8_blocks, weight_formats
 from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
 from kiln.quant import quantize_blocks
 from kiln.quant.gguf_blocks import GGUFWeight
@@ -70,6 +70,8 @@ def test_the_tiles_hold_the_blocks_exact_values(qtype, n, k, native):
     assert torch.equal(matrix.float().double(), expected)  # Q4: d * q + m, one float32 rounding; Q8_0: d * q
     padding = tile_scales.view(tiles.shape[0], -1, 16)[-1, :, n % 16 or 16 :]
     assert not padding.any()  # rows past N: zero scales
+    if qtype == "Q8_0":  # and zero values
+        assert not tiles.view(tiles.shape[0], k, 16)[-1, :, n % 16 or 16 :].any()
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
@@ -169,12 +171,15 @@ def test_prepared_linear_hands_the_tile_kernel_the_rows_this_build_gives_it(fmt,
     assert 1 < first <= native_cpu.blocks_gemm_rows() <= last
     matrix = prepared_matrix(prepared.layout, prepared.tensors)
     row_kernel = cpu_q8_blocks.q8_blocks_gemm if qtype == "Q8_0" else cpu_q4_blocks.q4_blocks_gemm
-    for m in (first - 1, first, last):
+    copy = prepared.tensors[blocks]
+    for m in (first - 1, first, last, last + 1):
         x = torch.randn(m, k, generator=g)
         y = torch.full((m, n), float("nan"))
         y.copy_(kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors))
         assert_close(y, x.double() @ matrix.T, 1e-6, f"{fmt}, {m} rows")
-        if m >= first:
+        if m > last:  # past the tiles: the float32 copy through oneDNN
+            assert torch.equal(y, weight_formats.onednn_linear(x, copy, None))
+        elif m >= first:
             assert torch.equal(y, _gemm(qtype)(x, tiles, tile_scales, n))
         else:
             assert torch.equal(y, row_kernel(x, *prepared.tensors[:blocks]))

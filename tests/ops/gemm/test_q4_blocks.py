@@ -63,7 +63,7 @@ def test_q4_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(qtype, n
         assert_close(y, one.double() @ matrix.T + bias.double(), 1e-6, f"{qtype}, one {dtype} row")
     # a few rows (batched decode): q4_blocks_gemm (or the tiles' kernel, test_block_tiles.py) where
     # they are built, the copy elsewhere; past both, always the float32 copy through oneDNN
-    for m in (5, max(native_cpu.blocks_gemm_rows(), native_cpu.blocks_tiles_rows()[1]) + 1):
+    for m in (5, max(native_cpu.blocks_gemm_rows(), native_cpu.blocks_tiles_rows("q4")[1]) + 1):
         rows = torch.randn(m, k, generator=g)
         y = torch.full((m, n), float("nan"))
         y.copy_(run(rows, prepared.layout, prepared.tensors, bias))

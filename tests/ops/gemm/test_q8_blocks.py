@@ -65,7 +65,7 @@ def test_q8_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(n, k, na
         assert_close(y, one.double() @ matrix.T + bias.double(), 1e-6, f"one {dtype} row")
     # a few rows (batched decode): q8_blocks_gemm where its multi-row kernel is built (AVX2), the copy
     # elsewhere; past blocks_gemm_rows() and the tile kernel's rows, always the float32 copy through oneDNN
-    for m in (5, max(native_cpu.blocks_gemm_rows(), native_cpu.blocks_tiles_rows()[1]) + 1):
+    for m in (5, max(native_cpu.blocks_gemm_rows(), native_cpu.blocks_tiles_rows("q8")[1]) + 1):
         rows = torch.randn(m, k, generator=g)
         y = torch.full((m, n), float("nan"))
         y.copy_(run(rows, prepared.layout, prepared.tensors, bias))

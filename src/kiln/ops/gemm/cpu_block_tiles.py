@@ -33,8 +33,8 @@ _state: dict = {"loaded": None}
 
 
 def load() -> bool:
-    """Load Kiln's native CPU library and register the op's fake, once per process. True when the
-    native kernel runs here. Call it eagerly (not while torch.compile traces)."""
+    """Load Kiln's native CPU library and register the two ops' fakes, once per process. True when the
+    native kernels run here. Call it eagerly (not while torch.compile traces)."""
     return native_cpu.load_op(_state, _register_fake)
 
 

@@ -88,9 +88,10 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     its scales (fp16 in the file, exact in float32), one row through Kiln's native GEMV
     (kiln.ops.gemm.cpu_q8_blocks, one byte a weight), a few rows through its q8_blocks_gemm or, for
     native_cpu.blocks_tiles_rows("q8") rows (16 to 32, AVX-512 builds), q8_tiles_gemm on a copy in
-    16-row tiles (as "q4_blocks"; +1 byte a weight), more through a oneDNN-packed float32 copy. Made
-    for the LM head, the largest matrix of a small model, whose GGUF type is usually Q8_0; exact, so
-    the probe times it by default. Other weights, or a CPU where oneDNN cannot pack, get "fp32";
+    16-row tiles (as "q4_blocks"; +1.125 byte a weight: the values and a float32 d per 32), more
+    through a oneDNN-packed float32 copy. Made for the LM head, the largest matrix of a small model,
+    whose GGUF type is usually Q8_0; exact, so the probe times it by default. Other weights, or a CPU
+    where oneDNN cannot pack, get "fp32";
   - CPU, "q4_blocks_a8" / "q8_blocks_a8", the same weights: "q4_blocks_a8_onednn" /
     "q8_blocks_a8_onednn", the same tensors, but a one-row x is quantized to Q8_0 blocks first (int8
     per 32 values, a float32 scale: llama.cpp's CPU arithmetic) and each block's dot product is integer

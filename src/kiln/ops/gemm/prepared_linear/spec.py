@@ -184,7 +184,7 @@ def _validate_tiles(op, layout, weight, n: int, k: int, device) -> None:
     no_tiles_here = not native_cpu.blocks_tiles_rows("q4" if q4 else "q8")[0]
     if tiles.numel() == 0 and scales.numel() == 0 and no_tiles_here:
         return
-    num_tiles, groups = -(-n // 16), k // INT4_GROUP_SIZE
+    num_tiles, groups = -(-n // 16), k // (INT4_GROUP_SIZE if q4 else INT8_BLOCK_SIZE)
     expected = (num_tiles, groups * 256 if q4 else k * 16), (num_tiles, groups * (32 if q4 else 16))
     if (tuple(tiles.shape), tuple(scales.shape)) != expected:
         raise ValueError(
