@@ -112,12 +112,18 @@ def tile_matrix(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int) -> torch
 def q4_tiles_gemm(x: torch.Tensor, tiles: torch.Tensor, tile_scales: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] float (read as float32), Q4 tiles (`pack_q4`) of an [N, K] weight -> y float32 [M, N],
     y[i, j] = sum_k x[i, k] * (d[j, k // 32] * q[j, k] + m[j, k // 32])."""
+    return _tiles_gemm("q4_tiles_gemm", tile_matrix, x, tiles, tile_scales, n)
+
+
+def _tiles_gemm(op: str, matrix, x, tiles, tile_scales, n: int) -> torch.Tensor:
+    """torch.ops.kiln_cpu.<op> on x as float32 where the native library is loaded; else x times the
+    float32 `matrix(tiles, tile_scales, n)` (the same products as tensor code)."""
     x = x.float()
     if not torch.compiler.is_compiling():
         load()
     if _state["loaded"]:
-        return torch.ops.kiln_cpu.q4_tiles_gemm(x, tiles, tile_scales, n)
-    return x @ tile_matrix(tiles, tile_scales, n).to(torch.float32).T
+        return getattr(torch.ops.kiln_cpu, op)(x, tiles, tile_scales, n)
+    return x @ matrix(tiles, tile_scales, n).to(torch.float32).T
 
 
 def q8_tile_matrix(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int) -> torch.Tensor:
@@ -133,9 +139,4 @@ def q8_tile_matrix(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int) -> to
 def q8_tiles_gemm(x: torch.Tensor, tiles: torch.Tensor, tile_scales: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] float (read as float32), Q8_0 tiles (`pack_q8`) of an [N, K] weight -> y float32 [M, N],
     y[i, j] = sum_k x[i, k] * d[j, k // 32] * q[j, k], each output summed over k in order."""
-    x = x.float()
-    if not torch.compiler.is_compiling():
-        load()
-    if _state["loaded"]:
-        return torch.ops.kiln_cpu.q8_tiles_gemm(x, tiles, tile_scales, n)
-    return x @ q8_tile_matrix(tiles, tile_scales, n).to(torch.float32).T
+    return _tiles_gemm("q8_tiles_gemm", q8_tile_matrix, x, tiles, tile_scales, n)
