@@ -14,6 +14,7 @@ import kiln.ops
 from kiln.ops import native_cpu
 from kiln.ops.gemm import cpu_block_tiles as tiles_module
 from kiln.ops.gemm import cpu_q4_blocks, cpu_q8_blocks, weight_formats
+from kiln.ops.gemm.prepared_linear import PREPARED_LINEAR
 from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
 from kiln.quant import quantize_blocks
 from kiln.quant.gguf_blocks import GGUFWeight
@@ -179,10 +180,16 @@ def test_prepared_linear_hands_the_tile_kernel_the_rows_this_build_gives_it(fmt,
         assert_close(y, x.double() @ matrix.T, 1e-6, f"{fmt}, {m} rows")
         if m > last:  # past the tiles: the float32 copy through oneDNN
             assert torch.equal(y, weight_formats.onednn_linear(x, copy, None))
+            read = n * k * 4
         elif m >= first:
             assert torch.equal(y, _gemm(qtype)(x, tiles, tile_scales, n))
+            read = (tiles.nbytes + tile_scales.nbytes) * n / (16 * tiles.shape[0])  # less the padding rows
         else:
             assert torch.equal(y, row_kernel(x, *prepared.tensors[:blocks]))
+            read = sum(t.nbytes for t in prepared.tensors[:blocks])
+        # the byte model behind `kiln bench`'s GB/s counts what that kernel reads
+        shape = {"M": m, "N": n, "K": k, "format": fmt, "source": qtype}
+        assert PREPARED_LINEAR.bytes(shape, torch.float32) - (m * k + m * n) * 4 == pytest.approx(read)
     broken = (*prepared.tensors[: blocks + 1], tiles[:, :-1].contiguous(), tile_scales)
     expected = 1279 if qtype != "Q8_0" else 2559
     with pytest.raises(ValueError, match=rf"{prepared.layout} tiles \(3, {expected}\) and tile scales"):

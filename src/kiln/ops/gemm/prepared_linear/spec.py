@@ -539,10 +539,20 @@ def _case_tolerance(shape, dtype) -> float:
     return max(GEMM_TOLERANCE[dtype], inside)
 
 
+def _blocks_rows_read_blocks(kind: str, m: int) -> bool:
+    """Whether m rows of x run the "q4" / "q8" blocks layouts' own kernels (the row kernel up to
+    native_cpu.blocks_gemm_rows(), the tile kernel over blocks_tiles_rows(kind)) rather than the float32
+    copy, on this build."""
+    first, last = native_cpu.blocks_tiles_rows(kind)
+    return m <= native_cpu.blocks_gemm_rows() or first <= m <= last
+
+
 def _weight_bytes(shape) -> float:
     """Bytes the CPU layout reads per call: fp32 / bf16 the matrix; fp16 the fp16 matrix for one row,
     its float32 copy for more; int4 the nibbles and a bf16 (scale, zero) per 32 weights; gguf the blocks;
-    int8_blocks / q8_blocks the values and scales for one row, the bf16 / float32 copy for more."""
+    q4_blocks / q8_blocks the blocks (or their tiles: Q4_0 / Q4_1's d and m as float16) for as many rows
+    as their kernels take here, the float32 copy for more; int8_blocks the values and scales for one
+    row, the bf16 copy for more."""
     N, K, fmt = shape["N"], shape["K"], shape["format"]
     if fmt == "kernel":
         source = shape["source"]
@@ -563,12 +573,17 @@ def _weight_bytes(shape) -> float:
         return N * K * 2
     if fmt == "int8":
         return N * K + N * 2
+    if q4_blocks and fmt != "q4_blocks_w8a8" and _blocks_rows_read_blocks("q4", shape["M"]):
+        first, last = native_cpu.blocks_tiles_rows("q4")
+        tiles = first <= shape["M"] <= last
+        scale_bytes = 2 if tiles and shape["source"] in ("Q4_0", "Q4_1") else 4  # the tiles' float16 d, m
+        return N * K / 2 + N * K / 32 * 2 * scale_bytes
     if q4_blocks:  # several rows: the float32 copy
         return N * K * 4
     if fmt in ("int8_blocks", "int8_blocks_w8a8"):  # one row: the values and a float32 scale per 32
         return N * K + N * K / 32 * 4 if shape["M"] == 1 else N * K * 2
-    if fmt in ("q8_blocks", "q8_blocks_a8") and shape["source"] == "Q8_0":
-        return N * K + N * K / 32 * 4 if shape["M"] == 1 else N * K * 4
+    if fmt in ("q8_blocks", "q8_blocks_a8") and shape["source"] == "Q8_0":  # values and d (or their tiles)
+        return N * K + N * K / 32 * 4 if _blocks_rows_read_blocks("q8", shape["M"]) else N * K * 4
     if fmt == "fp16":
         return N * K * (2 if shape["M"] == 1 else 4)
     return N * K * (2 if fmt == "bf16" else 4)
