@@ -112,45 +112,36 @@ def test_nan_in_one_row_of_x_stays_in_that_row(qtype, native):
     assert torch.equal(y[others], clean[others])
 
 
-def test_the_tile_op_refuses_malformed_inputs_by_name(native):
+# per tile op: its GGUF type, the tiles' expected form and width (for [40, 160]), the scales' dtypes and
+# width, and a wrong dtype for the tiles
+_TILE_OPS = {
+    "q4_tiles_gemm": ("Q4_1", r"uint8 \[ceil\(N / 16\), K / 32 \* 256\]", 1280, "float32 or float16", 160,
+                      torch.int8),
+    "q8_tiles_gemm": ("Q8_0", r"int8 \[ceil\(N / 16\), K \* 16\]", 2560, "float32", 80, torch.uint8),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_TILE_OPS))
+def test_the_tile_ops_refuse_malformed_inputs_by_name(name, native):
+    qtype, tiles_form, width, scales_dtypes, scales_width, wrong_dtype = _TILE_OPS[name]
     g = torch.Generator().manual_seed(5)
-    weight, _ = _weight("Q4_1", 40, 160, g)
+    weight, _ = _weight(qtype, 40, 160, g)
     tiles, tile_scales = _tiles(weight)
-    op, x = torch.ops.kiln_cpu.q4_tiles_gemm, torch.randn(3, 160)
-    with pytest.raises(
-        RuntimeError, match=r"tiles must be uint8 \[ceil\(N / 16\), K / 32 \* 256\] = \[3, 1280\]"
-    ):
+    op, x = getattr(torch.ops.kiln_cpu, name), torch.randn(3, 160)
+    with pytest.raises(RuntimeError, match=rf"tiles must be {tiles_form} = \[3, {width}\]"):
         op(x, tiles[:, :-16].contiguous(), tile_scales, 40)
-    with pytest.raises(RuntimeError, match=r"tiles must be uint8"):
-        op(x, tiles.view(torch.int8), tile_scales, 40)
-    with pytest.raises(RuntimeError, match=r"tile_scales must be float32 or float16 \[3, 160\]"):
+    with pytest.raises(RuntimeError, match=rf"tiles must be {tiles_form.split()[0]}"):
+        op(x, tiles.view(wrong_dtype), tile_scales, 40)
+    with pytest.raises(RuntimeError, match=rf"tile_scales must be {scales_dtypes} \[3, {scales_width}\]"):
         op(x, tiles, tile_scales[:, :-1].contiguous(), 40)
-    with pytest.raises(RuntimeError, match=r"tile_scales must be float32 or float16 .* got BFloat16"):
+    with pytest.raises(RuntimeError, match=rf"tile_scales must be {scales_dtypes} .* got BFloat16"):
         op(x, tiles, tile_scales.bfloat16(), 40)
-    with pytest.raises(RuntimeError, match=r"x must be float32 \[M, K\]"):
-        op(x.double(), tiles, tile_scales, 40)
+    for wrong_x in (x.double(), x.half()):
+        with pytest.raises(RuntimeError, match=r"x must be float32 \[M, K\]"):
+            op(wrong_x, tiles, tile_scales, 40)
     with pytest.raises(RuntimeError, match=r"K = 80 must be a multiple of 32"):
         op(torch.randn(3, 80), tiles, tile_scales, 40)
-    with pytest.raises(RuntimeError, match=r"= \[4, 1280\] for K = 160, N = 50"):
-        op(x, tiles, tile_scales, 50)  # N past the tiles
-
-
-def test_the_q8_tile_op_refuses_malformed_inputs_by_name(native):
-    g = torch.Generator().manual_seed(6)
-    weight, _ = _weight("Q8_0", 40, 160, g)
-    tiles, tile_scales = _tiles(weight)
-    op, x = torch.ops.kiln_cpu.q8_tiles_gemm, torch.randn(3, 160)
-    with pytest.raises(RuntimeError, match=r"tiles must be int8 \[ceil\(N / 16\), K \* 16\] = \[3, 2560\]"):
-        op(x, tiles[:, :-16].contiguous(), tile_scales, 40)
-    with pytest.raises(RuntimeError, match=r"tiles must be int8"):
-        op(x, tiles.view(torch.uint8), tile_scales, 40)
-    with pytest.raises(RuntimeError, match=r"tile_scales must be float32 \[3, 80\]"):
-        op(x, tiles, tile_scales[:, :-1].contiguous(), 40)
-    with pytest.raises(RuntimeError, match=r"x must be float32 \[M, K\]"):
-        op(x.half(), tiles, tile_scales, 40)
-    with pytest.raises(RuntimeError, match=r"K = 80 must be a multiple of 32"):
-        op(torch.randn(3, 80), tiles, tile_scales, 40)
-    with pytest.raises(RuntimeError, match=r"= \[4, 2560\] for K = 160, N = 50"):
+    with pytest.raises(RuntimeError, match=rf"= \[4, {width}\] for K = 160, N = 50"):
         op(x, tiles, tile_scales, 50)  # N past the tiles
 
 
