@@ -1,10 +1,10 @@
 """The Q8_0 LM head's tile kernel in the engine, A/B in one process: the embedded SmolLM2 GGUF (Kiln's
-default formats: a "q8_blocks_onednn" head), `--sequences` prompts of 32 tokens, `--max-tokens` greedy
-tokens each, rounds alternating between the head's tile kernel on (native_cpu.blocks_tiles_rows("q8"))
-and off (its row kernel, q8_blocks_gemm), the order flipped every round. Times each pure decode step and
-each LM-head call; prints the per-round medians (ms) and whether both gave the same tokens, as one JSON
-object with the CPU model and ISA flags (kiln.environment.cpu). The tiles only run at their rows
-(AVX-512 builds: 16 to 32 sequences).
+default formats: a "q8_blocks_onednn" head), `--sequences` prompts of 32 random tokens (seed 0),
+`--max-tokens` greedy tokens each, rounds alternating between the head's tile kernel on
+(native_cpu.blocks_tiles_rows("q8")) and off (its row kernel, q8_blocks_gemm), the order flipped every
+round. Times each pure decode step and each LM-head call; prints the per-round medians (ms) and whether
+both gave the same tokens, as one JSON object with the CPU model and ISA flags (kiln.environment.cpu). The
+tiles only run at their rows (AVX-512 builds: 16 to 32 sequences).
 
     OMP_NUM_THREADS=2 python scripts/cpu_head_tiles_ab.py [--sequences 16] [--rounds 6] [--max-tokens 64]
 """
@@ -17,7 +17,7 @@ import statistics
 import time
 
 from kiln import environment
-from kiln.bench.engine import decode_step_seconds
+from kiln.bench.engine import _prompts, decode_step_seconds
 from kiln.engine.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
 from kiln.loaders import default_model_path, load_model
@@ -47,7 +47,7 @@ def main() -> None:
             head_seconds.append(time.perf_counter() - start)
 
     head.forward = timed
-    prompts = [[(7 * j + i) % 5000 + 100 for j in range(32)] for i in range(args.sequences)]
+    prompts = _prompts(args.sequences, 32, engine.model.config.vocab_size, seed=0)
     tiles_on = dict(native_cpu._state["tiles_rows"])
     settings = {"tiles": tiles_on, "row kernel": {**tiles_on, "q8": (0, 0)}}
     step_ms = {name: [] for name in settings}

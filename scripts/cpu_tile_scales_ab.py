@@ -1,9 +1,9 @@
 """The Q4 tile kernel's float16 scales in the engine, A/B in one process: the embedded SmolLM2 GGUF loaded
 twice with Kiln's default formats, one copy as loaded (Q4_1's d and m in the tiles as float16) and one
-with every "q4_blocks_onednn" weight's tile scales widened to float32 (the layout before float16), each
-in its own engine; `--sequences` prompts of 32 tokens, `--max-tokens` greedy tokens each, rounds
-alternating between the two (order flipped every round). Prints each round's median decode-step ms and
-whether both gave the same tokens (they must: the same values), as one JSON object with the CPU model
+with every "q4_blocks_onednn" weight's tile scales widened to float32 (the layout before float16), each in
+its own engine; `--sequences` prompts of 32 random tokens (seed 0), `--max-tokens` greedy tokens each,
+rounds alternating between the two (order flipped every round). Prints each round's median decode-step ms
+and whether both gave the same tokens (they must: the same values), as one JSON object with the CPU model
 and ISA flags (kiln.environment.cpu). The tiles only run at their rows (AVX-512 builds: 8 to 64).
 
     OMP_NUM_THREADS=2 python scripts/cpu_tile_scales_ab.py [--sequences 8] [--rounds 6] [--max-tokens 64]
@@ -19,7 +19,7 @@ import statistics
 import torch
 
 from kiln import environment
-from kiln.bench.engine import decode_step_seconds
+from kiln.bench.engine import _prompts, decode_step_seconds
 from kiln.engine.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
 from kiln.loaders import default_model_path, load_model
@@ -54,7 +54,7 @@ def main() -> None:
     engines, halves = {}, 0
     for name, widen in (("float16", False), ("float32", True)):
         engines[name], halves = _engine(path, args.sequences, widen)
-    prompts = [[(7 * j + i) % 5000 + 100 for j in range(32)] for i in range(args.sequences)]
+    prompts = _prompts(args.sequences, 32, engines["float16"].model.config.vocab_size, seed=0)
     for engine in engines.values():
         decode_step_seconds(engine, prompts, 8, "warm-up")
     step_ms = {name: [] for name in engines}

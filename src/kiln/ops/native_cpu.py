@@ -130,6 +130,13 @@ def blocks_tiles_rows(kind: str) -> tuple[int, int]:
     return (_state["tiles_rows"] or {}).get(kind, (0, 0))
 
 
+def blocks_tiles_take(kind: str, rows: int) -> bool:
+    """Whether `rows` rows of x go to the "q4" / "q8" layouts' tile kernel on this build (within
+    blocks_tiles_rows(kind); never where that is (0, 0))."""
+    first, last = blocks_tiles_rows(kind)
+    return 0 < first <= rows <= last
+
+
 def load() -> bool:
     """Build (first call on a host; cached on disk after) and load the library, once per process.
     True when its ops can be called. Call it eagerly, not while torch.compile traces."""

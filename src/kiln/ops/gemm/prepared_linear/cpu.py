@@ -52,7 +52,7 @@ from kiln.ops.gemm.prepared_linear.int8_blocks_gemv import int8_blocks_gemv
 from kiln.ops.gemm.prepared_linear.spec import PREPARED_LINEAR
 from kiln.ops.gemm.quantized_layouts import QUANTIZED_LAYOUTS, run_quantized
 from kiln.ops.gemm.weight_formats import GGUF_LAYOUTS, INT4_GROUP_SIZE, exact_rows
-from kiln.ops.native_cpu import blocks_gemm_rows, blocks_tiles_rows
+from kiln.ops.native_cpu import blocks_gemm_rows, blocks_tiles_take
 from kiln.ops.registry import Implementation, cpu_only
 
 # Each kernel is flat (no helper calls; the W8A8 hybrids below add one): the engine makes ~120 of these
@@ -133,13 +133,6 @@ def _int8_blocks_onednn(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
-def _tile_rows(rows: int, kind: str) -> bool:
-    """Whether `rows` rows of x go to the tile kernel of `kind` ("q4" / "q8") here
-    (native_cpu.blocks_tiles_rows(kind))."""
-    first, last = blocks_tiles_rows(kind)
-    return 0 < first <= rows <= last
-
-
 def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm):
     """The "q4/q8_blocks[_a8]_onednn" kernels: one row through `gemv` on the first `copy_at` tensors
     (the blocks' values and scales: 3 for Q4, 2 for Q8_0); blocks_tiles_rows(kind) rows through
@@ -151,7 +144,7 @@ def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm):
         rows = x.shape[0]
         if rows == 1:
             y = gemv(x, *weight[:copy_at])
-        elif _tile_rows(rows, kind):
+        elif blocks_tiles_take(kind, rows):
             y = tiles_gemm(x, weight[copy_at + 1], weight[copy_at + 2], weight[0].shape[0])
         elif rows <= blocks_gemm_rows():
             y = gemm(x, *weight[:copy_at])

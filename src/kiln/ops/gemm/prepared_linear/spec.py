@@ -543,8 +543,7 @@ def _blocks_rows_read_blocks(kind: str, m: int) -> bool:
     """Whether m rows of x run the "q4" / "q8" blocks layouts' own kernels (the row kernel up to
     native_cpu.blocks_gemm_rows(), the tile kernel over blocks_tiles_rows(kind)) rather than the float32
     copy, on this build."""
-    first, last = native_cpu.blocks_tiles_rows(kind)
-    return m <= native_cpu.blocks_gemm_rows() or first <= m <= last
+    return m <= native_cpu.blocks_gemm_rows() or native_cpu.blocks_tiles_take(kind, m)
 
 
 def _weight_bytes(shape) -> float:
@@ -573,9 +572,8 @@ def _weight_bytes(shape) -> float:
         return N * K * 2
     if fmt == "int8":
         return N * K + N * 2
-    if q4_blocks and fmt != "q4_blocks_w8a8" and _blocks_rows_read_blocks("q4", shape["M"]):
-        first, last = native_cpu.blocks_tiles_rows("q4")
-        tiles = first <= shape["M"] <= last
+    if q4_blocks and _blocks_rows_read_blocks("q4", shape["M"]):  # (q4_blocks_w8a8 returned above)
+        tiles = native_cpu.blocks_tiles_take("q4", shape["M"])
         scale_bytes = 2 if tiles and shape["source"] in ("Q4_0", "Q4_1") else 4  # the tiles' float16 d, m
         return N * K / 2 + N * K / 32 * 2 * scale_bytes
     if q4_blocks:  # several rows: the float32 copy
