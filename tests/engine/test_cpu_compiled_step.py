@@ -106,6 +106,21 @@ def test_compiled_decode_on_w8a8_weights_equals_eager():
     assert runner.compiled_decode.compiled_sizes == {4} and not runner.compiled_decode.failed
 
 
+def test_compile_options_name_the_vector_width(loaded):
+    """Each compile names inductor's vector width, so a graph cached on disk under one ISA is not
+    compiled from under another (kiln.ops.cpu_inductor; tests/ops/test_cpu_inductor.py runs it)."""
+    from kiln.ops.cpu_inductor import isa_options
+
+    seen = {}
+
+    def recording_compile(fn, **kwargs):
+        seen.update(kwargs["options"])
+        return fn
+
+    CompiledDecodeSteps(make_engine(loaded).runner, 4, compile_fn=recording_compile)
+    assert seen["cpp.simdlen"] == isa_options()["cpp.simdlen"] and seen["cpp_wrapper"]
+
+
 def test_failed_compile_falls_back_to_eager_and_is_recorded(loaded):
     def failing_compile(fn, **options):
         def run(*args):

@@ -30,6 +30,7 @@ from kiln.bench.backward_liger import liger_baselines
 from kiln.bench.runner import make_input_sets
 from kiln.bench.suites import Case, dtype_name, parse_shapes
 from kiln.bench.timing import time_fn
+from kiln.ops.cpu_inductor import compile_cpu
 from kiln.verify.grad import forced_backend
 from kiln.verify.grad_ops import GRAD_OPS
 
@@ -159,7 +160,8 @@ def bench_backward_case(
         return record
     candidates = {"torch_eager": baseline}
     if compile_baseline:
-        candidates["torch_compile"] = torch.compile(baseline, dynamic=False)
+        compile_fn = compile_cpu if torch.device(device).type == "cpu" else torch.compile
+        candidates["torch_compile"] = compile_fn(baseline, dynamic=False)
     liger, skipped = liger_baselines(op.name, device)
     candidates.update(liger)
     record["baselines"].update({name: {"skipped": why} for name, why in skipped.items()})

@@ -37,6 +37,7 @@ from kiln import fallbacks
 from kiln.engine.decode_buffers import DecodeBuffers, graph_batch_sizes
 from kiln.models.attention_metadata import AttentionMetadata
 from kiln.ops.attention.paged_decode_attention import cpu_native as paged_decode_native
+from kiln.ops.cpu_inductor import isa_options
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class CompiledDecodeSteps:
             # per size: one graph, and a second once a context passes the in-graph attention's limit
             recompile_limit=max(8, 2 * len(self.sizes)),
             isolate_recompiles=True,
-            options={**INDUCTOR_OPTIONS, "guard_filter_fn": _argument_guards_only},
+            options={**INDUCTOR_OPTIONS, **isa_options(), "guard_filter_fn": _argument_guards_only},
         )
 
     def _decode_forward(

@@ -16,8 +16,11 @@ it once per output row (a final RMSNorm: 2x slower); there x passes through `kil
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from kiln.ops.cpu_inductor import compile_cpu
 from kiln.ops.gemm import cpu_q8_blocks
 from kiln.ops.gemm.weight_formats import INT8_BLOCK_SIZE
 from kiln.ops.realize import realized
@@ -31,9 +34,11 @@ def _gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.
     return products.sum((-1, -2)).view(1, n)
 
 
-# Not fullgraph: past dynamo's recompile limit (8 weight shapes in one process: the verifier's fuzz
-# cases, not an engine, which has one LM head) fullgraph would raise; this runs _gemv eagerly instead.
-_compiled_gemv = torch.compile(_gemv, dynamic=False)
+@functools.cache
+def _compiled_gemv():
+    # Not fullgraph: past dynamo's recompile limit (8 weight shapes in one process: the verifier's fuzz
+    # cases, not an engine, which has one LM head) fullgraph would raise; this runs _gemv eagerly instead.
+    return compile_cpu(_gemv, dynamic=False)
 
 
 def int8_blocks_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -43,4 +48,4 @@ def int8_blocks_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
         return cpu_q8_blocks.q8_blocks_gemv(x.float(), values, scales)
     if torch.compiler.is_compiling():  # traced into the caller's graph
         return _gemv(realized(x.float()), values, scales)
-    return _compiled_gemv(x.float(), values, scales)  # float32 first: one graph per shape, not per dtype
+    return _compiled_gemv()(x.float(), values, scales)  # float32 first: one graph per shape, not per dtype
