@@ -65,6 +65,21 @@ def test_another_cpu_generation_under_the_same_name_times_again(timed, monkeypat
     assert any("model 17" in key and "avx512_bf16" in key for key in entries), list(entries)
 
 
+def test_a_lower_aten_capability_times_again(timed, monkeypatch):
+    # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 host runs other kernels (Kiln's native build follows it):
+    # the same CPU's cached choice is not theirs
+    from kiln.ops import native_cpu
+
+    native_cpu.load()  # built (or not) for the real capability before the fake one is in place
+    load_model(MODEL, cpu_format="auto")
+    timed.clear()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "KILN_TEST_ISA")
+    load_model(MODEL, cpu_format="auto")
+    assert sorted(timed) == [(4, "fp16"), (4, "fp32")]
+    entries = json.loads(open(os.environ["KILN_TUNE_CACHE"]).read())["entries"]
+    assert any("KILN_TEST_ISA" in key for key in entries), list(entries)
+
+
 def test_explicit_format_overrides_the_probe(timed):
     loaded = load_model(MODEL, cpu_format="fp16", lm_head_format="fp16")
     assert timed == [] and layouts(loaded) == ("fp16_onednn", "fp16_onednn")

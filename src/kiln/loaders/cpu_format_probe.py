@@ -22,8 +22,9 @@ quantized to Q8_0 first, llama.cpp's arithmetic: not exact, kiln.ops.gemm.cpu_bl
 cannot tell those two apart: list only one of them.
 
 The choice is cached in Kiln's tuning cache (kiln.ops.tuned_configs, `$KILN_TUNE_CACHE`), keyed by the
-CPU (`cpu_model_name`: name, family / model / stepping, ISA flags), thread count, torch version, the
-candidates and the shapes and block type timed; a later load
+CPU (`cpu_model_name`: name, family / model / stepping, ISA flags), the vector ISA ATen and Kiln's
+native kernels run (`ATEN_CPU_CAPABILITY` can lower it), thread count, torch version, the candidates
+and the shapes and block type timed; a later load
 reads it without timing anything. `KILN_CPU_FORMAT_PROBE=1` re-times and overwrites it; an explicit
 cpu_format skips all of this. An unreadable cache or entry is ignored with a warning (and re-timed).
 """
@@ -130,6 +131,7 @@ def choose_format(weights: list, dtype: torch.dtype, role: str) -> str:
     key_shape = {
         "role": role,
         "cpu": cpu_model_name(),
+        "isa": torch.backends.cpu.get_cpu_capability(),
         "threads": str(torch.get_num_threads()),
         "torch": torch.__version__,
         "candidates": ",".join(candidates),
