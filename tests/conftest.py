@@ -30,6 +30,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def inductor_vector_width():
+    """Tests that call torch.compile themselves name inductor's vector width, as Kiln's own CPU
+    compiles do (kiln.ops.cpu_inductor): a run under ATEN_CPU_CAPABILITY=avx2 after an AVX-512 one
+    would otherwise compile graphs cached with 16-lane code (garbage results)."""
+    from torch._inductor import config
+
+    from kiln.ops.cpu_inductor import isa_options
+
+    config.cpp.simdlen = isa_options()["cpp.simdlen"]
+
+
 @pytest.fixture(scope="session")
 def ceilings_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("kiln-ceilings") / "ceilings.json"
