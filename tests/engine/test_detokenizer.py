@@ -1,6 +1,6 @@
 """Incremental detokenizer: multi-byte characters split over tokens, stop strings across tokens."""
 
-from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.detokenizer import IncrementalDetokenizer, stop_prefix_length
 
 
 class ByteTokenizer:
@@ -47,3 +47,14 @@ def test_earliest_of_several_stop_strings_wins():
 def test_no_stop_string_keeps_the_whole_text():
     final, _, stopped = stream("nothing to see", stop=["zzz"])
     assert not stopped and final == "nothing to see"
+
+
+def test_stop_prefix_length_is_the_longest_unfinished_start_of_a_stop_string():
+    assert stop_prefix_length("1. Ban", ["anan"]) == 2  # "an" may become "anan"
+    assert stop_prefix_length("1. Bana", ["anan", "a!"]) == 3  # "ana" beats "a"
+    assert stop_prefix_length("list:\n", ["\n2."]) == 1
+    assert stop_prefix_length("abc", ["abc"]) == 0  # a whole stop string is the detokenizer's to cut
+    assert stop_prefix_length("xyz", ["abc"]) == 0
+    assert stop_prefix_length("ab", ["zabc"]) == 0
+    assert stop_prefix_length("b", ["bcd", "b"]) == 1
+    assert stop_prefix_length("anything", None) == stop_prefix_length("", ["ab"]) == 0

@@ -233,6 +233,10 @@ def test_api_key_required_on_v1_routes_but_not_on_health_and_metrics():
         assert httpx.post(url, json=completion()).status_code == 401
         # the key is checked before the body: no key + a bad body is still 401, not 400
         assert httpx.post(url, json={"prompt": 5}).status_code == 401
+        json_type = {"Content-Type": "application/json"}
+        assert httpx.post(url, content=b"{not json", headers=json_type).status_code == 401  # not even JSON
+        keyed = httpx.post(url, content=b"{not json", headers={**json_type, "Authorization": "Bearer sesame"})
+        assert keyed.status_code == 400 and keyed.json()["error"]["code"] == "json_invalid"
         wrong = httpx.post(url, json=completion(), headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
@@ -261,3 +265,13 @@ def test_two_apps_keep_separate_metrics(server):
 def test_unknown_route_gets_an_openai_error_body(server):
     r = httpx.get(f"{server.url}/v1/nothing")
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_an_app_started_again_after_a_stop_serves_again():
+    from starlette.testclient import TestClient
+
+    app = create_app(FakeEngine(), model_name=MODEL)
+    for _ in range(2):  # the lifespan stops the engine loop and the tokenizer threads; both restart
+        with TestClient(app) as client:
+            r = client.post("/v1/completions", json=completion(max_tokens=2))
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ab"

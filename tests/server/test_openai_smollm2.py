@@ -110,6 +110,33 @@ def test_stop_string_ends_the_text_just_before_it(client, llm):
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_a_stop_string_across_two_tokens_streams_no_text_it_cuts(client, llm):
+    """A stream holds back text that may begin a stop string: the streamed text is the non-streamed
+    one, not one that also sent the stop string's first token before the next completed it."""
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    decode = llm.tokenizer.decode
+    cut = next(  # a token boundary with a visible character on each side, met first there
+        b
+        for b in (len(decode(out.token_ids[:k])) for k in range(2, len(out.token_ids)))
+        if 0 < b < len(out.text) and out.text[b - 1 : b + 1].strip() == out.text[b - 1 : b + 1]
+        and out.text.index(out.text[b - 1 : b + 1]) == b - 1
+    )  # fmt: skip
+    stop = out.text[cut - 1 : cut + 1]
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop])
+    plain = client.completions.create(**kw).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
+    assert plain == out.text[: cut - 1]
+    assert streamed == plain
+
+
+def test_streamed_text_offsets_count_the_echoed_prompt_as_the_plain_ones_do(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0, echo=True, logprobs=1)
+    plain = client.completions.create(**kw).choices[0].logprobs.text_offset
+    chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices and c.choices[0].logprobs]
+    streamed = [offset for c in chunks for offset in c.choices[0].logprobs.text_offset]
+    assert streamed == plain and plain[0] >= len(PROMPTS[1])
+
+
 def test_logprobs_describe_the_chosen_greedy_tokens(client, reference):
     r = client.completions.create(
         model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, logprobs=3

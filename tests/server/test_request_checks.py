@@ -92,6 +92,32 @@ BAD_FIELDS = {
     ),
     # OpenAI's rule: top_logprobs only with logprobs
     "top_logprobs_without_logprobs": ("/v1/chat/completions", chat(top_logprobs=2), "top_logprobs"),
+    # parts other than text would be dropped: the model would answer another message
+    "chat_image_part": (
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        "messages[0].content",
+    ),
+    "chat_part_without_type": (
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": [{"text": "describe"}]}]),
+        "messages[0].content",
+    ),
+    # fields this server does not implement, at values that would change the output
+    "logit_bias": ("/v1/completions", completion(logit_bias={"5": 100}), "logit_bias"),
+    "presence_penalty": ("/v1/chat/completions", chat(presence_penalty=0.5), "presence_penalty"),
+    "frequency_penalty": ("/v1/completions", completion(frequency_penalty=-1.0), "frequency_penalty"),
+    "repetition_penalty": ("/v1/completions", completion(repetition_penalty=1.2), "repetition_penalty"),
+    "min_tokens": ("/v1/completions", completion(min_tokens=3), "min_tokens"),
+    "best_of": ("/v1/completions", completion(best_of=5), "best_of"),
+    "suffix": ("/v1/completions", completion(suffix="end"), "suffix"),
+    "response_format_json": (
+        "/v1/chat/completions",
+        chat(response_format={"type": "json_object"}),
+        "response_format",
+    ),
+    "tools": ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    "tool_choice_required": ("/v1/chat/completions", chat(tool_choice="required"), "tool_choice"),
 }
 
 
@@ -109,6 +135,14 @@ def test_accepted_edges_of_the_ranges(server):
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=10).status_code == 200
     r = httpx.post(f"{server.url}/v1/chat/completions", json=chat(logprobs=True, top_logprobs=2))
     assert r.status_code == 200
+    # the unimplemented fields at the values that change nothing, as clients send them by default
+    neutral = dict(
+        logit_bias={}, presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1, min_tokens=0,
+        response_format={"type": "text"}, tools=[], tool_choice="none", functions=None,
+    )  # fmt: skip
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=chat(**neutral)).status_code == 200
+    body = completion(best_of=2, n=2, suffix="", logit_bias=None, temperature=1)
+    assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
 
 
 def test_a_request_that_can_never_fit_is_400_and_is_not_tokenized(server, tokenizer):

@@ -54,3 +54,16 @@ class IncrementalDetokenizer:
             self.text = self.text[: min(hits)]
             return True
         return False
+
+
+def stop_prefix_length(text: str, stop: list[str] | None) -> int:
+    """How many characters at the end of `text` begin one of the stop strings (without completing it):
+    what a stream holds back until later tokens complete the stop string (the text is cut there) or
+    rule it out, so that streamed text equals the final text."""
+    longest = 0
+    for s in stop or ():
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest

@@ -211,7 +211,14 @@ class RandomTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         raise ValueError(f"apply_chat_template: the random model {self.source} has no chat template")
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
+    ) -> list[int]:
+        """As kiln's Tokenizer.encode_chat (same arguments): a random model has no chat template, so
+        this raises ValueError naming it."""
         text = self.apply_chat_template(messages, add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
 

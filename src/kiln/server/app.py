@@ -21,7 +21,7 @@ import itertools
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -72,11 +72,12 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        serving.start()
         try:
             yield
         finally:
             async_engine.stop()
-            serving.executor.shutdown(wait=False, cancel_futures=True)
+            serving.stop()
 
     app = FastAPI(title="kiln serve", lifespan=lifespan)
     app.state.async_engine = async_engine
@@ -86,6 +87,10 @@ def create_app(
         metrics.requests_rejected.labels(str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    # the last added runs first: the body-size limit, then the key (before FastAPI parses the body, so a
+    # keyless malformed request is a 401, not a 400)
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key, reject=error_response)
     if max_body_bytes is not None:
         app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, reject=error_response)
 
@@ -117,21 +122,6 @@ def create_app(
     async def _unexpected(request: Request, exc: Exception):  # outside the routes (their own guard)
         log.error("kiln serve: unexpected error on %s", request.url.path, exc_info=exc)
         return error_response(_internal_error())
-
-    def check_auth(request: Request) -> None:
-        """A route dependency: runs before the body is parsed, so a keyless bad request gets 401."""
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(
-                401,
-                "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                "invalid_request_error",
-                None,
-                "invalid_api_key",
-            )
 
     async def run(
         request: Request,
@@ -174,6 +164,7 @@ def create_app(
                         prompt_tokens,
                         include_usage,
                         echo_texts,
+                        [sub.params.stop for sub in sorted(subs, key=lambda sub: sub.index)],
                     ):
                         yield event
                 finally:
@@ -196,7 +187,7 @@ def create_app(
         )
         return JSONResponse(body)
 
-    @app.post("/v1/completions", dependencies=[Depends(check_auth)])
+    @app.post("/v1/completions")
     @_guarded
     async def completions(req: protocol.CompletionRequest, request: Request):
         # the cheap checks first: nothing is tokenized for a request refused anyway
@@ -221,7 +212,7 @@ def create_app(
             echo_texts,
         )
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
+    @app.post("/v1/chat/completions")
     @_guarded
     async def chat_completions(req: protocol.ChatCompletionRequest, request: Request):
         serving.check_model(req.model)
@@ -241,7 +232,7 @@ def create_app(
             bool(req.stream_options and req.stream_options.include_usage),
         )
 
-    @app.get("/v1/models", dependencies=[Depends(check_auth)])
+    @app.get("/v1/models")
     async def models():
         card = {
             "id": model_name,
@@ -299,6 +290,29 @@ def _param_name(loc) -> str | None:
         elif part in protocol.FIELD_NAMES:
             name += f".{part}" if name else part
     return name or None
+
+
+class ApiKeyCheck:
+    """ASGI middleware: every /v1/ route needs `Authorization: Bearer <api_key>` (else 401), checked
+    before the route reads or parses the body; /health and /metrics stay open."""
+
+    def __init__(self, app, api_key: str, reject):
+        self.app, self.api_key, self.reject = app, api_key.encode(), reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            header = dict(scope.get("headers", ())).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                error = APIError(
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    "invalid_request_error",
+                    None,
+                    "invalid_api_key",
+                )
+                return await self.reject(error)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class BodySizeLimit:

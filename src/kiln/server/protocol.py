@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -51,6 +52,29 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+# field -> (whether a value changes nothing, what to send instead)
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logit_bias": (lambda v: not v, "an empty map"),
+    "presence_penalty": (lambda v: v == 0, "0"),
+    "frequency_penalty": (lambda v: v == 0, "0"),
+    "repetition_penalty": (lambda v: v == 1, "1"),
+    "min_tokens": (lambda v: v == 0, "0"),
+    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}'),
+    "tools": (lambda v: not v, "an empty list"),
+    "tool_choice": (lambda v: v in ("none", "auto"), '"none" or "auto" (there are no tools)'),
+    "functions": (lambda v: not v, "an empty list"),
+    "function_call": (lambda v: v in ("none", "auto"), '"none" or "auto" (there are no functions)'),
+    "suffix": (lambda v: v == "", "an empty string"),
+}
+
+
+def _neutral_or_refused(name: str, value):
+    neutral, accepted = UNSUPPORTED[name]
+    if value is not None and not neutral(value):
+        raise ValueError(f"not supported by this server; leave it out or send {accepted}")
+    return value
+
+
 class _SamplingFields(BaseModel):
     """The sampling/stopping fields both endpoints share."""
 
@@ -77,6 +101,25 @@ class _SamplingFields(BaseModel):
             raise ValueError("expected -1 (no top-k filter) or an integer >= 1")
         return value
 
+    # OpenAI / vLLM fields this server does not implement: each accepted only at a value that changes
+    # nothing (UNSUPPORTED), a 400 naming it otherwise, as answering them while ignoring them would
+    # answer another request than the one sent. Other unknown fields are let through (extra="allow").
+    logit_bias: dict[str, Any] | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    @field_validator(*(name for name in UNSUPPORTED if name != "suffix"))
+    @classmethod
+    def _neutral_or_refused(cls, value, info):
+        return _neutral_or_refused(info.field_name, value)
+
     @field_validator("stop")
     @classmethod
     def _few_stops(cls, value):
@@ -98,6 +141,21 @@ class CompletionRequest(_SamplingFields):
     prompt: Text | list[StrictInt] | list[Text]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     echo: StrictBool = False
+    best_of: StrictInt | None = None  # generated server-side, n of them returned: only best_of == n
+    suffix: Text | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        return _neutral_or_refused("suffix", value)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value, info):
+        n = info.data.get("n", 1)
+        if value is not None and value != n:
+            raise ValueError(f"best_of {value} is not supported by this server; leave it out or send n ({n})")
+        return value
 
 
 class ChatMessage(BaseModel):
@@ -109,12 +167,18 @@ class ChatMessage(BaseModel):
     @field_validator("content")
     @classmethod
     def _text_parts_are_text(cls, value):
+        # only text: a part of another type (an image, audio, a file) would be dropped, and the model
+        # would answer a message other than the one sent
         if isinstance(value, list):
-            for part in value:
-                if part.get("type") == "text":
-                    if not isinstance(part.get("text"), str):
-                        raise ValueError("a part of type 'text' needs a string 'text'")
-                    _valid_text(part["text"])
+            for j, part in enumerate(value):
+                if part.get("type") != "text":
+                    raise ValueError(
+                        f"part {j} has type {part.get('type')!r}: this server's models take only parts of"
+                        " type 'text'"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"part {j} of type 'text' needs a string 'text'")
+                _valid_text(part["text"])
         return value
 
     def text(self) -> str:

@@ -22,6 +22,9 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+from jinja2.exceptions import TemplateError
+
+from kiln.engine.detokenizer import stop_prefix_length
 from kiln.engine.sampling_params import SamplingParams
 from kiln.server import protocol
 from kiln.server.async_engine import AsyncEngine, SubRequest
@@ -60,8 +63,19 @@ class OpenAIServing:
         self.model_name = model_name
         self.max_model_len = int(self.engine.max_model_len)
         self.allow_special_tokens_in_chat = allow_special_tokens_in_chat
-        # two threads: a long prompt being tokenized leaves one for everybody else
-        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-tokenize")
+        self.executor: ThreadPoolExecutor | None = None
+        self.start()
+
+    def start(self) -> None:
+        """(Re)start the tokenizer threads: the app's lifespan stops them, and may start again."""
+        if self.executor is None:
+            # two threads: a long prompt being tokenized leaves one for everybody else
+            self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-tokenize")
+
+    def stop(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            self.executor = None
 
     async def off_loop(self, fn: Callable, *args):
         """fn(*args) on the tokenizer threads (the event loop keeps serving meanwhile)."""
@@ -139,7 +153,7 @@ class OpenAIServing:
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
         except ValueError as exc:  # the template raises on conversations it does not accept
             raise bad_request(f"messages: {exc}", "messages") from exc
-        except Exception as exc:  # jinja2's TemplateError and the like
+        except TemplateError as exc:  # the template's raise_exception, an undefined variable, ...
             raise bad_request(f"messages: the chat template rejected them: {exc}", "messages") from exc
         if sum(len(m["content"]) for m in messages) >= _LARGE_PROMPT_CHARS:
             release_freed_memory()
@@ -295,12 +309,17 @@ async def stream_events(
     prompt_tokens: int,
     include_usage: bool,
     echo_texts: list[str] | None = None,
+    stops: list[list[str] | None] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE stream: text deltas per choice as tokens arrive, a finish chunk per choice, optional
-    usage chunk, then `data: [DONE]`. An engine failure becomes an error event before [DONE]."""
+    usage chunk, then `data: [DONE]`. An engine failure becomes an error event before [DONE].
+    stops[i]: choice i's stop strings; text that may begin one is held back until it is ruled out (or
+    cut with the match), so the streamed text is the non-streamed one."""
     model = serving.model_name
     sent_chars = [0] * count
     sent_tokens = [0] * count
+    # completions' text_offset: counted from the echoed prompt, as the non-streamed response counts
+    text_offsets = [len(echo_texts[i]) if echo_texts else 0 for i in range(count)]
     completion_tokens = 0
     if chat:
         first = [
@@ -324,15 +343,19 @@ async def stream_events(
         if isinstance(item, Exception):
             yield sse(protocol.error_body(str(item), "server_error", None, "engine_error"))
             break
-        delta = item.text[sent_chars[index] :]
+        text = item.text
+        if not item.finished:
+            text = text[: len(text) - stop_prefix_length(text, stops[index] if stops else None)]
+        delta = text[sent_chars[index] :]
         logprobs = None
         if top_n is not None:
             entries = serving.logprob_entries(item, sent_tokens[index], top_n)
             if chat:
                 logprobs = protocol.chat_logprobs(entries)
             else:
-                logprobs = protocol.completion_logprobs(entries, sent_chars[index])
-        sent_chars[index] = max(sent_chars[index], len(item.text))
+                logprobs = protocol.completion_logprobs(entries, text_offsets[index])
+                text_offsets[index] += sum(len(entry[1]) for entry in entries)
+        sent_chars[index] = max(sent_chars[index], len(text))
         sent_tokens[index] = len(item.token_ids)
         finish = item.finish_reason if item.finished else None
         if not (delta or finish or logprobs):
