@@ -4,6 +4,7 @@ architectures, pickle-only directories."""
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,6 +210,28 @@ def test_gguf_with_overlapping_tensors_is_a_named_error(tmp_path):
         load_model(str(broken))
 
 
+def test_gguf_tensor_relabelled_to_a_smaller_type_is_a_named_error(tmp_path):
+    """blk.0.attn_k written as Q4_1 (20 bytes a block), its type field changed to Q4_0 (18): the tensor
+    claims 1152 of its 1280 bytes and the next one starts where it always did. It loaded and moved
+    the logits by 1.25 (relative), no error."""
+    from gguf import GGUFReader
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(tiny_llama(), path)
+    reader = GGUFReader(path)
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.attn_k.weight")
+    type_field = int(tensor.field.parts[-2].ctypes.data - reader.data.ctypes.data)
+    data = bytearray(path.read_bytes())
+    assert int.from_bytes(data[type_field : type_field + 4], "little") == 3  # Q4_1
+    data[type_field : type_field + 4] = (2).to_bytes(4, "little")  # Q4_0
+    broken = tmp_path / "relabelled.gguf"
+    broken.write_bytes(bytes(data))
+    with pytest.raises(
+        ModelLoadError, match=r"relabelled\.gguf: tensor 'blk\.0\.attn_k\.weight' ends 128 bytes"
+    ):
+        load_model(str(broken))
+
+
 def test_gguf_with_implausible_metadata_is_a_named_error(tmp_path):
     for key, value, match in [
         ("llama.attention.head_count", 0, r"llama\.attention\.head_count.* 0"),
@@ -219,3 +242,100 @@ def test_gguf_with_implausible_metadata_is_a_named_error(tmp_path):
         write_tiny_gguf(tiny_llama(), path, overrides={key: value})
         with pytest.raises(ModelLoadError, match=match):
             load_model(str(path))
+
+
+def _saved(hf, directory, hf_dir):
+    hf.save_pretrained(directory)
+    (directory / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+    return str(directory)
+
+
+@pytest.mark.parametrize("overrides", [dict(attention_bias=True), dict(mlp_bias=True)])
+def test_tensors_of_the_layers_the_model_does_not_read_are_a_named_error(hf_dir, tmp_path, overrides):
+    """transformers' Llama with attention_bias has an o_proj bias too, and mlp_bias biases on the MLP:
+    Kiln's Llama reads neither, and ran without them (relative logit error 0.12 / 0.48, no error)."""
+    path = _saved(tiny_llama(**overrides), tmp_path / "m", hf_dir)
+    unread = r"o_proj\.bias" if "attention_bias" in overrides else r"mlp\.(gate|up|down)_proj\.bias"
+    with pytest.raises(ModelLoadError, match=r"not read by Kiln's LlamaForCausalLM .*" + unread):
+        load_model(path)
+
+
+def test_unread_tensors_outside_the_layers_are_a_warning_rope_tables_ignored(hf_dir, tmp_path, caplog):
+    d = _copy(hf_dir, tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # older checkpoints saved it
+    tensors["vision_tower.proj.weight"] = torch.ones(2, 2)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("WARNING", logger="kiln.loaders"):
+        load_model(str(d))
+    assert "vision_tower.proj.weight" in caplog.text and "inv_freq" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported by LlamaForCausalLM"),
+        ({"sliding_window": 8, "layer_types": ["sliding_attention"]}, r"layer_types .* per layer \(2\)"),
+        ({"layer_types": ["full_attention", "chunked_attention"]}, r"layer_types .*chunked_attention"),
+    ],
+)
+def test_config_settings_kiln_does_not_run_are_named(hf_dir, tmp_path, edit, match):
+    d = _copy(hf_dir, tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ModelLoadError, match=match):
+        load_model(str(d))
+
+
+def test_a_gemma3_config_without_tie_word_embeddings_ties_them_as_transformers_does():
+    from kiln.models.config import ModelConfig
+
+    base = dict(
+        num_attention_heads=4, hidden_size=64, vocab_size=100, intermediate_size=128, num_hidden_layers=2
+    )
+    gemma = ModelConfig.from_hf({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **base})
+    llama = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama", **base})
+    assert gemma.tie_word_embeddings and not llama.tie_word_embeddings
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory, hf_dir):
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )  # fmt: skip
+    return _saved(transformers.Qwen3MoeForCausalLM(config).eval(), tmp_path_factory.mktemp("moe"), hf_dir)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ({"num_experts_per_tok": 5}, r"num_experts_per_tok = 5, expected an integer 1\.\.4"),
+        ({"num_experts_per_tok": 0}, r"num_experts_per_tok = 0"),
+        ({"num_experts_per_tok": None}, r"'num_experts_per_tok' is missing"),
+        ({"decoder_sparse_step": 0}, r"decoder_sparse_step = 0"),
+        ({"mlp_only_layers": [7]}, r"mlp_only_layers = \[7\]"),
+    ],
+)
+def test_mixture_of_experts_keys_out_of_range_are_named(qwen3_moe_dir, tmp_path, edit, match):
+    """They were a KeyError, a ZeroDivisionError, a top-k past the expert count in the first forward,
+    or (top-k 0) a model that loaded."""
+    d = _copy(Path(qwen3_moe_dir), tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ModelLoadError, match=match):
+        load_model(str(d))
+
+
+def test_an_integer_tensor_under_a_float_weight_name_is_a_named_error(hf_dir, tmp_path):
+    """q_proj stored as int32 (or bool) was converted to float and run (relative logit error ~0.5)."""
+    d = _copy(hf_dir, tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].round().to(torch.int32)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"q_proj\.weight' is int32, expected a floating-point tensor"):
+        load_model(str(d))

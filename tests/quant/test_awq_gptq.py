@@ -87,3 +87,36 @@ def test_gptq_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="scales"):
         gptq_to_int4(torch.zeros(32, 16, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32),
                      torch.zeros(3, 16), None, 128)  # fmt: skip
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_compressed_tensors_group_actorder_g_idx_known_answer(symmetric):
+    """compressed-tensors' pack-quantized weight with `weight_g_idx` (actorder "group", which
+    llm-compressor wrote until 2026-08; its compressed-tensors no longer has the g_idx path to compare
+    with): codes packed by compressed-tensors' own pack_to_int32, and Kiln's weight equals the
+    documented rule, column k dequantized with group g_idx[k]'s scale and zero point."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from kiln.quant.compressed_tensors import pack_quantized_int4
+
+    generator = torch.Generator().manual_seed(5)
+    n, k, gs = 16, 256, 64
+    codes = torch.randint(-8, 8, (n, k), generator=generator)  # the library's signed 4-bit values
+    scales = torch.rand(n, k // gs, generator=generator) + 0.05
+    g_idx = (torch.arange(k) // gs)[torch.randperm(k, generator=generator)].to(torch.int32)
+    packed = pack_to_int32(codes.to(torch.int8), 4)
+    zero_point, zeros = None, torch.zeros(n, k // gs, dtype=torch.int64)
+    if not symmetric:
+        zeros = torch.randint(-8, 8, (n, k // gs), generator=generator)
+        zero_point = pack_to_int32(zeros.to(torch.int8), 4, packed_dim=0)
+    weight = pack_quantized_int4(packed, scales, k, gs, zero_point, "m", g_idx)
+    gi = g_idx.long()
+    expected = (codes - zeros[:, gi]).float() * scales[:, gi]
+    assert weight.perm is not None
+    assert torch.equal(weight.dequantize(), expected)
+    x = torch.randn(3, k, generator=generator)
+    layout, tensors = w4a16_layout(weight, torch.device("cpu"))
+    assert_close(kiln.ops.prepared_linear(x, layout, list(tensors)), x @ expected.T, 1e-5)
+    with pytest.raises(ValueError, match=r"m\.weight_g_idx: .*groups of"):
+        pack_quantized_int4(packed, scales, k, gs, zero_point, "m", torch.zeros(k, dtype=torch.int32))

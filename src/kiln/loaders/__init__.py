@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -183,11 +184,42 @@ def load_model(
             **kwargs,
         )
     model.eval()
+    if pipeline_layers is None:  # a pipeline stage reads its own layers only
+        check_all_read(checkpoint.weights, checkpoint.config)
     if not parallel_rank:  # W8A8 CPU formats only: SmoothQuant from one calibration prefill
         smooth_w8a8_linears(model, checkpoint.tokenizer)
     elif w8a8_linears(model):  # a prefill here would need every rank or stage at once
         logger.warning("W8A8 on a tensor / pipeline parallel rank: SmoothQuant is not applied")
     return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, config=checkpoint.config)
+
+
+# stored tensors no model reads and nothing is lost without: RoPE tables older checkpoints saved
+_DERIVED = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def check_all_read(weights, config) -> None:
+    """After the model is built: a ModelLoadError naming the tensors of its decoder layers that it did not
+    read (a bias or a quantization tensor the model class does not know would otherwise be dropped,
+    and the model would run without it: wrong logits, no error); other unread tensors (outside the
+    layers: a vision tower, extra heads) are logged as a warning."""
+    unread = [name for name in weights.unread() if not _DERIVED.search(name)]
+    in_layers = [n for n in unread if (m := _LAYER.match(n)) and int(m[1]) < config.num_layers]
+    if in_layers:
+        raise ModelLoadError(
+            f"{weights.source}: {len(in_layers)} tensor(s) of the decoder layers are not read by Kiln's "
+            f"{config.architecture} (it would run without them): {', '.join(in_layers[:6])}"
+            + (", ..." if len(in_layers) > 6 else "")
+        )
+    others = [n for n in unread if n not in in_layers]
+    if others:
+        logger.warning(
+            "%s: %d stored tensor(s) not used by the model: %s%s",
+            weights.source,
+            len(others),
+            ", ".join(others[:6]),
+            ", ..." if len(others) > 6 else "",
+        )
 
 
 def _resolve_cpu_formats(

@@ -217,12 +217,20 @@ def open_gguf(path: str) -> tuple[Any, dict[str, Any]]:
             )
         if any(int(d) < 1 for d in tensor.shape):
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} has shape {tensor.shape.tolist()}")
-    # each tensor owns its bytes: overlapping ranges would make one tensor read another's data
+    # each tensor owns its bytes: overlapping ranges would make one tensor read another's data; and
+    # writers pack them back to back, each padded to the alignment, so a longer gap means a tensor's
+    # type or shape claims fewer bytes than it was written with (a relabelled type loads wrong values)
     spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in reader.tensors)
+    alignment = int(getattr(reader, "alignment", 32) or 32)
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:], strict=False):
         if begin < end:
             raise ModelLoadError(
                 f"{path}: tensors {first!r} and {second!r} overlap (bytes {begin}..{end} of the file)"
+            )
+        if begin - end >= alignment:
+            raise ModelLoadError(
+                f"{path}: tensor {first!r} ends {begin - end} bytes before {second!r} starts (more than the "
+                f"{alignment}-byte alignment): its type or shape does not match the bytes written for it"
             )
     try:
         meta = read_metadata(reader)

@@ -103,6 +103,11 @@ def _unsupported(source: str, module: str, method: str, what: str) -> ModelLoadE
     )
 
 
+def _group_size_ok(value) -> bool:
+    """An integer group size: -1 (one group a row) or positive (a JSON null or 0 is neither)."""
+    return isinstance(value, int) and not isinstance(value, bool) and (value == -1 or value > 0)
+
+
 def _builder(method, qc, module, loaders, source):
     """(shape, load, consumed names) for one module, or None where it is not a quantized Linear."""
     get = {name: load for name, (_, load) in loaders.items()}
@@ -126,7 +131,9 @@ def _builder(method, qc, module, loaders, source):
     bits = qc.get("bits", qc.get("w_bit", 4))
     if bits != 4:
         raise _unsupported(source, module, method, f"bits={bits}")
-    group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    group_size = qc.get("group_size", qc.get("q_group_size", 128))
+    if not _group_size_ok(group_size):
+        raise _unsupported(source, module, method, f"group_size={group_size!r}")
     qweight_shape = shapes[f"{module}.qweight"]
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
@@ -139,6 +146,10 @@ def _builder(method, qc, module, loaders, source):
     q, z, s, g = tensor("qweight"), tensor("qzeros"), tensor("scales"), tensor("g_idx", False)
     plus_one = qc.get("checkpoint_format", "gptq") != "gptq_v2"
     desc_act = bool(qc.get("desc_act", False))
+    if desc_act and g is None:
+        raise ModelLoadError(
+            f"{source}: missing tensor {module + '.g_idx'!r} (gptq checkpoint with desc_act)"
+        )
 
     def load_gptq():
         return gptq_to_int4(
@@ -179,18 +190,26 @@ def _compressed_tensors(qc, module, tensor, names, shapes, source):
     if fmt == "pack-quantized" and wtype == "int" and bits == 4 and acts is None:
         if strategy not in ("group", "channel"):
             raise _unsupported(source, module, method, describe)
-        group_size = int(weights.get("group_size") or -1) if strategy == "group" else -1
+        group_size = weights.get("group_size") if strategy == "group" else -1
+        if not _group_size_ok(group_size):
+            raise _unsupported(source, module, method, f"group_size {group_size!r} ({describe})")
         packed, scale = tensor("weight_packed"), tensor("weight_scale")
         zp = tensor("weight_zero_point") if not weights.get("symmetric", True) else None
+        # actorder "group" (GPTQ with act-order, as llm-compressor wrote it before 2026-08): each input's
+        # group in weight_g_idx
+        g_idx = tensor("weight_g_idx", weights.get("actorder") == "group")
         rows, words = shapes[f"{module}.weight_packed"]
         shape_t = tensor("weight_shape", False)
         # weight_shape holds K exactly (2 values, read now for the WeightStore's shape check)
         k = int(shape_t()[1]) if shape_t is not None else words * 8
 
         def load_int4():
-            return pack_quantized_int4(packed(), scale(), k, group_size, zp() if zp else None, module)
+            zero = zp() if zp else None
+            return pack_quantized_int4(
+                packed(), scale(), k, group_size, zero, module, g_idx() if g_idx else None
+            )
 
-        consumed = names("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+        consumed = names("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
         return (rows, k), load_int4, consumed
     if fmt not in ("float-quantized", "naive-quantized", "int-quantized") or bits != 8:
         raise _unsupported(source, module, method, describe)

@@ -12,6 +12,10 @@ class ModelLoadError(ValueError):
     tensor, mismatched shape. The message names the file (and the tensor when there is one)."""
 
 
+# model_types whose transformers config class ties the LM head to the embeddings by default
+TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
+
+
 @dataclass
 class ModelConfig:
     """Hyper-parameters of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2).
@@ -91,12 +95,20 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         layer_types = hf.get("layer_types")
+        num_layers = int(need("num_hidden_layers"))
+        if layer_types and (
+            len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}
+        ):
+            raise ModelLoadError(
+                f"{source}: layer_types must hold one of 'full_attention' / 'sliding_attention' per layer "
+                f"({num_layers}), got {len(layer_types)} entries: {sorted(set(map(str, layer_types)))}"
+            )
         return cls(
             architecture=architectures[0],
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden // num_heads),
@@ -104,7 +116,8 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # transformers leaves the key out of config.json when it is the class's default
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", hf.get("model_type") in TIED_BY_DEFAULT)),
             # Qwen2 always has q/k/v biases; the others say so with attention_bias.
             attention_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
             sliding_window=int(sliding_window) if sliding_window else None,

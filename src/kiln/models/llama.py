@@ -23,7 +23,7 @@ import torch
 
 import kiln.ops
 from kiln.models.attention_metadata import AttentionMetadata
-from kiln.models.config import ModelConfig
+from kiln.models.config import ModelConfig, ModelLoadError
 from kiln.models.layers import (
     GatedMLP,
     PagedAttention,
@@ -34,6 +34,9 @@ from kiln.models.layers import (
 )
 from kiln.models.sharding import ShardedWeightStore, ShardPlan
 from kiln.models.weights import WeightStore
+
+# config.json hidden_act names of SiLU (transformers' ACT2FN)
+SILU_NAMES = ("silu", "swish")
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,11 @@ class LlamaForCausalLM(torch.nn.Module):
         pipeline_layers: tuple[int, int] | None = None,
     ):
         super().__init__()
+        if config.hidden_act not in SILU_NAMES:  # every MLP here (dense, experts) is SwiGLU
+            raise ModelLoadError(
+                f"{weights.source}: hidden_act {config.hidden_act!r} is not supported by "
+                f"{type(self).__name__}, whose MLPs are SwiGLU (expected one of {', '.join(SILU_NAMES)})"
+            )
         # set by a CPU ModelRunner: one-token eager decode steps as one loop (kiln.models.cpu_flat_decode)
         self.flat_decode = None
         device = torch.device(device)

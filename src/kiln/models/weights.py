@@ -83,6 +83,10 @@ class WeightStore:
     def names(self) -> list[str]:
         return list(self._loaders)
 
+    def unread(self) -> list[str]:
+        """The stored tensors no `get` has asked for (after a model is built: what it runs without)."""
+        return [name for name in self._loaders if name not in self.used]
+
     def get(self, name: str, shape: tuple[int, ...]) -> Weight:
         """The tensor `name`, which must have `shape`; a ModelLoadError naming file and tensor otherwise."""
         if name not in self._loaders:
@@ -94,11 +98,19 @@ class WeightStore:
             )
         self.used.add(name)
         try:
-            return load()
+            weight = load()
         except ModelLoadError:
             raise
         except Exception as exc:
             raise ModelLoadError(f"{self.source}: cannot read tensor {name!r} ({exc})") from exc
+        # a dense tensor is a float one: integer or bool bytes would be converted to wrong values
+        # (quantized weights come as their own classes, built from their integer tensors)
+        if isinstance(weight, torch.Tensor) and not weight.is_floating_point():
+            raise ModelLoadError(
+                f"{self.source}: tensor {name!r} is {str(weight.dtype).removeprefix('torch.')}, expected a "
+                "floating-point tensor (a quantized weight whose quantization_config does not cover it?)"
+            )
+        return weight
 
     def get_optional(self, name: str, shape: tuple[int, ...]) -> Weight | None:
         return self.get(name, shape) if name in self._loaders else None

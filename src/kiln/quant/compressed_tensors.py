@@ -11,7 +11,9 @@ quantized Linear `<module>` as:
         weight_zero_point int32 [ceil(N / 8), G] (zero points z in -8..7 stored as z + 8, packed
         along N, 8 rows per word); w = (q - z) * weight_scale[n, k // group_size].
     So int4_linear's qweight is weight_packed unchanged and its zeros are the stored nibbles (z + 8;
-    8 for symmetric weights).
+    8 for symmetric weights). Checkpoints quantized with GPTQ's actorder "group" (llm-compressor
+    until 2026-08) add weight_g_idx int32 [K]: column k belongs to group g_idx[k], not k // group_size;
+    such a weight is stored with its columns sorted by group (Int4Weight.perm), as GPTQ's act-order.
 Block FP8 (`quant_method == "fp8"` with `weight_block_size` [bn, bk], DeepSeek-V3 / Qwen3-FP8, and
 compressed-tensors' "block" weight strategy): weight e4m3fn [N, K] and weight_scale_inv (or
 weight_scale) float32 [ceil(N / bn), ceil(K / bk)], w = weight * scale of its block.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.quant.gptq import act_order_perm
 from kiln.quant.int4 import GROUP_SIZES, unpack_int4
 from kiln.quant.linear_weights import BlockFP8Weight, Int4Weight, ScaledWeight, int4_weight
 
@@ -67,10 +70,14 @@ def pack_quantized_int4(
     group_size: int,
     zero_point: torch.Tensor | None,
     name: str,
+    g_idx: torch.Tensor | None = None,
 ) -> Int4Weight:
     """compressed-tensors' pack-quantized 4-bit weight -> int4_linear's layout (see the module
     docstring: with a group size int4_linear takes, the words are kept as stored). group_size -1:
-    per channel (one group per row); other sizes go through linear_weights.int4_weight."""
+    per channel (one group per row); other sizes go through linear_weights.int4_weight.
+    g_idx: int [K], input k's group (`weight_g_idx` of older checkpoints quantized with GPTQ's
+    actorder "group": column k's scale and zero point are those of group g_idx[k]), or None; an
+    act-order one is stored in the order where its groups are contiguous (Int4Weight.perm), as GPTQ's."""
     n, words = weight_packed.shape
     k = in_features
     _check(weight_packed.dtype == torch.int32, f"{name}.weight_packed: {weight_packed.dtype}, expected int32")
@@ -91,10 +98,18 @@ def pack_quantized_int4(
         shifts = torch.arange(0, 32, 4, dtype=torch.int32)
         nibbles = (zero_point.unsqueeze(1) >> shifts[None, :, None]) & 0xF  # [N/8, 8, G]
         zeros = nibbles.reshape(-1, groups)[:n].to(torch.uint8)
-    if group_size in GROUP_SIZES:
+    perm = None
+    if g_idx is not None:
+        try:
+            perm = act_order_perm(g_idx, k, k if group_size == -1 else group_size)
+        except ValueError as exc:
+            raise ValueError(f"{name}.weight_g_idx: {exc}") from None
+    if group_size in GROUP_SIZES and perm is None:
         return Int4Weight(weight_packed.contiguous(), weight_scale.contiguous(), zeros, group_size, k)
     q = unpack_int4(weight_packed, k).to(torch.int32)
-    return int4_weight(q, weight_scale, zeros, group_size)
+    if perm is not None:
+        q = q[:, perm]
+    return int4_weight(q, weight_scale, zeros, group_size, perm)
 
 
 def block_fp8_weight(

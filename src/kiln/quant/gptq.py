@@ -64,15 +64,24 @@ def gptq_to_int4(
     q = unpack_gptq_qweight(qweight)  # [N, K]
     zeros = (unpack_gptq_qzeros(qzeros)[:, :n] + (1 if zeros_plus_one else 0)).T.contiguous()  # [N, G]
     scales = scales.T.contiguous()
-    perm = None
-    if g_idx is not None:
-        g_idx = g_idx.to(torch.int64)
-        if tuple(g_idx.shape) != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
-            raise ValueError(f"g_idx: shape {tuple(g_idx.shape)}, expected ({k},) of groups 0..{groups - 1}")
-        if not torch.equal(g_idx, torch.arange(k) // gs):
-            counts = torch.bincount(g_idx, minlength=groups)
-            if not bool((counts[:-1] == gs).all()):
-                raise ValueError(f"g_idx: groups of {counts.tolist()} inputs, expected {gs} each (act-order)")
-            perm = torch.sort(g_idx, stable=True).indices
-            q = q[:, perm]
+    perm = act_order_perm(g_idx, k, gs) if g_idx is not None else None
+    if perm is not None:
+        q = q[:, perm]
     return int4_weight(q, scales, zeros, gs if group_size != -1 else -1, perm)
+
+
+def act_order_perm(g_idx: torch.Tensor, k: int, group_size: int) -> torch.Tensor | None:
+    """The input order in which an act-order weight's groups are contiguous: a stable argsort of g_idx
+    (int [K], input k's group), or None where g_idx is the plain k // group_size. ValueError for a
+    g_idx of another length, out of range, or with groups other than group_size long (the last may be
+    shorter)."""
+    groups = -(-k // group_size)
+    g_idx = g_idx.to(torch.int64)
+    if tuple(g_idx.shape) != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+        raise ValueError(f"g_idx: shape {tuple(g_idx.shape)}, expected ({k},) of groups 0..{groups - 1}")
+    if torch.equal(g_idx, torch.arange(k) // group_size):
+        return None
+    counts = torch.bincount(g_idx, minlength=groups)
+    if not bool((counts[:-1] == group_size).all()):
+        raise ValueError(f"g_idx: groups of {counts.tolist()} inputs, expected {group_size} each (act-order)")
+    return torch.sort(g_idx, stable=True).indices
