@@ -98,12 +98,20 @@ def build_attention(
         tp_group=opts.tp_group,
         qk_norm=qk_norm_weights,
         qk_norm_eps=c.rms_norm_eps,
+        # transformers' Llama with attention_bias has one on o_proj too (Qwen2 does not)
+        o_bias=weights.get_optional(p + "o_proj.bias", (hidden,)) if c.attention_bias else None,
     )
 
 
 def build_gated_mlp(config: ModelConfig, index: int, weights: WeightStore, opts: LayerOptions) -> GatedMLP:
     """Layer `index`'s dense SwiGLU MLP (`model.layers.{index}.mlp.{gate,up,down}_proj`)."""
     p, hidden, inter = f"model.layers.{index}.mlp.", config.hidden_size, config.intermediate_size
+    biases = None
+    if config.extra.get("mlp_bias"):  # transformers' LlamaConfig.mlp_bias
+        biases = tuple(
+            weights.get(p + f"{name}_proj.bias", (size,))
+            for name, size in (("gate", inter), ("up", inter), ("down", hidden))
+        )
     return GatedMLP(
         weights.get(p + "gate_proj.weight", (inter, hidden)),
         weights.get(p + "up_proj.weight", (inter, hidden)),
@@ -112,6 +120,7 @@ def build_gated_mlp(config: ModelConfig, index: int, weights: WeightStore, opts:
         dtype=opts.dtype,
         cpu_format=opts.cpu_format,
         tp_group=opts.tp_group,
+        biases=biases,
     )
 
 

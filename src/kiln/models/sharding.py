@@ -238,6 +238,8 @@ class ShardedWeightStore:
         if match is None:
             return None
         proj = match.group(2)
+        if match.group(3) == "bias" and proj in ("o", "down"):
+            return None  # a row-parallel layer's bias is whole on every rank (added on rank 0)
         if match.group(1) == "mlp.shared_expert":
             shared = (int(c.extra["shared_expert_intermediate_size"]), *s.shared_intermediate)
             return {"gate": (0, *shared), "up": (0, *shared), "down": (1, *shared)}.get(proj)

@@ -71,6 +71,7 @@ class PagedAttention(torch.nn.Module):
         scale: float | None = None,
         qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
         qk_norm_eps: float = 1e-6,
+        o_bias: torch.Tensor | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -80,7 +81,12 @@ class PagedAttention(torch.nn.Module):
             cat_rows([q, k, v], dtype), bias, device=device, dtype=dtype, cpu_format=cpu_format
         )
         self.o_proj = RowParallelLinear(
-            o, None, device=device, dtype=dtype, cpu_format=cpu_format, tp_group=tp_group
+            o,
+            None if o_bias is None else o_bias.float(),
+            device=device,
+            dtype=dtype,
+            cpu_format=cpu_format,
+            tp_group=tp_group,
         )
         self.rotary = rotary
         self.scale = head_dim**-0.5 if scale is None else scale

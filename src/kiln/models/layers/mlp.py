@@ -22,7 +22,8 @@ class GatedMLP(torch.nn.Module):
     """x [T, hidden] -> [T, hidden]. gate_up rows 0..I-1 are gate, I..2I-1 up (silu_and_mul's layout).
 
     gate, up [I, hidden] and down [hidden, I]: this rank's slices (I = its intermediate size).
-    activation: a key of GATED_ACTIVATIONS ("silu" by default).
+    activation: a key of GATED_ACTIVATIONS ("silu" by default). biases: (gate [I], up [I], down
+    [hidden]) or None.
     """
 
     def __init__(
@@ -36,17 +37,21 @@ class GatedMLP(torch.nn.Module):
         cpu_format: str | None = None,
         tp_group: TPGroup | None = None,
         activation: str = "silu",
+        biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ):
         super().__init__()
         if activation not in GATED_ACTIVATIONS:
             known = ", ".join(GATED_ACTIVATIONS)
             raise ValueError(f"GatedMLP: activation {activation!r} is not supported (supported: {known})")
         self.act_and_mul = GATED_ACTIVATIONS[activation]
+        gate_up_bias, down_bias = None, None
+        if biases is not None:  # transformers' mlp_bias: one per projection
+            gate_up_bias, down_bias = torch.cat([biases[0].float(), biases[1].float()]), biases[2].float()
         self.gate_up_proj = Linear(
-            cat_rows([gate, up], dtype), None, device=device, dtype=dtype, cpu_format=cpu_format
+            cat_rows([gate, up], dtype), gate_up_bias, device=device, dtype=dtype, cpu_format=cpu_format
         )
         self.down_proj = RowParallelLinear(
-            down, None, device=device, dtype=dtype, cpu_format=cpu_format, tp_group=tp_group
+            down, down_bias, device=device, dtype=dtype, cpu_format=cpu_format, tp_group=tp_group
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
