@@ -184,7 +184,7 @@ def load_model(
             **kwargs,
         )
     model.eval()
-    if pipeline_layers is None:  # a pipeline stage reads its own layers only
+    if not parallel_rank:  # a pipeline stage reads its own layers, an expert-parallel rank its experts
         check_all_read(checkpoint.weights, checkpoint.config)
     if not parallel_rank:  # W8A8 CPU formats only: SmoothQuant from one calibration prefill
         smooth_w8a8_linears(model, checkpoint.tokenizer)
