@@ -248,6 +248,23 @@ def test_api_key_required_on_v1_routes_but_not_on_health_and_metrics():
         srv.stop()
 
 
+@pytest.mark.parametrize("root_path", ["/api", ""])
+def test_api_key_is_required_behind_a_root_path_and_on_every_route_but_health_and_metrics(root_path):
+    """Starlette's scope path includes the root_path (a proxy prefix, a mount): a check on the path
+    starting with /v1/ let /api/v1/models through without a key."""
+    from starlette.testclient import TestClient
+
+    app = create_app(FakeEngine(), model_name=MODEL, api_key="sesame")
+    with TestClient(app, root_path=root_path) as client:
+        assert client.get(f"{root_path}/v1/models").status_code == 401
+        assert client.post(f"{root_path}/v1/completions", json=completion()).status_code == 401
+        assert client.get(f"{root_path}/openapi.json").status_code == 401
+        key = {"Authorization": "Bearer sesame"}
+        assert client.get(f"{root_path}/v1/models", headers=key).status_code == 200
+        assert client.get(f"{root_path}/health").status_code == 200
+        assert client.get(f"{root_path}/metrics").status_code == 200
+
+
 def test_two_apps_keep_separate_metrics(server):
     other = serve(FakeEngine())
     try:

@@ -60,10 +60,17 @@ def stop_prefix_length(text: str, stop: list[str] | None) -> int:
     """How many characters at the end of `text` begin one of the stop strings (without completing it):
     what a stream holds back until later tokens complete the stop string (the text is cut there) or
     rule it out, so that streamed text equals the final text."""
-    longest = 0
+    if not text:
+        return 0
+    last, longest = text[-1], 0
     for s in stop or ():
-        for n in range(min(len(s) - 1, len(text)), longest, -1):
+        n = min(len(s) - 1, len(text))
+        while n > longest:  # only lengths whose last character is the text's (C-level scans)
+            n = s.rfind(last, 0, n) + 1
+            if n <= longest:
+                break
             if text.endswith(s[:n]):
                 longest = n
                 break
+            n -= 1
     return longest

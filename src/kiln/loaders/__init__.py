@@ -195,6 +195,10 @@ def load_model(
 
 # stored tensors no model reads and nothing is lost without: RoPE tables older checkpoints saved
 _DERIVED = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+# FP8 KV-cache scales (compressed-tensors' kv_cache_scheme: self_attn.k_scale / v_scale; AutoFP8's
+# k_proj.k_scale, v_proj.v_scale, kv_scale; output_scale): Kiln's fp8 cache keeps scales of its own
+# (kiln.engine.kv_scales), so these are unused, not lost: a warning, not an error
+_KV_SCALES = re.compile(r"\.(k_scale|v_scale|kv_scale|output_scale)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -204,7 +208,11 @@ def check_all_read(weights, config) -> None:
     and the model would run without it: wrong logits, no error); other unread tensors (outside the
     layers: a vision tower, extra heads) are logged as a warning."""
     unread = [name for name in weights.unread() if not _DERIVED.search(name)]
-    in_layers = [n for n in unread if (m := _LAYER.match(n)) and int(m[1]) < config.num_layers]
+    in_layers = [
+        n
+        for n in unread
+        if (m := _LAYER.match(n)) and int(m[1]) < config.num_layers and not _KV_SCALES.search(n)
+    ]
     if in_layers:
         raise ModelLoadError(
             f"{weights.source}: {len(in_layers)} tensor(s) of the decoder layers are not read by Kiln's "

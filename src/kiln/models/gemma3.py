@@ -195,6 +195,7 @@ def build_gemma3_layer(
         v=weights.get(p + "self_attn.v_proj.weight", (kv_size, hidden)),
         o=weights.get(p + "self_attn.o_proj.weight", (hidden, q_size)),
         qkv_bias=bias,
+        o_bias=weights.get_optional(p + "self_attn.o_proj.bias", (hidden,)) if c.attention_bias else None,
         rotary=position,
         sliding_window=c.layer_sliding_window(index),
         device=opts.device,

@@ -242,6 +242,12 @@ class LlamaForCausalLM(torch.nn.Module):
                 f"{weights.source}: hidden_act {config.hidden_act!r} is not supported by "
                 f"{type(self).__name__}, whose MLPs are SwiGLU (expected one of {', '.join(SILU_NAMES)})"
             )
+        kinds = set(config.layer_types or ()) - {"full_attention", "sliding_attention"}
+        if kinds:  # e.g. linear or chunked attention: not a Llama-family layer
+            raise ModelLoadError(
+                f"{weights.source}: layer_types {sorted(map(str, kinds))} are not supported by "
+                f"{type(self).__name__} (it runs full_attention and sliding_attention layers)"
+            )
         # set by a CPU ModelRunner: one-token eager decode steps as one loop (kiln.models.cpu_flat_decode)
         self.flat_decode = None
         device = torch.device(device)

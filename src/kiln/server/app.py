@@ -293,14 +293,20 @@ def _param_name(loc) -> str | None:
 
 
 class ApiKeyCheck:
-    """ASGI middleware: every /v1/ route needs `Authorization: Bearer <api_key>` (else 401), checked
-    before the route reads or parses the body; /health and /metrics stay open."""
+    """ASGI middleware: every path but /health and /metrics needs `Authorization: Bearer <api_key>`
+    (else 401), checked before the route reads or parses the body. The path is taken relative to the
+    app's root_path (a proxy prefix or a mount point), which Starlette's scope["path"] includes."""
+
+    OPEN = ("/health", "/metrics")
 
     def __init__(self, app, api_key: str, reject):
         self.app, self.api_key, self.reject = app, api_key.encode(), reject
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        if scope["type"] == "http" and path not in self.OPEN:
             header = dict(scope.get("headers", ())).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):

@@ -29,6 +29,7 @@ from pydantic import (
 from kiln.engine.sampling_params import SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 16  # each is searched for after every token: a long list slows the whole batch
+MAX_STOP_CHARS = 512  # each; a stream holds back and rechecks up to this many characters a token
 
 
 def _valid_text(text: str) -> str:
@@ -54,7 +55,7 @@ class StreamOptions(BaseModel):
 
 # field -> (whether a value changes nothing, what to send instead)
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (lambda v: not v, "an empty map"),
+    "logit_bias": (lambda v: not any(v.values()), "an empty map (or only zero biases)"),
     "presence_penalty": (lambda v: v == 0, "0"),
     "frequency_penalty": (lambda v: v == 0, "0"),
     "repetition_penalty": (lambda v: v == 1, "1"),
@@ -125,6 +126,10 @@ class _SamplingFields(BaseModel):
     def _few_stops(cls, value):
         if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+        # a stream checks each new token's text against every stop string: bounded work a token
+        for stop in [value] if isinstance(value, str) else value or []:
+            if len(stop) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got {len(stop)}")
         return value
 
     def stop_list(self) -> list[str] | None:
