@@ -300,6 +300,8 @@ def test_unread_tensors_outside_the_layers_are_a_warning_rope_tables_ignored(hf_
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported by LlamaForCausalLM"),
         ({"sliding_window": 8, "layer_types": ["sliding_attention"]}, r"layer_types .* per layer \(2\)"),
         ({"layer_types": ["full_attention", "chunked_attention"]}, r"layer_types .*chunked_attention"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"config\.json: rope scaling type 'yarn'"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"config\.json: rope scaling type 'dynamic'"),
     ],
 )
 def test_config_settings_kiln_does_not_run_are_named(hf_dir, tmp_path, edit, match):

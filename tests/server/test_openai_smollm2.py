@@ -129,6 +129,14 @@ def test_a_stop_string_across_two_tokens_streams_no_text_it_cuts(client, llm):
     assert streamed == plain
 
 
+def test_echo_returns_the_prompt_as_sent(client):
+    """Echo gave decode(encode(prompt)), which drops special-token text such as SmolLM2's
+    <|im_start|> (skip_special_tokens) instead of the prompt itself."""
+    prompt = "<|im_start|>user\nHi<|im_end|>\n"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True)
+    assert r.choices[0].text.startswith(prompt)
+
+
 def test_streamed_text_offsets_count_the_echoed_prompt_as_the_plain_ones_do(client):
     kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0, echo=True, logprobs=1)
     plain = client.completions.create(**kw).choices[0].logprobs.text_offset

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.ops.rope.cache import LONGROPE_ALIASES, SCALING_TYPES
+
 
 class ModelLoadError(ValueError):
     """A checkpoint that Kiln cannot load: malformed or truncated file, unknown architecture, missing
@@ -84,10 +86,14 @@ class ModelConfig:
             scaling.pop("rope_theta", None)
             if scaling.get("rope_type", "default") == "default":
                 scaling = None
-        if scaling is not None and (
-            scaling.get("rope_type") in ("longrope", "su")
-            or (hf.get("model_type") == "phi3" and scaling.get("rope_type") == "yarn")
-        ):
+        rope_type = None if scaling is None else scaling.get("rope_type")
+        phi3_yarn = hf.get("model_type") == "phi3" and rope_type == "yarn"  # Phi-3's name for longrope
+        if scaling is not None and rope_type not in (*SCALING_TYPES, *LONGROPE_ALIASES) and not phi3_yarn:
+            raise ModelLoadError(
+                f"{source}: rope scaling type {rope_type!r} is not supported (supported: "
+                f"{', '.join(SCALING_TYPES[1:])}; Phi-3's su / yarn as longrope)"
+            )
+        if scaling is not None and (rope_type in LONGROPE_ALIASES or phi3_yarn):
             scaling = _longrope_scaling(scaling, hf)
         sliding_window = hf.get("sliding_window")
         if hf.get("use_sliding_window") is False:

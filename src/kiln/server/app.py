@@ -198,8 +198,9 @@ def create_app(
         prompts = await serving.completion_prompts(texts)
         subs = serving.build(req, prompts, max_tokens, req.logprobs, f"cmpl{next(counter)}")
         echo_texts = None
-        if req.echo:
-            texts = await serving.off_loop(lambda: [serving.tokenizer.decode(p) for p in prompts])
+        if req.echo:  # the prompt as sent: its text, or for token ids their decoded text
+            if not isinstance(texts[0], str):
+                texts = await serving.off_loop(lambda: [serving.tokenizer.decode(p) for p in prompts])
             echo_texts = [texts[i // req.n] for i in range(len(subs))]
         return await run(
             request,
