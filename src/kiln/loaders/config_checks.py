@@ -97,7 +97,54 @@ def check_model_config(config: ModelConfig, source: str, keys: dict[str, str]) -
         raise ModelLoadError(f"{source}: rope theta {config.rope_theta!r}, expected a number > 0")
     if config.sliding_window is not None and (not is_int(config.sliding_window) or config.sliding_window < 1):
         raise ModelLoadError(f"{source}: sliding window {config.sliding_window!r}, expected an integer >= 1")
+    if config.architecture in MOE_KEYS:
+        check_moe_config(config, source)
     return config
+
+
+# mixture-of-experts architecture -> (its routed-expert count's key, further positive integer keys)
+MOE_KEYS = {
+    "MixtralForCausalLM": ("num_local_experts", ()),
+    "Qwen2MoeForCausalLM": ("num_experts", ("shared_expert_intermediate_size",)),
+    "Qwen3MoeForCausalLM": ("num_experts", ()),
+}
+
+
+def check_moe_config(config: ModelConfig, source: str) -> None:
+    """The routing keys of a MOE_KEYS architecture: its expert count (Qwen's may be 0: every layer
+    dense; transformers 5 writes it under Mixtral's name), num_experts_per_tok in 1..that count,
+    decoder_sparse_step >= 1 when present, mlp_only_layers a list of layer indices, and the further
+    keys. A ModelLoadError naming the key, not a KeyError, a ZeroDivisionError or a top-k past the
+    expert count deep in the first forward."""
+    extra = config.extra
+    experts_key, required = MOE_KEYS[config.architecture]
+    if experts_key not in extra and experts_key == "num_experts" and "num_local_experts" in extra:
+        experts_key = "num_local_experts"
+    experts = _moe_int(extra, experts_key, source, 0 if experts_key == "num_experts" else 1)
+    if experts:
+        _moe_int(extra, "num_experts_per_tok", source, 1, experts)
+    if extra.get("decoder_sparse_step") is not None:
+        _moe_int(extra, "decoder_sparse_step", source, 1)
+    only = extra.get("mlp_only_layers")
+    if only is not None and (
+        not isinstance(only, list) or not all(is_int(i) and 0 <= i < config.num_layers for i in only)
+    ):
+        raise ModelLoadError(
+            f"{source}: mlp_only_layers = {only!r}, expected a list of layer indices below "
+            f"{config.num_layers}"
+        )
+    for key in required:
+        _moe_int(extra, key, source, 1)
+
+
+def _moe_int(extra: dict, key: str, source: str, low: int, high: int | None = None) -> int:
+    value = extra.get(key)
+    if value is None:
+        raise ModelLoadError(f"{source}: required mixture-of-experts key {key!r} is missing")
+    if not is_int(value) or value < low or (high is not None and value > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise ModelLoadError(f"{source}: {key} = {value!r}, expected an integer {bound}")
+    return value
 
 
 def _is_number(value: Any) -> bool:

@@ -35,7 +35,6 @@ from kiln.models.layers.expert_parallel import (
 )
 from kiln.models.layers.tp import all_reduce
 from kiln.models.llama import LayerOptions, LlamaForCausalLM
-from kiln.models.moe_config import check_moe_config
 from kiln.models.sharding import ExpertShard, expert_shard, unsharded_config
 from kiln.models.weights import GGUFWeight, Weight, WeightStore
 
@@ -213,5 +212,4 @@ class MixtralForCausalLM(LlamaForCausalLM):
         self, config: ModelConfig, weights: WeightStore, *, expert_format: str | None = None, **kwargs
     ):
         build_mlp = functools.partial(build_mixtral_moe, expert_format=check_expert_format(expert_format))
-        check_moe_config(config, weights.source, "num_local_experts")
         super().__init__(config, weights, build_mlp=build_mlp, **kwargs)

@@ -25,7 +25,6 @@ from kiln.models.layers import GatedMLP, Linear
 from kiln.models.layers.tp import all_reduce
 from kiln.models.llama import LayerOptions, LlamaForCausalLM, build_gated_mlp
 from kiln.models.mixtral import SparseMoE, check_expert_format, load_experts, rank_expert_shard
-from kiln.models.moe_config import check_moe_config
 from kiln.models.weights import WeightStore
 
 
@@ -114,5 +113,4 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     ):
         config = dataclasses.replace(config, attention_bias=bool(config.extra.get("qkv_bias", True)))
         build_mlp = functools.partial(build_qwen2_moe_mlp, expert_format=check_expert_format(expert_format))
-        check_moe_config(config, weights.source, "num_experts", required=("shared_expert_intermediate_size",))
         super().__init__(config, weights, build_mlp=build_mlp, **kwargs)

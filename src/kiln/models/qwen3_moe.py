@@ -23,7 +23,6 @@ import torch
 from kiln.models.config import ModelConfig
 from kiln.models.llama import LayerOptions, build_gated_mlp
 from kiln.models.mixtral import SparseMoE, check_expert_format, load_experts, rank_expert_shard
-from kiln.models.moe_config import check_moe_config
 from kiln.models.qwen3 import Qwen3ForCausalLM
 from kiln.models.weights import WeightStore
 
@@ -80,5 +79,4 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         self, config: ModelConfig, weights: WeightStore, *, expert_format: str | None = None, **kwargs
     ):
         build_mlp = functools.partial(build_qwen3_moe_mlp, expert_format=check_expert_format(expert_format))
-        check_moe_config(config, weights.source, "num_experts")
         super().__init__(config, weights, build_mlp=build_mlp, **kwargs)
