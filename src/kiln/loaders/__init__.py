@@ -184,10 +184,10 @@ def load_model(
             **kwargs,
         )
     model.eval()
-    if not parallel_rank:  # a pipeline stage reads its own layers, an expert-parallel rank its experts
+    if not parallel_rank:
+        # a whole model only: a pipeline stage reads its own layers, an expert-parallel rank its experts
         check_all_read(checkpoint.weights, checkpoint.config)
-    if not parallel_rank:  # W8A8 CPU formats only: SmoothQuant from one calibration prefill
-        smooth_w8a8_linears(model, checkpoint.tokenizer)
+        smooth_w8a8_linears(model, checkpoint.tokenizer)  # W8A8 CPU formats only: one calibration prefill
     elif w8a8_linears(model):  # a prefill here would need every rank or stage at once
         logger.warning("W8A8 on a tensor / pipeline parallel rank: SmoothQuant is not applied")
     return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, config=checkpoint.config)
@@ -207,26 +207,25 @@ def check_all_read(weights, config) -> None:
     read (a bias or a quantization tensor the model class does not know would otherwise be dropped,
     and the model would run without it: wrong logits, no error); other unread tensors (outside the
     layers: a vision tower, extra heads) are logged as a warning."""
-    unread = [name for name in weights.unread() if not _DERIVED.search(name)]
-    in_layers = [
-        n
-        for n in unread
-        if (m := _LAYER.match(n)) and int(m[1]) < config.num_layers and not _KV_SCALES.search(n)
-    ]
+    in_layers, others = [], []
+    for name in weights.unread():
+        if _DERIVED.search(name):
+            continue
+        m = _LAYER.match(name)
+        in_layer = m is not None and int(m[1]) < config.num_layers and not _KV_SCALES.search(name)
+        (in_layers if in_layer else others).append(name)
+
+    def listed(names: list[str]) -> str:
+        return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+
     if in_layers:
         raise ModelLoadError(
             f"{weights.source}: {len(in_layers)} tensor(s) of the decoder layers are not read by Kiln's "
-            f"{config.architecture} (it would run without them): {', '.join(in_layers[:6])}"
-            + (", ..." if len(in_layers) > 6 else "")
+            f"{config.architecture} (it would run without them): {listed(in_layers)}"
         )
-    others = [n for n in unread if n not in in_layers]
     if others:
         logger.warning(
-            "%s: %d stored tensor(s) not used by the model: %s%s",
-            weights.source,
-            len(others),
-            ", ".join(others[:6]),
-            ", ..." if len(others) > 6 else "",
+            "%s: %d stored tensor(s) not used by the model: %s", weights.source, len(others), listed(others)
         )
 
 

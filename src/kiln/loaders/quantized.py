@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from kiln.loaders.config_checks import is_int
 from kiln.models.config import ModelLoadError
 from kiln.quant.awq import awq_to_int4
 from kiln.quant.compressed_tensors import block_fp8_weight, pack_quantized_int4, scaled_weight
@@ -105,7 +106,7 @@ def _unsupported(source: str, module: str, method: str, what: str) -> ModelLoadE
 
 def _group_size_ok(value) -> bool:
     """An integer group size: -1 (one group a row) or positive (a JSON null or 0 is neither)."""
-    return isinstance(value, int) and not isinstance(value, bool) and (value == -1 or value > 0)
+    return is_int(value) and (value == -1 or value > 0)
 
 
 def _builder(method, qc, module, loaders, source):

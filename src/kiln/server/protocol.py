@@ -187,12 +187,12 @@ class ChatMessage(BaseModel):
         return value
 
     def text(self) -> str:
-        """The message's text (OpenAI's list-of-parts form: the "text" parts joined)."""
+        """The message's text (OpenAI's list-of-parts form, all of type "text": their texts joined)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p["text"] for p in self.content if p.get("type") == "text")
+        return "".join(p["text"] for p in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
