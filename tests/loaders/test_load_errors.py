@@ -294,6 +294,41 @@ def test_unread_tensors_outside_the_layers_are_a_warning_rope_tables_ignored(hf_
     assert "inv_freq" not in caplog.text
 
 
+def test_a_pipeline_stage_checks_the_tensors_of_its_own_layers_only(hf_dir, tmp_path):
+    """A stage reads its layers only: an unread tensor of another stage's layer is that stage's to
+    report, one of its own is an error (ranks skipped the check altogether)."""
+    d = _copy(hf_dir, tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight_scale"] = torch.ones(64, 1)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    load_model(str(d), pipeline_layers=(0, 1))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.down_proj\.weight_scale"):
+        load_model(str(d), pipeline_layers=(1, 2))
+
+
+def test_an_expert_parallel_rank_does_not_report_other_ranks_experts():
+    from kiln.loaders import check_all_read
+    from kiln.models.config import ModelConfig
+    from kiln.models.weights import WeightStore
+
+    config = ModelConfig.from_hf(
+        dict(
+            architectures=["Qwen2MoeForCausalLM"],
+            num_attention_heads=4,
+            hidden_size=64,
+            vocab_size=100,
+            intermediate_size=128,
+            num_hidden_layers=2,
+        )
+    )
+    names = ["model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.gate.weight_scale"]
+    store = WeightStore("ckpt", {name: ((1,), lambda: torch.ones(1)) for name in names})
+    with pytest.raises(ModelLoadError, match=r"1 tensor\(s\) .*mlp\.gate\.weight_scale$"):
+        check_all_read(store, config, experts_split=True)
+    with pytest.raises(ModelLoadError, match=r"2 tensor\(s\)"):
+        check_all_read(store, config)
+
+
 @pytest.mark.parametrize(
     "edit, match",
     [

@@ -29,6 +29,7 @@ from kiln.loaders.safetensors import load_safetensors_dir
 from kiln.loaders.tokenizer import Tokenizer
 from kiln.loaders.w8a8_smoothing import smooth_w8a8_linears, w8a8_linears
 from kiln.models.config import ModelConfig, ModelLoadError
+from kiln.models.layers.expert_parallel import expert_parallel_size
 from kiln.models.layers.tp import TPGroup
 from kiln.models.registry import get_model_class
 from kiln.models.weights import WeightStore
@@ -185,11 +186,18 @@ def load_model(
         )
     model.eval()
     if not parallel_rank:
-        # a whole model only: a pipeline stage reads its own layers, an expert-parallel rank its experts
         check_all_read(checkpoint.weights, checkpoint.config)
         smooth_w8a8_linears(model, checkpoint.tokenizer)  # W8A8 CPU formats only: one calibration prefill
-    elif w8a8_linears(model):  # a prefill here would need every rank or stage at once
-        logger.warning("W8A8 on a tensor / pipeline parallel rank: SmoothQuant is not applied")
+    else:
+        # a pipeline stage reads its own layers only, an expert-parallel rank its own experts
+        check_all_read(
+            checkpoint.weights,
+            checkpoint.config,
+            layers=range(*pipeline_layers) if pipeline_layers is not None else None,
+            experts_split=expert_parallel_size(tp_group) > 1,
+        )
+        if w8a8_linears(model):  # a prefill here would need every rank or stage at once
+            logger.warning("W8A8 on a tensor / pipeline parallel rank: SmoothQuant is not applied")
     return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, config=checkpoint.config)
 
 
@@ -200,20 +208,31 @@ _DERIVED = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 # (kiln.engine.kv_scales), so these are unused, not lost: a warning, not an error
 _KV_SCALES = re.compile(r"\.(k_scale|v_scale|kv_scale|output_scale)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_ONE_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
-def check_all_read(weights, config) -> None:
+def check_all_read(weights, config, *, layers: range | None = None, experts_split: bool = False) -> None:
     """After the model is built: a ModelLoadError naming the tensors of its decoder layers that it did not
     read (a bias or a quantization tensor the model class does not know would otherwise be dropped,
     and the model would run without it: wrong logits, no error); other unread tensors (outside the
-    layers: a vision tower, extra heads) are logged as a warning."""
+    layers: a vision tower, extra heads) are logged as a warning.
+
+    For a tensor- / pipeline- / expert-parallel rank: layers = the decoder layers it builds (a
+    pipeline stage; None = all), experts_split = each rank holds some routed experts whole, so
+    per-expert tensors it did not read are another rank's; tensors outside the layers are not
+    reported (the embedding and head belong to the first and last stages)."""
+    whole_model = layers is None and not experts_split
+    layers = layers if layers is not None else range(config.num_layers)
     in_layers, others = [], []
     for name in weights.unread():
         if _DERIVED.search(name):
             continue
         m = _LAYER.match(name)
-        in_layer = m is not None and int(m[1]) < config.num_layers and not _KV_SCALES.search(name)
-        (in_layers if in_layer else others).append(name)
+        if m is not None and int(m[1]) in layers and not _KV_SCALES.search(name):
+            if not (experts_split and _ONE_EXPERT.search(name)):
+                in_layers.append(name)
+        elif whole_model:
+            others.append(name)
 
     def listed(names: list[str]) -> str:
         return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
