@@ -149,6 +149,28 @@ def test_a_request_failing_in_the_sampler_fails_alone_and_the_other_streams_fini
     assert not engine.requests  # the poisoned ones were aborted in the engine
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_siblings_released_after_a_failure_are_not_counted_as_client_aborts(stream):
+    """One prompt of a two-prompt request fails in the sampler: the handler releases its still-running
+    sibling, which kiln_requests_aborted ("client went away") counted."""
+    engine = FakeEngine(max_num_seqs=8, step_delay=0.01)
+    engine.poisoned_prompts.add(tuple(engine.tokenizer.encode("poison")))
+    srv = serve(engine)
+    try:
+        r = httpx.post(
+            f"{srv.url}/v1/completions", json=completion(["fine", "poison"], 200, stream=stream), timeout=30
+        )
+        assert '"engine_error"' in r.text
+        deadline = time.monotonic() + 10
+        while engine.requests and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not engine.requests  # the sibling was aborted in the engine all the same
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        assert "kiln_requests_aborted_total 0.0" in metrics
+    finally:
+        srv.stop()
+
+
 def test_a_request_arriving_mid_generation_joins_the_running_batch():
     engine = FakeEngine(max_num_seqs=4, step_delay=0.05)  # the long request runs ~3 s
     server = serve(engine)

@@ -144,15 +144,16 @@ def create_app(
             raise bad_request(str(exc), None, "invalid_value") from exc
         released = False
 
-        def release():
+        def release(client_gone: bool = True):
             nonlocal released
             if not released:
                 released = True
-                async_engine.release(subs)
+                async_engine.release(subs, client_gone)
 
         if stream:
 
             async def events():
+                client_gone = True  # until the events run out: a disconnect cancels the loop below
                 try:
                     async for event in stream_events(
                         serving,
@@ -167,19 +168,22 @@ def create_app(
                         [sub.params.stop for sub in sorted(subs, key=lambda sub: sub.index)],
                     ):
                         yield event
+                    client_gone = False
                 finally:
-                    release()  # runs on disconnect too (the stream is cancelled)
+                    release(client_gone)  # runs on disconnect too (the stream is cancelled)
 
             # the background task covers a stream cancelled before its first chunk
             return StreamingResponse(
                 events(), media_type="text/event-stream", background=BackgroundTask(release)
             )
+        finals = failure = None
         try:
             finals = await _until_disconnect(request, collect(queue, len(subs)))
         except EngineError as exc:
+            failure = exc
             raise APIError(500, str(exc), "server_error", None, "engine_error") from exc
         finally:
-            release()
+            release(client_gone=finals is None and failure is None)
         if finals is None:  # client gone: nobody to answer
             return Response(status_code=499)
         body = await serving.off_loop(

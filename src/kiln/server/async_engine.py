@@ -129,16 +129,19 @@ class AsyncEngine:
             raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            self.release(subs)
+            self.release(subs, client_gone=False)
             raise errors[0]
         return queue
 
-    def release(self, subs: list[SubRequest]) -> None:
-        """The HTTP request is done (answered, failed or disconnected): abort whatever still runs."""
+    def release(self, subs: list[SubRequest], client_gone: bool = True) -> None:
+        """The HTTP request is done (answered, failed or disconnected): abort whatever still runs.
+        client_gone: the client went away (counted in kiln_requests_aborted); False when the request
+        failed (a sibling's engine error, a refused add), whose unfinished sequences are not aborts."""
         for sub in subs:
             if self._routes.pop(sub.request_id, None) is not None:
                 self._commands.append(("abort", sub.request_id, None))
-                self.metrics.requests_aborted.inc()
+                if client_gone:
+                    self.metrics.requests_aborted.inc()
         self.in_flight -= len(subs)
         self.metrics.in_flight.set(self.in_flight)
         self._wakeup.set()
