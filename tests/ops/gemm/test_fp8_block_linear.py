@@ -36,3 +36,17 @@ def test_fp8_block_linear_is_near_the_unquantized_product_and_rejects_wrong_scal
     assert_close(out, x @ w.T, 0.08)  # two e4m3 roundings (2^-4 relative each, random in sign)
     with pytest.raises(ValueError, match="w_scale"):
         kiln.ops.fp8_block_linear(x, w_fp8, w_scale[:1], 128, 128, None, torch.float32)
+
+
+def test_verify_catches_a_group_scale_bug_in_the_cpu_paths_activation_quantizer(monkeypatch):
+    # The CPU path has its own activation quantizer, not the spec's reference one: one that ignores
+    # block_k (a scale per token instead of per group) must fail the check.
+    from kiln.ops.gemm.fp8_block_linear import cpu as fp8_block_cpu
+
+    real = fp8_block_cpu.quantize_dequantize_groups
+    shape = {"M": 33, "N": 40, "K": 96, "block_n": 16, "block_k": 32}
+    cpu = torch.device("cpu")
+    assert run_case(FP8_BLOCK_LINEAR, "cpu", shape, torch.float32, cpu, 11).passed
+    monkeypatch.setattr(fp8_block_cpu, "quantize_dequantize_groups", lambda x, block_k: real(x, x.shape[1]))
+    case = run_case(FP8_BLOCK_LINEAR, "cpu", shape, torch.float32, cpu, 11)
+    assert not case.passed and case.error > 1e-3, case

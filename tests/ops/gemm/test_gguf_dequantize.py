@@ -8,6 +8,7 @@ import kiln.ops
 from kiln.ops.gemm.gguf_dequantize import GGUF_DEQUANTIZE
 from kiln.ops.gemm.gguf_dequantize.triton import gguf_dequantize_triton
 from kiln.verify import assert_close, run_case
+from tests.ops.gemm.gguf_codec_bugs import PLANTED_CASES, plant_gguf_codec_bug
 
 QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0"]
 K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
@@ -121,3 +122,14 @@ def test_gguf_dequantize_falls_back_to_the_gguf_package_for_other_types():
         out, torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q5_1)).half()
     )
     assert_close(out, torch.from_numpy(w), 0.1)
+
+
+@pytest.mark.parametrize("helper, qtype", PLANTED_CASES)
+def test_verify_catches_a_bug_in_the_cpu_paths_gguf_codec(helper, qtype, monkeypatch):
+    # The reference decodes with the gguf package, not kiln.quant.gguf_blocks (the CPU path's codec):
+    # a bug planted in that codec must fail the check instead of being reproduced by the reference.
+    shape, cpu = {"N": 9, "K": 512, "qtype": qtype}, torch.device("cpu")
+    assert run_case(GGUF_DEQUANTIZE, "cpu", shape, torch.float32, cpu, 5).passed
+    plant_gguf_codec_bug(monkeypatch, helper)
+    case = run_case(GGUF_DEQUANTIZE, "cpu", shape, torch.float32, cpu, 5)
+    assert not case.passed and case.error > 1e-3, case

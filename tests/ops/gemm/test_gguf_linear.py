@@ -8,6 +8,7 @@ import kiln.ops
 from kiln.ops.gemm.gguf_linear import GGUF_LINEAR
 from kiln.ops.gemm.gguf_linear.triton import gguf_linear_triton
 from kiln.verify import assert_close, run_case
+from tests.ops.gemm.gguf_codec_bugs import PLANTED_CASES, plant_gguf_codec_bug
 
 QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0"]
 K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
@@ -163,3 +164,14 @@ def test_verifier_inputs_catch_a_swapped_nibble_order():
         spec, "planted", {"M": 3, "N": 20, "K": 64, "qtype": "Q4_1"}, torch.float32, torch.device("cpu"), 7
     )
     assert not case.passed and case.error > 0.1
+
+
+@pytest.mark.parametrize("helper, qtype", PLANTED_CASES)
+def test_verify_catches_a_bug_in_the_cpu_paths_gguf_codec(helper, qtype, monkeypatch):
+    # The reference decodes W with the gguf package, not kiln.quant.gguf_blocks (the CPU path's
+    # codec): a bug planted in that codec must fail the check instead of being reproduced by it.
+    shape, cpu = {"M": 3, "N": 20, "K": 512, "qtype": qtype, "bias": True}, torch.device("cpu")
+    assert run_case(GGUF_LINEAR, "cpu", shape, torch.float32, cpu, 5).passed
+    plant_gguf_codec_bug(monkeypatch, helper)
+    case = run_case(GGUF_LINEAR, "cpu", shape, torch.float32, cpu, 5)
+    assert not case.passed and case.error > 1e-3, case

@@ -120,3 +120,15 @@ def test_verifier_inputs_catch_a_wrong_nibble_order_or_group_index():
         spec.register(Implementation("planted", planted))
         case = run_case(spec, "planted", shape, torch.float32, torch.device("cpu"), 11)
         assert not case.passed and case.error > 0.05, planted.__name__
+
+
+def test_verify_catches_a_nibble_order_bug_in_the_cpu_paths_int4_decoder(monkeypatch):
+    # The reference unpacks the nibbles itself, not through kiln.quant.int4 (the CPU path's decoder):
+    # reversing the nibble order there must fail the check instead of being reproduced by the reference.
+    import kiln.quant.int4 as int4
+
+    shape, cpu = {"M": 3, "N": 20, "K": 100, "group_size": 32}, torch.device("cpu")
+    assert run_case(INT4_LINEAR, "cpu", shape, torch.float32, cpu, 11).passed
+    monkeypatch.setattr(int4, "NIBBLE_SHIFTS", int4.NIBBLE_SHIFTS.flip(0))
+    case = run_case(INT4_LINEAR, "cpu", shape, torch.float32, cpu, 11)
+    assert not case.passed and case.error > 0.05, case

@@ -63,3 +63,20 @@ def test_sparse24_linear_rejects_bad_input(kwargs, message):
     }
     with pytest.raises(ValueError, match=message):
         kiln.ops.sparse24_linear(**args)
+
+
+def test_verify_catches_a_meta_nibble_bug_in_the_cpu_paths_sparse24_decoder(monkeypatch):
+    # The reference expands the weight itself, not through kiln.quant.sparse24 (the CPU path's decoder):
+    # reading group 2b from the high nibble there must fail the check instead of being reproduced by it.
+    import kiln.quant.sparse24 as sparse24
+
+    def high_nibble_first(values, meta):
+        N, groups = values.shape[0], values.shape[1] // 2
+        nibbles = torch.stack([meta >> 4, meta & 0xF], dim=2).reshape(N, -1)[:, :groups].long()
+        return torch.stack([nibbles & 3, nibbles >> 2], dim=2)
+
+    shape, cpu = {"M": 3, "N": 20, "K": 100, "bias": True}, torch.device("cpu")
+    assert run_case(SPARSE24_LINEAR, "cpu", shape, torch.float32, cpu, 11).passed
+    monkeypatch.setattr(sparse24, "positions_24", high_nibble_first)
+    case = run_case(SPARSE24_LINEAR, "cpu", shape, torch.float32, cpu, 11)
+    assert not case.passed and case.error > 0.05, case

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.gemm.fp8_block_linear import fp8_block_linear
+from kiln.ops.gemm.fp8_block_linear.cpu import quantize_dequantize_groups
 from kiln.ops.gemm.fp8_block_linear.spec import quantize_groups_reference
 from kiln.ops.gemm.fp8_linear import fp8_linear
 from kiln.ops.gemm.int4_linear import int4_linear
@@ -204,7 +205,7 @@ def run_fp8_block(x, layout, weight, bias, out_dtype):
     as that op does, times the dequantized float32 matrix)."""
     bn, bk = FP8_BLOCK_LAYOUTS[layout]
     if weight[0].dtype == torch.float32:
-        y = F.linear(quantize_groups_reference(x, bk), weight[0], None if bias is None else bias.float())
+        y = F.linear(quantize_dequantize_groups(x, bk), weight[0], None if bias is None else bias.float())
         return y.to(out_dtype or x.dtype)
     return fp8_block_linear(x, weight[0], weight[1], bn, bk, bias, out_dtype or x.dtype)
 

@@ -15,6 +15,7 @@ import torch
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
 from kiln.ops.gemm.dense_baseline import bf16_matmul
 from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
+from kiln.ops.gemm.gguf_dequantize.spec import gguf_dequantize_reference
 from kiln.ops.gemm.shapes import GEMM_TOLERANCE, LLAMA3_8B, fuzz_gemm_shapes, gemm_flops, llm_shapes
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import element_size, randn
@@ -24,7 +25,9 @@ QTYPES_32 = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def gguf_linear_reference(x, qweight, qtype, bias=None):
-    out = x @ dequantize_blocks(qweight, qtype, x.dtype).T
+    """x @ W^T (+ bias) in x's dtype (float64 under the verifier), W decoded by the gguf package
+    (gguf_dequantize's reference), not by kiln.quant.gguf_blocks, which the CPU path runs."""
+    out = x @ gguf_dequantize_reference(qweight, qtype).to(x.dtype).T
     return out if bias is None else out + bias
 
 

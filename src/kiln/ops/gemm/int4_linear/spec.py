@@ -25,9 +25,16 @@ from kiln.quant.int4 import GROUP_SIZES, dequantize_int4
 
 
 def int4_linear_reference(x, qweight, scales, zeros, group_size):
-    """Dequantize explicitly (in x's dtype: float64 under the verifier), then matmul."""
-    w = dequantize_int4(qweight, scales, zeros, group_size, x.shape[-1], dtype=x.dtype)
-    return x @ w.T
+    """Unpack and dequantize W in float64 from the layout above, then x @ W^T in x's dtype (float64
+    under the verifier). Written out here, not through kiln.quant.int4 (the CPU path's decoder), so
+    that a packing bug there fails the check instead of being reproduced by it."""
+    N, K = qweight.shape[0], x.shape[-1]
+    words = qweight.to(torch.int64) & 0xFFFFFFFF  # the int32 word as 32 unsigned bits (nibble 7: sign)
+    nibbles = [(words >> (4 * i)) & 0xF for i in range(8)]  # nibble i: bits 4i..4i+3, weight 8j + i
+    q = torch.stack(nibbles, dim=-1).reshape(N, 8 * words.shape[1])[:, :K]
+    group = torch.arange(K, device=qweight.device) // group_size
+    w = (q.double() - zeros[:, group].double()) * scales[:, group].double()
+    return x @ w.to(x.dtype).T
 
 
 def validate_int4_linear(x, qweight, scales, zeros, group_size) -> None:

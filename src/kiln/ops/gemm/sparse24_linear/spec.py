@@ -21,8 +21,20 @@ from kiln.quant.sparse24 import compress_24, decompress_24, prune_24
 
 
 def sparse24_linear_reference(x, values, meta, bias=None):
-    """Decompress exactly into x's dtype (float64 under the verifier), then matmul."""
-    out = x @ decompress_24(values, meta, x.dtype).T
+    """Expand W exactly into x's dtype (float64 under the verifier) from the layout above, then matmul.
+    Written out here, not through kiln.quant.sparse24 (the CPU path's decoder), so that a layout bug
+    there fails the check instead of being reproduced by it."""
+    N, K = values.shape[0], x.shape[-1]
+    group = torch.arange(K // 4, device=meta.device)
+    # group g's nibble: bits 0-3 of byte g // 2 for even g, bits 4-7 for odd g
+    nibble = (meta[:, group // 2].to(torch.int64) >> (4 * (group % 2))) & 0xF  # [N, K/4]
+    kept = values.to(x.dtype).reshape(N, K // 4, 2)
+    w = torch.zeros(N, K // 4, 4, dtype=x.dtype, device=x.device)
+    slots = torch.arange(4, device=meta.device)
+    for j in range(2):  # kept value j of a group sits at position idx_j = bits 2j..2j+1 of its nibble
+        position = (nibble >> (2 * j)) & 3
+        w = torch.where(position[..., None] == slots, kept[..., j, None], w)
+    out = x @ w.reshape(N, K).T
     return out if bias is None else out + bias.to(x.dtype)
 
 
