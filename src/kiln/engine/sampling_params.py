@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 # what torch.Generator.manual_seed takes (negative seeds are used modulo 2**64)
@@ -14,10 +15,13 @@ class SamplingParams:
     """Per-request sampling and stopping settings.
 
     temperature 0 means greedy (argmax). top_k=-1 and top_p=1.0 and min_p=0.0 switch those filters off.
-    seed: a per-request generator, so the same seed gives the same tokens whatever else is batched;
-        an integer in [-2**63, 2**64 - 1], the range torch.Generator takes.
-    stop: strings that end generation; the returned text stops just before the stop string.
-    stop_token_ids: extra token ids that end generation (like EOS; the token is kept in token_ids).
+    seed: the noise of the draw at output position t comes from a generator seeded with a hash of
+        (seed, t), so the same seed and logits give the same tokens whatever else is batched, with or
+        without speculative decoding; an integer in [-2**63, 2**64 - 1], the range torch.Generator takes.
+    stop: strings that end generation (a string, or a list or tuple of them); the returned text
+        stops just before the stop string.
+    stop_token_ids: extra token ids that end generation (a list, or a tuple, of ints >= 0; like EOS,
+        the token is kept in token_ids).
     logprobs: None, or the number of top alternatives to return per output token (0 = only the chosen).
     """
 
@@ -35,6 +39,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
         self.validate()
 
     @property
@@ -42,26 +50,47 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Raise ValueError naming the bad field and the accepted range."""
+        """Raise ValueError naming the bad field and what it takes (types included: a None or a string
+        where a number belongs is refused here, not met as a TypeError in the middle of a step)."""
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"SamplingParams: max_tokens={self.max_tokens!r}, expected an int >= 1")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise ValueError(f"SamplingParams: temperature={self.temperature}, expected >= 0 (0 = greedy)")
+        if not _is_real(self.temperature) or not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(
+                f"SamplingParams: temperature={self.temperature!r}, expected a finite number >= 0 "
+                "(0 = greedy)"
+            )
         if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"SamplingParams: top_k={self.top_k!r}, expected -1 (off) or an int >= 1")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams: top_p={self.top_p}, expected in (0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"SamplingParams: min_p={self.min_p}, expected in [0, 1]")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams: top_p={self.top_p!r}, expected a number in (0, 1] (1 = off)")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams: min_p={self.min_p!r}, expected a number in [0, 1] (0 = off)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"SamplingParams: logprobs={self.logprobs!r}, expected None or an int >= 0")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(
                 f"SamplingParams: seed={self.seed!r}, expected None or an int in [-2**63, 2**64 - 1]"
             )
-        if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
+        if self.stop is not None and (
+            not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop)
+        ):
             raise ValueError(f"SamplingParams: stop={self.stop!r}, expected a list of non-empty strings")
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, list)
+            or any(not _is_int(t) or t < 0 for t in self.stop_token_ids)
+        ):
+            raise ValueError(
+                f"SamplingParams: stop_token_ids={self.stop_token_ids!r}, expected None or a list of "
+                "token ids (ints >= 0)"
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams: ignore_eos={self.ignore_eos!r}, expected True or False")
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """An int or a float (numpy's included), not a bool: what a float field takes."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
