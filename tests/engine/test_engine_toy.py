@@ -168,3 +168,55 @@ def test_a_cpu_engine_loads_the_native_kernels_at_start_not_in_its_first_step(lo
     assert calls == ["load"]
     llm.generate(PROMPTS[:2], GREEDY)
     assert calls == ["load"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_nan_logits_fail_only_their_request_and_the_others_run_on_unchanged(loaded, monkeypatch, temperature):
+    """The model gives one request NaN logits at its 3rd output token. The step raises SamplingError
+    naming only it (as the server's AsyncEngine expects); once it is aborted, the others finish with
+    the tokens they get in a run without it (seeded, so sampling rows are comparable too)."""
+    from kiln.engine.sampler import SamplingError
+
+    def params(seed):
+        return SamplingParams(max_tokens=6, temperature=temperature, seed=seed, ignore_eos=True)
+
+    clean = LLMEngine(EngineConfig(num_kv_blocks=64, block_size=4), loaded=loaded)
+    for i in (0, 2):
+        clean.add_request(f"r{i}", PROMPTS[i], params(i))
+    expected = {}
+    while clean.has_unfinished_requests():
+        expected.update({out.request_id: out.token_ids for out in clean.step()})
+
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, block_size=4), loaded=loaded)
+    runner, order = engine.runner, []
+    prepare, collect = runner.prepare, runner.collect
+
+    def remember(batch):
+        inputs, seqs = prepare(batch)
+        order[:] = seqs
+        return inputs, seqs
+
+    def poison(handle):
+        logits = collect(handle).clone()
+        for row, seq in enumerate(order):
+            if seq.request_id == "r1" and seq.num_output_tokens == 2:
+                logits[row, 5] = float("nan")
+        return logits
+
+    monkeypatch.setattr(runner, "prepare", remember)
+    monkeypatch.setattr(runner, "collect", poison)
+    for i in range(3):
+        engine.add_request(f"r{i}", PROMPTS[i], params(i))
+    got, failures = {}, []
+    while engine.has_unfinished_requests():
+        try:
+            outputs = engine.step()
+        except SamplingError as exc:
+            failures.append(exc.failures)
+            for request_id in exc.failures:
+                engine.abort_request(request_id)
+            continue
+        got.update({out.request_id: (out.token_ids, out.finish_reason) for out in outputs})
+    assert [list(f) for f in failures] == [["r1"]] and "not finite" in failures[0]["r1"]
+    assert got["r1"][1] == "abort" and len(got["r1"][0]) == 2
+    assert {rid: got[rid][0] for rid in ("r0", "r2")} == expected

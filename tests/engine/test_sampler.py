@@ -79,6 +79,7 @@ def test_same_seed_gives_same_tokens_whatever_the_batch_composition():
     alone = []
     for _ in range(5):
         alone.append(sampler(logits[3:4], [seq])[0][0])
+        seq.token_ids.append(alone[-1])  # the next draw is the next output position's
     others = [SamplingParams(temperature=1.0)] * 7
     seq2 = seqs_for([seeded])[0]
     sampler2 = Sampler(torch.device("cpu"), seed=99)
@@ -87,6 +88,7 @@ def test_same_seed_gives_same_tokens_whatever_the_batch_composition():
         batch = seqs_for(others)
         batch.insert(3, seq2)
         in_batch.append(sampler2(logits, batch)[0][3])
+        seq2.token_ids.append(in_batch[-1])
     assert alone == in_batch
     assert len(set(alone)) > 1  # the draws do vary step to step
 
@@ -114,14 +116,18 @@ def test_seeded_unfiltered_request_draws_the_same_tokens_next_to_filtered_ones()
     logits = random_logits(3, seed=4)
     seeded = SamplingParams(temperature=1.0, seed=42)
     seq_alone, seq_mixed = seqs_for([seeded, seeded])
-    alone = [Sampler(torch.device("cpu"))(logits[1:2], [seq_alone])[0][0] for _ in range(6)]
+    alone = []
+    for _ in range(6):
+        alone.append(Sampler(torch.device("cpu"))(logits[1:2], [seq_alone])[0][0])
+        seq_alone.token_ids.append(alone[-1])
     neighbours = [SamplingParams(temperature=0.8, top_k=2), SamplingParams(temperature=1.0, top_p=0.5)]
     mixed = []
     for _ in range(6):
         batch = seqs_for(neighbours)
         batch.insert(1, seq_mixed)
         mixed.append(Sampler(torch.device("cpu"))(logits, batch)[0][1])
-    assert alone == mixed
+        seq_mixed.token_ids.append(mixed[-1])
+    assert alone == mixed and len(set(alone)) > 1
 
 
 def test_top_k_wider_than_the_vocabulary_keeps_every_token():
@@ -181,3 +187,144 @@ def test_huge_top_k_and_logprobs_past_the_vocabulary_do_not_break_the_batch():
     params[1].logprobs = VOCAB * 3  # past any check: the sampler still must not raise
     tokens, logprobs = Sampler(torch.device("cpu"))(logits, seqs_for(params))
     assert 0 <= tokens[0] < VOCAB and len(logprobs[1]) == VOCAB
+
+
+# ---- top-k and top-p keep whole tie groups, whatever else is batched ----
+stats = pytest.importorskip("scipy.stats")
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth_and_draws_them_uniformly():
+    """40 tokens tie at the top and top_k=4: Hugging Face's TopKLogitsWarper and vLLM keep all 40
+    (they drop logits below the k-th). Kiln kept the first 4 ranks of a sort, so which 4 depended on
+    the other rows of the batch. Each batch composition must draw all 40 uniformly (chi-square)."""
+    row = torch.zeros(VOCAB)
+    row[:40] = 1.0
+    params = SamplingParams(temperature=1.0, top_k=4)
+    draws = 4000
+    for neighbour in (None, SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=30)):
+        batch = [params] * draws + ([neighbour] if neighbour else [])
+        logits = torch.cat([row.expand(draws, -1), random_logits(1 if neighbour else 0, seed=3)])
+        tokens = torch.tensor(Sampler(torch.device("cpu"), seed=4)(logits, seqs_for(batch))[0][:draws])
+        counts = torch.bincount(tokens, minlength=VOCAB)
+        assert counts[40:].sum() == 0
+        assert stats.chisquare(counts[:40].numpy()).pvalue > 1e-3
+
+
+def test_top_k_distribution_equals_the_reference_on_bf16_logits_full_of_ties():
+    """bf16 logits tie often at the k-th value (228 of 300 rows of SmolLM2's vocabulary at top_k=50):
+    the distribution is the reference's (keep logits >= the k-th), alone and next to other rows."""
+    vocab, k = 49152, 50
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(4, vocab, generator=g) * 2.5 + 8).bfloat16().float()
+    params = [SamplingParams(temperature=1.0, top_k=k), SamplingParams(temperature=0.7)]
+    params += [SamplingParams(temperature=1.0, top_k=7), SamplingParams(temperature=1.0, top_k=k)]
+    batched = Sampler.probs(logits, params)
+    for i in (0, 3):
+        kth = logits[i].double().topk(k).values[-1]
+        expected = torch.where(logits[i] >= kth, logits[i].double(), float("-inf")).softmax(-1)
+        assert int((logits[i] >= kth).sum()) > k  # the case: ties past the k-th
+        assert torch.equal(batched[i] > 0, expected > 0)
+        assert (batched[i].double() - expected).abs().max() < 1e-6
+        assert torch.equal(Sampler.probs(logits[i : i + 1], [params[i]])[0], batched[i])
+
+
+def test_top_p_keeps_or_drops_tied_tokens_together():
+    # tokens 0-2 tie at the top (mass 0.45), tokens 3-12 tie below them
+    row = torch.full((VOCAB,), float("-inf"))
+    row[:3], row[3:13] = 2.0, 1.0
+    for top_p, kept in ((0.3, 3), (0.44, 3), (0.46, 13), (1.0, 13)):
+        probs = Sampler.probs(row[None], [SamplingParams(temperature=1.0, top_k=5, top_p=top_p)])[0]
+        assert int((probs > 0).sum()) == kept, top_p
+
+
+def test_top_p_one_keeps_every_token_next_to_filtered_rows():
+    """top_p=1.0 is off. When another row of the batch filtered, it went through a float32 cumulative
+    sum that reaches 1.0 before the end, and ~3,000 of 49,152 tokens were dropped."""
+    vocab = 49152
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    plain = SamplingParams(temperature=1.0)
+    alone = Sampler.probs(logits[:1], [plain])[0]
+    neighbours = [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, min_p=0.01)]
+    batched = Sampler.probs(logits, [plain, *neighbours])[0]
+    assert bool((alone > 0).all()) and torch.equal(batched, alone)
+
+
+def test_top_p_just_below_one_drops_only_the_tail_the_float64_reference_drops():
+    vocab = 49152
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(1)) * 3
+    for top_p in (0.999999, 0.99):
+        probs = Sampler.probs(row[None], [SamplingParams(temperature=1.0, top_p=top_p)])[0]
+        exact = row.double().softmax(-1)
+        ranked = exact.sort(descending=True).values
+        num_kept = int(((ranked.cumsum(0) - ranked) < top_p).sum())
+        assert int((probs > 0).sum()) == num_kept
+
+
+# ---- logits that are not finite fail their request alone ----
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_inf_or_all_minus_inf_logits_fail_only_their_requests_and_draw_nothing(temperature):
+    """A NaN logit gave token 0 (or the NaN's index) with NaN logprobs, +inf or an all -inf row token
+    0: garbage presented as a sample. Now SamplingError names exactly those requests, before any
+    draw, so the step without them samples what it would have."""
+    logits = random_logits(5, seed=10)
+    logits[1, 7] = float("nan")
+    logits[2, 3] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, :10] = float("-inf")  # partly -inf is fine
+    params = SamplingParams(temperature=temperature, top_k=5, logprobs=2)
+    seqs = seqs_for([params, SamplingParams(temperature=temperature, seed=3), params, params, params])
+    sampler = Sampler(torch.device("cpu"), seed=2)
+    with pytest.raises(SamplingError) as info:
+        sampler(logits, seqs)
+    assert sorted(info.value.failures) == ["r1", "r2", "r3"]
+    assert all("not finite" in why for why in info.value.failures.values())
+    healthy = [seqs[0], seqs[4]]
+    retried = sampler(logits[[0, 4]], healthy)
+    fresh = Sampler(torch.device("cpu"), seed=2)(logits[[0, 4]], healthy)
+    assert retried == fresh and retried[0][1] >= 10
+
+
+# ---- seeded draws: noise keyed by (seed, output position), nothing else ----
+def test_a_seeded_greedy_row_leaves_torch_global_generator_alone():
+    logits = random_logits(3, seed=11)
+    params = [
+        SamplingParams(temperature=0.0, seed=7),
+        SamplingParams(temperature=1.0),
+        SamplingParams(seed=8),
+    ]
+    torch.manual_seed(0)
+    expected = torch.rand(1)
+    torch.manual_seed(0)
+    Sampler(torch.device("cpu"))(logits, seqs_for(params))
+    assert torch.equal(torch.rand(1), expected)
+
+
+def test_seeded_noise_depends_on_seed_and_position_only():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    seq = seqs_for([SamplingParams(seed=5)])[0]
+    first = sampler.exponentials([seq, seq], [3, 4], VOCAB)
+    sampler.exponentials(seqs_for([SamplingParams()] * 4), [0] * 4, VOCAB)  # other draws in between
+    again = Sampler(torch.device("cpu"), seed=1).exponentials([seq], [4], VOCAB)
+    assert torch.equal(first[1], again[0]) and not torch.equal(first[0], first[1])
+    other_seed = sampler.exponentials(seqs_for([SamplingParams(seed=6)]), [4], VOCAB)
+    assert not torch.equal(other_seed[0], first[1])
+
+
+def test_seeded_draws_follow_the_distribution_across_seeds_and_across_positions():
+    """The per-(seed, position) noise must still be i.i.d. Exp(1) as far as the draws can tell: many
+    seeds at one position, and one seed over many positions, both sample the tempered distribution."""
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 0.2, 0.8] + [-30.0] * (VOCAB - 6))
+    expected = (row.double() / 0.7).softmax(-1)[:6]
+    draws = 3000
+    sampler = Sampler(torch.device("cpu"))
+    many_seeds = seqs_for([SamplingParams(temperature=0.7, seed=s) for s in range(draws)])
+    across_seeds = torch.tensor(sampler(row.expand(draws, -1).contiguous(), many_seeds)[0])
+    one_seed = seqs_for([SamplingParams(temperature=0.7, seed=12345)])[0]
+    across_positions = []
+    for _ in range(draws):
+        across_positions.append(sampler(row[None], [one_seed])[0][0])
+        one_seed.token_ids.append(across_positions[-1])
+    for tokens in (across_seeds, torch.tensor(across_positions)):
+        counts = torch.bincount(tokens, minlength=VOCAB)
+        assert counts[6:].sum() == 0
+        assert stats.chisquare(counts[:6].numpy(), (expected * draws).numpy()).pvalue > 1e-3

@@ -8,10 +8,13 @@ computed here in float64 from the raw logits (softmax(logits / T), then top-k, t
 top-k-renormalized distribution), not by the sampler. Pass: p-value > 1e-3; the planted bugs must
 give p < 1e-6 (draws use fixed seeds, so each outcome is reproducible)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from kiln.engine.sampler import Sampler
+import kiln.engine.sampler as sampler_module
+from kiln.engine.sampler import Sampler, SamplingError
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.sequence import Sequence
 from kiln.engine.speculative.rejection_sampler import greedy_verify, rejection_sample
@@ -57,12 +60,14 @@ def chi_square_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor) -> f
 
 
 def emitted_tokens(
-    draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, seed: int
+    draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, seed: int, seeded: bool = False
 ) -> list[list[int]]:
-    """Run the engine's verify step on DRAWS sequences proposing draft_tokens[i] (int64 [DRAWS, 2])."""
+    """Run the engine's verify step on DRAWS sequences proposing draft_tokens[i] (int64 [DRAWS, 2]);
+    seeded: each sequence has a seed of its own (seed * DRAWS + i), else they share the sampler's."""
     seqs = []
     for i in range(DRAWS):
-        seq = Sequence(f"r{i}", [3], PARAMS)
+        params = replace(PARAMS, seed=seed * DRAWS + i) if seeded else PARAMS
+        seq = Sequence(f"r{i}", [3], params)
         seq.spec_token_ids = draft_tokens[i].tolist()
         seq.spec_draft_probs = None if draft_probs is None else draft_probs
         seqs.append(seq)
@@ -83,23 +88,31 @@ def first_and_second_pvalues(tokens: list[list[int]], draft_tokens: torch.Tensor
     )
 
 
-def ngram_case(seed: int = 0):
+def ngram_case(seed: int = 0, seeded: bool = False):
     # a deterministic proposal: tokens 2 then 3 (both inside the target's top-p set)
     draft_tokens = torch.tensor([[2, 3]]).expand(DRAWS, 2)
-    tokens = emitted_tokens(draft_tokens, None, seed)
+    tokens = emitted_tokens(draft_tokens, None, seed, seeded)
     # the first proposal is never drawn again after its rejection (the residual excludes it)
     assert all((len(t) > 1) == (t[0] == 2) for t in tokens)
     return first_and_second_pvalues(tokens, draft_tokens)
 
 
-def draft_case(seed: int = 0):
+def draft_case(seed: int = 0, seeded: bool = False):
     # a sampled draft: proposals drawn from its own filtered distribution q, which goes to the verifier
     q = Sampler.probs(DRAFT_LOGITS, [PARAMS, PARAMS])
     g = torch.Generator().manual_seed(seed + 1)
     draft_tokens = torch.stack(
         [torch.multinomial(q[j], DRAWS, replacement=True, generator=g) for j in range(2)], 1
     )
-    return first_and_second_pvalues(emitted_tokens(draft_tokens, q, seed), draft_tokens)
+    if seeded:  # as DraftProposer draws: with the noise the target's own draw at that position uses
+        noise = [
+            [sampler_module.seeded_exponentials(seed * DRAWS + i, j, VOCAB, "cpu") for j in range(2)]
+            for i in range(DRAWS)
+        ]
+        draft_tokens = torch.tensor(
+            [[int((q[j] / noise[i][j]).argmax()) for j in range(2)] for i in range(DRAWS)]
+        )
+    return first_and_second_pvalues(emitted_tokens(draft_tokens, q, seed, seeded), draft_tokens)
 
 
 def test_ngram_speculation_emits_the_target_distribution_with_top_k_top_p():
@@ -159,3 +172,67 @@ def test_seeded_requests_verify_the_same_way_whatever_else_is_in_the_batch():
 
     results = [run(n) for n in (1, 3, 1, 5)]
     assert results[0] == results[1] == results[2] == results[3]
+
+
+# ---- seeded requests: the target's own per-position sample, whatever the proposal count ----
+@pytest.mark.parametrize("case", [ngram_case, draft_case])
+def test_seeded_speculation_emits_the_target_distribution(case):
+    first, second = case(seeded=True)
+    assert first > 1e-3 and second > 1e-3, (first, second)
+
+
+def test_seeded_noise_shared_across_positions_fails_the_test(monkeypatch):
+    """The test has power: one noise vector for every output position (what keying by the seed alone
+    would give) correlates the second token with the first, and the second position fails."""
+    monkeypatch.setattr(sampler_module, "position_seed", lambda seed, position: seed)
+    _, second = ngram_case(seeded=True)
+    assert second < 1e-6
+
+
+def test_seeded_verify_emits_exactly_what_plain_seeded_sampling_would_for_any_proposal_count():
+    """Plain seeded decoding at output positions 5, 6, 7 (row j's logits at position 5 + j) gives
+    s_0, s_1, s_2. Verifying any k proposals that match s up to some point must emit s up to and
+    including the first mismatch: the tokens do not depend on k, which the rest of the batch sets."""
+    params = SamplingParams(temperature=1.0, seed=99, max_tokens=16)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(5))
+    plain = Sequence("plain", [3, 4, 5, 6, 7, 8], params)
+    plain.num_prompt_tokens = 1  # 5 output tokens so far: the next one is output position 5
+    expected = []
+    for j in range(3):
+        expected.append(Sampler(torch.device("cpu"))(logits[j : j + 1], [plain])[0][0])
+        plain.token_ids.append(expected[-1])
+    for k in (1, 2):
+        for right in range(k + 1):  # proposals equal expected[:right], then a wrong one
+            proposal = expected[:right] + [(expected[right] + 1) % VOCAB] if right < k else expected[:k]
+            seq = Sequence("spec", [3, 4, 5, 6, 7, 8], params)
+            seq.num_prompt_tokens = 1
+            seq.spec_token_ids = proposal[:k]
+            tokens, _ = verify_proposals(Sampler(torch.device("cpu"), seed=k), [logits[: k + 1]], [seq])
+            assert tokens[0] == expected[: min(right, k) + 1], (k, right)
+
+
+def test_verify_fails_only_a_request_with_a_non_finite_row_before_drawing():
+    logits = [TARGET_LOGITS.clone() for _ in range(3)]
+    logits[1][2, 4] = float("nan")  # the bonus position of request 1
+    seqs = [Sequence(f"r{i}", [3], PARAMS) for i in range(3)]
+    for seq in seqs:
+        seq.spec_token_ids = [2, 3]
+    sampler = Sampler(torch.device("cpu"), seed=3)
+    with pytest.raises(SamplingError) as info:
+        verify_proposals(sampler, logits, seqs)
+    assert list(info.value.failures) == ["r1"]
+    healthy = [seqs[0], seqs[2]]
+    retried = verify_proposals(sampler, [logits[0], logits[2]], healthy)
+    assert retried == verify_proposals(Sampler(torch.device("cpu"), seed=3), [logits[0], logits[2]], healthy)
+
+
+def test_verify_leaves_torch_global_generator_alone():
+    seqs = [Sequence(f"r{i}", [3], p) for i, p in enumerate([replace(PARAMS, seed=1), PARAMS])]
+    seqs.append(Sequence("g", [3], SamplingParams(temperature=0.0, seed=4)))
+    for seq in seqs:
+        seq.spec_token_ids = [2, 3]
+    torch.manual_seed(0)
+    expected = torch.rand(1)
+    torch.manual_seed(0)
+    verify_proposals(Sampler(torch.device("cpu")), [TARGET_LOGITS] * 3, seqs)
+    assert torch.equal(torch.rand(1), expected)

@@ -193,6 +193,27 @@ def test_seeded_sampling_with_speculation_reproduces_whatever_else_runs(loaded, 
     assert mixed[1].token_ids == alone and len(alone) == 16
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_seeded_speculation_gives_the_tokens_of_plain_seeded_sampling_whatever_the_budget(
+    loaded, draft_loaded, method
+):
+    """A 16-token budget shared with 3 other requests changes how many proposals the seeded request
+    gets each step. Its random draws used to depend on that count, so its tokens changed with the
+    batch. Now each output position has its own noise and a proposal is accepted when it equals the
+    target's own sample there: the tokens are plain seeded sampling's, alone or batched."""
+    spec = ngram() if method == "ngram" else draft(draft_loaded, k=4)
+    seeded = SamplingParams(max_tokens=24, temperature=0.7, seed=1234, ignore_eos=True)
+    other = SamplingParams(max_tokens=24, temperature=0.7, ignore_eos=True)
+    prompt = "abcabcabcabcab"
+
+    def run(spec, others):
+        llm = make_llm(loaded, spec, num_kv_blocks=1024, max_num_batched_tokens=16)
+        return llm.generate([prompt] * (others + 1), [other] * others + [seeded])[-1].token_ids
+
+    plain = run(None, 0)
+    assert run(spec, 0) == plain and run(spec, 3) == plain and len(plain) == 24
+
+
 def test_speculative_config_rejects_bad_settings(loaded):
     with pytest.raises(ValueError, match="method"):
         SpeculativeConfig(method="medusa")

@@ -3,34 +3,53 @@
 Greedy rows take the argmax. Other rows: logits / temperature, then top-k, then top-p (nucleus,
 over the top-k-renormalized distribution), then min-p (drop tokens below min_p * the top
 probability), then one draw. The draw is an exponential race, argmax(p / E) with E ~ Exp(1) i.i.d.,
-which samples exactly p; a request with a seed draws its E from its own torch.Generator, so its
-tokens depend only on its seed and its logits, never on what else is in the batch.
+which samples exactly p.
+
+Filters keep whole tie groups: top-k keeps every token tied with the k-th largest logit (as Hugging
+Face's TopKLogitsWarper and vLLM), top-p keeps or drops tokens of equal probability together, so what a
+row keeps depends on its own logits only, never on the order a sort puts ties in or on the other rows
+of its batch. top_p = 1 is off: the row is not filtered at all (a float32 cumulative sum reaches 1
+before the last tokens and would drop them); top-p sums in float64.
+
+Seeded requests: the noise E of the token at output position t (0 for the first output token) comes
+from a generator seeded with a hash of (seed, t), made for that draw. So a seeded request's token at
+position t depends only on its seed, t and its logits there: not on the batch, nor on how many
+draws earlier steps took (speculative decoding verifies a varying number of positions per step, with
+the same per-position noise: see kiln.engine.speculative.verify). Unseeded requests draw from the
+sampler's shared generator. Greedy rows draw nothing.
 
 Numerics: the logits are shifted by their row maximum before dividing by the temperature, and the
 temperature is clamped to float32's smallest normal number, so temperature -> 0 gives the argmax
 (never inf / inf = NaN); top-p always keeps the top token, so top_p -> 0 keeps just it.
 
-Isolation: per-request set-up that can fail (a seed the generator refuses) runs for every row before
-anything is drawn; a failure raises SamplingError naming those requests, with no generator advanced,
-so the caller can drop them and run the same step again for the rest.
+Isolation: a request the sampler cannot serve (a seed outside what a generator takes; logits that
+are not finite: a NaN, +inf, or every token -inf) makes it raise SamplingError naming those
+requests, before it draws anything for any row, so the caller can drop them and run the step again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+
 import torch
 
 from kiln.engine.argmax import row_argmax
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from kiln.engine.sequence import Sequence
 
 _TINY = torch.finfo(torch.float32).tiny
+_NEG_INF = float("-inf")
 
 
 class SamplingError(RuntimeError):
-    """Sampling could not start for some requests of the batch (nothing was drawn for any row).
+    """Sampling could not start for some requests of the batch.
 
-    failures: request_id -> what went wrong. The other requests are untouched: the step can be run
-    again without the failed ones and samples exactly what it would have."""
+    failures: request_id -> what went wrong. The sampler raises it before drawing anything, so the
+    step can be run again without the failed requests. A seeded request then samples exactly what it
+    would have (its noise is keyed by (seed, position)); an unseeded one may get other (equally
+    distributed) draws when the failure came from the verify step of a speculative batch, after the
+    batch's plain rows drew from the shared generator."""
 
     def __init__(self, failures: dict[str, str]):
         self.failures = dict(failures)
@@ -45,13 +64,22 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence]
     ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits: float32 [N, vocab], row i for seqs[i]. Returns N token ids and, per row, the
-        logprobs dict (top-n + chosen token, natural log of the unmodified distribution) or None."""
+        """logits: float32 [N, vocab], row i for seqs[i], whose next token is its output token number
+        seqs[i].num_output_tokens. Returns N token ids and, per row, the logprobs dict (top-n + chosen
+        token, natural log of the unmodified distribution) or None. SamplingError (nothing drawn)
+        names the requests whose seed is refused or whose logits are not finite."""
         params = [s.params for s in seqs]
+        failures = self.seed_failures(seqs)
         if all(p.greedy for p in params):
             tokens = row_argmax(logits)
+            # the argmax is the first NaN if any, +inf if any, -inf only when the whole row is
+            top = logits.gather(1, tokens[:, None]).squeeze(1)
         else:
-            self._make_generators(seqs, logits.device)
+            top = logits.amax(dim=-1)
+        failures.update(non_finite_failures(top, seqs))
+        if failures:
+            raise SamplingError(failures)
+        if not all(p.greedy for p in params):
             tokens = self._sample(logits, seqs)
         token_list = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(seqs)
@@ -60,87 +88,63 @@ class Sampler:
         return token_list, logprobs
 
     @staticmethod
-    def _make_generators(seqs: list[Sequence], device: torch.device) -> None:
-        """Seed the generator of every seeded sampling row that has none yet; SamplingError names the
-        rows whose seed the generator refuses. Runs before any draw, so a failure advances nothing."""
+    def seed_failures(seqs: list[Sequence]) -> dict[str, str]:
+        """request_id -> why, for the seeded sampling rows whose seed a generator cannot take."""
         failures = {}
         for seq in seqs:
-            params = seq.params
-            if params.seed is None or params.greedy or seq.generator is not None:
+            seed = seq.params.seed
+            if seed is None or seq.params.greedy:
                 continue
-            try:
-                seq.generator = torch.Generator(device=device).manual_seed(params.seed)
-            except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
-                failures[seq.request_id] = f"cannot seed a generator with seed={params.seed!r} ({exc})"
+            if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX:
+                failures[seq.request_id] = (
+                    f"cannot seed a generator with seed={seed!r} (expected an int in [-2**63, 2**64 - 1])"
+                )
+        return failures
+
+    def make_generators(self, seqs: list[Sequence], device: torch.device) -> None:
+        """Check, before anything is drawn, that every seeded sampling row's seed can seed a generator
+        (the per-position generators are made when drawn); SamplingError names those that cannot."""
+        failures = self.seed_failures(seqs)
         if failures:
             raise SamplingError(failures)
 
-    def generator_for(self, seq: Sequence) -> torch.Generator:
-        """The generator seq's random draws come from: its own when it has a seed, else the shared one."""
-        return seq.generator if seq.params.seed is not None else self.generator
-
-    def make_generators(self, seqs: list[Sequence], device: torch.device) -> None:
-        """Seed the per-request generators of seeded sampling rows (SamplingError as in __call__)."""
-        self._make_generators(seqs, device)
+    def exponentials(self, seqs: list[Sequence], positions: list[int], vocab: int) -> torch.Tensor:
+        """The Exp(1) noise of one draw per row: float32 [len(seqs), vocab]. Row i is seqs[i]'s draw at
+        output position positions[i]: from the (seed, position) generator for a seeded request, from
+        the shared generator otherwise, all ones (nothing drawn) for a greedy one."""
+        device = self.generator.device
+        noise = torch.ones(len(seqs), vocab, device=device)
+        unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None and not s.params.greedy]
+        if unseeded:
+            rows = torch.empty(len(unseeded), vocab, device=device)
+            noise[unseeded] = rows.exponential_(generator=self.generator)
+        for i, (seq, position) in enumerate(zip(seqs, positions, strict=True)):
+            if seq.params.seed is not None and not seq.params.greedy:
+                noise[i] = seeded_exponentials(seq.params.seed, position, vocab, device)
+        return noise
 
     @classmethod
     def probs(cls, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The distribution each row samples from: float32 [N, vocab], softmax of logits [N, vocab]
         divided by the row's temperature, after its top-k, top-p and min-p filters (greedy rows get
         temperature 1 and no filters; callers take their argmax instead)."""
-        vocab = logits.shape[1]
         device = logits.device
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
         # (logits - max) / T is <= 0 and finite or -inf: the top token stays at 0 however small T is
         logits = logits.float()
         shifted = logits - logits.amax(dim=-1, keepdim=True)
         scaled = shifted / temps.clamp_min(_TINY)[:, None]
-        sampling = [p for p in params if not p.greedy]
-        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampling):
-            scaled = cls._filter(scaled, params, sampling, vocab)
-        return scaled.softmax(dim=-1)
+        return filter_logits(scaled, params).softmax(dim=-1)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
-        vocab = logits.shape[1]
-        device = logits.device
-        greedy = torch.tensor([p.greedy for p in params], device=device)
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         probs = self.probs(logits, params)
         # the noise is indexed by token id, never by rank or batch row, so a seeded request draws the
         # same token whatever filters the other rows of its batch use
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
-        if unseeded:
-            rows = torch.empty(len(unseeded), vocab, device=device)
-            noise[unseeded] = rows.exponential_(generator=self.generator)
-        for i, seq in enumerate(seqs):
-            if seq.params.seed is not None:
-                noise[i].exponential_(generator=seq.generator)
+        noise = self.exponentials(seqs, [s.num_output_tokens for s in seqs], logits.shape[1])
         choice = row_argmax(probs / noise)
         return torch.where(greedy, row_argmax(logits), choice)
-
-    @staticmethod
-    def _filter(scaled: torch.Tensor, params, sampling, vocab: int) -> torch.Tensor:
-        """top-k, then top-p, then min-p on the tempered logits [N, vocab]; dropped tokens -> -inf."""
-        device = scaled.device
-        # only the top max-k ranks can survive: topk is much cheaper than sorting the whole vocabulary
-        width = max((p.top_k if 0 < p.top_k < vocab else vocab) for p in sampling)
-        if width < vocab:
-            ranked, order = scaled.topk(width, dim=-1)  # sorted, descending
-        else:
-            ranked, order = scaled.sort(dim=-1, descending=True)
-        rank = torch.arange(width, device=device)[None, :]
-        k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
-        ranked = ranked.masked_fill(rank >= k[:, None], float("-inf"))
-        probs = ranked.softmax(dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        # keep a token while the mass ranked strictly above it is below top_p; the first always stays
-        # (top_p can round to 0 in float32, and 0 >= 0 would drop it)
-        beyond = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (rank > 0)
-        ranked = ranked.masked_fill(beyond, float("-inf"))
-        min_p = torch.tensor([p.min_p for p in params], device=device)
-        ranked = ranked.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
-        return torch.full_like(scaled, float("-inf")).scatter_(1, order, ranked)
 
     @staticmethod
     def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params) -> list[dict[int, float] | None]:
@@ -165,3 +169,91 @@ class Sampler:
             entry[token_list[i]] = chosen[i]
             out.append(entry)
         return out
+
+
+def non_finite_failures(row_max: torch.Tensor, seqs: list[Sequence]) -> dict[str, str]:
+    """request_id -> why, for the rows whose maximum logit row_max [len(seqs)] is not finite: a NaN
+    (max propagates it), +inf, or -inf (every token -inf). Such a row has no distribution to sample."""
+    bad = torch.nonzero(~torch.isfinite(row_max)).flatten().tolist()
+    return {
+        seqs[i].request_id: (
+            f"the model's logits are not finite (largest logit {row_max[i].item()}: a NaN, +inf, or "
+            "every token -inf); no token can be sampled"
+        )
+        for i in bad
+    }
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw at output position `position`: a 64-bit hash of
+    (seed mod 2**64, position), so each position's noise is its own independent stream."""
+    key = (seed % 2**64).to_bytes(8, "little") + position.to_bytes(8, "little")
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
+def seeded_exponentials(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """float32 [vocab] i.i.d. Exp(1), a function of (seed, position) only."""
+    generator = torch.Generator(device=device).manual_seed(position_seed(seed, position))
+    return torch.empty(vocab, device=device).exponential_(generator=generator)
+
+
+def filter_logits(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """top-k, then top-p, then min-p on tempered logits scaled float32 [N, vocab] (each row's top at
+    0); returns a copy with the dropped tokens at -inf (scaled itself when no row filters). Greedy rows
+    are left as they are. Each filter keeps the tokens at or above a value, so the three make one
+    floor per row, and what a row keeps depends on that row alone (ties stay or go together)."""
+    vocab = scaled.shape[1]
+    device = scaled.device
+    sampling = [not p.greedy for p in params]
+    top_k = [p.top_k if s and 0 < p.top_k < vocab else 0 for p, s in zip(params, sampling, strict=True)]
+    nucleus = [i for i, (p, s) in enumerate(zip(params, sampling, strict=True)) if s and p.top_p < 1.0]
+    min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampling, strict=True)]
+    if not (any(top_k) or nucleus or any(min_p)):
+        return scaled
+    # min-p: p_i >= min_p * p_top  <=>  scaled_i >= log(min_p), the top token's scaled logit being 0
+    floor = torch.tensor([math.log(m) if m > 0 else _NEG_INF for m in min_p], device=device)[:, None]
+    if any(top_k):
+        # top-k: the k-th largest value is the floor, so the tokens tied with it all stay. One value
+        # more than the largest k tells top-p below whether such ties run past the values ranked here.
+        ranked = scaled.topk(min(max(top_k) + 1, vocab), dim=-1).values  # descending
+        k = torch.tensor(top_k, device=device)[:, None]
+        kth = ranked.gather(1, (k - 1).clamp_min(0)).masked_fill(k == 0, _NEG_INF)
+        floor = torch.maximum(floor, kth)
+    else:
+        kth = torch.full_like(floor, _NEG_INF)
+    if nucleus:
+        rows = torch.tensor(nucleus, device=device)
+        top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=torch.float64, device=device)
+        if all(top_k[i] for i in nucleus):
+            nucleus_ranked = ranked[rows]
+        else:  # a row without top-k ranks its whole vocabulary
+            nucleus_ranked = scaled[rows].sort(dim=-1, descending=True).values
+        top_p_floor = _top_p_floor(scaled[rows], nucleus_ranked, kth[rows], top_p)
+        floor = floor.index_copy(0, rows, torch.maximum(floor[rows], top_p_floor))
+    return scaled.masked_fill(scaled < floor, _NEG_INF)
+
+
+def _top_p_floor(
+    scaled: torch.Tensor, ranked: torch.Tensor, kth: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The smallest value each row's nucleus keeps: float32 [R, 1], for rows scaled [R, vocab], their
+    largest values ranked [R, W] in descending order (W = vocab, or more than the row's k), their
+    top-k floor kth [R, 1] (-inf = no top-k) and top_p float64 [R]. Over the tokens top-k keeps, from
+    the most likely: one stays while the mass before it is below top_p; tokens tied with the last
+    one that stays have its value, so they stay too, whatever order a sort puts them in. The top
+    token always stays."""
+    ranked = ranked.masked_fill(ranked < kth, _NEG_INF)
+    # sums in float64 (a float32 cumulative sum reaches 1 early); the top value is 0: no overflow
+    weights = ranked.exp().double()
+    total = weights.sum(dim=-1, keepdim=True)
+    width = ranked.shape[1]
+    if width < scaled.shape[1]:
+        # the last ranked value still at or above the k-th: more tokens tied with it may follow
+        more = ranked[:, -1:] > _NEG_INF
+        if bool(more.any()):
+            extra = (scaled >= kth).sum(dim=-1, keepdim=True) - width
+            total = total + torch.where(more, extra * kth.exp().double(), 0.0)
+    probs = weights / total
+    mass_before = probs.cumsum(dim=-1) - probs
+    num_kept = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_min(1)
+    return ranked.gather(1, num_kept - 1)

@@ -8,8 +8,11 @@ longest prefix its tokens share with the sequence's (proposals the target reject
 their blocks released), then the tokens it has not seen (the whole prompt the first time, else the
 accepted proposals and the target's token) are computed in one flat batch, whose last logits give
 the first proposal; k - 1 batched one-token steps give the rest. Greedy requests take the draft's
-argmax; sampling ones draw from the draft's distribution with the request's own filters and
-generator, and hand that distribution (q) to the rejection sampler.
+argmax; sampling ones draw from the draft's distribution with the request's own filters, and hand
+that distribution (q) to the rejection sampler. A seeded request's proposal for output position t
+uses the noise the target's own draw at t uses (Sampler.exponentials): the verify step accepts it
+when the two draws agree, which shared noise makes likely when the draft is close to the target.
+A row whose draft logits are not finite stops proposing (the target's step is not at fault).
 
 When the draft's cache is short, states of sequences not in the step are evicted (they are
 recomputed later), then sequences that still do not fit get no proposal this step.
@@ -96,10 +99,18 @@ class DraftProposer:
             batch_states = [states[i] for i in active]
             num_new = [s.num_tokens - s.num_computed_tokens for s in batch_states]
             logits = self.runner.execute(self.runner.prepare(ScheduledBatch(batch_states, num_new))[0])
-            drawn, q = self._draw(logits, [seqs[i] for i in active], sampler)
+            for state in batch_states:
+                state.num_computed_tokens = state.num_tokens
+            finite = torch.isfinite(logits.amax(dim=-1)).tolist()
+            if not all(finite):
+                logits = logits[[row for row, ok in enumerate(finite) if ok]]
+                active = [i for i, ok in zip(active, finite, strict=True) if ok]
+                if not active:
+                    break
+            positions = [seqs[i].num_output_tokens + step for i in active]
+            drawn, q = self._draw(logits, [seqs[i] for i in active], positions, sampler)
             for row, i in enumerate(active):
                 state = states[i]
-                state.num_computed_tokens = state.num_tokens
                 state.token_ids.append(drawn[row])
                 tokens[i].append(drawn[row])
                 if q is not None:
@@ -142,20 +153,18 @@ class DraftProposer:
         return state
 
     def _draw(
-        self, logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler
+        self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int], sampler: Sampler
     ) -> tuple[list[int], torch.Tensor | None]:
-        """One proposal per row of logits [B, V]: argmax for greedy requests, else a draw from the
-        request's filtered distribution q (returned, float32 [B, V]) with its own generator."""
+        """One proposal per row of logits [B, V], for seqs[i]'s output position positions[i]: argmax
+        for greedy requests, else a draw from the request's filtered distribution q (returned, float32
+        [B, V]) with Sampler.exponentials' noise for that position."""
         if all(seq.params.greedy for seq in seqs):
             return logits.argmax(dim=-1).tolist(), None
         q = sampler.probs(logits, [seq.params for seq in seqs])
-        noise = torch.empty_like(q)
         for row, seq in enumerate(seqs):
             if seq.params.greedy:
-                noise[row] = 1.0
                 q[row] = torch.nn.functional.one_hot(logits[row].argmax(), q.shape[1]).float()
-            else:
-                noise[row].exponential_(generator=sampler.generator_for(seq))
+        noise = sampler.exponentials(seqs, positions, q.shape[1])
         return (q / noise).argmax(dim=-1).tolist(), q
 
     def release_finished(self) -> None:

@@ -12,8 +12,9 @@ the argmax at the first mismatch (or after the last proposal), which is what dec
 a time would give.
 
 Randomness comes in as arguments (uniforms for acceptance, Exp(1) noise for the draws, whose
-argmax(probs / noise) is an exact sample of probs), so the engine can draw them from each request's
-own generator and tests can draw them in bulk.
+argmax(probs / noise) is an exact sample of probs), so the engine can draw them from its generator
+and tests can draw them in bulk. Seeded requests are verified with greedy_verify on probs / noise
+instead, noise keyed by (seed, output position): see kiln.engine.speculative.verify.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def rejection_sample(
 def greedy_verify(
     target_logits: torch.Tensor, draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy acceptance. target_logits: [B, K+1, V]; draft_token_ids int64 [B, K];
+    """Greedy acceptance: the target's token at each position is target_logits' argmax (logits, or
+    any scores whose argmax is the target's token). target_logits: [B, K+1, V]; draft_token_ids int64 [B, K];
     num_draft_tokens int64 [B]. Returns (output_token_ids int64 [B, K+1] padded with -1,
     num_accepted int64 [B]), as rejection_sample."""
     k_max = draft_token_ids.shape[1]
