@@ -58,3 +58,28 @@ def test_peak_flops_uses_the_dtype_measured_else_bf16_for_halves_else_the_best()
     assert with_tf32.peak_flops(torch.float32) == pytest.approx(400e12)  # Triton's fp32 dot uses TF32
     assert with_tf32.peak_flops(torch.float8_e4m3fn) == pytest.approx(1600e12)
     assert with_tf32.peak_flops(torch.bfloat16) == pytest.approx(800e12)
+
+
+def test_int8_takes_its_measured_peak_else_fp8s():
+    fp8 = Ceilings("dev", 1000.0, {"bfloat16": 800.0, "float8_e4m3fn": 1600.0})
+    assert fp8.peak_flops(torch.int8) == pytest.approx(1600e12)
+    both = Ceilings("dev", 1000.0, {"bfloat16": 800.0, "float8_e4m3fn": 1600.0, "int8": 1700.0})
+    assert both.peak_flops(torch.int8) == pytest.approx(1700e12)
+
+
+@pytest.mark.parametrize("op, operands", [("fp8_linear", torch.float8_e4m3fn), ("int8_linear", torch.int8)])
+def test_a_quantized_gemms_roofline_uses_its_operands_peak_not_its_output_dtypes(op, operands):
+    """fp8 / int8 GEMMs with bf16 output were held to the bf16 peak: % of roofline 2x too high."""
+    from kiln.bench.runner import bench_case
+    from kiln.bench.suites import Case
+    from kiln.ops import get_op
+
+    spec = get_op(op)
+    ceilings = Ceilings("dev", 1e-3, {"bfloat16": 1e-6, "float8_e4m3fn": 4e-6})  # compute-bound here
+    shape = {"M": 3, "N": 40, "K": 64, "bias": False, "per_token": True}
+    record = bench_case(Case(spec, shape, torch.bfloat16), torch.device("cpu"), ceilings, "reference", False)
+    assert record["error"] is None
+    peak = ceilings.peak_flops(operands)
+    assert record["roofline_bound_ms"] == pytest.approx(
+        max(spec.flops(shape, torch.bfloat16) / peak, spec.bytes(shape, torch.bfloat16) / 1e6) * 1e3
+    )

@@ -32,14 +32,16 @@ class Ceilings:
 
     def peak_flops(self, dtype: torch.dtype | str | None = None) -> float:
         """FLOP/s ceiling for an op of this dtype. float32 takes the faster of strict fp32 and TF32
-        (Triton's fp32 `tl.dot` uses TF32 by default); float16 takes bf16's; fp8 its own number
-        when measured, else bf16's; anything else (or None) the fastest measured."""
+        (Triton's fp32 `tl.dot` uses TF32 by default); float16 takes bf16's; fp8 and int8 their own
+        numbers when measured (int8 else fp8's or bf16's); anything else (or None) the fastest measured."""
         name = str(dtype).replace("torch.", "") if dtype is not None else None
         measured = self.matmul_tflops
         if name == "float32" and "tfloat32" in measured:
             return max(measured.get("float32", 0.0), measured["tfloat32"]) * 1e12
         if name in ("float8_e4m3fn", "float8_e5m2") and "float8_e4m3fn" in measured:
             return measured["float8_e4m3fn"] * 1e12
+        if name == "int8" and "int8" not in measured:  # Hopper's int8 units run at its fp8 rate
+            name = "float8_e4m3fn" if "float8_e4m3fn" in measured else "bfloat16"
         if name in measured:
             return measured[name] * 1e12
         if name in ("float16", "float8_e4m3fn", "float8_e5m2") and "bfloat16" in measured:
@@ -162,12 +164,16 @@ def _measure_cuda(device: torch.device) -> Ceilings:
         fp8 = _fp8_tflops(device, n)
         if fp8:
             tflops["float8_e4m3fn"] = fp8
+        int8 = _int8_tops(device, n)
+        if int8:
+            tflops["int8"] = int8
         torch.cuda.empty_cache()
     return Ceilings(
         device_name(device),
         bandwidth,
         tflops,
-        "1 GiB device-to-device copy; 8192^3 torch.mm in bf16, fp32, tf32 (and fp8 _scaled_mm); best of 10",
+        "1 GiB device-to-device copy; 8192^3 torch.mm in bf16, fp32, tf32 (fp8 _scaled_mm, int8 _int_mm); "
+        "best of 10",
         _stamp(),
     )
 
@@ -184,6 +190,19 @@ def _fp8_tflops(device: torch.device, n: int) -> float | None:
             lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), device, 10
         )
     except (RuntimeError, TypeError):  # unsupported on this build: the roofline uses bf16 for fp8
+        return None
+    return 2 * n**3 / seconds / 1e12
+
+
+def _int8_tops(device: torch.device, n: int) -> float | None:
+    """int8 GEMM throughput (int32 accumulation) through torch._int_mm, or None where it is missing."""
+    if not hasattr(torch, "_int_mm"):
+        return None
+    try:
+        a = torch.randint(-128, 128, (n, n), device=device, dtype=torch.int8)
+        b = torch.randint(-128, 128, (n, n), device=device, dtype=torch.int8)
+        seconds = _best_seconds(lambda: torch._int_mm(a, b), device, 10)
+    except (RuntimeError, TypeError):
         return None
     return 2 * n**3 / seconds / 1e12
 

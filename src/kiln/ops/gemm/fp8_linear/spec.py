@@ -76,6 +76,7 @@ FP8_LINEAR = OpSpec(
     # Reference uses the same (quantized) inputs: only fp32 accumulation and the output rounding remain.
     tolerance=GEMM_TOLERANCE,
     flops=gemm_flops,
+    matmul_dtype=lambda shape, dtype: torch.float8_e4m3fn,  # dtype is the output's
     bytes=scaled_gemm_bytes,
     bench_shapes={"llm": llm_shapes(per_token=True)},
     baselines={"torch_scaled_mm": _scaled_mm, "torch_bf16_matmul": _bf16_matmul},

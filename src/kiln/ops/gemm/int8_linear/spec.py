@@ -65,6 +65,7 @@ INT8_LINEAR = OpSpec(
     # The int32 dot is exact; the scales add one float32 rounding, the output one out_dtype rounding.
     tolerance=GEMM_TOLERANCE,
     flops=gemm_flops,
+    matmul_dtype=lambda shape, dtype: torch.int8,  # dtype is the output's
     bytes=scaled_gemm_bytes,
     bench_shapes={"llm": llm_shapes(per_token=True)},
     baselines={"torch_int_mm": _torch_int_mm, "torch_bf16_matmul": _bf16_matmul},
