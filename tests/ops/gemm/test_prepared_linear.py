@@ -332,3 +332,52 @@ def test_gguf_blocks_stay_blocks_on_cuda_and_match_float64(qtype):
         shape = {"M": rows, "N": 48, "K": 96, "format": "fp32", "source": qtype, "bias": True}
         case = run_case(PREPARED_LINEAR, "triton", shape, torch.float32, cuda, seed())
         assert case.passed, case
+
+
+# What preparing a weight costs, as relative-norm error of the matrix each layout multiplies against
+# the checkpoint's (the GGUF blocks dequantized, or the float matrix): `kiln verify` checks each
+# kernel against its own prepared matrix, so a format's loss is stated and bounded here. Measured on
+# the fuzz shapes: fp16 2.1e-4, bf16 1.7e-3, int4's bf16 scales and zeros 2.9e-3, int8 per channel
+# 6.6e-3 of a float matrix and 1.2e-2 re-quantizing a Q4 one, the W8A8 formats' int8 copy (several
+# rows) 1.4e-2; the checkpoint formats' float32 products of values and scales ~2e-8; the rest exact.
+PREPARATION_ERROR = {
+    "fp16": 5e-4, "bf16": 4e-3, "int4": 6e-3, "int4_bf16": 6e-3, "int4_w8a8": 6e-3, "int8": 2e-2,
+}  # fmt: skip
+W8A8_COPY_ERROR = 2e-2
+
+
+def test_each_formats_prepared_matrix_against_the_checkpoints_within_its_stated_loss():
+    from kiln.ops.gemm.prepared_linear.spec import _BASELINE_MATRICES
+    from kiln.ops.gemm.weight_formats import W8A8_COPY_AT, w8a8_matrix
+
+    worst: dict[str, float] = {}
+    for shape in PREPARED_LINEAR.fuzz_shapes(random.Random(seed())):
+        inputs = PREPARED_LINEAR.make_inputs(shape, torch.float32, CPU, torch.Generator().manual_seed(seed()))
+        layout, weight = inputs["layout"], inputs["weight"]
+        source = _BASELINE_MATRICES[id(weight[0])].double()
+        fmt = shape["format"]
+        matrix = prepared_matrix(layout, weight, shape["K"])
+        # (a W8A8 format over a matrix its blocks kernels cannot take prepares to the plain int8 copy)
+        bound = W8A8_COPY_ERROR if layout == "w8a8_packed" else PREPARATION_ERROR.get(fmt, 1e-6)
+        err = ((matrix.double() - source).norm() / source.norm()).item()
+        assert err <= bound, (fmt, layout, err)
+        worst[fmt] = max(worst.get(fmt, 0.0), err)
+        if layout in W8A8_COPY_AT:
+            smooth = weight[W8A8_COPY_AT[layout] + 3].double()
+            copy = w8a8_matrix(layout, weight) * smooth
+            err = ((copy - source).norm() / source.norm()).item()
+            assert err <= W8A8_COPY_ERROR, (fmt, layout, "int8 copy", err)
+    assert worst.get("fp32", 0.0) == 0.0 and worst.get("q4_blocks", 0.0) == 0.0
+
+
+@pytest.mark.parametrize("source", ["fp8_block128x128", "sparse24", "fp8_dynamic", "w4a16_g128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_checkpoint_layouts_byte_model_counts_what_they_hold_on_the_cpu(source, dtype):
+    """The roofline's bytes: fp8 block weights were counted at 1 byte each (the CPU holds a float32
+    matrix: 4x) and sparse24 at 1 (its kept half in x's dtype and 4 bits of positions per group)."""
+    from kiln.ops.gemm.prepared_linear.spec import _weight_bytes
+
+    shape = {"M": 1, "N": 576, "K": 1536, "format": "kernel", "source": source}
+    weight = PREPARED_LINEAR.make_inputs(shape, dtype, CPU, torch.Generator().manual_seed(0))["weight"]
+    held = sum(t.numel() * t.element_size() for t in weight)
+    assert _weight_bytes(shape, dtype) == pytest.approx(held, rel=0.02)

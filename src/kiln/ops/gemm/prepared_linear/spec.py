@@ -546,18 +546,21 @@ def _blocks_rows_read_blocks(kind: str, m: int) -> bool:
     return m <= native_cpu.blocks_gemm_rows() or native_cpu.blocks_tiles_take(kind, m)
 
 
-def _weight_bytes(shape) -> float:
+def _weight_bytes(shape, dtype) -> float:
     """Bytes the CPU layout reads per call: fp32 / bf16 the matrix; fp16 the fp16 matrix for one row,
     its float32 copy for more; int4 the nibbles and a bf16 (scale, zero) per 32 weights; gguf the blocks;
     q4_blocks / q8_blocks the blocks (or their tiles: Q4_0 / Q4_1's d and m as float16) for as many rows
     as their kernels take here, the float32 copy for more; int8_blocks the values and scales for one
-    row, the bf16 copy for more."""
+    row, the bf16 copy for more; the checkpoint layouts ("kernel") on the CPU: w4a16 its nibbles,
+    zeros and scales, fp8 / int8 a float32 matrix, sparse24 the kept half in x's dtype and positions."""
     N, K, fmt = shape["N"], shape["K"], shape["format"]
     if fmt == "kernel":
         source = shape["source"]
         if source.startswith("w4a16"):
-            return N * K / 2 + N * -(-K // W4A16_LAYOUTS[source][0]) * 3
-        return N * K * (4 if source.startswith(("fp8_d", "fp8_s", "int8")) else 1)  # CPU: float32 values
+            return N * K / 2 + N * -(-K // W4A16_LAYOUTS[source][0]) * 5  # float32 scale, uint8 zero
+        if source == "sparse24":  # the kept half in x's dtype and 4 bits of positions per group of 4
+            return N * K / 2 * element_size(dtype) + N * K / 8
+        return N * K * (4 if source.startswith(("fp8", "int8")) else 1)  # CPU: float32 values
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
     q4_blocks = fmt in ("q4_blocks", "q4_blocks_a8", "q4_blocks_w8a8") and shape["source"] in INT4_QTYPES
@@ -589,7 +592,7 @@ def _weight_bytes(shape) -> float:
 
 def _bytes(shape, dtype) -> float:
     M, N, K = shape["M"], shape["N"], shape["K"]
-    return _weight_bytes(shape) + (M * K + M * N) * element_size(dtype)
+    return _weight_bytes(shape, dtype) + (M * K + M * N) * element_size(dtype)
 
 
 def _torch_linear_fp32(x, layout, weight, bias=None, out_dtype=None):
