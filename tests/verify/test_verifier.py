@@ -86,3 +86,83 @@ def test_verify_rows_cover_every_dtype_of_rms_norm():  # the CPU backend: CPU te
     rows = verify(["rms_norm"], ["cpu"], None, "cpu", seed=random.randrange(2**31))
     assert {r.dtype for r in rows} == {"float32", "float16", "bfloat16"}
     assert all(r.passed and r.cases > 0 for r in rows)
+
+
+SILU_AND_MUL = get_op("silu_and_mul")
+SOFTMAX = get_op("softmax")
+WRITE_KV_CACHE = get_op("write_kv_cache")
+
+
+def planted(spec, fn):
+    copy = dataclasses.replace(spec, implementations={})
+    copy.register(Implementation("planted", fn))
+    return copy
+
+
+def test_one_wrong_element_cannot_hide_in_the_norm_of_a_large_output():
+    """One element of 38889 (a tenth of the largest) zeroed: the norm error stays under bf16's bound,
+    the max-error bound (2x it, of the largest magnitude) catches it."""
+
+    def drops_an_element(x):
+        d = x.shape[-1] // 2
+        out = (torch.nn.functional.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
+        values = (x[..., :d].float() * torch.sigmoid(x[..., :d].float()) * x[..., d:].float()).abs()
+        nearest = (values - 0.1 * values.max()).abs().flatten().argmin()  # one tenth of the largest
+        out.view(-1)[nearest] = 0
+        return out
+
+    shape = {"rows": 9, "d": 4321}
+    case = run_case(planted(SILU_AND_MUL, drops_an_element), "planted", shape, torch.bfloat16, "cpu", seed=6)
+    assert case.error < case.tolerance and not case.passed and "max |out - ref|" in case.failure
+    assert run_case(SILU_AND_MUL, "cpu", shape, torch.bfloat16, "cpu", seed=6).passed
+
+
+def test_half_precision_math_fails_the_one_rounding_bound():
+    """silu rounded to bf16 before the multiply: within the norm bound, two roundings per element."""
+
+    def silu_then_mul_in_bf16(x):
+        d = x.shape[-1] // 2
+        return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+    spec = planted(SILU_AND_MUL, silu_then_mul_in_bf16)
+    case = run_case(spec, "planted", {"rows": 9, "d": 4321}, torch.bfloat16, "cpu", seed=7)
+    assert case.error < case.tolerance and not case.passed and "roundings of bfloat16" in case.failure
+    assert run_case(SILU_AND_MUL, "cpu", {"rows": 9, "d": 4321}, torch.bfloat16, "cpu", seed=7).passed
+
+
+def test_fp8_cache_writes_must_round_to_nearest():
+    def rounds_toward_zero(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
+        block = key_cache.shape[1]
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid]
+        for data, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+            exact = data[valid].float() / scale[None, :, None]
+            nearest = exact.to(cache.dtype)
+            over = nearest.float().abs() > exact.abs()  # step back one e4m3 value toward zero
+            bits = nearest.view(torch.uint8).clone()
+            bits[over] -= 1
+            cache[slots // block, slots % block] = bits.view(cache.dtype)
+
+    shape = {"num_tokens": 37, "num_kv_heads": 3, "head_dim": 64, "num_blocks": 5, "block_size": 16}
+    spec = planted(WRITE_KV_CACHE, rounds_toward_zero)
+    case = run_case(spec, "planted", shape, torch.float8_e4m3fn, "cpu", seed=8)
+    assert case.error < case.tolerance and not case.passed
+    assert run_case(WRITE_KV_CACHE, "cpu", shape, torch.float8_e4m3fn, "cpu", seed=8).passed
+
+
+def test_an_output_of_another_dtype_than_the_contract_fails():
+    def float32_out(x):
+        d = x.shape[-1] // 2
+        return torch.nn.functional.silu(x[..., :d].float()) * x[..., d:].float()
+
+    spec = planted(SILU_AND_MUL, float32_out)
+    case = run_case(spec, "planted", {"rows": 3, "d": 40}, torch.bfloat16, "cpu", seed=9)
+    assert not case.passed and "contract says bfloat16" in case.failure
+
+
+def test_the_reference_dispatched_as_a_backend_keeps_the_contract():
+    """KILN_BACKEND=reference (or an op with no path for the device) runs the reference on float64
+    copies and rounds once to the op's dtypes: fp8 GEMMs returned float32, gguf_dequantize float64,
+    and an fp8 cache write crashed."""
+    rows = verify(["fp8_linear", "gguf_dequantize", "write_kv_cache"], ["reference"], None, "cpu", seed=10)
+    assert rows and all(r.passed for r in rows), [r.failures[:1] for r in rows if not r.passed]

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from kiln.ops.testing import upcast_to_float64
+
 Shape = dict[str, Any]
 Inputs = dict[str, Any]
 
@@ -147,8 +149,17 @@ class OpSpec:
     dtypes:        dtypes the op supports (the dtype that `make_inputs` is given).
     tolerance:     dtype -> largest allowed ||out - ref|| / ||ref|| against the float64 reference.
     case_tolerance: (shape, dtype) -> that bound for one case, where it depends on the shape too
-                   (prepared_linear: the weight format); default tolerance[dtype].
+                   (prepared_linear: the weight format); default tolerance[dtype]. The verifier also
+                   bounds max |out - ref| / max |ref| by twice it, so one wrong element cannot hide in
+                   the norm of a large output.
+    pointwise:     dtype -> bound on kiln.verify.compare.pointwise_error (each element's error in
+                   units of the output dtype's rounding), for ops whose every output element is one
+                   value rounded once: 1 is one correct rounding, so a kernel that rounds an
+                   intermediate to a half, or does its math in one, fails.
     flops, bytes:  (shape, dtype) -> work and minimum memory traffic, for the roofline.
+    matmul_dtype:  (shape, dtype) -> the dtype its matrix units multiply in, where it is not the case's
+                   dtype (an fp8 or int8 GEMM with bf16 output): the roofline's FLOP ceiling is that
+                   dtype's. Default: the case's dtype.
     outputs:       (result, inputs) -> tuple of tensors to compare. Defaults to the result itself;
                    in-place ops return the tensors they modified.
     bench_shapes:  suite name -> shapes for `kiln bench`.
@@ -179,6 +190,8 @@ class OpSpec:
     doc: str = ""
     jax_implementations: dict[str, Callable[..., Any]] = field(default_factory=dict)
     case_tolerance: Callable[[Shape, torch.dtype], float] | None = None
+    pointwise: dict[torch.dtype, float] = field(default_factory=dict)
+    matmul_dtype: Callable[[Shape, torch.dtype], torch.dtype] | None = None
 
     def __post_init__(self) -> None:
         self._selected: dict[tuple, Implementation] = {}
@@ -234,12 +247,45 @@ class OpSpec:
 
     def implementation(self, name: str) -> Implementation:
         if name == "reference":
-            return Implementation("reference", self.reference)
+            return Implementation("reference", self._run_reference)
         try:
             return self.implementations[name]
         except KeyError:
             known = ", ".join(self.backends())
             raise ValueError(f"{self.name}: no implementation {name!r} (known: {known})") from None
+
+    def _run_reference(self, *args: Any, **kwargs: Any) -> Any:
+        """The reference as an implementation (KILN_BACKEND=reference, or an op with no path for the
+        device): it computes on float64 copies of the arguments, then each output is rounded once to
+        the dtype the op's contract names (its fake) and each argument written in place gets the
+        rounded values; without a fake, the reference runs on the arguments as given."""
+        if self.fake is None or self.schema is None:
+            return self.reference(*args, **kwargs)
+        bound = self.bind(args, kwargs)
+        wide = [upcast_to_float64(value) for value in bound]
+        result = self.reference(*wide)
+        names = list(self.signature.parameters)
+        written = {}  # id of a float64 copy the reference wrote (and may return) -> the caller's tensor
+        for name in self.mutated_args:
+            index = names.index(name)
+            if bound[index] is not None:
+                bound[index].copy_(wide[index])
+                written[id(wide[index])] = bound[index]
+        fake = self.fake(*bound)
+        fakes = fake if isinstance(fake, (tuple, list)) else (fake,)
+
+        def rounded(value: Any, like: Any) -> Any:
+            if id(value) in written:
+                return written[id(value)]
+            if isinstance(value, torch.Tensor) and isinstance(like, torch.Tensor):
+                return value.to(like.dtype)
+            return value
+
+        if isinstance(result, (tuple, list)):
+            return type(result)(
+                rounded(r, fakes[i] if i < len(fakes) else None) for i, r in enumerate(result)
+            )
+        return rounded(result, fakes[0])
 
     def select(
         self, device: torch.device | None, backend: str | None = None, dtype: torch.dtype | None = None
@@ -344,7 +390,7 @@ def _dtype_of_scalar_type(number: int) -> torch.dtype:
     c10::ScalarType number (15): found by parsing each dtype's name the same way."""
     for dtype in (value for value in vars(torch).values() if isinstance(value, torch.dtype)):
         try:
-            parsed = torch._C.parse_schema(f"kiln::_(ScalarType d={str(dtype)[len('torch.'):]}) -> ()")
+            parsed = torch._C.parse_schema(f"kiln::_(ScalarType d={str(dtype)[len('torch.') :]}) -> ()")
         except RuntimeError:
             continue
         if parsed.arguments[0].default_value == number:

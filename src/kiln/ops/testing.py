@@ -1,8 +1,21 @@
-"""Helpers that make inputs for op specs: fresh random data on a generator, never zeros."""
+"""Helpers for op specs: inputs (fresh random data on a generator, never zeros), the float64 copies
+their references run on, and the error bounds shared by ops rounded once."""
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch
+
+# Bounds against the float64 reference for an op whose every output is computed in float32 and rounded
+# once to its dtype. One rounding errs by at most u per element (unit roundoff: 2^-11 fp16, 2^-8 bf16)
+# and by ~0.45 u in relative norm (measured, all CPU paths); the norm bound is 2u, so a kernel that
+# rounds an intermediate to the half, or accumulates in one, fails. float32: reductions in float32
+# (a few hundred ulps over long rows).
+ONE_ROUNDING_TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+# pointwise_error bound for elementwise / row ops (each element one rounding; 5% for float32 math)
+ONE_ROUNDING_POINTWISE = {torch.float16: 1.05, torch.bfloat16: 1.05}
 
 
 def randn(shape, dtype: torch.dtype, device, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
@@ -31,3 +44,17 @@ def element_size(dtype: torch.dtype) -> int:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """At least float32: float64 stays float64 (the verifier's reference), halves go to float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def upcast_to_float64(value: Any) -> Any:
+    """Float tensors become float64 copies; everything else is deep-copied unchanged (opaque packed
+    tensors too, e.g. a oneDNN-blocked weight: only their kernel can read them)."""
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            return value.detach().clone()
+        return value.detach().to(torch.float64) if value.is_floating_point() else value.detach().clone()
+    if isinstance(value, dict):
+        return {k: upcast_to_float64(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(upcast_to_float64(v) for v in value)
+    return copy.deepcopy(value)

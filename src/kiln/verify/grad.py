@@ -22,11 +22,12 @@ import torch
 
 from kiln.ops.alloc import poisoned
 from kiln.ops.registry import triton_interpreting
+from kiln.ops.testing import upcast_to_float64
 from kiln.text_table import aligned_table
 from kiln.verify.compare import relative_error
 from kiln.verify.grad_ops import GRAD_OPS, GradOp
 from kiln.verify.report import status
-from kiln.verify.runner import dtype_name, upcast_to_float64
+from kiln.verify.runner import dtype_name
 
 GRAD_BACKENDS = ("triton", "cpu")  # KILN_BACKEND values that pick a forward and its backward
 

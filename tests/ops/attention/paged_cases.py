@@ -11,8 +11,8 @@ import torch
 from kiln.ops import get_op
 from kiln.ops.attention.paged_inputs import make_paged_kv
 from kiln.ops.attention.reference import exact_positions, exact_slot
+from kiln.ops.testing import upcast_to_float64
 from kiln.verify import relative_error
-from kiln.verify.runner import upcast_to_float64
 
 DTYPES = [torch.float32, torch.float16, torch.float8_e4m3fn]  # fp8: float16 queries over an fp8 cache
 

@@ -193,3 +193,17 @@ def test_flash_attention_long_causal_prefill_on_gpu():
             FLASH_ATTENTION, "triton", shape, dtype, torch.device("cuda"), random.randrange(2**31)
         )
         assert case.passed, case
+
+
+def test_a_sequence_without_keys_is_verifiable_zero_output_and_minus_inf_lse():
+    """The reference raised on an empty key range (amax of an empty row); the CPU path's answer for
+    it (0, -inf) could not be checked."""
+    q, k, v = torch.randn(5, 4, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 0, 3], dtype=torch.int32)
+    ref_out, ref_lse = FLASH_ATTENTION_WITH_LSE.reference(
+        q.double(), k.double(), v.double(), cu_q, cu_k, 3, 3, False
+    )
+    out, lse = kiln.ops.flash_attention_with_lse(q, k, v, cu_q, cu_k, 3, 3, causal=False)
+    assert torch.equal(ref_out[:2], torch.zeros_like(ref_out[:2])) and bool(torch.isinf(ref_lse[:, :2]).all())
+    assert_close(out, ref_out, 1e-5)
+    assert_close(lse, ref_lse, 1e-5)

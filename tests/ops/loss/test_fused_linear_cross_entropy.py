@@ -212,6 +212,9 @@ def test_fused_peak_memory_is_far_below_materialized_logits(monkeypatch):
         ({"label_smoothing": 1.5}, "label_smoothing must be in"),
         ({"z_loss": -1.0}, "z_loss must be"),
         ({"bias": torch.randn(8)}, "bias has 8 elements"),
+        # were an index error from inside the CPU kernel
+        ({"labels": torch.tensor([0, 1, 7, 2, 3])}, r"labels has 7, outside the vocabulary \[0, 7\)"),
+        ({"labels": torch.tensor([0, -5, 1, 2, 3])}, r"labels has -5, .*not ignore_index \(-100\)"),
     ],
 )
 def test_bad_arguments_raise_value_errors_that_name_them(change, message):

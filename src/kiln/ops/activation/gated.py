@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor
-from kiln.ops.testing import element_size, randn
+from kiln.ops.testing import ONE_ROUNDING_POINTWISE, ONE_ROUNDING_TOLERANCE, element_size, randn
 
-# fp32: sigmoid/exp to a few ulps; halves: one rounding of the output (2^-11, 2^-8) in norm.
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# fp32: sigmoid/exp to a few ulps; halves: one rounding of the output, in norm and per element.
+TOLERANCE = ONE_ROUNDING_TOLERANCE
+POINTWISE = ONE_ROUNDING_POINTWISE
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SCHEMA = "(Tensor x) -> Tensor"
 

@@ -48,6 +48,9 @@ def attend_one_sequence(
     """
     q_len, num_heads, head_dim = q.shape
     k_len, num_kv_heads, _ = k.shape
+    if k_len == 0:  # no key at all (amax over an empty row would raise)
+        lse = torch.full((num_heads, q_len), -math.inf, dtype=q.dtype, device=q.device)
+        return torch.zeros(q_len, num_heads, v.shape[-1], dtype=q.dtype, device=q.device), lse
     scale = head_dim**-0.5 if scale is None else scale
     group = num_heads // num_kv_heads
     k = k.repeat_interleave(group, dim=1)  # [k_len, H, D]

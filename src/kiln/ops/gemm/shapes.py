@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.testing import element_size
+from kiln.ops.testing import ONE_ROUNDING_TOLERANCE, element_size
 
 # (K, N) of the linear layers: [in, out] as y = x @ W^T.
 LLAMA3_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # qkv, o, gate_up, down
@@ -13,8 +13,8 @@ BENCH_M = (1, 16, 64, 256, 2048, 8192)
 
 # Relative-norm error against the float64 product of the same (already quantized) inputs: the fp32
 # accumulation contributes ~sqrt(K) * 2^-24, so what dominates for halves is one rounding of the output
-# (and of the in-register dequantized weight): unit roundoff 2^-11 (fp16), 2^-8 (bf16).
-GEMM_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# (ONE_ROUNDING_TOLERANCE: 2u; a half-precision accumulator over K = 4096 errs by ~sqrt(K) u).
+GEMM_TOLERANCE = ONE_ROUNDING_TOLERANCE
 
 
 def llm_shapes(**extra) -> list[dict]:

@@ -12,6 +12,7 @@ import torch
 
 from kiln.ops.activation.gated import (
     DTYPES,
+    POINTWISE,
     SCHEMA,
     TOLERANCE,
     fake_gated,
@@ -53,6 +54,7 @@ GELU_TANH_AND_MUL = OpSpec(
     fuzz_shapes=fuzz_shapes,
     dtypes=DTYPES,
     tolerance=TOLERANCE,
+    pointwise=POINTWISE,
     flops=lambda s, dtype: 9 * s["rows"] * s["d"],
     bytes=gated_bytes,
     bench_shapes={"llm": llm_shapes()},

@@ -11,6 +11,7 @@ import torch
 
 from kiln.ops.activation.gated import (
     DTYPES,
+    POINTWISE,
     SCHEMA,
     TOLERANCE,
     fake_gated,
@@ -47,6 +48,7 @@ SILU_AND_MUL = OpSpec(
     fuzz_shapes=fuzz_shapes,
     dtypes=DTYPES,
     tolerance=TOLERANCE,
+    pointwise=POINTWISE,
     flops=lambda s, dtype: 5 * s["rows"] * s["d"],  # exp, add, divide, two multiplies
     bytes=gated_bytes,
     bench_shapes={"llm": llm_shapes()},

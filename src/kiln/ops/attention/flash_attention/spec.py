@@ -259,7 +259,7 @@ def _spec(name, description, reference, fake, returns, baseline) -> OpSpec:
         # fp32: exp2 and summation order only. Halves: the probabilities are rounded to the input
         # dtype for the PV product and the output is rounded once (2^-11 fp16, 2^-8 bf16, a few
         # roundings deep); the LSE is float32 throughout.
-        tolerance={torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2},
+        tolerance={torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3},
         flops=_flops,
         bytes=_bytes,
         bench_shapes={"llm": _llm_shapes()},

@@ -217,7 +217,7 @@ FLASH_ATTENTION_BACKWARD = OpSpec(
     # Halves: the forward's out is rounded to the input dtype (2^-11 fp16, 2^-8 bf16) and reaches
     # every dS through delta = rowsum(dO * O); the Triton kernels round P and dS for the gradient
     # matmuls too. Measured <= 4.4e-4 in fp16 (CPU and Triton, the fuzz shapes and a 150 x 170 case).
-    tolerance={torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2},
+    tolerance={torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3},
     flops=_flops,
     bytes=_bytes,
     bench_shapes={"llm": _llm_shapes()},

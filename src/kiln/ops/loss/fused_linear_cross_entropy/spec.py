@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from kiln.ops.attention.validate import host_checkable
 from kiln.ops.checks import FLOAT_DTYPES, check_last_dim, check_same_dtype, check_tensor, device_of
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import element_size, randint, randn
@@ -96,6 +97,15 @@ def validate_fused_linear_cross_entropy(
         raise ValueError(f"{op}: z_loss must be a finite number >= 0, got {z_loss}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    # values: torch tensors where reading them is allowed, outside a compiled graph
+    if not torch.compiler.is_compiling() and host_checkable(labels):
+        vocab = weight.shape[0]
+        bad = labels[((labels < 0) | (labels >= vocab)) & (labels != ignore_index)]
+        if bad.numel():
+            raise ValueError(
+                f"{op}: labels has {int(bad[0])}, outside the vocabulary [0, {vocab}) and not "
+                f"ignore_index ({ignore_index})"
+            )
 
 
 def fake_fused_linear_cross_entropy(
@@ -191,8 +201,9 @@ FUSED_LINEAR_CROSS_ENTROPY = OpSpec(
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
     # fp32: GEMM and summation order only. Halves: the logits are rounded once in the input dtype
     # (as every half-precision LM head does), which moves each probability by ~|z| * 2^-11 (fp16) /
-    # 2^-8 (bf16) relatively, and the gradients are rounded once more on output.
-    tolerance={torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2},
+    # 2^-8 (bf16) relatively, and the gradients are rounded once more on output: 3u (measured on the
+    # CPU path: 0.7u in norm).
+    tolerance={torch.float32: 2e-5, torch.float16: 1.5e-3, torch.bfloat16: 1.2e-2},
     flops=_flops,
     bytes=_bytes,
     bench_shapes={"llm": _llm_shapes()},

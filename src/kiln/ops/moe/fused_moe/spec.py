@@ -252,9 +252,10 @@ FUSED_MOE = OpSpec(
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
     # fp32: float32 accumulation only (~1e-6 relative over these K). Halves: the hidden
     # activation and the output are each rounded once to the dtype (unit roundoff 2^-11 / 2^-8,
-    # about half that as an rms relative error each), the fp32 top-k partials add nothing.
-    # FP8 weights are compared against their exact dequantized values, so no extra error.
-    tolerance={torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2},
+    # about half that as an rms relative error each), the fp32 top-k partials add nothing: 3u
+    # (measured on the CPU path: 1.1u in norm). FP8 weights are compared against their exact
+    # dequantized values, so no extra error.
+    tolerance={torch.float32: 2e-5, torch.float16: 1.5e-3, torch.bfloat16: 1.2e-2},
     flops=_flops,
     bytes=_bytes,
     bench_shapes={"llm": _llm_shapes()},

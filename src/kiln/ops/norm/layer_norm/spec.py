@@ -13,7 +13,13 @@ import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_last_dim, check_same_dtype, check_tensor, device_of
 from kiln.ops.registry import OpSpec, define_op
-from kiln.ops.testing import compute_dtype, element_size, randn
+from kiln.ops.testing import (
+    ONE_ROUNDING_POINTWISE,
+    ONE_ROUNDING_TOLERANCE,
+    compute_dtype,
+    element_size,
+    randn,
+)
 
 
 def layer_norm_reference(x, weight, bias=None, eps=1e-5):
@@ -99,7 +105,8 @@ LAYER_NORM = OpSpec(
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
     # fp32: summation order only (two-pass variance, no cancellation); halves: one output rounding
     # (unit roundoff 2^-11 and 2^-8) plus the bias add, so a little above one ulp in norm.
-    tolerance={torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2},
+    tolerance=ONE_ROUNDING_TOLERANCE,
+    pointwise=ONE_ROUNDING_POINTWISE,
     flops=lambda s, dtype: s["rows"] * s["hidden"] * (8 if s.get("bias", True) else 7),
     bytes=_layer_norm_bytes,
     bench_shapes={"llm": _layer_norm_llm_shapes()},

@@ -28,7 +28,14 @@ from kiln.ops.norm.rms_norm import rms_norm
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.rope.cache import rope_cos_sin_cache
 from kiln.ops.rope.rotary_embedding import rotary_embedding
-from kiln.ops.testing import compute_dtype, element_size, randint, randn
+from kiln.ops.testing import (
+    ONE_ROUNDING_POINTWISE,
+    ONE_ROUNDING_TOLERANCE,
+    compute_dtype,
+    element_size,
+    randint,
+    randn,
+)
 
 
 def _norm_rotate_reference(x, weight, cos, sin, eps, is_neox):
@@ -195,7 +202,8 @@ QK_NORM_ROPE = OpSpec(
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
     # fp32: summation order of the mean and a few products (a few ulps); halves: one rounding of each
     # output element (2^-11, 2^-8), as rms_norm and rotary_embedding.
-    tolerance={torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2},
+    tolerance=ONE_ROUNDING_TOLERANCE,
+    pointwise=ONE_ROUNDING_POINTWISE,
     flops=_flops,
     bytes=_bytes,
     outputs=lambda result, inputs: (inputs["q"], inputs["k"]),

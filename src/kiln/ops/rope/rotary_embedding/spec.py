@@ -24,7 +24,14 @@ import torch
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.rope.cache import rope_cos_sin_cache
-from kiln.ops.testing import compute_dtype, element_size, randint, randn
+from kiln.ops.testing import (
+    ONE_ROUNDING_POINTWISE,
+    ONE_ROUNDING_TOLERANCE,
+    compute_dtype,
+    element_size,
+    randint,
+    randn,
+)
 
 
 def _rotate_reference(x, cos, sin, is_neox):
@@ -166,7 +173,8 @@ ROTARY_EMBEDDING = OpSpec(
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
     # fp32: two products and a sum per element (a few ulps); halves: one rounding of each
     # rotated element (2^-11, 2^-8); the untouched dims compare exactly.
-    tolerance={torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2},
+    tolerance=ONE_ROUNDING_TOLERANCE,
+    pointwise=ONE_ROUNDING_POINTWISE,
     flops=lambda s, dtype: 3 * _elements(s),
     bytes=_bytes,
     outputs=lambda result, inputs: (inputs["q"], inputs["k"]),

@@ -16,7 +16,13 @@ import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor
 from kiln.ops.registry import OpSpec, define_op
-from kiln.ops.testing import compute_dtype, element_size, randn
+from kiln.ops.testing import (
+    ONE_ROUNDING_POINTWISE,
+    ONE_ROUNDING_TOLERANCE,
+    compute_dtype,
+    element_size,
+    randn,
+)
 
 
 def softmax_reference(x, temperature=1.0):
@@ -94,7 +100,8 @@ SOFTMAX = OpSpec(
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
     # fp32: exp() of arguments up to ~30 in magnitude, ~1 ulp each, plus summation order;
     # halves: one rounding of each probability (2^-11, 2^-8).
-    tolerance={torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2},
+    tolerance=ONE_ROUNDING_TOLERANCE,
+    pointwise=ONE_ROUNDING_POINTWISE,
     flops=lambda s, dtype: 5 * s["rows"] * s["cols"],  # scale, max, sub+exp, sum, divide
     bytes=_bytes,
     bench_shapes={"llm": _llm_shapes()},
