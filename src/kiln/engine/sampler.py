@@ -224,11 +224,12 @@ def filter_logits(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.T
     if nucleus:
         rows = torch.tensor(nucleus, device=device)
         top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=torch.float64, device=device)
+        nucleus_scaled = scaled if len(nucleus) == len(params) else scaled[rows]
         if all(top_k[i] for i in nucleus):
             nucleus_ranked = ranked[rows]
         else:  # a row without top-k ranks its whole vocabulary
-            nucleus_ranked = scaled[rows].sort(dim=-1, descending=True).values
-        top_p_floor = _top_p_floor(scaled[rows], nucleus_ranked, kth[rows], top_p)
+            nucleus_ranked = nucleus_scaled.sort(dim=-1, descending=True).values
+        top_p_floor = _top_p_floor(nucleus_scaled, nucleus_ranked, kth[rows], top_p)
         floor = floor.index_copy(0, rows, torch.maximum(floor[rows], top_p_floor))
     return scaled.masked_fill(scaled < floor, _NEG_INF)
 
