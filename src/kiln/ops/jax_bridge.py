@@ -127,7 +127,7 @@ def torch_function(spec: OpSpec, implementation: str) -> Callable[..., Any]:
         jax_args = [to_jax(a, device) if isinstance(a, torch.Tensor) else a for a in bound]
         result = spec.jax_implementations[implementation](*jax_args)
         results = list(result) if isinstance(result, (tuple, list)) else [result]
-        outputs = [to_torch(r, like) for r in results[:n_out]]
+        outputs = _contract_integers(spec, bound, [to_torch(r, like) for r in results[:n_out]])
         written = [bound[i] for i in written_positions if bound[i] is not None]
         if len(results) != n_out + len(written):
             raise RuntimeError(
@@ -143,6 +143,22 @@ def torch_function(spec: OpSpec, implementation: str) -> Callable[..., Any]:
 
     run.__name__ = f"{spec.name}_{implementation}"
     return run
+
+
+def _contract_integers(spec: OpSpec, bound: tuple, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Integer outputs widened to the dtype the op's fake says: JAX without x64 computes int32 where the
+    torch op returns int64 (token ids). Other dtype differences are left for the verifier to report."""
+    if spec.fake is None or not any(not o.is_floating_point() for o in outputs):
+        return outputs
+    fake = spec.fake(*bound)
+    fakes = list(fake) if isinstance(fake, (tuple, list)) else [fake]
+
+    def widened(out: torch.Tensor, want: Any) -> torch.Tensor:
+        if not isinstance(want, torch.Tensor) or out.is_floating_point() or want.is_floating_point():
+            return out
+        return out.to(want.dtype)
+
+    return [widened(o, f) for o, f in zip(outputs, fakes, strict=False)] + outputs[len(fakes) :]
 
 
 def _torch_dtype(value: Any) -> Any:
