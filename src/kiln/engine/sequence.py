@@ -43,7 +43,6 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        self.generator: torch.Generator | None = None  # made by the sampler on the logits' device
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
