@@ -119,13 +119,9 @@ def tune_shape(
 
 def _try(spec, impl, config, shape, dtype, device, seed) -> Trial:
     case = run_case(with_config(spec, impl, config), "candidate", shape, dtype, device, seed)
-    if case.failure:
+    if case.crashed:
         return Trial(config, "crashed", None, note=case.failure)
     if not case.passed:
-        return Trial(
-            config,
-            "wrong",
-            case.error,
-            note=f"relative error {case.error:.2e} > tolerance {case.tolerance:.1e}",
-        )
+        why = case.failure or f"relative error {case.error:.2e} > tolerance {case.tolerance:.1e}"
+        return Trial(config, "wrong", case.error, note=why)
     return Trial(config, "ok", case.error)
