@@ -154,6 +154,8 @@ class OpSpec:
                    wrong element cannot hide in the norm of a large output.
     max_tolerance: dtype -> that max-error bound, where one element may legitimately err by more
                    than twice the norm bound of the whole output (an fp8 value rounded past a tie).
+    requires:      Python packages the reference needs beyond Kiln's core (the GGUF ops' decode with
+                   `gguf`): `kiln verify` skips the op, naming them, where they are not installed.
     pointwise:     dtype -> bound on kiln.verify.compare.pointwise_error (each element's error in
                    units of the output dtype's rounding), for ops whose every output element is one
                    value rounded once: 1 is one correct rounding, so a kernel that rounds an
@@ -195,6 +197,7 @@ class OpSpec:
     pointwise: dict[torch.dtype, float] = field(default_factory=dict)
     matmul_dtype: Callable[[Shape, torch.dtype], torch.dtype] | None = None
     max_tolerance: dict[torch.dtype, float] = field(default_factory=dict)
+    requires: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self._selected: dict[tuple, Implementation] = {}

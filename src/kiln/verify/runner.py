@@ -4,6 +4,7 @@ against its reference computed in float64."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import random
 import sys
 import time
@@ -178,6 +179,11 @@ def verify(
     rows: list[Row] = []
     for name, spec in registry.items():
         if ops and name not in ops:
+            continue
+        missing = [module for module in spec.requires if importlib.util.find_spec(module) is None]
+        if missing:
+            why = f"its reference needs {', '.join(missing)} (not installed)"
+            rows.extend(Row(name, "*", dtype_name(dtype), skipped=why) for dtype in spec.dtypes)
             continue
         names = backends or [b for b in spec.implementations if spec.implementations[b].is_available(device)]
         for backend in names:

@@ -99,6 +99,7 @@ GGUF_DEQUANTIZE = OpSpec(
     # kernel doing it ggml's way is exact and one contracting it to an FMA is off by that rounding;
     # halves round the output once (2^-11, 2^-8).
     tolerance={torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3},
+    requires=("gguf",),  # the reference decodes with gguf.quants
     pointwise=ONE_ROUNDING_POINTWISE,  # each weight: one float32 product rounded once
     flops=lambda s, dtype: 2.0 * s["N"] * s["K"],
     bytes=lambda s, dtype: packed_bytes(s) + s["N"] * s["K"] * element_size(dtype),

@@ -97,6 +97,7 @@ GGUF_LINEAR = OpSpec(
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
     # Weights dequantized in float32 and rounded to x's dtype for the dot: as a dense GEMM.
     tolerance=GEMM_TOLERANCE,
+    requires=("gguf",),  # the reference decodes with gguf.quants
     flops=gemm_flops,
     bytes=lambda s, dtype: packed_bytes(s) + (s["M"] * s["K"] + s["M"] * s["N"]) * element_size(dtype),
     bench_shapes={"llm": _bench_shapes()},

@@ -118,8 +118,9 @@ RMS_NORM = OpSpec(
     # fp32: only summation order differs; halves: one rounding of the output (2^-11, 2^-8).
     tolerance=ONE_ROUNDING_TOLERANCE,
     # with a residual, the sum may be rounded to the dtype (the residual it writes) before it is
-    # normalized, as an add then a norm in the model's dtype does (HF): two roundings per element
-    pointwise={dtype: 2.05 for dtype in ONE_ROUNDING_POINTWISE},
+    # normalized, as an add then a norm in the model's dtype does (HF): two roundings per element,
+    # and the rms of the rounded sums moves every element a little more (2.13 measured)
+    pointwise={dtype: 2.5 for dtype in ONE_ROUNDING_POINTWISE},
     flops=lambda s, dtype: s["rows"] * s["hidden"] * (5 if s.get("residual") else 4),
     bytes=_bytes,
     bench_shapes={"llm": _llm_shapes()},
