@@ -2,7 +2,7 @@
 
 import pytest
 
-from kiln.engine.block_manager import BlockManager
+from kiln.engine.block_manager import BlockManager, block_hash
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.sequence import Sequence
 
@@ -141,3 +141,13 @@ def test_same_prefix_computed_twice_keeps_one_cached_copy_and_frees_the_other():
     bm.free(a)
     bm.free(b)
     assert len(bm.evictable) == 1 and bm.match_prefix(make_seq(range(6))) == 4
+
+
+def test_block_hashes_do_not_collide_where_pythons_tuple_hash_does():
+    """hash((p, c)) == hash((p + 2**61 - 1, c)) for ints: two different prefixes could name one block
+    (a hit checks the block's own tokens, not the chain before it)."""
+    chunk = (5, 6, 7, 8)
+    parent = block_hash(None, (1, 2, 3, 4))
+    assert hash((parent, chunk)) == hash((parent + 2**61 - 1, chunk))
+    assert block_hash(parent, chunk) != block_hash(parent + 2**61 - 1, chunk)
+    assert block_hash(None, chunk) == block_hash(None, chunk)  # deterministic across calls

@@ -54,6 +54,24 @@ def test_tiny_kv_cache_forces_preemption_and_tokens_stay_the_same(loaded, refere
     assert llm.engine.stats().kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_preempted_request_waits_for_room_instead_of_thrashing(loaded, prefix_caching):
+    """Two long generations in a cache that holds one: the preempted one was re-admitted on its first
+    chunk, ran out of blocks chunks later, preempted itself and started over every few steps (316
+    preemptions, 48x the model work without the prefix cache)."""
+    engine = LLMEngine(
+        EngineConfig(num_kv_blocks=150, block_size=16, enable_prefix_caching=prefix_caching), loaded=loaded
+    )
+    before = loaded.model.tokens_seen
+    params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(str(i), [2 + i] * 20, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_preemptions <= 2
+    assert loaded.model.tokens_seen - before < 1.5 * 2 * 2019
+
+
 def test_chunked_prefill_with_a_small_token_budget_gives_the_same_tokens(loaded, reference):
     llm = make_llm(loaded, max_num_batched_tokens=5)
     model = loaded.model
@@ -220,3 +238,51 @@ def test_nan_logits_fail_only_their_request_and_the_others_run_on_unchanged(load
     assert [list(f) for f in failures] == [["r1"]] and "not finite" in failures[0]["r1"]
     assert got["r1"][1] == "abort" and len(got["r1"][0]) == 2
     assert {rid: got[rid][0] for rid in ("r0", "r2")} == expected
+
+
+def test_an_abort_is_reported_by_a_has_unfinished_loop_and_survives_a_failed_step(loaded, monkeypatch):
+    """has_unfinished_requests() ignored pending aborts (the only request's abort was never seen), and
+    a step that raised dropped the aborts it had collected."""
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, block_size=4), loaded=loaded)
+    engine.add_request("a", [3, 4, 5], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.abort_request("a")
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += engine.step()
+    assert [(o.request_id, o.finish_reason) for o in seen] == [("a", "abort")]
+
+    engine.add_request("b", [3, 4, 5], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    engine.add_request("c", [6, 7], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.abort_request("b")
+    monkeypatch.setattr(engine.runner, "run", lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()
+    monkeypatch.undo()
+    assert ("b", "abort") in [(o.request_id, o.finish_reason) for o in engine.step()]
+
+
+def test_prefix_cache_counts_prompt_lookups_only_once_across_preemptions(loaded):
+    """A re-admitted (preempted) sequence looked up its output too: a 9-token prompt reported 16 cached
+    tokens and the lookups exceeded the prompt tokens."""
+    engine = LLMEngine(EngineConfig(num_kv_blocks=12, block_size=4), loaded=loaded)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("old", list(range(2, 10)), params)
+    engine.add_request("new", list(range(2, 10)) + [11], params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_queries == stats.prompt_tokens_total == 17
+    assert all(o.num_cached_tokens <= len(o.prompt_token_ids) for o in finished.values())
+
+
+def test_a_bad_prompt_leaves_no_request_of_its_generate_call_running(loaded):
+    llm = make_llm(loaded, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="prompt token ids"):
+        llm.generate([[3, 4, 5], [3, 999]], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    assert not llm.engine.requests
+    out = llm.generate([[7, 8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 2 and not llm.engine.requests

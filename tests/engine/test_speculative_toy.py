@@ -249,3 +249,17 @@ def test_blocks_of_rejected_proposals_are_released_after_every_step(loaded):
                 or seq.num_computed_tokens < seq.num_prompt_tokens
             )
     assert rejected > 0 and engine.stats().kv_blocks_used == 0
+
+
+def test_an_aborted_requests_draft_blocks_are_freed_at_once(loaded, draft_loaded):
+    engine = LLMEngine(
+        EngineConfig(num_kv_blocks=64, block_size=4, speculative=draft(draft_loaded)), loaded=loaded
+    )
+    engine.add_request(
+        "a", list(range(2, 30)), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    )
+    for _ in range(3):
+        engine.step()
+    assert engine.proposer.num_used_blocks > 0
+    engine.abort_request("a")
+    assert engine.proposer.num_used_blocks == 0

@@ -4,8 +4,8 @@ The cache is `num_blocks` blocks of `block_size` token slots (slot = block * blo
 A sequence owns a block table; block i of it holds the KV of positions [i * block_size, (i+1) * block_size).
 
 Prefix caching: once a block is full and its KV computed, it is named by a hash chained through
-its predecessors, hash((parent_hash, token ids of the block)), so equal hashes mean equal whole
-prefixes. A new request walks its prompt's full blocks through that map and shares every block
+its predecessors, a 128-bit digest of (parent hash, token ids of the block), so equal hashes mean
+equal whole prefixes. A new request walks its prompt's full blocks through that map and shares every block
 that matches (ref_count + 1), computing only the rest. Blocks whose ref_count drops to 0 keep
 their content and stay findable until the allocator needs them: they are evicted in LRU order,
 plain never-cached free blocks being used first.
@@ -18,6 +18,8 @@ an unreferenced block whose copy the exact pool gives up leaves the prefix cache
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 
 from kiln.engine.exact_kv import ExactBlockPool
@@ -35,8 +37,13 @@ class Block:
 
 
 def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash of one full block: depends on every token of the prefix it ends."""
-    return hash((parent_hash, token_ids))
+    """Chained hash of one full block: depends on every token of the prefix it ends. A 128-bit BLAKE2b
+    digest: with Python's hash() a hit checked the block's own tokens but not the chain before it, and
+    hash((p, c)) == hash((p + 2**61 - 1, c)), so crafted prompts could share another's KV."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update((parent_hash or 0).to_bytes(16, "little"))
+    digest.update(array("q", token_ids).tobytes())
+    return int.from_bytes(digest.digest(), "little")
 
 
 class BlockManager:
@@ -128,15 +135,16 @@ class BlockManager:
         """At admission (empty block table): share the cached blocks of seq's longest cached prefix.
 
         Only blocks that end before the last token are candidates, so at least the last token is
-        always computed (its logits give the next token). Sets seq.num_computed_tokens and
-        seq.num_cached_tokens; returns the number of tokens reused.
+        always computed (its logits give the next token). Sets seq.num_computed_tokens and, at a
+        first admission, seq.num_cached_tokens and the prompt lookup counters (a preempted sequence's
+        re-admission looks up its output too: not a prompt served from the cache); returns the
+        number of tokens reused.
         """
         assert not seq.block_table, "match_prefix on a sequence that already holds blocks"
         if not self.enable_prefix_caching:
             return 0
         size = self.block_size
         tokens = seq.token_ids
-        self.prefix_cache_queries += len(tokens)
         parent = None
         for i in range((len(tokens) - 1) // size):
             chunk = tuple(tokens[i * size : (i + 1) * size])
@@ -154,16 +162,19 @@ class BlockManager:
             seq.block_hashes.append(h)
             parent = h
         reused = len(seq.block_table) * size
-        self.prefix_cache_hits += reused
         seq.num_computed_tokens = reused
-        seq.num_cached_tokens = reused
+        if not seq.preempted:
+            self.prefix_cache_queries += len(tokens)
+            self.prefix_cache_hits += reused
+            seq.num_cached_tokens = reused
         return reused
 
     def unmatch_prefix(self, seq: Sequence) -> None:
         """Undo match_prefix for a request that could not be admitted after all (counters included)."""
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and not seq.preempted:
             self.prefix_cache_queries -= len(seq.token_ids)
             self.prefix_cache_hits -= seq.num_computed_tokens
+            seq.num_cached_tokens = 0
         self.free(seq)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:

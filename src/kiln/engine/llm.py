@@ -34,18 +34,24 @@ class LLM:
             raise ValueError(f"LLM.generate: {len(params)} SamplingParams for {len(prompts)} prompts")
         engine = self.engine
         ids = []
-        for prompt, p in zip(prompts, params, strict=True):
-            request_id = f"llm-{self._next_id}"
-            self._next_id += 1
-            if isinstance(prompt, str) and not add_special_tokens:
-                prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
-            engine.add_request(request_id, prompt if isinstance(prompt, str) else list(prompt), p)
-            ids.append(request_id)
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids) and engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                request_id = f"llm-{self._next_id}"
+                self._next_id += 1
+                if isinstance(prompt, str) and not add_special_tokens:
+                    prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
+                engine.add_request(request_id, prompt if isinstance(prompt, str) else list(prompt), p)
+                ids.append(request_id)
+            wanted = set(ids)  # the engine may also report requests of an earlier call (their aborts)
+            while len(finished) < len(ids) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+        except BaseException:  # a bad prompt or a failed step: none of this call's requests run on
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise
         return [finished[i] for i in ids]
 
     def chat(

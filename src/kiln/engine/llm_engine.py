@@ -158,17 +158,28 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         seq.finished_time = time.perf_counter()
         self._aborted.append(seq)
+        if self.proposer is not None:  # its draft KV too (else held until the next step with a batch)
+            self.proposer.release_finished()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether step() has more to do: requests running or waiting, or aborts not yet reported."""
+        return bool(self._aborted) or self.scheduler.has_unfinished()
 
     # ---- stepping ----
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return outputs of the requests that got a token or finished."""
+        """Run one scheduler step; return outputs of the requests that got a token or finished (the
+        aborted ones first; a step that raises keeps them for the next)."""
+        aborted, self._aborted = self._aborted, []
+        try:
+            outputs = self._step()
+        except BaseException:
+            self._aborted = aborted + self._aborted
+            raise
+        return [self._output(seq) for seq in aborted] + outputs
+
+    def _step(self) -> list[RequestOutput]:
         clock = time.perf_counter
         start = clock()
-        outputs = [self._output(seq) for seq in self._aborted]
-        self._aborted.clear()
         batch = self.scheduler.schedule()
         times = self.step_times
         times.steps += 1
@@ -178,12 +189,11 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 # can't happen while add_request caps prompt + max_tokens at what the cache holds
                 raise RuntimeError("LLMEngine: the next waiting request does not fit the empty KV cache")
-            return outputs
+            return []
         if self.proposer is not None:
             self._propose(batch)
         tokens, logprobs = self.runner.run(batch)
-        outputs.extend(self._advance(self.scheduler, batch, tokens, logprobs))
-        return outputs
+        return self._advance(self.scheduler, batch, tokens, logprobs)
 
     def _advance(self, scheduler, batch, tokens: list, logprobs: list) -> list[RequestOutput]:
         """After a step ran: `scheduler` (the one that scheduled `batch`) advances its sequences by

@@ -100,7 +100,11 @@ class Scheduler:
             seq = self.waiting[0]
             self.block_manager.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, n):
+            # beside running work, only a request whose whole prefill fits now: one admitted on its
+            # first chunk ran out of blocks chunks later, preempted itself (the newest) and started
+            # over, every few steps while an older one ran (48x the model work, no prefix cache)
+            whole = seq.num_uncomputed_tokens if self.running else n
+            if not self.block_manager.can_allocate(seq, max(n, whole)):
                 self.block_manager.unmatch_prefix(seq)
                 break
             self.block_manager.allocate(seq, n)
@@ -131,6 +135,7 @@ class Scheduler:
         self.block_manager.free(seq)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
+        seq.preempted = True
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

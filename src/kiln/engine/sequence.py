@@ -38,6 +38,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at (first) admission
+        self.preempted = False  # KV dropped once already (its re-admissions are not prompt lookups)
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the full blocks registered so far (a chain)
         self.status = SequenceStatus.WAITING
