@@ -170,3 +170,15 @@ def test_the_reference_dispatched_as_a_backend_keeps_the_contract():
         ops.append("gguf_dequantize")
     rows = verify(ops, ["reference"], None, "cpu", seed=10)
     assert rows and all(r.passed for r in rows), [r.failures[:1] for r in rows if not r.passed]
+
+
+def test_memory_aten_allocates_itself_is_poisoned_too():
+    """The native CPU kernels allocate their outputs with at::empty (the dispatcher's aten::empty),
+    not kiln.ops.alloc: under poisoned() that memory is NaN as well, and the mode is restored after."""
+    from kiln.ops.alloc import poisoned
+
+    before = torch.are_deterministic_algorithms_enabled()
+    with poisoned():
+        assert bool(torch.ops.aten.empty.memory_format([64]).isnan().all())
+        assert bool((torch.empty(8, dtype=torch.int32) == torch.iinfo(torch.int32).max).all())
+    assert torch.are_deterministic_algorithms_enabled() == before

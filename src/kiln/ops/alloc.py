@@ -2,14 +2,15 @@
 
 Kernels allocate their outputs with `empty` / `empty_like` from here instead of `torch.empty`.
 Inside `poisoned()` (the verifier turns it on) those buffers come back filled with NaN (or an
-integer sentinel), so an element a kernel forgets to write shows up as a failure instead of
-passing by luck with whatever memory held before.
+integer sentinel), as does what the native CPU kernels allocate, so an element a kernel forgets to
+write shows up as a failure instead of passing by luck with whatever memory held before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -23,13 +24,26 @@ def poisoning() -> bool:
 
 @contextlib.contextmanager
 def poisoned(enabled: bool = True) -> Iterator[None]:
-    """Within this block, `empty` and `empty_like` return poisoned memory."""
+    """Within this block, `empty` and `empty_like` return poisoned memory, and so does memory ATen
+    allocates itself (`at::empty` in Kiln's native C++ kernels, a plain `torch.empty`): PyTorch fills
+    uninitialized memory with NaN (integers: their maximum) in its deterministic mode, turned on here
+    (warnings only) for the block."""
     previous = poisoning()
     _state.poison = enabled
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     try:
-        yield
+        with warnings.catch_warnings():
+            if enabled and not deterministic:
+                warnings.filterwarnings("ignore", message=".*deterministic.*")
+                torch.use_deterministic_algorithms(True, warn_only=True)
+                torch.utils.deterministic.fill_uninitialized_memory = True
+            yield
     finally:
         _state.poison = previous
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def poison_(tensor: torch.Tensor) -> torch.Tensor:
