@@ -79,8 +79,8 @@ def max_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def pointwise_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max over elements of |out - ref| / (u * (|ref| + POINTWISE_FLOOR * max|ref|) + half the smallest
     subnormal), u the output dtype's unit roundoff: one correct rounding of the exact value gives at
-    most 1. For ops whose every
-    output element is one value rounded once (elementwise ops, norms, softmax, copies, dequantization)."""
+    most 1. For ops whose every output element is one value rounded once (elementwise ops, norms,
+    softmax, copies, dequantization)."""
     pair = _finite_pair(out, ref)
     if pair is None:
         return math.inf
