@@ -17,6 +17,8 @@ QUANTIZED = ["fp8_linear", "int8_linear", "int4_linear", "gguf_linear", "fp8_blo
 def test_bf16_baseline_computes_the_reference(name):
     assert kiln.ops  # every op registered
     spec = _REGISTRY[name]
+    for module in spec.requires:  # packages its reference needs
+        pytest.importorskip(module)
     shape = spec.fuzz_shapes(random.Random(0))[1]
     generator = torch.Generator().manual_seed(random.randrange(2**31))
     inputs = spec.make_inputs(shape, torch.float32, torch.device("cpu"), generator)

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 import kiln.ops
+
+pytest.importorskip("gguf")  # the references decode with gguf.quants (OpSpec.requires)
 from kiln.ops.gemm.gguf_dequantize import GGUF_DEQUANTIZE
 from kiln.ops.gemm.gguf_dequantize.triton import gguf_dequantize_triton
 from kiln.verify import assert_close, run_case

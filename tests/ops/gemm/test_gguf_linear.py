@@ -5,6 +5,8 @@ import pytest
 import torch
 
 import kiln.ops
+
+pytest.importorskip("gguf")  # the references decode with gguf.quants (OpSpec.requires)
 from kiln.ops.gemm.gguf_linear import GGUF_LINEAR
 from kiln.ops.gemm.gguf_linear.triton import gguf_linear_triton
 from kiln.verify import assert_close, run_case
