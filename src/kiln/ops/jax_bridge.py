@@ -150,8 +150,7 @@ def _contract_integers(spec: OpSpec, bound: tuple, outputs: list[torch.Tensor]) 
     torch op returns int64 (token ids). Other dtype differences are left for the verifier to report."""
     if spec.fake is None or not any(not o.is_floating_point() for o in outputs):
         return outputs
-    fake = spec.fake(*bound)
-    fakes = list(fake) if isinstance(fake, (tuple, list)) else [fake]
+    fakes = spec.contract_outputs(bound)
 
     def widened(out: torch.Tensor, want: Any) -> torch.Tensor:
         if not isinstance(want, torch.Tensor) or out.is_floating_point() or want.is_floating_point():

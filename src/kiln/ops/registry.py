@@ -277,8 +277,7 @@ class OpSpec:
             if bound[index] is not None:
                 bound[index].copy_(wide[index])
                 written[id(wide[index])] = bound[index]
-        fake = self.fake(*bound)
-        fakes = fake if isinstance(fake, (tuple, list)) else (fake,)
+        fakes = self.contract_outputs(bound)
 
         def rounded(value: Any, like: Any) -> Any:
             if id(value) in written:
@@ -292,6 +291,12 @@ class OpSpec:
                 rounded(r, fakes[i] if i < len(fakes) else None) for i, r in enumerate(result)
             )
         return rounded(result, fakes[0])
+
+    def contract_outputs(self, bound: tuple) -> list[Any]:
+        """The fake's outputs for arguments `bound` (every argument, positionally) as a list: what
+        dtypes and shapes the op's outputs have (an op returning nothing: [None])."""
+        fake = self.fake(*bound)
+        return list(fake) if isinstance(fake, (tuple, list)) else [fake]
 
     def select(
         self, device: torch.device | None, backend: str | None = None, dtype: torch.dtype | None = None

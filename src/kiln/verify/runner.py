@@ -17,7 +17,7 @@ from kiln.ops import OpSpec, all_ops
 from kiln.ops.alloc import poisoned
 from kiln.ops.registry import triton_interpreting
 from kiln.ops.testing import upcast_to_float64
-from kiln.verify.compare import max_error, pointwise_error, relative_error
+from kiln.verify.compare import errors
 
 # max |out - ref| / max |ref| may reach this multiple of the norm tolerance (OpSpec.max_tolerance aside)
 MAX_ERROR_FACTOR = 2.0
@@ -112,20 +112,17 @@ def run_case(
         pointwise = max(pointwise, INTERPRETER_BF16_ROUNDINGS)
     for i, (out, ref) in enumerate(zip(got, expected, strict=True)):
         try:
-            err = relative_error(out, ref)
-            worst = max_error(out, ref)
+            err, worst, rounding = errors(out, ref, pointwise is not None and out.is_floating_point())
             if worst > max_tol and not result.failure:
                 result.failure = (
                     f"output {i}: max |out - ref| is {worst:.3e} of max |ref| (bound {max_tol:.1e}): "
                     f"some elements are wrong though the norm error is {err:.2e}"
                 )
-            if pointwise is not None and out.is_floating_point():
-                rounding = pointwise_error(out, ref)
-                if rounding > pointwise and not result.failure:
-                    result.failure = (
-                        f"output {i}: an element errs by {rounding:.2f} roundings of {dtype_name(out.dtype)} "
-                        f"(bound {pointwise}): more than the one rounding the op promises"
-                    )
+            if rounding is not None and rounding > pointwise and not result.failure:
+                result.failure = (
+                    f"output {i}: an element errs by {rounding:.2f} roundings of {dtype_name(out.dtype)} "
+                    f"(bound {pointwise}): more than the one rounding the op promises"
+                )
         except ValueError as exc:
             result.failure = f"output {i}: {exc}"
             err = float("inf")
@@ -138,8 +135,8 @@ def _contract_mismatch(spec: OpSpec, inputs: dict, got: tuple[torch.Tensor, ...]
     are told) says for these inputs: the message; "" when they agree or the op has no fake."""
     if spec.fake is None or spec.schema is None:
         return ""
-    fake = spec.fake(*spec.bind((), clone_inputs(inputs)))
-    fakes = [f for f in (fake if isinstance(fake, (tuple, list)) else (fake,)) if isinstance(f, torch.Tensor)]
+    # inputs as made: the implementation ran on clones, the reference on float64 copies
+    fakes = [f for f in spec.contract_outputs(spec.bind((), inputs)) if isinstance(f, torch.Tensor)]
     for i, (out, want) in enumerate(zip(got, fakes, strict=False)):
         if out.dtype != want.dtype or tuple(out.shape) != tuple(want.shape):
             return (
