@@ -143,16 +143,16 @@ def test_a_sampling_error_fails_only_its_requests_and_the_ranks_go_on(pp_size, t
     single = generate(LLMEngine(config), PROMPTS[:2])
     tp_size = 2 if pp_size == 1 else 1
     with TensorParallelEngine(config, tp_size=tp_size, pp_size=pp_size, timeout_s=30) as engine:
-        make_generators = engine.runner.sampler.make_generators
+        check_seeds = engine.runner.sampler.check_seeds
         failed = {"done": False}
 
-        def fail_r0_once(seqs, device):
+        def fail_r0_once(seqs):
             if not failed["done"] and any(s.request_id == "r0" for s in seqs):
                 failed["done"] = True
                 raise SamplingError({"r0": "cannot seed a generator (test)"})
-            return make_generators(seqs, device)
+            return check_seeds(seqs)
 
-        engine.runner.sampler.make_generators = fail_r0_once
+        engine.runner.sampler.check_seeds = fail_r0_once
         for i, prompt in enumerate(PROMPTS[:2]):
             engine.add_request(f"r{i}", prompt, PARAMS)
         results = {}

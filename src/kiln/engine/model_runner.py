@@ -373,8 +373,8 @@ class ModelRunner:
         logprobs: list[list[dict[int, float]] | None] = [None] * len(batch)
         if logits is None:
             return tokens, logprobs
-        # seed every request's generator before anything is drawn (SamplingError leaves all untouched)
-        self.sampler.make_generators(sample_seqs, logits.device)
+        # check every request's seed before anything is drawn (SamplingError leaves all untouched)
+        self.sampler.check_seeds(sample_seqs)
         where = {id(seq): i for i, seq in enumerate(batch.seqs)}
         plain = [i for i, seq in enumerate(sample_seqs) if not seq.spec_token_ids]
         starts, row = [], 0

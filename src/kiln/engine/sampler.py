@@ -101,7 +101,7 @@ class Sampler:
                 )
         return failures
 
-    def make_generators(self, seqs: list[Sequence], device: torch.device) -> None:
+    def check_seeds(self, seqs: list[Sequence]) -> None:
         """Check, before anything is drawn, that every seeded sampling row's seed can seed a generator
         (the per-position generators are made when drawn); SamplingError names those that cannot."""
         failures = self.seed_failures(seqs)

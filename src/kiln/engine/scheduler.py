@@ -103,8 +103,7 @@ class Scheduler:
             # beside running work, only a request whose whole prefill fits now: one admitted on its
             # first chunk ran out of blocks chunks later, preempted itself (the newest) and started
             # over, every few steps while an older one ran (48x the model work, no prefix cache)
-            whole = seq.num_uncomputed_tokens if self.running else n
-            if not self.block_manager.can_allocate(seq, max(n, whole)):
+            if not self.block_manager.can_allocate(seq, seq.num_uncomputed_tokens if self.running else n):
                 self.block_manager.unmatch_prefix(seq)
                 break
             self.block_manager.allocate(seq, n)

@@ -89,7 +89,7 @@ class DraftProposer:
     def propose(self, seqs: list[Sequence], max_tokens: list[int], sampler: Sampler) -> list[Proposal]:
         """Per seq max_tokens[i] proposed tokens (none for a seq the draft cache cannot hold now)."""
         self._drop_finished()
-        sampler.make_generators(seqs, self.runner.device)
+        sampler.check_seeds(seqs)
         states = [self._catch_up(seq, k, seqs) for seq, k in zip(seqs, max_tokens, strict=True)]
         active = [i for i, state in enumerate(states) if state is not None]
         tokens: list[list[int]] = [[] for _ in seqs]
