@@ -185,19 +185,17 @@ def load_model(
             **kwargs,
         )
     model.eval()
+    # a pipeline stage reads its own layers only, an expert-parallel rank its own experts
+    check_all_read(
+        checkpoint.weights,
+        checkpoint.config,
+        layers=range(*pipeline_layers) if pipeline_layers is not None else None,
+        experts_split=expert_parallel_size(tp_group) > 1,
+    )
     if not parallel_rank:
-        check_all_read(checkpoint.weights, checkpoint.config)
         smooth_w8a8_linears(model, checkpoint.tokenizer)  # W8A8 CPU formats only: one calibration prefill
-    else:
-        # a pipeline stage reads its own layers only, an expert-parallel rank its own experts
-        check_all_read(
-            checkpoint.weights,
-            checkpoint.config,
-            layers=range(*pipeline_layers) if pipeline_layers is not None else None,
-            experts_split=expert_parallel_size(tp_group) > 1,
-        )
-        if w8a8_linears(model):  # a prefill here would need every rank or stage at once
-            logger.warning("W8A8 on a tensor / pipeline parallel rank: SmoothQuant is not applied")
+    elif w8a8_linears(model):  # a prefill here would need every rank or stage at once
+        logger.warning("W8A8 on a tensor / pipeline parallel rank: SmoothQuant is not applied")
     return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, config=checkpoint.config)
 
 
