@@ -4,14 +4,16 @@ preemption, and when EOS, a stop token, a stop string or max_tokens ends a reque
 a run of accepted proposals. Rejected proposals leave no KV blocks behind and never enter the prefix
 cache."""
 
+import random
 from types import SimpleNamespace
 
 import pytest
 
 from kiln.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from kiln.engine.block_manager import block_hash
+from kiln.engine.sequence import Sequence, SequenceStatus
 from kiln.engine.speculative import SpeculativeConfig
-from kiln.engine.speculative.ngram import ngram_propose
+from kiln.engine.speculative.ngram import NgramProposer, ngram_propose
 
 from .toy_model import ToyTokenizer, toy_loaded
 
@@ -61,6 +63,43 @@ def test_ngram_propose_continues_the_latest_match_that_has_k_tokens_after_it():
     assert ngram_propose(tokens, 5, 2, 2) == [7, 1, 2, 3, 5]
     assert ngram_propose([1, 2, 3, 4], 3, 1, 3) == []  # no suffix recurs
     assert ngram_propose([4, 4, 4], 4, 1, 1) == [4, 4]  # no k tokens after any match: the longest
+
+
+def _ngram_propose_by_scanning(tokens, k, ngram_min, ngram_max):
+    """The rule written as a plain scan: longest n first; of the earlier occurrences of the last n
+    tokens, the latest with k tokens after it, else the one with the most tokens after it."""
+    for n in range(min(ngram_max, len(tokens) - 1), ngram_min - 1, -1):
+        ends = [e for e in range(n, len(tokens)) if tokens[e - n : e] == tokens[len(tokens) - n :]]
+        if ends:
+            full = [e for e in ends if len(tokens) - e >= k]
+            start = full[-1] if full else ends[0]
+            return tokens[start : start + k]
+    return []
+
+
+def test_ngram_propose_matches_a_plain_scan_on_random_histories():
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 5, 50])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+        lo = rng.randint(1, 4)
+        hi, k = rng.randint(lo, 5), rng.randint(1, 6)
+        expected = _ngram_propose_by_scanning(tokens, k, lo, hi)
+        assert ngram_propose(tokens, k, lo, hi) == expected, (tokens, k, lo, hi)
+        checked += bool(expected)
+    assert checked > 1000  # most draws recur somewhere
+
+
+def test_ngram_proposer_follows_a_growing_history():
+    proposer = NgramProposer(1, 3)
+    seq = Sequence("r", [1, 2, 3, 9, 1, 2], SamplingParams())
+    assert proposer.propose([seq], [2], None)[0].token_ids == [3, 9]
+    seq.token_ids += [3, 9, 1, 2, 3]
+    assert proposer.propose([seq], [3], None)[0].token_ids == [9, 1, 2]
+    seq.status = SequenceStatus.FINISHED
+    proposer.release_finished()
+    assert not proposer.histories
 
 
 @pytest.mark.parametrize("k", [1, 4])
