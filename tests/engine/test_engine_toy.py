@@ -97,6 +97,60 @@ def test_stop_string_truncates_text_and_finishes_with_stop(loaded, reference):
             assert out.finish_reason == "length" and out.text == full.text
 
 
+def _stream(engine, prompts, params):
+    """Every output of each request, step by step, in order."""
+    streams = {str(i): [] for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streams[out.request_id].append(out)
+    return [streams[str(i)] for i in range(len(prompts))]
+
+
+def test_output_kinds_give_the_same_final_output_and_text_never_shrinks(loaded):
+    """cumulative outputs only grow (a tail that may start a stop string is held back until it is
+    ruled out or the stop string ends the request); deltas concatenate to the cumulative output;
+    final_only gives that output once."""
+    prompt = PROMPTS[2]
+    full = make_llm(loaded).generate(prompt, GREEDY)[0].text
+    # one stop string that completes, one whose first 2 characters appear but which never completes
+    end = next(i for i in range(10, len(full) - 3) if full.index(full[i : i + 3]) == i)
+    stop = full[end : end + 3]
+    start = next(
+        i for i in range(end - 2) if full[i : i + 2] not in stop and full.index(full[i : i + 2]) == i
+    )
+    stops = [stop, full[start : start + 2] + "\u00a7"]
+    kw = dict(max_tokens=24, temperature=0.0, ignore_eos=True, stop=stops, logprobs=2)
+    prompts = [prompt, PROMPTS[0], PROMPTS[3]]
+    runs = {}
+    for kind in ("cumulative", "delta", "final_only"):
+        engine = LLMEngine(EngineConfig(num_kv_blocks=256, block_size=4), loaded=loaded)
+        ids = [engine.tokenizer.encode(p) for p in prompts]
+        runs[kind] = _stream(engine, ids, SamplingParams(output_kind=kind, **kw))
+    held_back = False
+    for cumulative, delta, final in zip(runs["cumulative"], runs["delta"], runs["final_only"], strict=True):
+        last = cumulative[-1]
+        assert last.finished and [o.finished for o in cumulative[:-1]] == [False] * (len(cumulative) - 1)
+        for before, after in zip(cumulative, cumulative[1:], strict=False):
+            assert after.text.startswith(before.text)
+            assert after.token_ids[: len(before.token_ids)] == before.token_ids
+            held_back |= len(before.text) < len(loaded.tokenizer.decode(before.token_ids))
+        assert len(delta) == len(cumulative) and len(final) == 1 and final[0].finished
+        assert "".join(o.text for o in delta) == last.text == final[0].text
+        assert sum((o.token_ids for o in delta), []) == last.token_ids == final[0].token_ids
+        assert sum((o.logprobs for o in delta), []) == last.logprobs == final[0].logprobs
+        assert all(o.prompt_token_ids == last.prompt_token_ids for o in delta)
+    assert runs["cumulative"][0][-1].finish_reason == "stop"
+    assert runs["cumulative"][0][-1].text == full[:end]
+    assert held_back  # the never-completed stop string's start was held back at some step
+
+
+def test_an_unknown_output_kind_is_refused():
+    with pytest.raises(ValueError, match="output_kind='streaming'"):
+        SamplingParams(output_kind="streaming")
+
+
 def test_max_tokens_and_eos_end_requests(loaded):
     llm = make_llm(loaded)
     out = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0.0))[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from kiln.engine.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.outputs import RequestOutput
@@ -41,6 +43,8 @@ class LLM:
                 self._next_id += 1
                 if isinstance(prompt, str) and not add_special_tokens:
                     prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
+                # only the finished output is returned: the engine need not build the others
+                p = dataclasses.replace(p, output_kind="final_only")
                 engine.add_request(request_id, prompt if isinstance(prompt, str) else list(prompt), p)
                 ids.append(request_id)
             wanted = set(ids)  # the engine may also report requests of an earlier call (their aborts)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.config import EngineConfig, exact_kv_layout_for, kv_cache_dtype_for, num_kv_blocks_for_model
-from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.detokenizer import IncrementalDetokenizer, stop_prefix_length
 from kiln.engine.exact_kv import ExactBlockPool
 from kiln.engine.kv_scales import engine_kv_calibration
 from kiln.engine.model_runner import ModelInputs, ModelRunner
@@ -227,7 +227,8 @@ class LLMEngine:
             if seq.is_finished:
                 seq.finished_time = now
                 self.requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq))
+            if seq.is_finished or seq.params.output_kind != "final_only":
+                outputs.append(self._output(seq))
         if self.proposer is not None:
             self.proposer.release_finished()
         times.add("detokenize", clock() - now)
@@ -269,14 +270,24 @@ class LLMEngine:
                 return
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        """seq's output as its params.output_kind asks: all of it, or (delta) what is new since the last."""
+        text = seq.detokenizer.text
+        if not seq.is_finished:  # hold back what may start a stop string: text never shrinks
+            text = text[: len(text) - stop_prefix_length(text, seq.params.stop)]
+        first_token = 0
+        if seq.params.output_kind == "delta":
+            first_token, first_char = seq.sent_tokens, seq.sent_chars
+            seq.sent_tokens, seq.sent_chars = seq.num_output_tokens, max(first_char, len(text))
+            text = text[first_char:]
+        logprobs = seq.logprobs
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=seq.detokenizer.text,
+            token_ids=seq.token_ids[seq.num_prompt_tokens + first_token :],
+            text=text,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            logprobs=logprobs[first_token:] if logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens,
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,

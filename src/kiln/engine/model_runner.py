@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kiln.ops
@@ -266,11 +267,13 @@ class ModelRunner:
                 sample_rows.append(cu_seqlens_q[-1] - 1)
                 sample_seqs.append(seq)
         width = max(len(seq.block_table) for seq in batch.seqs)
-        block_tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        block_tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
+        for row, seq in zip(block_tables, batch.seqs, strict=True):  # numpy reads each list in C
+            row[: len(seq.block_table)] = seq.block_table
         dev = self.device
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(dev, non_blocking=True),
-            block_tables=torch.tensor(block_tables, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
             cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32).to(dev, non_blocking=True),
             max_seqlen_q=max(batch.num_tokens),

@@ -11,9 +11,13 @@ class RequestOutput:
 
     token_ids: every output token so far (an EOS or stop token that ended the request included).
     text: the detokenized output so far; when a stop string matched, the text ends just before it.
+        While the request runs, a tail that may begin a stop string is held back (it comes with a
+        later output, or is dropped when the stop string completes), so the text never shrinks.
     finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens), "abort", or None.
     logprobs: None unless requested; else one dict per output token mapping token id -> logprob
         (natural log, of the model's unmodified distribution): the top-n alternatives plus the chosen token.
+    With SamplingParams(output_kind="delta"), token_ids, text and logprobs hold only what is new since
+    the request's previous output; with "final_only" the engine returns one output, when it finishes.
     """
 
     request_id: str

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 # what torch.Generator.manual_seed takes (negative seeds are used modulo 2**64)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass
@@ -23,6 +24,11 @@ class SamplingParams:
     stop_token_ids: extra token ids that end generation (a list, or a tuple, of ints >= 0; like EOS,
         the token is kept in token_ids).
     logprobs: None, or the number of top alternatives to return per output token (0 = only the chosen).
+    output_kind: what each RequestOutput of the request holds, as vLLM's RequestOutputKind:
+        "cumulative" (every output token, the text and logprobs so far), "delta" (only what is new since
+        the request's previous output: concatenating them gives the final output) or "final_only" (one
+        output, when the request finishes). Text that could be the start of a stop string is held back
+        until later tokens complete or rule out the stop string, so text never shrinks.
     """
 
     max_tokens: int = 16
@@ -35,6 +41,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = field(default=None)
     ignore_eos: bool = False
     logprobs: int | None = None
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +92,10 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams: ignore_eos={self.ignore_eos!r}, expected True or False")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(
+                f"SamplingParams: output_kind={self.output_kind!r}, expected one of {', '.join(OUTPUT_KINDS)}"
+            )
 
 
 def _is_int(value) -> bool:

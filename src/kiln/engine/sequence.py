@@ -35,6 +35,7 @@ class Sequence:
         self.arrival_index = next(_arrival_counter)  # preemption picks the newest
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)  # its own copy: every output shares it
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at (first) admission
@@ -48,6 +49,9 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.detokenizer = None  # set by the engine (kiln.engine.detokenizer.IncrementalDetokenizer)
+        # output tokens and text characters already handed out (params.output_kind "delta")
+        self.sent_tokens = 0
+        self.sent_chars = 0
         self.lane = 0  # which scheduler lane runs it (kiln.distributed.pipeline_lanes)
         # speculative decoding: this step's proposed tokens (never part of token_ids, whose KV they get
         # only once verified), and the draft's distributions they were drawn from (None = deterministic)
@@ -69,10 +73,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:
