@@ -146,6 +146,42 @@ def test_output_kinds_give_the_same_final_output_and_text_never_shrinks(loaded):
     assert held_back  # the never-completed stop string's start was held back at some step
 
 
+def test_prompt_logprobs_do_not_depend_on_chunking_caching_or_preemption(loaded):
+    """Prompt logprobs are taken from computed logits: the same under chunked prefill, a warm prefix
+    cache (skipped for such requests until their logprobs are taken) and preemption, and they
+    score the prompt's own next tokens under the toy model's full-prompt logits."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    alone = [make_llm(loaded).generate(p, params)[0] for p in PROMPTS]
+    for out in alone:
+        entries = out.prompt_logprobs
+        assert len(entries) == len(out.prompt_token_ids) and entries[0] is None
+        for token, entry in zip(out.prompt_token_ids[1:], entries[1:], strict=True):
+            assert token in entry and len(entry) in (3, 4) and max(entry.values()) <= 0.0
+    ids = alone[2].prompt_token_ids
+    logp = loaded.model.full_logits(ids).double().log_softmax(-1)
+    expected = [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    got = [entry[t] for t, entry in zip(ids[1:], alone[2].prompt_logprobs[1:], strict=True)]
+    assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-5
+    setups = {
+        "chunked": make_llm(loaded, max_num_batched_tokens=5),
+        "cached": make_llm(loaded),
+        "preempted": make_llm(loaded, num_kv_blocks=18, enable_prefix_caching=False),
+    }
+    setups["cached"].generate(PROMPTS, SamplingParams(max_tokens=2, temperature=0.0))  # warm the cache
+    for name, llm in setups.items():
+        outs = llm.generate(PROMPTS, params)
+        for out, ref in zip(outs, alone, strict=True):  # float32 sums in another order: not bit-equal
+            assert len(out.prompt_logprobs) == len(ref.prompt_logprobs) and out.prompt_logprobs[0] is None
+            for got_entry, ref_entry in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
+                assert got_entry.keys() == ref_entry.keys(), name
+                assert max(abs(got_entry[t] - v) for t, v in ref_entry.items()) < 1e-4, name
+        assert [o.token_ids for o in outs] == [o.token_ids for o in alone], name
+        if name == "preempted":
+            assert llm.engine.stats().num_preemptions > 0
+        if name == "cached":
+            assert all(o.num_cached_tokens == 0 for o in outs)
+
+
 def test_an_unknown_output_kind_is_refused():
     with pytest.raises(ValueError, match="output_kind='streaming'"):
         SamplingParams(output_kind="streaming")
@@ -264,13 +300,13 @@ def test_nan_logits_fail_only_their_request_and_the_others_run_on_unchanged(load
     prepare, collect = runner.prepare, runner.collect
 
     def remember(batch):
-        inputs, seqs = prepare(batch)
-        order[:] = seqs
-        return inputs, seqs
+        inputs, rows = prepare(batch)
+        order[:] = zip(rows.starts, rows.seqs, strict=True)
+        return inputs, rows
 
     def poison(handle):
         logits = collect(handle).clone()
-        for row, seq in enumerate(order):
+        for row, seq in order:
             if seq.request_id == "r1" and seq.num_output_tokens == 2:
                 logits[row, 5] = float("nan")
         return logits

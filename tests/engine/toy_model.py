@@ -90,6 +90,18 @@ class ToyModel(torch.nn.Module):
     def compute_logits(self, hidden):
         return (hidden @ self.head.T).float()
 
+    def full_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [len(token_ids), vocab] of the whole sequence at once, with no KV cache (a check on
+        the paged path)."""
+        ids = torch.tensor(token_ids)
+        x = self.embed[ids] + self.pos[torch.arange(len(token_ids))]
+        t, d = x.shape[0], self.config.head_dim
+        q, k, v = ((x @ w).view(t, self.heads, d) for w in (self.wq, self.wk, self.wv))
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
+        causal = torch.ones(t, t, dtype=torch.bool).triu(1)
+        out = torch.einsum("hqk,khd->qhd", scores.masked_fill(causal, float("-inf")).softmax(-1), v)
+        return self.compute_logits(x + out.reshape(t, -1) @ self.wo)
+
 
 def toy_loaded(seed: int = 0, max_pos: int = 4096):
     model = ToyModel(seed=seed, max_pos=max_pos)

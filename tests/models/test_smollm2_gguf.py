@@ -267,3 +267,25 @@ def test_w8a8_formats_keep_logits_close_and_perplexity_within_5_percent(
     assert smoothed_kl < min(plain_kl, W8A8_MEAN_KL)
     assert sorted(smoothed)[len(smoothed) // 2] < W8A8_TOL  # the upper median
     assert ratio < 1.05
+
+
+def test_engine_prompt_logprobs_equal_hf_log_softmax(hf_model, prompts):
+    """SamplingParams.prompt_logprobs through the engine (chunked prefill across blocks), float32
+    weights: each prompt token's logprob and the top-3 alternatives of HF's log_softmax."""
+    from kiln.engine import LLM, SamplingParams
+
+    loaded = load_model(cpu_format="fp32", lm_head_format="fp32")
+    llm = LLM(loaded=loaded, device="cpu", num_kv_blocks=64, max_num_batched_tokens=13)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)
+    outs = llm.generate([list(ids) for ids in prompts], params)
+    for ids, out in zip(prompts, outs, strict=True):
+        ref = _hf_logits(hf_model, ids).double().log_softmax(-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            row = ref[i - 1]
+            for token, value in entry.items():
+                assert abs(value - row[token].item()) < 1e-3, (i, token)
+            assert ids[i] in entry
+            top = row.topk(4)
+            if top.values[2] - top.values[3] > 1e-3:  # the top 3 are apart from the 4th
+                assert set(top.indices[:3].tolist()) <= set(entry)

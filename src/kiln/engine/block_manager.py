@@ -135,13 +135,14 @@ class BlockManager:
         """At admission (empty block table): share the cached blocks of seq's longest cached prefix.
 
         Only blocks that end before the last token are candidates, so at least the last token is
-        always computed (its logits give the next token). Sets seq.num_computed_tokens and, at a
+        always computed (its logits give the next token). A sequence still owed prompt logprobs
+        matches nothing: cached tokens have no logits. Sets seq.num_computed_tokens and, at a
         first admission, seq.num_cached_tokens and the prompt lookup counters (a preempted sequence's
         re-admission looks up its output too: not a prompt served from the cache); returns the
         number of tokens reused.
         """
         assert not seq.block_table, "match_prefix on a sequence that already holds blocks"
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.prompt_logprobs_pending:  # no logits for cached tokens
             return 0
         size = self.block_size
         tokens = seq.token_ids

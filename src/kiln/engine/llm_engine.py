@@ -275,10 +275,16 @@ class LLMEngine:
         if not seq.is_finished:  # hold back what may start a stop string: text never shrinks
             text = text[: len(text) - stop_prefix_length(text, seq.params.stop)]
         first_token = 0
+        # prompt logprobs once all are taken (they are not changed after): in every cumulative output,
+        # in the first delta
+        prompt_logprobs = None if seq.prompt_logprobs_pending else seq.prompt_logprobs
         if seq.params.output_kind == "delta":
             first_token, first_char = seq.sent_tokens, seq.sent_chars
             seq.sent_tokens, seq.sent_chars = seq.num_output_tokens, max(first_char, len(text))
             text = text[first_char:]
+            if seq.sent_prompt_logprobs:
+                prompt_logprobs = None
+            seq.sent_prompt_logprobs |= prompt_logprobs is not None
         logprobs = seq.logprobs
         return RequestOutput(
             request_id=seq.request_id,
@@ -288,6 +294,7 @@ class LLMEngine:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             logprobs=logprobs[first_token:] if logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=seq.num_cached_tokens,
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,

@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ from kiln.engine.exact_kv import (
     exact_block_table_row,
     exact_slots_for,
 )
-from kiln.engine.sampler import Sampler
+from kiln.engine.sampler import Sampler, prompt_token_logprobs
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.speculative.verify import verify_proposals
 from kiln.engine.step_times import StepTimes
@@ -52,12 +52,27 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class LogitRows:
+    """Whose rows of a step's logits are which (rows in ModelInputs.sample_rows order).
+
+    seqs: the sequences that sample, in order; starts[i]: the logits row of seqs[i]'s first sampling
+    row (a sequence with proposals owns 1 + len(spec_token_ids) consecutive rows). prompt: per
+    sequence taking prompt logprobs this step, (seq, first position, first logits row, count): row
+    first_row + j holds the logits at position first + j, which score prompt token first + j + 1.
+    """
+
+    seqs: list = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    prompt: list[tuple] = field(default_factory=list)
+
+
+@dataclass
 class StartedStep:
-    """A step between ModelRunner.start and .finish: its batch, the sequences of its sample rows, the
+    """A step between ModelRunner.start and .finish: its batch, whose logits rows are which, the
     runner's handle on the forward in flight, and when it was launched (perf_counter)."""
 
     batch: ScheduledBatch
-    sample_seqs: list
+    rows: LogitRows
     handle: object
     launched: float
 
@@ -67,8 +82,9 @@ class ModelInputs:
     """One step's flat batch, all a rank needs to run its model.
 
     input_ids, positions: int64 [T]; attn_metadata: the batch layout; sample_rows: the rows of the T
-    tokens whose logits are wanted (the last token of each sequence that samples this step; every
-    token of a sequence that verifies proposals). exact_fill: int64 [2, n], fp8 slots (row 0) to copy
+    tokens whose logits are wanted, ascending (the last token of each sequence that samples this
+    step; every token of a sequence that verifies proposals; the prompt positions of a sequence
+    taking prompt logprobs). exact_fill: int64 [2, n], fp8 slots (row 0) to copy
     into exact slots (row 1) in every layer before the step runs (kiln.engine.exact_kv), or None.
     """
 
@@ -220,9 +236,8 @@ class ModelRunner:
             f"{nbytes / (1 << 20):.1f} MiB over {len(self.kv_caches)} layers"
         )
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[ModelInputs, list]:
-        """Flatten the batch: its ModelInputs, and the sequences of its sample_rows (same order; a
-        sequence with proposals, seq.spec_token_ids, owns 1 + len(spec_token_ids) consecutive rows)."""
+    def prepare(self, batch: ScheduledBatch) -> tuple[ModelInputs, LogitRows]:
+        """Flatten the batch: its ModelInputs, and whose rows of the logits are which (LogitRows)."""
         size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -230,7 +245,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         cu_seqlens_q = [0]
         sample_rows: list[int] = []
-        sample_seqs = []
+        rows = LogitRows()
         exact = self.exact_kv
         exact_slot_mapping: list[int] = []
         exact_fill: list[tuple[int, int]] = []
@@ -260,12 +275,21 @@ class ModelRunner:
                     slot_mapping.extend(range(base + max(start, b * size), base + min(end, (b + 1) * size)))
             seq_lens.append(end)
             cu_seqlens_q.append(cu_seqlens_q[-1] + n)
+            if seq.prompt_logprobs_pending:  # positions first.. score prompt tokens first + 1..
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                last = min(end, seq.num_prompt_tokens - 1)
+                if first < last:
+                    rows.prompt.append((seq, first, len(sample_rows), last - first))
+                    offset = cu_seqlens_q[-2] - start
+                    sample_rows.extend(range(offset + first, offset + last))
             if spec:
+                rows.seqs.append(seq)
+                rows.starts.append(len(sample_rows))
                 sample_rows.extend(range(cu_seqlens_q[-2], cu_seqlens_q[-1]))
-                sample_seqs.append(seq)
             elif end == seq.num_tokens:
+                rows.seqs.append(seq)
+                rows.starts.append(len(sample_rows))
                 sample_rows.append(cu_seqlens_q[-1] - 1)
-                sample_seqs.append(seq)
         width = max(len(seq.block_table) for seq in batch.seqs)
         block_tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
         for row, seq in zip(block_tables, batch.seqs, strict=True):  # numpy reads each list in C
@@ -293,7 +317,7 @@ class ModelRunner:
                 fill = torch.tensor(exact_fill, dtype=torch.int64).T.contiguous().to(dev, non_blocking=True)
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
-        return ModelInputs(ids, pos, metadata, sample_rows, fill), sample_seqs
+        return ModelInputs(ids, pos, metadata, sample_rows, fill), rows
 
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> torch.Tensor | None:
@@ -359,16 +383,16 @@ class ModelRunner:
     def start(self, batch: ScheduledBatch) -> StartedStep:
         """The first half of `run`: prepare the batch, hand it to before_forward, launch the forward."""
         start = time.perf_counter()
-        inputs, sample_seqs = self.prepare(batch)
+        inputs, rows = self.prepare(batch)
         if self.before_forward is not None:
             self.before_forward(inputs)
         prepared = time.perf_counter()
         self.step_times.add("prepare", prepared - start)
-        return StartedStep(batch, sample_seqs, self.launch(inputs), prepared)
+        return StartedStep(batch, rows, self.launch(inputs), prepared)
 
     def finish(self, started: StartedStep) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:
         """The second half of `run`: collect the step's logits and sample (see run)."""
-        batch, sample_seqs = started.batch, started.sample_seqs
+        batch, sample_seqs, starts = started.batch, started.rows.seqs, started.rows.starts
         logits = self.collect(started.handle)
         executed = time.perf_counter()
         self.step_times.add("forward", executed - started.launched)
@@ -378,12 +402,16 @@ class ModelRunner:
             return tokens, logprobs
         # check every request's seed before anything is drawn (SamplingError leaves all untouched)
         self.sampler.check_seeds(sample_seqs)
+        for seq, first, row, count in started.rows.prompt:
+            seq.prompt_logprobs.extend(
+                prompt_token_logprobs(
+                    logits[row : row + count],
+                    seq.token_ids[first + 1 : first + 1 + count],
+                    seq.params.prompt_logprobs,
+                )
+            )
         where = {id(seq): i for i, seq in enumerate(batch.seqs)}
         plain = [i for i, seq in enumerate(sample_seqs) if not seq.spec_token_ids]
-        starts, row = [], 0
-        for seq in sample_seqs:
-            starts.append(row)
-            row += 1 + len(seq.spec_token_ids)
         if plain:
             plain_seqs = [sample_seqs[i] for i in plain]
             plain_logits = logits if len(plain) == len(logits) else logits[[starts[i] for i in plain]]

@@ -16,6 +16,9 @@ class RequestOutput:
     finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens), "abort", or None.
     logprobs: None unless requested; else one dict per output token mapping token id -> logprob
         (natural log, of the model's unmodified distribution): the top-n alternatives plus the chosen token.
+    prompt_logprobs: None unless SamplingParams.prompt_logprobs asked, and until the prompt has been
+        computed; else one entry per prompt token: None for the first, then {token id: logprob} of the
+        top-n alternatives and the prompt's own token, given the tokens before it (as vLLM's).
     With SamplingParams(output_kind="delta"), token_ids, text and logprobs hold only what is new since
     the request's previous output; with "final_only" the engine returns one output, when it finishes.
     """
@@ -27,6 +30,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     # wall-clock times (time.perf_counter) for latency reporting
     arrival_time: float = 0.0

@@ -171,6 +171,21 @@ class Sampler:
         return out
 
 
+def prompt_token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[dict[int, float]]:
+    """Per row of logits [N, vocab] (float32, at prompt positions p..p+N-1), {token id: logprob} of the
+    top_n tokens and of tokens[i], the prompt token that follows (natural log, unmodified distribution)."""
+    logp = logits.float().log_softmax(dim=-1)
+    own = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(1).tolist()
+    top_n = min(top_n, logp.shape[1])
+    entries = [{} for _ in tokens]
+    if top_n > 0:
+        values, ids = logp.topk(top_n, dim=-1)
+        entries = [dict(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    for entry, token, value in zip(entries, tokens, own, strict=True):
+        entry[token] = value
+    return entries
+
+
 def non_finite_failures(row_max: torch.Tensor, seqs: list[Sequence]) -> dict[str, str]:
     """request_id -> why, for the rows whose maximum logit row_max [len(seqs)] is not finite: a NaN
     (max propagates it), +inf, or -inf (every token -inf). Such a row has no distribution to sample."""

@@ -24,6 +24,9 @@ class SamplingParams:
     stop_token_ids: extra token ids that end generation (a list, or a tuple, of ints >= 0; like EOS,
         the token is kept in token_ids).
     logprobs: None, or the number of top alternatives to return per output token (0 = only the chosen).
+    prompt_logprobs: None, or the number of top alternatives to return per prompt token (0 = only the
+        prompt's own token), as vLLM's: each prompt token's logprob given the tokens before it. Such a
+        request's prompt is computed, not read from the prefix cache, until its logprobs are taken.
     output_kind: what each RequestOutput of the request holds, as vLLM's RequestOutputKind:
         "cumulative" (every output token, the text and logprobs so far), "delta" (only what is new since
         the request's previous output: concatenating them gives the final output) or "final_only" (one
@@ -41,6 +44,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = field(default=None)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
@@ -72,8 +76,10 @@ class SamplingParams:
             raise ValueError(f"SamplingParams: top_p={self.top_p!r}, expected a number in (0, 1] (1 = off)")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"SamplingParams: min_p={self.min_p!r}, expected a number in [0, 1] (0 = off)")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"SamplingParams: logprobs={self.logprobs!r}, expected None or an int >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"SamplingParams: {name}={value!r}, expected None or an int >= 0")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(
                 f"SamplingParams: seed={self.seed!r}, expected None or an int in [-2**63, 2**64 - 1]"

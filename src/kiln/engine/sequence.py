@@ -45,6 +45,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # params.prompt_logprobs: entry i for prompt token i (None for the first, which has no context)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
@@ -52,6 +56,7 @@ class Sequence:
         # output tokens and text characters already handed out (params.output_kind "delta")
         self.sent_tokens = 0
         self.sent_chars = 0
+        self.sent_prompt_logprobs = False
         self.lane = 0  # which scheduler lane runs it (kiln.distributed.pipeline_lanes)
         # speculative decoding: this step's proposed tokens (never part of token_ids, whose KV they get
         # only once verified), and the draft's distributions they were drawn from (None = deterministic)
@@ -69,6 +74,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Whether prompt logprobs were asked for and not all taken yet (the prompt must be computed)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:

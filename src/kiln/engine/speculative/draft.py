@@ -42,6 +42,8 @@ class DraftState:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.spec_token_ids: list[int] = []
+        self.prompt_logprobs = None  # the draft reports none
+        self.prompt_logprobs_pending = False
         self.num_synced = 0  # token_ids[:num_synced] were copied from seq.token_ids
 
     @property
