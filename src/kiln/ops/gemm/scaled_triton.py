@@ -175,7 +175,13 @@ def _scaled_linear_kernel(
         k_mask = offs_k < k_end
         a = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=ZERO)
         b = tl.load(w_cols + offs_k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=ZERO)
-        acc = tl.dot(a, b, acc, out_dtype=ACC_DTYPE)  # triton 3.6 does not infer int32 from acc
+        if ACC_DTYPE == tl.int32:
+            acc = tl.dot(a, b, acc, out_dtype=ACC_DTYPE)  # triton 3.6 does not infer int32 from acc
+        else:
+            # fp8 on sm_90: without this, wgmma chains the accumulator through the tensor core's
+            # reduced-precision adder (~13 mantissa bits) for the whole K loop; 32 adds it into
+            # float32 after every k32 wgmma (DeepSeek-V3's promotion)
+            acc = tl.dot(a, b, acc, out_dtype=ACC_DTYPE, max_num_imprecise_acc=32)
     if X_PER_TOKEN:
         x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)
     else:

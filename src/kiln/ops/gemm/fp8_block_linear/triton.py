@@ -59,7 +59,10 @@ def _fp8_block_linear_kernel(
         x_q = _round_to_e4m3(v).to(tl.float8e4nv)
         w = tl.load(w_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         w_scale = tl.load(s_rows + g, mask=n_mask, other=0.0)
-        part = tl.dot(x_q, w, out_dtype=tl.float32)
+        if GROUP_K < 32:  # Triton's 8-bit dots need K >= 32; every e4m3 value is a float16 value
+            part = tl.dot(x_q.to(tl.float16), w.to(tl.float16), out_dtype=tl.float32)
+        else:  # promote to float32 after every k32 wgmma (see scaled_triton)
+            part = tl.dot(x_q, w, out_dtype=tl.float32, max_num_imprecise_acc=32)
         acc += part * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
