@@ -153,6 +153,9 @@ FP8_BLOCK_LINEAR = OpSpec(
     # element, ~1e-3 of a K=96 row); measured worst 3.6e-3 over 120 seeds (torch's CPU path 2.2e-4).
     # bf16 likewise: 5.2e-3 in norm and 1.7e-2 of the largest output in one element (CPU path 1.7e-3).
     tolerance={**GEMM_TOLERANCE, torch.float16: 6e-3, torch.bfloat16: 1.6e-2},
+    # one flipped tie moves one output element by up to 2^-3 of one product: in fp16 too the largest
+    # element error is bf16's (measured 1.21e-2 of max |ref| in fp16 under XLA, 2x the norm bound)
+    max_tolerance={torch.float16: 3.2e-2},
     flops=gemm_flops,
     matmul_dtype=lambda shape, dtype: torch.float8_e4m3fn,  # dtype is the output's
     bytes=_bytes,
