@@ -61,3 +61,17 @@ def test_row_replaced_by_a_recorded_fallback_is_marked():
     assert marked["backend"] == "triton->triton_pointer" and "no TMA" in marked["fallback"]
     for row in (Row("linear", "cpu", "float32", cases=3), Row("rms_norm", "triton", "float32", cases=3)):
         assert row_json(row, entries)["fallback"] is None and row_json(row, entries)["backend"] == row.backend
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--op", "no_such_op"], "unknown op(s) no_such_op"),
+        (["--op", "softmax", "--backend", "no_such_backend"], "unknown backend(s) no_such_backend"),
+        (["--op", "softmax", "--dtype", "float99"], "unknown dtype(s) float99"),
+    ],
+)
+def test_an_unknown_op_backend_or_dtype_exits_2_naming_it(args, named, capsys):
+    """They ran nothing and exited 1 with no reason given (backend, dtype) or a traceback (op)."""
+    assert main(["verify", "--device", "cpu", *args]) == 2
+    assert named in capsys.readouterr().err

@@ -56,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         rows = verify(args.op, args.backend, args.dtype, device, args.seed, progress=progress)
+    except ValueError as exc:  # an unknown op, backend or dtype: named before any case runs
+        print(exc, file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # SIGINT, e.g. `timeout -s INT`: report what finished, then stop
         print(f"\nkiln verify: interrupted after {len(done)} rows", file=sys.stderr)
         rows, interrupted = done, True

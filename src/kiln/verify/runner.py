@@ -175,6 +175,15 @@ def verify(
     unknown = [name for name in (ops or []) if name not in registry]
     if unknown:
         raise ValueError(f"kiln verify: unknown op(s) {', '.join(unknown)}; known: {', '.join(registry)}")
+    chosen = [spec for name, spec in registry.items() if not ops or name in ops]
+    for asked, known, what in (
+        (backends, {b for spec in chosen for b in spec.backends()}, "backend"),
+        (dtypes, {dtype_name(d) for spec in chosen for d in spec.dtypes}, "dtype"),
+    ):
+        unknown = sorted(set(asked or ()) - known)
+        if unknown:
+            names, known_names = ", ".join(unknown), ", ".join(sorted(known))
+            raise ValueError(f"kiln verify: unknown {what}(s) {names} for these ops; known: {known_names}")
     rows: list[Row] = []
     for name, spec in registry.items():
         if ops and name not in ops:
