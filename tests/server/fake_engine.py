@@ -1,9 +1,13 @@
 """A tiny stand-in for LLMEngine's step API, for server tests that need no model: each step gives
 every running request (at most max_num_seqs, in arrival order) one token, the next letter of
-"abcdefghij..." as text; a sampled request's seed goes to a torch.Generator as in the real sampler;
-`fail_next_step` makes one step raise; `poisoned_prompts` (token-id tuples)
-make every step that batches such a request raise a SamplingError naming it, before anything advances,
-as the real sampler does for a seed it cannot use; `step_delay` slows steps down."""
+"abcdefghij..." as text (and, with logprobs, a table of the token, one alternative and one at -inf);
+a sampled request's seed goes to a torch.Generator as in the real sampler; `fail_next_step` makes
+one step raise (`die_next_step`: with an exception that ends the engine loop); `poisoned_prompts`
+(token-id tuples) make every step that batches such a request raise a SamplingError naming it, before
+anything advances, as the real sampler does for a seed it cannot use; `step_delay` slows steps down.
+Outputs follow SamplingParams.output_kind as LLMEngine's do: cumulative, delta (only the new token)
+or final_only (one output, at the end); `outputs` counts the outputs returned, `params` keeps every
+request's SamplingParams."""
 
 from __future__ import annotations
 
@@ -15,6 +19,10 @@ import torch
 
 from kiln.engine.outputs import EngineStats, RequestOutput
 from kiln.engine.sampler import SamplingError
+
+
+class EngineLoopKiller(BaseException):
+    """Past the engine loop's `except Exception`: what ends the loop thread (die_next_step)."""
 
 
 class FakeTokenizer:
@@ -42,22 +50,27 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.step_delay = step_delay
         self.fail_next_step = False
+        self.die_next_step = False  # raise EngineLoopKiller: the engine loop thread dies
         self.poisoned_prompts: set[tuple[int, ...]] = set()
         self.requests: dict[str, dict] = {}  # insertion order = arrival order
         self.aborted: list[str] = []
         self.batches: list[list[str]] = []  # request ids of each step's batch
         self.thread_ids: set[int] = set()  # threads that called the engine
+        self.outputs = 0
+        self.params: list = []  # every added request's SamplingParams
 
     def add_request(self, request_id, prompt, params) -> None:
         self.thread_ids.add(threading.get_ident())
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
+        self.params.append(params)
         self.requests[request_id] = {
             "prompt": list(prompt),
             "params": params,
             "tokens": [],
             "t0": time.perf_counter(),
             "generator": None,
+            "sent": 0,  # tokens in earlier outputs (delta)
         }
 
     def abort_request(self, request_id) -> None:
@@ -74,6 +87,8 @@ class FakeEngine:
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("injected engine failure")
+        if self.die_next_step:
+            raise EngineLoopKiller("injected death of the engine loop")
         batch = list(self.requests)[: self.config.max_num_seqs]
         poisoned = {
             r: "poisoned" for r in batch if tuple(self.requests[r]["prompt"]) in self.poisoned_prompts
@@ -91,22 +106,36 @@ class FakeEngine:
         for request_id in batch:
             req = self.requests[request_id]
             req["tokens"].append(len(req["tokens"]) + 1)
+            req.setdefault("first", now)  # the first token's time
+            if req["params"].logprobs is not None:  # the chosen token, one alternative, one ruled out
+                token = req["tokens"][-1]
+                table = {token: -0.25, token + 1: -1.5, token + 2: float("-inf")}
+                req.setdefault("logprobs", []).append(table)
             done = len(req["tokens"]) >= req["params"].max_tokens
             if done:
                 del self.requests[request_id]
+            kind = req["params"].output_kind
+            if kind == "final_only" and not done:
+                continue
+            first = req["sent"] if kind == "delta" else 0
+            tokens = req["tokens"][first:]
+            logprobs = req["logprobs"][first:] if "logprobs" in req else None
+            req["sent"] = len(req["tokens"])
             outputs.append(
                 RequestOutput(
                     request_id=request_id,
                     prompt_token_ids=req["prompt"],
-                    token_ids=list(req["tokens"]),
-                    text=self.tokenizer.decode(req["tokens"]),
+                    token_ids=tokens,
+                    text=self.tokenizer.decode(tokens),
                     finished=done,
                     finish_reason="length" if done else None,
+                    logprobs=logprobs,
                     arrival_time=req["t0"],
-                    first_token_time=now,
+                    first_token_time=req["first"],
                     finished_time=now if done else None,
                 )
             )
+        self.outputs += len(outputs)
         return outputs
 
     def stats(self) -> EngineStats:

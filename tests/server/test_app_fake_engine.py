@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 from kiln.server.app import create_app  # noqa: E402
 from kiln.server.launch import ServerThread  # noqa: E402
 
-from .fake_engine import FakeEngine  # noqa: E402
+from .fake_engine import FakeEngine, FakeTokenizer  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -29,6 +29,11 @@ def serve(engine, **kw):
 
 def completion(prompt="hi", max_tokens=3, **extra):
     return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **extra}
+
+
+def chat(content="hi", max_tokens=3, **extra):
+    messages = [{"role": "user", "content": content}]
+    return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, **extra}
 
 
 def sse_payloads(response: httpx.Response):
@@ -314,3 +319,171 @@ def test_an_app_started_again_after_a_stop_serves_again():
         with TestClient(app) as client:
             r = client.post("/v1/completions", json=completion(max_tokens=2))
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ab"
+
+
+def test_streams_ask_for_delta_outputs_and_other_requests_for_one_final_output(server, engine):
+    """A stream gets each engine output's new tokens (the engine's delta outputs); a non-streaming
+    request one output a choice (final_only), not one a step that the server would only collect."""
+    before = engine.outputs
+    r = httpx.post(f"{server.url}/v1/completions", json=completion("hi", 6, n=2), timeout=10)
+    assert [c["text"] for c in r.json()["choices"]] == ["abcdef", "abcdef"]
+    assert engine.outputs - before == 2 and {p.output_kind for p in engine.params[-2:]} == {"final_only"}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=completion("hi", 6, stream=True)) as r:
+        texts = [e["choices"][0]["text"] for e in sse_payloads(r) if e != "[DONE]"]
+    assert texts == list("abcdef") and engine.params[-1].output_kind == "delta"
+
+
+def test_latency_metrics_count_every_token_of_streamed_and_final_only_requests(engine):
+    """With delta outputs a token count per output is the new tokens, not the total: the engine loop
+    counted inter-token gaps as if no token had come since the first."""
+    srv = serve(engine)
+    try:
+        with httpx.stream(
+            "POST", f"{srv.url}/v1/completions", json=completion("s", 5, stream=True), timeout=10
+        ) as r:
+            list(sse_payloads(r))
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        assert "kiln_time_to_first_token_seconds_count 1.0" in metrics
+        assert "kiln_inter_token_latency_seconds_count 4.0" in metrics
+        httpx.post(f"{srv.url}/v1/completions", json=completion("f", 7), timeout=10)  # final_only
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        assert "kiln_time_to_first_token_seconds_count 2.0" in metrics
+        assert "kiln_inter_token_latency_seconds_count 10.0" in metrics  # 4 + 6 gaps
+        line = next(m for m in metrics.splitlines() if m.startswith("kiln_inter_token_latency_seconds_sum"))
+        gaps = float(line.split()[1])
+        assert 10 * 0.005 <= gaps < 10.0  # each gap is at least a step (10 ms each)
+    finally:
+        srv.stop()
+
+
+def test_a_stream_of_several_choices_matches_the_non_streamed_response(server):
+    """Per choice index: the streamed texts concatenate to the non-streamed text, with the same finish
+    reason, logprobs tokens and text offsets; the usage chunk counts the same tokens."""
+    body = completion(["hi", "there"], 5, n=2, logprobs=1)
+    plain = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10).json()
+    body.update(stream=True, stream_options={"include_usage": True})
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=10) as r:
+        events = [e for e in sse_payloads(r) if e != "[DONE]"]
+    streamed: dict[int, dict] = {}
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        mine = streamed.setdefault(choice["index"], {"text": "", "tokens": [], "text_offset": []})
+        mine["text"] += choice["text"]
+        mine["tokens"] += choice["logprobs"]["tokens"]
+        mine["text_offset"] += choice["logprobs"]["text_offset"]
+        mine["finish_reason"] = choice["finish_reason"]
+    assert sorted(streamed) == [0, 1, 2, 3]
+    for choice in plain["choices"]:
+        mine = streamed[choice["index"]]
+        assert mine["text"] == choice["text"] and mine["finish_reason"] == choice["finish_reason"]
+        assert mine["tokens"] == choice["logprobs"]["tokens"]
+        assert mine["text_offset"] == choice["logprobs"]["text_offset"] == [0, 1, 2, 3, 4]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == plain["usage"]
+    assert plain["usage"]["completion_tokens"] == 20
+
+
+def test_every_chunk_of_a_stream_has_the_created_time_of_its_start():
+    """`created` was read again for each chunk: a stream longer than a second changed it mid-way."""
+    engine = FakeEngine(step_delay=0.1)
+    srv = serve(engine)
+    try:
+        body = completion("hi", 14, stream=True)  # ~1.4 s: crosses a second boundary
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=30) as r:
+            created = {e["created"] for e in sse_payloads(r) if e != "[DONE]"}
+        assert len(created) == 1
+    finally:
+        srv.stop()
+
+
+def strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_minus_infinity_logprob_is_written_as_minus_9999(server, stream):
+    """A token the model rules out has logprob -inf: the JSON response failed (500, as JSON has no
+    infinity) and a stream wrote -Infinity, which JSON readers refuse. OpenAI and vLLM write -9999.0."""
+    for path, body in (
+        ("/v1/completions", completion("hi", 2, logprobs=3, stream=stream)),
+        ("/v1/chat/completions", chat("hi", 2, logprobs=True, top_logprobs=3, stream=stream)),
+    ):
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=10)
+        assert r.status_code == 200, r.text
+        if stream:
+            payloads = [strict_json(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        else:
+            payloads = [strict_json(r.text)]
+        choices = [c for p in payloads for c in p["choices"] if c.get("logprobs")]
+        assert choices
+        for c in choices:
+            if "content" in c["logprobs"]:
+                values = [t["logprob"] for e in c["logprobs"]["content"] for t in e["top_logprobs"]]
+            else:
+                values = [v for top in c["logprobs"]["top_logprobs"] for v in top.values()]
+            assert -9999.0 in values and min(values) == -9999.0
+
+
+def test_a_dead_engine_loop_fails_requests_fast_with_503():
+    """The engine loop thread died (an exception past its guard): requests in flight got no answer,
+    and every later request waited forever on a queue nobody reads."""
+    engine = FakeEngine(step_delay=0.02)
+    srv = serve(engine)
+    try:
+        with httpx.stream(
+            "POST", f"{srv.url}/v1/completions", json=completion("hi", 500, stream=True), timeout=30
+        ) as r:
+            events = sse_payloads(r)
+            next(events)
+            engine.die_next_step = True
+            rest = list(events)
+        assert rest[-1] == "[DONE]" and rest[-2]["error"]["code"] == "engine_error"
+        assert "died" in rest[-2]["error"]["message"]
+        for path, body in (
+            ("/v1/completions", completion()),
+            ("/v1/chat/completions", chat()),
+            ("/v1/completions", completion(stream=True)),
+        ):
+            start = time.monotonic()
+            r = httpx.post(f"{srv.url}{path}", json=body, timeout=10)
+            assert time.monotonic() - start < 2
+            assert r.status_code == 503, r.text
+            error = r.json()["error"]
+            assert error["code"] == "engine_stopped" and "engine loop stopped" in error["message"]
+        assert httpx.get(f"{srv.url}/health").status_code == 503
+    finally:
+        srv.stop()
+
+
+class RecordingTokenizer(FakeTokenizer):
+    def __init__(self):
+        self.conversations = []
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        self.conversations.append(messages)
+        return super().apply_chat_template(messages, add_generation_prompt)
+
+
+def test_chat_text_parts_are_joined_with_newlines_as_vllm_joins_them():
+    tokenizer = RecordingTokenizer()
+    srv = serve(FakeEngine(tokenizer=tokenizer))
+    try:
+        parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+        assert httpx.post(f"{srv.url}/v1/chat/completions", json=chat(parts), timeout=10).status_code == 200
+        assert tokenizer.conversations[-1] == [{"role": "user", "content": "first\nsecond"}]
+    finally:
+        srv.stop()
+
+
+def test_a_prompt_of_token_id_lists_is_a_batch_of_prompts(server, engine):
+    body = completion([[5, 6, 7], [8]], 2, echo=True)
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["text"] for c in body["choices"]] == ["efgab", "hab"]  # echoed: the decoded ids
+    assert body["usage"]["prompt_tokens"] == 4
+    for prompt in ([[5], []], [[]]):
+        r = httpx.post(f"{server.url}/v1/completions", json=completion(prompt), timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt")

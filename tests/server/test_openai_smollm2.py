@@ -137,12 +137,147 @@ def test_echo_returns_the_prompt_as_sent(client):
     assert r.choices[0].text.startswith(prompt)
 
 
-def test_streamed_text_offsets_count_the_echoed_prompt_as_the_plain_ones_do(client):
-    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0, echo=True, logprobs=1)
+def test_streamed_text_offsets_are_the_plain_ones(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0, logprobs=1)
     plain = client.completions.create(**kw).choices[0].logprobs.text_offset
     chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices and c.choices[0].logprobs]
     streamed = [offset for c in chunks for offset in c.choices[0].logprobs.text_offset]
-    assert streamed == plain and plain[0] >= len(PROMPTS[1])
+    assert streamed == plain and plain[0] == 0
+
+
+def test_echo_with_logprobs_is_refused_until_prompt_logprobs_exist(client):
+    """echo + logprobs asks for the prompt's logprobs too; the server answered with the completion's
+    only, as if the prompt had none."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2, echo=True, logprobs=1)
+    assert info.value.body["param"] == "echo" and "prompt logprobs" in info.value.body["message"]
+
+
+CJK = "月亮的诗：\n\n爱"  # SmolLM2 answers in byte-level tokens, each a part of a UTF-8 character
+
+
+def test_byte_fallback_tokens_keep_their_own_logprobs_and_bytes(client, llm):
+    """Tokens that are part of a character all decode alone to U+FFFD: the completions top_logprobs map
+    kept one entry (the last, least likely one's logprob under the shared key) and chat's `bytes` were
+    U+FFFD's. Such a token now shows as "bytes:\\xNN" in completions and "\\xNN" in chat, as OpenAI writes
+    them, and its bytes are its own."""
+    ref = llm.generate([CJK], SamplingParams(max_tokens=6, temperature=0.0, logprobs=5))[0]
+    r = client.completions.create(model=MODEL, prompt=CJK, max_tokens=6, temperature=0, logprobs=5)
+    choice = r.choices[0]
+    assert choice.text == ref.text
+    lp = choice.logprobs
+    assert lp.tokens[0].startswith("bytes:\\x")
+    rows = zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, ref.logprobs, strict=True)
+    for token, chosen, top, table in rows:
+        assert len(top) == 5  # five distinct alternatives, none overwritten
+        assert top[token] == pytest.approx(chosen)  # greedy: the chosen token is the most likely
+        assert sorted(top.values(), reverse=True) == pytest.approx(sorted(table.values(), reverse=True)[:5])
+    # offsets point into the text: the three bytes of 爱 all point at it, the next token after it
+    assert choice.text.startswith("爱") and lp.text_offset[:4] == [0, 0, 0, 1]
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(choice.text)
+    streamed = [
+        c.choices[0].logprobs
+        for c in client.completions.create(
+            model=MODEL, prompt=CJK, max_tokens=6, temperature=0, logprobs=5, stream=True
+        )
+        if c.choices and c.choices[0].logprobs
+    ]
+    assert [t for c in streamed for t in c.tokens] == lp.tokens
+    assert [o for c in streamed for o in c.text_offset] == lp.text_offset
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": CJK}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content
+    raw = b"".join(bytes(t.bytes) for t in content)
+    assert raw.decode("utf-8", errors="replace").startswith(chat.choices[0].message.content)
+    assert content[0].token == "\\xe7" and content[0].bytes == [0xE7]  # OpenAI chat's form: no "bytes:"
+    for t in content:
+        assert all(alt.bytes != [239, 191, 189] for alt in [t, *t.top_logprobs])  # not U+FFFD's bytes
+
+
+def test_stop_token_ids_end_the_choice_at_that_token(client, llm):
+    """stop_token_ids was accepted and ignored: generation ran on to max_tokens."""
+    ref = llm.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    stop_id = 30 if 30 in ref.token_ids[1:] else ref.token_ids[2]  # 30: SmolLM2's "."
+    k = ref.token_ids.index(stop_id)
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_id])
+    expected = llm.generate(PROMPTS[1], params)
+    stop = {"stop_token_ids": [stop_id]}
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, extra_body=stop)
+    r = client.completions.create(**kw)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == k + 1
+    assert r.choices[0].text == expected[0].text == llm.tokenizer.decode(ref.token_ids[:k])
+    streamed = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as info:
+        outside = {"stop_token_ids": [10**6]}
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=outside)
+    assert info.value.body["param"] == "stop_token_ids"
+
+
+def _stop_across_tokens(tokens: list[str], text: str) -> str:
+    """Two visible characters on each side of a boundary between two tokens, met first there."""
+    bounds, pos = [], 0
+    for token in tokens[:-1]:
+        pos += len(token)
+        bounds.append(pos)
+    for b in bounds:
+        pair = text[b - 1 : b + 1]
+        if 0 < b < len(text) and pair.strip() == pair and len(pair) == 2 and text.index(pair) == b - 1:
+            return pair
+    raise AssertionError(f"no stop string across a token boundary in {text!r}")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_equals_the_plain_response_with_stops_across_tokens_and_several_choices(client, chat):
+    """Seeded choices (n = 3) with stop strings that span token boundaries, logprobs on: per choice
+    index, the streamed pieces concatenate to the non-streamed text, with the same finish reason,
+    logprob tokens (and text offsets), and the usage chunk counts the same tokens."""
+    if chat:
+        kw = dict(model=MODEL, messages=CHAT, max_tokens=16, temperature=0.8, seed=11, n=3, logprobs=True,
+                  top_logprobs=1)  # fmt: skip
+        create = client.chat.completions.create
+    else:
+        kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0.8, seed=11, n=3, logprobs=1)
+        create = client.completions.create
+
+    def tokens(choice) -> list[str]:
+        return [t.token for t in choice.logprobs.content] if chat else choice.logprobs.tokens
+
+    def text(choice) -> str:
+        return choice.message.content if chat else choice.text
+
+    free = create(**kw)
+    stops = [_stop_across_tokens(tokens(c), text(c)) for c in free.choices[:2]]
+    plain = create(**kw, stop=stops)
+    assert [c.finish_reason for c in plain.choices[:2]] == ["stop", "stop"]
+    pieces: dict[int, dict] = {}
+    usage = None
+    for chunk in create(**kw, stop=stops, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            mine = pieces.setdefault(c.index, {"text": "", "tokens": [], "offsets": [], "finish": None})
+            mine["text"] += (c.delta.content or "") if chat else c.text
+            if c.logprobs:
+                mine["tokens"] += [t.token for t in c.logprobs.content] if chat else c.logprobs.tokens
+                if not chat:
+                    mine["offsets"] += c.logprobs.text_offset
+            mine["finish"] = c.finish_reason or mine["finish"]
+    assert sorted(pieces) == [c.index for c in plain.choices] == [0, 1, 2]
+    for c in plain.choices:
+        mine = pieces[c.index]
+        assert mine["text"] == text(c) and mine["finish"] == c.finish_reason
+        assert mine["tokens"] == tokens(c)
+        if not chat:
+            assert mine["offsets"] == c.logprobs.text_offset
+    assert usage.completion_tokens == plain.usage.completion_tokens
+    assert usage.prompt_tokens == plain.usage.prompt_tokens
 
 
 def test_logprobs_describe_the_chosen_greedy_tokens(client, reference):

@@ -45,11 +45,14 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def server(tokenizer):
+def engine(tokenizer):
+    return FakeEngine(max_num_seqs=2, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
     # capacity: 2 running + 1 queued sequences
-    srv = ServerThread(
-        create_app(FakeEngine(max_num_seqs=2, tokenizer=tokenizer), model_name=MODEL, max_queue=1)
-    ).start()
+    srv = ServerThread(create_app(engine, model_name=MODEL, max_queue=1)).start()
     yield srv
     srv.stop()
 
@@ -82,7 +85,27 @@ BAD_FIELDS = {
     # ranges: what the generator takes, what the filters mean
     "seed_past_the_generator": ("/v1/completions", completion(seed=2**64, temperature=1), "seed"),
     "seed_below_the_generator": ("/v1/completions", completion(seed=-(2**63) - 1), "seed"),
-    "top_k_zero": ("/v1/completions", completion(top_k=0), "top_k"),
+    # NaN and Infinity: Python's JSON reader takes them; "not finite", not "less than or equal to 2"
+    "temperature_nan": ("/v1/completions", completion(temperature=float("nan")), "temperature"),
+    "top_p_infinity": ("/v1/chat/completions", chat(top_p=float("inf")), "top_p"),
+    "min_p_minus_infinity": ("/v1/completions", completion(min_p=float("-inf")), "min_p"),
+    "stop_token_id_negative": ("/v1/completions", completion(stop_token_ids=[5, -1]), "stop_token_ids[1]"),
+    "stop_token_id_not_an_int": ("/v1/chat/completions", chat(stop_token_ids=["."]), "stop_token_ids[0]"),
+    "too_many_stop_token_ids": ("/v1/completions", completion(stop_token_ids=[1] * 257), "stop_token_ids"),
+    # vLLM's rule: stream_options only with stream true
+    "stream_options_without_stream": (
+        "/v1/completions",
+        completion(stream_options={"include_usage": True}),
+        "stream_options",
+    ),
+    "chat_stream_options_stream_false": (
+        "/v1/chat/completions",
+        chat(stream=False, stream_options={"include_usage": False}),
+        "stream_options",
+    ),
+    # echo with logprobs asks for the prompt's logprobs, which the server cannot give yet
+    "echo_with_logprobs": ("/v1/completions", completion(echo=True, logprobs=1), "echo"),
+    "echo_with_logprobs_zero": ("/v1/completions", completion(echo=True, logprobs=0), "echo"),
     "top_k_minus_two": ("/v1/completions", completion(top_k=-2), "top_k"),
     "too_many_stop_strings": ("/v1/completions", completion(stop=["x"] * 17), "stop"),
     "chat_text_part_not_text": (
@@ -118,21 +141,90 @@ BAD_FIELDS = {
     ),
     "tools": ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     "tool_choice_required": ("/v1/chat/completions", chat(tool_choice="required"), "tool_choice"),
+    # vLLM's extensions this server does not implement: ignoring them answered another request
+    "prompt_logprobs": ("/v1/completions", completion(prompt_logprobs=1), "prompt_logprobs"),
+    "guided_json": ("/v1/chat/completions", chat(guided_json={"type": "object"}), "guided_json"),
+    "guided_regex": ("/v1/completions", completion(guided_regex="[ab]+"), "guided_regex"),
+    "guided_choice": ("/v1/completions", completion(guided_choice=["yes", "no"]), "guided_choice"),
+    "guided_any_other": ("/v1/completions", completion(guided_something_new="x"), "guided_something_new"),
+    "structured_outputs": (
+        "/v1/chat/completions",
+        chat(structured_outputs={"choice": ["a", "b"]}),
+        "structured_outputs",
+    ),
+    "include_stop_str_in_output": (
+        "/v1/completions",
+        completion(include_stop_str_in_output=True, stop=["x"]),
+        "include_stop_str_in_output",
+    ),
+    "skip_special_tokens_false": (
+        "/v1/completions",
+        completion(skip_special_tokens=False),
+        "skip_special_tokens",
+    ),
+    "allowed_token_ids": ("/v1/completions", completion(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+    "bad_words": ("/v1/chat/completions", chat(bad_words=["no"]), "bad_words"),
+    "truncate_prompt_tokens": (
+        "/v1/completions",
+        completion(truncate_prompt_tokens=5),
+        "truncate_prompt_tokens",
+    ),
+    "use_beam_search": ("/v1/completions", completion(use_beam_search=True), "use_beam_search"),
+    "min_tokens_chat": ("/v1/chat/completions", chat(min_tokens=2), "min_tokens"),
+    "chat_template_kwargs": (
+        "/v1/chat/completions",
+        chat(chat_template_kwargs={"enable_thinking": False}),
+        "chat_template_kwargs",
+    ),
+    "chat_template": ("/v1/chat/completions", chat(chat_template="{{ messages }}"), "chat_template"),
+    "chat_echo": ("/v1/chat/completions", chat(echo=True), "echo"),
+    "continue_final_message": (
+        "/v1/chat/completions",
+        chat(continue_final_message=True),
+        "continue_final_message",
+    ),
+    "add_generation_prompt_false": (
+        "/v1/chat/completions",
+        chat(add_generation_prompt=False),
+        "add_generation_prompt",
+    ),
+    "return_tokens_as_token_ids": (
+        "/v1/completions",
+        completion(return_tokens_as_token_ids=True),
+        "return_tokens_as_token_ids",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FIELDS))
 def test_bad_field_gets_400_naming_the_parameter(server, case):
     path, body, param = BAD_FIELDS[case]
-    assert_openai_error(httpx.post(f"{server.url}{path}", json=body, timeout=10), 400, param)
+    raw = json.dumps(body)  # NaN and Infinity as Python's JSON writes them (httpx's json= refuses them)
+    r = httpx.post(f"{server.url}{path}", content=raw, headers={"content-type": "application/json"})
+    error = assert_openai_error(r, 400, param)
+    assert error["message"].startswith(f"{param}: "), error
+    if case.endswith(("_nan", "_infinity")):
+        assert "finite" in error["message"], error
 
 
-def test_accepted_edges_of_the_ranges(server):
+def test_the_refusals_say_what_to_send_instead(server):
+    r = httpx.post(f"{server.url}/v1/completions", json=completion(use_beam_search=True))
+    assert "send false" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json=completion(echo=True, logprobs=2))
+    assert "prompt logprobs are not supported yet" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json=completion(stream_options={"include_usage": True}))
+    assert "only be defined when stream is true" in r.json()["error"]["message"]
+
+
+def test_accepted_edges_of_the_ranges(server, engine):
     # the top of the seed range with n = 2: the second choice's seed wraps to 0
     r = httpx.post(f"{server.url}/v1/completions", json=completion(seed=2**64 - 1, n=2, temperature=1))
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
     for body in (completion(temperature=1), completion(top_k=-1), completion(top_k=10**30)):
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=10).status_code == 200
+    # top_k 0 is off, as vLLM reads it (it was a 400)
+    assert httpx.post(f"{server.url}/v1/completions", json=completion(top_k=0)).status_code == 200
+    assert engine.params[-1].top_k == -1
     r = httpx.post(f"{server.url}/v1/chat/completions", json=chat(logprobs=True, top_logprobs=2))
     assert r.status_code == 200
     # the unimplemented fields at the values that change nothing, as clients send them by default
@@ -143,6 +235,29 @@ def test_accepted_edges_of_the_ranges(server):
     assert httpx.post(f"{server.url}/v1/chat/completions", json=chat(**neutral)).status_code == 200
     body = completion(best_of=2, n=2, suffix="", logit_bias=None, temperature=1)
     assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
+    # vLLM's extensions at their neutral values (or null)
+    neutral = dict(
+        prompt_logprobs=None, guided_json=None, structured_outputs=None, include_stop_str_in_output=False,
+        skip_special_tokens=True, allowed_token_ids=None, bad_words=[], truncate_prompt_tokens=None,
+        use_beam_search=False, stop_token_ids=[], ignore_eos=True,
+    )  # fmt: skip
+    assert httpx.post(f"{server.url}/v1/completions", json=completion(**neutral)).status_code == 200
+    chat_neutral = dict(
+        neutral, echo=False, continue_final_message=False, add_generation_prompt=True,
+        chat_template_kwargs={}, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat(**chat_neutral))
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    r = httpx.post(f"{server.url}/v1/completions", json=completion(echo=True))  # echo without logprobs
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hiab"
+
+
+def test_stop_token_ids_reach_the_engine(server, engine):
+    """stop_token_ids (vLLM's extension, which the engine implements) was accepted and dropped."""
+    r = httpx.post(f"{server.url}/v1/completions", json=completion(stop_token_ids=[7, 30]))
+    assert r.status_code == 200 and engine.params[-1].stop_token_ids == [7, 30]
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat(stop_token_ids=[0]))
+    assert r.status_code == 200 and engine.params[-1].stop_token_ids == [0]
 
 
 def test_a_request_that_can_never_fit_is_400_and_is_not_tokenized(server, tokenizer):

@@ -7,9 +7,10 @@ Errors always use OpenAI's body {"error": {"message", "type", "param", "code"}} 
 them): 400 for malformed JSON, wrong types (strict: `true` is not an integer), values out of range,
 unknown model, a request that could never fit the server, max_tokens past the context length; 401 for a
 missing or wrong API key (when one is set); 413 for a body over max_body_bytes (checked before it is
-read); 503 when the bounded queue is full; 500 when the engine fails while the request is in flight,
-or on a bug (the message then says only that; the details go to the log). A client that disconnects
-gets its sequences aborted (KV blocks freed).
+read); 503 when the bounded queue is full, or when the engine loop has stopped (it died: nothing can
+be served); 500 when the engine fails while the request is in flight, or on a bug (the message then
+says only that; the details go to the log). A client that disconnects gets its sequences aborted (KV
+blocks freed).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import functools
 import hmac
 import itertools
 import logging
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -28,7 +30,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.server import protocol
-from kiln.server.async_engine import AsyncEngine, EngineError, QueueFull
+from kiln.server.async_engine import AsyncEngine, EngineError, EngineStopped, QueueFull
 from kiln.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.server.serving import APIError, OpenAIServing, bad_request, collect, stream_events
 
@@ -46,7 +48,8 @@ def create_app(
     max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
     allow_special_tokens_in_chat: bool = False,
 ) -> FastAPI:
-    """Build the app around `engine` (an LLMEngine, or anything with its step API).
+    """Build the app around `engine` (an LLMEngine, or anything with its step API that honours
+    SamplingParams.output_kind: streams ask for "delta" outputs, other requests "final_only").
 
     max_queue: sequences allowed to wait beyond engine.config.max_num_seqs before 503 (None = 4x that).
     max_body_bytes: larger request bodies get 413 before they are read (None = no limit).
@@ -108,7 +111,8 @@ def create_app(
             return error_response(
                 bad_request(f"the request body is not valid JSON: {error}", None, "json_invalid")
             )
-        param = _param_name(first.get("loc", ()))
+        # a check of the whole request that names the field it refuses puts it in ctx["param"]
+        param = first.get("ctx", {}).get("param") or _param_name(first.get("loc", ()))
         message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
         return error_response(bad_request(f"{param or 'body'}: {message}", param, first.get("type")))
 
@@ -134,10 +138,13 @@ def create_app(
         echo_texts=None,
     ):
         request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        created = int(time.time())  # one value for the response, or for every chunk of the stream
         try:
             queue = await async_engine.submit(subs)
         except QueueFull as exc:
             raise APIError(503, str(exc), "server_overloaded", None, "queue_full") from exc
+        except EngineStopped as exc:
+            raise APIError(503, str(exc), "server_error", None, "engine_stopped") from exc
         except EngineError as exc:
             raise APIError(500, str(exc), "server_error", None, "engine_error") from exc
         except ValueError as exc:  # the engine's own checks
@@ -160,12 +167,12 @@ def create_app(
                         queue,
                         len(subs),
                         request_id,
+                        created,
                         chat,
                         top_n,
                         prompt_tokens,
                         include_usage,
                         echo_texts,
-                        [sub.params.stop for sub in sorted(subs, key=lambda sub: sub.index)],
                     ):
                         yield event
                     client_gone = False
@@ -187,7 +194,7 @@ def create_app(
         if finals is None:  # client gone: nobody to answer
             return Response(status_code=499)
         body = await serving.off_loop(
-            serving.final_response, request_id, finals, chat, top_n, prompt_tokens, echo_texts
+            serving.final_response, request_id, created, finals, chat, top_n, prompt_tokens, echo_texts
         )
         return JSONResponse(body)
 

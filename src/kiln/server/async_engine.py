@@ -11,11 +11,18 @@ Admission: at most `capacity` sequences (max_num_seqs running + max_queue waitin
 `submit` raises QueueFull past that, so the waiting queue is bounded (the app answers 503), and
 ValueError for a request of more sequences than the capacity itself (it could never run: 400).
 
+Outputs: a sub-request's SamplingParams.output_kind says what its outputs hold: streams use "delta"
+(each output only what is new), non-streaming requests "final_only" (one output, at the end: one
+queue put a choice). Latency metrics count the tokens either way.
+
 Failures: if `engine.step()` raises a SamplingError, which names the requests it failed for and has
 advanced nothing, only those requests get an EngineError (and are aborted in the engine); the next step
 runs the others as if they had never been batched with them. Any other exception from the step fails
 every sequence the engine holds (the app answers 500 or an error event), the engine is told to abort
-them, and the loop carries on with the next requests.
+them, and the loop carries on with the next requests. If the loop itself dies (an exception its
+guard does not catch), every request in flight or waiting to be added gets an EngineError, and
+`submit` refuses new ones at once with EngineStopped (the app answers 503) instead of queueing work
+no thread will ever run.
 """
 
 from __future__ import annotations
@@ -42,6 +49,10 @@ class EngineError(Exception):
     """The engine failed while this request was in flight."""
 
 
+class EngineStopped(Exception):
+    """The engine loop thread is not running (it died, or the server is stopping): nothing can be served."""
+
+
 @dataclass
 class SubRequest:
     """One engine request: a prompt (token ids) sampled once. An HTTP request with n choices or several
@@ -57,6 +68,7 @@ class SubRequest:
 class _Route:
     queue: asyncio.Queue
     index: int
+    output_kind: str = "cumulative"  # its SamplingParams.output_kind
     added: bool = False  # the engine has it (its add command was applied)
     tokens_seen: int = 0
     last_token_time: float = 0.0
@@ -78,11 +90,13 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._death: BaseException | None = None  # what ended the loop thread, if not stop()
 
     # ---- lifecycle (event loop side) ----
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopping = False
+        self._death = None
         self._thread = threading.Thread(target=self._run, name="kiln-engine-loop", daemon=True)
         self._thread.start()
 
@@ -100,7 +114,8 @@ class AsyncEngine:
     async def submit(self, subs: list[SubRequest]) -> asyncio.Queue:
         """Add the sub-requests to the engine; returns the queue their outputs arrive on.
         Raises QueueFull when over capacity, ValueError when the request could never fit or the engine
-        rejects one (none stay added)."""
+        rejects one (none stay added), EngineStopped when the engine loop is not running."""
+        self._check_alive()
         if len(subs) > self.capacity:
             raise ValueError(
                 f"the request asks for {len(subs)} sequences (prompts x n); this server runs at most "
@@ -117,13 +132,16 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         futures = []
         for sub in subs:
-            self._routes[sub.request_id] = _Route(queue, sub.index)
+            self._routes[sub.request_id] = _Route(queue, sub.index, sub.params.output_kind)
             future = loop.create_future()
             futures.append(future)
             self._commands.append(("add", sub, future))
         self._wakeup.set()
         try:
-            results = await asyncio.gather(*futures, return_exceptions=True)
+            results = await self._added(futures)
+        except EngineStopped:  # the loop died meanwhile: not a client abort
+            self.release(subs, client_gone=False)
+            raise
         except BaseException:  # cancelled (client gone): don't leak the admitted sequences
             self.release(subs)
             raise
@@ -132,6 +150,26 @@ class AsyncEngine:
             self.release(subs, client_gone=False)
             raise errors[0]
         return queue
+
+    def _check_alive(self) -> None:
+        if not self.is_alive:
+            why = "the server is not running" if self._death is None else f"it died: {self._death!r}"
+            raise EngineStopped(f"the engine loop stopped ({why}); no request can be served")
+
+    async def _added(self, futures: list) -> list:
+        """The add commands' results (None or the exception), checking that the loop still runs: a
+        thread that died just after the check in submit never applies them."""
+        gathered = asyncio.gather(*futures, return_exceptions=True)
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(gathered), timeout=1.0)
+            except asyncio.TimeoutError:
+                if not self.is_alive:
+                    gathered.cancel()
+                    self._check_alive()
+            except BaseException:
+                gathered.cancel()
+                raise
 
     def release(self, subs: list[SubRequest], client_gone: bool = True) -> None:
         """The HTTP request is done (answered, failed or disconnected): abort whatever still runs.
@@ -148,6 +186,17 @@ class AsyncEngine:
 
     # ---- the engine thread ----
     def _run(self) -> None:
+        reason = EngineError("the server is shutting down")
+        try:
+            self._serve()
+        except BaseException as exc:  # past the loop's guard: nothing will serve the requests in flight
+            log.critical("kiln serve: the engine loop died; every request now fails", exc_info=exc)
+            self._death = exc
+            reason = EngineError(f"the engine loop died: {exc!r}")
+        finally:
+            self._fail_all(reason, include_pending=True)
+
+    def _serve(self) -> None:
         while not self._stopping:
             self._wakeup.clear()  # before draining: a command queued after this sets it again
             try:
@@ -167,7 +216,6 @@ class AsyncEngine:
                 log.exception("kiln serve: engine step failed; failing the requests in flight")
                 self.metrics.engine_errors.inc()
                 self._fail_all(exc)
-        self._fail_all(EngineError("the server is shutting down"), include_pending=True)
 
     def _apply_commands(self) -> None:
         while self._commands:
@@ -198,15 +246,16 @@ class AsyncEngine:
             route = self._routes.get(out.request_id)
             if route is None:
                 continue  # aborted: its client is gone
-            n = len(out.token_ids)
-            if n > route.tokens_seen:
-                if route.tokens_seen == 0:
-                    if out.first_token_time is not None:
-                        metrics.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))
-                else:
-                    gap = (now - route.last_token_time) / (n - route.tokens_seen)
-                    metrics.inter_token_latency.observe(gap)
-                route.tokens_seen, route.last_token_time = n, now
+            # delta and final_only outputs hold only the tokens new since the last output
+            new = len(out.token_ids) - (route.tokens_seen if route.output_kind == "cumulative" else 0)
+            if new > 0:
+                if route.tokens_seen == 0 and out.first_token_time is not None:
+                    metrics.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))
+                if route.output_kind == "final_only":
+                    _observe_final_gaps(metrics.inter_token_latency, out, new)
+                elif route.tokens_seen:
+                    metrics.inter_token_latency.observe((now - route.last_token_time) / new)
+                route.tokens_seen, route.last_token_time = route.tokens_seen + new, now
             if out.finished:
                 self._routes.pop(out.request_id, None)
                 metrics.requests_finished.labels(out.finish_reason or "unknown").inc()
@@ -255,3 +304,13 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(apply)
         except RuntimeError:
             pass  # event loop closed: the server is shutting down
+
+
+def _observe_final_gaps(histogram, out, tokens: int) -> None:
+    """A final_only output's inter-token latency: its tokens' mean gap (first token to finish), once
+    per gap (a stream observes one gap an output, mostly one a token). The output has no step times."""
+    if tokens < 2 or out.first_token_time is None or out.finished_time is None:
+        return
+    gap = max(0.0, out.finished_time - out.first_token_time) / (tokens - 1)
+    for _ in range(tokens - 1):
+        histogram.observe(gap)

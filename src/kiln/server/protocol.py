@@ -4,19 +4,21 @@ Requests are pydantic models with strict types: a field of the wrong type (JSON 
 `"2"` for a number), out of its range, or text that is not valid Unicode fails validation (-> 400 from
 app.py, `param` naming the field).
 Responses are plain dicts built by the helpers at the bottom (they are serialized once, straight to
-JSON, which keeps the streaming path cheap). Fields Kiln does not implement (presence/frequency
-penalties, tools, ...) are accepted and ignored, as OpenAI clients send some of them by default.
+JSON, which keeps the streaming path cheap). Fields of OpenAI's or vLLM's API that Kiln does not
+implement (penalties, tools, guided decoding, ...) are accepted only at the value that changes nothing
+(OpenAI clients send some of them by default), a 400 naming them otherwise; other unknown fields are
+ignored.
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import (
     AfterValidator,
+    AllowInfNan,
     BaseModel,
     ConfigDict,
     Field,
@@ -24,12 +26,17 @@ from pydantic import (
     StrictBool,
     StrictInt,
     field_validator,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from kiln.engine.sampling_params import SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 16  # each is searched for after every token: a long list slows the whole batch
 MAX_STOP_CHARS = 512  # each; a stream holds back and rechecks up to this many characters a token
+MAX_STOP_TOKEN_IDS = 256  # the engine checks every new token against the list
+# a logprob of -inf (a token the model rules out) as OpenAI and vLLM write it: JSON has no infinity
+MIN_LOGPROB = -9999.0
 
 
 def _valid_text(text: str) -> str:
@@ -44,36 +51,89 @@ def _valid_text(text: str) -> str:
     return text
 
 
-# Strict types: JSON true is not 1, "2" is not 2 (a float field still takes a JSON integer).
+# Strict types: JSON true is not 1, "2" is not 2 (a float field still takes a JSON integer); Python's
+# JSON reader takes NaN and Infinity, which no float field does ("Input should be a finite number").
 Text = Annotated[str, AfterValidator(_valid_text)]
-Float = Annotated[float, Strict()]
+Float = Annotated[float, Strict(), AllowInfNan(False)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-# field -> (whether a value changes nothing, what to send instead)
+# field -> (whether a value changes nothing, what to send instead). Fields of OpenAI's API and vLLM's
+# extensions that this server does not implement: each is accepted at a value that changes nothing
+# (or null), a 400 naming it otherwise, as answering while ignoring it would answer another request.
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (lambda v: not any(v.values()), "an empty map (or only zero biases)"),
-    "presence_penalty": (lambda v: v == 0, "0"),
-    "frequency_penalty": (lambda v: v == 0, "0"),
-    "repetition_penalty": (lambda v: v == 1, "1"),
-    "min_tokens": (lambda v: v == 0, "0"),
+    "logit_bias": (
+        lambda v: isinstance(v, dict) and not any(v.values()),
+        "an empty map (or only zero biases)",
+    ),
+    "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "0"),
+    "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "0"),
+    "repetition_penalty": (lambda v: v == 1 and not isinstance(v, bool), "1"),
+    "min_tokens": (lambda v: v == 0 and not isinstance(v, bool), "0"),
     "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}'),
-    "tools": (lambda v: not v, "an empty list"),
+    "tools": (lambda v: v == [], "an empty list"),
     "tool_choice": (lambda v: v in ("none", "auto"), '"none" or "auto" (there are no tools)'),
-    "functions": (lambda v: not v, "an empty list"),
+    "functions": (lambda v: v == [], "an empty list"),
     "function_call": (lambda v: v in ("none", "auto"), '"none" or "auto" (there are no functions)'),
+    # vLLM's extensions
+    "prompt_logprobs": (lambda v: False, "null (prompt logprobs are not supported yet)"),
+    "structured_outputs": (lambda v: False, "null (guided decoding is not supported)"),
+    "include_stop_str_in_output": (lambda v: v is False, "false"),
+    "skip_special_tokens": (lambda v: v is True, "true"),
+    "spaces_between_special_tokens": (lambda v: v is True, "true"),
+    "allowed_token_ids": (lambda v: False, "null"),
+    "bad_words": (lambda v: v == [], "an empty list"),
+    "truncate_prompt_tokens": (lambda v: False, "null (a prompt longer than the context is refused)"),
+    "use_beam_search": (lambda v: v is False, "false"),
+    "logits_processors": (lambda v: v == [], "an empty list"),
+    "return_tokens_as_token_ids": (lambda v: v is False, "false"),
+    "return_token_ids": (lambda v: v is False, "false"),
+}
+# every vLLM guided_* field (guided_json, guided_regex, guided_choice, guided_grammar, ...)
+GUIDED = (lambda v: False, "null (guided decoding is not supported)")
+COMPLETION_UNSUPPORTED = {
+    **UNSUPPORTED,
     "suffix": (lambda v: v == "", "an empty string"),
+    "add_special_tokens": (lambda v: v is True, "true (a completion prompt is encoded with them)"),
+    "prompt_embeds": (lambda v: False, "null"),
+}
+CHAT_UNSUPPORTED = {
+    **UNSUPPORTED,
+    "echo": (lambda v: v is False, "false"),
+    "continue_final_message": (lambda v: v is False, "false"),
+    "add_generation_prompt": (lambda v: v is True, "true"),
+    "add_special_tokens": (lambda v: v is False, "false (the chat template writes the special tokens)"),
+    "chat_template": (lambda v: False, "null (the model's own template is used)"),
+    "chat_template_kwargs": (lambda v: v == {}, "an empty map"),
+    "documents": (lambda v: v == [], "an empty list"),
 }
 
 
-def _neutral_or_refused(name: str, value):
-    neutral, accepted = UNSUPPORTED[name]
-    if value is not None and not neutral(value):
-        raise ValueError(f"not supported by this server; leave it out or send {accepted}")
-    return value
+def _refuse_unsupported(data, table: dict[str, tuple[Callable[[Any], bool], str]]):
+    """A 400 naming the first field of `table` (or guided_*) given at a value other than its neutral
+    one; null is always neutral. Runs on the raw JSON object, before the fields are validated."""
+    if not isinstance(data, dict):
+        return data
+    for name, value in data.items():
+        rule = table.get(name) or (GUIDED if name.startswith("guided_") else None)
+        if rule is None or value is None:
+            continue
+        neutral, accepted = rule
+        try:
+            ok = bool(neutral(value))
+        except (TypeError, ValueError, AttributeError):
+            ok = False
+        if not ok:
+            raise PydanticCustomError(
+                "unsupported_field",
+                "not supported by this server; leave it out or send {accepted}",
+                {"param": name, "accepted": accepted},
+            )
+    return data
 
 
 class _SamplingFields(BaseModel):
@@ -85,11 +145,13 @@ class _SamplingFields(BaseModel):
     max_tokens: StrictInt | None = None
     temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = -1  # not in OpenAI's API; vLLM's extension: -1 (off) or >= 1
+    top_k: StrictInt = -1  # not in OpenAI's API; vLLM's extension: -1 or 0 (off), or >= 1
     min_p: Float = Field(default=0.0, ge=0.0, le=1.0)
     n: StrictInt = Field(default=1, ge=1, le=16)
     seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: Text | list[Text] | None = None
+    # vLLM's extension: token ids that end the choice (finish_reason "stop"), as EOS does
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # vLLM's extension; benchmarks use it for fixed-length outputs
@@ -98,28 +160,16 @@ class _SamplingFields(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _top_k_on_or_off(cls, value: int) -> int:
-        if value == 0 or value < -1:
-            raise ValueError("expected -1 (no top-k filter) or an integer >= 1")
-        return value
+        if value < -1:
+            raise ValueError("expected -1 or 0 (no top-k filter) or an integer >= 1")
+        return -1 if value == 0 else value  # vLLM reads 0 as off too
 
-    # OpenAI / vLLM fields this server does not implement: each accepted only at a value that changes
-    # nothing (UNSUPPORTED), a 400 naming it otherwise, as answering them while ignoring them would
-    # answer another request than the one sent. Other unknown fields are let through (extra="allow").
-    logit_bias: dict[str, Any] | None = None
-    presence_penalty: Float | None = None
-    frequency_penalty: Float | None = None
-    repetition_penalty: Float | None = None
-    min_tokens: StrictInt | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-
-    @field_validator(*(name for name in UNSUPPORTED if name != "suffix"))
+    @field_validator("stream_options")
     @classmethod
-    def _neutral_or_refused(cls, value, info):
-        return _neutral_or_refused(info.field_name, value)
+    def _only_when_streaming(cls, value, info):
+        if value is not None and info.data.get("stream") is False:
+            raise ValueError("stream options can only be defined when stream is true")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -140,19 +190,29 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. `prompt` is text or token ids (one prompt per request), or a list of texts.
-    `logprobs`: None or the number of top alternatives per token (0..20)."""
+    """POST /v1/completions. `prompt` is text or token ids, or a list of texts or of token-id lists
+    (a batch of prompts). `logprobs`: None or the number of top alternatives per token (0..20)."""
 
-    prompt: Text | list[StrictInt] | list[Text]
+    prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     echo: StrictBool = False
     best_of: StrictInt | None = None  # generated server-side, n of them returned: only best_of == n
-    suffix: Text | None = None
 
-    @field_validator("suffix")
+    @model_validator(mode="before")
     @classmethod
-    def _no_suffix(cls, value):
-        return _neutral_or_refused("suffix", value)
+    def _unsupported(cls, data):
+        return _refuse_unsupported(data, COMPLETION_UNSUPPORTED)
+
+    @field_validator("echo")
+    @classmethod
+    def _no_prompt_logprobs(cls, value, info):
+        # vLLM answers echo + logprobs with the prompt's logprobs too; this server cannot compute them
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError(
+                "echo with logprobs asks for the prompt's logprobs, and prompt logprobs are not supported "
+                "yet: leave out echo or logprobs"
+            )
+        return value
 
     @field_validator("best_of")
     @classmethod
@@ -187,12 +247,13 @@ class ChatMessage(BaseModel):
         return value
 
     def text(self) -> str:
-        """The message's text (OpenAI's list-of-parts form, all of type "text": their texts joined)."""
+        """The message's text (OpenAI's list-of-parts form, all of type "text": their texts joined with
+        newlines, as vLLM joins them)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p["text"] for p in self.content)
+        return "\n".join(p["text"] for p in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -203,6 +264,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: StrictInt | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data):
+        return _refuse_unsupported(data, CHAT_UNSUPPORTED)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -238,43 +304,77 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def completion_logprobs(entries: list[tuple[int, str, float, list[tuple[str, float]]]], offset0: int) -> dict:
-    """The completions API's logprobs object from (token_id, token_text, logprob, top[(text, lp)])
-    tuples; text offsets count characters from `offset0`."""
-    offsets, pos = [], offset0
-    for _, text, _, _ in entries:
-        offsets.append(pos)
-        pos += len(text)
+def finite_logprob(value: float) -> float:
+    """A logprob as JSON can carry it: -inf (and anything below) is -9999.0, as OpenAI and vLLM write it
+    (JSON has no infinity: the stdlib would write -Infinity, which JSON readers refuse)."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # NaN too: the comparison is false
+
+
+class LogprobEntry(NamedTuple):
+    """One output token's logprobs. `token` is its text as a logprobs object shows it, `raw` its bytes;
+    `top`: (token, raw, logprob) of the most likely alternatives, most likely first."""
+
+    token: str
+    raw: bytes
+    logprob: float
+    top: list[tuple[str, bytes, float]]
+
+
+def completion_logprobs(entries: list[LogprobEntry], offsets: list[int]) -> dict:
+    """The completions API's logprobs object; offsets[i]: where token i's text starts in the choice's
+    text. A top_logprobs map keeps one entry per token text, the most likely's (two tokens can show the
+    same text: special tokens, which show as "")."""
+    top_logprobs = []
+    for entry in entries:
+        top: dict[str, float] = {}
+        for token, _, logprob in entry.top:
+            top.setdefault(token, finite_logprob(logprob))
+        top_logprobs.append(top)
     return {
-        "tokens": [e[1] for e in entries],
-        "token_logprobs": [e[2] for e in entries],
-        "top_logprobs": [dict(e[3]) for e in entries],
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [finite_logprob(e.logprob) for e in entries],
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
 
 
-def chat_logprobs(entries: list[tuple[int, str, float, list[tuple[str, float]]]]) -> dict:
-    """The chat API's logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+def chat_logprobs(entries: list[LogprobEntry]) -> dict:
+    """The chat API's logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}; `bytes` are
+    the token's own bytes (a part of a UTF-8 character's, for a byte-fallback token)."""
     return {
         "content": [
             {
-                "token": text,
-                "logprob": lp,
-                "bytes": list(text.encode("utf-8")),
+                "token": chat_token(e.token, e.raw),
+                "logprob": finite_logprob(e.logprob),
+                "bytes": list(e.raw),
                 "top_logprobs": [
-                    {"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))} for t, v in top
+                    {"token": chat_token(t, raw), "logprob": finite_logprob(v), "bytes": list(raw)}
+                    for t, raw, v in e.top
                 ],
             }
-            for _, text, lp, top in entries
+            for e in entries
         ]
     }
 
 
-def completion_response(request_id: str, model: str, choices: list[dict], usage_: dict, chat: bool) -> dict:
+def chat_token(token: str, raw: bytes) -> str:
+    """A token's text in chat logprobs: a part of a UTF-8 character shows as its bytes escaped (\\xe7),
+    as OpenAI's chat API writes it, without the completions API's "bytes:" prefix (chat has `bytes`)."""
+    if token.startswith("bytes:"):
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return token[len("bytes:") :]
+    return token
+
+
+def completion_response(
+    request_id: str, model: str, choices: list[dict], usage_: dict, chat: bool, created: int
+) -> dict:
     return {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
+        "created": created,
         "model": model,
         "choices": choices,
         "usage": usage_,
@@ -282,12 +382,13 @@ def completion_response(request_id: str, model: str, choices: list[dict], usage_
 
 
 def stream_chunk(
-    request_id: str, model: str, choices: list[dict], chat: bool, usage_: dict | None = None
+    request_id: str, model: str, choices: list[dict], chat: bool, created: int, usage_: dict | None = None
 ) -> dict:
+    """One event of a stream; every chunk of a stream has the same id and `created` (its start)."""
     chunk = {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
+        "created": created,
         "model": model,
         "choices": choices,
     }

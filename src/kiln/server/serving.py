@@ -9,6 +9,10 @@ stalls neither /health nor the streams; after a large prompt the freed memory is
 OS. Greedy choices are what `kiln.LLM.generate` returns for the same token ids: the server adds
 nothing to the prompt but the chat template. In chat messages, text that looks like a special token
 (`<|im_start|>`) is tokenized as text, unless the app allows special tokens in content.
+
+Streams ask the engine for delta outputs (SamplingParams.output_kind "delta": each output holds only
+its new text, tokens and logprobs, text that may begin a stop string held back by the engine until it
+is ruled out), so each event is what its output holds; non-streaming requests ask for "final_only".
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import ctypes
 import ctypes.util
 import functools
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from jinja2.exceptions import TemplateError
 
-from kiln.engine.detokenizer import stop_prefix_length
+from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.sampling_params import SamplingParams
 from kiln.server import protocol
 from kiln.server.async_engine import AsyncEngine, SubRequest
@@ -63,6 +68,9 @@ class OpenAIServing:
         self.model_name = model_name
         self.max_model_len = int(self.engine.max_model_len)
         self.allow_special_tokens_in_chat = allow_special_tokens_in_chat
+        vocab = getattr(getattr(getattr(self.engine, "model", None), "config", None), "vocab_size", None)
+        self.vocab_size: int | None = vocab
+        self._tokens: dict[int, tuple[str, bytes]] = {}  # token id -> (logprobs text, bytes)
         self.executor: ThreadPoolExecutor | None = None
         self.start()
 
@@ -107,22 +115,28 @@ class OpenAIServing:
 
     @staticmethod
     def prompt_texts(req: protocol.CompletionRequest) -> list[str] | list[list[int]]:
-        """The prompts of a completion request, as texts, or as one list of token ids."""
+        """The prompts of a completion request: texts, or token-id lists (one list of ids is one
+        prompt, a list of such lists a batch of them)."""
         prompt = req.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if prompt and all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
         if not prompt:
             raise bad_request(
-                "prompt is empty; give a string, a list of strings or a list of token ids", "prompt"
+                "prompt is empty; give a string, a list of strings, a list of token ids or a list of "
+                "token-id lists",
+                "prompt",
             )
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        for i, p in enumerate(prompt):
+            if not p:
+                raise bad_request(f"prompt[{i}] is empty", f"prompt[{i}]")
         return list(prompt)
 
     # ---- tokenization (on the tokenizer threads) ----
     async def completion_prompts(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
         if prompts and not isinstance(prompts[0], str):
-            return prompts
+            return [list(p) for p in prompts]
         return await self.off_loop(self._encode_texts, prompts)
 
     def _encode_texts(self, texts: list[str]) -> list[list[int]]:
@@ -161,7 +175,18 @@ class OpenAIServing:
 
     # ---- request -> sub-requests ----
     def build(self, req, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, tag: str):
-        """Sub-requests for every prompt x choice; validates lengths and sampling fields (400 on error)."""
+        """Sub-requests for every prompt x choice; validates lengths and sampling fields (400 on error).
+        A stream's get delta outputs, the others one final output."""
+        vocab = self.vocab_size
+        stop_token_ids = req.stop_token_ids
+        if stop_token_ids and vocab is not None:
+            outside = [t for t in stop_token_ids if t >= vocab]
+            if outside:
+                raise bad_request(
+                    f"stop_token_ids: {outside[0]} is not a token id of this model (ids are 0..{vocab - 1})",
+                    "stop_token_ids",
+                )
+        output_kind = "delta" if req.stream else "final_only"
         subs = []
         for p, prompt_ids in enumerate(prompts):
             if not prompt_ids:
@@ -176,8 +201,6 @@ class OpenAIServing:
                     "max_tokens" if max_tokens is not None and room > 0 else "prompt",
                     "context_length_exceeded",
                 )
-            vocab = getattr(getattr(self.engine, "model", None), "config", None)
-            vocab = getattr(vocab, "vocab_size", None)
             if vocab is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
                 raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
             for i in range(req.n):
@@ -192,8 +215,10 @@ class OpenAIServing:
                         # 2**64 stays in the generator's range (it reads a negative seed the same way)
                         seed=None if req.seed is None else (req.seed + i) % 2**64,
                         stop=req.stop_list(),
+                        stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
                         ignore_eos=req.ignore_eos,
                         logprobs=logprobs,
+                        output_kind=output_kind,
                     )
                 except ValueError as exc:  # protocol.py checked the fields first: a backstop
                     raise bad_request(str(exc), None, "invalid_value") from exc
@@ -201,28 +226,27 @@ class OpenAIServing:
         return subs
 
     # ---- outputs -> responses ----
-    def logprob_entries(
-        self, out, start: int, top_n: int
-    ) -> list[tuple[int, str, float, list[tuple[str, float]]]]:
-        """(token id, token text, logprob, top alternatives) for output tokens [start:]."""
+    def logprob_entries(self, out, top_n: int) -> list[protocol.LogprobEntry]:
+        """The logprobs of the output tokens `out` holds (all of them, or a delta output's new ones)."""
         if out.logprobs is None:
             return []
         entries = []
-        for token_id, table in zip(out.token_ids[start:], out.logprobs[start:], strict=False):
+        for token_id, table in zip(out.token_ids, out.logprobs, strict=False):
             top = sorted(table.items(), key=lambda kv: -kv[1])[:top_n]
+            token, raw = self.token(token_id)
+            alternatives = [(*self.token(t), float(v)) for t, v in top]
             entries.append(
-                (
-                    token_id,
-                    self._token_text(token_id),
-                    float(table.get(token_id, float("-inf"))),
-                    [(self._token_text(t), float(v)) for t, v in top],
-                )
+                protocol.LogprobEntry(token, raw, float(table.get(token_id, float("-inf"))), alternatives)
             )
         return entries
+
+    def text_offsets(self, prompt_ids: list[int], start: int) -> TextOffsets:
+        return TextOffsets(self.tokenizer, prompt_ids, start)
 
     def final_response(
         self,
         request_id: str,
+        created: int,
         finals: list,
         chat: bool,
         top_n: int | None,
@@ -232,7 +256,7 @@ class OpenAIServing:
         """The non-streaming response body from each choice's final RequestOutput."""
         choices = []
         for index, out in enumerate(finals):
-            entries = self.logprob_entries(out, 0, top_n) if top_n is not None else None
+            entries = self.logprob_entries(out, top_n) if top_n is not None else None
             if chat:
                 logprobs = protocol.chat_logprobs(entries) if entries is not None else None
                 message = {"role": "assistant", "content": out.text}
@@ -246,7 +270,10 @@ class OpenAIServing:
                 )
             else:
                 echo = echo_texts[index] if echo_texts else ""
-                logprobs = protocol.completion_logprobs(entries, len(echo)) if entries is not None else None
+                logprobs = None
+                if entries is not None:
+                    offsets = self.text_offsets(out.prompt_token_ids, len(echo)).next(out.token_ids)
+                    logprobs = protocol.completion_logprobs(entries, offsets)
                 choices.append(
                     {
                         "index": index,
@@ -257,10 +284,82 @@ class OpenAIServing:
                 )
         completion_tokens = sum(len(o.token_ids) for o in finals)
         usage = protocol.usage(prompt_tokens, completion_tokens)
-        return protocol.completion_response(request_id, self.model_name, choices, usage, chat)
+        return protocol.completion_response(request_id, self.model_name, choices, usage, chat, created)
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def token(self, token_id: int) -> tuple[str, bytes]:
+        """(text, bytes) of one token as logprobs show it (cached: the vocabulary is fixed)."""
+        known = self._tokens.get(token_id)
+        if known is None:
+            known = self._tokens[token_id] = token_text_and_bytes(self.tokenizer, token_id)
+        return known
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback piece
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE piece uses -> the byte."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
+    printable |= set(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def token_text_and_bytes(tokenizer, token_id: int) -> tuple[str, bytes]:
+    """A token's text as logprobs show it, and its bytes. Most tokens: their decoded text and its UTF-8.
+    A token that is part of a UTF-8 character (byte-level BPE pieces, SentencePiece <0xNN> pieces)
+    decodes alone to U+FFFD, which names no byte and makes every such token the same text: its bytes
+    come from its vocabulary piece instead, and its text is them in OpenAI's form, "bytes:" then the
+    text with each byte that is not a whole character as \\xNN ("bytes:\\xe7" for 0xE7)."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return text, text.encode("utf-8")
+    raw = _piece_bytes(tokenizer, token_id)
+    if raw is None or raw.decode("utf-8", errors="replace") != text:
+        return text, text.encode("utf-8")  # no piece, or one read otherwise: keep the decoded text
+    try:
+        return raw.decode("utf-8"), raw  # a token whose text is U+FFFD itself
+    except UnicodeDecodeError:
+        return "bytes:" + raw.decode("utf-8", errors="backslashreplace"), raw
+
+
+def _piece_bytes(tokenizer, token_id: int) -> bytes | None:
+    id_to_token = getattr(tokenizer, "id_to_token", None)
+    piece = id_to_token(token_id) if id_to_token is not None else None
+    if not piece:
+        return None
+    match = _BYTE_PIECE.fullmatch(piece)
+    if match:
+        return bytes([int(match[1], 16)])
+    decoder = _byte_level_decoder()
+    if all(c in decoder for c in piece):
+        return bytes(decoder[c] for c in piece)
+    return None
+
+
+class TextOffsets:
+    """The completions API's text_offset of each output token: where its text starts in the choice's
+    text (`start`: the echoed prompt's length). The tokens are detokenized again as the engine does
+    (with the prompt's last tokens in front), so a token that only starts a character points at that
+    character, and the offsets of a stream, fed in pieces, are those of the whole."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], start: int):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.start = start
+
+    def next(self, token_ids: list[int]) -> list[int]:
+        offsets = []
+        for token_id in token_ids:
+            offsets.append(self.start + len(self.detokenizer.text))
+            self.detokenizer.add_tokens([token_id])
+        return offsets
 
 
 def release_freed_memory() -> None:
@@ -304,22 +403,20 @@ async def stream_events(
     queue: asyncio.Queue,
     count: int,
     request_id: str,
+    created: int,
     chat: bool,
     top_n: int | None,
     prompt_tokens: int,
     include_usage: bool,
     echo_texts: list[str] | None = None,
-    stops: list[list[str] | None] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE stream: text deltas per choice as tokens arrive, a finish chunk per choice, optional
     usage chunk, then `data: [DONE]`. An engine failure becomes an error event before [DONE].
-    stops[i]: choice i's stop strings; text that may begin one is held back until it is ruled out (or
-    cut with the match), so the streamed text is the non-streamed one."""
+    The queue carries the engine's delta outputs: each event sends what its output holds (the engine
+    holds back text that may begin a stop string, so the streamed text is the non-streamed one)."""
     model = serving.model_name
-    sent_chars = [0] * count
-    sent_tokens = [0] * count
     # completions' text_offset: counted from the echoed prompt, as the non-streamed response counts
-    text_offsets = [len(echo_texts[i]) if echo_texts else 0 for i in range(count)]
+    offsets: list[TextOffsets | None] = [None] * count
     completion_tokens = 0
     if chat:
         first = [
@@ -331,33 +428,33 @@ async def stream_events(
             }
             for i in range(count)
         ]
-        yield sse(protocol.stream_chunk(request_id, model, first, chat=True))
+        yield sse(protocol.stream_chunk(request_id, model, first, True, created))
     elif echo_texts:
         echoed = [
             {"index": i, "text": echo_texts[i], "logprobs": None, "finish_reason": None} for i in range(count)
         ]
-        yield sse(protocol.stream_chunk(request_id, model, echoed, chat=False))
+        yield sse(protocol.stream_chunk(request_id, model, echoed, False, created))
     remaining = count
     while remaining:
         index, item = await queue.get()
         if isinstance(item, Exception):
             yield sse(protocol.error_body(str(item), "server_error", None, "engine_error"))
             break
-        text = item.text
-        if not item.finished:
-            text = text[: len(text) - stop_prefix_length(text, stops[index] if stops else None)]
-        delta = text[sent_chars[index] :]
+        completion_tokens += len(item.token_ids)
+        delta = item.text
         logprobs = None
-        if top_n is not None:
-            entries = serving.logprob_entries(item, sent_tokens[index], top_n)
+        if top_n is not None and item.token_ids:
+            entries = serving.logprob_entries(item, top_n)
             if chat:
                 logprobs = protocol.chat_logprobs(entries)
             else:
-                logprobs = protocol.completion_logprobs(entries, text_offsets[index])
-                text_offsets[index] += sum(len(entry[1]) for entry in entries)
-        sent_chars[index] = max(sent_chars[index], len(text))
-        sent_tokens[index] = len(item.token_ids)
+                if offsets[index] is None:
+                    start = len(echo_texts[index]) if echo_texts else 0
+                    offsets[index] = serving.text_offsets(item.prompt_token_ids, start)
+                logprobs = protocol.completion_logprobs(entries, offsets[index].next(item.token_ids))
         finish = item.finish_reason if item.finished else None
+        if item.finished:
+            remaining -= 1
         if not (delta or finish or logprobs):
             continue
         if chat:
@@ -369,12 +466,9 @@ async def stream_events(
             }
         else:
             choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
-        yield sse(protocol.stream_chunk(request_id, model, [choice], chat))
-        if item.finished:
-            remaining -= 1
-            completion_tokens += len(item.token_ids)
+        yield sse(protocol.stream_chunk(request_id, model, [choice], chat, created))
     else:
         if include_usage:
             usage = protocol.usage(prompt_tokens, completion_tokens)
-            yield sse(protocol.stream_chunk(request_id, model, [], chat, usage_=usage))
+            yield sse(protocol.stream_chunk(request_id, model, [], chat, created, usage_=usage))
     yield sse("[DONE]")
