@@ -8,10 +8,11 @@
 #   env     commit, GPU, CPU and ISA, torch/triton/jax versions, optional packages -> env.json
 #   tests   GPU tests: kernels in parallel (pytest-xdist when installed), then timing-sensitive ones
 #   verify  `kiln verify --device cuda` per backend (triton, triton_tma, pallas_gpu), side by side
-#   bench   the kernel benchmark suite (llm shapes): attention, GEMMs, the rest, one after another
+#   overhead `kiln profile --engine` of a tiny random model at batch 1 (the engine's per-step overhead)
+#   quant   the GEMM benchmarks (llm shapes): bf16, fp8 (per-tensor and block), int8, int4, GGUF blocks
+#   bench   the rest of the kernel benchmark suite (llm shapes): attention, norms and the rest
 #   engine  8B-shaped Llama with random bf16 weights (random:llama3-8b): `kiln bench engine` at
-#           concurrency 1,16,64 and `kiln profile --engine --batch 64`; `kiln profile --engine` of a
-#           tiny random model at batch 1 (the engine's per-step overhead)
+#           concurrency 1,16,64 and `kiln profile --engine --batch 64`
 # Each step runs under `timeout -s INT` (SIGINT: pytest still writes its summary and junit XML,
 # `kiln verify` its table and the JSON it rewrites after every row), SIGKILL 10 s later. The limits
 # of the phases asked for must add up to at most KILN_CALL_LIMIT_S (540 s), else nothing runs.
@@ -42,8 +43,9 @@ case "${1:-}" in
   --list) MODE=list; shift ;;
   -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
 esac
-ALL_PHASES=(env tests verify bench engine)
-RUNBOOK_CALLS=("env tests verify" "env bench" "env engine")  # docs/gpu_runbook.md: one device call each
+ALL_PHASES=(env tests verify overhead quant bench engine)
+# docs/gpu_runbook.md: one device call each; the first two fit a 15-minute visit with the start
+RUNBOOK_CALLS=("env tests verify" "env overhead quant" "env bench" "env engine")
 phases=("$@")
 if [ ${#phases[@]} -eq 0 ] && [ "$MODE" != run ]; then
   phases=("${ALL_PHASES[@]}")  # list or dry-run everything; each runbook call is checked against the limit
@@ -54,7 +56,9 @@ else
   calls=("${phases[*]}")
 fi
 for phase in "${phases[@]}"; do
-  case "$phase" in env | tests | verify | bench | engine) ;; *) echo "unknown phase $phase" >&2; exit 2 ;; esac
+  case "$phase" in env | tests | verify | overhead | quant | bench | engine) ;;
+    *) echo "unknown phase $phase" >&2; exit 2 ;;
+  esac
 done
 
 OUT=${OUT:-$ROOT/out}
@@ -184,7 +188,6 @@ phase_bench() {  # one after another (timings must not share the GPU); most impo
   step bench-attention-jax 50 kiln --partial "$WORK/bench/attention-jax-partial.json" -- \
     bench --suite llm --device cuda --out "$WORK/bench" --suffix attention-jax --op flash_attention \
     --backend pallas_gpu --compare-backends triton,xla
-  bench_step bench-gemm 130 gemm linear linear_silu_mul fp8_linear int8_linear int4_linear gguf_linear
   bench_step bench-rest 90 rest rms_norm layer_norm softmax rotary_embedding silu_and_mul fused_moe moe_route
 }
 
@@ -194,18 +197,25 @@ bench_step() {  # bench_step NAME LIMIT SUFFIX OP...: `kiln bench` keeps its cas
     bench --suite llm --device cuda --out "$WORK/bench" --suffix "$suffix" --op "$@"
 }
 
+phase_quant() {  # the quantized GEMMs beside bf16 cuBLAS and torch._scaled_mm in one run (#25)
+  bench_step bench-gemm 150 gemm linear fp8_linear fp8_block_linear int8_linear int4_linear gguf_linear \
+    w8a16_linear linear_silu_mul
+}
+
+phase_overhead() {  # a tiny model at batch 1: the step is almost all per-step overhead (its phase table, #21)
+  step engine-overhead 50 kiln -- profile --engine --model random:tiny --batch 1 --device cuda \
+    --timed-steps 50 --top 10
+}
+
 phase_engine() {
   step engine-8b 250 kiln --stamp "$WORK/engine-8b.json" -- bench engine --model random:llama3-8b \
     --device cuda --concurrency 1,16,64 --max-tokens 64 --num-prompts 64 --hf-batches '' \
     --json "$WORK/engine-8b.json"
   step engine-8b-profile 130 kiln -- profile --engine --model random:llama3-8b --batch 64 \
     --device cuda --top 40
-  # a tiny model at batch 1: the step is almost all per-step overhead (its phase table, #21)
-  step engine-overhead 50 kiln -- profile --engine --model random:tiny --batch 1 --device cuda \
-    --timed-steps 50 --top 10
 }
 
-declare -A BUDGET=([env]=60 [tests]=290 [verify]=190 [bench]=420 [engine]=470)
+declare -A BUDGET=([env]=60 [tests]=290 [verify]=190 [overhead]=60 [quant]=160 [bench]=280 [engine]=400)
 
 pack() {  # every file of this call into $OUT: logs tarball, summary, up to 6 result JSONs
   local prefix="$DATE-$GPU_SLUG"
