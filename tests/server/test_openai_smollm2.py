@@ -145,12 +145,30 @@ def test_streamed_text_offsets_are_the_plain_ones(client):
     assert streamed == plain and plain[0] == 0
 
 
-def test_echo_with_logprobs_is_refused_until_prompt_logprobs_exist(client):
-    """echo + logprobs asks for the prompt's logprobs too; the server answered with the completion's
-    only, as if the prompt had none."""
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2, echo=True, logprobs=1)
-    assert info.value.body["param"] == "echo" and "prompt logprobs" in info.value.body["message"]
+def test_echo_with_logprobs_scores_the_prompt_as_vllm_does(client, llm):
+    """echo + logprobs (lm-eval's loglikelihood request): the logprobs cover the prompt's tokens, the
+    first with null (no context), then the output's; they are the engine's prompt logprobs, the offsets
+    point into the echoed text, and the stream says the same. (The server answered with the
+    completion's logprobs only, as if the prompt had none, then refused the request.)"""
+    prompt = PROMPTS[1]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=2)
+    plain = client.completions.create(**kw).choices[0]
+    ref = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))[0]
+    n_prompt = len(ref.prompt_token_ids)
+    lp = plain.logprobs
+    assert plain.text.startswith(prompt) and len(lp.tokens) == n_prompt + 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [table[t] for t, table in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:], strict=True)]
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx(expected, abs=1e-4)
+    assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
+    assert "".join(lp.tokens) == plain.text
+    assert [plain.text[o : o + len(t)] for o, t in zip(lp.text_offset, lp.tokens, strict=True)] == lp.tokens
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == plain.text
+    streamed = [c.logprobs for c in chunks if c.logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
 
 
 CJK = "月亮的诗：\n\n爱"  # SmolLM2 answers in byte-level tokens, each a part of a UTF-8 character

@@ -103,9 +103,6 @@ BAD_FIELDS = {
         chat(stream=False, stream_options={"include_usage": False}),
         "stream_options",
     ),
-    # echo with logprobs asks for the prompt's logprobs, which the server cannot give yet
-    "echo_with_logprobs": ("/v1/completions", completion(echo=True, logprobs=1), "echo"),
-    "echo_with_logprobs_zero": ("/v1/completions", completion(echo=True, logprobs=0), "echo"),
     "top_k_minus_two": ("/v1/completions", completion(top_k=-2), "top_k"),
     "too_many_stop_strings": ("/v1/completions", completion(stop=["x"] * 17), "stop"),
     "chat_text_part_not_text": (
@@ -210,8 +207,6 @@ def test_bad_field_gets_400_naming_the_parameter(server, case):
 def test_the_refusals_say_what_to_send_instead(server):
     r = httpx.post(f"{server.url}/v1/completions", json=completion(use_beam_search=True))
     assert "send false" in r.json()["error"]["message"]
-    r = httpx.post(f"{server.url}/v1/completions", json=completion(echo=True, logprobs=2))
-    assert "prompt logprobs are not supported yet" in r.json()["error"]["message"]
     r = httpx.post(f"{server.url}/v1/completions", json=completion(stream_options={"include_usage": True}))
     assert "only be defined when stream is true" in r.json()["error"]["message"]
 

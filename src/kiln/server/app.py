@@ -207,7 +207,9 @@ def create_app(
         texts = serving.prompt_texts(req)
         serving.check_fits(len(texts), req.n)
         prompts = await serving.completion_prompts(texts)
-        subs = serving.build(req, prompts, max_tokens, req.logprobs, f"cmpl{next(counter)}")
+        # echo with logprobs: the prompt's logprobs too (vLLM's answer; lm-eval scores prompts so)
+        prompt_logprobs = req.logprobs if req.echo else None
+        subs = serving.build(req, prompts, max_tokens, req.logprobs, f"cmpl{next(counter)}", prompt_logprobs)
         echo_texts = None
         if req.echo:  # the prompt as sent: its text, or for token ids their decoded text
             if not isinstance(texts[0], str):

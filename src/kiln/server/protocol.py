@@ -203,17 +203,6 @@ class CompletionRequest(_SamplingFields):
     def _unsupported(cls, data):
         return _refuse_unsupported(data, COMPLETION_UNSUPPORTED)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_prompt_logprobs(cls, value, info):
-        # vLLM answers echo + logprobs with the prompt's logprobs too; this server cannot compute them
-        if value and info.data.get("logprobs") is not None:
-            raise ValueError(
-                "echo with logprobs asks for the prompt's logprobs, and prompt logprobs are not supported "
-                "yet: leave out echo or logprobs"
-            )
-        return value
-
     @field_validator("best_of")
     @classmethod
     def _best_of_is_n(cls, value, info):
@@ -311,13 +300,14 @@ def finite_logprob(value: float) -> float:
 
 
 class LogprobEntry(NamedTuple):
-    """One output token's logprobs. `token` is its text as a logprobs object shows it, `raw` its bytes;
-    `top`: (token, raw, logprob) of the most likely alternatives, most likely first."""
+    """One token's logprobs. `token` is its text as a logprobs object shows it, `raw` its bytes;
+    `top`: (token, raw, logprob) of the most likely alternatives, most likely first. An echoed prompt's
+    first token has no context: logprob and top are None (null in the completions object)."""
 
     token: str
     raw: bytes
-    logprob: float
-    top: list[tuple[str, bytes, float]]
+    logprob: float | None
+    top: list[tuple[str, bytes, float]] | None
 
 
 def completion_logprobs(entries: list[LogprobEntry], offsets: list[int]) -> dict:
@@ -326,13 +316,13 @@ def completion_logprobs(entries: list[LogprobEntry], offsets: list[int]) -> dict
     same text: special tokens, which show as "")."""
     top_logprobs = []
     for entry in entries:
-        top: dict[str, float] = {}
-        for token, _, logprob in entry.top:
+        top: dict[str, float] | None = None if entry.top is None else {}
+        for token, _, logprob in entry.top or ():
             top.setdefault(token, finite_logprob(logprob))
         top_logprobs.append(top)
     return {
         "tokens": [e.token for e in entries],
-        "token_logprobs": [finite_logprob(e.logprob) for e in entries],
+        "token_logprobs": [None if e.logprob is None else finite_logprob(e.logprob) for e in entries],
         "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }

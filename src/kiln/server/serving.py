@@ -174,9 +174,18 @@ class OpenAIServing:
         return ids
 
     # ---- request -> sub-requests ----
-    def build(self, req, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, tag: str):
+    def build(
+        self,
+        req,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        logprobs: int | None,
+        tag: str,
+        prompt_logprobs: int | None = None,
+    ):
         """Sub-requests for every prompt x choice; validates lengths and sampling fields (400 on error).
-        A stream's get delta outputs, the others one final output."""
+        A stream's get delta outputs, the others one final output. prompt_logprobs: top-n per prompt
+        token too (completions' echo with logprobs)."""
         vocab = self.vocab_size
         stop_token_ids = req.stop_token_ids
         if stop_token_ids and vocab is not None:
@@ -218,6 +227,7 @@ class OpenAIServing:
                         stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
                         ignore_eos=req.ignore_eos,
                         logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs,
                         output_kind=output_kind,
                     )
                 except ValueError as exc:  # protocol.py checked the fields first: a backstop
@@ -239,6 +249,28 @@ class OpenAIServing:
                 protocol.LogprobEntry(token, raw, float(table.get(token_id, float("-inf"))), alternatives)
             )
         return entries
+
+    def prompt_logprob_entries(self, out, top_n: int) -> list[protocol.LogprobEntry]:
+        """The echoed prompt's logprobs, as vLLM gives them: the first token has none (no context), each
+        other its logprob given the tokens before it and the top_n alternatives."""
+        entries = []
+        for token_id, table in zip(out.prompt_token_ids, out.prompt_logprobs or (), strict=False):
+            token, raw = self.token(token_id)
+            if table is None:
+                entries.append(protocol.LogprobEntry(token, raw, None, None))
+                continue
+            top = sorted(table.items(), key=lambda kv: -kv[1])[:top_n]
+            alternatives = [(*self.token(t), float(v)) for t, v in top]
+            entries.append(protocol.LogprobEntry(token, raw, float(table[token_id]), alternatives))
+        return entries
+
+    def echoed_logprobs(self, out, top_n: int, output_offsets: TextOffsets) -> dict:
+        """Completions' logprobs of an echoed choice's first output: the prompt's tokens (offsets from 0
+        in the prompt's decoded text), then the output's (offsets after the echoed text)."""
+        entries = self.prompt_logprob_entries(out, top_n) + self.logprob_entries(out, top_n)
+        offsets = TextOffsets(self.tokenizer, [], 0).next(out.prompt_token_ids)
+        offsets += output_offsets.next(out.token_ids)
+        return protocol.completion_logprobs(entries, offsets)
 
     def text_offsets(self, prompt_ids: list[int], start: int) -> TextOffsets:
         return TextOffsets(self.tokenizer, prompt_ids, start)
@@ -271,7 +303,10 @@ class OpenAIServing:
             else:
                 echo = echo_texts[index] if echo_texts else ""
                 logprobs = None
-                if entries is not None:
+                if entries is not None and echo_texts:
+                    offsets = self.text_offsets(out.prompt_token_ids, len(echo))
+                    logprobs = self.echoed_logprobs(out, top_n, offsets)
+                elif entries is not None:
                     offsets = self.text_offsets(out.prompt_token_ids, len(echo)).next(out.token_ids)
                     logprobs = protocol.completion_logprobs(entries, offsets)
                 choices.append(
@@ -429,11 +464,13 @@ async def stream_events(
             for i in range(count)
         ]
         yield sse(protocol.stream_chunk(request_id, model, first, True, created))
-    elif echo_texts:
+    elif echo_texts and top_n is None:
         echoed = [
             {"index": i, "text": echo_texts[i], "logprobs": None, "finish_reason": None} for i in range(count)
         ]
         yield sse(protocol.stream_chunk(request_id, model, echoed, False, created))
+    # echo with logprobs: each choice's prompt and its logprobs go out with its first output
+    echo_pending = [bool(echo_texts) and top_n is not None and not chat] * count
     remaining = count
     while remaining:
         index, item = await queue.get()
@@ -451,7 +488,13 @@ async def stream_events(
                 if offsets[index] is None:
                     start = len(echo_texts[index]) if echo_texts else 0
                     offsets[index] = serving.text_offsets(item.prompt_token_ids, start)
-                logprobs = protocol.completion_logprobs(entries, offsets[index].next(item.token_ids))
+                if echo_pending[index]:
+                    logprobs = serving.echoed_logprobs(item, top_n, offsets[index])
+                else:
+                    logprobs = protocol.completion_logprobs(entries, offsets[index].next(item.token_ids))
+        if echo_pending[index]:
+            echo_pending[index] = False
+            delta = echo_texts[index] + delta
         finish = item.finish_reason if item.finished else None
         if item.finished:
             remaining -= 1
