@@ -74,6 +74,33 @@ def test_pp2_llama_with_uneven_layer_split_matches_one_process(tmp_path):
     _compare(path, tp_size=1, pp_size=2, tol=1e-5)  # stages of 2 + 1 layers
 
 
+@pytest.mark.parametrize("tp_size, pp_size", [(1, 2), (2, 1)])
+def test_prompt_logprobs_under_pp2_or_tp2_match_one_process(tp_size, pp_size, tmp_path):
+    """Prompt logprobs take the logits of prompt positions too: the pipeline's last stage returns
+    those rows like sampling rows (over micro-batches and chunked prefill), tensor parallel ranks
+    gather them like sampling rows."""
+    path = write_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+    config = EngineConfig(model=path, device="cpu", num_kv_blocks=32, max_num_batched_tokens=12)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+
+    def prompt_logprobs(engine):
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, params)
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update({out.request_id: out for out in engine.step() if out.finished})
+        return [finals[f"r{i}"].prompt_logprobs for i in range(len(PROMPTS))]
+
+    single = prompt_logprobs(LLMEngine(config))
+    with TensorParallelEngine(config, tp_size=tp_size, pp_size=pp_size, timeout_s=30, lanes=1) as engine:
+        pipelined = prompt_logprobs(engine)
+    for ours, ref, prompt in zip(pipelined, single, PROMPTS, strict=True):
+        assert len(ours) == len(ref) == len(prompt) and ours[0] is None
+        for got, want in zip(ours[1:], ref[1:], strict=True):
+            assert got.keys() == want.keys()
+            assert max(abs(got[t] - v) for t, v in want.items()) < 1e-4
+
+
 def test_pp2_fp8_cache_with_exact_positions_matches_one_process(tmp_path):
     """Each stage keeps its layers' fp8 caches and exact rings (window 4, so a 30-token prompt's
     positions 16-25 onward are read from fp8): the same logits as one process. Scales 1.0 in both, since
