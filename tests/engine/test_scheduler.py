@@ -141,3 +141,24 @@ def test_admission_uses_the_prefix_cache():
     batch = step(sched)
     assert batch.num_tokens[batch.seqs.index(b)] == 4
     assert b.block_table[:2] == a.block_table[:2]
+
+
+def test_prompt_logprob_prefill_is_chunked_to_the_rows_a_step_may_hold():
+    """A request asking for prompt logprobs gets the logits of every prompt position: at most
+    PROMPT_LOGPROB_ROWS of them a step, whatever the token budget; other requests use the rest."""
+    from kiln.engine.scheduler import PROMPT_LOGPROB_ROWS
+
+    sched = make_scheduler(num_blocks=2048, block_size=16, budget=4096, max_model_len=8192)
+    scored = add(sched, "scored", 2500, prompt_logprobs=1)
+    plain = add(sched, "plain", 2000, first_token=5000)
+    chunks = []
+    while scored.num_output_tokens == 0:
+        batch = step(sched)
+        sizes = dict(zip((s.request_id for s in batch.seqs), batch.num_tokens, strict=True))
+        chunks.append(sizes.get("scored", 0))
+        assert plain.num_computed_tokens > 0, "the plain request waited behind the scored one"
+        # what the runner does: one entry per prompt position computed (a logits row each)
+        done = min(scored.num_computed_tokens, scored.num_prompt_tokens - 1)
+        scored.prompt_logprobs.extend([{}] * (done + 1 - len(scored.prompt_logprobs)))
+    assert chunks == [PROMPT_LOGPROB_ROWS, PROMPT_LOGPROB_ROWS, 2500 - 2 * PROMPT_LOGPROB_ROWS]
+    assert not scored.prompt_logprobs_pending and plain.num_output_tokens > 0

@@ -11,6 +11,10 @@ Speculative decoding (num_speculative_tokens > 0): a decoding sequence may also 
 slots for proposed tokens (batch.spec_caps), capped by the token budget, its max_tokens and
 max_model_len, and dropped rather than preempting anyone when the blocks are short. After the step
 only the verified tokens count as computed, and blocks past them are released.
+
+Requests that asked for prompt logprobs get the logits of every prompt position: at most
+PROMPT_LOGPROB_ROWS such rows a step ([rows, vocab] float32: 0.5 GiB at a 128k vocabulary), so their
+prefill is chunked to fit.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from dataclasses import dataclass, field
 
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.sequence import Sequence, SequenceStatus
+
+PROMPT_LOGPROB_ROWS = 1024
 
 
 @dataclass
@@ -70,6 +76,7 @@ class Scheduler:
     # ---- scheduling ----
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
+        prompt_rows = PROMPT_LOGPROB_ROWS  # logits rows of prompt positions left this step
         scheduled: dict[int, tuple[Sequence, int]] = {}  # id(seq) -> (seq, tokens), in schedule order
         preempted = False
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
@@ -80,6 +87,10 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted a moment ago to make room for an older one
             n = min(seq.num_uncomputed_tokens, budget)
+            if seq.prompt_logprobs_pending:
+                if not prompt_rows:
+                    continue
+                n = min(n, prompt_rows)
             cap = self._spec_cap(seq, budget)
             if cap and self.block_manager.can_allocate(seq, n + cap):  # never preempt for a guess
                 n += cap
@@ -95,11 +106,14 @@ class Scheduler:
                 self.block_manager.allocate(seq, n)
                 scheduled[id(seq)] = (seq, n)
                 budget -= n
+                prompt_rows -= n if seq.prompt_logprobs_pending else 0
         # admit new work only when nothing had to be preempted (else it would be preempted right back)
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.prompt_logprobs_pending and not prompt_rows:
+                break
             self.block_manager.match_prefix(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, prompt_rows if seq.prompt_logprobs_pending else budget)
             # beside running work, only a request whose whole prefill fits now: one admitted on its
             # first chunk ran out of blocks chunks later, preempted itself (the newest) and started
             # over, every few steps while an older one ran (48x the model work, no prefix cache)
@@ -112,6 +126,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled[id(seq)] = (seq, n)
             budget -= n
+            prompt_rows -= n if seq.prompt_logprobs_pending else 0
         seqs = [s for s, _ in scheduled.values()]
         num_tokens = [n for _, n in scheduled.values()]
         spec_caps = []
