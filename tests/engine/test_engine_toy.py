@@ -182,6 +182,22 @@ def test_prompt_logprobs_do_not_depend_on_chunking_caching_or_preemption(loaded)
             assert all(o.num_cached_tokens == 0 for o in outs)
 
 
+def test_a_prompt_logprobs_request_waiting_for_blocks_keeps_the_prefix_counters(loaded):
+    """It looks nothing up in the prefix cache, so the undo of a failed admission (it waits while the
+    running request holds the blocks) must not subtract its prompt from the lookups: they went to
+    -580 over 22 steps."""
+    engine = LLMEngine(EngineConfig(num_kv_blocks=12, block_size=4), loaded=loaded)
+    engine.add_request("a", [3] * 20, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    engine.add_request("b", [4] * 30, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))
+    lowest, waited = 0, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.stats()
+        lowest = min(lowest, stats.prefix_cache_queries)
+        waited += stats.num_waiting
+    assert waited > 0 and lowest >= 0 and engine.stats().prefix_cache_queries == 20
+
+
 def test_an_unknown_output_kind_is_refused():
     with pytest.raises(ValueError, match="output_kind='streaming'"):
         SamplingParams(output_kind="streaming")

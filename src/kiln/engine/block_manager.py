@@ -172,7 +172,7 @@ class BlockManager:
 
     def unmatch_prefix(self, seq: Sequence) -> None:
         """Undo match_prefix for a request that could not be admitted after all (counters included)."""
-        if self.enable_prefix_caching and not seq.preempted:
+        if self.enable_prefix_caching and not seq.preempted and not seq.prompt_logprobs_pending:
             self.prefix_cache_queries -= len(seq.token_ids)
             self.prefix_cache_hits -= seq.num_computed_tokens
             seq.num_cached_tokens = 0

@@ -80,7 +80,11 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (lambda v: v == [], "an empty list"),
     "function_call": (lambda v: v in ("none", "auto"), '"none" or "auto" (there are no functions)'),
     # vLLM's extensions
-    "prompt_logprobs": (lambda v: False, "null (prompt logprobs are not supported yet)"),
+    "prompt_logprobs": (
+        lambda v: False,
+        "null (vLLM's per-choice prompt_logprobs field is not produced; completions' echo with logprobs "
+        "scores the prompt)",
+    ),
     "structured_outputs": (lambda v: False, "null (guided decoding is not supported)"),
     "include_stop_str_in_output": (lambda v: v is False, "false"),
     "skip_special_tokens": (lambda v: v is True, "true"),
