@@ -168,3 +168,40 @@ def test_a_sampling_error_fails_only_its_requests_and_the_ranks_go_on(pp_size, t
         assert failed["done"] and not engine.dead_workers()
     assert results["r0"][1] == "abort"
     assert results["r1"] == (single["r1"][0], "length")
+
+
+def test_an_abort_pending_when_a_lane_step_raises_is_reported_by_the_next(tmp_path):
+    """A lane step that raises a SamplingError after taking the pending aborts dropped them: the
+    aborted request was never reported (LLMEngine.step keeps them; the lane step now does too)."""
+    from kiln.engine.sampler import SamplingError
+
+    path = write_checkpoint(tmp_path, "llama", num_hidden_layers=2)
+    config = EngineConfig(model=path, device="cpu", num_kv_blocks=32)
+    with TensorParallelEngine(config, tp_size=1, pp_size=2, timeout_s=30) as engine:
+        check_seeds = engine.runner.sampler.check_seeds
+        state = {"armed": False, "raised_at": None, "step": 0}
+
+        def fail_once(seqs):
+            if state["armed"] and state["raised_at"] is None:
+                state["raised_at"] = state["step"]
+                raise SamplingError({seqs[0].request_id: "cannot seed a generator (test)"})
+            return check_seeds(seqs)
+
+        engine.runner.sampler.check_seeds = fail_once
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(f"r{i}", prompt, PARAMS)
+        finished = {}
+        while engine.has_unfinished_requests():
+            state["step"] += 1
+            if state["step"] == 4:
+                engine.abort_request("r2")
+                state["armed"] = True
+            try:
+                outputs = engine.step()
+            except SamplingError as exc:
+                for request_id in exc.failures:
+                    engine.abort_request(request_id)
+                continue
+            finished.update({o.request_id: o.finish_reason for o in outputs if o.finished})
+        assert state["raised_at"] == 4  # the step that took r2's abort raised
+        assert finished["r2"] == "abort" and set(finished) == {"r0", "r1", "r2"}

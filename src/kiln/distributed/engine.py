@@ -310,9 +310,18 @@ class TensorParallelEngine(LLMEngine):
     def _lane_step(self) -> list[RequestOutput]:
         """One step of the next lane (round robin): finish its step in flight (collect the logits,
         sample, advance, detokenize), then schedule and launch its next one, which runs through the
-        pipeline behind the other lanes' steps."""
-        outputs = [self._output(seq) for seq in self._aborted]
-        self._aborted.clear()
+        pipeline behind the other lanes' steps. Aborts are reported first; a step that raises keeps
+        them for the next, as LLMEngine.step does."""
+        aborted, self._aborted = self._aborted, []
+        try:
+            outputs = self._lane_step_outputs()
+        except BaseException:
+            self._aborted = aborted + self._aborted
+            raise
+        return [self._output(seq) for seq in aborted] + outputs
+
+    def _lane_step_outputs(self) -> list[RequestOutput]:
+        outputs = []
         self.step_times.steps += 1
         lane = self._next_lane
         self._next_lane = (lane + 1) % self.lanes
