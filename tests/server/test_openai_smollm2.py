@@ -341,3 +341,19 @@ def test_64_concurrent_clients_all_get_the_greedy_answer(server, llm):
 def test_models_lists_the_served_model_and_health_is_ok(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_completions_top_logprobs_include_the_chosen_token(client):
+    """OpenAI's completions logprobs list the most likely tokens "as well as the chosen tokens" (vLLM:
+    up to n + 1 entries); a sampled token outside the top n was missing from its own map."""
+    lp = (
+        client.completions.create(
+            model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=1.5, seed=5, logprobs=1
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert all(token in top and len(top) <= 2 for token, top in zip(lp.tokens, lp.top_logprobs, strict=True))
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # some sampled token was not the most likely
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == value

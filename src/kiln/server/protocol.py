@@ -317,12 +317,14 @@ class LogprobEntry(NamedTuple):
 def completion_logprobs(entries: list[LogprobEntry], offsets: list[int]) -> dict:
     """The completions API's logprobs object; offsets[i]: where token i's text starts in the choice's
     text. A top_logprobs map keeps one entry per token text, the most likely's (two tokens can show the
-    same text: special tokens, which show as "")."""
+    same text: special tokens, which show as ""), and the chosen token's, as OpenAI and vLLM do."""
     top_logprobs = []
     for entry in entries:
         top: dict[str, float] | None = None if entry.top is None else {}
         for token, _, logprob in entry.top or ():
             top.setdefault(token, finite_logprob(logprob))
+        if top is not None:  # "as well as the chosen token" (OpenAI; vLLM: up to n + 1 entries)
+            top.setdefault(entry.token, finite_logprob(entry.logprob))
         top_logprobs.append(top)
     return {
         "tokens": [e.token for e in entries],
