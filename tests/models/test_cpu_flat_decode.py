@@ -395,3 +395,28 @@ def test_compiled_engines_run_one_sequence_steps_in_the_native_call(blocks_gguf,
     assert fallbacks.taken() == []
     assert llm.engine.runner.compiled_decode.compiled_sizes == {2}  # the two-sequence steps only
     assert tokens[True] == tokens[False]
+
+
+def test_two_engines_on_one_model_each_decode_flat_on_their_own_caches():
+    """The model holds one flat loop, built over one runner's caches: a second engine on the same model
+    (a second LLM, a draft model that is the target) replaced it, and the first engine's one-token
+    steps fell back to the modules. Each runner puts its own back before its forward."""
+    loaded = load_model(MODEL, device="cpu")
+    first, second = _engine(MODEL, loaded), _engine(MODEL, loaded)
+    flats = [engine.runner.flat_decode for engine in (first, second)]
+    if None in flats:
+        pytest.skip("the flat loop does not apply to this model here")
+    assert flats[0] is not flats[1] and flats[0].kv_caches is first.runner.kv_caches
+    ran = {0: 0, 1: 0}
+    for index, flat in enumerate(flats):
+        applies = flat.applies
+
+        def counting(*args, _applies=applies, _index=index):
+            taken = _applies(*args)
+            ran[_index] += taken
+            return taken
+
+        flat.applies = counting
+    for engine in (first, second, first):
+        _run(engine, [[1, 2, 3]], max_tokens=4)
+    assert ran[0] >= 2 * 3 and ran[1] >= 3  # every decode step after the prefill, in both engines

@@ -199,6 +199,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.step_times = StepTimes()  # prepare / forward / sample; the engine adds its phases
         self.graphs = None
+        self.flat_decode = None  # CPU: kiln.models.cpu_flat_decode over this runner's caches
         if device.type == "cuda" and not enforce_eager:
             from kiln.engine.cuda_graphs import DecodeGraphs
 
@@ -212,7 +213,7 @@ class ModelRunner:
             # built (a host's first run, ~30-60 s) or loaded here, so that no step's time includes it
             paged_decode_native.load()
             if hasattr(model, "flat_decode"):  # one-token eager steps as one loop over the kernels
-                model.flat_decode = FlatDecodeLayers.build(model, self.kv_caches)
+                self.flat_decode = model.flat_decode = FlatDecodeLayers.build(model, self.kv_caches)
         self.compiled_decode = None  # CPU: decode steps through a compiled forward per batch size
         if device.type == "cpu" and compile_cpu_decode and not enforce_eager:
             from kiln.engine.cpu_compiled_step import CompiledDecodeSteps
@@ -326,6 +327,10 @@ class ModelRunner:
         metadata = inputs.attn_metadata
         if inputs.exact_fill is not None:
             copy_exact_fill(self.kv_caches, inputs.exact_fill[0], inputs.exact_fill[1])
+        flat = getattr(self.model, "flat_decode", None)
+        if flat is not None and flat.kv_caches is not self.kv_caches and self.flat_decode is not None:
+            # another engine on the same model (a second LLM, a draft that is the target) set its own
+            self.model.flat_decode = self.flat_decode
         with kiln.ops.trusted_inputs():
             hidden = logits = None
             if self.graphs is not None and metadata.decode_only and self.graphs.fits(metadata.num_seqs):
