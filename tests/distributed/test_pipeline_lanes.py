@@ -57,6 +57,29 @@ def generate(engine, prompts, abort_after_steps: int | None = None) -> dict:
     return results
 
 
+def run_aborting_failed_requests(engine, prompts, before_step=None) -> dict:
+    """request id -> (token ids, finish reason) of `prompts` run to the end as the server runs them: a
+    step's SamplingError aborts the requests it names; before_step(n) runs before the n-th step."""
+    from kiln.engine.sampler import SamplingError
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, PARAMS)
+    results, step = {}, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        if before_step is not None:
+            before_step(step)
+        try:
+            outputs = engine.step()
+        except SamplingError as exc:
+            for request_id in exc.failures:
+                engine.abort_request(request_id)
+            continue
+        for out in outputs:
+            results[out.request_id] = (list(out.token_ids), out.finish_reason)
+    return results
+
+
 def assert_same_logprobs(got, expected, tol=1e-5):
     for step, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert a.keys() == b.keys(), f"step {step}: top-5 tokens differ"
@@ -153,18 +176,7 @@ def test_a_sampling_error_fails_only_its_requests_and_the_ranks_go_on(pp_size, t
             return check_seeds(seqs)
 
         engine.runner.sampler.check_seeds = fail_r0_once
-        for i, prompt in enumerate(PROMPTS[:2]):
-            engine.add_request(f"r{i}", prompt, PARAMS)
-        results = {}
-        while engine.has_unfinished_requests():
-            try:
-                outputs = engine.step()
-            except SamplingError as exc:
-                for request_id in exc.failures:
-                    engine.abort_request(request_id)
-                continue
-            for out in outputs:
-                results[out.request_id] = (list(out.token_ids), out.finish_reason)
+        results = run_aborting_failed_requests(engine, PROMPTS[:2])
         assert failed["done"] and not engine.dead_workers()
     assert results["r0"][1] == "abort"
     assert results["r1"] == (single["r1"][0], "length")
@@ -188,20 +200,14 @@ def test_an_abort_pending_when_a_lane_step_raises_is_reported_by_the_next(tmp_pa
             return check_seeds(seqs)
 
         engine.runner.sampler.check_seeds = fail_once
-        for i, prompt in enumerate(PROMPTS[:3]):
-            engine.add_request(f"r{i}", prompt, PARAMS)
-        finished = {}
-        while engine.has_unfinished_requests():
-            state["step"] += 1
-            if state["step"] == 4:
+
+        def abort_r2_and_arm(step):
+            state["step"] = step
+            if step == 4:
                 engine.abort_request("r2")
                 state["armed"] = True
-            try:
-                outputs = engine.step()
-            except SamplingError as exc:
-                for request_id in exc.failures:
-                    engine.abort_request(request_id)
-                continue
-            finished.update({o.request_id: o.finish_reason for o in outputs if o.finished})
+
+        results = run_aborting_failed_requests(engine, PROMPTS[:3], abort_r2_and_arm)
+        finished = {request_id: reason for request_id, (_, reason) in results.items() if reason}
         assert state["raised_at"] == 4  # the step that took r2's abort raised
         assert finished["r2"] == "abort" and set(finished) == {"r0", "r1", "r2"}
