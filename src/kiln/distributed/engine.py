@@ -312,13 +312,7 @@ class TensorParallelEngine(LLMEngine):
         sample, advance, detokenize), then schedule and launch its next one, which runs through the
         pipeline behind the other lanes' steps. Aborts are reported first; a step that raises keeps
         them for the next, as LLMEngine.step does."""
-        aborted, self._aborted = self._aborted, []
-        try:
-            outputs = self._lane_step_outputs()
-        except BaseException:
-            self._aborted = aborted + self._aborted
-            raise
-        return [self._output(seq) for seq in aborted] + outputs
+        return self._after_aborts(self._lane_step_outputs)
 
     def _lane_step_outputs(self) -> list[RequestOutput]:
         outputs = []

@@ -169,9 +169,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return outputs of the requests that got a token or finished (the
         aborted ones first; a step that raises keeps them for the next)."""
+        return self._after_aborts(self._step)
+
+    def _after_aborts(self, step: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
+        """The outputs of the aborts pending, then step()'s; if step raises, the aborts stay pending."""
         aborted, self._aborted = self._aborted, []
         try:
-            outputs = self._step()
+            outputs = step()
         except BaseException:
             self._aborted = aborted + self._aborted
             raise
