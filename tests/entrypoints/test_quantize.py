@@ -4,9 +4,12 @@ logits within 1e-5 (relative L2) of transformers loading the same files (the tol
 tests/loaders/test_quantized_compressed_tensors.py: the same quantized arithmetic in float32 in a
 different order); AWQ's folded float model equals the original, and on a model whose hidden state has
 a few large channels AWQ's quantized model is closer to the float model than round-to-nearest's on
-held-out prompts of the calibration's kind; `kiln verify --quant-model ORIG --against DIR` reports it."""
+held-out prompts of the calibration's kind; `kiln verify --quant-model ORIG --against DIR` reports it.
+A bfloat16 source's unquantized tensors and scales stay bfloat16; a --group-size Kiln's int4 loader
+refuses fails before anything is written."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -50,15 +53,21 @@ def _quantize(source, out, *args) -> str:
     [("fp8", "rtn", "fp8"), ("int8", "rtn", "int8"), ("w4a16", "rtn", "dense"), ("w4a16", "awq", "dense")],
 )
 def test_quantized_checkpoint_runs_in_llm_like_transformers(source, tmp_path, scheme, method, layout):
+    out = _quantize(source, tmp_path / "q", "--scheme", scheme, "--method", method)
+    config = _check_runs_like_transformers(out, method, layout)
+    assert config["dtype"] == "float32"
+
+
+def _check_runs_like_transformers(out: str, method: str, layout: str) -> dict:
+    """The checks of a quantized checkpoint `out`; returns its config.json."""
     from kiln.engine import LLM, SamplingParams
 
-    out = _quantize(source, tmp_path / "q", "--scheme", scheme, "--method", method)
     with open(f"{out}/config.json") as f:
         config = json.load(f)
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     assert config["quantization_config"]["ignore"] == ["lm_head"]
     assert config["kiln_quantize"]["quantized"] == 14 and config["kiln_quantize"]["method"] == method
-    assert (tmp_path / "q" / "tokenizer.json").is_file()
+    assert os.path.isfile(f"{out}/tokenizer.json")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0, -1].double()
@@ -68,6 +77,55 @@ def test_quantized_checkpoint_runs_in_llm_like_transformers(source, tmp_path, sc
     llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     out_logits = seen[0][-1].double()
     assert ((out_logits - ref).norm() / ref.norm()).item() < TOL
+    return config
+
+
+@pytest.fixture(scope="module")
+def bf16_source(tmp_path_factory):
+    """The tiny Llama saved by transformers in bfloat16 (config.json "dtype": "bfloat16")."""
+    directory = tmp_path_factory.mktemp("src_bf16")
+    write_checkpoint(directory, "llama", **SHAPE)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.bfloat16)
+    hf.save_pretrained(str(directory))
+    with open(directory / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    return directory
+
+
+@pytest.mark.parametrize(
+    "scheme, method, layout",
+    [("fp8", "rtn", "fp8"), ("int8", "rtn", "int8"), ("w4a16", "rtn", "dense"), ("w4a16", "awq", "dense")],
+)
+def test_bf16_source_stays_bf16(bf16_source, tmp_path, scheme, method, layout):
+    """A bfloat16 source's embeddings, norms, LM head and scales are written in bfloat16 and
+    config.json says so (they were float32: the dtype was read from the float32-loaded model)."""
+    from safetensors import safe_open
+
+    from kiln.loaders import load_model
+
+    out = _quantize(bf16_source, tmp_path / "q", "--scheme", scheme, "--method", method)
+    config = _check_runs_like_transformers(out, method, layout)
+    assert config["dtype"] == "bfloat16"
+    with safe_open(f"{out}/model.safetensors", "pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    unquantized = [n for n in dtypes if "proj" not in n]
+    assert "lm_head.weight" in unquantized and "model.embed_tokens.weight" in unquantized
+    assert "model.norm.weight" in unquantized and "model.layers.1.input_layernorm.weight" in unquantized
+    assert {dtypes[n] for n in unquantized} == {"BF16"}, dtypes
+    assert {dtypes[n] for n in dtypes if n.endswith("weight_scale")} == {"BF16"}
+    model = load_model(out, device="cpu", dtype=torch.bfloat16).model  # (float32 above, via LLM)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.layers[0].self_attn.qkv_proj.format == layout
+
+
+def test_source_dtype_reads_dtype_then_torch_dtype():
+    from kiln.entrypoints.quantize import source_dtype
+
+    assert source_dtype({"dtype": "bfloat16", "torch_dtype": "float32"}) == torch.bfloat16
+    assert source_dtype({"torch_dtype": "float16"}) == torch.float16
+    assert source_dtype({}) == torch.float32
+    with pytest.raises(ValueError, match="not a torch floating-point dtype"):
+        source_dtype({"dtype": "int8"})
 
 
 def _outlier_checkpoint(directory, kv_heads: int = 4):
@@ -159,6 +217,33 @@ def test_quantize_errors_name_what_is_wrong(source, tmp_path, monkeypatch, capsy
     assert "awq applies to --scheme w4a16 only" in capsys.readouterr().err
     assert main([*base, "--scheme", "w4a16", "--group-size", "96"]) == 2
     assert "not a multiple of --group-size 96" in capsys.readouterr().err
+    # 16 divides every in_features, but Kiln's int4 loader refuses it: nothing is written
+    assert main([*base, "--scheme", "w4a16", "--group-size", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "--group-size 16 is not one Kiln's int4_linear loads" in err
+    assert "allowed: 32, 64, 128, a multiple of 128" in err
+    assert not (tmp_path / "q").exists()
     monkeypatch.setitem(__import__("sys").modules, "compressed_tensors", None)
     assert main([*base, "--scheme", "int8"]) == 2
     assert "needs transformers and compressed-tensors" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("in_features", [96, 128, 192, 256, 384, 1024])
+def test_group_size_rule_is_the_int4_loaders(in_features):
+    """kiln quantize accepts a --group-size for a projection exactly when it divides in_features and
+    the loader's int4_weight converts its groups (the rule int4_group_size_error copies)."""
+    from kiln.entrypoints.quantize import int4_group_size_error
+    from kiln.quant.linear_weights import int4_weight
+
+    for group_size in range(1, in_features + 1):
+        if in_features % group_size:
+            assert "not a multiple of --group-size" in int4_group_size_error(group_size, in_features)
+            continue
+        groups = in_features // group_size
+        q = torch.zeros(2, in_features, dtype=torch.int32)
+        try:
+            int4_weight(q, torch.ones(2, groups), torch.zeros(2, groups), group_size)
+            loads = True
+        except ValueError:
+            loads = False
+        assert (int4_group_size_error(group_size, in_features) is None) == loads, group_size

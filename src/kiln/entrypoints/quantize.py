@@ -9,9 +9,13 @@ Schemes (compressed-tensors presets; weights from min/max, the library's own cal
             at run time
     int8    W8A8: int8 weights, one scale per output channel; int8 activations per token at run time
     w4a16   W4A16 pack-quantized: symmetric int4 weights, one scale per group of --group-size inputs
+            (32, 64, 128 or a multiple of 128, dividing every quantized projection's in_features; or
+            exactly a projection's in_features: what Kiln's int4_linear loads)
 Quantized: the decoder layers' projections (`model.layers.N.{self_attn.{q,k,v,o}_proj,
 mlp.{gate,up,down}_proj}`) unless an --ignore regex matches `<module>.weight` (as `kiln sparsify`).
-Embeddings, norms and the LM head stay in the source dtype.
+Embeddings, norms and the LM head stay in the source dtype (config.json's "dtype", or the legacy
+"torch_dtype"; float32 when it names none), which config.json of the output records too; the scales
+are written in it as well.
 
 --method awq (w4a16 only; dense Llama-family layers: Llama, Mistral, Qwen2, Qwen3): before
 round-to-nearest, AWQ's activation-aware scaling (kiln.quant.awq_scaling). Kiln's float32 model runs
@@ -50,6 +54,7 @@ from kiln.entrypoints.checkpoint_args import (
     read_calibration,
     source_safetensors,
 )
+from kiln.quant.int4 import GROUP_SIZES
 
 SCHEMES = {"fp8": "FP8_DYNAMIC", "int8": "W8A8", "w4a16": "W4A16"}
 AWQ_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -75,6 +80,35 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--method", choices=["rtn", "awq"], default="rtn", help="w4a16 only: rtn or awq")
     parser.add_argument("--group-size", type=int, default=128, help="w4a16 group size (default 128)")
     parser.set_defaults(func=run)
+
+
+def int4_group_size_error(group_size: int, in_features: int) -> str | None:
+    """Why Kiln's loader would reject W4A16 groups of `group_size` on a projection of `in_features`
+    inputs, or None when it takes them. The rule of kiln.quant.linear_weights.int4_weight (copied
+    from there, which keeps it inline): int4_linear's GROUP_SIZES, a multiple of 128 (split into
+    groups of 128), or one group per row; kiln quantize also needs the size to divide in_features."""
+    if in_features % group_size:
+        return (
+            f"{in_features} inputs, not a multiple of --group-size {group_size}; choose a group size "
+            f"dividing every projection's in_features (e.g. 32 or 64)"
+        )
+    if group_size in GROUP_SIZES or group_size % 128 == 0 or group_size == in_features:
+        return None
+    return (
+        f"{in_features} inputs: --group-size {group_size} is not one Kiln's int4_linear loads; "
+        f"allowed: {', '.join(map(str, GROUP_SIZES))}, a multiple of 128, or the projection's whole "
+        f"in_features ({in_features})"
+    )
+
+
+def source_dtype(config: dict) -> torch.dtype:
+    """The dtype of an HF checkpoint from its config.json: "dtype" (transformers >= 4.56), else the
+    legacy "torch_dtype", else float32."""
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"kiln quantize: config.json dtype {name!r} is not a torch floating-point dtype")
+    return dtype
 
 
 def _libraries():
@@ -259,21 +293,24 @@ def quantize(
     preset = preset_name_to_scheme(SCHEMES[scheme], ["Linear"])
     if scheme == "w4a16":
         preset.weights = preset.weights.model_copy(update={"group_size": group_size})
-    hf = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    source_dtype = getattr(hf.config, "dtype", None) or torch.float32
-    if isinstance(source_dtype, str):
-        source_dtype = getattr(torch, source_dtype)
-    names = quantized_modules(hf, patterns)
+    dtype = source_dtype(source_config)
+    hf_config = transformers.AutoConfig.from_pretrained(source)
+    with torch.device("meta"):  # the projections' shapes, checked before any weight is read
+        shapes = transformers.AutoModelForCausalLM.from_config(hf_config)
+    names = quantized_modules(shapes, patterns)
     if not names:
         raise ValueError("kiln quantize: no projection to quantize (every one ignored?)")
     if scheme == "w4a16":
-        bad = [n for n in names if hf.get_submodule(n).in_features % group_size]
-        if bad:
-            k = hf.get_submodule(bad[0]).in_features
-            raise ValueError(
-                f"kiln quantize: {bad[0]} has {k} inputs, not a multiple of --group-size {group_size}; "
-                f"choose a group size dividing every projection's in_features (e.g. 32 or 64)"
-            )
+        for name in names:
+            error = int4_group_size_error(group_size, shapes.get_submodule(name).in_features)
+            if error:
+                raise ValueError(f"kiln quantize: {name} has {error}")
+    del shapes
+    # Loaded in float32 (the AWQ search and fold run in it), cast back to `dtype` before quantizing;
+    # transformers records the load dtype in hf.config, hence `dtype` from the source's config.json.
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    if quantized_modules(hf, patterns) != names:
+        raise ValueError(f"kiln quantize: {source}'s loaded projections differ from its config's")
 
     awq = None
     if method == "awq":
@@ -281,7 +318,8 @@ def quantize(
         awq = awq_fold(hf, inputs, fake_quantizer(preset.weights), set(names), progress)
         del inputs
 
-    hf.to(source_dtype)
+    hf.to(dtype)
+    hf.config.dtype = dtype
     quantized = set(names)
     unquantized = [n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized]
     qconfig = QuantizationConfig(config_groups={"group_0": preset}, ignore=unquantized)
