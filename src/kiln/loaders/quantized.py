@@ -30,6 +30,7 @@ import torch
 
 from kiln.loaders.config_checks import is_int
 from kiln.models.config import ModelLoadError
+from kiln.ops.gemm.quantized_layouts import FP8_BLOCK_SIZES
 from kiln.quant.awq import awq_to_int4
 from kiln.quant.compressed_tensors import block_fp8_weight, pack_quantized_int4, scaled_weight
 from kiln.quant.gptq import gptq_to_int4
@@ -72,8 +73,10 @@ def quantized_loaders(hf: dict, loaders: Loaders, source: str) -> Loaders:
         {name.rsplit(".", 1)[0] for name in loaders if name.rsplit(".", 1)[-1] in _MARKERS[method]}
     )
     out = dict(loaders)
+    get = {name: load for name, (_, load) in loaders.items()}
+    shapes = {name: shape for name, (shape, _) in loaders.items()}
     for module in modules:
-        build = _builder(method, qc, module, loaders, source)
+        build = _builder(method, qc, module, get, shapes, source)
         if build is None:
             continue
         shape, load, consumed = build
@@ -109,10 +112,9 @@ def _group_size_ok(value) -> bool:
     return is_int(value) and (value == -1 or value > 0)
 
 
-def _builder(method, qc, module, loaders, source):
-    """(shape, load, consumed names) for one module, or None where it is not a quantized Linear."""
-    get = {name: load for name, (_, load) in loaders.items()}
-    shapes = {name: shape for name, (shape, _) in loaders.items()}
+def _builder(method, qc, module, get, shapes, source):
+    """(shape, load, consumed names) for one module, or None where it is not a quantized Linear.
+    get / shapes: every tensor's loader and shape by name (built once for all modules)."""
 
     def tensor(suffix: str, required: bool = True) -> Callable[[], torch.Tensor] | None:
         name = f"{module}.{suffix}"
@@ -145,31 +147,44 @@ def _builder(method, qc, module, loaders, source):
         return shape, lambda: awq_to_int4(q(), z(), s(), group_size), names("qweight", "qzeros", "scales")
     shape = (qweight_shape[1], qweight_shape[0] * 8)
     q, z, s, g = tensor("qweight"), tensor("qzeros"), tensor("scales"), tensor("g_idx", False)
-    plus_one = qc.get("checkpoint_format", "gptq") != "gptq_v2"
-    desc_act = bool(qc.get("desc_act", False))
-    if desc_act and g is None:
+    checkpoint_format = qc.get("checkpoint_format", "gptq")
+    if checkpoint_format not in ("gptq", "gptq_v2") or qc.get("is_marlin_format"):
+        fmt = "marlin" if qc.get("is_marlin_format") else checkpoint_format
+        raise _unsupported(source, module, method, f"checkpoint_format {fmt!r} (Kiln loads gptq and gptq_v2)")
+    if qc.get("dynamic"):  # GPTQModel's per-module overrides of bits, group size, desc_act
+        raise _unsupported(source, module, method, "a per-module 'dynamic' override")
+    plus_one = checkpoint_format != "gptq_v2"
+    if qc.get("desc_act", False) and g is None:
         raise ModelLoadError(
             f"{source}: missing tensor {module + '.g_idx'!r} (gptq checkpoint with desc_act)"
         )
 
-    def load_gptq():
-        return gptq_to_int4(
-            q(), z(), s(), g() if g is not None and desc_act else None, group_size, zeros_plus_one=plus_one
-        )
+    def load_gptq():  # g_idx as stored, whatever desc_act says (a plain one is no permutation)
+        g_idx = g() if g is not None else None
+        return gptq_to_int4(q(), z(), s(), g_idx, group_size, zeros_plus_one=plus_one)
 
     return shape, load_gptq, names("qweight", "qzeros", "scales", "g_idx")
 
 
 def _scheme_for(qc: dict, module: str):
-    """The config group whose targets match `module` ("Linear", "re:<regex>" or a name), or None
-    when the module is ignored or matched by no group."""
+    """The config group whose targets match `module`, or None when the module is ignored or matched
+    by no group. As compressed-tensors ranks them: a target naming the module outranks a regex
+    ("re:<regex>"), which outranks the class ("Linear"); among equals the first group."""
     for pattern in qc.get("ignore") or []:
         if _matches(pattern, module):
             return None
+    best, best_rank = None, 3
     for group in (qc.get("config_groups") or {}).values():
-        if any(_matches(t, module) or t == "Linear" for t in group.get("targets") or []):
-            return group
-    return None
+        for target in group.get("targets") or []:
+            if target == "Linear":
+                rank = 2
+            elif target.startswith("re:"):
+                rank = 1 if re.match(target[3:], module) else 3
+            else:
+                rank = 0 if target == module else 3
+            if rank < best_rank:
+                best, best_rank = group, rank
+    return best
 
 
 def _matches(pattern: str, module: str) -> bool:
@@ -204,8 +219,12 @@ def _compressed_tensors(qc, module, tensor, names, shapes, source):
         # weight_shape holds K exactly (2 values, read now for the WeightStore's shape check)
         k = int(shape_t()[1]) if shape_t is not None else words * 8
 
+        stored_zero = tensor("weight_zero_point", False) if zp is None else None
+
         def load_int4():
             zero = zp() if zp else None
+            if stored_zero is not None:
+                _check_zero(stored_zero(), module, "weight_zero_point", describe)
             return pack_quantized_int4(
                 packed(), scale(), k, group_size, zero, module, g_idx() if g_idx else None
             )
@@ -220,10 +239,14 @@ def _compressed_tensors(qc, module, tensor, names, shapes, source):
     w, scale = tensor("weight"), tensor("weight_scale")
     shape = tuple(shapes[f"{module}.weight"])
     consumed = names("weight", "weight_scale", "weight_zero_point", "input_scale", "input_zero_point")
+    w_zero, x_zero = tensor("weight_zero_point", False), tensor("input_zero_point", False)
+    if w_zero is not None or x_zero is not None:  # symmetric: stored zero points must be zero
+        w = _zero_checked(w, ((w_zero, "weight_zero_point"), (x_zero, "input_zero_point")), module, describe)
     if strategy == "block":
         block = tuple(weights.get("block_structure") or ())
         if qtype != "fp8" or len(block) != 2 or not _block_acts(acts, block[1]):
             raise _unsupported(source, module, method, describe)
+        _check_fp8_block(block, source, module, method)
         return shape, lambda: block_fp8_weight(w(), scale(), block, module), consumed
     if strategy not in ("tensor", "channel"):
         raise _unsupported(source, module, method, describe)
@@ -241,6 +264,33 @@ def _compressed_tensors(qc, module, tensor, names, shapes, source):
         x_scale = tensor("input_scale")
         return shape, lambda: scaled_weight(qtype, w(), scale(), x_scale(), module), consumed
     raise _unsupported(source, module, method, describe)
+
+
+def _check_fp8_block(block: tuple, source: str, module: str, method: str) -> None:
+    """Kiln's block-FP8 GEMM takes the blocks of FP8_BLOCK_SIZES: others fail here, by name, not at
+    the first forward."""
+    if tuple(block) not in FP8_BLOCK_SIZES:
+        sizes = ", ".join(f"{bn}x{bk}" for bn, bk in FP8_BLOCK_SIZES)
+        what = f"FP8 blocks of {block[0]}x{block[1]} (Kiln takes {sizes})"
+        raise _unsupported(source, module, method, what)
+
+
+def _check_zero(zero: torch.Tensor, module: str, name: str, describe: str) -> None:
+    """A symmetric scheme's stored zero point must be zero: one that is not belongs to another scheme."""
+    if bool((zero != 0).any()):
+        raise ValueError(f"{module}.{name} holds nonzero zero points; the scheme ({describe}) is symmetric")
+
+
+def _zero_checked(load, zeros, module: str, describe: str):
+    """load, after checking that each stored (loader, name) zero point is zero."""
+
+    def run():
+        for zero, name in zeros:
+            if zero is not None:
+                _check_zero(zero(), module, name, describe)
+        return load()
+
+    return run
 
 
 def _describe_acts(acts) -> str:
@@ -277,6 +327,7 @@ def _fp8(qc, module, tensor, names, shapes, source):
     if block is not None:
         if len(block) != 2:
             raise _unsupported(source, module, method, f"weight_block_size {block}")
+        _check_fp8_block(tuple(block), source, module, method)
         scale = tensor("weight_scale_inv", False) or tensor("weight_scale")
         return (
             shape,

@@ -36,7 +36,7 @@ from kiln.models.layers.expert_parallel import (
 from kiln.models.layers.tp import all_reduce
 from kiln.models.llama import LayerOptions, LlamaForCausalLM
 from kiln.models.sharding import ExpertShard, expert_shard, unsharded_config
-from kiln.models.weights import GGUFWeight, Weight, WeightStore
+from kiln.models.weights import Weight, WeightStore
 
 EXPERT_FORMATS = (None, "fp8")
 
@@ -48,7 +48,9 @@ def check_expert_format(expert_format: str | None) -> str | None:
 
 
 def _dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
-    return weight.dequantize(dtype) if isinstance(weight, GGUFWeight) else weight.to(dtype)
+    """An expert matrix as a dense tensor: quantized checkpoints' experts (GGUF blocks, FP8, int4) are
+    dequantized, as the fused MoE kernels take dense expert weights."""
+    return weight.to(dtype) if isinstance(weight, torch.Tensor) else weight.dequantize(dtype)
 
 
 def load_experts(
