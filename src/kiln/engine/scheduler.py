@@ -97,7 +97,9 @@ class Scheduler:
             while not self.block_manager.can_allocate(seq, n):
                 victim = max(self.running, key=lambda s: s.arrival_index)  # the newest, maybe seq itself
                 if id(victim) in scheduled:  # already in this step (decodes go first): take it back out
-                    budget += scheduled.pop(id(victim))[1]
+                    taken = scheduled.pop(id(victim))[1]
+                    budget += taken
+                    prompt_rows += taken if victim.prompt_logprobs_pending else 0
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
