@@ -90,7 +90,7 @@ def values_readable(tensor) -> bool:
 
 def check_expert_ids(topk_ids, num_experts: int) -> None:
     """Every id in [0, num_experts): one fused min/max over the ids, read back once."""
-    if topk_ids.numel() and values_readable(topk_ids):
+    if values_readable(topk_ids) and topk_ids.numel():  # a JAX array has no numel: not readable
         low, high = torch.stack(torch.aminmax(topk_ids)).tolist()
         if low < 0 or high >= num_experts:
             raise ValueError(f"{OP}: topk_ids has values in [{low}, {high}], expected [0, {num_experts})")

@@ -110,8 +110,10 @@ def validate_rejection_sample(
         "uniforms": uniforms,
         "exponentials": exponentials,
     }
+    # JAX arrays may be int32 (JAX's default integer without jax_enable_x64); torch tensors are int64
+    id_dtypes = (torch.int64,) if isinstance(draft_token_ids, torch.Tensor) else (torch.int64, torch.int32)
     for name, shape in expected.items():
-        dtypes = (torch.int64,) if name in ("draft_token_ids", "num_draft_tokens") else PROB_DTYPES
+        dtypes = id_dtypes if name in ("draft_token_ids", "num_draft_tokens") else PROB_DTYPES
         tensor = check_tensor(OP, name, args[name], ndim=len(shape), dtypes=dtypes, device=device)
         if tuple(tensor.shape) != shape:
             raise ValueError(
@@ -126,7 +128,7 @@ def validate_rejection_sample(
 
 def _check_index_values(draft_token_ids, num_draft_tokens, k_max: int, vocab: int) -> None:
     """Host-side range checks of the index tensors, where their values may be read."""
-    if num_draft_tokens.numel() == 0 or not host_checkable(num_draft_tokens):
+    if not host_checkable(num_draft_tokens) or num_draft_tokens.numel() == 0:  # JAX: not checkable
         return
     low, high = int(num_draft_tokens.min()), int(num_draft_tokens.max())
     if low < 0 or high > k_max:
