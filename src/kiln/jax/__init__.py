@@ -9,9 +9,10 @@ Pallas's interpreter. Arguments the torch op writes in place (rms_norm's residua
 come back as new arrays after the outputs, since JAX arrays are immutable.
 
 `kiln.jax.rms_norm`, `silu_and_mul` and `gelu_tanh_and_mul` are differentiable (`jax.grad`): a
-`jax.custom_vjp` whose backward is a Pallas kernel (kiln.jax.autodiff, kiln.jax.backward_pallas).
-So is the padded-batch `kiln.jax.flash_attention` (kiln.jax.attention_autodiff: Pallas TPU backward
-kernels recomputing from the saved LSE, kiln.ops.attention.flash_attention_backward.pallas_tpu).
+`jax.custom_vjp` whose backward, behind the pallas_tpu forward, is a Pallas kernel (kiln.jax.autodiff,
+kiln.jax.backward_pallas), and behind the others XLA's autodiff of the XLA forward. So is the
+padded-batch `kiln.jax.flash_attention` (kiln.jax.attention_autodiff: behind pallas_tpu the Pallas TPU
+backward kernels recomputing from the saved LSE, kiln.ops.attention.flash_attention_backward.pallas_tpu).
 
 `kiln.jax.IMPLEMENTED` maps each op to its JAX implementations.
 

@@ -72,8 +72,9 @@ def flash_attention(
     `q_lens`/`kv_lens` int32 `[B]` give per-row valid lengths (padded varlen batches); outputs past
     a row's q_len are unspecified. scale defaults to D ** -0.5. `implementation`: None (this
     device's best: pallas_tpu on a TPU, pallas_gpu on a GPU, xla on the CPU) or one of
-    pallas_tpu, pallas_gpu, xla. jit-compatible and differentiable in q, k and v (`jax.grad`: the
-    Pallas TPU backward kernels, recomputing from the saved LSE; kiln.jax.attention_autodiff).
+    pallas_tpu, pallas_gpu, xla. jit-compatible and differentiable in q, k and v (`jax.grad`: behind
+    pallas_tpu the Pallas TPU backward kernels, recomputing from the saved LSE, else XLA's autodiff of
+    the XLA forward; kiln.jax.attention_autodiff).
     """
     _validate(q, k, v, scale, sliding_window, softcap, q_lens, kv_lens)
     batch = q.shape[0]
