@@ -133,8 +133,9 @@ def bench_case(
         return record
     record.update(_timing_fields(timing))
     seconds = timing.median_ms / 1e3
-    peak_dtype = spec.matmul_dtype(shape, dtype) if spec.matmul_dtype is not None else dtype
-    point = roofline(flops, nbytes, seconds, ceilings.peak_flops(peak_dtype), ceilings.peak_bandwidth)
+    point = roofline(
+        flops, nbytes, seconds, ceilings.peak_flops(spec.peak_dtype(shape, dtype)), ceilings.peak_bandwidth
+    )
     record.update(
         {
             "tflops": point.flops_per_s / 1e12,

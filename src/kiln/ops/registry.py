@@ -235,6 +235,10 @@ class OpSpec:
             )
         return fn
 
+    def peak_dtype(self, shape: Shape, dtype: torch.dtype) -> torch.dtype:
+        """The dtype whose matmul peak bounds this case: matmul_dtype's where given, else the case's."""
+        return self.matmul_dtype(shape, dtype) if self.matmul_dtype is not None else dtype
+
     def tolerance_for(self, shape: Shape, dtype: torch.dtype) -> float:
         """The error bound of one verification case."""
         if self.case_tolerance is not None:

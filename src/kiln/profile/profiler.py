@@ -121,7 +121,7 @@ def build_report(
         if ceilings is not None and op in registry:
             spec = registry[op]
             bound = max(
-                spec.flops(shape, dtype) / ceilings.peak_flops(dtype),
+                spec.flops(shape, dtype) / ceilings.peak_flops(spec.peak_dtype(shape, dtype)),
                 spec.bytes(shape, dtype) / ceilings.peak_bandwidth,
             )
             entry["bound_us"] += bound * 1e6
