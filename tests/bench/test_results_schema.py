@@ -60,6 +60,15 @@ def test_file_name_is_date_and_device_slug(cpu_payload, tmp_path):
     assert results.load(path) == cpu_payload
 
 
+def test_a_second_run_the_same_day_gets_its_own_file(cpu_payload, tmp_path):
+    """It overwrote the first (bench/results/ is the default --out)."""
+    first = results.write(cpu_payload, tmp_path)
+    second = results.write(cpu_payload, tmp_path)
+    third = results.write(cpu_payload, tmp_path)
+    assert len({first, second, third}) == 3 and all(p.exists() for p in (first, second, third))
+    assert second.name == first.name.replace(".json", "-2.json")
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [

@@ -198,9 +198,14 @@ def validate(payload: dict) -> None:
 
 
 def write(payload: dict, out_dir: str | Path, suffix: str | None = None) -> Path:
+    """Write the result as out_dir/<date>-<device>[-suffix].json, or with -2, -3, ... before .json when
+    that name is taken (a second run the same day overwrote the first); returns the path written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / result_filename(payload["metadata"], suffix)
+    stem, n = path.stem, 2
+    while path.exists():
+        path, n = path.with_name(f"{stem}-{n}.json"), n + 1
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     return path
 
