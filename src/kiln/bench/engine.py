@@ -332,16 +332,20 @@ def bench_kiln(args, loaded, concurrencies: list[int], info: dict | None = None)
     return results
 
 
-def bench_hf(args, model_path: str, vocab: int, batches: list[int]) -> list[Result]:
+def bench_hf(
+    args, model_path: str, vocab: int, batches: list[int], dtype: torch.dtype = torch.float32
+) -> list[Result]:
+    """HF transformers' generate at each batch size, its weights and activations in `dtype` (Kiln's
+    activation dtype: bfloat16 on CUDA, float32 on the CPU; HF ran float32 beside Kiln's bf16)."""
     from transformers import AutoModelForCausalLM
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if model_path.endswith(".gguf"):
         model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), torch_dtype=torch.float32
+            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype
         )
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model = model.to(device).eval()
 
     def generate(ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -537,7 +541,11 @@ def run(args: argparse.Namespace) -> int:
         return _report(
             args, device, model_path, results, summary, f"engine_spec_{args.speculative}_{device}.json"
         )
-    kiln_info = {"weight_layouts": weight_layouts(loaded.model)}
+    kiln_dtype = getattr(loaded.model, "dtype", torch.float32)
+    kiln_info = {
+        "weight_layouts": weight_layouts(loaded.model),
+        "dtype": str(kiln_dtype).removeprefix("torch."),  # activations (HF runs in the same)
+    }
     peers: dict = {}  # what the baselines ran as (vLLM's version and settings)
     results = bench_kiln(args, loaded, concurrencies, kiln_info)
     del loaded
@@ -557,7 +565,8 @@ def run(args: argparse.Namespace) -> int:
             )
     else:
         if hf_batches:
-            results += bench_hf(args, model_path, vocab, hf_batches)
+            results += bench_hf(args, model_path, vocab, hf_batches, kiln_dtype)
+            peers["hf_transformers"] = {"dtype": kiln_info["dtype"]}
         if (
             not args.no_llama_cpp
             and importlib.util.find_spec("llama_cpp") is not None
