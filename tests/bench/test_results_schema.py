@@ -52,6 +52,9 @@ def test_cpu_payload_has_versioned_metadata_and_typed_cases(cpu_payload):
         assert case["roofline_fraction"] == pytest.approx(bound / seconds)
         base = case["baselines"]["torch_eager"]
         assert base["speedup"] == pytest.approx(base["median_ms"] / case["median_ms"])
+        # how each side was timed, and how many bytes the timed calls rotate through
+        assert base["method"] == case["method"] == "cpu-wallclock"
+        assert case["rotated_bytes"] == pytest.approx(case["copies"] * case["bytes"])
 
 
 def test_file_name_is_date_and_device_slug(cpu_payload, tmp_path):

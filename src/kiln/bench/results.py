@@ -82,7 +82,10 @@ METADATA_FIELDS = (
     "backend",
 )
 # optional fields, checked when present
-OPTIONAL_CASE_FIELDS: dict[str, type | tuple[type, ...]] = {"fallback": (str, type(None))}
+OPTIONAL_CASE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "fallback": (str, type(None)),
+    "rotated_bytes": (float, int, type(None)),
+}
 
 
 def _driver() -> str | None:

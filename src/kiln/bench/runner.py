@@ -132,6 +132,9 @@ def bench_case(
         record["error"] = f"{type(exc).__name__}: {exc}"
         return record
     record.update(_timing_fields(timing))
+    # bytes the timed calls rotate through (copies of the inputs, by the byte model): below about twice
+    # the last-level cache the inputs stay cached and the memory roofline is not a bound
+    record["rotated_bytes"] = float(timing.copies * nbytes) if timing.copies else None
     seconds = timing.median_ms / 1e3
     point = roofline(
         flops, nbytes, seconds, ceilings.peak_flops(spec.peak_dtype(shape, dtype)), ceilings.peak_bandwidth
@@ -163,6 +166,9 @@ def bench_case(
                 "p20_ms": float(t.p20_ms),
                 "p80_ms": float(t.p80_ms),
                 "speedup": float(t.median_ms / timing.median_ms),
+                # a baseline that syncs with the host cannot be graph-captured: it is timed eagerly,
+                # launch gaps included, while Kiln's kernel may be graph-replayed
+                "method": t.method,
             }
     del input_sets
     if device.type == "cuda":
