@@ -73,13 +73,34 @@ def test_improvement_is_reported_and_passes():
     assert [r.status for r in rows] == ["improved"] and exit_code(rows) == 0
 
 
-def test_missing_cases_are_listed_not_failed():
+def test_a_case_missing_from_new_fails_unless_allowed_and_a_new_case_is_listed():
     old = [case(rows=1), case(rows=64)]
     new = [case(rows=64), case(rows=4096)]
     rows = compare_cases(payload(old), payload(new))
     by_rows = {json.loads(r.key[1])["rows"]: r.status for r in rows}
     assert by_rows == {64: "same", 4096: "missing-in-old", 1: "missing-in-new"}
-    assert exit_code(rows) == 0
+    assert exit_code(rows) == 1 and exit_code(rows, allow_missing=True) == 0
+    only_new = compare_cases(payload([case(rows=64)]), payload(new))
+    assert exit_code(only_new) == 0
+
+
+def test_a_case_that_falls_back_is_matched_to_its_own_and_fails():
+    """A fallback renames the backend (triton->triton_pointer): the 3x slower case was listed as two
+    missing cases and passed."""
+    fell = dict(case(median=3.0), backend="triton->triton_pointer", fallback="tma -> pointer")
+    rows = compare_cases(payload([case(median=1.0)]), payload([fell]))
+    assert [r.status for r in rows] == ["fell-back"] and exit_code(rows) == 1
+
+
+def test_runs_from_different_hosts_are_refused_unless_forced(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(payload([case()])))
+    other = payload([case()])
+    other["metadata"]["device_name"] = "Other GPU"
+    b.write_text(json.dumps(other))
+    assert main(["bench", "compare", str(a), str(b)]) == 2
+    assert "different hosts" in capsys.readouterr().err
+    assert main(["bench", "compare", str(a), str(b), "--force"]) == 0
 
 
 def test_case_that_ran_before_and_errors_now_is_broken():

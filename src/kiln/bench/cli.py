@@ -5,7 +5,7 @@ kiln bench [--suite llm] [--op NAME ...] [--dtype NAME ...] [--shapes JSON|FILE|
            [--reps N]
 kiln bench --backward [--op NAME ...] [--no-compile] ...   forward+backward of the ops with a backward
                         vs torch autograd (eager, torch.compile), with peak memory (kiln.bench.backward)
-kiln bench compare OLD.json NEW.json [--threshold 0.05]
+kiln bench compare OLD.json NEW.json [--threshold 0.05] [--allow-missing] [--force]
 kiln bench engine ...   the engine's throughput and latency vs HF transformers; --decode-loop: one
                         sequence through the model alone (kiln.bench.engine)
 kiln bench serve ...    load test of `kiln serve` over loopback HTTP (kiln.bench.serve)
@@ -75,6 +75,14 @@ def add_parser(subparsers) -> None:
         type=float,
         default=0.05,
         help="smallest relative slow-down that counts (the runs' spread can raise it)",
+    )
+    c.add_argument(
+        "--allow-missing", action="store_true", help="do not fail on cases OLD has and NEW lacks"
+    )
+    c.add_argument(
+        "--force",
+        action="store_true",
+        help="compare runs from different devices or CPUs (their timings are not comparable)",
     )
     c.set_defaults(func=run_compare)
     for name, (module, help_text) in BENCHMARKS.items():
@@ -156,15 +164,18 @@ def run_compare(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    if old["metadata"]["device_name"] != new["metadata"]["device_name"]:
-        print(
-            f"note: comparing different devices ({old['metadata']['device_name']} vs "
-            f"{new['metadata']['device_name']})",
-            file=sys.stderr,
-        )
+    old_host, new_host = results.host_of(old["metadata"]), results.host_of(new["metadata"])
+    differ = [k for k in old_host if old_host[k] != new_host.get(k)]
+    if differ:
+        what = "; ".join(f"{k}: {old_host[k]} vs {new_host.get(k)}" for k in differ)
+        if not args.force:
+            print(f"kiln bench compare: the runs are from different hosts ({what}): their timings are not "
+                  "comparable (--force to compare anyway)", file=sys.stderr)  # fmt: skip
+            return 2
+        print(f"note: comparing different hosts ({what})", file=sys.stderr)
     rows = compare_cases(old, new, args.threshold)
     print(format_comparison(rows))
-    return exit_code(rows)
+    return exit_code(rows, args.allow_missing)
 
 
 def _benchmark_runner(run_benchmark, options: tuple[str, ...]):

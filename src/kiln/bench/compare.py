@@ -5,7 +5,9 @@ A case (op, shape, dtype, backend) regressed when
 where combined spread = sqrt(old_rel_spread^2 + new_rel_spread^2) and rel_spread = (p80 - p20) / median
 of that run: a difference inside both runs' own noise is not a regression, whatever its size. The
 same rule the other way flags improvements. A case that ran in OLD and errors in NEW is "broken" (also a
-failure). Cases present in only one file are listed, never failed.
+failure), and so is one that ran its own kernel in OLD and fell back to another in NEW ("fell-back":
+the case is matched on the backend asked for). A case OLD has and NEW lacks ("missing-in-new": a
+renamed op, another suite) fails unless allowed; one only NEW has is listed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from kiln.bench.results import case_key
 from kiln.text_table import aligned_table
 
-FAILING = ("regressed", "broken")  # statuses that make `kiln bench compare` exit 1
+FAILING = ("regressed", "broken", "fell-back")  # statuses that make `kiln bench compare` exit 1
 
 
 @dataclass
@@ -38,6 +40,8 @@ def compare_cases(old: dict, new: dict, threshold: float = 0.05) -> list[Compari
         o = old_cases.get(key)
         if o is None:
             out.append(Comparison(key, None, n["median_ms"], None, None, "missing-in-old"))
+        elif n.get("fallback") and not o.get("fallback"):
+            out.append(Comparison(key, o["median_ms"], n["median_ms"], None, None, "fell-back"))
         elif o["error"] or n["error"]:
             # ran before and fails now: broken (fails the comparison); the other way round: fixed
             status = "error" if o["error"] and n["error"] else "broken" if n["error"] else "fixed"
@@ -85,6 +89,7 @@ def format_comparison(rows: list[Comparison]) -> str:
     statuses = (
         "regressed",
         "broken",
+        "fell-back",
         "improved",
         "fixed",
         "same",
@@ -98,6 +103,8 @@ def format_comparison(rows: list[Comparison]) -> str:
     return "\n".join(text)
 
 
-def exit_code(rows: list[Comparison]) -> int:
-    """1 when anything regressed or broke, else 0 (noise, improvements and missing cases do not fail)."""
-    return 1 if any(r.status in FAILING for r in rows) else 0
+def exit_code(rows: list[Comparison], allow_missing: bool = False) -> int:
+    """1 when anything regressed, broke or fell back, or (unless allow_missing) a case of OLD is missing
+    from NEW; else 0 (noise, improvements and new cases do not fail)."""
+    failing = FAILING if allow_missing else (*FAILING, "missing-in-new")
+    return 1 if any(r.status in failing for r in rows) else 0

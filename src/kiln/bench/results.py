@@ -225,5 +225,17 @@ def load(path: str | Path) -> dict:
 
 
 def case_key(case: dict) -> tuple[str, str, str, str]:
-    """What identifies a case across runs: (op, shape as canonical JSON, dtype, backend)."""
-    return case["op"], json.dumps(case["shape"], sort_keys=True, default=str), case["dtype"], case["backend"]
+    """What identifies a case across runs: (op, shape as canonical JSON, dtype, backend asked for: a
+    fallback's "triton->triton_pointer" is the triton case, run another way)."""
+    backend = case["backend"].split("->")[0]
+    return case["op"], json.dumps(case["shape"], sort_keys=True, default=str), case["dtype"], backend
+
+
+def host_of(metadata: dict) -> dict:
+    """What makes timings comparable: device type and name, and on the CPU its model, id and ISA flags
+    (the CPU differs from one machine to the next; a speed is a ratio on one host)."""
+    env = metadata.get("environment") or {}
+    host = {"device_type": metadata.get("device_type"), "device_name": metadata.get("device_name")}
+    if metadata.get("device_type") == "cpu":
+        host.update({k: env.get(k) for k in ("cpu_model", "cpu_id", "cpu_flags")})
+    return host
