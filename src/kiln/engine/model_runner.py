@@ -198,6 +198,9 @@ class ModelRunner:
         logger.info("KV cache: %s", self.kv_cache_description())
         self.sampler = Sampler(device, seed)
         self.step_times = StepTimes()  # prepare / forward / sample; the engine adds its phases
+        # on CUDA the forward only launches: with this set (a profile's timed steps), finish waits for
+        # the GPU before it reads the clock, so "forward" holds the GPU's time and "sample" does not
+        self.synchronize_phases = False
         self.graphs = None
         self.flat_decode = None  # CPU: kiln.models.cpu_flat_decode over this runner's caches
         if device.type == "cuda" and not enforce_eager:
@@ -399,6 +402,8 @@ class ModelRunner:
         """The second half of `run`: collect the step's logits and sample (see run)."""
         batch, sample_seqs, starts = started.batch, started.rows.seqs, started.rows.starts
         logits = self.collect(started.handle)
+        if self.synchronize_phases and logits is not None and logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
         executed = time.perf_counter()
         self.step_times.add("forward", executed - started.launched)
         tokens: list[list[int]] = [[] for _ in batch.seqs]

@@ -130,6 +130,7 @@ def profile_engine_step(
         waiting -= {out.request_id for out in engine.step()}
     engine.step()  # warm-up decode step
     _sync(resolved)
+    engine.runner.synchronize_phases = True  # CUDA: "forward" is the GPU's time, not the launch's
     engine.step_times.reset()
     start = time.perf_counter()
     for _ in range(timed_steps):
