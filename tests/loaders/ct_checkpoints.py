@@ -17,13 +17,11 @@ def write_quantized_llama(preset: str, directory: str, seed: int = 0) -> None:
     """Save a tiny random Llama quantized with compressed-tensors' `preset` scheme ("FP8_DYNAMIC",
     "FP8", "W8A8", "W4A16", "W4A16_ASYM", "FP8_BLOCK") to `directory` (lm_head left dense)."""
     import transformers
-    from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
         apply_quantization_config,
         preset_name_to_scheme,
     )
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     generator = torch.Generator().manual_seed(seed)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
@@ -50,6 +48,16 @@ def write_quantized_llama(preset: str, directory: str, seed: int = 0) -> None:
         hook.remove()
     scheme = preset_name_to_scheme(preset, ["Linear"])
     apply_quantization_config(hf, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    save_calibrated(hf, directory, amax)
+
+
+def save_calibrated(hf, directory: str, amax: dict[str, float]) -> None:
+    """Set the quantization parameters of every module of `hf` (compressed-tensors' schemes applied) from
+    its weights (and static activation scales from `amax`, module name -> largest |input|), compress
+    with the library's ModelCompressor and save to `directory`."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
     with torch.no_grad():
         for name, module in hf.named_modules():
             s = getattr(module, "quantization_scheme", None)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln.loaders.safetensors import load_safetensors_dir
 from kiln.models import ModelLoadError, get_model_class
-from tests.loaders.ct_checkpoints import CONFIG
+from tests.loaders.ct_checkpoints import CONFIG, save_calibrated
 from tests.models.helpers import prompt_logits
 
 transformers = pytest.importorskip("transformers")
@@ -21,13 +21,11 @@ def _write_two_group_llama(directory: str, linear_first: bool) -> dict:
     """A tiny Llama quantized by compressed-tensors with two groups: "Linear" W4A16 (symmetric) and
     "re:.*down_proj" W4A16_ASYM; returns the asymmetric scheme."""
     pytest.importorskip("compressed_tensors")
-    from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
         apply_quantization_config,
         preset_name_to_scheme,
     )
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     generator = torch.Generator().manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
@@ -40,22 +38,7 @@ def _write_two_group_llama(directory: str, linear_first: bool) -> dict:
     asym = preset_name_to_scheme("W4A16_ASYM", ["re:.*down_proj"])
     groups = {"group_0": linear, "group_1": asym} if linear_first else {"group_0": asym, "group_1": linear}
     apply_quantization_config(hf, QuantizationConfig(config_groups=groups, ignore=["lm_head"]))
-    with torch.no_grad():
-        for module in hf.modules():
-            scheme = getattr(module, "quantization_scheme", None)
-            if scheme is None:
-                continue
-            w, args = module.weight.float(), scheme.weights
-            grouped = w.reshape(w.shape[0], -1, args.group_size)
-            scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
-            module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
-            if hasattr(module, "weight_zero_point"):
-                zp = module.weight_zero_point
-                zp.data = zero.to(zp.dtype).reshape(zp.shape)
-    compressor = ModelCompressor.from_pretrained_model(hf)
-    compressor.compress_model(hf)
-    hf.save_pretrained(directory)
-    compressor.update_config(directory)
+    save_calibrated(hf, directory, {})
     return asym
 
 
