@@ -3,20 +3,34 @@
 Keyed by (device name, Triton version, op, dtype, shape bucket). Two layers, the first match wins:
   1. the user's cache, `$KILN_TUNE_CACHE` or ~/.cache/kiln/tune.json (written by `kiln tune`);
   2. caches shipped with Kiln under kiln/ops/shipped_configs/*.json (tuned on real GPUs and committed).
-A launcher calls `lookup(op, dtype, shape)` with the same shape dict its OpSpec uses, and falls back
-to its heuristic when that returns None.
+A launcher calls `lookup(op, dtype, shape)` with a shape dict it builds from its arguments, and falls
+back to its heuristic when that returns None. That call is the one definition of the op's key:
+`kiln tune` does not rebuild it from the OpSpec's shape, it runs the launcher on the tuned inputs up
+to that call (`launcher_request`) and stores the winner under exactly what the launcher asked for.
+
+Writers (`store`, `export`) read, merge and replace the file under an exclusive `fcntl.flock` on a
+sidecar `<file>.lock`, so concurrent `kiln tune` processes keep each other's entries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import re
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): writers go unlocked, the rename still prevents torn files
+    fcntl = None
 
 # Tuned on real GPUs and committed, one JSON per device.
 SHIPPED_DIR = Path(__file__).parent / "shipped_configs"
@@ -86,10 +100,56 @@ def _user() -> dict[str, dict]:
     return _user_entries
 
 
+@dataclass(frozen=True)
+class LookupRequest:
+    """One `lookup` call's arguments: what a launcher asks the cache for."""
+
+    op: str
+    dtype: torch.dtype
+    shape: dict[str, Any]
+    device: torch.device | None = None
+
+    @property
+    def key(self) -> str:
+        return cache_key(self.op, self.dtype, self.shape, self.device)
+
+
+class _Asked(BaseException):
+    """Stops a launcher at its lookup under `launcher_request`. A BaseException, so that no
+    `except Exception` in a launcher can swallow it and go on to launch kernels."""
+
+    def __init__(self, request: LookupRequest):
+        super().__init__(request.op)
+        self.request = request
+
+
+class _Probe(threading.local):
+    op: str | None = None  # the op whose lookup `launcher_request` waits for, in this thread
+
+
+_probe = _Probe()
+
+
+def launcher_request(launcher: Callable[..., Any], inputs: dict[str, Any], op: str) -> LookupRequest | None:
+    """What `launcher(**inputs)` asks the cache for when it looks `op` up: the launcher runs only up to
+    that `lookup` call (which raises back to here), so no kernel runs. None when the launcher returned
+    without asking (it never reads the cache for these inputs). Lookups of other ops run as usual."""
+    previous, _probe.op = _probe.op, op
+    try:
+        launcher(**inputs)
+    except _Asked as asked:
+        return asked.request
+    finally:
+        _probe.op = previous
+    return None
+
+
 def lookup(
     op: str, dtype: torch.dtype, shape: dict[str, Any], device: torch.device | None = None
 ) -> dict | None:
     """The tuned config for this op/dtype/shape bucket on this device, or None (use the heuristic)."""
+    if _probe.op == op:  # under `launcher_request`: stop the launcher here
+        raise _Asked(LookupRequest(op, dtype, dict(shape), device))
     key = cache_key(op, dtype, shape, device)
     entry = _user().get(key) or _shipped().get(key)
     return dict(entry["config"]) if entry else None
@@ -107,15 +167,38 @@ def store(
     """Record a tuned config (with optional metadata such as its time) in the user's cache."""
     global _user_entries
     path = path or user_cache_path()
-    entries = _read(path)
     key = cache_key(op, dtype, shape, device)
-    entries[key] = {"config": config, **(meta or {})}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: concurrent writers
-    tmp.write_text(json.dumps({"version": 1, "entries": entries}, indent=2, sort_keys=True))
-    tmp.replace(path)
+    with _locked(path):
+        entries = _read(path)
+        entries[key] = {"config": config, **(meta or {})}
+        _write(path, entries)
     _user_entries = None
     return key
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock for read-merge-write of `path`: without it two writers that read the
+    same file each write back their own entry only, and one is lost. The lock is on a sidecar file,
+    `<name>.lock`, which is never replaced (`path` itself is replaced by rename, so a lock held on it
+    would be on an inode that the next writer no longer opens). Without fcntl: no lock."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    with open(path.with_name(f"{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write(path: Path, entries: dict[str, dict]) -> None:
+    """Replace `path` at once (temp file and rename: a reader never sees a half-written file)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps({"version": 1, "entries": entries}, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
 
 
 def shipped_path(device: torch.device | None = None) -> Path:
@@ -138,11 +221,9 @@ def export(
     missing = [key for key in keys if key not in user]
     if missing:
         raise ValueError(f"kiln tune export: {len(missing)} key(s) not in {user_cache_path()}: {missing[0]}")
-    entries = _read(path)
-    entries.update({key: user[key] for key in keys})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: concurrent writers
-    tmp.write_text(json.dumps({"version": 1, "entries": entries}, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    with _locked(path):
+        entries = _read(path)
+        entries.update({key: user[key] for key in keys})
+        _write(path, entries)
     _shipped.cache_clear()
     return path

@@ -4,7 +4,10 @@ Every candidate is first run like `kiln verify` does (fresh random inputs, float
 poisoned outputs) and only a candidate within the op's tolerance is timed, so a fast wrong config can
 never win; a candidate that crashes (compile error, out of resources, ...) is skipped with its message.
 The winner goes to the user's tuning cache through `kiln.tune.store`, where the launchers'
-`kiln.tune.lookup` finds it at run time.
+`kiln.tune.lookup` finds it at run time. The key it is stored under is the one the launcher itself
+asks for on these inputs (`cache_request`), never rebuilt from the OpSpec's shape dict: the two
+differed for most tunable ops on some of their shapes (flags a launcher adds or drops, per-sequence
+length lists that it reduces to a batch and a maximum), and `kiln tune` stored configs nothing read.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from kiln.bench.runner import make_input_sets
 from kiln.bench.timing import time_fn
 from kiln.ops.registry import Implementation, OpSpec
-from kiln.ops.tuned_configs import store
+from kiln.ops.tuned_configs import LookupRequest, launcher_request, store
 from kiln.tune.search import candidates as choose_candidates
 from kiln.verify.runner import dtype_name, run_case
 
@@ -52,6 +55,20 @@ def with_config(spec: OpSpec, impl: Implementation, config: dict) -> OpSpec:
     return dataclasses.replace(spec, implementations={"candidate": pinned})
 
 
+def cache_request(spec: OpSpec, backend: str, inputs: dict) -> LookupRequest:
+    """The cache entry `spec`'s `backend` launcher reads for `inputs` (op, dtype, shape dict, device),
+    taken from the launcher itself: it runs up to its `lookup` of `spec.name` and stops there, before
+    any kernel. ValueError when it never looks the op up for these inputs (nothing stored could be
+    found)."""
+    request = launcher_request(spec.implementation(backend).fn, inputs, spec.name)
+    if request is None:
+        raise ValueError(
+            f"kiln tune: {spec.name}/{backend} does not read the tuning cache for these inputs "
+            f"(no lookup of {spec.name!r}), so a tuned config could never be used"
+        )
+    return request
+
+
 def tune_shape(
     spec: OpSpec,
     backend: str,
@@ -79,7 +96,7 @@ def tune_shape(
         )
     result = TuneResult(spec.name, backend, dtype_name(dtype), dict(shape))
     configs = choose_candidates(impl.configs(shape, dtype), strategy, budget, seed)
-    input_sets = None
+    input_sets, request = None, None
     for i, config in enumerate(configs):
         trial = _try(spec, impl, config, shape, dtype, device, seed + i)
         if trial.status == "ok":
@@ -89,6 +106,8 @@ def tune_shape(
                 input_sets = make_input_sets(
                     spec, shape, dtype, device, seed=seed + 10_000, max_copies=copies
                 )
+                if save:  # the key, from the launcher itself; now, not after every candidate has run
+                    request = cache_request(spec, backend, input_sets[0])
             try:
                 fn = functools.partial(impl.fn, config=config)
                 timing = time_fn(
@@ -113,7 +132,9 @@ def tune_shape(
                 "shape": dict(shape),
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
-            result.cache_key = store(spec.name, dtype, shape, result.best.config, meta=meta, device=device)
+            result.cache_key = store(
+                request.op, request.dtype, request.shape, result.best.config, meta=meta, device=request.device
+            )
     return result
 
 

@@ -111,7 +111,10 @@ def validate_flash_attention_backward(
 
 
 def backward_tune_shape(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal) -> dict:
-    """The tuning-cache key (read from shapes only, never device memory)."""
+    """The tuning-cache key (read from shapes only, never device memory); the launcher's lookup uses
+    it and `kiln tune` stores under what the launcher asks for. `causal` is in it, as in the forward's
+    `flash_tune_shape`: a causal program skips the key tiles past the diagonal, so the work per program
+    and the best owned/streamed tile sizes can differ from the full (non-causal) case."""
     return {
         "batch": cu_seqlens_q.shape[0] - 1,
         "seqlen_q": max_seqlen_q,

@@ -76,6 +76,9 @@ def sparse24_linear_triton(x, values, meta, bias=None, config: dict | None = Non
                 out += bias
         return out.reshape(*x.shape[:-1], N)
     values, meta = contiguous_rows(values), contiguous_rows(meta)
+    # The tuning-cache key (`kiln tune` stores under what this asks for). No `bias`: it is one [BLOCK_N]
+    # load and add in the epilogue of a tile that streams K / 2 kept values per column, so it does not
+    # move the best tiling, and one tuned config then serves layers with and without a bias.
     shape = {"M": M, "N": N, "K": K}
     wide = x.dtype == torch.float32
     # The expanded fp32-select tile lives in registers like int4_linear's: at most 32 deep along K.

@@ -218,6 +218,11 @@ def configs(shape: dict, dtype: torch.dtype) -> list[dict]:
 
 
 def _shape_key(x, w_gate_up, topk_ids, fp8):
+    """The tuning-cache key, the launcher's one definition of it (`kiln tune` runs the launcher up to
+    its lookup and stores under what it asks for). `fp8` is in it: fp8 weights are half the bytes
+    streamed per tile plus an in-register convert, so the best BLOCK_K/BLOCK_N and stage count can differ
+    from the half-precision weights' (decode is a weight stream). The spec's `skew` is not: it shapes
+    the routing, which is data a launcher could key on only by reading topk_ids back (a device sync)."""
     return {
         "tokens": x.shape[0],
         "hidden": x.shape[1],
