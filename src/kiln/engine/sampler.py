@@ -86,7 +86,7 @@ class Sampler:
         token_list = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(seqs)
         if any(p.logprobs is not None for p in params):
-            logprobs = self.token_logprobs(logits, tokens, params)
+            logprobs = self.token_logprobs(logits, tokens, [p.logprobs for p in params])
         return token_list, logprobs
 
     @staticmethod
@@ -149,25 +149,25 @@ class Sampler:
         return torch.where(greedy, row_argmax(logits), choice)
 
     @staticmethod
-    def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params) -> list[dict[int, float] | None]:
-        """Per row of logits [N, vocab] (float32), for chosen tokens int64 [N]: None when params[i].logprobs
-        is None, else {token id: logprob} of the top params[i].logprobs tokens and the chosen one
-        (natural log of the unmodified distribution)."""
+    def token_logprobs(
+        logits: torch.Tensor, tokens: torch.Tensor, top_ns: list[int | None]
+    ) -> list[dict[int, float] | None]:
+        """Per row of logits [N, vocab] (float32), for chosen tokens int64 [N]: None when top_ns[i] is
+        None, else {token id: logprob} of the top top_ns[i] tokens and the chosen one (natural log of
+        the unmodified distribution)."""
         logp = logits.float().log_softmax(dim=-1)
         chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
-        max_n = min(max(p.logprobs or 0 for p in params), logp.shape[1])
+        max_n = min(max(n or 0 for n in top_ns), logp.shape[1])
         top_vals, top_ids = logp.topk(max_n, dim=-1) if max_n > 0 else (None, None)
         out: list[dict[int, float] | None] = []
         token_list = tokens.tolist()
-        for i, p in enumerate(params):
-            if p.logprobs is None:
+        for i, n in enumerate(top_ns):
+            if n is None:
                 out.append(None)
                 continue
             entry: dict[int, float] = {}
-            if p.logprobs > 0:
-                entry = dict(
-                    zip(top_ids[i, : p.logprobs].tolist(), top_vals[i, : p.logprobs].tolist(), strict=True)
-                )
+            if n > 0:
+                entry = dict(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True))
             entry[token_list[i]] = chosen[i]
             out.append(entry)
         return out
@@ -176,16 +176,8 @@ class Sampler:
 def prompt_token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[dict[int, float]]:
     """Per row of logits [N, vocab] (float32, at prompt positions p..p+N-1), {token id: logprob} of the
     top_n tokens and of tokens[i], the prompt token that follows (natural log, unmodified distribution)."""
-    logp = logits.float().log_softmax(dim=-1)
-    own = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(1).tolist()
-    top_n = min(top_n, logp.shape[1])
-    entries = [{} for _ in tokens]
-    if top_n > 0:
-        values, ids = logp.topk(top_n, dim=-1)
-        entries = [dict(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
-    for entry, token, value in zip(entries, tokens, own, strict=True):
-        entry[token] = value
-    return entries
+    chosen = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+    return Sampler.token_logprobs(logits, chosen, [top_n] * len(tokens))
 
 
 def non_finite_failures(row_max: torch.Tensor, seqs: list[Sequence]) -> dict[str, str]:

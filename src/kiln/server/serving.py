@@ -238,30 +238,26 @@ class OpenAIServing:
     # ---- outputs -> responses ----
     def logprob_entries(self, out, top_n: int) -> list[protocol.LogprobEntry]:
         """The logprobs of the output tokens `out` holds (all of them, or a delta output's new ones)."""
-        if out.logprobs is None:
-            return []
-        entries = []
-        for token_id, table in zip(out.token_ids, out.logprobs, strict=False):
-            top = sorted(table.items(), key=lambda kv: -kv[1])[:top_n]
-            token, raw = self.token(token_id)
-            alternatives = [(*self.token(t), float(v)) for t, v in top]
-            entries.append(
-                protocol.LogprobEntry(token, raw, float(table.get(token_id, float("-inf"))), alternatives)
-            )
-        return entries
+        return [] if out.logprobs is None else self._entries(out.token_ids, out.logprobs, top_n)
 
     def prompt_logprob_entries(self, out, top_n: int) -> list[protocol.LogprobEntry]:
         """The echoed prompt's logprobs, as vLLM gives them: the first token has none (no context), each
         other its logprob given the tokens before it and the top_n alternatives."""
+        return self._entries(out.prompt_token_ids, out.prompt_logprobs or (), top_n)
+
+    def _entries(self, token_ids, tables, top_n: int) -> list[protocol.LogprobEntry]:
+        """One entry per (token, {token id: logprob}) pair; a None table (a prompt's first token) gives
+        an entry with no logprob and no alternatives."""
         entries = []
-        for token_id, table in zip(out.prompt_token_ids, out.prompt_logprobs or (), strict=False):
+        for token_id, table in zip(token_ids, tables, strict=False):
             token, raw = self.token(token_id)
             if table is None:
                 entries.append(protocol.LogprobEntry(token, raw, None, None))
                 continue
             top = sorted(table.items(), key=lambda kv: -kv[1])[:top_n]
             alternatives = [(*self.token(t), float(v)) for t, v in top]
-            entries.append(protocol.LogprobEntry(token, raw, float(table[token_id]), alternatives))
+            logprob = float(table.get(token_id, float("-inf")))
+            entries.append(protocol.LogprobEntry(token, raw, logprob, alternatives))
         return entries
 
     def echoed_logprobs(self, out, top_n: int, output_offsets: TextOffsets) -> dict:

@@ -81,7 +81,7 @@ def verify_proposals(
         if seq.params.logprobs is not None:
             emitted = torch.tensor(tokens[b], device=device)
             rows = logits[b][: len(tokens[b])]
-            logprobs[b] = Sampler.token_logprobs(rows, emitted, [seq.params] * len(tokens[b]))
+            logprobs[b] = Sampler.token_logprobs(rows, emitted, [seq.params.logprobs] * len(tokens[b]))
     return tokens, logprobs
 
 
