@@ -219,12 +219,12 @@ def _compressed_tensors(qc, module, tensor, names, shapes, source):
         # weight_shape holds K exactly (2 values, read now for the WeightStore's shape check)
         k = int(shape_t()[1]) if shape_t is not None else words * 8
 
-        stored_zero = tensor("weight_zero_point", False) if zp is None else None
+        if zp is None:  # symmetric: a stored zero point must be zero
+            stored = ((tensor("weight_zero_point", False), "weight_zero_point"),)
+            packed = _zero_checked(packed, stored, module, describe)
 
         def load_int4():
             zero = zp() if zp else None
-            if stored_zero is not None:
-                _check_zero(stored_zero(), module, "weight_zero_point", describe)
             return pack_quantized_int4(
                 packed(), scale(), k, group_size, zero, module, g_idx() if g_idx else None
             )
@@ -275,19 +275,15 @@ def _check_fp8_block(block: tuple, source: str, module: str, method: str) -> Non
         raise _unsupported(source, module, method, what)
 
 
-def _check_zero(zero: torch.Tensor, module: str, name: str, describe: str) -> None:
-    """A symmetric scheme's stored zero point must be zero: one that is not belongs to another scheme."""
-    if bool((zero != 0).any()):
-        raise ValueError(f"{module}.{name} holds nonzero zero points; the scheme ({describe}) is symmetric")
-
-
 def _zero_checked(load, zeros, module: str, describe: str):
-    """load, after checking that each stored (loader, name) zero point is zero."""
+    """load, after checking that each stored (loader or None, name) zero point is zero: a symmetric
+    scheme's nonzero zero point belongs to another scheme."""
 
     def run():
         for zero, name in zeros:
-            if zero is not None:
-                _check_zero(zero(), module, name, describe)
+            if zero is not None and bool((zero() != 0).any()):
+                raise ValueError(f"{module}.{name} holds nonzero zero points; the scheme ({describe}) is "
+                                 "symmetric")  # fmt: skip
         return load()
 
     return run
