@@ -420,3 +420,39 @@ def test_two_engines_on_one_model_each_decode_flat_on_their_own_caches():
     for engine in (first, second, first):
         _run(engine, [[1, 2, 3]], max_tokens=4)
     assert ran[0] >= 2 * 3 and ran[1] >= 3  # every decode step after the prefill, in both engines
+
+
+def _declared_decode_work(engine, prompts) -> list:
+    """What a profile session sees declared over one decode step of `prompts` (kiln.profile: the op
+    calls and their cases), in a stable order."""
+    import kiln.profile
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"w{i}", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    engine.step()  # the prefills
+    with kiln.profile.session() as work:
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return sorted(work, key=repr)
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_flat_decode_declares_to_a_profile_the_op_calls_the_modules_make(blocks_gguf, rows):
+    """The native loop runs the ops' kernels without their public functions, which declare each call's
+    case to `kiln profile`: it declares the same calls itself, so a profile puts its kernels on the
+    roofline as it does the modules'."""
+    path = blocks_gguf("q4")
+    loaded = load_model(path, device="cpu", cpu_format="q4_blocks", lm_head_format="q8_blocks")
+    prompts = [[(5 * j + 3 * i + 11) % 60 + 2 for j in range(9 + 4 * i)] for i in range(rows)]
+    engine = _engine(path, loaded)
+    assert engine.runner.model.flat_decode.native is not None
+    flat = _declared_decode_work(engine, prompts)
+    engine.runner.model.flat_decode = None
+    modules = _declared_decode_work(engine, prompts)
+    assert flat == modules
+    ops = [op for op, _, _ in flat]
+    layers = len(loaded.model.layers)
+    assert ops.count("prepared_linear") == 4 * layers + 1  # and the LM head
+    assert ops.count("paged_decode_attention") == layers

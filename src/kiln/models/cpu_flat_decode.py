@@ -47,7 +47,7 @@ from kiln.ops.gemm.cpu_block_tiles import NO_TILES
 from kiln.ops.gemm.prepared_linear.cpu import KERNELS
 from kiln.ops.gemm.quantized_layouts import run_quantized
 from kiln.ops.gemm.weight_formats import exact_rows
-from kiln.ops.registry import env_backend
+from kiln.ops.registry import declare_call, env_backend, observing
 
 F32 = torch.float32
 
@@ -200,9 +200,12 @@ class FlatDecodeLayers:
     (hidden, residual) after the last layer, as the modules give them.
     """
 
-    def __init__(self, layers: list[_LayerArgs], kv_caches, native=None):
+    def __init__(self, layers: list[_LayerArgs], kv_caches, native=None, layouts=None):
         self.layers = layers
         self.kv_caches = kv_caches
+        # per layer: the qkv, o, gate_up and down weights' layouts, then gate_up's out-features (what a
+        # profile needs to name the calls the loop makes: `_declare_calls`)
+        self.layouts = layouts
         self.native = native  # torch.classes.kiln_cpu.FlatDecode, or None: the loop below
         self.max_rows = 1 if native is None else _native_rows(layers)
 
@@ -219,7 +222,17 @@ class FlatDecodeLayers:
         args = [_layer_args(layer, kv) for layer, kv in zip(layers, kv_caches, strict=True)]
         if any(a is None for a in args):
             return None
-        return cls(args, kv_caches, None if mode == "python" else _native_decode(args))
+        layouts = [
+            (
+                layer.self_attn.qkv_proj.prepared.layout,
+                layer.self_attn.o_proj.prepared.layout,
+                layer.mlp.gate_up_proj.prepared.layout,
+                layer.mlp.down_proj.prepared.layout,
+                layer.mlp.gate_up_proj.prepared.shape[0],
+            )
+            for layer in layers
+        ]
+        return cls(args, kv_caches, None if mode == "python" else _native_decode(args), layouts)
 
     def applies(self, hidden: torch.Tensor, kv_caches, attn_metadata) -> bool:
         """Whether this step may run flat: float32 tokens of a decode-only step, one (or, through the
@@ -242,6 +255,9 @@ class FlatDecodeLayers:
     def __call__(self, positions, hidden, residual, kv_caches, attn_metadata):
         positions, slots = positions.long(), attn_metadata.slot_mapping.long()
         block_tables, seq_lens = attn_metadata.block_tables, attn_metadata.seq_lens
+        if observing():  # the profiler's own time, under a name that says so
+            with torch.profiler.record_function("kiln.profile: declaring the flat decode's op calls"):
+                self._declare_calls(positions, hidden, residual, slots, block_tables, seq_lens)
         if self.native is not None:
             return self.native.forward(positions, hidden, residual, slots, block_tables, seq_lens)
         ops = torch.ops.kiln_cpu
@@ -270,3 +286,29 @@ class FlatDecodeLayers:
             gate_up = gate_up_kernel(hidden, gate_up_w, None, gate_up_dtype)
             hidden = down_kernel(silu_and_mul_cpu(gate_up), down_w, None, F32)
         return hidden, residual
+
+    def _declare_calls(self, positions, hidden, residual, slots, block_tables, seq_lens) -> None:
+        """Tell a running profile which op calls this step makes (kiln.ops.registry.declare_call): the
+        loop runs their kernels without the public functions, which would have declared them. Shapes
+        only: the activations are meta tensors."""
+        t = hidden.shape[0]
+
+        def meta(*shape, dtype=F32):
+            return torch.empty(shape, dtype=dtype, device="meta")
+
+        for a, (qkv, o, gate_up, down, gate_up_size) in zip(self.layers, self.layouts, strict=True):
+            x = meta(t, a.norm_in.shape[0])
+            declare_call("rms_norm", x, a.norm_in, a.eps, None if residual is None else x)
+            residual = x
+            declare_call("prepared_linear", x, qkv, list(a.qkv_w), a.qkv_bias)
+            q, k = meta(t, a.heads, a.head_dim), meta(t, a.kv_heads, a.head_dim)
+            declare_call("rotary_embedding", positions, q, k, a.cos_sin)
+            declare_call("write_kv_cache", k, k, a.key_cache, a.value_cache, slots)
+            q = meta(t, a.heads, a.head_dim, dtype=a.key_cache.dtype)
+            declare_call("paged_decode_attention", q, a.key_cache, a.value_cache, block_tables, seq_lens)
+            declare_call("prepared_linear", meta(t, a.q_size), o, list(a.o_w))
+            declare_call("rms_norm", x, a.norm_post, a.eps, x)
+            declare_call("prepared_linear", x, gate_up, list(a.gate_up_w))
+            declare_call("silu_and_mul", meta(t, gate_up_size, dtype=a.gate_up_dtype))
+            act = meta(t, gate_up_size // 2, dtype=a.gate_up_dtype)
+            declare_call("prepared_linear", act, down, list(a.down_w))

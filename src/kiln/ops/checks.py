@@ -84,6 +84,11 @@ def check_nonempty_rows(op: str, x: object) -> None:
         raise ValueError(f"{op}: x has shape {tuple(x.shape)}; the last dim (scaled over) must be non-empty")
 
 
+def row_count(tensor: object) -> int:
+    """Rows of a [..., last] tensor or array: the product of its leading dimensions."""
+    return math.prod(tensor.shape[:-1])
+
+
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:
     """[..., n] -> [rows, n], a view where possible. Unlike `reshape(-1, n)` it also takes n == 0
     (a zero-width row is still a row: rms_norm over hidden 0 returns [rows, 0], a GEMM with K 0 zeros)."""

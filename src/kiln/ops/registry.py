@@ -154,6 +154,11 @@ class OpSpec:
                    wrong element cannot hide in the norm of a large output.
     max_tolerance: dtype -> that max-error bound, where one element may legitimately err by more
                    than twice the norm bound of the whole output (an fp8 value rounded past a tie).
+    call_case:     (*bound) -> (shape, dtype) of one call from its arguments (every argument of the
+                   schema, positionally), such that `flops` and `bytes` of that case are the call's: what
+                   `kiln profile` puts on the roofline for calls it sees (the engine's). Shapes only,
+                   unless a length lives in a tensor (paged attention's seq_lens: read on the host,
+                   never while a CUDA graph is captured, when it returns None).
     requires:      Python packages the reference needs beyond Kiln's core (the GGUF ops' decode with
                    `gguf`): `kiln verify` skips the op, naming them, where they are not installed.
     pointwise:     dtype -> bound on kiln.verify.compare.pointwise_error (each element's error in
@@ -198,6 +203,7 @@ class OpSpec:
     matmul_dtype: Callable[[Shape, torch.dtype], torch.dtype] | None = None
     max_tolerance: dict[torch.dtype, float] = field(default_factory=dict)
     requires: tuple[str, ...] = ()
+    call_case: Callable[..., tuple[Shape, torch.dtype] | None] | None = None
 
     def __post_init__(self) -> None:
         self._selected: dict[tuple, Implementation] = {}
@@ -348,9 +354,28 @@ class OpSpec:
             raise ValueError(f"{self.name}: no schema declared")
         return _python_signature(self.parsed_schema)
 
+    @functools.cached_property
+    def _parameters(self) -> tuple[tuple[str, Any], ...]:
+        return tuple((p.name, p.default) for p in self.signature.parameters.values())
+
     def bind(self, args: tuple, kwargs: dict) -> tuple:
-        """Every argument of the schema, positionally, defaults filled in."""
-        bound = self.signature.bind(*args, **kwargs)
+        """Every argument of the schema, positionally, defaults filled in (TypeError as Python's own
+        binding raises it for missing, unknown or repeated arguments)."""
+        parameters = self._parameters
+        if len(args) <= len(parameters):  # by hand: inspect's binding costs ~3.5 us a call
+            out, used = list(args), 0
+            for name, default in parameters[len(args) :]:
+                if name in kwargs:
+                    out.append(kwargs[name])
+                    used += 1
+                elif default is not inspect.Parameter.empty:
+                    out.append(default)
+                else:
+                    break
+            else:
+                if used == len(kwargs):
+                    return tuple(out)
+        bound = self.signature.bind(*args, **kwargs)  # raises the TypeError naming what is wrong
         bound.apply_defaults()
         return tuple(bound.arguments.values())
 
@@ -427,6 +452,35 @@ def register_op(spec: OpSpec) -> OpSpec:
     return spec
 
 
+# While a `kiln profile` session runs (kiln.profile.ranges installs it), an object with
+#   call(spec, args, kwargs) -> the context each public call runs in (a profiler range declaring the
+#                               call's op and case)
+#   declare(spec, args, kwargs) -> None: one call that ran without its public function (`declare_call`)
+# None otherwise, so that reading this global is the public functions' only cost of being observable.
+_call_observer: Any = None
+
+
+def set_call_observer(observer: Any) -> Any:
+    """Install `observer` (or None) around every public op call outside torch.compile's tracing;
+    returns the previous one."""
+    global _call_observer
+    previous, _call_observer = _call_observer, observer
+    return previous
+
+
+def observing() -> bool:
+    """Whether a profile watches op calls now (so that `declare_call`'s arguments are worth building)."""
+    return _call_observer is not None
+
+
+def declare_call(name: str, *args: Any, **kwargs: Any) -> None:
+    """Tell a running profile that one call of op `name` with these arguments (tensors on the meta
+    device will do: cases read shapes) ran its kernels without the public function (the CPU's native
+    flat decode). Nothing when nobody profiles."""
+    if _call_observer is not None:
+        _call_observer.declare(_REGISTRY[name], args, kwargs)
+
+
 def define_op(spec: OpSpec, module: str | None = None) -> Callable[..., Any]:
     """Register `spec` and generate its public function and its `torch.ops.kiln.<name>` custom op.
 
@@ -438,6 +492,7 @@ def define_op(spec: OpSpec, module: str | None = None) -> Callable[..., Any]:
     register_op(spec)
     spec.source_file = sys._getframe(1).f_globals.get("__file__")  # the spec.py that defined it (docs)
     signature = spec.signature
+    spec._parameters  # noqa: B018  (cached now: torch.compile cannot trace a cached_property's first get)
 
     state = _state
 
@@ -447,6 +502,9 @@ def define_op(spec: OpSpec, module: str | None = None) -> Callable[..., Any]:
             spec.check(*args, **kwargs)
         if spec.has_untraceable and torch.compiler.is_compiling() and not _traceable(spec, args, kwargs):
             return _opaque_call(spec, args, kwargs)
+        if _call_observer is not None and not torch.compiler.is_compiling():
+            with _call_observer.call(spec, args, kwargs):
+                return spec(*args, **kwargs)
         return spec(*args, **kwargs)
 
     public.__name__ = public.__qualname__ = spec.name

@@ -13,13 +13,13 @@ message when this build does not have it yet.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
 from kiln.bench.ceilings import measure_ceilings
+from kiln.profile.kernel_ops import triton_kernel_ops
 from kiln.profile.profiler import ProfileReport, profile_callable
 from kiln.profile.ranges import range as profile_range
 
@@ -47,30 +47,9 @@ class EngineStepProfile:
 def kiln_triton_kernel_names() -> set[str]:
     """Names of the @triton.jit functions in the imported kiln modules (a Triton kernel runs under its
     function's name). Empty when Triton is not installed."""
-    try:
-        from triton.runtime.jit import JITFunction, KernelInterface
-    except ImportError:
-        return set()
-    kernels: tuple[type, ...] = (JITFunction,)
-    try:  # what triton.jit returns under TRITON_INTERPRET=1
-        from triton.runtime.interpreter import InterpretedFunction
-
-        kernels += (InterpretedFunction,)
-    except ImportError:
-        pass
     import kiln.ops  # noqa: F401  (imports every kernel module)
 
-    names = set()
-    for module_name, module in list(sys.modules.items()):
-        if not module_name.startswith("kiln.") or module is None:
-            continue
-        for value in vars(module).values():
-            # autotune / heuristics wrappers are KernelInterfaces too, holding the kernel in .fn
-            while isinstance(value, KernelInterface) and not isinstance(value, kernels):
-                value = getattr(value, "fn", None)
-            if isinstance(value, kernels):
-                names.add(value.fn.__name__)
-    return names
+    return set(triton_kernel_ops())
 
 
 def kernel_shares(report: ProfileReport, kiln_names: set[str]) -> tuple[float, float]:

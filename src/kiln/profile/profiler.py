@@ -1,17 +1,18 @@
 """Run a workload under torch.profiler and turn the trace into a per-kernel table.
 
-A "kernel" is a GPU kernel on CUDA, an operator's self time on the CPU. Each kernel maps to a
-registered op: to the innermost enclosing `kiln::<op>` range (a declared call, from
-`kiln.profile.range`), else by its own name (`_rms_norm_kernel` -> rms_norm), else by the nearest
-enclosing range or operator whose name contains an op name. An op whose calls were declared with
-their shapes (`range(..., op=, shape=, dtype=)`) gets a roofline fraction: sum over its calls of
-max(flops/peak, bytes/bandwidth), divided by the time of all kernels mapped to it. Kernels of ops
-without declared shapes have no fraction.
+A "kernel" is a GPU kernel on CUDA, an operator's self time on the CPU (a range's own self time is
+the Python inside it: a row of its own, no op's). Each kernel maps to a registered op: to the
+innermost enclosing `kiln::<op>` range (a declared call: every public op call while profiling, or
+`kiln.profile.range`), else, being one of Kiln's kernels, to its own op (kiln.profile.kernel_ops: a
+Triton kernel by the op package defining it, a native CPU kernel by name), else to the nearest
+enclosing Kiln kernel's. Anything else (aten, cuBLAS, copies outside any op call) is no op's. An op
+whose calls were declared with their shapes (`OpSpec.call_case`, `range(..., op=, shape=, dtype=)`)
+gets a roofline fraction: sum over its calls of max(flops/peak, bytes/bandwidth), divided by the time
+of all kernels mapped to it. Kernels of ops without declared shapes have no fraction.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 
 from kiln.bench.ceilings import Ceilings, measure_ceilings
 from kiln.ops import all_ops
+from kiln.profile.kernel_ops import kiln_kernel_op, triton_kernel_ops
 from kiln.profile.ranges import range as profile_range
 from kiln.profile.ranges import session
 
@@ -47,17 +49,6 @@ class ProfileReport:
     trace_path: str | None = None
 
 
-def _normalize(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", name.lower())
-
-
-def op_for_name(name: str, op_names: list[str]) -> str | None:
-    """The registered op whose name occurs in `name` (the longest, so rms_norm beats norm)."""
-    text = _normalize(name)
-    hits = [op for op in op_names if _normalize(op) in text]
-    return max(hits, key=len) if hits else None
-
-
 def _declared_op(parents: list[str], op_names: list[str]) -> str | None:
     """The op of the innermost enclosing `kiln::<op>` range: a declared call beats name matching
     (SDPA's flash kernel inside paged_decode_attention belongs to paged_decode_attention)."""
@@ -67,8 +58,37 @@ def _declared_op(parents: list[str], op_names: list[str]) -> str | None:
     return None
 
 
-def _kernel_events(events, device: torch.device) -> list[tuple[str, float, list[str]]]:
-    """(kernel name, microseconds, names of enclosing events innermost first) for each kernel run."""
+def _kernel_op(name: str, parents: list[str], op_names: list[str], triton_ops: dict) -> str | None:
+    """The op of one kernel run (module docstring): its declared call's, its own, or the nearest
+    enclosing Kiln kernel's."""
+    op = _declared_op(parents, op_names)
+    if op is not None:
+        return op
+    for candidate in (name, *parents):
+        is_kiln, op = kiln_kernel_op(candidate, triton_ops)
+        if is_kiln:
+            return op
+    return None
+
+
+# Ranges whose time is the profiler's own work (declaring calls that ran without their public
+# functions, kiln.models.cpu_flat_decode): left out of the report with everything under them.
+PROFILER_RANGE_PREFIX = "kiln.profile:"
+
+
+def _kernel_events(events, device: torch.device) -> list[tuple[str, float, list[str] | None]]:
+    """(kernel name, microseconds, names of enclosing events innermost first) for each kernel run;
+    None instead of those names for a range's own self time (CPU). Nothing from the profiler's own
+    ranges (PROFILER_RANGE_PREFIX) or under them."""
+    out = []
+    for name, us, parents, is_range in _all_kernel_events(events, device):
+        if any(n.startswith(PROFILER_RANGE_PREFIX) for n in (name, *parents)):
+            continue
+        out.append((name, us, None if is_range else parents))
+    return out
+
+
+def _all_kernel_events(events, device: torch.device) -> list[tuple[str, float, list[str], bool]]:
     out = []
     if device.type == "cuda":
         # kernels hang off the CPU launch (runtime) event that issued them, whose parents are the
@@ -76,15 +96,16 @@ def _kernel_events(events, device: torch.device) -> list[tuple[str, float, list[
         for e in events:
             if e.device_type == torch.autograd.DeviceType.CPU:
                 for kernel in e.kernels:
-                    out.append((kernel.name, kernel.duration, _ancestors(e)))
+                    out.append((kernel.name, kernel.duration, _ancestors(e), False))
         if not out:  # no launch links in this torch build: the device events alone, unmapped by parent
             for e in events:
                 if e.device_type == torch.autograd.DeviceType.CUDA:
-                    out.append((e.name, e.time_range.elapsed_us(), []))
+                    out.append((e.name, e.time_range.elapsed_us(), [], False))
     else:
         for e in events:
             if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0:
-                out.append((e.name, e.self_cpu_time_total, _ancestors(e.cpu_parent)))
+                is_range = bool(getattr(e, "is_user_annotation", False))
+                out.append((e.name, e.self_cpu_time_total, _ancestors(e.cpu_parent), is_range))
     return out
 
 
@@ -102,12 +123,11 @@ def build_report(
     """The per-kernel table and per-op roofline from a finished torch.profiler run."""
     registry = all_ops()
     op_names = list(registry)
+    triton_ops = triton_kernel_ops()
     rows: dict[tuple[str, str | None], KernelRow] = {}
     for name, us, parents in _kernel_events(prof.events(), device):
         # each run maps on its own: the same aten op can belong to different Kiln ops
-        op = _declared_op(parents, op_names) or op_for_name(name, op_names)
-        for parent in parents:
-            op = op or op_for_name(parent, op_names)
+        op = None if parents is None else _kernel_op(name, parents, op_names, triton_ops)
         row = rows.get((name, op))
         if row is None:
             row = rows[(name, op)] = KernelRow(name, 0, 0.0, op=op)

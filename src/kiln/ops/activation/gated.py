@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.checks import FLOAT_DTYPES, check_tensor
+from kiln.ops.checks import FLOAT_DTYPES, check_tensor, row_count
 from kiln.ops.testing import ONE_ROUNDING_POINTWISE, ONE_ROUNDING_TOLERANCE, element_size, randn
 
 # fp32: sigmoid/exp to a few ulps; halves: one rounding of the output, in norm and per element.
@@ -45,6 +45,11 @@ def fuzz_shapes(rng):
 
 def gated_bytes(shape, dtype):
     return 3 * shape["rows"] * shape["d"] * element_size(dtype)  # read 2d, write d per row
+
+
+def gated_call_case(x):
+    """The case of a call on x [..., 2d]."""
+    return {"rows": row_count(x), "d": x.shape[-1] // 2}, x.dtype
 
 
 def llm_shapes():

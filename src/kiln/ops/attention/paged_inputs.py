@@ -22,6 +22,32 @@ def lengths(shape: dict, key: str, default_key: str) -> list[int]:
     return [shape[default_key]] * shape["batch"]
 
 
+def host_lengths(lens: torch.Tensor, cumulative: bool = False) -> list[int] | None:
+    """A call's per-sequence lengths on the host (`cumulative`: from cu_seqlens offsets), for
+    `OpSpec.call_case`; None while a CUDA graph is being captured, where reading them would sync."""
+    if lens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    values = lens.tolist()
+    return [b - a for a, b in zip(values[:-1], values[1:], strict=True)] if cumulative else values
+
+
+def paged_call_case(q, key_cache, seq_lens, sliding_window, exact_key_cache, exact_window, **query_lens):
+    """The case of a paged attention call (key_cache [blocks, block_size, kv_heads, head_dim]; its
+    dtype is the case's: an fp8 cache makes an fp8 case), or None (`host_lengths`). query_lens:
+    prefill's `query_lens` list."""
+    context = host_lengths(seq_lens)
+    if context is None or any(v is None for v in query_lens.values()):
+        return None
+    shape = {
+        "batch": len(context), "context_lens": context, "num_heads": q.shape[-2],
+        "num_kv_heads": key_cache.shape[2], "head_dim": q.shape[-1], "block_size": key_cache.shape[1],
+        "sliding_window": sliding_window, **query_lens,
+    }  # fmt: skip
+    if exact_key_cache is not None:
+        shape["exact_window"] = exact_window
+    return shape, key_cache.dtype
+
+
 def cu_seqlens(lens: list[int], device) -> torch.Tensor:
     out = [0]
     for n in lens:

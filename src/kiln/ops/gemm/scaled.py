@@ -7,6 +7,8 @@ bias [N] or None, out_dtype) and compute (x_q * x_scale) @ (w_q * w_scale)^T + b
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of, dtype_name
@@ -43,6 +45,12 @@ def validate_scaled_linear(op, qdtype, x_q, x_scale, w_q, w_scale, bias, out_dty
 
 def scaled_linear_fake(x_q, x_scale, w_q, w_scale, bias, out_dtype):
     return x_q.new_empty((*x_q.shape[:-1], w_q.shape[0]), dtype=out_dtype)
+
+
+def scaled_linear_call_case(x_q, x_scale, w_q, w_scale, bias, out_dtype):
+    """The case of an fp8_linear / int8_linear call (its dtype is the output's)."""
+    shape = {"M": math.prod(x_q.shape[:-1]), "N": w_q.shape[0], "K": x_q.shape[-1]}
+    return {**shape, "per_token": x_scale.numel() > 1, "bias": bias is not None}, out_dtype
 
 
 def make_quantize_inputs(shape, dtype, device, generator) -> dict:

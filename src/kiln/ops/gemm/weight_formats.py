@@ -149,6 +149,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -287,6 +288,17 @@ class PreparedLinearWeight:
         return self.tensors[0] if self.layout in ("dense", "fp16_onednn", "fp16_rows") else None
 
 
+# id(prepared.tensors[0]) -> (cpu format asked for, source: "float" or the GGUF type), while the
+# tensor lives: the case `kiln profile` puts a prepared_linear call on the roofline with
+_PREPARED_CASES: dict[int, tuple[str, str]] = {}
+
+
+def prepared_case(tensors) -> tuple[str, str] | None:
+    """(format, source) that prepare_linear_weight made these layout tensors from (prepared_linear's
+    shape keys), or None for tensors it did not make."""
+    return _PREPARED_CASES.get(id(tensors[0])) if len(tensors) else None
+
+
 def prepare_linear_weight(
     weight: torch.Tensor | GGUFWeight | ScaledWeight | BlockFP8Weight | Int4Weight | Sparse24Weight,
     *,
@@ -301,7 +313,18 @@ def prepare_linear_weight(
     dtype). "int4" applies to GGUF Q4_0/Q4_1/Q4_K and int4 checkpoint weights only, "gguf" to GGUF
     weights; others fall back to a dense `dtype` matrix.
     """
-    device = torch.device(device)
+    prepared = _prepare(weight, torch.device(device), dtype, cpu_format)
+    if isinstance(weight, (torch.Tensor, GGUFWeight)) and prepared.tensors:
+        source = weight.qtype if isinstance(weight, GGUFWeight) else "float"
+        # no format asked: the model dtype's (what "dense" holds)
+        fmt = cpu_format or {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
+        key = prepared.tensors[0]
+        _PREPARED_CASES[id(key)] = (fmt, source)
+        weakref.finalize(key, _PREPARED_CASES.pop, id(key), None)
+    return prepared
+
+
+def _prepare(weight, device: torch.device, dtype: torch.dtype, cpu_format: str | None):
     if cpu_format is not None and cpu_format not in CPU_WEIGHT_FORMATS:
         raise ValueError(
             f"prepare_linear_weight: cpu_format {cpu_format!r}, expected one of {CPU_WEIGHT_FORMATS}"

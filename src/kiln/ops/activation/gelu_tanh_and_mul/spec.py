@@ -18,6 +18,7 @@ from kiln.ops.activation.gated import (
     fake_gated,
     fuzz_shapes,
     gated_bytes,
+    gated_call_case,
     llm_shapes,
     make_inputs,
     validate_gated,
@@ -62,6 +63,7 @@ GELU_TANH_AND_MUL = OpSpec(
     schema=SCHEMA,
     validate=validate_gelu_tanh_and_mul,
     fake=fake_gated,
+    call_case=gated_call_case,
     doc=__doc__,
 )
 

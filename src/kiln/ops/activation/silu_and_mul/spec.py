@@ -17,6 +17,7 @@ from kiln.ops.activation.gated import (
     fake_gated,
     fuzz_shapes,
     gated_bytes,
+    gated_call_case,
     llm_shapes,
     make_inputs,
     validate_gated,
@@ -56,6 +57,7 @@ SILU_AND_MUL = OpSpec(
     schema=SCHEMA,
     validate=validate_silu_and_mul,
     fake=fake_gated,
+    call_case=gated_call_case,
     doc=__doc__,
 )
 

@@ -23,7 +23,7 @@ import torch
 
 from kiln.ops.attention import cpu_sdpa
 from kiln.ops.attention.flash_attention.jax_baseline import jax_dot_product_attention
-from kiln.ops.attention.paged_inputs import cu_seqlens, lengths, visible_pairs
+from kiln.ops.attention.paged_inputs import cu_seqlens, host_lengths, lengths, visible_pairs
 from kiln.ops.attention.reference import attend_one_sequence
 from kiln.ops.attention.validate import (
     check_attention_options,
@@ -239,6 +239,17 @@ _ARGUMENTS = (
 )
 
 
+def varlen_call_case(q, k, cu_seqlens_q, cu_seqlens_k, causal, sliding_window):
+    """The case of a call on packed q [tokens_q, heads, head_dim], k [tokens_k, kv_heads, head_dim]
+    (flash_attention and its backward), or None (`host_lengths`)."""
+    lens_q, lens_k = host_lengths(cu_seqlens_q, cumulative=True), host_lengths(cu_seqlens_k, cumulative=True)
+    if lens_q is None or lens_k is None:
+        return None
+    heads = {"num_heads": q.shape[1], "num_kv_heads": k.shape[1], "head_dim": q.shape[2]}
+    lens = {"batch": len(lens_q), "seqlens_q": lens_q, "seqlens_k": lens_k}
+    return {**lens, **heads, "causal": causal, "sliding_window": sliding_window}, q.dtype
+
+
 def _fake_out(q, *args):
     return torch.empty_like(q)
 
@@ -268,6 +279,9 @@ def _spec(name, description, reference, fake, returns, baseline) -> OpSpec:
         schema=f"{_ARGUMENTS} -> {returns}",
         validate=validate_flash_attention,
         fake=fake,
+        call_case=lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap: varlen_call_case(
+            q, k, cu_q, cu_k, causal, window
+        ),
         doc=__doc__,
     )
 

@@ -30,6 +30,7 @@ from kiln.ops.attention.flash_attention.spec import (
     FLASH_ATTENTION,
     flash_attention_with_lse_reference,
     validate_flash_attention,
+    varlen_call_case,
 )
 from kiln.ops.attention.paged_inputs import lengths, visible_pairs
 from kiln.ops.checks import check_tensor, device_of, dtype_name
@@ -237,6 +238,9 @@ FLASH_ATTENTION_BACKWARD = OpSpec(
     ),
     validate=validate_flash_attention_backward,
     fake=_fake,
+    call_case=lambda dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, *_: (
+        varlen_call_case(q, k, cu_q, cu_k, causal, window)
+    ),
     doc=__doc__,
 )
 

@@ -26,7 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.attention.paged_inputs import data_dtype, exact_read, lengths, make_paged_attention_inputs
+from kiln.ops.attention.paged_inputs import (
+    data_dtype,
+    exact_read,
+    lengths,
+    make_paged_attention_inputs,
+    paged_call_case,
+)
 from kiln.ops.attention.reference import attend_one_sequence, gather_paged
 from kiln.ops.attention.validate import (
     check_attention_options,
@@ -191,6 +197,11 @@ def _bytes(shape, dtype):
     return kv + 2 * batch * shape["num_heads"] * d * element_size(data_dtype(dtype))
 
 
+def _call_case(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale,
+               v_scale, exact_key_cache, exact_value_cache, exact_block_tables, exact_window):  # fmt: skip
+    return paged_call_case(q, key_cache, seq_lens, sliding_window, exact_key_cache, exact_window)
+
+
 def _gather_sdpa(**inputs):
     """Gather each sequence's pages, one masked SDPA: the op's CPU path (cpu.py), on the bench's device."""
     return PAGED_DECODE_ATTENTION.implementation("cpu").fn(**inputs)
@@ -254,6 +265,7 @@ PAGED_DECODE_ATTENTION = OpSpec(
     ),
     validate=validate_paged_decode_attention,
     fake=lambda q, *args: torch.empty_like(q),
+    call_case=_call_case,
     doc=__doc__,
 )
 

@@ -28,8 +28,10 @@ from kiln.ops.attention.paged_inputs import (
     cu_seqlens,
     data_dtype,
     exact_read,
+    host_lengths,
     lengths,
     make_paged_attention_inputs,
+    paged_call_case,
     visible_pairs,
 )
 from kiln.ops.attention.reference import attend_one_sequence, gather_paged
@@ -232,6 +234,15 @@ def _bytes(shape, dtype):
     return q_and_out + kv + 2 * exact_read(shape, dtype) * kv_heads * d  # exact positions: 2 bytes
 
 
+def _call_case(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale,
+               sliding_window, softcap, k_scale, v_scale, exact_key_cache, exact_value_cache,
+               exact_block_tables, exact_window):  # fmt: skip
+    query_lens = host_lengths(cu_seqlens_q, cumulative=True)
+    return paged_call_case(
+        q, key_cache, seq_lens, sliding_window, exact_key_cache, exact_window, query_lens=query_lens
+    )
+
+
 def _gather_sdpa(**inputs):
     """Gather each sequence's context, one SDPA per sequence: the op's CPU path (cpu.py) without
     Kiln's native causal kernel, on the bench's device."""
@@ -296,6 +307,7 @@ PAGED_PREFILL_ATTENTION = OpSpec(
     ),
     validate=validate_paged_prefill_attention,
     fake=lambda q, *args: torch.empty_like(q),
+    call_case=_call_case,
     doc=__doc__,
 )
 

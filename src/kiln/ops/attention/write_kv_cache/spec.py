@@ -191,6 +191,10 @@ WRITE_KV_CACHE = OpSpec(
     ),
     validate=validate_write_kv_cache,
     fake=lambda *args: None,
+    call_case=lambda key, value, key_cache, value_cache, *_: (
+        {"num_tokens": key.shape[0], "num_kv_heads": key.shape[1], "head_dim": key.shape[2]},
+        key_cache.dtype,
+    ),
     doc=__doc__,
 )
 

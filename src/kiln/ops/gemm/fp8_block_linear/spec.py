@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
+from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of, row_count
 from kiln.ops.gemm.dense_baseline import bf16_matmul
 from kiln.ops.gemm.scaled import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from kiln.ops.gemm.shapes import GEMM_TOLERANCE, LLAMA3_8B, gemm_flops
@@ -167,6 +167,10 @@ FP8_BLOCK_LINEAR = OpSpec(
     ),
     validate=validate_fp8_block_linear,
     fake=_fake,
+    call_case=lambda x, w_fp8, w_scale, block_n, block_k, bias, out_dtype: (
+        {"M": row_count(x), "N": w_fp8.shape[0], "K": x.shape[-1], "block_n": block_n, "block_k": block_k},
+        out_dtype,
+    ),
     doc=__doc__,
 )
 

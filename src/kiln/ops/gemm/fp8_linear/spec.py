@@ -16,6 +16,7 @@ from kiln.ops.gemm.scaled import (
     FP8_DTYPE,
     FP8_MAX,
     make_scaled_linear_inputs,
+    scaled_linear_call_case,
     scaled_linear_fake,
     validate_scaled_linear,
 )
@@ -86,6 +87,7 @@ FP8_LINEAR = OpSpec(
     ),
     validate=validate_fp8_linear,
     fake=scaled_linear_fake,
+    call_case=scaled_linear_call_case,
     doc=__doc__,
 )
 

@@ -55,6 +55,14 @@ def validate_gguf_dequantize(qweight, qtype, dtype) -> None:
         raise ValueError(f"{op}: dtype {dtype} unsupported, expected float32, float16 or bfloat16")
 
 
+def _call_case(qweight, qtype, dtype):
+    """The case of a call: K from the row's bytes (None for types outside QTYPES: no byte model)."""
+    if qtype not in QTYPES:
+        return None
+    K = qweight.shape[1] // BLOCK_BYTES[qtype] * BLOCK_WEIGHTS[qtype]
+    return {"N": qweight.shape[0], "K": K, "qtype": qtype}, dtype
+
+
 def _fake(qweight, qtype, dtype):
     if qtype in QTYPES:
         block, type_size = BLOCK_WEIGHTS[qtype], BLOCK_BYTES[qtype]
@@ -114,6 +122,7 @@ GGUF_DEQUANTIZE = OpSpec(
     schema="(Tensor qweight, str qtype, ScalarType dtype=float32) -> Tensor",
     validate=validate_gguf_dequantize,
     fake=_fake,
+    call_case=_call_case,
     doc=__doc__,
 )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
+from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of, row_count
 from kiln.ops.gemm.dense_baseline import bf16_matmul
 from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
 from kiln.ops.gemm.gguf_dequantize.spec import gguf_dequantize_reference
@@ -106,6 +106,10 @@ GGUF_LINEAR = OpSpec(
     schema="(Tensor x, Tensor qweight, str qtype, Tensor? bias=None) -> Tensor",
     validate=validate_gguf_linear,
     fake=lambda x, qweight, qtype, bias: x.new_empty((*x.shape[:-1], qweight.shape[0])),
+    call_case=lambda x, qweight, qtype, bias: (
+        {"M": row_count(x), "N": qweight.shape[0], "K": x.shape[-1], "qtype": qtype},
+        x.dtype,
+    ),
     doc=__doc__,
 )
 

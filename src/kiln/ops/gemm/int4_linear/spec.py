@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
+from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of, row_count
 from kiln.ops.gemm.dense_baseline import bf16_matmul
 from kiln.ops.gemm.shapes import GEMM_TOLERANCE, fuzz_gemm_shapes, gemm_flops, llm_shapes
 from kiln.ops.registry import OpSpec, define_op
@@ -113,6 +113,10 @@ INT4_LINEAR = OpSpec(
     schema="(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size) -> Tensor",
     validate=validate_int4_linear,
     fake=lambda x, qweight, scales, zeros, group_size: x.new_empty((*x.shape[:-1], qweight.shape[0])),
+    call_case=lambda x, qweight, scales, zeros, group_size: (
+        {"M": row_count(x), "N": qweight.shape[0], "K": x.shape[-1], "group_size": group_size},
+        x.dtype,
+    ),
     doc=__doc__,
 )
 

@@ -13,7 +13,12 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.gemm.dense_baseline import bf16_matmul
-from kiln.ops.gemm.scaled import make_scaled_linear_inputs, scaled_linear_fake, validate_scaled_linear
+from kiln.ops.gemm.scaled import (
+    make_scaled_linear_inputs,
+    scaled_linear_call_case,
+    scaled_linear_fake,
+    validate_scaled_linear,
+)
 from kiln.ops.gemm.shapes import (
     GEMM_TOLERANCE,
     fuzz_scaled_gemm_shapes,
@@ -75,6 +80,7 @@ INT8_LINEAR = OpSpec(
     ),
     validate=validate_int8_linear,
     fake=scaled_linear_fake,
+    call_case=scaled_linear_call_case,
     doc=__doc__,
 )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.checks import FLOAT_DTYPES, check_last_dim, check_same_dtype, check_tensor, device_of
+from kiln.ops.checks import FLOAT_DTYPES, check_last_dim, check_same_dtype, check_tensor, device_of, row_count
 from kiln.ops.gemm.shapes import GEMM_TOLERANCE, dense_gemm_bytes, fuzz_gemm_shapes, gemm_flops, llm_shapes
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import randn
@@ -72,6 +72,10 @@ LINEAR = OpSpec(
     schema="(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
     validate=validate_linear,
     fake=lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])),
+    call_case=lambda x, weight, bias: (
+        {"M": row_count(x), "N": weight.shape[0], "K": x.shape[-1], "bias": bias is not None},
+        x.dtype,
+    ),
     doc=__doc__,
 )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ops.checks import row_count
 from kiln.ops.gemm.linear.spec import check_dense_operands
 from kiln.ops.gemm.shapes import GEMM_TOLERANCE, dense_gemm_bytes, fuzz_gemm_shapes
 from kiln.ops.registry import OpSpec, define_op
@@ -70,6 +71,10 @@ LINEAR_SILU_MUL = OpSpec(
     schema="(Tensor x, Tensor weight_gate_up) -> Tensor",
     validate=validate_linear_silu_mul,
     fake=lambda x, weight_gate_up: x.new_empty((*x.shape[:-1], weight_gate_up.shape[0] // 2)),
+    call_case=lambda x, weight_gate_up: (
+        {"M": row_count(x), "N": weight_gate_up.shape[0] // 2, "K": x.shape[-1]},
+        x.dtype,
+    ),
     doc=__doc__,
 )
 

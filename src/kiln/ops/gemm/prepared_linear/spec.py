@@ -29,7 +29,7 @@ import weakref
 import torch
 
 from kiln.ops import native_cpu
-from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of
+from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of, row_count
 from kiln.ops.gemm import cpu_blocks_a8, cpu_w8a8
 from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
 from kiln.ops.gemm.quantized_layouts import (
@@ -59,6 +59,7 @@ from kiln.ops.gemm.weight_formats import (
     exact_rows,
     onednn_packs_bf16,
     prepare_linear_weight,
+    prepared_case,
     prepared_matrix,
     w8a8_matrix,
 )
@@ -344,6 +345,20 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
 
 def _out_features(layout, weight) -> int:
     return weight[1].shape[0] if layout == "w8a8_packed" else weight[0].shape[0]  # w_scale: [N]
+
+
+def _call_case(x, layout, weight, bias, out_dtype):
+    """The case of a call: a checkpoint layout names its source; the CPU and GGUF layouts' format and
+    source are what prepare_linear_weight made them from (None for tensors it did not prepare)."""
+    N = _out_features(layout, weight)
+    shape = {"M": row_count(x), "N": N, "K": x.shape[-1], "bias": bias is not None}
+    if layout in QUANTIZED_LAYOUTS:
+        source = "sparse24" if layout in SPARSE24_LAYOUTS else layout
+        return {**shape, "format": "kernel", "source": source}, x.dtype
+    case = prepared_case(weight)
+    if case is None:
+        return None
+    return {**shape, "format": case[0], "source": case[1]}, x.dtype
 
 
 def _fake(x, layout, weight, bias, out_dtype):
@@ -640,6 +655,7 @@ PREPARED_LINEAR = OpSpec(
     schema="(Tensor x, str layout, Tensor[] weight, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor",
     validate=validate_prepared_linear,
     fake=_fake,
+    call_case=_call_case,
     doc=__doc__,
 )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.checks import FLOAT_DTYPES, check_nonempty_rows, check_tensor
+from kiln.ops.checks import FLOAT_DTYPES, check_nonempty_rows, check_tensor, row_count
 from kiln.ops.gemm.scaled import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, make_quantize_inputs
 from kiln.ops.gemm.shapes import fuzz_quantize_shapes, quantize_bytes, quantize_flops
 from kiln.ops.registry import OpSpec, define_op
@@ -66,6 +66,7 @@ QUANTIZE_FP8 = OpSpec(
     schema="(Tensor x, bool per_token=True) -> (Tensor, Tensor)",
     validate=validate_quantize_fp8,
     fake=_fake,
+    call_case=lambda x, per_token: ({"M": row_count(x), "K": x.shape[-1], "per_token": per_token}, x.dtype),
     doc=__doc__,
 )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.checks import FLOAT_DTYPES, check_nonempty_rows, check_tensor
+from kiln.ops.checks import FLOAT_DTYPES, check_nonempty_rows, check_tensor, row_count
 from kiln.ops.gemm.scaled import AMAX_FLOOR, INT8_MAX, make_quantize_inputs
 from kiln.ops.gemm.shapes import fuzz_quantize_shapes, quantize_bytes, quantize_flops
 from kiln.ops.registry import OpSpec, define_op
@@ -53,6 +53,7 @@ QUANTIZE_INT8 = OpSpec(
     schema="(Tensor x) -> (Tensor, Tensor)",
     validate=validate_quantize_int8,
     fake=_fake,
+    call_case=lambda x: ({"M": row_count(x), "K": x.shape[-1]}, x.dtype),
     doc=__doc__,
 )
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.checks import FLOAT_DTYPES, check_last_dim, check_same_dtype, check_tensor, device_of
+from kiln.ops.checks import FLOAT_DTYPES, check_last_dim, check_same_dtype, check_tensor, device_of, row_count
 from kiln.ops.gemm.shapes import GEMM_TOLERANCE, fuzz_gemm_shapes, gemm_flops, llm_shapes
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import element_size, randn
@@ -120,6 +120,10 @@ SPARSE24_LINEAR = OpSpec(
     schema="(Tensor x, Tensor values, Tensor meta, Tensor? bias=None) -> Tensor",
     validate=validate_sparse24_linear,
     fake=lambda x, values, meta, bias: x.new_empty((*x.shape[:-1], values.shape[0])),
+    call_case=lambda x, values, meta, bias: (
+        {"M": row_count(x), "N": values.shape[0], "K": x.shape[-1], "bias": bias is not None},
+        x.dtype,
+    ),
     doc=__doc__,
 )
 

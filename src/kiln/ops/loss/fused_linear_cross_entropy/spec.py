@@ -215,6 +215,10 @@ FUSED_LINEAR_CROSS_ENTROPY = OpSpec(
     ),
     validate=validate_fused_linear_cross_entropy,
     fake=fake_fused_linear_cross_entropy,
+    call_case=lambda hidden, weight, labels, *_: (
+        {"tokens": hidden.shape[0], "hidden": hidden.shape[1], "vocab": weight.shape[0]},
+        hidden.dtype,
+    ),
     doc=__doc__,
 )
 

@@ -284,6 +284,11 @@ FUSED_MOE = OpSpec(
     ),
     validate=validate_fused_moe,
     fake=lambda x, *args: torch.empty_like(x),
+    call_case=lambda x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale: (
+        {"tokens": x.shape[0], "hidden": x.shape[1], "intermediate": w_down.shape[2],
+         "experts": w_gate_up.shape[0], "top_k": topk_ids.shape[1], "fp8": w_gate_up_scale is not None},
+        x.dtype,
+    ),  # fmt: skip
     doc=__doc__,
 )
 

@@ -136,6 +136,10 @@ MOE_ROUTE = OpSpec(
     ),
     validate=validate_moe_route,
     fake=_fake,
+    call_case=lambda router_logits, top_k, renormalize, scoring: (
+        {"tokens": router_logits.shape[0], "experts": router_logits.shape[1], "top_k": top_k},
+        router_logits.dtype,
+    ),
     doc=__doc__,
 )
 

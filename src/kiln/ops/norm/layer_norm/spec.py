@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.checks import FLOAT_DTYPES, check_last_dim, check_same_dtype, check_tensor, device_of
+from kiln.ops.checks import FLOAT_DTYPES, check_last_dim, check_same_dtype, check_tensor, device_of, row_count
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import (
     ONE_ROUNDING_POINTWISE,
@@ -114,6 +114,10 @@ LAYER_NORM = OpSpec(
     schema="(Tensor x, Tensor weight, Tensor? bias=None, float eps=1e-05) -> Tensor",
     validate=validate_layer_norm,
     fake=lambda x, weight, bias, eps: torch.empty_like(x),
+    call_case=lambda x, weight, bias, eps: (
+        {"rows": row_count(x), "hidden": x.shape[-1], "bias": bias is not None},
+        x.dtype,
+    ),
     doc=__doc__,
 )
 

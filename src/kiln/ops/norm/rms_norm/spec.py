@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from kiln.ops.checks import FLOAT_DTYPES, check_last_dim, check_same_dtype, check_tensor, device_of
+from kiln.ops.checks import FLOAT_DTYPES, check_last_dim, check_same_dtype, check_tensor, device_of, row_count
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import (
     ONE_ROUNDING_POINTWISE,
@@ -131,6 +131,10 @@ RMS_NORM = OpSpec(
     ),
     validate=validate_rms_norm,
     fake=lambda x, weight, eps, residual, weight_offset: torch.empty_like(x),
+    call_case=lambda x, weight, eps, residual, weight_offset: (
+        {"rows": row_count(x), "hidden": x.shape[-1], "residual": residual is not None},
+        x.dtype,
+    ),
     public_result=lambda y, args: y if args[3] is None else (y, args[3]),
     doc=__doc__,
 )

@@ -28,6 +28,7 @@ from kiln.ops.norm.rms_norm import rms_norm
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.rope.cache import rope_cos_sin_cache
 from kiln.ops.rope.rotary_embedding import rotary_embedding
+from kiln.ops.rope.rotary_embedding.spec import rope_call_case
 from kiln.ops.testing import (
     ONE_ROUNDING_POINTWISE,
     ONE_ROUNDING_TOLERANCE,
@@ -216,6 +217,9 @@ QK_NORM_ROPE = OpSpec(
     ),
     validate=validate_qk_norm_rope,
     fake=lambda positions, q, k, q_weight, k_weight, cos_sin_cache, eps, is_neox: None,
+    call_case=lambda positions, q, k, q_weight, k_weight, cos_sin_cache, eps, is_neox: rope_call_case(
+        q, k, cos_sin_cache
+    ),
     public_result=lambda result, args: (args[1], args[2]),
     doc=__doc__,
 )

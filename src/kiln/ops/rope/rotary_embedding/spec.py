@@ -128,6 +128,12 @@ def _elements(shape):
     )
 
 
+def rope_call_case(q, k, cos_sin_cache):
+    """The case of a call rotating q [tokens, q_heads, head_dim] and k [tokens, kv_heads, head_dim]."""
+    heads = {"q_heads": q.shape[1], "kv_heads": k.shape[1], "head_dim": q.shape[2]}
+    return {"tokens": q.shape[0], **heads, "rotary_dim": cos_sin_cache.shape[-1]}, q.dtype
+
+
 def _bytes(shape, dtype):
     # q and k rotated part read and written, cache rows read (float32), positions read.
     cache_row = shape.get("rotary_dim", shape["head_dim"]) * 4
@@ -186,6 +192,7 @@ ROTARY_EMBEDDING = OpSpec(
     ),
     validate=validate_rotary_embedding,
     fake=lambda positions, q, k, cos_sin_cache, is_neox: None,
+    call_case=lambda positions, q, k, cos_sin_cache, is_neox: rope_call_case(q, k, cos_sin_cache),
     public_result=lambda result, args: (args[1], args[2]),
     doc=__doc__,
 )

@@ -264,6 +264,11 @@ REJECTION_SAMPLE = OpSpec(
     ),
     validate=validate_rejection_sample,
     fake=_fake,
+    call_case=lambda target_probs, draft_token_ids, num_draft_tokens, draft_probs, uniforms, exponentials: (
+        {"batch": draft_token_ids.shape[0], "num_draft": draft_token_ids.shape[1],
+         "vocab": target_probs.shape[-1], "draft_probs": draft_probs is not None},
+        target_probs.dtype,
+    ),  # fmt: skip
     doc=__doc__,
 )
 

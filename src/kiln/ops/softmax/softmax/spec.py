@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from kiln.ops.checks import FLOAT_DTYPES, check_tensor
+from kiln.ops.checks import FLOAT_DTYPES, check_tensor, row_count
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import (
     ONE_ROUNDING_POINTWISE,
@@ -109,6 +109,7 @@ SOFTMAX = OpSpec(
     schema="(Tensor x, float temperature=1.0) -> Tensor",
     validate=validate_softmax,
     fake=lambda x, temperature: torch.empty_like(x),
+    call_case=lambda x, temperature: ({"rows": row_count(x), "cols": x.shape[-1]}, x.dtype),
     doc=__doc__,
 )
 
