@@ -500,6 +500,8 @@ def define_op(spec: OpSpec, module: str | None = None) -> Callable[..., Any]:
         # Trusted (the engine's forward): a flag, then the cached dispatch in OpSpec.__call__.
         if not getattr(state, "trusted", False):
             spec.check(*args, **kwargs)
+            if torch.is_grad_enabled() and _needs_grad(args, kwargs):
+                raise RuntimeError(_no_backward_message(spec.name))
         if spec.has_untraceable and torch.compiler.is_compiling() and not _traceable(spec, args, kwargs):
             return _opaque_call(spec, args, kwargs)
         if _call_observer is not None and not torch.compiler.is_compiling():
@@ -536,6 +538,33 @@ def _define_custom_op(spec: OpSpec, public: Callable[..., Any]) -> None:
 
     _LIBRARY.impl(spec.name, real, "CompositeExplicitAutograd")
     torch.library.register_fake(f"kiln::{spec.name}", fake, lib=_LIBRARY)
+
+
+def _needs_grad(args: tuple, kwargs: dict) -> bool:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            return True
+        if isinstance(value, (list, tuple)) and any(
+            isinstance(v, torch.Tensor) and v.requires_grad for v in value
+        ):
+            return True
+    return False
+
+
+def _no_backward_message(name: str) -> str:
+    """The public functions run kernels with no backward: autograd would drop the gradient silently
+    (with a warning at best), so a call whose inputs need one is refused."""
+    autograd = sys.modules.get("kiln.ops.autograd")
+    twin = f"kiln.ops.autograd.{name}" if autograd is not None and hasattr(autograd, name) else None
+    if name == "fused_linear_cross_entropy":
+        twin = "kiln.ops.autograd.fused_linear_cross_entropy_loss"
+    elif name == "flash_attention_with_lse":
+        twin = "kiln.ops.autograd.flash_attention(..., return_lse=True)"
+    where = f"use {twin}, which is differentiable" if twin else "it is inference-only (no backward)"
+    return (
+        f"kiln.ops.{name}: an input requires grad, but this function has no backward ({where}); "
+        "call it under torch.no_grad() or torch.inference_mode() for inference"
+    )
 
 
 def _traceable(spec: OpSpec, args: tuple, kwargs: dict) -> bool:

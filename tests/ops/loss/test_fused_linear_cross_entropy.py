@@ -229,3 +229,42 @@ def test_bad_arguments_raise_value_errors_that_name_them(change, message):
 
 def _f64(value):
     return value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_strided_labels_give_what_contiguous_labels_give(backend, device):
+    """The Triton row kernel read labels at unit stride: a strided view (labels[:, 0] of a [T, 2]
+    tensor) gave a wrong loss and gradients, silently."""
+    inputs = FUSED_LINEAR_CROSS_ENTROPY.make_inputs(
+        {"tokens": 13, "hidden": 16, "vocab": 70}, torch.float32, device, torch.Generator().manual_seed(_seed())
+    )
+    pairs = torch.stack([inputs["labels"], torch.flip(inputs["labels"], (0,))], dim=1)
+    strided = pairs[:, 0]
+    assert not strided.is_contiguous()
+    impl = kiln.ops.get_op("fused_linear_cross_entropy").implementation(backend)
+    want = impl.fn(**inputs)
+    got = impl.fn(**{**inputs, "labels": strided})
+    for name, out, expected in zip(("loss", "grad_hidden", "grad_weight"), got[:3], want[:3], strict=True):
+        assert torch.equal(out, expected), name
+
+
+def test_under_autocast_the_gemms_run_in_autocasts_dtype_as_the_lm_head_would(monkeypatch):
+    """float32 weights under torch.autocast (HF Trainer's bf16=True): the loss crashed (bf16 logits met
+    the float32 grad_weight accumulator). Now the GEMMs take autocast's dtype, as the unfused LM head
+    does, and the gradients come back float32."""
+    monkeypatch.setenv("KILN_BACKEND", "cpu")
+    g = torch.Generator().manual_seed(_seed())
+    hidden = torch.randn(21, 24, generator=g, requires_grad=True)
+    weight = (0.3 * torch.randn(97, 24, generator=g)).requires_grad_()
+    labels = torch.randint(0, 97, (21,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy_loss(hidden, weight, labels)
+    loss.backward()
+    h64 = hidden.detach().bfloat16().double().requires_grad_()
+    w64 = weight.detach().bfloat16().double().requires_grad_()
+    want = torch.nn.functional.cross_entropy(h64 @ w64.T, labels)
+    want.backward()
+    assert loss.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == torch.float32
+    assert_close(loss, want, 2e-3, "loss")
+    assert_close(hidden.grad, h64.grad, 2.5e-2, "grad_hidden")
+    assert_close(weight.grad, w64.grad, 2.5e-2, "grad_weight")

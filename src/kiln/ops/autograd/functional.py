@@ -74,10 +74,16 @@ def fused_linear_cross_entropy_loss(
     """The cross-entropy of (hidden [T, H] @ weight [V, H]^T + bias) against labels [T], as a float32
     scalar, differentiable in hidden, weight and bias; the [T, V] logits are never materialized (see
     kiln.ops.fused_linear_cross_entropy for the math). Hidden states of any leading shape are
-    flattened to rows with the labels."""
+    flattened to rows with the labels. Under torch.autocast the GEMMs run in autocast's dtype, as the
+    LM head's linear would (hidden, weight and bias cast to it; their gradients come back in theirs)."""
     if hidden.dim() > 2:
         hidden = hidden.reshape(-1, hidden.shape[-1])
         labels = labels.reshape(-1)
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
     args = (hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, reduction)
     FUSED_LINEAR_CROSS_ENTROPY.check(*args)
     return torch.ops.kiln.fused_linear_cross_entropy(*args)[0]

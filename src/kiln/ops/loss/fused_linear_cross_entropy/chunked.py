@@ -45,7 +45,21 @@ def chunked_loss_and_grads(
     gemm_dtype: torch.dtype,
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, grad_hidden, grad_weight, grad_bias) as the op returns them (see spec.py)."""
+    """(loss, grad_hidden, grad_weight, grad_bias) as the op returns them (see spec.py). Computed in
+    the inputs' dtypes whatever autocast says around the call (kiln.ops.autograd's entry point casts
+    the inputs as autocast would first)."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _chunked(
+            hidden, weight, labels.contiguous(), bias, ignore_index, label_smoothing, z_loss, reduction,
+            rows_fn, gemm_dtype, chunk_tokens,
+        )  # fmt: skip
+
+
+def _chunked(
+    hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, reduction, rows_fn, gemm_dtype,
+    chunk_tokens,
+):  # fmt: skip
+    # labels contiguous: the Triton row kernel reads them at unit stride
     tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     acc_dtype = accumulation_dtype(hidden.dtype)
