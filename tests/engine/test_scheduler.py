@@ -162,3 +162,56 @@ def test_prompt_logprob_prefill_is_chunked_to_the_rows_a_step_may_hold():
         scored.prompt_logprobs.extend([{}] * (done + 1 - len(scored.prompt_logprobs)))
     assert chunks == [PROMPT_LOGPROB_ROWS, PROMPT_LOGPROB_ROWS, 2500 - 2 * PROMPT_LOGPROB_ROWS]
     assert not scored.prompt_logprobs_pending and plain.num_output_tokens > 0
+
+
+def _two_decoding(num_speculative_tokens: int):
+    """A (older, 3 tokens) and B (newer, 4 tokens) decoding in a 3-block cache of 4-token blocks: B's
+    next token needs the last free block."""
+    bm = BlockManager(3, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(
+        bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=12,
+        num_speculative_tokens=num_speculative_tokens,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    seqs = [Sequence("A", [2, 3, 4], params), Sequence("B", [5, 6, 7, 8], params)]
+    for seq in seqs:
+        seq.status = SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+        bm.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        seq.token_ids.append(9)  # sampled, not computed yet
+    return scheduler, seqs
+
+
+def test_proposal_slots_never_take_the_block_a_newer_request_needs_for_its_real_token():
+    """A's guesses took the last free block, and B, needing it for its one real token, was preempted
+    (its KV dropped and recomputed), although proposal slots are never worth a preemption."""
+    scheduler, (_, b) = _two_decoding(num_speculative_tokens=4)
+    batch = scheduler.schedule()
+    scheduled = [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_tokens, strict=True)]
+    assert scheduled == [("A", 1), ("B", 1)]
+    assert scheduler.num_preemptions == 0 and b.status is SequenceStatus.RUNNING
+    assert batch.spec_caps == [0, 0]  # no free block left for a guess
+
+
+def test_proposal_slots_come_from_the_budget_left_after_admissions():
+    """Running decodes x (k + 1) filled the token budget before the proposer ran, so a waiting request
+    was not admitted until they finished (first token at step 33 of 40 with a budget of 8)."""
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(
+        bm, max_num_seqs=8, max_num_batched_tokens=8, max_model_len=64, num_speculative_tokens=4
+    )
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    for name in ("A", "B"):
+        seq = Sequence(name, [10, 11, 12], params)
+        seq.status = SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+        bm.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        seq.token_ids.append(13)
+    scheduler.add(Sequence("C", [30, 31, 32, 33], params))
+    batch = scheduler.schedule()
+    scheduled = {s.request_id: n for s, n in zip(batch.seqs, batch.num_tokens, strict=True)}
+    assert scheduled["C"] == 4  # admitted: its whole prompt
+    assert sum(scheduled.values()) <= 8 and scheduled["A"] + scheduled["B"] == 4  # guesses: what is left
+    assert batch.spec_caps[:2] == [scheduled["A"] - 1, scheduled["B"] - 1]

@@ -91,9 +91,6 @@ class Scheduler:
                 if not prompt_rows:
                     continue
                 n = min(n, prompt_rows)
-            cap = self._spec_cap(seq, budget)
-            if cap and self.block_manager.can_allocate(seq, n + cap):  # never preempt for a guess
-                n += cap
             while not self.block_manager.can_allocate(seq, n):
                 victim = max(self.running, key=lambda s: s.arrival_index)  # the newest, maybe seq itself
                 if id(victim) in scheduled:  # already in this step (decodes go first): take it back out
@@ -129,6 +126,8 @@ class Scheduler:
             scheduled[id(seq)] = (seq, n)
             budget -= n
             prompt_rows -= n if seq.prompt_logprobs_pending else 0
+        if self.num_speculative_tokens:
+            budget = self._grant_proposal_slots(scheduled, budget)
         seqs = [s for s, _ in scheduled.values()]
         num_tokens = [n for _, n in scheduled.values()]
         spec_caps = []
@@ -138,6 +137,21 @@ class Scheduler:
                 for s, n in scheduled.values()
             ]
         return ScheduledBatch(seqs, num_tokens, spec_caps)
+
+    def _grant_proposal_slots(self, scheduled: dict[int, tuple[Sequence, int]], budget: int) -> int:
+        """Give the scheduled decodes their proposal slots, oldest first, from what is left once every
+        running request's real tokens and the admissions are scheduled: a guess never takes the token
+        budget of a waiting request or the block another running request needs for its real token
+        (which preempted it), and is never itself a reason to preempt. Returns the budget left."""
+        for key, (seq, n) in scheduled.items():
+            if budget == 0:
+                break
+            cap = self._spec_cap(seq, budget + n)
+            if cap and self.block_manager.can_allocate(seq, n + cap):
+                self.block_manager.allocate(seq, n + cap)
+                scheduled[key] = (seq, n + cap)
+                budget -= cap
+        return budget
 
     def _spec_cap(self, seq: Sequence, budget: int) -> int:
         """Proposal slots for a decoding seq: what the budget leaves after its own token, and never
