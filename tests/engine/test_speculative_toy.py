@@ -113,6 +113,18 @@ def test_greedy_ngram_speculation_gives_the_same_tokens_batched_and_cached(loade
     assert stats.generation_tokens_total == 2 * 32 * len(PROMPTS) and stats.kv_blocks_used == 0
 
 
+def test_a_draft_with_a_shorter_context_stops_proposing_where_its_positions_end(loaded):
+    """A draft of 40 positions beside a target of 4096: a sequence reaching past 40 crashed the whole
+    step (IndexError in the draft's RoPE cache). It gets no proposals there; the tokens stay the
+    target's, and sequences within the draft's context still get proposals."""
+    short_draft = toy_loaded(seed=3, max_pos=40)
+    prompts = [[5, 6, 7] * 4, [5, 6, 7] * 15]  # 12 tokens, and 45 (past the draft's 40)
+    want = [o.token_ids for o in make_llm(loaded).generate(prompts, GREEDY)]
+    llm = make_llm(loaded, draft(short_draft))
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert llm.engine.stats().spec_proposed_tokens > 0 and llm.engine.proposer.num_used_blocks == 0
+
+
 def test_greedy_draft_model_speculation_gives_the_same_tokens(loaded, draft_loaded, reference):
     for draft_model in (draft_loaded, loaded):  # a poor draft, and a perfect one (the target itself)
         llm = make_llm(loaded, draft(draft_model))

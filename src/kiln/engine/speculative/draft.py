@@ -15,7 +15,9 @@ when the two draws agree, which shared noise makes likely when the draft is clos
 A row whose draft logits are not finite stops proposing (the target's step is not at fault).
 
 When the draft's cache is short, states of sequences not in the step are evicted (they are
-recomputed later), then sequences that still do not fit get no proposal this step.
+recomputed later), then sequences that still do not fit get no proposal this step. A sequence whose
+proposals would reach past the draft's context (its max_position_embeddings, when shorter than the
+target's) gets none either: the target carries on alone.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class DraftProposer:
         self.runner = ModelRunner(model, device, num_blocks, block_size, 1, max_model_len, enforce_eager=True)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.states: dict[int, DraftState] = {}  # id(target seq) -> its draft state
+        # positions the draft can compute: its RoPE cache ends at its max_position_embeddings
+        self.max_positions = min(max_model_len, model.config.max_position_embeddings)
 
     @classmethod
     def for_engine(cls, config: SpeculativeConfig, engine) -> DraftProposer:
@@ -128,6 +132,10 @@ class DraftProposer:
     def _catch_up(self, seq: Sequence, k: int, batch: list[Sequence]) -> DraftState | None:
         """seq's draft state, its KV cut back to the prefix it shares with seq.token_ids and its blocks
         grown for the tokens to compute; None when the draft cache cannot hold them."""
+        if seq.num_tokens + k - 1 > self.max_positions:  # the last proposal's input position would not fit
+            if id(seq) in self.states:
+                self._free(id(seq))
+            return None
         state = self.states.get(id(seq))
         if state is None:
             state = self.states[id(seq)] = DraftState(seq)
