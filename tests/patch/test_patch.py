@@ -120,6 +120,47 @@ def test_revert_restores_the_original_forwards_and_logits(monkeypatch):
         kiln.patch.revert(model)
 
 
+def test_the_output_with_labels_keeps_transformers_layout(monkeypatch):
+    """return_dict=False gave (loss, cache): to_tuple() drops the None logits, so index 1 was the cache
+    where transformers has the logits. And the cache field is read by its own name (`cache` in
+    transformers 5: `past_key_values` is deprecated there)."""
+    monkeypatch.setenv("KILN_BACKEND", "cpu")
+    model = _model("llama")
+    input_ids, labels = _batch()
+    want = model(input_ids=input_ids, labels=labels, use_cache=True, return_dict=False)
+    want_fields = model(input_ids=input_ids, labels=labels, use_cache=True)
+    with kiln.patch.patched(model):
+        got = model(input_ids=input_ids, labels=labels, use_cache=True, return_dict=False)
+        got_fields = model(input_ids=input_ids, labels=labels, use_cache=True)
+    assert len(got) == len(want) and got[1] is None
+    assert [type(v) for v in got[2:]] == [type(v) for v in want[2:]]
+    assert_close(got[0], want[0], 1e-5, "loss")
+    assert list(got_fields.keys()) == [k for k in want_fields.keys() if k != "logits"]
+
+
+def test_a_deep_copy_of_a_patched_model_is_patched_on_its_own(monkeypatch):
+    """TRL's reference model, EMA copies: the copy shared the original's share of the swapped rope, so
+    reverting the original put transformers' rope back under the still-patched copy."""
+    import copy
+    import gc
+
+    monkeypatch.setenv("KILN_BACKEND", "cpu")
+    modeling = transformers.models.llama.modeling_llama
+    model = kiln.patch.apply(_model("llama"))
+    twin = copy.deepcopy(model)
+    input_ids, labels = _batch()
+    loss = model(input_ids=input_ids, labels=labels).loss
+    assert torch.equal(twin(input_ids=input_ids, labels=labels).loss, loss)
+    kiln.patch.revert(model)
+    assert hasattr(modeling.apply_rotary_pos_emb, "kiln_original")  # the copy still uses Kiln's
+    twin_copy = copy.deepcopy(twin)
+    del twin
+    gc.collect()  # a patched model collected gives its share back
+    assert hasattr(modeling.apply_rotary_pos_emb, "kiln_original")
+    kiln.patch.revert(twin_copy)
+    assert not hasattr(modeling.apply_rotary_pos_emb, "kiln_original")
+
+
 def test_patching_twice_is_refused(monkeypatch):
     model = _model("llama")
     with kiln.patch.patched(model), pytest.raises(ValueError, match="patched already"):

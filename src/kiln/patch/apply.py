@@ -48,9 +48,7 @@ def apply(model: torch.nn.Module) -> torch.nn.Module:
     attention.register()
     model._kiln_original_attn_implementation = model.config._attn_implementation
     model.config._attn_implementation = attention.NAME
-    # A patched model that is garbage-collected unpatched gives its share of the rope swap back.
-    release_rope = weakref.finalize(model, _restore_rope, modeling.__name__)
-    setattr(model, _STATE_ATTR, (release_rope, swapped))
+    setattr(model, _STATE_ATTR, _PatchState(model, modeling.__name__, swapped))
     return model
 
 
@@ -59,7 +57,7 @@ def revert(model: torch.nn.Module) -> torch.nn.Module:
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise ValueError("kiln.patch.revert: this model is not patched (kiln.patch.apply(model) patches it)")
-    release_rope, swapped = state
+    release_rope, swapped = state.release_rope, state.swapped
     for module in swapped:
         del module.forward  # the instance attribute; the class's forward shows through again
     if hasattr(model, "_kiln_original_forward"):
@@ -79,6 +77,25 @@ def patched(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         yield model
     finally:
         revert(model)
+
+
+class _PatchState:
+    """What revert needs: the swapped modules, and the model's share of the swapped rope (given back
+    by revert, or when the model is garbage-collected patched). A deep copy of a patched model (TRL's
+    reference model, an EMA copy) is a patched model of its own: it holds a share too."""
+
+    def __init__(self, model: torch.nn.Module, modeling_name: str, swapped: list[torch.nn.Module]):
+        self.model_id = id(model)
+        self.modeling_name = modeling_name
+        self.swapped = swapped
+        self.release_rope = weakref.finalize(model, _restore_rope, modeling_name)
+
+    def __deepcopy__(self, memo: dict) -> _PatchState:
+        import copy
+
+        model = memo[self.model_id]  # deepcopy made the model's copy before copying its attributes
+        _rope_users[self.modeling_name] += 1
+        return _PatchState(model, self.modeling_name, copy.deepcopy(self.swapped, memo))
 
 
 def _supported(model: torch.nn.Module) -> tuple[str, types.ModuleType]:

@@ -53,7 +53,8 @@ def make_apply_rotary_pos_emb(original):
 
 def causal_lm_forward(self, *args, **kwargs):
     """<Arch>ForCausalLM.forward: with labels, the loss from the fused LM head + cross-entropy and no
-    logits; without, the model's own forward (stored by kiln.patch as `self._kiln_original_forward`)."""
+    logits (None in their place, in the output and in the `return_dict=False` tuple); without, the
+    model's own forward (stored by kiln.patch as `self._kiln_original_forward`)."""
     if args:  # positional arguments by the original forward's parameter names
         names = list(inspect.signature(self._kiln_original_forward).parameters)
         kwargs.update(zip(names, args, strict=False))
@@ -80,11 +81,12 @@ def causal_lm_forward(self, *args, **kwargs):
     )
     if num_items_in_batch is not None:
         loss = loss / num_items_in_batch
-    output = CausalLMOutputWithPast(
-        loss=loss,
-        logits=None,
-        past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
-    )
-    return output.to_tuple() if return_dict is False else output
+    if return_dict is False:  # transformers' layout: (loss, logits, then the base model's outputs)
+        return (loss, None, *outputs.to_tuple()[1:])
+    # the base model's fields by name (the cache is `cache` in transformers 5, `past_key_values` before)
+    fields = {
+        name: getattr(outputs, name, None)
+        for name in CausalLMOutputWithPast.__dataclass_fields__
+        if name not in ("loss", "logits")
+    }
+    return CausalLMOutputWithPast(loss=loss, logits=None, **fields)
