@@ -84,7 +84,11 @@ def fused_linear_cross_entropy_loss(
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
-    args = (hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, reduction)
+    # nothing to differentiate (evaluation under no_grad, a frozen head and hidden states): the loss
+    # alone, without the gradient GEMMs (5x the time of an unfused loss on the CPU otherwise)
+    leaves = (hidden, weight) if bias is None else (hidden, weight, bias)
+    compute_grads = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+    args = (hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, reduction, compute_grads)
     FUSED_LINEAR_CROSS_ENTROPY.check(*args)
     return torch.ops.kiln.fused_linear_cross_entropy(*args)[0]
 

@@ -44,6 +44,7 @@ def chunked_loss_and_grads(
     rows_fn: RowsFn,
     gemm_dtype: torch.dtype,
     chunk_tokens: int | None = None,
+    compute_grads: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, grad_hidden, grad_weight, grad_bias) as the op returns them (see spec.py). Computed in
     the inputs' dtypes whatever autocast says around the call (kiln.ops.autograd's entry point casts
@@ -51,13 +52,13 @@ def chunked_loss_and_grads(
     with torch.autocast(hidden.device.type, enabled=False):
         return _chunked(
             hidden, weight, labels.contiguous(), bias, ignore_index, label_smoothing, z_loss, reduction,
-            rows_fn, gemm_dtype, chunk_tokens,
+            rows_fn, gemm_dtype, chunk_tokens, compute_grads,
         )  # fmt: skip
 
 
 def _chunked(
     hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, reduction, rows_fn, gemm_dtype,
-    chunk_tokens,
+    chunk_tokens, compute_grads,
 ):  # fmt: skip
     # labels contiguous: the Triton row kernel reads them at unit stride
     tokens, hidden_size = hidden.shape
@@ -72,17 +73,21 @@ def _chunked(
     # runs (a device tensor, so no sync): the gradients come out final, no second pass.
     scale = 1.0 / num_valid if reduction == "mean" else torch.ones((), dtype=acc_dtype, device=hidden.device)
 
-    grad_hidden = empty_like(hidden)
-    # Half inputs: grad_weight sums T / chunk partial GEMMs; accumulate them in float32.
-    grad_weight = torch.zeros((vocab, hidden_size), dtype=acc_dtype, device=hidden.device)
-    grad_bias = torch.zeros((vocab,), dtype=acc_dtype, device=hidden.device) if bias is not None else None
     row_loss = empty((tokens,), acc_dtype, hidden.device)
+    if compute_grads:
+        grad_hidden = empty_like(hidden)
+        # Half inputs: grad_weight sums T / chunk partial GEMMs; accumulate them in float32.
+        grad_weight = torch.zeros((vocab, hidden_size), dtype=acc_dtype, device=hidden.device)
+        grad_bias = torch.zeros((vocab,), dtype=acc_dtype, device=hidden.device) if bias is not None else None
 
     for start in range(0, tokens, chunk):
         end = min(start + chunk, tokens)
         h = hidden[start:end].to(gemm_dtype)
         logits = h @ w.T if b is None else torch.addmm(b, h, w.T)
+        # (without compute_grads the row kernel still writes d loss / d logits, which nobody reads)
         rows_fn(logits, labels[start:end], row_loss[start:end], scale, ignore_index, label_smoothing, z_loss)
+        if not compute_grads:
+            continue
         grad_hidden[start:end] = logits @ w
         if gemm_dtype == acc_dtype:
             grad_weight.addmm_(logits.T, h)
@@ -92,5 +97,8 @@ def _chunked(
             grad_bias += logits.sum(dim=0, dtype=acc_dtype)
 
     loss = row_loss.sum() * scale
+    if not compute_grads:
+        empty_grad = hidden.new_empty((0,))
+        return loss, empty_grad, weight.new_empty((0,)), empty_grad
     grad_bias_out = grad_bias.to(bias.dtype) if bias is not None else hidden.new_empty((0,))
     return loss, grad_hidden, grad_weight.to(weight.dtype), grad_bias_out

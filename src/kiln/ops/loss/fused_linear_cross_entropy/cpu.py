@@ -49,6 +49,7 @@ def fused_linear_cross_entropy_cpu(
     label_smoothing=0.0,
     z_loss=0.0,
     reduction="mean",
+    compute_grads=True,
     config: dict | None = None,
 ):
     return chunked_loss_and_grads(
@@ -63,6 +64,7 @@ def fused_linear_cross_entropy_cpu(
         cross_entropy_rows_torch,
         gemm_dtype=accumulation_dtype(hidden.dtype),
         chunk_tokens=(config or {}).get("chunk_tokens"),
+        compute_grads=compute_grads,
     )
 
 

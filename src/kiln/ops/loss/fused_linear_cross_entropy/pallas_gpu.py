@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 
 from kiln.ops.gemm.linear.pallas_gpu import gemm_gpu
 from kiln.ops.loss.fused_linear_cross_entropy.spec import FUSED_LINEAR_CROSS_ENTROPY
-from kiln.ops.loss.fused_linear_cross_entropy.xla import HIGHEST, chunk_tokens_for
+from kiln.ops.loss.fused_linear_cross_entropy.xla import HIGHEST, chunk_tokens_for, loss_only
 from kiln.ops.pallas_common import gpu_interpret, pad_to, round_up
 
 MIN_DOT = 16  # Triton's smallest tl.dot dimension: rows, vocabulary and hidden blocks are at least this
@@ -214,17 +214,18 @@ def _flce_gpu(hidden, weight, labels, bias, ignore_index, label_smoothing, z_los
 
 def fused_linear_cross_entropy_pallas_gpu(
     hidden, weight, labels, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, reduction="mean",
-    *, interpret=None,
+    compute_grads=True, *, interpret=None,
 ):  # fmt: skip
     """hidden [T, H], weight [V, H], labels [T] int, bias [V] or None -> (loss float32 scalar,
     grad_hidden [T, H], grad_weight [V, H], grad_bias [V] or [0]); the Pallas Triton kernels
     (interpreted off-GPU) inside xla.py's chunk loop."""
     interpret = gpu_interpret() if interpret is None else interpret
-    return _flce_gpu(
+    result = _flce_gpu(
         hidden, weight, labels, bias,
         ignore_index=int(ignore_index), label_smoothing=float(label_smoothing), z_loss=float(z_loss),
         reduction=reduction, interpret=interpret,
     )  # fmt: skip
+    return result if compute_grads else loss_only(result, hidden, weight)
 
 
 FUSED_LINEAR_CROSS_ENTROPY.register_jax("pallas_gpu", fused_linear_cross_entropy_pallas_gpu)

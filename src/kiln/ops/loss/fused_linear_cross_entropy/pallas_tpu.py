@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kiln.ops.loss.fused_linear_cross_entropy.spec import FUSED_LINEAR_CROSS_ENTROPY
-from kiln.ops.loss.fused_linear_cross_entropy.xla import HIGHEST, chunk_tokens_for
+from kiln.ops.loss.fused_linear_cross_entropy.xla import HIGHEST, chunk_tokens_for, loss_only
 from kiln.ops.pallas_common import LANES, pad_to, round_up, tpu_interpret, tpu_params
 
 MAX_BLOCK_V = 16 * LANES  # vocabulary columns per block
@@ -198,17 +198,18 @@ def _flce_tpu(hidden, weight, labels, bias, ignore_index, label_smoothing, z_los
 
 def fused_linear_cross_entropy_pallas_tpu(
     hidden, weight, labels, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, reduction="mean",
-    *, interpret=None,
+    compute_grads=True, *, interpret=None,
 ):  # fmt: skip
     """hidden [T, H], weight [V, H], labels [T] int, bias [V] or None -> (loss float32 scalar,
     grad_hidden [T, H], grad_weight [V, H], grad_bias [V] or [0]); the Mosaic TPU row kernel
     (interpreted off-TPU) inside xla.py's chunk loop."""
     interpret = tpu_interpret() if interpret is None else interpret
-    return _flce_tpu(
+    result = _flce_tpu(
         hidden, weight, labels, bias,
         ignore_index=int(ignore_index), label_smoothing=float(label_smoothing), z_loss=float(z_loss),
         reduction=reduction, interpret=interpret,
     )  # fmt: skip
+    return result if compute_grads else loss_only(result, hidden, weight)
 
 
 FUSED_LINEAR_CROSS_ENTROPY.register_jax("pallas_tpu", fused_linear_cross_entropy_pallas_tpu)

@@ -17,6 +17,8 @@ computed over chunks of tokens so the [tokens, vocab] logits never exist at once
     d loss / d bias [V] ([0] when bias is None). The gradients are computed in the same pass as the
     loss, chunk by chunk (Liger-Kernel's approach), so the backward pass only scales them by the
     incoming gradient: peak memory is one chunk of logits plus the gradients, never T x V.
+    compute_grads=False (evaluation, nothing to differentiate): the loss alone, without the two
+    gradient GEMMs per chunk; the three gradients come back empty ([0]).
 Labels outside [0, V) that are not ignore_index give an undefined loss (validation reads shapes and
 dtypes only, never values: that would cost a device sync).
 """
@@ -44,6 +46,7 @@ def fused_linear_cross_entropy_reference(
     label_smoothing=0.0,
     z_loss=0.0,
     reduction="mean",
+    compute_grads=True,
 ):
     """The plain definition: full logits, torch's cross_entropy, gradients by autograd."""
     with torch.enable_grad():
@@ -61,13 +64,16 @@ def fused_linear_cross_entropy_reference(
         loss = loss + z_loss * logits.logsumexp(dim=-1)[valid].pow(2).sum()
         if reduction == "mean":
             loss = loss / valid.sum()
+        if not compute_grads:
+            empty = hidden.new_empty((0,))
+            return loss.detach(), empty, weight.new_empty((0,)), empty
         grads = torch.autograd.grad(loss, leaves)
     grad_bias = grads[2] if bias is not None else hidden.new_empty((0,))
     return loss.detach(), grads[0], grads[1], grad_bias
 
 
 def validate_fused_linear_cross_entropy(
-    hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, reduction
+    hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, reduction, compute_grads=True
 ) -> None:
     op = "fused_linear_cross_entropy"
     check_tensor(op, "hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES + (torch.float64,))
@@ -109,9 +115,12 @@ def validate_fused_linear_cross_entropy(
 
 
 def fake_fused_linear_cross_entropy(
-    hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, reduction
+    hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, reduction, compute_grads=True
 ):
     loss_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    if not compute_grads:
+        empty = hidden.new_empty((0,))
+        return hidden.new_empty((), dtype=loss_dtype), empty, weight.new_empty((0,)), empty
     grad_bias = torch.empty_like(bias) if bias is not None else hidden.new_empty((0,))
     return (
         hidden.new_empty((), dtype=loss_dtype),
@@ -210,14 +219,15 @@ FUSED_LINEAR_CROSS_ENTROPY = OpSpec(
     baselines={"torch_eager": _torch_eager},
     schema=(
         "(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias=None, int ignore_index=-100, "
-        "float label_smoothing=0.0, float z_loss=0.0, str reduction='mean') "
+        "float label_smoothing=0.0, float z_loss=0.0, str reduction='mean', bool compute_grads=True) "
         "-> (Tensor, Tensor, Tensor, Tensor)"
     ),
     validate=validate_fused_linear_cross_entropy,
     fake=fake_fused_linear_cross_entropy,
-    call_case=lambda hidden, weight, labels, *_: (
-        {"tokens": hidden.shape[0], "hidden": hidden.shape[1], "vocab": weight.shape[0]},
-        hidden.dtype,
+    call_case=lambda hidden, weight, labels, *rest: (
+        ({"tokens": hidden.shape[0], "hidden": hidden.shape[1], "vocab": weight.shape[0]}, hidden.dtype)
+        if rest[-1]  # compute_grads: the FLOP and byte model counts the gradients
+        else None
     ),
     doc=__doc__,
 )

@@ -125,6 +125,7 @@ def fused_linear_cross_entropy_triton(
     label_smoothing=0.0,
     z_loss=0.0,
     reduction="mean",
+    compute_grads=True,
     config: dict | None = None,
 ):
     # float64 (gradcheck) keeps float64 GEMMs; everything else runs its GEMMs in the input dtype.
@@ -140,6 +141,7 @@ def fused_linear_cross_entropy_triton(
         cross_entropy_rows_triton,
         gemm_dtype=hidden.dtype,
         chunk_tokens=(config or {}).get("chunk_tokens"),
+        compute_grads=compute_grads,
     )
 
 

@@ -46,8 +46,21 @@ def rows_loss_and_grad(logits, labels, scale, ignore_index, label_smoothing, z_l
 
 
 def fused_linear_cross_entropy_xla(
-    hidden, weight, labels, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, reduction="mean"
-):
+    hidden, weight, labels, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, reduction="mean",
+    compute_grads=True,
+):  # fmt: skip
+    result = _loss_and_grads(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, reduction)
+    return result if compute_grads else loss_only(result, hidden, weight)
+
+
+def loss_only(result, hidden, weight):
+    """compute_grads=False on the JAX backends: the loss and empty gradients (the gradients are
+    still computed, then dropped: XLA may prune them under jit, eager JAX does not)."""
+    empty = jnp.zeros((0,), hidden.dtype)
+    return result[0], empty, jnp.zeros((0,), weight.dtype), empty
+
+
+def _loss_and_grads(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, reduction):
     tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     chunk = chunk_tokens_for(tokens, hidden_size, vocab)
