@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,18 @@ def cpu() -> dict[str, Any]:
     return {"cpu_model": model, "cpu_id": cpu_id or None, "cpu_flags": flags}
 
 
+def threads() -> dict[str, Any]:
+    """{"cpu_count", "torch_threads", "omp_num_threads"}: the logical CPUs, the intra-op threads torch
+    runs with (None when torch is not imported) and OMP_NUM_THREADS as set (a CPU timing depends on
+    all three)."""
+    torch = sys.modules.get("torch")
+    return {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads() if torch is not None else None,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+
+
 def _version(module: str) -> str | None:
     try:
         return __import__(module).__version__
@@ -124,6 +137,7 @@ def environment() -> dict[str, Any]:
         **commit(),
         **gpu(),
         **cpu(),
+        **threads(),
         "python": platform.python_version(),
         "torch": _version("torch"),
         "triton": _version("triton"),

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from kiln.bench import results
-from kiln.bench.compare import compare_cases, exit_code
+from kiln.bench.compare import compare_cases, exit_code, format_comparison
 from kiln.cli import main
 
 
@@ -55,12 +55,16 @@ def test_real_regression_is_flagged_and_fails():
     assert exit_code(rows) == 1
 
 
-def test_difference_within_the_runs_spread_is_noise():
-    # 12% slower, but each run's own p20-p80 spread is 15%: not a regression
+def test_difference_within_the_runs_spread_is_noisy_not_a_regression_unless_strict():
+    # 12% slower, but each run's own p20-p80 spread is 15%: not a regression, but not "same" either
     rows = compare_cases(payload([case(median=1.0, spread=0.15)]), payload([case(median=1.12, spread=0.15)]))
-    assert [r.status for r in rows] == ["same"]
+    assert [r.status for r in rows] == ["noisy"]
     assert rows[0].allowed > 0.12
-    assert exit_code(rows) == 0
+    assert exit_code(rows) == 0 and exit_code(rows, strict=True) == 1
+    assert "1 noisy" in format_comparison(rows)
+    # inside the threshold, noise or not: same
+    rows = compare_cases(payload([case(median=1.0, spread=0.15)]), payload([case(median=1.03, spread=0.15)]))
+    assert [r.status for r in rows] == ["same"] and exit_code(rows, strict=True) == 0
 
 
 def test_small_change_below_threshold_is_noise_even_with_tight_spread():

@@ -55,6 +55,8 @@ def test_environment_names_versions_cpu_and_gpu():
         assert env["cpu_model"] and env["cpu_id"].startswith("family ")
     assert (env["gpu_name"] is None) == (not torch.cuda.is_available())
     assert env["fallbacks"] == []
+    assert env["cpu_count"] == os.cpu_count() and env["torch_threads"] == torch.get_num_threads()
+    assert env["omp_num_threads"] == os.environ.get("OMP_NUM_THREADS")
 
 
 def test_fallbacks_are_recorded_once_per_reason_from_any_thread():

@@ -5,7 +5,7 @@ kiln bench [--suite llm] [--op NAME ...] [--dtype NAME ...] [--shapes JSON|FILE|
            [--reps N]
 kiln bench --backward [--op NAME ...] [--no-compile] ...   forward+backward of the ops with a backward
                         vs torch autograd (eager, torch.compile), with peak memory (kiln.bench.backward)
-kiln bench compare OLD.json NEW.json [--threshold 0.05] [--allow-missing] [--force]
+kiln bench compare OLD.json NEW.json [--threshold 0.05] [--allow-missing] [--force] [--strict]
 kiln bench engine ...   the engine's throughput and latency vs HF transformers; --decode-loop: one
                         sequence through the model alone (kiln.bench.engine)
 kiln bench serve ...    load test of `kiln serve` over loopback HTTP (kiln.bench.serve)
@@ -83,6 +83,11 @@ def add_parser(subparsers) -> None:
         "--force",
         action="store_true",
         help="compare runs from different devices or CPUs (their timings are not comparable)",
+    )
+    c.add_argument(
+        "--strict",
+        action="store_true",
+        help="also fail on 'noisy' cases: slower past the threshold but within the runs' spread",
     )
     c.set_defaults(func=run_compare)
     for name, (module, help_text) in BENCHMARKS.items():
@@ -175,7 +180,7 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"note: comparing different hosts ({what})", file=sys.stderr)
     rows = compare_cases(old, new, args.threshold)
     print(format_comparison(rows))
-    return exit_code(rows, args.allow_missing)
+    return exit_code(rows, args.allow_missing, args.strict)
 
 
 def _benchmark_runner(run_benchmark, options: tuple[str, ...]):

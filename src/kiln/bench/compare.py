@@ -4,10 +4,12 @@ A case (op, shape, dtype, backend) regressed when
     new_median / old_median - 1 > max(threshold, combined spread)
 where combined spread = sqrt(old_rel_spread^2 + new_rel_spread^2) and rel_spread = (p80 - p20) / median
 of that run: a difference inside both runs' own noise is not a regression, whatever its size. The
-same rule the other way flags improvements. A case that ran in OLD and errors in NEW is "broken" (also a
-failure), and so is one that ran its own kernel in OLD and fell back to another in NEW ("fell-back":
-the case is matched on the backend asked for). A case OLD has and NEW lacks ("missing-in-new": a
-renamed op, another suite) fails unless allowed; one only NEW has is listed.
+same rule the other way flags improvements. A slow-down past the threshold that the spread swallows
+is "noisy", not "same": inconclusive, listed so it is seen, and a failure with `strict` (rerun on a
+quieter machine, or with more --reps, to decide). A case that ran in OLD and errors in NEW is
+"broken" (also a failure), and so is one that ran its own kernel in OLD and fell back to another in
+NEW ("fell-back": the case is matched on the backend asked for). A case OLD has and NEW lacks
+("missing-in-new": a renamed op, another suite) fails unless allowed; one only NEW has is listed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ class Comparison:
     new_ms: float | None
     change: float | None  # new / old - 1 (positive = slower)
     allowed: float | None  # the change that counts as noise
-    status: str  # regressed | broken | improved | fixed | same | missing-in-old | missing-in-new | error
+    # regressed | broken | fell-back | improved | fixed | noisy | same | missing-in-old | missing-in-new
+    # | error
+    status: str
 
 
 def compare_cases(old: dict, new: dict, threshold: float = 0.05) -> list[Comparison]:
@@ -62,6 +66,8 @@ def _compare_one(key, old: dict, new: dict, threshold: float) -> Comparison:
         status = "regressed"
     elif -change / (1.0 + change) > allowed:  # faster by the same relative margin, measured from NEW
         status = "improved"
+    elif change > threshold:  # slower past the threshold, but within the runs' spread: undecided
+        status = "noisy"
     else:
         status = "same"
     return Comparison(key, old["median_ms"], new["median_ms"], change, allowed, status)
@@ -92,6 +98,7 @@ def format_comparison(rows: list[Comparison]) -> str:
         "fell-back",
         "improved",
         "fixed",
+        "noisy",
         "same",
         "missing-in-old",
         "missing-in-new",
@@ -103,8 +110,10 @@ def format_comparison(rows: list[Comparison]) -> str:
     return "\n".join(text)
 
 
-def exit_code(rows: list[Comparison], allow_missing: bool = False) -> int:
+def exit_code(rows: list[Comparison], allow_missing: bool = False, strict: bool = False) -> int:
     """1 when anything regressed, broke or fell back, or (unless allow_missing) a case of OLD is missing
-    from NEW; else 0 (noise, improvements and new cases do not fail)."""
+    from NEW, or (strict) a slow-down was too noisy to decide; else 0 (noise, improvements and new cases
+    do not fail)."""
     failing = FAILING if allow_missing else (*FAILING, "missing-in-new")
+    failing = (*failing, "noisy") if strict else failing
     return 1 if any(r.status in failing for r in rows) else 0
