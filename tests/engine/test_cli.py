@@ -45,3 +45,25 @@ def test_generate_reports_a_missing_model_file_without_a_traceback(capsys):
     )
     assert args.func(args) == 2
     assert "/nonexistent/model.gguf" in capsys.readouterr().err
+
+
+def test_generate_prints_output_and_prompt_logprobs_with_the_prompts_perplexity(toy_loader, capsys):
+    args = build_parser().parse_args(
+        ["generate", "hello", "--max-tokens", "4", "--ignore-eos", "--device", "cpu",
+         "--logprobs", "2", "--prompt-logprobs", "1"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    params = kiln.engine.SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1
+    )
+    want = kiln.engine.LLM(loaded=toy_loader, num_kv_blocks=64).generate("hello", params)[0]
+    prompt_pairs = zip(want.prompt_token_ids, want.prompt_logprobs, strict=True)
+    prompt_scores = [entry[token] for token, entry in prompt_pairs if entry]
+    output_scores = [entry[token] for token, entry in zip(want.token_ids, want.logprobs, strict=True)]
+    prompt_part = out[out.index("--- prompt logprobs") : out.index("--- output logprobs")]
+    output_part = out[out.index("--- output logprobs") :]
+    assert len(prompt_part.strip().split("\n")) == len(want.prompt_token_ids) + 2  # header, tokens, summary
+    assert f"sum logprob {sum(prompt_scores):.4f}" in prompt_part
+    assert f"sum logprob {sum(output_scores):.4f}" in output_part
+    assert all(f"{score:9.4f}" in output_part for score in output_scores)

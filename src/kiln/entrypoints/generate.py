@@ -9,6 +9,7 @@ import time
 from kiln.engine.cpu_args import add_cpu_arguments, cpu_config_from_args
 from kiln.engine.kv_cache_args import add_kv_cache_arguments, kv_cache_config_from_args
 from kiln.engine.speculative.args import add_speculative_arguments, speculative_config_from_args
+from kiln.entrypoints.logprob_report import format_token_logprobs
 
 
 def add_parser(subparsers) -> None:
@@ -29,6 +30,15 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS up to --max-tokens")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument(
+        "--logprobs", type=int, default=None, metavar="N",
+        help="after the completion, each output token's logprob and its top N alternatives",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prompt-logprobs", type=int, default=None, metavar="N",
+        help="each prompt token's logprob given the ones before it (top N alternatives), with the "
+        "prompt's total and perplexity",
+    )  # fmt: skip
     add_kv_cache_arguments(parser)
     add_cpu_arguments(parser)
     parser.add_argument(  # tensor parallelism (kiln.distributed; README: Tensor parallelism)
@@ -58,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
             min_p=args.min_p,
             seed=args.seed,
             ignore_eos=args.ignore_eos,
+            logprobs=args.logprobs,
+            prompt_logprobs=args.prompt_logprobs,
         )
         speculative = speculative_config_from_args(args)
     except ValueError as exc:
@@ -105,11 +117,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     printed = 0
     out = None
+    prompt_logprobs = None
     while engine.has_unfinished_requests():
         for out in engine.step():
             sys.stdout.write(out.text[printed:])
             sys.stdout.flush()
             printed = len(out.text)
+            prompt_logprobs = out.prompt_logprobs or prompt_logprobs
     end = time.perf_counter()
     if out is None or out.first_token_time is None:
         print("\nkiln generate: no tokens were generated", file=sys.stderr)
@@ -122,6 +136,10 @@ def run(args: argparse.Namespace) -> int:
         f"{n / (end - start):.1f} tok/s overall | {n} tokens generated ({out.finish_reason}) | "
         f"prompt {len(prompt)} tokens"
     )
+    if args.prompt_logprobs is not None and prompt_logprobs is not None:
+        print(format_token_logprobs(tokenizer, prompt, prompt_logprobs, args.prompt_logprobs, "prompt"))
+    if args.logprobs is not None and out.logprobs is not None:
+        print(format_token_logprobs(tokenizer, out.token_ids, out.logprobs, args.logprobs, "output"))
     if speculative is not None:
         stats = engine.stats()
         rate = stats.spec_accepted_tokens / stats.spec_proposed_tokens if stats.spec_proposed_tokens else 0.0
