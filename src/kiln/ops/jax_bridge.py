@@ -62,17 +62,32 @@ def load_jax_backends() -> None:
 
 def to_jax(tensor: torch.Tensor | None, device: jax.Device | None = None) -> jax.Array | None:
     """A jax array viewing `tensor` (made contiguous first if it is not; DLPack needs row-major).
-    With `device`, the array is moved there (e.g. a TPU) after the zero-copy import."""
+    With `device`, the array is moved there (e.g. a TPU) after the zero-copy import. Without JAX's
+    x64 mode an int64 tensor becomes int32, as JAX would make it, but only when its values fit:
+    ValueError otherwise (JAX's own import keeps the low 32 bits, silently)."""
     import jax
 
     if tensor is None:
         return None
+    if tensor.dtype == torch.int64 and not jax.config.jax_enable_x64:
+        tensor = _narrowed_to_int32(tensor)
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     array = jax.dlpack.from_dlpack(tensor.detach())
     if device is not None and array.devices() != {device}:
         array = jax.device_put(array, device)
     return array
+
+
+def _narrowed_to_int32(tensor: torch.Tensor) -> torch.Tensor:
+    info = torch.iinfo(torch.int32)
+    if tensor.numel() and (int(tensor.min()) < info.min or int(tensor.max()) > info.max):
+        raise ValueError(
+            f"an int64 tensor {tuple(tensor.shape)} holds values outside int32 "
+            f"[{int(tensor.min())}, {int(tensor.max())}], and JAX runs without x64 "
+            "(jax.config.update('jax_enable_x64', True) keeps int64)"
+        )
+    return tensor.to(torch.int32)
 
 
 def to_torch(array: jax.Array, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,16 +115,17 @@ def available(implementation: str) -> Callable[[torch.device | None], bool]:
     return available
 
 
-def _compute_device(implementation: str) -> jax.Device | None:
+def _compute_device(implementation: str, tensor_device: torch.device) -> jax.Device | None:
     """Where the jax arrays must live for a compiled Pallas kernel: the TPU for pallas_tpu on a TPU
-    host, the GPU for pallas_gpu on a GPU host; None (stay where DLPack put them) otherwise."""
+    host, a GPU for CPU tensors under pallas_gpu on a GPU host; None (stay where DLPack put them)
+    otherwise: CUDA tensors are on their own GPU already (cuda:1 stays on JAX's second GPU)."""
     import jax
 
     from kiln.ops import pallas_common
 
     if implementation == "pallas_tpu" and pallas_common.on_tpu():
         return jax.devices()[0]
-    if implementation == "pallas_gpu" and pallas_common.on_gpu():
+    if implementation == "pallas_gpu" and tensor_device.type == "cpu" and pallas_common.on_gpu():
         return jax.devices()[0]
     return None
 
@@ -123,7 +139,7 @@ def torch_function(spec: OpSpec, implementation: str) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         bound = spec.bind(args, kwargs)
         like = next(a for a in bound if isinstance(a, torch.Tensor))
-        device = _compute_device(implementation)
+        device = _compute_device(implementation, like.device)
         jax_args = [to_jax(a, device) if isinstance(a, torch.Tensor) else a for a in bound]
         result = spec.jax_implementations[implementation](*jax_args)
         results = list(result) if isinstance(result, (tuple, list)) else [result]
