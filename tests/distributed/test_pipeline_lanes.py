@@ -1,15 +1,16 @@
 """Several scheduler steps in flight through the pipeline (kiln.distributed.pipeline_lanes), on the
 CPU over gloo: with 2 lanes rank 0 launches a lane's step while the other lane's is still in the
 later stage, and every request's greedy tokens and their top-5 logprobs equal one process's; a
-request aborted while its step is in flight is skipped; the lane scheduler balances and routes; and
-a SamplingError on rank 0 fails only its requests, not the ranks (under TP as under PP lanes)."""
+request aborted while its step is in flight is skipped; the lane scheduler balances and routes; the
+lanes together run at most max_num_seqs sequences; and a SamplingError on rank 0 fails only its
+requests, not the ranks (under TP as under PP lanes)."""
 
 import os
 
 import pytest
 
 from kiln.distributed import TensorParallelEngine
-from kiln.distributed.pipeline_lanes import LaneScheduler
+from kiln.distributed.pipeline_lanes import LaneScheduler, lane_count, lane_max_num_seqs
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
@@ -130,6 +131,32 @@ def test_lanes_need_a_pipeline_and_are_refused_by_name(tmp_path):
     path = write_checkpoint(tmp_path, "llama")
     with pytest.raises(ValueError, match="lanes=2; several steps in flight need pipeline parallelism"):
         TensorParallelEngine(EngineConfig(model=path, device="cpu"), tp_size=2, lanes=2)
+
+
+def test_lanes_split_max_num_seqs_so_that_together_they_run_no_more():
+    # each lane used to get ceil(max_num_seqs / lanes): 2 lanes at max_num_seqs 3 ran 4 sequences
+    assert lane_max_num_seqs(3, 2) == [2, 1]
+    assert lane_max_num_seqs(4, 2) == [2, 2]
+    assert lane_max_num_seqs(7, 4) == [2, 2, 2, 1]
+    assert lane_count(None, pp_size=4, max_num_seqs=2, speculative=False) == 2  # a lane runs >= 1
+    assert lane_count(None, pp_size=2, max_num_seqs=1, speculative=False) == 1
+    assert lane_count(None, pp_size=2, max_num_seqs=64, speculative=True) == 1
+    with pytest.raises(ValueError, match=r"lanes=3 > max_num_seqs=2; every lane runs at least one"):
+        lane_count(3, pp_size=3, max_num_seqs=2, speculative=False)
+
+
+def test_two_lanes_never_run_more_than_max_num_seqs_sequences(tmp_path):
+    path = write_checkpoint(tmp_path, "llama", num_hidden_layers=2)
+    config = EngineConfig(model=path, device="cpu", num_kv_blocks=32, max_num_seqs=3)
+    with TensorParallelEngine(config, tp_size=1, pp_size=2, timeout_s=30) as engine:
+        assert [lane.max_num_seqs for lane in engine.scheduler.lanes] == [2, 1]
+        for i in range(6):
+            engine.add_request(f"r{i}", [5 + i, 6, 7], PARAMS)
+        most = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            most = max(most, len(engine.scheduler.running))
+    assert most == 3
 
 
 def _lane_scheduler(lanes: int) -> LaneScheduler:

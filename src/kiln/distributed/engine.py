@@ -45,7 +45,7 @@ from kiln.distributed.groups import (
     pipeline_layout,
     rank_layout,
 )
-from kiln.distributed.pipeline_lanes import LaneScheduler
+from kiln.distributed.pipeline_lanes import LaneScheduler, lane_count, lane_max_num_seqs
 from kiln.distributed.stage_runner import PipelineStageRunner
 from kiln.distributed.worker import agree_on_blocks, join_groups, load_shard, load_stage, spawn_main
 from kiln.engine.config import EngineConfig
@@ -139,13 +139,7 @@ class TensorParallelEngine(LLMEngine):
         lanes: int | None = None,
     ):
         config = config or EngineConfig()
-        if lanes is None:
-            lanes = pp_size if config.speculative is None else 1
-        if lanes < 1 or (lanes > 1 and (pp_size < 2 or config.speculative is not None)):
-            raise ValueError(
-                f"TensorParallelEngine: lanes={lanes}; several steps in flight need pipeline parallelism "
-                "(pp_size >= 2) and no speculative decoding, else use lanes=1"
-            )
+        lanes = lane_count(lanes, pp_size, config.max_num_seqs, config.speculative is not None)
         self.lanes = lanes
         self._in_flight: list = [None] * lanes
         self._next_lane = 0
@@ -206,8 +200,9 @@ class TensorParallelEngine(LLMEngine):
                 config, loaded=loaded, before_forward=self.broadcaster, runner_class=runner_class
             )
             if lanes > 1:
-                per_lane = -(-config.max_num_seqs // lanes)
-                self.scheduler = LaneScheduler([self.new_scheduler(per_lane) for _ in range(lanes)])
+                self.scheduler = LaneScheduler(
+                    [self.new_scheduler(n) for n in lane_max_num_seqs(config.max_num_seqs, lanes)]
+                )
         except BaseException:
             self.shutdown()
             raise

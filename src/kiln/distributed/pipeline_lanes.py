@@ -15,8 +15,9 @@ steps in launch order, so a block freed by one lane and reused by another is wri
 step after the earlier one read it; and a sequence aborted while its step is in flight is skipped
 when that step finishes (LLMEngine._advance).
 
-A request joins the lane with the fewest requests; max_num_seqs is split over the lanes, the token
-budget is per step.
+A request joins the lane with the fewest requests; max_num_seqs is split over the lanes (lane i runs
+max_num_seqs // L + (i < max_num_seqs % L) sequences at most, so all lanes together run max_num_seqs),
+the token budget is per step.
 """
 
 from __future__ import annotations
@@ -59,3 +60,28 @@ class LaneScheduler:
 
     def has_unfinished(self) -> bool:
         return any(lane.has_unfinished() for lane in self.lanes)
+
+
+def lane_count(lanes: int | None, pp_size: int, max_num_seqs: int, speculative: bool) -> int:
+    """How many lanes the engine runs: `lanes`, or by default pp_size (1 with speculative decoding,
+    whose proposer works step by step), never more than max_num_seqs (a lane runs at least one
+    sequence). ValueError for an explicit count those rules refuse."""
+    if lanes is None:
+        return 1 if speculative else max(1, min(pp_size, max_num_seqs))
+    if lanes < 1 or (lanes > 1 and (pp_size < 2 or speculative)):
+        raise ValueError(
+            f"TensorParallelEngine: lanes={lanes}; several steps in flight need pipeline parallelism "
+            "(pp_size >= 2) and no speculative decoding, else use lanes=1"
+        )
+    if lanes > max_num_seqs:
+        raise ValueError(
+            f"TensorParallelEngine: lanes={lanes} > max_num_seqs={max_num_seqs}; every lane runs at least "
+            f"one sequence, so use lanes <= {max_num_seqs} (or raise max_num_seqs)"
+        )
+    return lanes
+
+
+def lane_max_num_seqs(max_num_seqs: int, lanes: int) -> list[int]:
+    """Each lane's share of max_num_seqs, summing to it (the first lanes take the remainder)."""
+    base, extra = divmod(max_num_seqs, lanes)
+    return [base + (1 if lane < extra else 0) for lane in range(lanes)]
