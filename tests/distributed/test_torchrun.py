@@ -1,9 +1,12 @@
 """Multi-process launch through torchrun (the multi-node path, here 2 processes on loopback):
-rendezvous from the standard env vars, rank 0 drives, rank 1 serves, tokens equal TP 1's."""
+rendezvous from the standard env vars, rank 0 drives, rank 1 serves, tokens equal TP 1's; and `kiln
+bench parallel` runs its one-process baseline on rank 0 only."""
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 from kiln.engine.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
@@ -26,3 +29,20 @@ def test_torchrun_two_ranks_generate_the_tp1_tokens(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("TOKENS")]
     assert lines == ["TOKENS " + " ".join(map(str, expected))], result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("rank, baselines", [("0", 1), ("1", 0)])
+def test_bench_parallel_under_torchrun_runs_the_baseline_on_rank_0_only(monkeypatch, rank, baselines):
+    import kiln.distributed.launch
+    import kiln.engine.llm_engine
+    from kiln.bench import parallel
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    built = []
+    monkeypatch.setattr(kiln.engine.llm_engine, "LLMEngine", lambda config: built.append(config))
+    monkeypatch.setattr(parallel, "decode_run", lambda engine, batch, max_tokens: {})
+    # rank 0's engine is not the point here; None = what a torchrun rank > 0 gets
+    monkeypatch.setattr(kiln.distributed.launch, "start_engine", lambda *args, **kwargs: None)
+    assert parallel.main(["--tp", "2", "--model", "random:tiny", "--device", "cpu"]) == 0
+    assert len(built) == baselines

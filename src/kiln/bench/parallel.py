@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -128,6 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kiln.distributed.groups import launched_by_torchrun
     from kiln.distributed.launch import parallel_ranks, start_engine
     from kiln.engine.config import EngineConfig
     from kiln.engine.llm_engine import LLMEngine
@@ -144,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
         "threads_per_process": torch.get_num_threads(),
         "batch": args.batch,
     }
-    if not args.no_baseline:
+    # under torchrun every rank runs this command; only rank 0 reports, so only it runs the baseline
+    other_rank = launched_by_torchrun() and int(os.environ["RANK"]) != 0
+    if not args.no_baseline and not other_rank:
         report["one_process"] = decode_run(LLMEngine(config), args.batch, args.max_tokens)
     engine = start_engine(
         config, args.tp, ep_size=args.ep, pp_size=args.pp, micro_batches=args.micro_batches, lanes=args.lanes
