@@ -1,6 +1,7 @@
 """Multi-process launch through torchrun (the multi-node path, here 2 processes on loopback):
-rendezvous from the standard env vars, rank 0 drives, rank 1 serves, tokens equal TP 1's; and `kiln
-bench parallel` runs its one-process baseline on rank 0 only."""
+rendezvous from the standard env vars, rank 0 drives, rank 1 serves on rank 0's device type (agreed
+through the rendezvous store, whatever rank 1's machine has), tokens equal TP 1's; and `kiln bench
+parallel` runs its one-process baseline on rank 0 only."""
 
 import os
 import subprocess
@@ -14,7 +15,7 @@ from kiln.engine.sampling_params import SamplingParams
 from tests.distributed.checkpoints import write_checkpoint
 
 
-def test_torchrun_two_ranks_generate_the_tp1_tokens(tmp_path):
+def test_torchrun_two_ranks_generate_the_tp1_tokens_on_rank_0s_device(tmp_path):
     path = write_checkpoint(tmp_path, "llama", seed=3)
     single = LLMEngine(EngineConfig(model=path, device="cpu", num_kv_blocks=16))
     single.add_request(
@@ -25,10 +26,24 @@ def test_torchrun_two_ranks_generate_the_tp1_tokens(tmp_path):
             expected = list(out.token_ids)
     driver = os.path.join(os.path.dirname(__file__), "torchrun_driver.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    result = subprocess.run(command + [driver, path], capture_output=True, text=True, timeout=240)
+    # rank 1 is told it has a GPU: it used to pick NCCL and CUDA from that, against rank 0's gloo
+    run = command + [driver, path, "--rank-1-sees-a-gpu"]
+    result = subprocess.run(run, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("TOKENS")]
     assert lines == ["TOKENS " + " ".join(map(str, expected))], result.stdout[-2000:]
+
+
+def test_ranks_above_0_take_rank_0s_device_type_not_their_own_guess(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    from kiln.distributed.groups import agree_on_device_type
+
+    store = dist.HashStore()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert agree_on_device_type(store, 0, "cpu") == "cpu"
+    assert agree_on_device_type(store, 1, None) == "cpu"
 
 
 @pytest.mark.parametrize("rank, baselines", [("0", 1), ("1", 0)])

@@ -37,6 +37,7 @@ from kiln.distributed.groups import (
     DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     TensorParallelError,
+    agree_on_device_type,
     check_ep_size,
     destroy_tp_group,
     free_port,
@@ -44,6 +45,7 @@ from kiln.distributed.groups import (
     launched_by_torchrun,
     pipeline_layout,
     rank_layout,
+    torchrun_store,
 )
 from kiln.distributed.pipeline_lanes import LaneScheduler, lane_count, lane_max_num_seqs
 from kiln.distributed.stage_runner import PipelineStageRunner
@@ -228,7 +230,9 @@ class TensorParallelEngine(LLMEngine):
                     f"RANK {rank} of {world} (other ranks run kiln.distributed.worker.torchrun_main)"
                 )
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            self.group = self._join(world, device.type, "env://", timeout_s, local_rank, startup_timeout_s)
+            store = torchrun_store(0, world, startup_timeout_s)
+            agree_on_device_type(store, 0, device.type)  # the other ranks pick their backend from it
+            self.group = self._join(world, device.type, store, timeout_s, local_rank, startup_timeout_s)
             return
         threads = None
         if device.type == "cpu":

@@ -27,8 +27,10 @@ as above; one tensor-parallel device group per stage (the TPGroup its layers are
 `pipe_group` (device backend, every rank, `timeout_s`) for the point-to-point sends of hidden states
 between neighbouring stages and of the logits from the last stage back to rank 0.
 
-Rendezvous: spawned workers use tcp://127.0.0.1:<free port>; under torchrun the standard env vars
-(MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) with init_method env://.
+Rendezvous: spawned workers use tcp://127.0.0.1:<free port> (rank 0 passes them its device type);
+under torchrun the standard env vars (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) give the
+rendezvous store (`torchrun_store`), through which rank 0 tells the others its device type before the
+backend is chosen (a rank > 0 does not know the configured device before the setup message).
 """
 
 from __future__ import annotations
@@ -69,11 +71,36 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
+DEVICE_TYPE_KEY = "kiln/device_type"
+
+
+def torchrun_store(rank: int, world_size: int, startup_timeout_s: float) -> dist.Store:
+    """The env:// rendezvous store of a torchrun launch (MASTER_ADDR / MASTER_PORT; torchrun's agent
+    store, or one hosted by rank 0), to build the process group on (join_world) and to agree on the
+    device type (agree_on_device_type) first."""
+    timeout = timedelta(seconds=startup_timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return store
+
+
+def agree_on_device_type(store: dist.Store, rank: int, device_type: str | None) -> str:
+    """Rank 0's device type on every rank: rank 0 publishes `device_type` (its configured device's),
+    the others wait for it (up to the store's timeout) and ignore their own guess, so every rank picks
+    the same backend (a rank that sees a GPU must not pick NCCL when rank 0 runs on the CPU)."""
+    if rank == 0:
+        if device_type is None:
+            raise ValueError("agree_on_device_type: rank 0 must give its device type")
+        store.set(DEVICE_TYPE_KEY, device_type)
+        return device_type
+    return store.get(DEVICE_TYPE_KEY).decode()
+
+
 def init_tp_group(
     rank: int,
     world_size: int,
     device_type: str,
-    init_method: str,
+    init_method: str | dist.Store,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     local_rank: int | None = None,
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
@@ -103,14 +130,15 @@ def join_world(
     rank: int,
     world_size: int,
     device_type: str,
-    init_method: str,
+    init_method: str | dist.Store,
     local_rank: int | None,
     startup_timeout_s: float,
 ) -> int:
     """Initialise torch.distributed for this rank (blocks until all `world_size` ranks have joined;
     RuntimeError after startup_timeout_s, or at once when this process already belongs to a group;
-    `what` names the kind of engine in that message). On CUDA, binds this process to
-    cuda:<local_rank> first. Returns local_rank (default: rank)."""
+    `what` names the kind of engine in that message). init_method: a URL, or a rendezvous store
+    (torchrun_store). On CUDA, binds this process to cuda:<local_rank> first. Returns local_rank
+    (default: rank)."""
     if dist.is_initialized():
         raise RuntimeError(
             f"{what}: this process already belongs to a torch.distributed group; shut the other "
@@ -119,12 +147,16 @@ def join_world(
     local_rank = rank if local_rank is None else local_rank
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
+    if isinstance(init_method, str):
+        rendezvous = {"init_method": init_method}
+    else:  # the prefix init_process_group puts on a store it makes itself
+        rendezvous = {"store": dist.PrefixStore("default_pg", init_method)}
     dist.init_process_group(
         backend=backend_for(device_type),
-        init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=startup_timeout_s),
+        **rendezvous,
     )
     return local_rank
 
@@ -226,7 +258,7 @@ def init_pipeline_group(
     tp_size: int,
     pp_size: int,
     device_type: str,
-    init_method: str,
+    init_method: str | dist.Store,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     local_rank: int | None = None,
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,

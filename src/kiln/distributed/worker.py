@@ -12,7 +12,8 @@ Protocol (rank 0 broadcasts, see engine.py; setup over the setup_group, steps ov
 Under pipeline parallelism (pp_size > 1, groups from init_pipeline_group) the setup also names each
 stage's layers and the micro-batch count; each rank builds only its stage (load_stage) and replays
 the steps through a PipelineStageRunner (kiln.distributed.stage_runner).
-A worker started by `spawn` also watches its parent and exits when it dies (no orphans).
+A worker started by `spawn` also watches its parent and exits when it dies (no orphans); one started
+by torchrun takes rank 0's device type from the rendezvous store before it joins (torchrun_main).
 """
 
 from __future__ import annotations
@@ -24,17 +25,21 @@ import threading
 import traceback
 
 import torch
+import torch.distributed as dist
 
 from kiln.distributed.collectives import all_gather_object, broadcast_object
 from kiln.distributed.groups import (
+    DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     PipelineGroup,
     TensorParallelError,
     TPGroup,
+    agree_on_device_type,
     destroy_tp_group,
     init_pipeline_group,
     init_tp_group,
     launched_by_torchrun,
+    torchrun_store,
 )
 from kiln.distributed.stage_runner import PipelineStageRunner
 from kiln.engine.config import EngineConfig, exact_kv_layout_for, kv_cache_dtype_for, num_kv_blocks_for_model
@@ -105,7 +110,7 @@ def serve_steps(runner: ModelRunner, group: TPGroup | PipelineGroup, device: tor
 
 
 def join_groups(
-    rank: int, world_size: int, device_type: str, init_method: str, timeout_s: float,
+    rank: int, world_size: int, device_type: str, init_method: str | dist.Store, timeout_s: float,
     local_rank: int | None = None, ep_size: int = 1, pp_size: int = 1,
 ) -> TPGroup | PipelineGroup:  # fmt: skip
     """init_tp_group, or init_pipeline_group when pp_size > 1 (tp = world_size / pp_size)."""
@@ -182,12 +187,15 @@ def torchrun_main(timeout_s: float = DEFAULT_TIMEOUT_S, ep_size: int = 1, pp_siz
     code."""
     if not launched_by_torchrun():
         raise RuntimeError("torchrun_main: RANK / WORLD_SIZE are not set (start it with torchrun)")
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = torchrun_store(rank, world_size, DEFAULT_STARTUP_TIMEOUT_S)
+    # rank 0's configured device, not whether this machine has a GPU: the ranks' backends must match
+    device_type = agree_on_device_type(store, rank, None)
     group = join_groups(
-        int(os.environ["RANK"]),
-        int(os.environ["WORLD_SIZE"]),
+        rank,
+        world_size,
         device_type,
-        "env://",
+        store,
         timeout_s,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         ep_size=ep_size,
