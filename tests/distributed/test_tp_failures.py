@@ -3,6 +3,7 @@ fast with an error naming what happened (not hang), and no worker process outliv
 driver."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -126,3 +127,31 @@ def test_killed_expert_parallel_rank_fails_the_step_naming_it(tmp_path):
             engine.step()
     assert time.monotonic() - start < 30
     assert _gone(worker.pid)
+
+
+@pytest.mark.parametrize(
+    "how, pp_size, rank",
+    [("import", 1, "rank 1"), ("load", 1, "rank 1"), ("load", 2, "rank 1, pipeline stage 1")],
+    ids=["before-joining", "loading-tp", "loading-pp"],
+)
+def test_a_worker_dying_at_start_up_fails_the_engine_at_once_naming_it(checkpoint, how, pp_size, rank):
+    # before the fix: a rendezvous timeout after startup_timeout_s (30 s here) naming nobody, or gloo's
+    # bare "Connection reset by peer"
+    driver = os.path.join(os.path.dirname(__file__), "startup_failure_driver.py")
+    result = subprocess.run(
+        [sys.executable, driver, checkpoint, how, str(pp_size)], capture_output=True, text=True, timeout=120
+    )
+    line = next((x for x in result.stdout.splitlines() if x.startswith("FAILED")), result.stderr[-2000:])
+    code = 7 if how == "import" else 9
+    died = rf"tensor-parallel worker died during start-up: {rank} \(pid \d+\) exited with code {code}"
+    assert re.search(rf"^FAILED after [\d.]+ s: TensorParallelError: {died}$", line), line
+    assert float(line.split()[2]) < 10, line
+
+
+def test_more_ranks_than_visible_gpus_are_refused_before_starting_workers(checkpoint, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    config = EngineConfig(model=checkpoint, device="cuda", num_kv_blocks=16)
+    with pytest.raises(ValueError, match=r"2 ranks on this machine need 2 GPUs .* torch sees 1"):
+        TensorParallelEngine(config, tp_size=2, timeout_s=5)

@@ -15,8 +15,10 @@ sent point to point, logits back to rank 0, which samples).
 
 Failure: before each step the spawned workers' liveness is checked; a collective that a dead or hung
 worker never joins fails after `timeout_s`. Either way the step raises TensorParallelError naming the
-rank, and the engine shuts down (workers joined, then killed; no orphans). `shutdown()` (also run at
-interpreter exit) stops the workers and leaves the process group.
+rank, and the engine shuts down (workers joined, then killed; no orphans). A spawned worker that dies
+during start-up (before joining the group, or while loading its shard) fails the construction at once
+with TensorParallelError naming it. `shutdown()` (also run at interpreter exit) stops the workers and
+leaves the process group.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import multiprocessing.connection
 import os
 import queue
 import sys
@@ -39,9 +42,9 @@ from kiln.distributed.groups import (
     TensorParallelError,
     agree_on_device_type,
     check_ep_size,
+    check_local_devices,
     destroy_tp_group,
     free_port,
-    init_tp_group,
     launched_by_torchrun,
     pipeline_layout,
     rank_layout,
@@ -55,7 +58,7 @@ from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.model_runner import ModelInputs, ModelRunner
 from kiln.engine.outputs import RequestOutput
 from kiln.engine.sampler import SamplingError
-from kiln.loaders import open_checkpoint
+from kiln.loaders import LoadedModel, open_checkpoint
 from kiln.models.layers.tp import TPGroup
 from kiln.models.sharding import ShardPlan, check_expert_parallel, check_pipeline_parallel, routed_experts
 
@@ -170,27 +173,15 @@ class TensorParallelEngine(LLMEngine):
             check_expert_parallel(checkpoint.config, ep_size)
             ShardPlan(checkpoint.config, tp_size)
             stages = check_pipeline_parallel(checkpoint.config, pp_size)
+            setup = {"engine_config": config, "path": checkpoint.path}
             if pp_size > 1:
                 layout = pipeline_layout(tp_size, pp_size, stages, checkpoint.config.num_layers)
+                setup.update(stages=stages, micro_batches=self.micro_batches)
             else:
                 layout = rank_layout(tp_size, ep_size, routed_experts(checkpoint.config))
             print(f"kiln: {layout}", file=sys.stderr, flush=True)
             self._start_workers(tp_size * pp_size, device, timeout_s, startup_timeout_s)
-            setup = {"engine_config": config, "path": checkpoint.path}
-            if pp_size > 1:
-                setup.update(stages=stages, micro_batches=self.micro_batches)
-            broadcast_object(setup, self.group, setup=True)
-            error, loaded, num_blocks = None, None, 0
-            try:
-                if pp_size > 1:
-                    loaded, num_blocks = load_stage(config, checkpoint, device, self.group.tp, stages[0])
-                else:
-                    loaded, num_blocks = load_shard(config, checkpoint, device, self.group)
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                raise
-            finally:
-                num_blocks = agree_on_blocks(error, num_blocks, self.group)
+            loaded, num_blocks = self._set_up_ranks(setup, config, checkpoint, device)
             config = dataclasses.replace(config, num_kv_blocks=num_blocks, enforce_eager=True)
             runner_class = ModelRunner
             if pp_size > 1:
@@ -209,15 +200,38 @@ class TensorParallelEngine(LLMEngine):
             self.shutdown()
             raise
 
+    def _set_up_ranks(self, setup: dict, config: EngineConfig, checkpoint, device) -> tuple[LoadedModel, int]:
+        """Send every rank the setup, load rank 0's shard (its pipeline stage's) and agree on the KV
+        block count: (rank 0's model, the block count). TensorParallelError naming the rank when a rank
+        fails to load, or when a worker dies meanwhile (gloo then reports only a reset connection)."""
+        try:
+            broadcast_object(setup, self.group, setup=True)
+            error, loaded, num_blocks = None, None, 0
+            try:
+                if self.pp_size > 1:
+                    tp_group, stage = self.group.tp, setup["stages"][0]
+                    loaded, num_blocks = load_stage(config, checkpoint, device, tp_group, stage)
+                else:
+                    loaded, num_blocks = load_shard(config, checkpoint, device, self.group)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                raise
+            finally:
+                num_blocks = agree_on_blocks(error, num_blocks, self.group)
+        except TensorParallelError:
+            raise
+        except RuntimeError as exc:
+            dead = self._reap_dead_workers()
+            if dead:
+                raise TensorParallelError(f"tensor-parallel worker died during start-up: {dead}") from exc
+            raise TensorParallelError(f"tensor parallel start-up: the setup exchange failed: {exc}") from exc
+        return loaded, num_blocks
+
     # ---- processes ----
     def _join(self, world, device_type, init_method, timeout_s, local_rank, startup_timeout_s):
-        if self.pp_size > 1:
-            return join_groups(
-                0, world, device_type, init_method, timeout_s, local_rank, pp_size=self.pp_size
-            )
-        return init_tp_group(
-            0, world, device_type, init_method, timeout_s, local_rank, startup_timeout_s=startup_timeout_s,
-            ep_size=self.ep_size,
+        return join_groups(
+            0, world, device_type, init_method, timeout_s, local_rank, ep_size=self.ep_size,
+            pp_size=self.pp_size, startup_timeout_s=startup_timeout_s,
         )  # fmt: skip
 
     def _start_workers(self, tp_size, device, timeout_s, startup_timeout_s) -> None:
@@ -234,6 +248,7 @@ class TensorParallelEngine(LLMEngine):
             agree_on_device_type(store, 0, device.type)  # the other ranks pick their backend from it
             self.group = self._join(world, device.type, store, timeout_s, local_rank, startup_timeout_s)
             return
+        check_local_devices(device.type, tp_size)
         threads = None
         if device.type == "cpu":
             # the ranks share this machine's cores
@@ -260,7 +275,42 @@ class TensorParallelEngine(LLMEngine):
             )
             process.start()
             self.workers.append(process)
-        self.group = self._join(tp_size, device.type, init_method, timeout_s, None, startup_timeout_s)
+        self.group = self._join_watching_workers(
+            tp_size, device.type, init_method, timeout_s, startup_timeout_s
+        )
+
+    def _join_watching_workers(self, world, device_type, init_method, timeout_s, startup_timeout_s):
+        """_join from a thread while this one watches the spawned workers: a worker that exits before
+        every rank has joined (a failed import, a missing GPU, killed) is a TensorParallelError naming
+        it at once, instead of a rendezvous timeout after startup_timeout_s that names nobody. The
+        thread, left waiting in the rendezvous then, ends at that timeout without effect."""
+        result = {}
+
+        def join() -> None:
+            try:
+                group = self._join(world, device_type, init_method, timeout_s, None, startup_timeout_s)
+                result["group"] = group
+            except BaseException as exc:  # raised below, in the engine's thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=join, daemon=True, name="kiln-tp-join")
+        thread.start()
+        sentinels = [process.sentinel for process in self.workers]
+        while thread.is_alive():
+            multiprocessing.connection.wait(sentinels, timeout=0.1)
+            dead = "; ".join(self.dead_workers())
+            if dead:
+                raise TensorParallelError(f"tensor-parallel worker died during start-up: {dead}")
+        if "error" in result:
+            raise result["error"]
+        return result["group"]
+
+    def _reap_dead_workers(self) -> str:
+        """'; '.join(dead_workers()) after giving each spawned worker a second to be reaped (one
+        killed a moment ago may still look alive); '' when none died."""
+        for process in self.workers:
+            process.join(timeout=1.0)
+        return "; ".join(self.dead_workers())
 
     def stage_stats(self) -> list[dict]:
         """Every rank's runner stats, in rank order (pipeline parallelism: compute and point-to-point
@@ -292,11 +342,9 @@ class TensorParallelEngine(LLMEngine):
         except SamplingError:
             raise  # rank 0 could not sample some requests: the ranks are fine (see LLMEngine.step)
         except RuntimeError as exc:
-            for process in self.workers:  # a worker killed a moment ago may not be reaped yet
-                process.join(timeout=1.0)
-            dead = self.dead_workers()
+            dead = self._reap_dead_workers()
             if dead:
-                message = f"tensor-parallel worker died: {'; '.join(dead)}"
+                message = f"tensor-parallel worker died: {dead}"
             else:
                 what = "collective or pipeline send/recv" if self.pp_size > 1 else "collective"
                 message = (

@@ -71,6 +71,20 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
+def check_local_devices(device_type: str, world_size: int) -> None:
+    """ValueError unless this machine has a GPU for each of `world_size` ranks spawned on it (rank r
+    binds cuda:r); checked before any process starts."""
+    if device_type != "cuda":
+        return
+    count = torch.cuda.device_count()
+    if count < world_size:
+        raise ValueError(
+            f"parallel engine: {world_size} ranks on this machine need {world_size} GPUs (rank r uses "
+            f"cuda:r), torch sees {count}; use fewer ranks (--tp x --pp <= {count}), or torchrun over "
+            "several machines"
+        )
+
+
 DEVICE_TYPE_KEY = "kiln/device_type"
 
 

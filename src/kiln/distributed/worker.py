@@ -112,13 +112,18 @@ def serve_steps(runner: ModelRunner, group: TPGroup | PipelineGroup, device: tor
 def join_groups(
     rank: int, world_size: int, device_type: str, init_method: str | dist.Store, timeout_s: float,
     local_rank: int | None = None, ep_size: int = 1, pp_size: int = 1,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
 ) -> TPGroup | PipelineGroup:  # fmt: skip
     """init_tp_group, or init_pipeline_group when pp_size > 1 (tp = world_size / pp_size)."""
     if pp_size > 1:
         return init_pipeline_group(
-            rank, world_size // pp_size, pp_size, device_type, init_method, timeout_s, local_rank
-        )
-    return init_tp_group(rank, world_size, device_type, init_method, timeout_s, local_rank, ep_size=ep_size)
+            rank, world_size // pp_size, pp_size, device_type, init_method, timeout_s, local_rank,
+            startup_timeout_s=startup_timeout_s,
+        )  # fmt: skip
+    return init_tp_group(
+        rank, world_size, device_type, init_method, timeout_s, local_rank,
+        startup_timeout_s=startup_timeout_s, ep_size=ep_size,
+    )  # fmt: skip
 
 
 def run_rank(group: TPGroup | PipelineGroup, device_type: str) -> None:
