@@ -148,6 +148,27 @@ def test_a_worker_dying_at_start_up_fails_the_engine_at_once_naming_it(checkpoin
     assert float(line.split()[2]) < 10, line
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, MemoryError])
+def test_an_interrupt_on_rank_0_mid_step_shuts_the_engine_down_at_once(checkpoint, error):
+    engine, worker = _start(checkpoint, timeout_s=5)
+    model = engine.runner.model
+
+    def interrupted(hidden):
+        raise error("simulated")
+
+    # rank 0 leaves the step after the worker joined its forward: the ranks are out of step
+    model.compute_logits = interrupted
+    start = time.monotonic()
+    with pytest.raises(error, match="simulated"):
+        engine.step()
+    with pytest.raises(TensorParallelError, match="shut down"):
+        engine.step()  # not a step over desynchronised ranks that times out blaming the worker
+    engine.shutdown()
+    assert time.monotonic() - start < 3  # no stop message waiting out the timeout for the worker
+    worker.join(timeout=5)
+    assert _gone(worker.pid)
+
+
 def test_more_ranks_than_visible_gpus_are_refused_before_starting_workers(checkpoint, monkeypatch):
     import torch
 

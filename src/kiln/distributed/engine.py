@@ -17,8 +17,9 @@ Failure: before each step the spawned workers' liveness is checked; a collective
 worker never joins fails after `timeout_s`. Either way the step raises TensorParallelError naming the
 rank, and the engine shuts down (workers joined, then killed; no orphans). A spawned worker that dies
 during start-up (before joining the group, or while loading its shard) fails the construction at once
-with TensorParallelError naming it. `shutdown()` (also run at interpreter exit) stops the workers and
-leaves the process group.
+with TensorParallelError naming it. Any other exception on rank 0 mid-step (KeyboardInterrupt,
+MemoryError) leaves the ranks out of step: the engine shuts down at once and re-raises it. `shutdown()`
+(also run at interpreter exit) stops the workers and leaves the process group.
 """
 
 from __future__ import annotations
@@ -353,6 +354,11 @@ class TensorParallelEngine(LLMEngine):
                 )
             self.shutdown(graceful=False)
             raise TensorParallelError(message) from exc
+        except BaseException:
+            # e.g. KeyboardInterrupt or MemoryError on rank 0 mid-step: the workers may wait in a
+            # collective rank 0 left, so the ranks are out of step; a stop message would wait for them
+            self.shutdown(graceful=False)
+            raise
 
     def _lane_step(self) -> list[RequestOutput]:
         """One step of the next lane (round robin): finish its step in flight (collect the logits,
