@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from kiln.models.config import ModelConfig
-from kiln.models.sharding import ShardedWeightStore, ShardPlan, shard_cols, shard_rows, split_evenly
+from kiln.models.sharding import (
+    ShardedWeightStore,
+    ShardPlan,
+    intermediate_unit,
+    shard_cols,
+    shard_rows,
+    split_evenly,
+    with_intermediate_unit,
+)
 from kiln.models.weights import GGUFWeight, WeightStore
 
 
@@ -83,6 +91,46 @@ def test_gguf_column_shards_keep_their_block_scales(qtype):
 def test_gguf_column_shard_off_a_block_boundary_is_rejected():
     with pytest.raises(ValueError, match="multiples of 32"):
         shard_cols(_random_gguf(4, 128, "Q4_1"), 16, 80, "o_proj")
+
+
+def _blocks(qtype: str, n: int, k: int) -> GGUFWeight:
+    """A GGUF weight [n, k] of zero bytes: enough to read its block size."""
+    from kiln.models.weights import GGUF_BLOCK_BYTES
+
+    per_block = 256 if qtype.endswith("_K") else 32
+    data = torch.zeros(n, k // per_block * GGUF_BLOCK_BYTES[qtype], dtype=torch.uint8)
+    return GGUFWeight(qtype, data, (n, k))
+
+
+def test_k_quant_down_proj_splits_the_intermediate_in_whole_256_input_super_blocks():
+    config = with_intermediate_unit(_config(intermediate_size=1280, num_heads=8, num_kv_heads=8), 256)
+    # 5 super-blocks: 3 + 2, not 640 + 640 (which cuts the third)
+    assert [s.intermediate for s in ShardPlan(config, 2).shards] == [(0, 768), (768, 1280)]
+    assert [s.intermediate for s in ShardPlan(config, 3).shards] == [(0, 512), (512, 1024), (1024, 1280)]
+    with pytest.raises(ValueError, match=r"256-input GGUF super-blocks .* it holds 5\); use tp <= 5"):
+        ShardPlan(config, 8)
+    # without the unit: 32-column units, as before
+    assert ShardPlan(_config(intermediate_size=1280), 2).shards[0].intermediate == (0, 640)
+
+
+def test_intermediate_unit_is_the_largest_gguf_block_of_any_down_proj():
+    config = dataclasses.replace(
+        _config(intermediate_size=512, num_layers=2), extra={"gguf_architecture": "llama"}
+    )
+    h, i = config.hidden_size, config.intermediate_size
+
+    def store(*qtypes):
+        loaders = {
+            f"model.layers.{n}.mlp.down_proj.weight": ((h, i), lambda q=q: _blocks(q, h, i))
+            for n, q in enumerate(qtypes)
+        }
+        return WeightStore("test.gguf", loaders)
+
+    assert intermediate_unit(config, store("Q8_0", "Q6_K")) == 256  # one K-quant layer is enough
+    assert intermediate_unit(config, store("Q8_0", "Q4_0")) == 32
+    hf_store = store("Q6_K", "Q6_K")
+    assert intermediate_unit(dataclasses.replace(config, extra={}), hf_store) == 32
+    assert hf_store.used == set()  # an HF checkpoint's weights are not read for it
 
 
 def test_sharded_store_slices_reassemble_every_tensor():

@@ -61,7 +61,14 @@ from kiln.engine.outputs import RequestOutput
 from kiln.engine.sampler import SamplingError
 from kiln.loaders import LoadedModel, open_checkpoint
 from kiln.models.layers.tp import TPGroup
-from kiln.models.sharding import ShardPlan, check_expert_parallel, check_pipeline_parallel, routed_experts
+from kiln.models.sharding import (
+    ShardPlan,
+    check_expert_parallel,
+    check_pipeline_parallel,
+    intermediate_unit,
+    routed_experts,
+    with_intermediate_unit,
+)
 
 
 class StepBroadcaster:
@@ -171,10 +178,14 @@ class TensorParallelEngine(LLMEngine):
         try:
             # fail on an unsplittable model before any process starts
             checkpoint = open_checkpoint(config.model, device, config.dtype)
+            setup = {"engine_config": config, "path": checkpoint.path}
+            if tp_size > 1:  # whole GGUF blocks of down_proj on every rank: decided once, here
+                setup["intermediate_unit"] = intermediate_unit(checkpoint.config, checkpoint.weights)
+                unit_config = with_intermediate_unit(checkpoint.config, setup["intermediate_unit"])
+                checkpoint = dataclasses.replace(checkpoint, config=unit_config)
             check_expert_parallel(checkpoint.config, ep_size)
             ShardPlan(checkpoint.config, tp_size)
             stages = check_pipeline_parallel(checkpoint.config, pp_size)
-            setup = {"engine_config": config, "path": checkpoint.path}
             if pp_size > 1:
                 layout = pipeline_layout(tp_size, pp_size, stages, checkpoint.config.num_layers)
                 setup.update(stages=stages, micro_batches=self.micro_batches)

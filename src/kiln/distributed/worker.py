@@ -1,9 +1,10 @@
 """Tensor-parallel workers (ranks 1..N-1): build this rank's shard, then replay rank 0's steps.
 
 Protocol (rank 0 broadcasts, see engine.py; setup over the setup_group, steps over the cpu_group):
-  setup: the EngineConfig and checkpoint path -> every rank loads its shard (kiln.loaders.load_model
-         with the group: the same options on every rank) and proposes a KV block count; all ranks
-         exchange (error or None, num_blocks) and use the smallest count;
+  setup: the EngineConfig and checkpoint path (and under TP the MLP's split unit, which rank 0 read
+         from the checkpoint) -> every rank loads its shard (kiln.loaders.load_model with the group:
+         the same options on every rank) and proposes a KV block count; all ranks exchange (error or
+         None, num_blocks) and use the smallest count;
   ("step", ModelInputs) -> ModelRunner.execute: the forward pass (joining the all-reduces) and, when
          rows are sampled, compute_logits (joining the logits gather);
   ("stats",) -> every rank's runner stats gathered (pipeline stages' compute / point-to-point wait
@@ -18,6 +19,7 @@ by torchrun takes rank 0's device type from the rendezvous store before it joins
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import sys
@@ -45,7 +47,8 @@ from kiln.distributed.stage_runner import PipelineStageRunner
 from kiln.engine.config import EngineConfig, exact_kv_layout_for, kv_cache_dtype_for, num_kv_blocks_for_model
 from kiln.engine.kv_scales import engine_kv_calibration
 from kiln.engine.model_runner import ModelRunner
-from kiln.loaders import Checkpoint, LoadedModel, load_model
+from kiln.loaders import Checkpoint, LoadedModel, load_model, open_checkpoint
+from kiln.models.sharding import with_intermediate_unit
 
 
 def rank_device(device_type: str, group: TPGroup | PipelineGroup) -> torch.device:
@@ -58,11 +61,19 @@ def load_shard(
     device: torch.device,
     group: TPGroup | None,
     layers: tuple[int, int] | None = None,
+    intermediate_unit: int | None = None,
 ) -> tuple[LoadedModel, int]:
     """(this rank's shard of the model, the KV blocks this rank can hold): what every rank, rank 0
     included, loads, with the engine config's options. layers: (start, end), build only that pipeline
-    stage's decoder layers (group: the stage's TP group, or None). Formats: the engine config's, else
-    the checkpoint's defaults (no timed probe: ranks timing at once measure noise)."""
+    stage's decoder layers (group: the stage's TP group, or None). intermediate_unit: the MLP's split
+    unit rank 0 chose (kiln.models.sharding.intermediate_unit; None: the checkpoint's config as it is).
+    Formats: the engine config's, else the checkpoint's defaults (no timed probe: ranks timing at once
+    measure noise)."""
+    if intermediate_unit is not None:
+        if not isinstance(model, Checkpoint):
+            model = open_checkpoint(model, device, config.dtype)
+        unit_config = with_intermediate_unit(model.config, intermediate_unit)
+        model = dataclasses.replace(model, config=unit_config)
     loaded = load_model(
         model,
         device,
@@ -136,7 +147,8 @@ def run_rank(group: TPGroup | PipelineGroup, device_type: str) -> None:
     loaded, num_blocks, error = None, 0, None
     try:
         tp_group, layers = (group.tp, setup["stages"][group.stage]) if pipeline else (group, None)
-        loaded, num_blocks = load_shard(config, setup["path"], device, tp_group, layers)
+        unit = setup.get("intermediate_unit")
+        loaded, num_blocks = load_shard(config, setup["path"], device, tp_group, layers, unit)
     except Exception:
         error = traceback.format_exc()
     num_blocks = agree_on_blocks(error, num_blocks, group)

@@ -9,16 +9,19 @@ attention is a smaller GQA attention of the same kind:
     (SmolLM2-135M, 9 q / 3 kv heads, tp 2: rank 0 gets 2 groups = 6 q + 2 kv heads, rank 1 gets 3 + 1);
   - num_kv_heads < tp:  each kv head is replicated on tp / num_kv_heads ranks, which split its q heads
     (tp must be a multiple of num_kv_heads, and a group must have at least that many q heads).
-The MLP is split along the intermediate size in 32-column units (whole GGUF blocks of down_proj's
-inputs), the vocabulary (embedding and LM head rows) in 16-row units (int4 packing wants N % 16 == 0),
-where the sizes allow.
+The MLP is split along the intermediate size in units of down_proj's inputs that keep its GGUF blocks
+whole: 32 columns, or 256 when a down_proj is a K-quant (Q4_K / Q5_K / Q6_K super-blocks: intermediate
+1280 over tp 2 splits 768 + 512; `intermediate_unit` reads the checkpoint, rank 0 decides it once and
+every rank's config carries it, `with_intermediate_unit`). The vocabulary (embedding and LM head rows)
+is split in 16-row units (int4 packing wants N % 16 == 0), where the sizes allow.
 
 Per rank: q/k/v rows (and biases) of its heads; o_proj columns of its q heads; gate/up rows and
 down_proj columns of its intermediate slice; embedding / LM-head rows of its vocabulary slice.
 Norms are replicated.
 
 Quantized weights shard together with their scales: GGUF blocks cover 32 consecutive inputs of one
-output row, so a row slice is free and a column slice must start and end on a 32-element boundary;
+output row (256 for the K-quants), so a row slice is free and a column slice must start and end on a
+block boundary;
 quantized checkpoint weights (kiln.quant.linear_weights: W8A8, W4A16, block FP8, 2:4) slice through
 their own `rows` / `cols`: int4 on group boundaries (act-order weights not along their inputs), block
 FP8 on block boundaries, 2:4 on 8-input boundaries, per-channel W8A8 scales follow their rows.
@@ -77,7 +80,7 @@ def shard_cols(weight: Weight, start: int, end: int, what: str = "weight") -> We
         raise ValueError(
             f"tensor parallel: cannot shard {what} ({weight.qtype}) along its inputs at [{start}, {end}): "
             f"GGUF {weight.qtype} blocks hold {qk} inputs, so shard boundaries must be multiples of "
-            f"{qk}; use a tp size that divides the heads / intermediate size accordingly"
+            f"{qk}; use a tp size that gives every rank a multiple of {qk} of these inputs"
         )
     n, k = weight.shape
     block_bytes = GGUF_BLOCK_BYTES[weight.qtype]
@@ -144,8 +147,54 @@ def _unit(total: int, tp: int, preferred: int) -> int:
     return preferred if total % preferred == 0 and total // preferred >= tp else 1
 
 
+# ModelConfig.extra key: the unit the MLP intermediate size is split in (with_intermediate_unit)
+INTERMEDIATE_UNIT_KEY = "kiln_tp_intermediate_unit"
+DEFAULT_INTERMEDIATE_UNIT = 32
+_DOWN_PROJ = re.compile(r"model\.layers\.\d+\.mlp\.(shared_expert\.)?down_proj\.weight$")
+
+
+def intermediate_unit(config: ModelConfig, weights: WeightStore) -> int:
+    """The unit of down_proj's inputs the MLP (and Qwen2-MoE's shared expert) is split in under tensor
+    parallelism: the largest GGUF block along any layer's down_proj inputs, 256 when one is a K-quant
+    (Q4_K / Q5_K / Q6_K), else 32. Only GGUF files are read (their blocks are memory-mapped views)."""
+    if "gguf_architecture" not in config.extra:
+        return DEFAULT_INTERMEDIATE_UNIT
+    shared = int(config.extra.get("shared_expert_intermediate_size") or 0)
+    unit = DEFAULT_INTERMEDIATE_UNIT
+    for name in weights.names():
+        match = _DOWN_PROJ.match(name)
+        if match is not None:
+            inputs = shared if match.group(1) else config.intermediate_size
+            weight = weights.get(name, (config.hidden_size, inputs))
+            if isinstance(weight, GGUFWeight):
+                unit = max(unit, weight.block_weights)
+    return unit
+
+
+def with_intermediate_unit(config: ModelConfig, unit: int) -> ModelConfig:
+    """`config` whose ShardPlan splits the MLP in `unit`s of down_proj's inputs (intermediate_unit's
+    answer: the model classes build their ShardPlan from the config alone)."""
+    return dataclasses.replace(config, extra={**config.extra, INTERMEDIATE_UNIT_KEY: unit})
+
+
+def _intermediate_ranges(size: int, tp: int, unit: int, what: str) -> list[tuple[int, int]]:
+    """split_evenly of an MLP intermediate size in `unit`s; ValueError when GGUF super-blocks (a unit
+    above 32) cannot give every rank one."""
+    if unit <= DEFAULT_INTERMEDIATE_UNIT:
+        return split_evenly(size, tp, _unit(size, tp, unit))
+    blocks = size // unit
+    if size % unit or blocks < tp:
+        raise ValueError(
+            f"tensor parallel: tp={tp} cannot split {what}={size} into whole {unit}-input GGUF "
+            f"super-blocks of down_proj (K-quants Q4_K / Q5_K / Q6_K; it holds {blocks}); use tp <= "
+            f"{blocks}, or a GGUF whose down_proj has 32-input blocks (Q8_0, Q4_0, Q4_1, Q5_0)"
+        )
+    return split_evenly(size, tp, unit)
+
+
 class ShardPlan:
-    """The split of `config` over `tp` ranks (ValueError for what cannot be split; see module doc)."""
+    """The split of `config` over `tp` ranks (ValueError for what cannot be split; see module doc).
+    The MLP's unit: `config.extra[INTERMEDIATE_UNIT_KEY]` (with_intermediate_unit), else 32."""
 
     def __init__(self, config: ModelConfig, tp: int):
         if tp < 1:
@@ -157,7 +206,8 @@ class ShardPlan:
             )
         self.config, self.tp = config, tp
         heads = _head_ranges(config.num_heads, config.num_kv_heads, tp)
-        inter = split_evenly(config.intermediate_size, tp, _unit(config.intermediate_size, tp, 32))
+        unit = int(config.extra.get(INTERMEDIATE_UNIT_KEY, DEFAULT_INTERMEDIATE_UNIT))
+        inter = _intermediate_ranges(config.intermediate_size, tp, unit, "intermediate_size")
         vocab = split_evenly(config.vocab_size, tp, _unit(config.vocab_size, tp, 16))
         if any(b == a for a, b in inter) or any(b == a for a, b in vocab):
             raise ValueError(
@@ -179,7 +229,7 @@ class ShardPlan:
                         f"tensor parallel: tp={tp} leaves a rank with no shared-expert columns "
                         f"(shared_expert_intermediate_size={shared_size})"
                     )
-                shared = split_evenly(shared_size, tp, _unit(shared_size, tp, 32))
+                shared = _intermediate_ranges(shared_size, tp, unit, "shared_expert_intermediate_size")
         self.shards = [
             RankShard(q, kv, i, v, sh) for (q, kv), i, v, sh in zip(heads, inter, vocab, shared, strict=True)
         ]
@@ -326,6 +376,8 @@ def expert_shard(config: ModelConfig, ranks: int, rank: int, expert_parallel: bo
         check_expert_parallel(config, ranks)
         per_rank = experts // ranks
         return ExpertShard((rank * per_rank, (rank + 1) * per_rank), (0, inter), experts, inter)
+    # the routed experts are read whole and dequantized (kiln.models.mixtral.load_experts) before
+    # they are sliced, so no GGUF block constrains this split
     rows = split_evenly(inter, ranks, _unit(inter, ranks, 32))[rank]
     return ExpertShard((0, experts), rows, experts, inter)
 
