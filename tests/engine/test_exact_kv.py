@@ -8,6 +8,7 @@ import argparse
 import pytest
 import torch
 
+import kiln.engine.llm_engine
 import kiln.engine.model_runner
 from kiln.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from kiln.engine.block_manager import BlockManager
@@ -300,3 +301,34 @@ def test_compiled_cpu_decode_with_exact_positions_gives_the_eager_tokens(tiny):
         o.token_ids for o in eager.generate(prompts, params)
     ]
     assert compiled.engine.runner.compiled_decode.compiled_sizes == {2}
+
+
+def test_keys_and_values_past_the_scales_headroom_stay_exact_in_the_window(tiny, monkeypatch):
+    """Scales 8x below the calibrated ones put the keys and values up to ~8x past e4m3's +-448: the fp8
+    cache saturates them, the exact caches must not (only at float16's +-65504). A 20-token prompt and
+    6 greedy tokens sit inside the first block and the 32-position window, so every read is exact and
+    the tokens and logits are the float32 cache's up to float16 rounding (measured 1.2e-4 to 2e-4;
+    saturating the exact copies at +-448, as before, put the logits 0.3 to 1.5 off and changed every
+    token after the first)."""
+    calibrate = kiln.engine.llm_engine.engine_kv_calibration
+
+    def shrunk(*args, **kwargs):
+        calibration = calibrate(*args, **kwargs)  # None for the float32 cache
+        return calibration and [(k_scale / 8, v_scale / 8, shift) for k_scale, v_scale, shift in calibration]
+
+    monkeypatch.setattr(kiln.engine.llm_engine, "engine_kv_calibration", shrunk)
+    prompt = [5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33, 7, 8, 9, 10, 11, 12, 13, 14, 200]
+    tokens = {}
+    for name in ("auto", "fp8"):
+        engine = LLMEngine(
+            EngineConfig(device="cpu", num_kv_blocks=16, kv_cache_dtype=name, kv_cache_exact_window=32),
+            loaded=tiny,
+        )
+        if name == "auto":
+            logits = record_logits(engine)  # on the shared model: the fp8 run's logits follow
+        tokens[name] = run_to_completion(engine, [prompt], GREEDY)
+    steps = len(logits) // 2
+    errors = [relative_error(b, a) for a, b in zip(logits[:steps], logits[steps:], strict=True)]
+    assert tokens["fp8"] == tokens["auto"] and max(errors) < 1e-3, errors
+    exact_peak = max(layer.exact_key_cache.float().abs().max() for layer in engine.runner.kv_caches)
+    assert exact_peak > 2 * 448, exact_peak  # the case is real: the fp8 cache saturated these keys

@@ -200,6 +200,26 @@ def test_fp8_speculative_verification_gives_the_same_tokens(smollm2, fp8_referen
     assert llm.engine.stats().spec_verify_steps > 0
 
 
+def test_fp8_on_a_word_level_toy_checkpoint_inside_the_exact_window_gives_the_float32_tokens(tmp_path):
+    """A random 2-layer Llama whose word-level tokenizer writes the calibration text as one unknown
+    token, and prompts that stay inside the first block and the window: the default fp8 cache (scales
+    "calibrated") must give the float32 cache's greedy tokens, as scales 1.0 do. It did not: the
+    scales came from that one token, the prompts' keys went 2.2x past them and the exact copies were
+    saturated like the fp8 values (now unit scales, logged, and exact copies unsaturated)."""
+    from tests.distributed.checkpoints import run_to_completion, write_checkpoint
+
+    path = write_checkpoint(tmp_path, "llama")
+    prompts = [[5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33, 7, 8, 9, 10, 11, 12, 13, 14], [2, 3, 4]]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens, descriptions = {}, {}
+    for name, options in (("float32", {}), ("fp8", {"kv_cache_dtype": "fp8"})):
+        engine = LLMEngine(EngineConfig(model=path, device="cpu", num_kv_blocks=32, **options))
+        tokens[name] = run_to_completion(engine, prompts, greedy)
+        descriptions[name] = engine.runner.kv_cache_description()
+    assert "float8_e4m3fn (scales 1.0), first block and last 32 positions exact" in descriptions["fp8"]
+    assert tokens["fp8"] == tokens["float32"]
+
+
 def test_fp8_tensor_parallel_ranks_keep_fp8_caches(tmp_path):
     """TP 2 over an fp8 cache gives TP 1's fp8 logits; a rank on a float32 cache would be as far off
     as fp8 is from float32, which is checked to be much further."""

@@ -11,8 +11,10 @@ import torch
 
 from kiln.engine.kv_scales import (
     FP8_E4M3_MAX,
+    MIN_DISTINCT_CALIBRATION_TOKENS,
     calibrate_kv_cache,
     calibration_token_ids,
+    engine_kv_calibration,
     prefill_keys_values,
 )
 from kiln.engine.model_runner import allocate_layer_kv_cache
@@ -122,3 +124,25 @@ def test_bad_kv_cache_scales_is_rejected_by_name():
 
     with pytest.raises(ValueError, match="kv_cache_scales='per-token', expected one of 'calibrated', 'unit'"):
         EngineConfig(kv_cache_scales="per-token")
+
+
+class _WordLevelToy:
+    """A toy word-level vocabulary ("t0".."tN"): every word of real text is its unknown token 0."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [0 for _ in text.split()]
+
+
+def test_a_tokenizer_that_cannot_write_the_calibration_text_gets_unit_scales(tiny, caplog):
+    """The calibration text as one repeated unknown token measures one token's keys and values: on a
+    random 2-layer Llama (tests.distributed.checkpoints) its scales put the prompts' keys at 2.2x the
+    headroom, saturated. Below MIN_DISTINCT_CALIBRATION_TOKENS distinct ids the engine keeps scales
+    1.0, logged; the random model's byte tokenizer (36 distinct) still calibrates."""
+    from kiln.engine import EngineConfig
+
+    config = EngineConfig(kv_cache_dtype="fp8")
+    assert len(set(calibration_token_ids(tiny.tokenizer))) >= MIN_DISTINCT_CALIBRATION_TOKENS
+    assert engine_kv_calibration(config, tiny.model, tiny.tokenizer, torch.float8_e4m3fn) is not None
+    with caplog.at_level("WARNING", logger="kiln.engine.kv_scales"):
+        assert engine_kv_calibration(config, tiny.model, _WordLevelToy(), torch.float8_e4m3fn) is None
+    assert "as 1 distinct tokens" in caplog.text and "scales 1.0" in caplog.text

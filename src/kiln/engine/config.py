@@ -51,7 +51,8 @@ class EngineConfig:
         the model's dtype), or "fp8" / "fp8_e4m3" (float8_e4m3fn, one byte an
         element: 2x the blocks of a 16-bit cache, 4x those of a float32 one for the same budget). An
         fp8 cache has a float32 scale per kv head per layer for keys and for values (stored =
-        value / scale), set by kv_cache_scales; values beyond 448 * scale saturate
+        value / scale), set by kv_cache_scales; values beyond 448 * scale saturate (in the fp8
+        cache; the exact positions below keep them)
         (docs/contracts.md, "FP8 KV cache", has the greedy-token agreement measured).
     kv_cache_scales: for an fp8 cache, "calibrated" (measured at start-up by one prefill of Kiln's
         calibration text through the model, kiln.engine.kv_scales: per head, keys centred on their

@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HEADROOM = 2.0  # keys/values up to twice the calibration peak stay unsaturated
 DEFAULT_CALIBRATION_TOKENS = 512
+# Fewer distinct ids than this in the calibration text's encoding: the tokenizer cannot write the text
+# (a toy word-level vocabulary makes all of it one unknown token), so its peaks are a few tokens' and
+# the prompts' keys and values pass the headroom; the engine keeps unit scales instead.
+MIN_DISTINCT_CALIBRATION_TOKENS = 16
 
 
 def calibration_token_ids(tokenizer, max_tokens: int = DEFAULT_CALIBRATION_TOKENS) -> list[int]:
@@ -77,7 +81,8 @@ def engine_kv_calibration(
     config, model: torch.nn.Module, tokenizer, kv_cache_dtype: torch.dtype, pipeline: bool = False
 ):
     """ModelRunner's kv_calibration for an engine: calibrate_kv_cache on Kiln's calibration text when
-    the cache is fp8 and config.kv_cache_scales is "calibrated", else None. Under tensor parallelism
+    the cache is fp8 and config.kv_cache_scales is "calibrated", else None (also when the tokenizer
+    writes that text as fewer than MIN_DISTINCT_CALIBRATION_TOKENS distinct ids). Under tensor parallelism
     every rank calls it at the same point (the prefill's collectives pair up) and gets its own heads;
     a pipeline stage holds only some layers, so there (`pipeline`) the scales stay 1.0, logged."""
     if kv_cache_dtype not in FP8_DTYPES or config.kv_cache_scales != "calibrated":
@@ -85,4 +90,14 @@ def engine_kv_calibration(
     if pipeline:
         logger.warning("fp8 KV cache under pipeline parallelism: scales 1.0, keys not centred")
         return None
-    return calibrate_kv_cache(model, calibration_token_ids(tokenizer))
+    token_ids = calibration_token_ids(tokenizer)
+    distinct = len(set(token_ids))
+    if distinct < MIN_DISTINCT_CALIBRATION_TOKENS:
+        logger.warning(
+            "fp8 KV cache: the tokenizer writes the calibration text as %d distinct tokens (fewer than "
+            "%d, e.g. all unknown), too few to measure the keys and values: scales 1.0, keys not centred",
+            distinct,
+            MIN_DISTINCT_CALIBRATION_TOKENS,
+        )
+        return None
+    return calibrate_kv_cache(model, token_ids)

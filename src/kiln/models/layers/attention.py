@@ -23,13 +23,15 @@ from kiln.models.layers.rotary import RotaryEmbedding
 from kiln.models.layers.tp import TPGroup
 from kiln.models.weights import Weight, cat_rows
 
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value: the fp8 cache writers saturate there
+FP16_MAX = 65504.0  # float16's largest finite value
 
 
 def fp8_units(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [T, Hkv, D] as an fp8 cache with per-head `scale` [Hkv] stores it, before its rounding to
-    e4m3: float16 x / scale, saturated at +-448 as the cache writers saturate (exact caches)."""
-    return (x.float() / scale.float()[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float16)
+    """x [T, Hkv, D] in an fp8 cache's units, for its exact caches: float16 x / scale, saturated only at
+    float16's +-65504 (146x e4m3's +-448). Not at 448 as the fp8 values are: a key or value beyond
+    448 * scale (past the calibration's headroom) must stay exact at an exact position, which is what
+    the exact window promises (the fp8 cache keeps its saturated copy for when it leaves the window)."""
+    return (x.float() / scale.float()[None, :, None]).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
 
 
 class PagedAttention(torch.nn.Module):

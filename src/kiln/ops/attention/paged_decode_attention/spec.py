@@ -11,8 +11,9 @@ The query sits at position seq_len - 1 and sees every key (causal is trivially s
 sliding window W keeps keys j > seq_len - 1 - W; soft-capping as in flash_attention.
 exact_key_cache,
 exact_value_cache: an fp8 cache's exact positions (optional, all three or none): float16
-                [num_exact_blocks, block_size, num_kv_heads, head_dim] holding the values the fp8
-                cache stores (value / scale, saturated at +-448) before their rounding to e4m3
+                [num_exact_blocks, block_size, num_kv_heads, head_dim] holding the values in the fp8
+                cache's units (value / scale) unrounded and unsaturated: a value beyond e4m3's +-448
+                stays as it is there (the engine clamps only at float16's +-65504)
 exact_block_tables: int32 [num_seqs, 1 + R]: column 0 the exact block of the sequence's first
                 block_size positions, columns 1..R a ring for its last exact_window positions
                 (position j in column 1 + (j // block_size) % R at offset j % block_size: a circular
