@@ -230,6 +230,30 @@ def test_int8_stores_per_channel_values_with_bf16_scales_and_runs_them():
     assert_close(y, x.double() @ matrix.T + bias.double(), 1.6e-2, "int8_weight, 5 rows")
 
 
+def test_int8_gives_a_row_the_same_values_alone_and_among_other_rows():
+    """"int8" runs torch's int8 CPU matmul for every row count, so a row's output does not depend on
+    the rows beside it, bit for bit (measured on SmolLM2's shapes up to its 49152-row head and 130
+    rows; here its gate/up matrix's 1536 x 576). Speculative decoding's verify step and plain decoding
+    part under "int8" because its bf16 rounding magnifies float32 differences elsewhere (README,
+    "Formats that round activations to 16 bits"), not in this kernel."""
+    g = torch.Generator().manual_seed(seed())
+    weight = torch.randn(1536, 576, generator=g) / 24
+    bias = torch.randn(1536, generator=g)
+    prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="int8")
+    assert prepared.layout == "int8_weight"
+
+    def linear(x, row_bias):
+        return kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors, row_bias)
+
+    x = torch.randn(33, 576, generator=g) * 3
+    for row_bias in (None, bias):
+        alone = [linear(x[i : i + 1], row_bias) for i in range(3)]
+        for rows in (2, 3, 4, 5, 8, 17, 33):
+            batch = linear(x[:rows], row_bias)
+            for i in range(min(rows, 3)):
+                assert torch.equal(batch[i : i + 1], alone[i]), (rows, i)
+
+
 def test_int8_keeps_in_features_the_kernel_cannot_take_in_fp16_and_refuses_them_by_name():
     odd = prepare_linear_weight(torch.randn(8, 40), device=CPU, dtype=torch.float32, cpu_format="int8")
     assert odd.layout in ("fp16_onednn", "fp16_rows")

@@ -27,7 +27,8 @@
                  up to weight_formats.exact_rows, the row kernel beyond one) as "int4" /
                  "int8_blocks_onednn" / "q4_blocks_onednn"; more rows: W8A8 on the int8 copy;
   "int8_weight"  PyTorch's weight-only int8 CPU matmul (per-channel bf16 scales, bfloat16
-                 activations); the bias is added in float32;
+                 activations and output) at every row count, so a row's values do not depend on the
+                 rows beside it; the bias is added in float32;
   "dense"        F.linear in the matrix's dtype;
   "gguf_*"       kiln.ops.gguf_linear (CUDA's layout; runs here too, decoding the blocks every call);
   quantized checkpoint layouts (kiln.ops.gemm.quantized_layouts.run_quantized): W8A8 quantizes x
