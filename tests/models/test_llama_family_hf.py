@@ -63,7 +63,7 @@ def _saved(build, tmp_path, **save_kwargs):
     return hf, model
 
 
-def _check_against_hf(hf, model, block_size=8):
+def _check_against_hf(hf, model, block_size=8, use_cache=True):
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0]
     out = prompt_logits(model, PROMPT, block_size=block_size)
@@ -71,7 +71,9 @@ def _check_against_hf(hf, model, block_size=8):
     assert rel.max() < TOL
     ours = greedy(model, PROMPT, 10, block_size=block_size)
     with torch.no_grad():
-        theirs = hf.generate(torch.tensor([PROMPT]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        theirs = hf.generate(
+            torch.tensor([PROMPT]), max_new_tokens=10, do_sample=False, pad_token_id=0, use_cache=use_cache
+        )
     assert ours == theirs[0, len(PROMPT) :].tolist()
 
 
@@ -132,3 +134,51 @@ def test_load_model_on_hf_dir_gives_model_tokenizer_and_config(tmp_path):
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<user>hi</s><assistant>"
     _check_against_hf(hf, loaded.model)
+
+
+def _edited(build, tmp_path, edit):
+    """`build()`'s checkpoint with config.json edited the way older or hand-written files have it;
+    transformers loads the edited file too, as the reference."""
+    hf = build()
+    _randomize(hf, seed=7)
+    hf.eval().save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+    reference = type(hf).from_pretrained(tmp_path, attn_implementation="eager").eval()
+    config, weights = load_safetensors_dir(str(tmp_path))
+    return reference, get_model_class(config.architecture)(config, weights)
+
+
+def _windowed_qwen2():
+    config = transformers.Qwen2Config(
+        **{**COMMON, "num_hidden_layers": 4}, use_sliding_window=True, sliding_window=5, max_window_layers=2
+    )
+    return transformers.Qwen2ForCausalLM(config)
+
+
+EDITED = {
+    # every Hub Qwen config written before transformers 5: no layer_types, so the window slides only
+    # from max_window_layers on (Kiln slid it in every layer: relative logit error 1.61)
+    "qwen2_window_without_layer_types": (_windowed_qwen2, lambda c: c.pop("layer_types")),
+    # no use_sliding_window key: transformers' default is false (Kiln slid the window)
+    "qwen2_window_key_without_use_sliding_window": (
+        lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON)),
+        lambda c: (c.pop("use_sliding_window"), c.pop("layer_types"), c.update(sliding_window=5)),
+    ),
+    # Llama's attention ignores sliding_window, its rope partial_rotary_factor (Kiln honoured both);
+    # transformers' generate cache does read sliding_window (a window its forward does not apply), so
+    # the reference decodes without a cache
+    "llama_with_sliding_window_and_partial_rotary_keys": (
+        lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
+        lambda c: c.update(sliding_window=5, partial_rotary_factor=0.5),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EDITED))
+def test_config_keys_are_read_as_transformers_reads_them_for_the_architecture(case, tmp_path):
+    build, edit = EDITED[case]
+    hf, model = _edited(build, tmp_path, edit)
+    _check_against_hf(hf, model, use_cache=not case.startswith("llama"))

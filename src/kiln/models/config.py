@@ -16,6 +16,18 @@ class ModelLoadError(ValueError):
 
 # model_types whose transformers config class ties the LM head to the embeddings by default
 TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
+# architectures whose transformers attention reads `sliding_window` (Llama's ignores the key)
+SLIDING_WINDOW_ARCHITECTURES = frozenset({
+    "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
+    "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+})  # fmt: skip
+# the Qwen family: a window only with use_sliding_window (default false), in the layers transformers
+# gives it when config.json has no layer_types (its config classes' own rule; see _qwen_layer_types)
+QWEN_WINDOWED = frozenset(
+    {"Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+)
+# architectures whose transformers rope reads partial_rotary_factor (the others rotate whole heads)
+PARTIAL_ROTARY_ARCHITECTURES = frozenset({"Phi3ForCausalLM"})
 
 
 @dataclass
@@ -95,19 +107,17 @@ class ModelConfig:
             )
         if scaling is not None and (rope_type in LONGROPE_ALIASES or phi3_yarn):
             scaling = _longrope_scaling(scaling, hf)
-        sliding_window = hf.get("sliding_window")
-        if hf.get("use_sliding_window") is False:
-            sliding_window = None  # Qwen2 writes a window but only uses it with use_sliding_window
+        architecture = architectures[0]
+        num_layers = int(need("num_hidden_layers"))
+        sliding_window, layer_types = _sliding_window(hf, architecture, num_layers)
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-        layer_types = hf.get("layer_types")
-        num_layers = int(need("num_hidden_layers"))
         if layer_types and len(layer_types) != num_layers:
             raise ModelLoadError(
                 f"{source}: layer_types must hold one entry per layer ({num_layers}), got {len(layer_types)}"
             )
         return cls(
-            architecture=architectures[0],
+            architecture=architecture,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
@@ -129,8 +139,39 @@ class ModelConfig:
             hidden_act=hf.get("hidden_act", "silu"),
             layer_types=list(layer_types) if layer_types else None,
             extra=dict(hf),
-            rotary_dim=_rotary_dim(hf, rope, num_heads, hidden, source),
+            rotary_dim=_rotary_dim(hf, rope, num_heads, hidden, source)
+            if architecture in PARTIAL_ROTARY_ARCHITECTURES
+            else None,
         )
+
+
+def _sliding_window(hf: dict[str, Any], architecture: str, num_layers: int) -> tuple[Any, Any]:
+    """(window, layer_types) as transformers reads them for `architecture`: no window where its
+    attention ignores the key (Llama); Mistral's default 4096 when the key is absent; the Qwen family's
+    only with use_sliding_window, in the layers its config class picks when there are no layer_types."""
+    layer_types = hf.get("layer_types")
+    if architecture not in SLIDING_WINDOW_ARCHITECTURES:
+        return None, layer_types
+    window = hf.get("sliding_window", 4096 if architecture == "MistralForCausalLM" else None)
+    if architecture in QWEN_WINDOWED:
+        if not hf.get("use_sliding_window", False) or not window:
+            return None, layer_types
+        if not layer_types:
+            layer_types = _qwen_layer_types(hf, architecture, num_layers)
+    return window, layer_types
+
+
+def _qwen_layer_types(hf: dict[str, Any], architecture: str, num_layers: int) -> list[str] | None:
+    """transformers' default layer_types of a windowed Qwen config: Qwen2 / Qwen3 slide from layer
+    max_window_layers on, Qwen2-MoE in the even-indexed layers below it, Qwen3-MoE everywhere (None)."""
+    if architecture == "Qwen3MoeForCausalLM":
+        return None
+    max_window_layers = int(hf.get("max_window_layers", 28))
+    if architecture == "Qwen2MoeForCausalLM":
+        slides = [(i + 1) % 2 == 1 and i < max_window_layers for i in range(num_layers)]
+    else:
+        slides = [i >= max_window_layers for i in range(num_layers)]
+    return ["sliding_attention" if slide else "full_attention" for slide in slides]
 
 
 def _longrope_scaling(scaling: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
@@ -150,7 +191,8 @@ def _longrope_scaling(scaling: dict[str, Any], hf: dict[str, Any]) -> dict[str, 
 def _rotary_dim(
     hf: dict[str, Any], rope: dict[str, Any], num_heads: int, hidden: int, source: str
 ) -> int | None:
-    """head_dim * partial_rotary_factor (Phi-4-mini rotates 3/4 of each head); None when it is 1."""
+    """head_dim * partial_rotary_factor (Phi-4-mini rotates 3/4 of each head); None when it is 1.
+    Read for PARTIAL_ROTARY_ARCHITECTURES only, as transformers does."""
     factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if factor is None or float(factor) == 1.0:
         return None
