@@ -57,8 +57,8 @@ class EngineConfig:
     kv_cache_scales: for an fp8 cache, "calibrated" (measured at start-up by one prefill of Kiln's
         calibration text through the model, kiln.engine.kv_scales: per head, keys centred on their
         mean, which attention ignores, and scales at twice the peaks over 448) or "unit" (1.0, as
-        vLLM uses when a checkpoint gives none). Under tensor or pipeline parallelism the scales
-        stay 1.0 (logged): each rank holds other heads and the calibration prefill runs one process.
+        vLLM uses when a checkpoint gives none). Under tensor parallelism each rank calibrates its
+        own heads at the same start-up point; under pipeline parallelism the scales stay 1.0 (logged).
     kv_cache_exact_window: for an fp8 cache, every sequence's first block and its last this many
         positions are also kept unrounded (float16) and attention reads them from there
         (kiln.engine.exact_kv): the attention sink and the recent tokens, where e4m3's rounding flips
