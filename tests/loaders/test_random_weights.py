@@ -147,6 +147,18 @@ def test_profile_engine_on_random_tiny_reports_decode_rate_and_kiln_share(capsys
     assert "kernel time in Kiln kernels (Triton)" in out
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_an_eager_engine_profile_puts_the_decode_steps_ops_on_the_roofline(device):
+    """Every op call of the step declares its case (CUDA graphs, which declare nothing, are off)."""
+    from kiln.profile.engine_step import profile_engine_step
+
+    profile = profile_engine_step("random:tiny", batch=2, device=device, timed_steps=1, eager=True)
+    ops = profile.report.ops
+    assert {"paged_decode_attention", "rms_norm", "prepared_linear"} <= set(ops)
+    for op in ("paged_decode_attention", "rms_norm", "prepared_linear"):
+        assert ops[op]["calls"] > 0 and ops[op]["time_us"] > 0 and ops[op]["fraction"] > 0, op
+
+
 def test_kernel_shares_count_kiln_triton_kernels_by_name():
     names = kiln_triton_kernel_names()
     assert {"_rms_norm_kernel", "_write_kv_cache_kernel"} <= names

@@ -1,6 +1,7 @@
 """`kiln profile --op NAME [--shape JSON] [--dtype NAME] [--backend NAME] [--steps N] [--trace PATH]`
-or `kiln profile --engine [--model PATH] [--batch N] [--device D]`: per-kernel table, roofline per op, gap
-report; the engine run adds decode tok/s and the share of kernel time in Kiln's kernels."""
+or `kiln profile --engine [--model PATH] [--batch N] [--device D] [--eager]`: per-kernel table,
+roofline per op, gap report; the engine run adds decode tok/s and the share of kernel time in Kiln's
+kernels."""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch", type=int, default=4, help="engine: concurrent requests")
     add_cpu_arguments(p)  # engine on the CPU: --cpu-format, --lm-head-format, --compile-cpu-decode
     p.add_argument("--timed-steps", type=int, default=5, help="engine: unprofiled decode steps timed")
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="engine: no CUDA graphs, so the decode step's ops are put on the roofline (graph replays "
+        "declare no op calls)",
+    )
     p.add_argument("--trace", default=None, help="write a Chrome trace (chrome://tracing, Perfetto) here")
     p.add_argument("--top", type=int, default=30, help="kernels to list")
     p.set_defaults(func=run)
@@ -56,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
                 compile_cpu_decode=args.compile_cpu_decode,
                 cpu_format=args.cpu_format,
                 lm_head_format=args.lm_head_format,
+                eager=args.eager,
             )
             report = engine_profile.report
         else:

@@ -76,12 +76,15 @@ def profile_engine_step(
     compile_cpu_decode: bool = False,
     cpu_format: str | None = None,
     lm_head_format: str | None = None,
+    eager: bool = False,
 ) -> EngineStepProfile:
     """Prefill `batch` identical-length requests, take one warm-up decode step, time `timed_steps`
     decode steps, then profile `steps` more (each one `engine.step()` covering the whole batch).
     model: a GGUF file, HF dir or `random:<preset>`; device: cpu | cuda (default: cuda when present).
     compile_cpu_decode: EngineConfig's (the warm-up step compiles the batch's size); cpu_format,
-    lm_head_format: EngineConfig's CPU weight formats (None: the loader's choice)."""
+    lm_head_format: EngineConfig's CPU weight formats (None: the loader's choice). eager: no CUDA graphs
+    (EngineConfig.enforce_eager): every op call then declares its case, so a CUDA profile puts the
+    decode step's ops on the roofline (graph replays declare nothing), at the launches' cost."""
     try:
         import kiln.engine as engine_module
     except ModuleNotFoundError as exc:
@@ -100,6 +103,7 @@ def profile_engine_step(
             compile_cpu_decode=compile_cpu_decode,
             cpu_format=cpu_format,
             lm_head_format=lm_head_format,
+            enforce_eager=eager,
         )
     )
     waiting = {f"profile-{i}" for i in range(batch)}
