@@ -95,3 +95,22 @@ def test_different_seeds_draw_different_inputs():
     b = verify_grad(["silu_and_mul"], ["cpu"], ["float32"], device="cpu", max_shapes=1, seed=2)
     assert a[0].worst_error != b[0].worst_error
     assert torch.isfinite(torch.tensor([a[0].worst_error, b[0].worst_error])).all()
+
+
+def test_one_wrong_gradient_element_cannot_hide_in_the_norm(monkeypatch):
+    """One element of a large gradient zeroed (a tenth of the largest): the norm error stays within
+    the bound on large inputs, the max-error bound (twice it) catches it, as in the forward verifier."""
+    right = gated_backward.gated_backward_torch
+
+    def drops_an_element(*args):
+        grad = right(*args)
+        flat = grad.view(-1)
+        nearest = (flat.abs() - 0.1 * flat.abs().max()).abs().argmin()
+        flat[nearest] = 0
+        return grad
+
+    monkeypatch.setattr(gated_backward, "gated_backward_torch", drops_an_element)
+    rows = verify_grad(["silu_and_mul"], ["cpu"], ["float32"], device="cpu")
+    assert not rows[0].passed
+    failures = [f["failure"] for f in rows[0].failures]
+    assert any("max |g - g_ref|" in failure for failure in failures)

@@ -182,3 +182,36 @@ def test_memory_aten_allocates_itself_is_poisoned_too():
         assert bool(torch.ops.aten.empty.memory_format([64]).isnan().all())
         assert bool((torch.empty(8, dtype=torch.int32) == torch.iinfo(torch.int32).max).all())
     assert torch.are_deterministic_algorithms_enabled() == before
+
+
+def test_an_implementation_that_writes_an_argument_it_should_only_read_fails():
+    """A KV cache scribbled over after attention read it, a weight NaN-filled after its GEMM: the
+    outputs are right, so only the untouched read-only arguments tell."""
+    linear = get_op("linear")
+    reference = linear.implementation("reference").fn
+
+    def spoils_the_weight(x, weight, bias=None):
+        out = reference(x, weight, bias)
+        weight.fill_(float("nan"))
+        return out
+
+    shape = {"M": 3, "N": 20, "K": 16, "bias": True}
+    case = run_case(planted(linear, spoils_the_weight), "planted", shape, torch.float32, "cpu", seed=2)
+    assert not case.passed and "argument weight is read-only" in case.failure
+    assert run_case(linear, "cpu", shape, torch.float32, "cpu", seed=2).passed
+
+
+def test_an_argument_written_in_place_is_compared_whatever_the_op_returns():
+    """rms_norm's residual: an implementation that returns a fresh residual and leaves the caller's
+    untouched passed (the engine reads the argument itself)."""
+    rms_norm = get_op("rms_norm")
+    reference = rms_norm.implementation("reference").fn
+
+    def new_residual_not_in_place(x, weight, eps=1e-6, residual=None, weight_offset=0.0):
+        fresh = None if residual is None else residual.clone()
+        return reference(x, weight, eps, fresh, weight_offset)
+
+    shape = {"rows": 7, "hidden": 96, "residual": True}
+    case = run_case(planted(rms_norm, new_residual_not_in_place), "planted", shape, torch.float32, "cpu", 3)
+    assert not case.passed
+    assert run_case(rms_norm, "cpu", shape, torch.float32, "cpu", seed=3).passed

@@ -24,10 +24,10 @@ from kiln.ops.alloc import poisoned
 from kiln.ops.registry import triton_interpreting
 from kiln.ops.testing import upcast_to_float64
 from kiln.text_table import aligned_table
-from kiln.verify.compare import relative_error
+from kiln.verify.compare import errors as compare_errors
 from kiln.verify.grad_ops import GRAD_OPS, GradOp
 from kiln.verify.report import status
-from kiln.verify.runner import dtype_name
+from kiln.verify.runner import MAX_ERROR_FACTOR, dtype_name
 
 GRAD_BACKENDS = ("triton", "cpu")  # KILN_BACKEND values that pick a forward and its backward
 
@@ -75,9 +75,17 @@ def _detached_leaves(inputs: dict, names: list[str], dtype: torch.dtype | None =
 
 
 def grad_case(
-    op: GradOp, backend: str, shape: dict, dtype: torch.dtype, device: torch.device, seed: int
+    op: GradOp,
+    backend: str,
+    shape: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    max_bound: float | None = None,
 ) -> dict[str, float | str]:
-    """{input name: relative error of its gradient} for one case; a crash gives {"*": "Error: ..."}."""
+    """{input name: relative error of its gradient} for one case; a crash gives {"*": "Error: ..."}.
+    max_bound: a gradient whose max |g - g_ref| / max |g_ref| exceeds it gets a failure message
+    instead (as the forward verifier's bound: twice the norm tolerance)."""
     generator = torch.Generator().manual_seed(seed)
     inputs = op.spec.make_inputs(shape, dtype, device, generator)
     names = op.inputs_with_grad(inputs)
@@ -110,9 +118,16 @@ def grad_case(
             errors[name] = "no gradient"
             continue
         try:
-            errors[name] = relative_error(grad, ref)
+            norm, worst, _ = compare_errors(grad, ref)
         except ValueError as exc:
             errors[name] = str(exc)
+            continue
+        errors[name] = norm
+        if max_bound is not None and worst > max_bound:  # one wrong element cannot hide in the norm
+            errors[name] = (
+                f"max |g - g_ref| is {worst:.3e} of max |g_ref| (bound {max_bound:.1e}): some elements are "
+                f"wrong though the norm error is {norm:.2e}"
+            )
     return errors
 
 
@@ -187,7 +202,7 @@ def _run_rows(op, backend, dtype, shapes, device, rng, runnable, gpu_only) -> li
             for row in rows.values():
                 row.excluded.append({"shape": shape, "reason": reason})
             continue
-        errors = grad_case(op, backend, shape, dtype, device, seed)
+        errors = grad_case(op, backend, shape, dtype, device, seed, max_bound=MAX_ERROR_FACTOR * tol)
         crash = errors.get("*")
         for name, row in rows.items():
             value = crash if crash is not None else errors.get(name)
