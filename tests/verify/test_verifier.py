@@ -215,3 +215,37 @@ def test_an_argument_written_in_place_is_compared_whatever_the_op_returns():
     case = run_case(planted(rms_norm, new_residual_not_in_place), "planted", shape, torch.float32, "cpu", 3)
     assert not case.passed
     assert run_case(rms_norm, "cpu", shape, torch.float32, "cpu", seed=3).passed
+
+
+def test_an_implementation_that_cannot_run_here_is_a_skip_row_not_absent(monkeypatch):
+    """By default only the runnable implementations got rows: the summary read "N passed, 0 skipped"
+    while a backend never ran."""
+    spec = get_op("silu_and_mul")
+    monkeypatch.setattr(spec.implementations["cpu"], "is_available", lambda device: False)
+    rows = verify(["silu_and_mul"], None, ["float32"], "cpu", seed=1)
+    cpu_rows = [r for r in rows if r.backend == "cpu"]
+    assert [(r.dtype, r.skipped) for r in cpu_rows] == [("float32", "not available on cpu")]
+    assert any(r.backend != "cpu" and r.passed for r in rows)
+
+
+def test_a_row_a_fallback_replaced_is_not_a_pass(monkeypatch, capsys, tmp_path):
+    """linear/triton replaced by the pointer kernel (TMA given up) checked the replacement: its JSON row
+    said passed and the exit status was 0."""
+    import json
+
+    from kiln import fallbacks
+    from kiln.cli import main
+
+    entry = {"kind": fallbacks.GEMM_TMA_TO_POINTER, "detail": "planted for the test"}
+    monkeypatch.setattr(fallbacks, "taken", lambda: [entry])
+    out = tmp_path / "v.json"
+    argv = ["verify", "--op", "linear", "--backend", "cpu", "--dtype", "float32", "--json", str(out)]
+    assert main(argv) == 0  # the cpu rows are not the fallback's
+    (cpu_row,) = verify(["linear"], ["cpu"], ["float32"], "cpu", seed=1)
+    fake_row = dataclasses.replace(cpu_row, backend="triton")  # a passing row under the replaced name
+    monkeypatch.setattr("kiln.verify.runner.verify", lambda *a, **k: [fake_row])
+    argv = ["verify", "--op", "linear", "--backend", "cpu", "--dtype", "float32", "--json", str(out)]
+    assert main(argv) == 1
+    assert "1 fell back (not verified)" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["backend"] == "triton->triton_pointer" and row["passed"] is False

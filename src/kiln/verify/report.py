@@ -59,14 +59,16 @@ def format_fallbacks(rows: list[Row]) -> str:
 
 
 def row_json(row: Row, entries: list[dict]) -> dict:
-    """A row as JSON; a row whose implementation a fallback replaced gets `fallback` and a backend
-    "<asked>-><what ran>" (kiln.fallbacks.replacement)."""
+    """A row as JSON; a row whose implementation a fallback replaced gets `fallback`, a backend
+    "<asked>-><what ran>" (kiln.fallbacks.replacement) and `passed` false: it checked the replacement,
+    not its own kernel."""
     out = dict(asdict(row), passed=row.passed, fallback=None)
     hit = fallbacks.replacement(row.op, row.backend, entries) if not row.skipped else None
     if hit is not None:
         entry, ran = hit
         out["fallback"] = f"{entry['kind']}: {entry['detail']}"
         out["backend"] = f"{row.backend}->{ran}"
+        out["passed"] = False
     return out
 
 

@@ -240,13 +240,14 @@ def verify(
             why = f"its reference needs {', '.join(missing)} (not installed)"
             rows.extend(Row(name, "*", dtype_name(dtype), skipped=why) for dtype in spec.dtypes)
             continue
-        names = backends or [b for b in spec.implementations if spec.implementations[b].is_available(device)]
-        for backend in names:
+        # every registered implementation gets its rows: one that cannot run here is SKIP, not absent
+        for backend in backends or list(spec.implementations):
             if backend not in spec.backends():
                 continue
             if not spec.implementation(backend).is_available(device):
-                for dtype in spec.dtypes:
-                    rows.append(Row(name, backend, dtype_name(dtype), skipped=f"not available on {device}"))
+                why = f"not available on {device}"
+                names = [dtype_name(d) for d in spec.dtypes if not dtypes or dtype_name(d) in dtypes]
+                rows.extend(Row(name, backend, dtype, skipped=why) for dtype in names)
                 continue
             run_dtypes, skipped = backend_dtypes(spec, backend, device)
             shapes = spec.fuzz_shapes(rng)
