@@ -1,3 +1,4 @@
+import dataclasses
 import random
 
 import pytest
@@ -8,6 +9,7 @@ import kiln.ops.tuned_configs
 import kiln.tune
 from kiln.ops.gemm.linear import LINEAR
 from kiln.ops.gemm.linear.triton import linear_triton
+from kiln.ops.registry import Implementation
 from kiln.verify import assert_close, run_case
 
 SHAPES = [
@@ -32,6 +34,25 @@ def config(block_m, block_n, block_k, split_k, group_m=2):
 def test_linear_matches_float64_reference(backend, dtype, shape, device):
     case = run_case(LINEAR, backend, shape, dtype, device, seed())
     assert case.passed, case
+
+
+def _linear_adding_split_k_partials_in_half(x, weight, bias=None):
+    """A planted bug: each 64-wide K chunk's product rounded to x's dtype and the chunks summed in it."""
+    out = torch.zeros(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+    for k0 in range(0, x.shape[-1], 64):
+        out += (x[..., k0 : k0 + 64].float() @ weight[:, k0 : k0 + 64].float().T).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fuzz_shapes_catch_a_linear_that_adds_split_k_partials_in_half(dtype):
+    # Below K ~ 2000 the partials' roundings stay under GEMM_TOLERANCE; the fuzz shapes' long-K case
+    # (K = 8192) must fail such a kernel for any seed.
+    spec = dataclasses.replace(LINEAR, implementations={})
+    spec.register(Implementation("planted", _linear_adding_split_k_partials_in_half))
+    shapes = LINEAR.fuzz_shapes(random.Random(seed()))
+    cases = [run_case(spec, "planted", shape, dtype, torch.device("cpu"), seed()) for shape in shapes]
+    assert any(not case.passed for case in cases), cases
 
 
 @pytest.mark.parametrize("split_k", [1, 3])
