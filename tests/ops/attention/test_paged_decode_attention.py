@@ -4,11 +4,13 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kiln.ops
 from kiln.ops.attention.paged_decode_attention import PAGED_DECODE_ATTENTION
+from kiln.ops.attention.paged_decode_attention import triton as decode_triton
 from kiln.ops.attention.paged_decode_attention.triton import paged_decode_attention_triton
 from kiln.ops.attention.reference import gather_paged
 from kiln.verify import assert_close, run_case
@@ -95,6 +97,23 @@ def test_paged_decode_split_counts_agree(partition_size, device):
         **{k: v.double() if k == "q" else v for k, v in inputs.items()}
     )
     assert_close(out, expected, 2e-5)
+
+
+def test_fuzz_shapes_reach_the_split_k_combine_on_a_gpu(monkeypatch):
+    """`kiln verify` on a GPU must run the partition + combine kernels, not only the single-split one:
+    some fuzz shape is split in several partitions by the launcher's GPU heuristic (>= 256 tokens a
+    partition; the interpreter's 32 split every shape). The split count as the launcher computes it."""
+    monkeypatch.setattr(decode_triton, "triton_interpreting", lambda: False)  # the GPU's heuristic config
+    cpu, splits = torch.device("cpu"), []
+    for shape in PAGED_DECODE_ATTENTION.fuzz_shapes(random.Random(0)):
+        inputs = PAGED_DECODE_ATTENTION.make_inputs(shape, torch.float16, cpu, torch.Generator())
+        num_seqs, page_size, num_kv_heads = len(inputs["seq_lens"]), *inputs["key_cache"].shape[1:3]
+        granule = max(decode_triton._heuristic_config(shape["head_dim"])["BLOCK_N"], page_size)
+        capacity = inputs["block_tables"].shape[1] * page_size
+        partition = decode_triton._partition_size(num_seqs, num_kv_heads, capacity, granule, cpu)  # 132 SMs
+        partition = triton.cdiv(max(partition, triton.cdiv(capacity, decode_triton.MAX_SPLITS)), granule)
+        splits.append(triton.cdiv(capacity, partition * granule))
+    assert max(splits) > 1, splits
 
 
 def test_paged_decode_never_reads_pages_before_the_window(device, monkeypatch):

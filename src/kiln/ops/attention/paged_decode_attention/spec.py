@@ -143,6 +143,20 @@ EXACT_FUZZ_SHAPES = (
 )
 
 
+# A context long enough that a GPU splits it: the Triton launcher's partitions hold >= 256 tokens there
+# (triton.py _partition_size; tuned ones 256..2048), and 656 slots make 3 partitions by the heuristic
+# (2 with 512), so `kiln verify` on a GPU checks the split-K partials and their combine, not only the
+# single-split kernel; the interpreter's partitions are 32 tokens, so every shape splits there. The
+# 3-token sequence beside it leaves partitions past its end empty. One KV head keeps it cheap.
+LONG_CONTEXT_SPLITS_ON_GPU = {
+    "context_lens": [650, 3],
+    "num_heads": 4,
+    "num_kv_heads": 1,
+    "head_dim": 64,
+    "block_size": 16,
+}
+
+
 def _fuzz_shapes(rng):
     shapes = [
         {"context_lens": [1], "num_heads": 2, "num_kv_heads": 2, "head_dim": 64, "block_size": 16},
@@ -163,6 +177,7 @@ def _fuzz_shapes(rng):
             "softcap": 5.0,
         },
         {"context_lens": [100], "num_heads": 4, "num_kv_heads": 4, "head_dim": 256, "block_size": 32},
+        dict(LONG_CONTEXT_SPLITS_ON_GPU),
         *(dict(shape) for shape in EXACT_FUZZ_SHAPES),
     ]  # fmt: skip
     shapes.append(
