@@ -249,3 +249,26 @@ def test_a_row_a_fallback_replaced_is_not_a_pass(monkeypatch, capsys, tmp_path):
     assert "1 fell back (not verified)" in capsys.readouterr().out
     (row,) = json.loads(out.read_text())["rows"]
     assert row["backend"] == "triton->triton_pointer" and row["passed"] is False
+
+
+def test_a_kernel_that_assumes_contiguous_heads_fails_on_the_engines_fused_qkv_views():
+    """q and k are views into the fused QKV row in the engine; the verifier never passed one, and its
+    clone() of a view with gaps was contiguous anyway, so a kernel assuming contiguous heads passed."""
+    rope = get_op("rotary_embedding")
+    right = rope.implementation("cpu").fn
+
+    def assumes_contiguous(positions, q, k, cos_sin_cache, is_neox=True):
+        q2, k2 = q.clone(), k.clone()
+        right(positions, q2, k2, cos_sin_cache, is_neox)
+        for dst, src in ((q, q2), (k, k2)):  # written back as if dst were contiguous
+            torch.as_strided(dst, (dst.numel(),), (1,)).copy_(src.reshape(-1))
+        return q, k
+
+    shape = {"tokens": 6, "q_heads": 9, "kv_heads": 3, "head_dim": 64, "fused_qkv": True}
+    inputs = rope.make_inputs(shape, torch.float32, "cpu", torch.Generator().manual_seed(1))
+    assert not inputs["q"].is_contiguous()
+    case = run_case(planted(rope, assumes_contiguous), "planted", shape, torch.float32, "cpu", seed=1)
+    assert not case.passed
+    assert run_case(rope, "cpu", shape, torch.float32, "cpu", seed=1).passed
+    for name in ("rotary_embedding", "qk_norm_rope", "write_kv_cache"):  # each fuzzes the engine's views
+        assert any(s.get("fused_qkv") for s in get_op(name).fuzz_shapes(random.Random(0))), name

@@ -24,6 +24,20 @@ def randn(shape, dtype: torch.dtype, device, generator: torch.Generator, scale: 
     return values.to(dtype=dtype, device=device)
 
 
+def fused_qkv_views(
+    tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D]) as views into one random [T, (Hq + 2 Hk) D] buffer,
+    the way the engine splits its fused QKV projection: their token stride is the whole row, so a
+    kernel that assumes contiguous heads reads (or writes) the wrong elements."""
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    qkv = randn((tokens, q_size + 2 * kv_size), dtype, device, generator)
+    q = qkv[:, :q_size].view(tokens, q_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, head_dim)
+    return q, k, v
+
+
 def uniform(
     shape, low: float, high: float, dtype: torch.dtype, device, generator: torch.Generator
 ) -> torch.Tensor:

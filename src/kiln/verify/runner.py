@@ -72,8 +72,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def clone_inputs(value: Any) -> Any:
+    """A copy of the inputs for the implementation; a tensor keeps its strides (a view into a fused
+    QKV buffer stays one: `clone()` would make it contiguous, hiding a kernel that assumes so)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        if value.layout != torch.strided or value.is_contiguous():
+            return value.detach().clone()
+        copied = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+        return copied.copy_(value.detach())
     if isinstance(value, dict):
         return {k: clone_inputs(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -18,7 +18,7 @@ import torch
 from kiln.ops.attention.validate import FP8_DTYPES, check_scales, host_checkable, unit_last_stride
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of, dtype_name
 from kiln.ops.registry import OpSpec, define_op
-from kiln.ops.testing import element_size, randn, uniform
+from kiln.ops.testing import element_size, fused_qkv_views, randn, uniform
 
 OP = "write_kv_cache"
 
@@ -82,9 +82,14 @@ def _make_inputs(shape, dtype, device, generator):
     slots = torch.randperm(num_blocks * block_size, generator=generator)[:tokens]
     skip = torch.rand(tokens, generator=generator) < shape.get("skip_fraction", 0.0)
     slots[skip] = -1
+    if shape.get("fused_qkv"):
+        _, key, value = fused_qkv_views(tokens, 2 * heads, heads, head_dim, data_dtype, device, generator)
+    else:
+        key = randn((tokens, heads, head_dim), data_dtype, device, generator)
+        value = randn((tokens, heads, head_dim), data_dtype, device, generator)
     inputs = {
-        "key": randn((tokens, heads, head_dim), data_dtype, device, generator),
-        "value": randn((tokens, heads, head_dim), data_dtype, device, generator),
+        "key": key,
+        "value": value,
         "slot_mapping": slots.to(device),
         "k_scale": None,
         "v_scale": None,
@@ -119,6 +124,9 @@ def _fuzz_shapes(rng):
             "block_size": 8,
             "skip_fraction": 0.5,
         },
+        # key and value as views into a fused QKV buffer (token stride: the whole row), as the engine
+        {"num_tokens": 7, "num_kv_heads": 2, "head_dim": 64, "num_blocks": 3, "block_size": 8,
+         "fused_qkv": True},  # fmt: skip
     ]
     for _ in range(2):
         block_size = rng.choice([8, 16, 32])

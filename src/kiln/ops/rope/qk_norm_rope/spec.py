@@ -28,7 +28,7 @@ from kiln.ops.norm.rms_norm import rms_norm
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.rope.cache import rope_cos_sin_cache
 from kiln.ops.rope.rotary_embedding import rotary_embedding
-from kiln.ops.rope.rotary_embedding.spec import rope_call_case
+from kiln.ops.rope.rotary_embedding.spec import q_and_k_inputs, rope_call_case
 from kiln.ops.testing import (
     ONE_ROUNDING_POINTWISE,
     ONE_ROUNDING_TOLERANCE,
@@ -106,8 +106,7 @@ def _make_inputs(shape, dtype, device, generator):
     max_position = shape.get("max_position", 4096)
     return {
         "positions": randint((tokens,), 0, max_position, torch.int64, device, generator),
-        "q": randn((tokens, shape["q_heads"], head_dim), dtype, device, generator),
-        "k": randn((tokens, shape["kv_heads"], head_dim), dtype, device, generator),
+        **q_and_k_inputs(shape, dtype, device, generator),
         "q_weight": randn((head_dim,), dtype, device, generator, scale=0.5) + 1.0,
         "k_weight": randn((head_dim,), dtype, device, generator, scale=0.5) + 1.0,
         "cos_sin_cache": rope_cos_sin_cache(
@@ -122,6 +121,7 @@ def _fuzz_shapes(rng):
     shapes = [
         {"tokens": 1, "q_heads": 1, "kv_heads": 1, "head_dim": 2},
         {"tokens": 5, "q_heads": 16, "kv_heads": 8, "head_dim": 128},  # Qwen3-0.6B heads
+        {"tokens": 3, "q_heads": 4, "kv_heads": 2, "head_dim": 64, "fused_qkv": True},  # the engine's views
         {"tokens": 7, "q_heads": 4, "kv_heads": 1, "head_dim": 80, "rotary_dim": 34, "is_neox": False},
         {"tokens": 3, "q_heads": 6, "kv_heads": 2, "head_dim": 96, "rotary_dim": 48},
     ]

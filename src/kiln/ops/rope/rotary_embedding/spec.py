@@ -29,6 +29,7 @@ from kiln.ops.testing import (
     ONE_ROUNDING_TOLERANCE,
     compute_dtype,
     element_size,
+    fused_qkv_views,
     randint,
     randn,
 )
@@ -91,8 +92,7 @@ def _make_inputs(shape, dtype, device, generator):
     max_position = shape.get("max_position", 4096)
     return {
         "positions": randint((tokens,), 0, max_position, torch.int64, device, generator),
-        "q": randn((tokens, shape["q_heads"], head_dim), dtype, device, generator),
-        "k": randn((tokens, shape["kv_heads"], head_dim), dtype, device, generator),
+        **q_and_k_inputs(shape, dtype, device, generator),
         "cos_sin_cache": rope_cos_sin_cache(
             rotary_dim, max_position, shape.get("base", 10000.0), device=device
         ),
@@ -100,10 +100,25 @@ def _make_inputs(shape, dtype, device, generator):
     }
 
 
+def q_and_k_inputs(shape, dtype, device, generator) -> dict:
+    """q and k, contiguous or (shape["fused_qkv"]) views into one fused QKV buffer, as the engine
+    passes them."""
+    tokens, head_dim = shape["tokens"], shape["head_dim"]
+    if shape.get("fused_qkv"):
+        heads = (shape["q_heads"], shape["kv_heads"], head_dim)
+        q, k, _ = fused_qkv_views(tokens, *heads, dtype, device, generator)
+        return {"q": q, "k": k}
+    return {
+        "q": randn((tokens, shape["q_heads"], head_dim), dtype, device, generator),
+        "k": randn((tokens, shape["kv_heads"], head_dim), dtype, device, generator),
+    }
+
+
 def _fuzz_shapes(rng):
     shapes = [
         {"tokens": 1, "q_heads": 1, "kv_heads": 1, "head_dim": 2},
         {"tokens": 5, "q_heads": 9, "kv_heads": 3, "head_dim": 64},  # SmolLM2-135M heads
+        {"tokens": 6, "q_heads": 9, "kv_heads": 3, "head_dim": 64, "fused_qkv": True},  # the engine's views
         {"tokens": 7, "q_heads": 4, "kv_heads": 1, "head_dim": 80, "rotary_dim": 34, "is_neox": False},
         {"tokens": 3, "q_heads": 6, "kv_heads": 2, "head_dim": 96, "rotary_dim": 48},
     ]
