@@ -30,7 +30,7 @@ def format_table(rows: list[Row]) -> str:
             r.dtype,
             str(r.cases),
             f"{r.worst_error:.2e}" if r.cases else "-",
-            f"{r.tolerance:.1e}" if r.tolerance else "-",
+            "-" if r.skipped else f"{r.tolerance:.1e}",
             status(r),
         )
         for r in rows
