@@ -222,10 +222,12 @@ def test_an_implementation_that_cannot_run_here_is_a_skip_row_not_absent(monkeyp
     while a backend never ran."""
     spec = get_op("silu_and_mul")
     monkeypatch.setattr(spec.implementations["cpu"], "is_available", lambda device: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # no Triton kernel on CPU tensors: a SKIP row too
     rows = verify(["silu_and_mul"], None, ["float32"], "cpu", seed=1)
     cpu_rows = [r for r in rows if r.backend == "cpu"]
     assert [(r.dtype, r.skipped) for r in cpu_rows] == [("float32", "not available on cpu")]
     assert any(r.backend != "cpu" and r.passed for r in rows)
+    assert any(r.backend == "triton" and r.skipped for r in rows)
 
 
 def test_a_row_a_fallback_replaced_is_not_a_pass(monkeypatch, capsys, tmp_path):
