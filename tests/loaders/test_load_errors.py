@@ -80,6 +80,25 @@ def test_unknown_hf_architecture_is_rejected_by_name(hf_dir, tmp_path):
         load_model(str(d))
 
 
+@pytest.mark.parametrize(
+    "scaling, message",
+    [
+        ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}, "needs key 'low_freq_factor'"),
+        ({"rope_type": "linear", "factor": 0}, "factor must be positive"),
+        ({"rope_type": "linear"}, "needs key 'factor'"),
+    ],
+)  # fmt: skip
+def test_a_malformed_rope_scaling_fails_at_load_naming_the_file(hf_dir, tmp_path, scaling, message):
+    """It raised a plain ValueError from inside the model's rotary embedding, naming no file."""
+    d = _copy(hf_dir, tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    config["rope_scaling"] = scaling
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=rf"config\.json: .*{message}"):
+        load_model(str(d))
+
+
 def test_pickle_only_directory_is_refused(hf_dir, tmp_path):
     d = _copy(hf_dir, tmp_path / "m")
     os.remove(d / "model.safetensors")

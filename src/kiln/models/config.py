@@ -116,7 +116,7 @@ class ModelConfig:
             raise ModelLoadError(
                 f"{source}: layer_types must hold one entry per layer ({num_layers}), got {len(layer_types)}"
             )
-        return cls(
+        config = cls(
             architecture=architecture,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
@@ -143,6 +143,26 @@ class ModelConfig:
             if architecture in PARTIAL_ROTARY_ARCHITECTURES
             else None,
         )
+        _check_rope(config, source)
+        return config
+
+
+def _check_rope(config: ModelConfig, source: str) -> None:
+    """The rope settings as the model will build its cos/sin cache from them: a malformed one (a
+    llama3 dict without low_freq_factor, a linear factor of 0, longrope factor lists of the wrong
+    length) fails at load naming the file, not later inside the model's construction."""
+    from kiln.ops.rope.cache import rope_inv_freq
+    from kiln.ops.rope.longrope import longrope_attention_factor, longrope_inv_freqs
+
+    dim, scaling = config.rotary_dim or config.head_dim, config.rope_scaling
+    try:
+        if scaling is not None and scaling.get("rope_type") == "longrope":
+            longrope_inv_freqs(dim, config.rope_theta, scaling)
+            longrope_attention_factor(scaling, config.max_position_embeddings)
+        else:
+            rope_inv_freq(dim, config.rope_theta, scaling)
+    except (ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{source}: {exc}") from None
 
 
 def _sliding_window(hf: dict[str, Any], architecture: str, num_layers: int) -> tuple[Any, Any]:
