@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.ops.rope.cache import LONGROPE_ALIASES, SCALING_TYPES
+from kiln.ops.rope.cache import LONGROPE_ALIASES, SCALING_TYPES, rope_inv_freq
+from kiln.ops.rope.longrope import longrope_attention_factor, longrope_inv_freqs
 
 
 class ModelLoadError(ValueError):
@@ -151,9 +152,6 @@ def _check_rope(config: ModelConfig, source: str) -> None:
     """The rope settings as the model will build its cos/sin cache from them: a malformed one (a
     llama3 dict without low_freq_factor, a linear factor of 0, longrope factor lists of the wrong
     length) fails at load naming the file, not later inside the model's construction."""
-    from kiln.ops.rope.cache import rope_inv_freq
-    from kiln.ops.rope.longrope import longrope_attention_factor, longrope_inv_freqs
-
     dim, scaling = config.rotary_dim or config.head_dim, config.rope_scaling
     try:
         if scaling is not None and scaling.get("rope_type") == "longrope":

@@ -200,7 +200,7 @@ class FlatDecodeLayers:
     (hidden, residual) after the last layer, as the modules give them.
     """
 
-    def __init__(self, layers: list[_LayerArgs], kv_caches, native=None, layouts=None):
+    def __init__(self, layers: list[_LayerArgs], kv_caches, native, layouts: list[tuple]):
         self.layers = layers
         self.kv_caches = kv_caches
         # per layer: the qkv, o, gate_up and down weights' layouts, then gate_up's out-features (what a

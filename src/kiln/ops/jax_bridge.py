@@ -81,10 +81,11 @@ def to_jax(tensor: torch.Tensor | None, device: jax.Device | None = None) -> jax
 
 def _narrowed_to_int32(tensor: torch.Tensor) -> torch.Tensor:
     info = torch.iinfo(torch.int32)
-    if tensor.numel() and (int(tensor.min()) < info.min or int(tensor.max()) > info.max):
+    low, high = (int(v) for v in tensor.aminmax()) if tensor.numel() else (0, 0)
+    if low < info.min or high > info.max:
         raise ValueError(
             f"an int64 tensor {tuple(tensor.shape)} holds values outside int32 "
-            f"[{int(tensor.min())}, {int(tensor.max())}], and JAX runs without x64 "
+            f"[{low}, {high}], and JAX runs without x64 "
             "(jax.config.update('jax_enable_x64', True) keeps int64)"
         )
     return tensor.to(torch.int32)

@@ -47,8 +47,6 @@ class EngineStepProfile:
 def kiln_triton_kernel_names() -> set[str]:
     """Names of the @triton.jit functions in the imported kiln modules (a Triton kernel runs under its
     function's name). Empty when Triton is not installed."""
-    import kiln.ops  # noqa: F401  (imports every kernel module)
-
     return set(triton_kernel_ops())
 
 

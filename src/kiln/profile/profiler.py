@@ -50,7 +50,7 @@ class ProfileReport:
 
 
 def _declared_op(parents: list[str], op_names: list[str]) -> str | None:
-    """The op of the innermost enclosing `kiln::<op>` range: a declared call beats name matching
+    """The op of the innermost enclosing `kiln::<op>` range: a declared call beats the kernel's own op
     (SDPA's flash kernel inside paged_decode_attention belongs to paged_decode_attention)."""
     for parent in parents:
         if parent.startswith("kiln::") and parent[len("kiln::") :] in op_names:

@@ -89,8 +89,10 @@ class _CallObserver:
     @staticmethod
     def declare(spec, args: tuple, kwargs: dict) -> None:
         """A call that ran without its public function: its case joins the session's work."""
+        if _session is None or _op_depth > 0:
+            return
         case = _case(spec, args, kwargs)
-        if _session is not None and case is not None and _op_depth == 0:
+        if case is not None:
             _session.append((spec.name, dict(case[0]), case[1]))
 
 

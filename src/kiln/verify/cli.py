@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kiln import fallbacks
-    from kiln.verify.report import format_fallbacks, format_table, status, write_json
+    from kiln.verify.report import format_fallbacks, format_table, replaced_by_fallback, status, write_json
     from kiln.verify.runner import verify
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     failed = [r for r in ran if not r.passed]
     # a row whose kernel a recorded fallback replaced checked the replacement: not a pass of its own
     taken = fallbacks.taken()
-    fell_back = [r for r in ran if r.passed and fallbacks.replacement(r.op, r.backend, taken)]
+    fell_back = [r for r in ran if r.passed and replaced_by_fallback(r, taken)]
     passed = len(ran) - len(failed) - len(fell_back)
     counts = f"{passed} passed, {len(failed)} failed, {len(rows) - len(ran)} skipped"
     print(f"\n{counts}" + (f", {len(fell_back)} fell back (not verified)" if fell_back else ""))

@@ -58,12 +58,18 @@ def format_fallbacks(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def replaced_by_fallback(row: Row, entries: list[dict]) -> tuple[dict, str] | None:
+    """(the fallback entry, the implementation that ran) when a recorded fallback replaced the row's
+    implementation (kiln.fallbacks.replacement): the row checked the replacement, not its own kernel."""
+    return None if row.skipped else fallbacks.replacement(row.op, row.backend, entries)
+
+
 def row_json(row: Row, entries: list[dict]) -> dict:
     """A row as JSON; a row whose implementation a fallback replaced gets `fallback`, a backend
     "<asked>-><what ran>" (kiln.fallbacks.replacement) and `passed` false: it checked the replacement,
     not its own kernel."""
     out = dict(asdict(row), passed=row.passed, fallback=None)
-    hit = fallbacks.replacement(row.op, row.backend, entries) if not row.skipped else None
+    hit = replaced_by_fallback(row, entries)
     if hit is not None:
         entry, ran = hit
         out["fallback"] = f"{entry['kind']}: {entry['detail']}"

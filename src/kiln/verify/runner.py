@@ -164,7 +164,7 @@ def _written_read_only_input(spec: OpSpec, inputs: dict, impl_inputs: dict) -> s
         for before, after in zip(_tensors(value), _tensors(impl_inputs.get(name)), strict=True):
             if before.layout != torch.strided:  # oneDNN's packed weights: opaque, nothing to read
                 continue
-            if not _same_bits(before.cpu(), after.detach().cpu()):
+            if not _same_bits(before, after.detach()):
                 return f"argument {name} is read-only in the op's schema, but the implementation changed it"
     return ""
 
@@ -251,8 +251,8 @@ def verify(
                 continue
             if not spec.implementation(backend).is_available(device):
                 why = f"not available on {device}"
-                names = [dtype_name(d) for d in spec.dtypes if not dtypes or dtype_name(d) in dtypes]
-                rows.extend(Row(name, backend, dtype, skipped=why) for dtype in names)
+                asked = [dtype_name(d) for d in spec.dtypes if not dtypes or dtype_name(d) in dtypes]
+                rows.extend(Row(name, backend, dtype, skipped=why) for dtype in asked)
                 continue
             run_dtypes, skipped = backend_dtypes(spec, backend, device)
             shapes = spec.fuzz_shapes(rng)

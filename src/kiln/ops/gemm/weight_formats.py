@@ -317,7 +317,7 @@ def prepare_linear_weight(
     if isinstance(weight, (torch.Tensor, GGUFWeight)) and prepared.tensors:
         source = weight.qtype if isinstance(weight, GGUFWeight) else "float"
         # no format asked: the model dtype's (what "dense" holds)
-        fmt = cpu_format or {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
+        fmt = cpu_format or next((f for f, d in FORMAT_DTYPES.items() if d == dtype), "fp32")
         key = prepared.tensors[0]
         _PREPARED_CASES[id(key)] = (fmt, source)
         weakref.finalize(key, _PREPARED_CASES.pop, id(key), None)

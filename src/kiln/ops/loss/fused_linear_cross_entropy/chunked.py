@@ -50,6 +50,7 @@ def chunked_loss_and_grads(
     the inputs' dtypes whatever autocast says around the call (kiln.ops.autograd's entry point casts
     the inputs as autocast would first)."""
     with torch.autocast(hidden.device.type, enabled=False):
+        # labels contiguous: the Triton row kernel reads them at unit stride
         return _chunked(
             hidden, weight, labels.contiguous(), bias, ignore_index, label_smoothing, z_loss, reduction,
             rows_fn, gemm_dtype, chunk_tokens, compute_grads,
@@ -60,7 +61,6 @@ def _chunked(
     hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, reduction, rows_fn, gemm_dtype,
     chunk_tokens, compute_grads,
 ):  # fmt: skip
-    # labels contiguous: the Triton row kernel reads them at unit stride
     tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     acc_dtype = accumulation_dtype(hidden.dtype)
