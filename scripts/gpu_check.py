@@ -105,6 +105,18 @@ def _check_verify(args) -> list[str]:
         ops = [name for name, spec in registry.items() if backend in spec.implementations]
         if not ops:
             problems.append(f"verify: no op registers backend {backend!r} here (jax missing?)")
+        elif args.shard:  # the ops this process will verify (kiln.verify.runner.verify's split)
+            from kiln.verify.cli import _shard
+
+            try:
+                index, count = _shard(args.shard)
+            except ValueError as exc:
+                problems.append(str(exc))
+                continue
+            mine = ops[index - 1 :: count]
+            print(f"  verify --backend {backend} --shard {args.shard}: {len(mine)} ops ({', '.join(mine)})")
+            if not mine:
+                problems.append(f"verify: shard {args.shard} of backend {backend!r} has no op")
         else:
             print(f"  verify --backend {backend}: {len(ops)} ops ({', '.join(ops)})")
     return problems
@@ -174,8 +186,26 @@ def cmd_dry(argv: list[str]) -> int:
     return 1 if problems else 0
 
 
+def merge_verify_shards(work: Path) -> None:
+    """verify-shards/<backend>-<i>of<n>.json (one `kiln verify --shard i/n` process each) -> one
+    verify-<backend>.json: the rows of all shards; complete only when all n wrote theirs and finished."""
+    groups: dict[str, list[Path]] = {}
+    expected: dict[str, int] = {}
+    for path in sorted((work / "verify-shards").glob("*.json")):
+        backend, shard = path.stem.rsplit("-", 1)
+        groups.setdefault(backend, []).append(path)
+        expected[backend] = int(shard.partition("of")[2])
+    for backend, paths in groups.items():
+        shards = [json.loads(p.read_text()) for p in paths]
+        complete = len(shards) == expected[backend] and all(s["complete"] for s in shards)
+        merged = dict(shards[0], complete=complete, shards=f"{len(shards)} of {expected[backend]}")
+        merged["rows"] = [row for shard in shards for row in shard["rows"]]
+        _write(work / f"verify-{backend}.json", merged)
+
+
 def cmd_summary(workdir: str, path: str) -> int:
     work = Path(workdir)
+    merge_verify_shards(work)
     steps = []
     tsv = work / "steps.tsv"
     if tsv.is_file():
@@ -199,7 +229,11 @@ def cmd_summary(workdir: str, path: str) -> int:
         "environment": json.loads(env_path.read_text()) if env_path.is_file() else None,
         "steps": steps,
         "failed": [s["step"] for s in steps if s["rc"] != 0],
-        "results": sorted(str(p.relative_to(work)) for p in work.rglob("*.json") if p.name != "env.json"),
+        "results": sorted(
+            str(p.relative_to(work))
+            for p in work.rglob("*.json")
+            if p.name != "env.json" and p.parent.name != "verify-shards"
+        ),
     }
     Path(path).write_text(json.dumps(summary, indent=2) + "\n")
     return 0

@@ -274,3 +274,20 @@ def test_a_kernel_that_assumes_contiguous_heads_fails_on_the_engines_fused_qkv_v
     assert run_case(rope, "cpu", shape, torch.float32, "cpu", seed=1).passed
     for name in ("rotary_embedding", "qk_norm_rope", "write_kv_cache"):  # each fuzzes the engine's views
         assert any(s.get("fused_qkv") for s in get_op(name).fuzz_shapes(random.Random(0))), name
+
+
+def test_a_cpu_only_backend_is_checked_on_cpu_tensors_whatever_the_device():
+    """The GPU machine's test run parametrizes the "cpu" backends with device=cuda: their native kernels
+    must get CPU tensors (they crashed in the dispatcher on CUDA ones). "meta" stands in for CUDA here."""
+    from kiln.ops.registry import cpu_only
+
+    seen = []
+
+    def cpu_kernel(x, **kwargs):
+        seen.append(x.device.type)
+        return RMS_NORM.implementation("cpu").fn(x, **kwargs)
+
+    spec = dataclasses.replace(RMS_NORM, implementations={})
+    spec.register(Implementation("cpu", cpu_kernel, cpu_only))
+    case = run_case(spec, "cpu", SHAPE, torch.float32, torch.device("meta"), seed=3)
+    assert seen == ["cpu"] and case.passed, case

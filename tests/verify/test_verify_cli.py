@@ -75,3 +75,22 @@ def test_an_unknown_op_backend_or_dtype_exits_2_naming_it(args, named, capsys):
     """They ran nothing and exited 1 with no reason given (backend, dtype) or a traceback (op)."""
     assert main(["verify", "--device", "cpu", *args]) == 2
     assert named in capsys.readouterr().err
+
+
+def test_shards_cover_every_op_of_the_backend_once(capsys, monkeypatch):
+    """`--shard I/N` splits the ops that have the asked backend over N processes: none twice, none left
+    out (a GPU run verifies a backend in several processes at once). The cases themselves are stubbed."""
+    from kiln.ops import all_ops
+    from kiln.verify import runner
+
+    def no_case(spec, backend, shape, dtype, device, seed):
+        return runner.CaseResult(spec.name, backend, runner.dtype_name(dtype), shape, 0.0, 1.0, seed)
+
+    monkeypatch.setattr(runner, "run_case", no_case)
+    having = sorted(name for name, spec in all_ops().items() if "triton" in spec.backends())
+    shards = [
+        {r.op for r in runner.verify(backends=["triton"], device="cpu", shard=(i, 4))} for i in (1, 2, 3, 4)
+    ]
+    assert sorted(op for shard in shards for op in shard) == having and all(shards)
+    assert main(["verify", "--device", "cpu", "--shard", "5/4"]) == 2
+    assert "--shard '5/4'" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`kiln verify [--op NAME] [--backend NAME] [--dtype NAME] [--json PATH]`,
+"""`kiln verify [--op NAME] [--backend NAME] [--dtype NAME] [--shard I/N] [--json PATH]`,
 `kiln verify --grad [--op NAME] [--backend triton|cpu] [--dtype NAME] [--json PATH]` (every
 backward against float64 autograd: kiln.verify.grad), and
 `kiln verify --quant-model [PATH] --format FMT [--json PATH]` (kiln.verify.quant_model_cli)."""
@@ -19,6 +19,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--seed", type=int, default=None, help="seed for shapes and inputs (default: fresh)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
+    p.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="only the I-th of every N ops that have the backends asked for (N processes side by side)",
+    )
     p.add_argument(
         "--grad",
         action="store_true",
@@ -56,8 +62,9 @@ def run(args: argparse.Namespace) -> int:
             write_json(done, args.json, device, complete=False)
 
     try:
-        rows = verify(args.op, args.backend, args.dtype, device, args.seed, progress=progress)
-    except ValueError as exc:  # an unknown op, backend or dtype: named before any case runs
+        shard = _shard(args.shard)
+        rows = verify(args.op, args.backend, args.dtype, device, args.seed, progress=progress, shard=shard)
+    except ValueError as exc:  # an unknown op, backend, dtype or shard: named before any case runs
         print(exc, file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # SIGINT, e.g. `timeout -s INT`: report what finished, then stop
@@ -82,6 +89,16 @@ def run(args: argparse.Namespace) -> int:
     if interrupted:
         return 130
     return 1 if failed or fell_back or not ran else 0
+
+
+def _shard(text: str | None) -> tuple[int, int] | None:
+    """"I/N" -> (I, N); ValueError naming the flag when malformed."""
+    if text is None:
+        return None
+    index, sep, count = text.partition("/")
+    if not (sep and index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+        raise ValueError(f"kiln verify: --shard {text!r}: expected I/N with 1 <= I <= N, e.g. 2/4")
+    return int(index), int(count)
 
 
 def run_grad(args: argparse.Namespace) -> int:

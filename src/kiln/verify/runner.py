@@ -61,6 +61,7 @@ class Row:
     tolerance: float = 0.0
     failures: list[dict] = field(default_factory=list)
     skipped: str = ""
+    seconds: float = 0.0  # wall time of the row's cases, compiles included (a GPU run's budget)
 
     @property
     def passed(self) -> bool:
@@ -89,14 +90,19 @@ def clone_inputs(value: Any) -> Any:
 def run_case(
     spec: OpSpec, backend: str, shape: dict, dtype: torch.dtype, device: torch.device, seed: int
 ) -> CaseResult:
-    """Run one case: fresh inputs from `seed`, poisoned outputs, compare each output with float64."""
+    """Run one case: fresh inputs from `seed`, poisoned outputs, compare each output with float64.
+    A backend that cannot run on `device` but runs on the CPU (the "cpu" backends, on a GPU machine's
+    test run) is checked on CPU tensors: its kernels never take CUDA tensors."""
     tol = spec.tolerance_for(shape, dtype)
     result = CaseResult(spec.name, backend, dtype_name(dtype), shape, 0.0, tol, seed)
+    impl = spec.implementation(backend)
+    device = torch.device(device)
+    if device.type != "cpu" and not impl.is_available(device) and impl.is_available(torch.device("cpu")):
+        device = torch.device("cpu")
     generator = torch.Generator().manual_seed(seed)
     inputs = spec.make_inputs(shape, dtype, device, generator)
     ref_inputs = upcast_to_float64(inputs)
     impl_inputs = clone_inputs(inputs)
-    impl = spec.implementation(backend)
     try:
         expected = spec.output_tensors(spec.reference(**ref_inputs), ref_inputs)
         with poisoned():
@@ -217,9 +223,12 @@ def verify(
     device: str | torch.device | None = None,
     seed: int | None = None,
     progress=None,
+    shard: tuple[int, int] | None = None,
 ) -> list[Row]:
     """Verify ops (all registered by default) on every backend available for `device`
-    (CUDA if present, else CPU) and return one Row per (op, backend, dtype)."""
+    (CUDA if present, else CPU) and return one Row per (op, backend, dtype).
+    shard=(i, n): only the i-th (1-based) of every n of the chosen ops that have one of `backends`,
+    so n processes side by side cover them all once (a GPU run's Triton compiles are the long part)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     seed = seed if seed is not None else int(time.time_ns() % 2**31)
     rng = random.Random(seed)
@@ -236,9 +245,16 @@ def verify(
         if unknown:
             names, known_names = ", ".join(unknown), ", ".join(sorted(known))
             raise ValueError(f"kiln verify: unknown {what}(s) {names} for these ops; known: {known_names}")
+    if shard is not None:
+        index, count = shard
+        if not 1 <= index <= count:
+            raise ValueError(f"kiln verify: shard {index}/{count}: expected 1 <= I <= N")
+        chosen = [spec for spec in chosen if not backends or set(backends) & set(spec.backends())]
+        chosen = chosen[index - 1 :: count]
+    picked = {spec.name for spec in chosen}
     rows: list[Row] = []
     for name, spec in registry.items():
-        if ops and name not in ops:
+        if name not in picked:
             continue
         missing = [module for module in spec.requires if importlib.util.find_spec(module) is None]
         if missing:
@@ -264,6 +280,7 @@ def verify(
                     row.skipped = "GPU only (Triton interpreter)"
                     rows.append(row)
                     continue
+                start = time.perf_counter()
                 for shape in shapes:
                     case = run_case(spec, backend, shape, dtype, device, rng.randrange(2**31))
                     row.cases += 1
@@ -271,6 +288,7 @@ def verify(
                     row.tolerance = max(row.tolerance, case.tolerance)
                     if not case.passed:
                         row.failures.append(asdict(case))
+                row.seconds = round(time.perf_counter() - start, 3)
                 rows.append(row)
                 if progress:
                     progress(row)

@@ -15,6 +15,21 @@ BENCH_M = (1, 16, 64, 256, 2048, 8192)
 # accumulation contributes ~sqrt(K) * 2^-24, so what dominates for halves is one rounding of the output
 # (ONE_ROUNDING_TOLERANCE: 2u; a half-precision accumulator over K = 4096 errs by ~sqrt(K) u).
 GEMM_TOLERANCE = ONE_ROUNDING_TOLERANCE
+# fp8 GEMMs with a float32 output: Hopper's fp8 wgmma adds each k32 step's products in an accumulator
+# narrower than float32 (~14 mantissa bits, 2^-14 = 6.1e-5) before the kernels promote to float32. On
+# an H200 (2026-11-29, triton 3.6) the Triton kernels measured 3.5e-5..4.5e-5 in norm and up to
+# 7.0e-5 of max |ref| in one element (M = 26..65, K = 40..169): float32's 1e-5 cannot hold, fp16's
+# output rounding (6e-3) is far looser. 1e-4 is ~2x the measured norm error, its 2x element bound ~3x.
+FP8_FLOAT32_TOLERANCE = 1e-4
+
+
+QUANT_M = (1, 16, 2048)  # decode (one sequence, a batch of 16) and a prefill chunk
+
+
+def quant_shapes(**extra) -> list[dict]:
+    """The "quant" suite: Llama-3-8B's four projections at QUANT_M, the GEMM formats side by side in one
+    short GPU run (gpu_check's quant phase)."""
+    return [{"M": m, "N": n, "K": k, **extra} for k, n in LLAMA3_8B for m in QUANT_M]
 
 
 def llm_shapes(**extra) -> list[dict]:

@@ -21,10 +21,12 @@ from kiln.ops.gemm.scaled import (
     validate_scaled_linear,
 )
 from kiln.ops.gemm.shapes import (
+    FP8_FLOAT32_TOLERANCE,
     GEMM_TOLERANCE,
     fuzz_scaled_gemm_shapes,
     gemm_flops,
     llm_shapes,
+    quant_shapes,
     scaled_gemm_bytes,
 )
 from kiln.ops.registry import OpSpec, define_op
@@ -74,12 +76,13 @@ FP8_LINEAR = OpSpec(
     make_inputs=_make_inputs,
     fuzz_shapes=fuzz_scaled_gemm_shapes,
     dtypes=(torch.float32, torch.float16, torch.bfloat16),  # out_dtype
-    # Reference uses the same (quantized) inputs: only fp32 accumulation and the output rounding remain.
-    tolerance=GEMM_TOLERANCE,
+    # Reference uses the same (quantized) inputs: only the accumulation and the output rounding remain
+    # (float32: Hopper's fp8 accumulator, FP8_FLOAT32_TOLERANCE).
+    tolerance={**GEMM_TOLERANCE, torch.float32: FP8_FLOAT32_TOLERANCE},
     flops=gemm_flops,
     matmul_dtype=lambda shape, dtype: torch.float8_e4m3fn,  # dtype is the output's
     bytes=scaled_gemm_bytes,
-    bench_shapes={"llm": llm_shapes(per_token=True)},
+    bench_shapes={"llm": llm_shapes(per_token=True), "quant": quant_shapes(per_token=True)},
     baselines={"torch_scaled_mm": _scaled_mm, "torch_bf16_matmul": _bf16_matmul},
     schema=(
         "(Tensor x_fp8, Tensor x_scale, Tensor w_fp8, Tensor w_scale, Tensor? bias=None, "

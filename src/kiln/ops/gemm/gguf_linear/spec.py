@@ -16,12 +16,20 @@ from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of, row_count
 from kiln.ops.gemm.dense_baseline import bf16_matmul
 from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
 from kiln.ops.gemm.gguf_dequantize.spec import gguf_dequantize_reference
-from kiln.ops.gemm.shapes import GEMM_TOLERANCE, LLAMA3_8B, fuzz_gemm_shapes, gemm_flops, llm_shapes
+from kiln.ops.gemm.shapes import (
+    GEMM_TOLERANCE,
+    LLAMA3_8B,
+    fuzz_gemm_shapes,
+    gemm_flops,
+    llm_shapes,
+    quant_shapes,
+)
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import element_size, randn
 from kiln.quant.gguf_blocks import BLOCK_SIZE, K_QUANTS, QK_K, dequantize_blocks
 
 QTYPES_32 = ("Q4_0", "Q4_1", "Q8_0")
+QUANT_QTYPES = ("Q4_1", "Q8_0", *K_QUANTS)  # the "quant" suite: the embedded model's and Q4_K_M files'
 
 
 def gguf_linear_reference(x, qweight, qtype, bias=None):
@@ -100,7 +108,10 @@ GGUF_LINEAR = OpSpec(
     requires=("gguf",),  # the reference decodes with gguf.quants
     flops=gemm_flops,
     bytes=lambda s, dtype: packed_bytes(s) + (s["M"] * s["K"] + s["M"] * s["N"]) * element_size(dtype),
-    bench_shapes={"llm": _bench_shapes()},
+    bench_shapes={
+        "llm": _bench_shapes(),
+        "quant": [{**s, "qtype": q} for s in quant_shapes() for q in QUANT_QTYPES],
+    },
     baselines={"torch_dequant_matmul": _torch_dequant_matmul, "torch_bf16_matmul": _bf16_matmul},
     gpu_only_dtypes={"triton": (torch.bfloat16,)},
     schema="(Tensor x, Tensor qweight, str qtype, Tensor? bias=None) -> Tensor",

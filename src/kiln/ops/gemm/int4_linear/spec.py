@@ -18,7 +18,7 @@ import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of, row_count
 from kiln.ops.gemm.dense_baseline import bf16_matmul
-from kiln.ops.gemm.shapes import GEMM_TOLERANCE, fuzz_gemm_shapes, gemm_flops, llm_shapes
+from kiln.ops.gemm.shapes import GEMM_TOLERANCE, fuzz_gemm_shapes, gemm_flops, llm_shapes, quant_shapes
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import element_size, randint, randn, uniform
 from kiln.quant.int4 import GROUP_SIZES, dequantize_int4
@@ -107,7 +107,7 @@ INT4_LINEAR = OpSpec(
     tolerance=GEMM_TOLERANCE,
     flops=gemm_flops,
     bytes=_bytes,
-    bench_shapes={"llm": llm_shapes(group_size=128)},
+    bench_shapes={"llm": llm_shapes(group_size=128), "quant": quant_shapes(group_size=128)},
     baselines={"torch_dequant_matmul": _torch_dequant_matmul, "torch_bf16_matmul": _bf16_matmul},
     gpu_only_dtypes={"triton": (torch.bfloat16,)},
     schema="(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size) -> Tensor",

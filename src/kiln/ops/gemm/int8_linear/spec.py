@@ -24,6 +24,7 @@ from kiln.ops.gemm.shapes import (
     fuzz_scaled_gemm_shapes,
     gemm_flops,
     llm_shapes,
+    quant_shapes,
     scaled_gemm_bytes,
 )
 from kiln.ops.registry import OpSpec, define_op
@@ -72,7 +73,7 @@ INT8_LINEAR = OpSpec(
     flops=gemm_flops,
     matmul_dtype=lambda shape, dtype: torch.int8,  # dtype is the output's
     bytes=scaled_gemm_bytes,
-    bench_shapes={"llm": llm_shapes(per_token=True)},
+    bench_shapes={"llm": llm_shapes(per_token=True), "quant": quant_shapes(per_token=True)},
     baselines={"torch_int_mm": _torch_int_mm, "torch_bf16_matmul": _bf16_matmul},
     schema=(
         "(Tensor x_int8, Tensor x_scale, Tensor w_int8, Tensor w_scale, Tensor? bias=None, "

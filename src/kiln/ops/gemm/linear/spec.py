@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_last_dim, check_same_dtype, check_tensor, device_of, row_count
-from kiln.ops.gemm.shapes import GEMM_TOLERANCE, dense_gemm_bytes, fuzz_gemm_shapes, gemm_flops, llm_shapes
+from kiln.ops.gemm.shapes import (
+    GEMM_TOLERANCE,
+    dense_gemm_bytes,
+    fuzz_gemm_shapes,
+    gemm_flops,
+    llm_shapes,
+    quant_shapes,
+)
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import randn
 
@@ -66,7 +73,7 @@ LINEAR = OpSpec(
     tolerance=GEMM_TOLERANCE,
     flops=gemm_flops,
     bytes=lambda s, dtype: dense_gemm_bytes(s, dtype, 1),
-    bench_shapes={"llm": llm_shapes(bias=False)},
+    bench_shapes={"llm": llm_shapes(bias=False), "quant": quant_shapes(bias=False)},
     baselines={"torch_matmul": _torch_linear},
     gpu_only_dtypes={"triton": (torch.bfloat16,)},
     schema="(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",

@@ -12,7 +12,7 @@ import torch
 
 from kiln.ops.checks import row_count
 from kiln.ops.gemm.linear.spec import check_dense_operands
-from kiln.ops.gemm.shapes import GEMM_TOLERANCE, dense_gemm_bytes, fuzz_gemm_shapes
+from kiln.ops.gemm.shapes import GEMM_TOLERANCE, QUANT_M, dense_gemm_bytes, fuzz_gemm_shapes
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import randn
 
@@ -65,7 +65,7 @@ LINEAR_SILU_MUL = OpSpec(
     tolerance=GEMM_TOLERANCE,
     flops=lambda s, dtype: 4.0 * s["M"] * s["N"] * s["K"] + 5.0 * s["M"] * s["N"],
     bytes=lambda s, dtype: dense_gemm_bytes(s, dtype, 2),
-    bench_shapes={"llm": _llm_shapes()},
+    bench_shapes={"llm": _llm_shapes(), "quant": [{"M": m, "N": 14336, "K": 4096} for m in QUANT_M]},
     baselines={"torch_matmul": _torch_silu_mul},
     gpu_only_dtypes={"triton": (torch.bfloat16,)},
     schema="(Tensor x, Tensor weight_gate_up) -> Tensor",

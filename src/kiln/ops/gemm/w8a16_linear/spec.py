@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_last_dim, check_same_dtype, check_tensor, device_of, row_count
-from kiln.ops.gemm.shapes import GEMM_TOLERANCE, fuzz_gemm_shapes, gemm_flops, llm_shapes
+from kiln.ops.gemm.shapes import GEMM_TOLERANCE, fuzz_gemm_shapes, gemm_flops, llm_shapes, quant_shapes
 from kiln.ops.registry import OpSpec, define_op
 from kiln.ops.testing import compute_dtype, element_size, randn
 
@@ -87,7 +87,7 @@ W8A16_LINEAR = OpSpec(
     tolerance=GEMM_TOLERANCE,
     flops=gemm_flops,
     bytes=_bytes,
-    bench_shapes={"llm": llm_shapes()},
+    bench_shapes={"llm": llm_shapes(), "quant": quant_shapes()},
     # baselines: "torch_dequant_linear" (the CPU path itself, PyTorch's dequantize + F.linear) is
     # added by cpu.py.
     schema="(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias=None) -> Tensor",
