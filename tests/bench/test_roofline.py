@@ -83,3 +83,31 @@ def test_a_quantized_gemms_roofline_uses_its_operands_peak_not_its_output_dtypes
     assert record["roofline_bound_ms"] == pytest.approx(
         max(spec.flops(shape, torch.bfloat16) / peak, spec.bytes(shape, torch.bfloat16) / 1e6) * 1e3
     )
+
+
+def test_over_100_percent_names_its_cause_by_limiter():
+    """A compute-bound case over its roofline is a ceiling measured too low (int8 on an H200: 745 %),
+    not cached inputs."""
+    from kiln.bench.report import _percent_of_roofline
+
+    assert _percent_of_roofline(0.5, "compute") == "50.0%"
+    assert _percent_of_roofline(1.2, "memory").endswith("(cached)")
+    assert _percent_of_roofline(7.45, "compute").endswith("(ceiling too low)")
+
+
+def test_the_int8_ceiling_times_a_column_major_b(monkeypatch):
+    """cuBLASLt's int8 GEMM is fast with b column-major; a row-major b measured ~126 TOPS on an H200."""
+    import torch
+
+    from kiln.bench import ceilings
+
+    seen = []
+
+    def int_mm(a, b):
+        seen.append(b.stride())
+        return torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32)
+
+    monkeypatch.setattr(torch, "_int_mm", int_mm)
+    monkeypatch.setattr(ceilings, "_best_seconds", lambda fn, device, reps: (fn(), 1.0)[1])
+    assert ceilings._int8_tops(torch.device("cpu"), 32) is not None
+    assert seen and seen[0] == (1, 32)

@@ -54,7 +54,7 @@ def format_markdown(payload: dict) -> str:
                 f"{_us(case['p20_ms'])}-{_us(case['p80_ms'])}",
                 f"{case['tflops']:.3f}",
                 f"{case['gbps']:.1f}",
-                _percent_of_roofline(case["roofline_fraction"]),
+                _percent_of_roofline(case["roofline_fraction"], case["limiter"]),
                 case["limiter"],
             ]
             for name in baseline_names:
@@ -71,15 +71,19 @@ def format_markdown(payload: dict) -> str:
     lines.append(
         "Speed-up = baseline median / Kiln median (>1 means Kiln is faster). "
         "% roofline = max(flops/peak, bytes/bandwidth) / measured; over 100% (cached) means the rotated "
-        "inputs stayed in cache. A speed-up marked with a timing method (e.g. eager) timed the baseline "
+        "inputs stayed in cache, (ceiling too low) that the measured compute ceiling is. A speed-up marked with a timing method (e.g. eager) timed the baseline "
         "otherwise than Kiln's kernel (a baseline that syncs with the host cannot be graph-replayed)."
     )
     return "\n".join(lines) + "\n"
 
 
-def _percent_of_roofline(fraction: float) -> str:
-    """Over 100%: the inputs stayed in cache (the case's rotated_bytes), not a kernel beating the bound."""
-    return f"{100 * fraction:.1f}%" + (" (cached)" if fraction > 1 else "")
+def _percent_of_roofline(fraction: float, limiter: str = "memory") -> str:
+    """Over 100%: memory-bound, the inputs stayed in cache (the case's rotated_bytes); compute-bound,
+    the measured compute ceiling is below what the kernel ran at (re-measure: --refresh-ceilings).
+    Neither is a kernel beating the bound."""
+    if fraction <= 1:
+        return f"{100 * fraction:.1f}%"
+    return f"{100 * fraction:.1f}%" + (" (cached)" if limiter == "memory" else " (ceiling too low)")
 
 
 def write_markdown(payload: dict, path: str | Path) -> Path:
