@@ -1,3 +1,5 @@
+import dataclasses
+import functools
 import random
 
 import pytest
@@ -6,6 +8,7 @@ import torch
 import kiln.ops
 from kiln.ops.gemm.int4_linear import INT4_LINEAR
 from kiln.ops.gemm.int4_linear.triton import int4_linear_triton
+from kiln.ops.registry import Implementation
 from kiln.quant import quantize_int4, snr_db
 from kiln.verify import assert_close, run_case
 
@@ -132,3 +135,19 @@ def test_verify_catches_a_nibble_order_bug_in_the_cpu_paths_int4_decoder(monkeyp
     monkeypatch.setattr(int4, "NIBBLE_SHIFTS", int4.NIBBLE_SHIFTS.flip(0))
     case = run_case(INT4_LINEAR, "cpu", shape, torch.float32, cpu, 11)
     assert not case.passed and case.error > 0.05, case
+
+
+@pytest.mark.parametrize(
+    "block_k, group_size, split_k",
+    [(32, 128, 1), (64, 32, 3), (128, 64, 2), (64, 64, 4)],  # one group per K tile, and several
+)
+def test_int4_linear_triton_tiles_across_groups_and_splits(block_k, group_size, split_k, device):
+    """Pinned configs: a K tile inside one group and spanning several (scales broadcast per group),
+    split-K whose last split ends mid-word (K = 203, not a multiple of 8)."""
+    config = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k, "GROUP_M": 8, "SPLIT_K": split_k,
+              "num_warps": 4, "num_stages": 2}  # fmt: skip
+    spec = dataclasses.replace(INT4_LINEAR, implementations={})
+    spec.register(Implementation("pinned", functools.partial(int4_linear_triton, config=config)))
+    shape = {"M": 5, "N": 45, "K": 203, "group_size": group_size}
+    case = run_case(spec, "pinned", shape, torch.float16, device, seed())
+    assert case.passed, case
