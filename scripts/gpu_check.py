@@ -203,6 +203,15 @@ def merge_verify_shards(work: Path) -> None:
         _write(work / f"verify-{backend}.json", merged)
 
 
+def cmd_ops(backend: str) -> int:
+    """The registered ops that have `backend`, one line, space-separated (gpu_check.sh's KILN_GPU_OPS)."""
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # a listing needs no GPU
+    from kiln.ops import all_ops
+
+    print(" ".join(name for name, spec in all_ops().items() if backend in spec.implementations))
+    return 0
+
+
 def cmd_summary(workdir: str, path: str) -> int:
     work = Path(workdir)
     merge_verify_shards(work)
@@ -253,6 +262,8 @@ def main() -> int:
     kiln.add_argument("argv", nargs=argparse.REMAINDER)
     dry = sub.add_parser("dry")
     dry.add_argument("argv", nargs=argparse.REMAINDER)
+    ops = sub.add_parser("ops")
+    ops.add_argument("backend")
     summary = sub.add_parser("summary")
     summary.add_argument("workdir")
     summary.add_argument("path")
@@ -265,6 +276,8 @@ def main() -> int:
         return cmd_kiln(args.stamp, args.partial, rest)
     if args.what == "dry":
         return cmd_dry(rest)
+    if args.what == "ops":
+        return cmd_ops(args.backend)
     return cmd_summary(args.workdir, args.path)
 
 

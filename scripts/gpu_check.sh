@@ -6,16 +6,23 @@
 #
 # Phases, in the order they matter (correctness first); `--list` prints each step and its limit:
 #   env     commit, GPU, CPU and ISA, torch/triton/jax versions, optional packages -> env.json
-#   tests   GPU tests: kernels in parallel (pytest-xdist when installed), then timing-sensitive ones
+#   gputests the tests marked gpu (bf16 dots, TMA, compiled Pallas, CUDA-only paths), in parallel
+#   tests   the other kernel tests on the GPU in parallel (pytest-xdist when installed), then the
+#           timing-sensitive ones alone
 #   verify  `kiln verify --device cuda` per backend (triton, triton_tma, pallas_gpu), side by side
 #   overhead `kiln profile --engine` of a tiny random model at batch 1 (the engine's per-step overhead)
 #   quant   the GEMM benchmarks ("quant" suite): fp8 (per-tensor and block), int8, int4, GGUF blocks, bf16
 #   bench   the rest of the kernel benchmark suite (llm shapes): attention, norms and the rest
 #   engine  8B-shaped Llama with random bf16 weights (random:llama3-8b): `kiln bench engine` at
 #           concurrency 1,16,64 and `kiln profile --engine --batch 64`
+# KILN_GPU_OPS="op op ...": verify, quant and bench take only these ops (a rerun of what failed or
+# changed); the other phases are unaffected.
 # Each step runs under `timeout -s INT` (SIGINT: pytest still writes its summary and junit XML,
 # `kiln verify` its table and the JSON it rewrites after every row), SIGKILL 10 s later. The limits
-# of the phases asked for must add up to at most KILN_CALL_LIMIT_S (540 s), else nothing runs.
+# of the phases asked for must add up to at most KILN_CALL_LIMIT_S (540 s), else nothing runs, unless
+# KILN_CALL_DEADLINE_S is set: then each step's limit is cut to what is left before that many seconds
+# from the start (less 15 s to pack), a step with under 10 s left does not run (exit 124), and a plan
+# over the limit runs to the deadline (a short visit's last call: set it to the tool's timeout less ~20 s).
 #
 # The machine's image has torch/triton/jax/pytest but no network and no gguf: wheels carried in an
 # ignored .wheels/ folder are installed with `pip install --no-index --no-deps --target` and put on
@@ -36,6 +43,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 CALL_LIMIT_S=${KILN_CALL_LIMIT_S:-540}
+DEADLINE_S=${KILN_CALL_DEADLINE_S:-}
 KILL_AFTER_S=10
 MODE=run
 case "${1:-}" in
@@ -43,10 +51,10 @@ case "${1:-}" in
   --list) MODE=list; shift ;;
   -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
 esac
-ALL_PHASES=(env tests verify overhead quant bench engine)
+ALL_PHASES=(env gputests tests verify overhead quant bench engine)
 # docs/gpu_runbook.md: one device call each, in this order; a 15-minute visit runs the first, and the
 # second at once while the machine is still warm (a fresh start would cost another minute or more)
-RUNBOOK_CALLS=("env verify overhead quant" "env tests" "env bench" "env engine")
+RUNBOOK_CALLS=("env verify overhead quant" "env gputests tests" "env bench" "env engine")
 phases=("$@")
 if [ ${#phases[@]} -eq 0 ] && [ "$MODE" != run ]; then
   phases=("${ALL_PHASES[@]}")  # list or dry-run everything; each runbook call is checked against the limit
@@ -57,7 +65,7 @@ else
   calls=("${phases[*]}")
 fi
 for phase in "${phases[@]}"; do
-  case "$phase" in env | tests | verify | overhead | quant | bench | engine) ;;
+  case "$phase" in env | gputests | tests | verify | overhead | quant | bench | engine) ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
 done
@@ -99,7 +107,16 @@ step() {  # step NAME LIMIT_S CMD...: run CMD under its limit, or (dry) check it
 
 run_step() {  # the command under timeout; its status and time go to steps.tsv
   local name=$1 limit=$2; shift 2
-  local start=$SECONDS rc
+  local start=$SECONDS rc left
+  if [ -n "$DEADLINE_S" ]; then
+    left=$((DEADLINE_S - SECONDS - 15))
+    if [ "$left" -lt 10 ]; then
+      echo "gpu_check: $name not run: ${left}s left before the ${DEADLINE_S}s deadline"
+      printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$current_phase" "$name" 0 124 0 "$name.log" >>"$WORK/steps.tsv"
+      return 124
+    fi
+    [ "$left" -lt "$limit" ] && { echo "gpu_check: $name cut to ${left}s (deadline)"; limit=$left; }
+  fi
   case "$1" in
     kiln) shift; timeout -s INT -k "$KILL_AFTER_S" "$limit" $PY scripts/gpu_check.py kiln "$@" ;;
     pytest) shift; timeout -s INT -k "$KILL_AFTER_S" "$limit" $PY -m pytest "$@" ;;
@@ -161,19 +178,27 @@ phase_env() {
   step env 30 py scripts/gpu_check.py env "$WORK/env.json"
 }
 
+TEST_OPTIONS=(-q -p no:cacheprovider -o junit_family=xunit2 --durations=20)
+
+phase_gputests() {  # the tests marked gpu: no CPU run ever runs them (kernels in bf16, TMA, compiled Pallas)
+  # shellcheck disable=SC2046
+  step tests-gpu-marked 130 pytest "${TEST_OPTIONS[@]}" -m gpu $(xdist_args) \
+    --junitxml="$WORK/tests-gpu-marked.xml" tests/ops tests/jax tests/loaders
+}
+
 phase_tests() {
-  local common=(-q -p no:cacheprovider -o junit_family=xunit2 --durations=20)
+  local common=("${TEST_OPTIONS[@]}")
   # the native CPU kernels (the "cpu" backends' tests) once, on all cores, before the workers: each
   # worker's first test otherwise waited out the build (H200, 2026-11-29: 63-68 s)
   step native-build 80 py -c "import kiln.ops.native_cpu as n, sys; sys.exit(0 if n.load() else 1)"
   # kernel tests on their own data: safe to spread over workers sharing the GPU
   # shellcheck disable=SC2046
-  step tests-kernels 220 pytest "${common[@]}" $(xdist_args) --junitxml="$WORK/tests-kernels.xml" \
+  step tests-kernels 160 pytest "${common[@]}" -m "not gpu" $(xdist_args) --junitxml="$WORK/tests-kernels.xml" \
     tests/ops tests/verify tests/tune tests/jax
   # timings, memory peaks, CUDA graphs and the profiler: alone on the GPU
-  step tests-timing 80 pytest "${common[@]}" --junitxml="$WORK/tests-timing.xml" \
+  step tests-timing 70 pytest "${common[@]}" --junitxml="$WORK/tests-timing.xml" \
     tests/bench tests/profile tests/engine/test_cuda_graphs.py tests/loaders/test_random_weights.py \
-    tests/loaders/test_gguf_loader.py
+    tests/loaders/test_gguf_loader.py tests/distributed/test_tensor_parallel.py
 }
 
 # Processes per backend: the Triton and Pallas compiles are most of the time (H200, 2026-11-29: one
@@ -182,39 +207,55 @@ declare -A VERIFY_SHARDS=([triton]=6 [pallas_gpu]=3 [triton_tma]=1)
 
 phase_verify() {  # backends' ops split over processes side by side; each rewrites its JSON after every row
   parallel begin
-  local backend i n
+  local backend i n op ops op_args
   for backend in triton pallas_gpu triton_tma; do
     n=${VERIFY_SHARDS[$backend]}
+    op_args=()
+    if [ -n "${KILN_GPU_OPS:-}" ]; then  # only those of the backend's ops, over at most as many processes
+      # shellcheck disable=SC2046
+      read -ra ops <<<"$(only_ops $($PY scripts/gpu_check.py ops "$backend"))"
+      [ ${#ops[@]} -gt 0 ] || continue
+      [ ${#ops[@]} -lt "$n" ] && n=${#ops[@]}
+      for op in "${ops[@]}"; do op_args+=(--op "$op"); done
+    fi
     for ((i = 1; i <= n; i++)); do
       group_logs+=("verify-$backend-$i.log")
-      step "verify-$backend-$i" 200 kiln -- verify --device cuda --backend "$backend" --shard "$i/$n" \
-        --json "$WORK/verify-shards/$backend-${i}of$n.json"
+      step "verify-$backend-$i" 200 kiln -- verify --device cuda --backend "$backend" "${op_args[@]}" \
+        --shard "$i/$n" --json "$WORK/verify-shards/$backend-${i}of$n.json"
     done
   done
   parallel end
 }
 
-phase_bench() {  # one after another (timings must not share the GPU); most important ops first
-  bench_step bench-attention 100 attention \
-    flash_attention flash_attention_with_lse paged_decode_attention paged_prefill_attention write_kv_cache
-  # Pallas-GPU flash attention against Kiln's Triton kernel, the XLA backend and XLA's own attention
-  step bench-attention-jax 50 kiln --partial "$WORK/bench/attention-jax-partial.json" -- \
-    bench --suite llm --device cuda --out "$WORK/bench" --suffix attention-jax --op flash_attention \
-    --backend pallas_gpu --compare-backends triton,xla
-  bench_step bench-rest 90 rest rms_norm layer_norm softmax rotary_embedding silu_and_mul fused_moe moe_route
+only_ops() {  # only_ops OP...: those named in KILN_GPU_OPS (all of them when it is unset or empty)
+  if [ -z "${KILN_GPU_OPS:-}" ]; then echo "$*"; return; fi
+  local op picked=()
+  for op in "$@"; do [[ " $KILN_GPU_OPS " == *" $op "* ]] && picked+=("$op"); done
+  echo "${picked[*]}"
 }
 
-bench_step() {  # bench_step NAME LIMIT SUFFIX OP...: `kiln bench` keeps its cases so far in a partial JSON
-  local name=$1 limit=$2 suffix=$3; shift 3
+phase_bench() {  # one after another (timings must not share the GPU); most important ops first
+  bench_step bench-attention 100 attention llm \
+    flash_attention flash_attention_with_lse paged_decode_attention paged_prefill_attention write_kv_cache
+  # Pallas-GPU flash attention against Kiln's Triton kernel, the XLA backend and XLA's own attention
+  [ -n "$(only_ops flash_attention)" ] && step bench-attention-jax 50 kiln --partial "$WORK/bench/attention-jax-partial.json" -- \
+    bench --suite llm --device cuda --out "$WORK/bench" --suffix attention-jax --op flash_attention \
+    --backend pallas_gpu --compare-backends triton,xla
+  bench_step bench-rest 90 rest llm rms_norm layer_norm softmax rotary_embedding silu_and_mul fused_moe moe_route
+}
+
+bench_step() {  # bench_step NAME LIMIT SUFFIX SUITE OP...: `kiln bench` keeps its cases so far in a partial JSON
+  local name=$1 limit=$2 suffix=$3 suite=$4 ops; shift 4
+  read -ra ops <<<"$(only_ops "$@")"
+  [ ${#ops[@]} -gt 0 ] || return 0  # KILN_GPU_OPS names none of them
   step "$name" "$limit" kiln --partial "$WORK/bench/$suffix-partial.json" -- \
-    bench --suite llm --device cuda --out "$WORK/bench" --suffix "$suffix" --op "$@"
+    bench --suite "$suite" --device cuda --out "$WORK/bench" --suffix "$suffix" --op "${ops[@]}"
 }
 
 phase_quant() {  # the quantized GEMMs beside bf16 cuBLAS and torch._scaled_mm in one run (#25): the "quant"
   # suite (Llama-3-8B's projections at M = 1, 16, 2048; "llm"'s ~400 cases would not fit the step)
-  step bench-gemm 150 kiln --partial "$WORK/bench/gemm-partial.json" -- bench --suite quant --device cuda \
-    --out "$WORK/bench" --suffix gemm --op fp8_linear fp8_block_linear int8_linear int4_linear gguf_linear \
-    w8a16_linear linear linear_silu_mul
+  bench_step bench-gemm 150 gemm quant fp8_linear fp8_block_linear int8_linear int4_linear w8a16_linear \
+    linear linear_silu_mul gguf_linear
 }
 
 phase_overhead() {  # a tiny model at batch 1: the step is almost all per-step overhead (its phase table, #21)
@@ -230,7 +271,7 @@ phase_engine() {
     --device cuda --top 40
 }
 
-declare -A BUDGET=([env]=60 [tests]=420 [verify]=210 [overhead]=60 [quant]=160 [bench]=280 [engine]=400)
+declare -A BUDGET=([env]=60 [gputests]=140 [tests]=350 [verify]=210 [overhead]=60 [quant]=160 [bench]=280 [engine]=400)
 
 pack() {  # every file of this call into $OUT: logs tarball, summary, up to 6 result JSONs
   local prefix="$DATE-$GPU_SLUG"
@@ -275,6 +316,10 @@ for call in "${calls[@]}"; do
   fi
 done
 
+if [ "$plan_ok" = 0 ] && [ -n "$DEADLINE_S" ]; then
+  echo "=== over the plan, but KILN_CALL_DEADLINE_S=${DEADLINE_S}: steps are cut to the deadline"
+  plan_ok=1
+fi
 [ "$plan_ok" = 1 ] || [ "$MODE" = list ] || exit 2  # a list still shows the plan that is refused
 if [ "$MODE" = run ]; then
   mkdir -p "$OUT" "$WORK/bench" "$WORK/verify-shards"

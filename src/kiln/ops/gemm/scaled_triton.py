@@ -219,7 +219,7 @@ def scaled_linear(op, x_q, x_scale, w_q, w_scale, bias, out_dtype, config):
     if K == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(M, N))
     shape = {"M": M, "N": N, "K": K, "per_token": x_scale.dim() == 2}
-    cfg = resolve_config(op, out_dtype, shape, config, x_q.device, min_block_k=32)
+    cfg = resolve_config(op, out_dtype, shape, config, x_q.device, min_block_k=32, byte_operands=True)
     partials = partials_buffer(cfg, M, N, x_q.device)
     x_scale = x_scale.float().contiguous()
     w_scale = w_scale.float().contiguous()
