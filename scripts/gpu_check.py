@@ -102,7 +102,11 @@ def _check_verify(args) -> list[str]:
     registry = all_ops()
     problems = [f"verify: unknown op {op!r}" for op in args.op or [] if op not in registry]
     for backend in args.backend or []:
-        ops = [name for name, spec in registry.items() if backend in spec.implementations]
+        ops = [
+            name
+            for name, spec in registry.items()
+            if backend in spec.implementations and (not args.op or name in args.op)
+        ]
         if not ops:
             problems.append(f"verify: no op registers backend {backend!r} here (jax missing?)")
         elif args.shard:  # the ops this process will verify (kiln.verify.runner.verify's split)
