@@ -54,8 +54,11 @@ def _write_kv_cache_kernel(
         # Saturate rather than overflow: e4m3fn has no infinity, an out-of-range cast would be NaN.
         k_scale = tl.load(k_scale_ptr + heads, mask=heads < num_kv_heads, other=1.0)
         v_scale = tl.load(v_scale_ptr + heads, mask=heads < num_kv_heads, other=1.0)
-        key = _round_to_e4m3(tl.clamp(key.to(tl.float32) / k_scale[:, None], -448.0, 448.0))
-        value = _round_to_e4m3(tl.clamp(value.to(tl.float32) / v_scale[:, None], -448.0, 448.0))
+        # div_rn: torch's correctly rounded division (Triton's float32 `/` is approximate, ~2 ulp)
+        key = tl.math.div_rn(key.to(tl.float32), k_scale[:, None])
+        value = tl.math.div_rn(value.to(tl.float32), v_scale[:, None])
+        key = _round_to_e4m3(tl.clamp(key, -448.0, 448.0))
+        value = _round_to_e4m3(tl.clamp(value, -448.0, 448.0))
     key_dst = key_cache_ptr + block * stride_kc_block + offset * stride_kc_slot
     value_dst = value_cache_ptr + block * stride_vc_block + offset * stride_vc_slot
     tl.store(
