@@ -71,7 +71,8 @@ def format_markdown(payload: dict) -> str:
     lines.append(
         "Speed-up = baseline median / Kiln median (>1 means Kiln is faster). "
         "% roofline = max(flops/peak, bytes/bandwidth) / measured; over 100% (cached) means the rotated "
-        "inputs stayed in cache, (ceiling too low) that the measured compute ceiling is. A speed-up marked with a timing method (e.g. eager) timed the baseline "
+        "inputs stayed in cache, (ceiling too low) that the measured compute ceiling is. "
+        "A speed-up marked with a timing method (e.g. eager) timed the baseline "
         "otherwise than Kiln's kernel (a baseline that syncs with the host cannot be graph-replayed)."
     )
     return "\n".join(lines) + "\n"
