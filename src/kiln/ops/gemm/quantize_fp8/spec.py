@@ -26,6 +26,42 @@ def quantize_fp8_reference(x, per_token=True):
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+# Every finite e4m3fn value, ascending (float64): the grid a code must lie on.
+E4M3_GRID = torch.unique(
+    torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).to(torch.float64)
+)
+E4M3_GRID = E4M3_GRID[E4M3_GRID.isfinite()]
+# As quantize_int8's: a correct float32 kernel's scale is within ~1e-7 of max(amax, floor) / 448, and
+# its x / scale within a few float32 roundings of the exact quotient (XLA's reciprocal product: an ulp).
+SCALE_RTOL = 1e-6
+TIE_RTOL = 1e-6
+
+
+def verified_outputs(result, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale) with the slack a correct kernel has taken out, as quantize_int8's: a scale within
+    SCALE_RTOL of the exact max(amax, AMAX_FLOOR) / 448 becomes that value, and a code on either e4m3
+    neighbour of an exact quotient x / scale lying within TIE_RTOL (relative) of their midpoint becomes
+    the lower one. Run on the reference's result and the implementation's alike, so the tolerance is 0:
+    any other code (a step off away from a tie, the old 1e-2 norm bound and one step per element let
+    through) or a scale off by more fails."""
+    codes, scale = result
+    x = inputs["x"].detach().to(device="cpu", dtype=torch.float64)
+    amax = x.abs().amax(dim=-1, keepdim=True) if inputs["per_token"] else x.abs().amax().reshape(1)
+    exact_scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    exact = (x / exact_scale).clamp(-FP8_MAX, FP8_MAX)
+    index = torch.searchsorted(E4M3_GRID, exact.contiguous()).clamp(1, len(E4M3_GRID) - 1)
+    low, high = E4M3_GRID[index - 1], E4M3_GRID[index]
+    near_tie = (exact - (low + high) / 2).abs() <= TIE_RTOL * exact.abs()
+    got_codes = codes.detach().to(device="cpu", dtype=torch.float64)
+    snap_code = near_tie & ((got_codes == low) | (got_codes == high))
+    got_scale = scale.detach().to(device="cpu", dtype=torch.float64)
+    snap_scale = (got_scale - exact_scale).abs() <= SCALE_RTOL * exact_scale
+    return (
+        torch.where(snap_code, low, got_codes).to(device=codes.device, dtype=codes.dtype),
+        torch.where(snap_scale, exact_scale, got_scale).to(device=scale.device, dtype=scale.dtype),
+    )
+
+
 def validate_quantize_fp8(x, per_token) -> None:
     check_tensor("quantize_fp8", "x", x, ndim=2, dtypes=FLOAT_DTYPES + (torch.float64,))
     check_nonempty_rows("quantize_fp8", x)
@@ -51,15 +87,12 @@ QUANTIZE_FP8 = OpSpec(
     make_inputs=_make_inputs,
     fuzz_shapes=_fuzz_shapes,
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
-    # The reference rounds x / scale as torch does in float32 (the CPU path matches it exactly). XLA
-    # divides by a broadcast scale as a product with its reciprocal (an ulp off), so the JAX backends
-    # round a quotient sitting on an e4m3 tie to the other neighbour: one step, 2^-3 of that element.
-    # bf16 inputs land on ties often: measured worst 9.2e-3 (xla, 120 cases), hence 2e-2 for bf16.
-    tolerance={torch.float32: 1e-2, torch.float16: 1e-2, torch.bfloat16: 2e-2},
-    max_tolerance={dtype: 0.13 for dtype in (torch.float32, torch.float16, torch.bfloat16)},  # one step
+    # exact: verified_outputs takes out the float32 rounding of a correct kernel (and XLA's reciprocal
+    # product, which put quotients sitting on e4m3 ties on the other neighbour) first
+    tolerance={torch.float32: 0.0, torch.float16: 0.0, torch.bfloat16: 0.0},
     flops=quantize_flops,
     bytes=quantize_bytes,
-    outputs=lambda result, inputs: result,
+    outputs=verified_outputs,
     bench_shapes={
         "llm": [{"M": m, "K": k, "per_token": True} for k in (4096, 14336, 576) for m in (1, 64, 2048, 8192)]
     },
