@@ -211,6 +211,16 @@ def test_verify_against_reports_the_quantized_checkpoint(source, tmp_path):
     assert main([*args, "--min-cosine", "0.99999"]) == 1  # a floor the 4-bit checkpoint misses
 
 
+def test_verify_against_a_checkpoint_with_nothing_quantized_exits_2_naming_it(source, tmp_path, capsys):
+    """Against the dense source itself every weight metric was NaN and the run exited 0."""
+    report = tmp_path / "report.json"
+    args = ["verify", "--quant-model", str(source), "--against", str(source), "--json", str(report)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "holds no quantized linear weights" in err and str(source) in err
+    assert not report.exists()
+
+
 def test_quantize_errors_name_what_is_wrong(source, tmp_path, monkeypatch, capsys):
     base = ["quantize", str(source), "--out", str(tmp_path / "q")]
     assert main([*base, "--scheme", "fp8", "--method", "awq"]) == 2

@@ -465,6 +465,12 @@ def measure_checkpoint(
     report = FormatReport(checkpoint_format_name(hf_config))
     weights = QuantizedCheckpointWeights(store)
     model = build_model(replace(ckpt, config=config, rope_inv_freq=None), weights, num_layers)
+    if not weights.dequantized:  # every metric would be NaN or the float model's own
+        method = (hf_config.get("quantization_config") or {}).get("quant_method", "none")
+        raise ValueError(
+            f"quant_model: --against {quant_path} holds no quantized linear weights (config.json "
+            f"quantization_config: {method}): nothing to measure against {ckpt.source}"
+        )
     folded = (hf_config.get("kiln_quantize") or {}).get("method") == "awq"
     for name in linear_names:
         if name in weights.dequantized:

@@ -4,6 +4,7 @@ kiln.verify.quant_model): exit status 1 when a floor is violated or a metric is 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -141,9 +142,13 @@ def run_cli(args) -> int:
     if getattr(args, "against", None):
         if args.format:
             print("kiln verify: --format is ignored with --against (the checkpoint's format is measured)")
-        ckpt, reports = quant_checkpoint_report(
-            args.quant_model or None, args.against, num_layers=args.layers
-        )
+        try:
+            ckpt, reports = quant_checkpoint_report(
+                args.quant_model or None, args.against, num_layers=args.layers
+            )
+        except ValueError as exc:  # not a checkpoint, another model's, or nothing quantized in it
+            print(f"kiln verify: {exc}", file=sys.stderr)
+            return 2
     else:
         formats = args.format or ["int4-g128"]
         if "all" in formats:
