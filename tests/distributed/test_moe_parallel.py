@@ -26,10 +26,10 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33, 7, 8, 9, 10, 11, 12, 13, 14], [2, 3, 4]]
 
 
-def compare_with_one_process(path, ep_size, prompts=PROMPTS, tol=1e-4):
+def compare_with_one_process(path, ep_size, prompts=PROMPTS, tol=1e-4, **engine_kwargs):
     """Greedy tokens equal and logits within `tol` (relative) of one process; returns the worst error
     and rank 0's first MoE layer (to check what it holds)."""
-    config = EngineConfig(model=path, device="cpu", num_kv_blocks=32)
+    config = EngineConfig(model=path, device="cpu", num_kv_blocks=32, **engine_kwargs)
     single = LLMEngine(config)
     single_logits = record_logits(single)
     single_tokens = run_to_completion(single, prompts, GREEDY)
@@ -62,6 +62,14 @@ def test_moe_over_two_ranks_matches_one_process(family, ep_size, tmp_path):
         assert moe.w_gate_up.shape[:2] == (2, 2 * (96 if family == "mixtral" else 40))
     else:  # every expert, rank 0's slice of the rows (Mixtral: 64 of 96, whole 32-column units)
         assert moe.w_gate_up.shape[:2] == (4, 2 * (64 if family == "mixtral" else 20))
+
+
+def test_fp8_experts_over_two_expert_parallel_ranks_match_one_process(tmp_path):
+    """EngineConfig.expert_format reaches every rank: each holds its whole experts in fp8 with the
+    scales one process gives them (per expert), so tokens and logits match the one-process fp8 model."""
+    path = write_moe_checkpoint(tmp_path, "mixtral", seed=3)
+    _, moe = compare_with_one_process(path, 2, expert_format="fp8")
+    assert moe.w_gate_up.dtype == torch.float8_e4m3fn and moe.w_gate_up.shape[0] == 2
 
 
 # ---- dispatch / combine alone ----

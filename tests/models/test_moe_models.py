@@ -145,3 +145,41 @@ def test_unknown_expert_format_is_rejected(tmp_path):
     config, weights = _save(_mixtral(), tmp_path)
     with pytest.raises(ValueError, match="expert_format must be one of"):
         MixtralForCausalLM(config, weights, expert_format="int4")
+
+
+def test_engine_config_expert_format_reaches_the_model_and_generates_like_transformers(tmp_path):
+    """`LLM(..., expert_format="fp8")` (`--expert-format fp8`): it only reached the model classes before.
+    Greedy tokens equal transformers running the same per-expert e4m3 round trip of its experts."""
+    from kiln import LLM, SamplingParams
+
+    hf_model = _mixtral()
+    _save(hf_model, tmp_path, seed=3)
+    _write_word_tokenizer(tmp_path, COMMON["vocab_size"])
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                w8, scale = quantize_experts_fp8(param)
+                param.copy_(w8.float() * scale[:, None, None])
+    llm = LLM(model=str(tmp_path), device="cpu", num_kv_blocks=32, block_size=16, expert_format="fp8")
+    moe_blocks = [layer.mlp for layer in llm.engine.model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert moe_blocks and all(m.w_gate_up.dtype == torch.float8_e4m3fn for m in moe_blocks)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == _hf_greedy(hf_model, PROMPT, 6)
+
+
+def test_expert_format_is_refused_by_name_for_an_unknown_format_or_a_dense_model(tmp_path):
+    from kiln.cli import build_parser
+    from kiln.engine.config import EngineConfig
+    from kiln.loaders import load_model
+
+    with pytest.raises(ValueError, match="expert_format='int4', expected one of None, 'fp8'"):
+        EngineConfig(expert_format="int4")
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**COMMON, intermediate_size=64, tie_word_embeddings=False)
+    )
+    llama.save_pretrained(tmp_path)
+    _write_word_tokenizer(tmp_path, COMMON["vocab_size"])
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no routed experts"):
+        load_model(str(tmp_path), expert_format="fp8")
+    args = build_parser().parse_args(["generate", "x", "--expert-format", "fp8"])
+    assert args.expert_format == "fp8"

@@ -82,6 +82,7 @@ def load_shard(
         lm_head_format=config.lm_head_format,
         tp_group=group,
         pipeline_layers=layers,
+        expert_format=config.expert_format,
     )
     return loaded, num_kv_blocks_for_model(config, device, loaded.model)
 

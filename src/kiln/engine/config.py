@@ -10,6 +10,7 @@ from kiln.engine.exact_kv import ExactKVLayout, exact_kv_layout
 from kiln.engine.speculative.config import SpeculativeConfig
 from kiln.ops.attention.validate import FP8_DTYPES
 
+EXPERT_FORMATS = (None, "fp8")  # EngineConfig.expert_format (kiln.models.mixtral.EXPERT_FORMATS)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32, small on a 24 GiB box
 # EngineConfig.kv_cache_dtype's accepted names -> the cache dtype (None = the model's own)
 KV_CACHE_DTYPES = {
@@ -45,6 +46,9 @@ class EngineConfig:
         "int4_bf16", "int8", "int8_blocks", "q4_blocks", "q4_blocks_a8", "fp16", "bf16", "fp32", ...;
         None = the loader's default), see kiln.ops.gemm.weight_formats.
     speculative: speculative decoding (kiln.engine.speculative.SpeculativeConfig), None = off.
+    expert_format: MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE): None keeps the routed experts in the
+        model dtype; "fp8" stores each expert float8_e4m3fn with its own scale (half a bf16 expert's
+        bytes; fused_moe's fp8 path). A ValueError at load for a model without routed experts.
     kv_cache_dtype: "auto" (the model's dtype), "bfloat16" / "bf16" or "float16" / "fp16" (a 16-bit
         cache under a float32 model: half the bytes attention reads per step, and 2x the blocks; the
         attention layer rounds this step's q, k and v to the cache's dtype, attends in it and returns
@@ -87,8 +91,14 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_cache_scales: str = "calibrated"
     kv_cache_exact_window: int | None = 32
+    expert_format: str | None = None
 
     def __post_init__(self) -> None:
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(
+                f"EngineConfig: expert_format={self.expert_format!r}, expected one of "
+                + ", ".join(repr(name) for name in EXPERT_FORMATS)
+            )
         window = self.kv_cache_exact_window
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
             raise ValueError(

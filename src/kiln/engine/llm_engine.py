@@ -52,6 +52,7 @@ class LLMEngine:
                 dtype=config.dtype,
                 cpu_format=config.cpu_format,
                 lm_head_format=config.lm_head_format,
+                expert_format=config.expert_format,
             )
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer

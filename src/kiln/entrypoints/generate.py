@@ -7,6 +7,7 @@ import sys
 import time
 
 from kiln.engine.cpu_args import add_cpu_arguments, cpu_config_from_args
+from kiln.engine.expert_args import add_expert_arguments, expert_config_from_args
 from kiln.engine.kv_cache_args import add_kv_cache_arguments, kv_cache_config_from_args
 from kiln.engine.speculative.args import add_speculative_arguments, speculative_config_from_args
 from kiln.entrypoints.logprob_report import format_token_logprobs
@@ -41,6 +42,7 @@ def add_parser(subparsers) -> None:
     )  # fmt: skip
     add_kv_cache_arguments(parser)
     add_cpu_arguments(parser)
+    add_expert_arguments(parser)
     parser.add_argument(  # tensor parallelism (kiln.distributed; README: Tensor parallelism)
         "--tp", type=int, default=1, help="tensor-parallel processes (spawned here, or under torchrun)"
     )
@@ -84,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
             speculative=speculative,
             **kv_cache_config_from_args(args),
             **cpu_config_from_args(args),
+            **expert_config_from_args(args),
         )
         if args.tp > 1 or args.ep > 1 or args.pp > 1:  # parallel: None on a torchrun rank > 0 (done)
             from kiln.distributed.launch import start_engine

@@ -16,6 +16,7 @@ pass the opened Checkpoint to load_model.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import os
 import re
@@ -144,6 +145,7 @@ def load_model(
     lm_head_format: str | None = None,
     tp_group: TPGroup | None = None,
     pipeline_layers: tuple[int, int] | None = None,
+    expert_format: str | None = None,
 ) -> LoadedModel:
     """Load a model and its tokenizer.
 
@@ -162,6 +164,8 @@ def load_model(
     is read; ValueError for a model that cannot be split over the group); None = the whole model.
     pipeline_layers: (start, end): build only decoder layers [start, end) (a pipeline stage, see
     LlamaForCausalLM); like a tensor-parallel rank it takes no timed format probe. None = all layers.
+    expert_format: how an MoE model keeps its routed experts (None: the model dtype; "fp8": per-expert
+    scaled float8_e4m3fn, EngineConfig.expert_format); ValueError for a model without routed experts.
     """
     device = torch.device(device)
     dtype = dtype or _default_dtype(device)
@@ -173,6 +177,13 @@ def load_model(
     kwargs = {"rope_inv_freq": checkpoint.rope_inv_freq} if checkpoint.rope_inv_freq is not None else {}
     if pipeline_layers is not None:
         kwargs["pipeline_layers"] = pipeline_layers
+    if expert_format is not None:
+        if "expert_format" not in inspect.signature(checkpoint.model_class).parameters:
+            raise ValueError(
+                f"expert_format={expert_format!r}: {checkpoint.config.architecture} has no routed experts "
+                "(it applies to MoE models: Mixtral, Qwen2-MoE, Qwen3-MoE)"
+            )
+        kwargs["expert_format"] = expert_format
     with torch.inference_mode(False), torch.no_grad():
         model = checkpoint.model_class(
             checkpoint.config,

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kiln.engine.cpu_args import add_cpu_arguments, cpu_config_from_args
+from kiln.engine.expert_args import add_expert_arguments, expert_config_from_args
 from kiln.engine.kv_cache_args import add_kv_cache_arguments, kv_cache_config_from_args
 from kiln.engine.speculative.args import add_speculative_arguments, speculative_config_from_args
 
@@ -44,6 +45,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     add_kv_cache_arguments(parser)
     add_cpu_arguments(parser)
+    add_expert_arguments(parser)
     parser.add_argument("--served-model-name", default=None, help="the model id clients send")
     parser.add_argument("--log-level", default="info")
     parser.add_argument(  # tensor parallelism (kiln.distributed; README: Tensor parallelism)
@@ -85,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             speculative=speculative_config_from_args(args),
             **kv_cache_config_from_args(args),
             **cpu_config_from_args(args),
+            **expert_config_from_args(args),
         )
     except ValueError as exc:
         print(f"kiln serve: {exc}", file=sys.stderr)
