@@ -215,3 +215,78 @@ def test_proposal_slots_come_from_the_budget_left_after_admissions():
     assert scheduled["C"] == 4  # admitted: its whole prompt
     assert sum(scheduled.values()) <= 8 and scheduled["A"] + scheduled["B"] == 4  # guesses: what is left
     assert batch.spec_caps[:2] == [scheduled["A"] - 1, scheduled["B"] - 1]
+
+
+def assert_blocks_accounted(bm: BlockManager, seqs) -> None:
+    """Every block is exactly one of: referenced (ref_count = tables holding it), plain free, or free and
+    cached (evictable, named); hash_to_block names only blocks that hold their hash."""
+    refs = {}
+    for seq in seqs:
+        for block_id in seq.block_table:
+            refs[block_id] = refs.get(block_id, 0) + 1
+    free, evictable = set(bm.free_block_ids), set(bm.evictable)
+    assert len(free) == len(bm.free_block_ids) and not free & evictable and not free & refs.keys()
+    assert not evictable & refs.keys() and len(free) + len(evictable) + len(refs) == bm.num_blocks
+    for block in bm.blocks:
+        assert block.ref_count == refs.get(block.block_id, 0)
+        assert (block.hash is not None) == (block.block_id in evictable) or block.block_id in refs
+    assert all(bm.blocks[b].hash == h for h, b in bm.hash_to_block.items())
+    assert all(bm.hash_to_block.get(bm.blocks[b].hash) == b for b in evictable)
+
+
+def _cached_prompt_then_speculating_decode(num_blocks: int):
+    """A (9 tokens, 4-token blocks) finished: its 2 full blocks are free but cached. R (14 tokens) then
+    prefilled into the plain free blocks and decodes with k=4: its next token fits its last block, its
+    guesses need one more block. Returns the scheduler, A's cached blocks (LRU first), R and R's first
+    decode step."""
+    bm = BlockManager(num_blocks, 4)
+    sched = Scheduler(bm, 8, 64, 64, eos_token_ids=[EOS], num_speculative_tokens=4)
+    a = add(sched, "a", 9, max_tokens=1)
+    step(sched)
+    assert a.status is SequenceStatus.FINISHED and len(bm.evictable) == 2
+    a_blocks = list(bm.evictable)  # A's last full block was released first
+    r = add(sched, "r", 14, max_tokens=8, first_token=100)
+    step(sched)
+    assert len(bm.free_block_ids) == num_blocks - 6 and len(r.block_table) == 4
+    return sched, a_blocks, r, sched.schedule()
+
+
+def test_proposal_slots_take_plain_free_blocks_before_cached_ones():
+    """With a plain free block there, R's k slots come from it and A's cached blocks stay; the guess
+    block goes back to the plain free list after the step."""
+    sched, a_blocks, r, batch = _cached_prompt_then_speculating_decode(num_blocks=7)
+    bm = sched.block_manager
+    assert batch.spec_caps == [4] and batch.num_tokens == [5] and len(r.block_table) == 5
+    assert list(bm.evictable) == a_blocks and not bm.free_block_ids
+    assert_blocks_accounted(bm, [r])
+    batch.num_tokens[0] = 1  # what the engine does when no proposal came
+    sched.postprocess(batch, [7])
+    assert len(r.block_table) == 4 and len(bm.free_block_ids) == 1 and len(bm.evictable) == 2
+    assert_blocks_accounted(bm, [r])
+
+
+def test_proposal_slots_evict_one_lru_cached_block_and_then_reuse_it():
+    """With no plain free block, R's guesses evict the least recently released cached block (A's last
+    full one) as a real token would (vLLM's lookahead slots too): once the prefix cache fills the pool
+    every free block is a cached one, and guesses held to plain free blocks mostly stop. The cost is
+    one block per speculating sequence: it comes back unnamed after the step and the next guesses
+    take it again, evicting nothing more."""
+    sched, a_blocks, r, batch = _cached_prompt_then_speculating_decode(num_blocks=6)
+    bm = sched.block_manager
+    assert batch.spec_caps == [4] and len(r.block_table) == 5
+    assert list(bm.evictable) == a_blocks[1:] and a_blocks[0] == r.block_table[4]
+    assert bm.blocks[a_blocks[0]].hash is None and a_blocks[0] not in bm.hash_to_block.values()
+    assert_blocks_accounted(bm, [r])
+    batch.num_tokens[0] = 1  # no proposal filled: only the real token is computed
+    sched.postprocess(batch, [7])
+    assert len(r.block_table) == 4 and list(bm.free_block_ids) == a_blocks[:1]  # back, unnamed
+    assert_blocks_accounted(bm, [r])
+    batch = sched.schedule()  # the next guesses take it again: nothing more evicted
+    assert batch.spec_caps == [4] and r.block_table[4] == a_blocks[0] and list(bm.evictable) == a_blocks[1:]
+    assert_blocks_accounted(bm, [r])
+    sched.finish(r, "abort")
+    assert_blocks_accounted(bm, [])
+    b = add(sched, "b", 9)  # A's prompt: its first block is still a hit
+    step(sched)
+    assert b.num_cached_tokens == 4 and b.block_table[0] == a_blocks[1]
+    assert_blocks_accounted(bm, [b])

@@ -314,3 +314,40 @@ def test_an_aborted_requests_draft_blocks_are_freed_at_once(loaded, draft_loaded
     assert engine.proposer.num_used_blocks > 0
     engine.abort_request("a")
     assert engine.proposer.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_proposal_slots_cost_a_later_request_at_most_one_cached_block(loaded, draft_loaded, method):
+    """8 blocks of 4: A's and D's prompts (9 tokens) finished, 2 cached blocks each (A's released first);
+    R (14 tokens) fills the 4 plain free blocks, and its first decode's k=4 guesses need a fifth: they
+    evict A's last cached block (the LRU one), so B, arriving with A's prompt, reuses 4 tokens where it
+    reuses 8 without speculation; tokens and block accounting are unchanged."""
+    prompt_a, prompt_r = list(range(20, 29)), [5, 6, 7] * 4 + [5, 6]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    params_r = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(spec):
+        engine = LLMEngine(EngineConfig(num_kv_blocks=8, block_size=4, speculative=spec), loaded=loaded)
+        finished = {}
+
+        def drain():
+            while engine.has_unfinished_requests():
+                finished.update((o.request_id, o) for o in engine.step() if o.finished)
+
+        engine.add_request("a", prompt_a, one)
+        drain()
+        engine.add_request("d", list(range(40, 49)), one)
+        drain()
+        engine.add_request("r", prompt_r, params_r)
+        engine.step()  # R's prefill
+        engine.step()  # R's first decode, with proposal slots
+        engine.add_request("b", prompt_a, one)
+        drain()
+        assert engine.stats().kv_blocks_used == 0
+        return finished, engine.stats()
+
+    plain, _ = run(None)
+    speculated, stats = run(ngram(4) if method == "ngram" else draft(draft_loaded, k=4))
+    assert stats.spec_proposed_tokens > 0
+    assert [speculated[r].token_ids for r in "abdr"] == [plain[r].token_ids for r in "abdr"]
+    assert plain["b"].num_cached_tokens == 8 and speculated["b"].num_cached_tokens == 4
