@@ -198,7 +198,7 @@ phase_tests() {
   # timings, memory peaks, CUDA graphs and the profiler: alone on the GPU
   step tests-timing 70 pytest "${common[@]}" --junitxml="$WORK/tests-timing.xml" \
     tests/bench tests/profile tests/engine/test_cuda_graphs.py tests/loaders/test_random_weights.py \
-    tests/loaders/test_gguf_loader.py tests/distributed/test_tensor_parallel.py
+    tests/loaders/test_gguf_loader.py
 }
 
 # Processes per backend: the Triton and Pallas compiles are most of the time (H200, 2026-11-29: one
