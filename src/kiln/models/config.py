@@ -15,8 +15,51 @@ class ModelLoadError(ValueError):
     tensor, mismatched shape. The message names the file (and the tensor when there is one)."""
 
 
-# model_types whose transformers config class ties the LM head to the embeddings by default
-TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
+# What a config.json that leaves a key out means: the default of the transformers config class of each
+# architecture (as of transformers 5.x), for every key Kiln reads that changes the model.
+# from_hf fills these in for absent keys only (a key present, null included, is read as it stands), so
+# config.extra holds them too (the MoE routing, Gemma 3's attention scale, read from there).
+_HF_COMMON_DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+    "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
+}  # fmt: skip
+_QWEN_WINDOW = {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28}
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {},  # LlamaConfig: num_key_value_heads, head_dim from the head count
+    "MistralForCausalLM": {
+        "num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096,
+    },
+    "MixtralForCausalLM": {
+        "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+        "num_local_experts": 8, "num_experts_per_tok": 2,
+    },
+    "Phi3ForCausalLM": {
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+    },
+    "Qwen2ForCausalLM": {**_QWEN_WINDOW, "num_key_value_heads": 32, "attention_bias": True},
+    "Qwen2MoeForCausalLM": {
+        **_QWEN_WINDOW, "num_key_value_heads": 16, "qkv_bias": True, "num_experts": 60,
+        "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1,
+        "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+    },
+    "Qwen3ForCausalLM": {**_QWEN_WINDOW, "num_key_value_heads": 32, "head_dim": 128},
+    "Qwen3MoeForCausalLM": {
+        **_QWEN_WINDOW, "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": False, "decoder_sparse_step": 1, "moe_intermediate_size": 768,
+    },
+    "Gemma3ForCausalLM": {
+        "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072, "rope_theta": 1e6,
+        "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+    },
+}  # fmt: skip
+# the other name transformers takes for a key (its config class's attribute_map): key -> alias
+HF_ALIASES: dict[str, dict[str, str]] = {
+    "MixtralForCausalLM": {"num_local_experts": "num_experts"},
+    "Qwen3MoeForCausalLM": {"num_experts": "num_local_experts"},
+}
+# architectures whose transformers MLP reads `hidden_activation` (and ignores `hidden_act`)
+HIDDEN_ACTIVATION_ARCHITECTURES = frozenset({"Gemma3ForCausalLM"})
 # architectures whose transformers attention reads `sliding_window` (Llama's ignores the key)
 SLIDING_WINDOW_ARCHITECTURES = frozenset({
     "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
@@ -38,7 +81,8 @@ class ModelConfig:
     rope_scaling: None or the HF dict ({"rope_type": "linear"|"llama3", "factor", ...}).
     sliding_window: window W of the attention layers that slide (None = full attention everywhere);
     layer_types: per-layer "full_attention" | "sliding_attention" when the checkpoint mixes them.
-    extra: the raw config (for architectures that need more keys, e.g. MoE routing).
+    extra: the raw config with the absent HF_DEFAULTS keys filled in (for architectures that need more
+    keys, e.g. MoE routing).
     """
 
     architecture: str
@@ -74,12 +118,15 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Build from an HF config.json dict (transformers 4.x `rope_theta`/`rope_scaling` keys or 5.x
-        `rope_parameters`). Raises ModelLoadError naming `source` when a required key is missing."""
+        `rope_parameters`). A key left out means what it means to transformers' config class for the
+        architecture (HF_DEFAULTS). Raises ModelLoadError naming `source` when a required key is missing."""
         architectures = hf.get("architectures") or []
         if not architectures:
             raise ModelLoadError(
                 f"{source}: no 'architectures' entry, cannot tell which model class to build"
             )
+        architecture = architectures[0]
+        hf = _with_hf_defaults(hf, architecture)
 
         def need(key: str) -> Any:
             if key not in hf or hf[key] is None:
@@ -88,9 +135,9 @@ class ModelConfig:
 
         num_heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
-        hf = _split_layer_type_keys(hf, source)
+        hf = _split_layer_type_keys(hf, architecture, source)
         rope = dict(hf.get("rope_parameters") or {})
-        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_theta = float(rope.pop("rope_theta", hf["rope_theta"]))
         scaling = hf.get("rope_scaling") or rope or None
         if scaling is not None:
             scaling = dict(scaling)
@@ -100,7 +147,7 @@ class ModelConfig:
             if scaling.get("rope_type", "default") == "default":
                 scaling = None
         rope_type = None if scaling is None else scaling.get("rope_type")
-        phi3_yarn = hf.get("model_type") == "phi3" and rope_type == "yarn"  # Phi-3's name for longrope
+        phi3_yarn = architecture == "Phi3ForCausalLM" and rope_type == "yarn"  # Phi-3's name for longrope
         if scaling is not None and rope_type not in (*SCALING_TYPES, *LONGROPE_ALIASES) and not phi3_yarn:
             raise ModelLoadError(
                 f"{source}: rope scaling type {rope_type!r} is not supported (supported: "
@@ -108,7 +155,8 @@ class ModelConfig:
             )
         if scaling is not None and (rope_type in LONGROPE_ALIASES or phi3_yarn):
             scaling = _longrope_scaling(scaling, hf)
-        architecture = architectures[0]
+        elif scaling is not None and rope_type == "llama3":
+            scaling["original_max_position_embeddings"] = _original_max_positions(scaling, hf)
         num_layers = int(need("num_hidden_layers"))
         sliding_window, layer_types = _sliding_window(hf, architecture, num_layers)
         eos = hf.get("eos_token_id")
@@ -117,6 +165,9 @@ class ModelConfig:
             raise ModelLoadError(
                 f"{source}: layer_types must hold one entry per layer ({num_layers}), got {len(layer_types)}"
             )
+        # Qwen2-MoE's q/k/v biases are qkv_bias (Qwen2MoeForCausalLM reads it), the others' attention_bias
+        bias_key = "qkv_bias" if architecture == "Qwen2MoeForCausalLM" else "attention_bias"
+        act_key = "hidden_activation" if architecture in HIDDEN_ACTIVATION_ARCHITECTURES else "hidden_act"
         config = cls(
             architecture=architecture,
             vocab_size=int(need("vocab_size")),
@@ -126,18 +177,16 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(hf["rms_norm_eps"]),
             rope_theta=rope_theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            # transformers leaves the key out of config.json when it is the class's default
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", hf.get("model_type") in TIED_BY_DEFAULT)),
-            # Qwen2 always has q/k/v biases; the others say so with attention_bias.
-            attention_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
+            max_position_embeddings=int(hf["max_position_embeddings"]),
+            tie_word_embeddings=bool(hf["tie_word_embeddings"]),
+            attention_bias=bool(hf[bias_key]),
             sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            hidden_act=hf.get("hidden_act", "silu"),
+            hidden_act=hf.get(act_key),
             layer_types=list(layer_types) if layer_types else None,
             extra=dict(hf),
             rotary_dim=_rotary_dim(hf, rope, num_heads, hidden, source)
@@ -165,12 +214,13 @@ def _check_rope(config: ModelConfig, source: str) -> None:
 
 def _sliding_window(hf: dict[str, Any], architecture: str, num_layers: int) -> tuple[Any, Any]:
     """(window, layer_types) as transformers reads them for `architecture`: no window where its
-    attention ignores the key (Llama); Mistral's default 4096 when the key is absent; the Qwen family's
-    only with use_sliding_window, in the layers its config class picks when there are no layer_types."""
+    attention ignores the key (Llama); the class's default window when the key is absent (HF_DEFAULTS,
+    filled in); the Qwen family's only with use_sliding_window, in the layers its config class picks
+    when there are no layer_types."""
     layer_types = hf.get("layer_types")
     if architecture not in SLIDING_WINDOW_ARCHITECTURES:
         return None, layer_types
-    window = hf.get("sliding_window", 4096 if architecture == "MistralForCausalLM" else None)
+    window = hf.get("sliding_window")
     if architecture in QWEN_WINDOWED:
         if not hf.get("use_sliding_window", False) or not window:
             return None, layer_types
@@ -192,16 +242,37 @@ def _qwen_layer_types(hf: dict[str, Any], architecture: str, num_layers: int) ->
     return ["sliding_attention" if slide else "full_attention" for slide in slides]
 
 
+def _with_hf_defaults(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """A copy of `hf` with the keys it leaves out set to the transformers config class's defaults for
+    `architecture` (HF_DEFAULTS; a key under its other name, HF_ALIASES, counts as present)."""
+    hf = dict(hf)
+    for key, alias in HF_ALIASES.get(architecture, {}).items():
+        if key not in hf and alias in hf:
+            hf[key] = hf[alias]
+    for key, value in {**_HF_COMMON_DEFAULTS, **HF_DEFAULTS.get(architecture, {})}.items():
+        hf.setdefault(key, value)
+    return hf
+
+
+def _original_max_positions(scaling: dict[str, Any], hf: dict[str, Any]) -> int:
+    """The pre-training context length of a llama3 / longrope dict, as transformers' rope
+    standardization sets it: the config's top-level original_max_position_embeddings first (Phi-3's, its
+    config class's 4096 when absent, filled in), else the dict's, else max_position_embeddings."""
+    original = hf.get("original_max_position_embeddings")
+    if original is None:
+        original = scaling.get("original_max_position_embeddings")
+    return int(hf["max_position_embeddings"] if original is None else original)
+
+
 def _longrope_scaling(scaling: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
     """Phi-3's LongRoPE dict as kiln.ops.rope.longrope takes it, completed the way transformers does:
-    "su" (and Phi-3's "yarn") mean longrope; original_max_position_embeddings from the top level of the
-    config first (transformers' priority), else the dict, else Phi3Config's 4096; factor, when absent,
-    max_position_embeddings / original_max_position_embeddings."""
+    "su" (and Phi-3's "yarn") mean longrope; original_max_position_embeddings as
+    _original_max_positions reads it; factor, when absent, max_position_embeddings /
+    original_max_position_embeddings."""
     scaling = dict(scaling, rope_type="longrope")
-    original = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
-    scaling["original_max_position_embeddings"] = int(original or 4096)
+    scaling["original_max_position_embeddings"] = _original_max_positions(scaling, hf)
     if scaling.get("factor") is None:
-        max_positions = int(hf.get("max_position_embeddings", 2048))
+        max_positions = int(hf["max_position_embeddings"])
         scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
     return scaling
 
@@ -224,13 +295,13 @@ def _rotary_dim(
     return rotary_dim
 
 
-def _split_layer_type_keys(hf: dict[str, Any], source: str) -> dict[str, Any]:
+def _split_layer_type_keys(hf: dict[str, Any], architecture: str, source: str) -> dict[str, Any]:
     """A copy of `hf` in the flat form from_hf reads, for configs with two kinds of layers (Gemma 3):
     transformers 5.x `rope_parameters` {"full_attention": {...}, "sliding_attention": {...}} become
     the full-attention layers' rope_parameters plus `rope_local_base_freq` (the sliding layers' theta,
-    as Gemma 3's 4.x configs name it; their rope must be unscaled); Gemma's `hidden_activation` is
-    read as `hidden_act`; a gemma3_text config without `layer_types` gets them from
-    `sliding_window_pattern` (every pattern-th layer global, default 6, as transformers does)."""
+    as Gemma 3's 4.x configs name it; their rope must be unscaled); a Gemma 3 config without
+    `layer_types` gets them from `sliding_window_pattern` (every pattern-th layer global, default 6, as
+    transformers does)."""
     hf = dict(hf)
     rope = hf.get("rope_parameters")
     if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
@@ -243,9 +314,7 @@ def _split_layer_type_keys(hf: dict[str, Any], source: str) -> dict[str, Any]:
         if "rope_theta" in local:
             hf["rope_local_base_freq"] = float(local["rope_theta"])
         hf["rope_parameters"] = dict(rope["full_attention"])
-    if "hidden_act" not in hf and "hidden_activation" in hf:
-        hf["hidden_act"] = hf["hidden_activation"]
-    if hf.get("model_type") == "gemma3_text" and not hf.get("layer_types"):
+    if architecture == "Gemma3ForCausalLM" and not hf.get("layer_types"):
         pattern = int(hf.get("sliding_window_pattern") or 6)
         layers = int(hf.get("num_hidden_layers") or 0)
         hf["layer_types"] = [

@@ -33,7 +33,7 @@ import torch
 
 import kiln.ops
 from kiln.models.attention_metadata import AttentionMetadata
-from kiln.models.config import ModelConfig, ModelLoadError
+from kiln.models.config import HF_DEFAULTS, ModelConfig, ModelLoadError
 from kiln.models.layers import (
     GatedMLP,
     PagedAttention,
@@ -56,7 +56,8 @@ class Gemma3Options:
 
     query_pre_attn_scalar: scores are scaled by its -0.5 power; sliding_rope_theta: the RoPE base of
     the sliding-window layers (rope_local_base_freq); final_softcap: c in logits -> c * tanh(logits / c)
-    (final_logit_softcapping; None = off).
+    (final_logit_softcapping; None = off). A key absent from config.extra takes Gemma3TextConfig's
+    default (kiln.models.config.HF_DEFAULTS: query_pre_attn_scalar 256, whatever head_dim is).
     """
 
     query_pre_attn_scalar: float
@@ -88,9 +89,10 @@ class Gemma3Options:
                 raise ModelLoadError(f"{source}: {key!r} is {value!r}, expected a number > 0 or null")
             return float(value)
 
+        defaults = HF_DEFAULTS["Gemma3ForCausalLM"]
         return cls(
-            query_pre_attn_scalar=positive("query_pre_attn_scalar", config.head_dim),
-            sliding_rope_theta=positive("rope_local_base_freq", 10000.0),
+            query_pre_attn_scalar=positive("query_pre_attn_scalar", defaults["query_pre_attn_scalar"]),
+            sliding_rope_theta=positive("rope_local_base_freq", defaults["rope_local_base_freq"]),
             final_softcap=positive("final_logit_softcapping", None),
         )
 
