@@ -228,7 +228,7 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _pow2_at_least(n: int, low: int) -> int:
+def pow2_at_least(n: int, low: int) -> int:
     return max(low, triton.next_power_of_2(max(n, 1)))
 
 
@@ -247,7 +247,7 @@ def heuristic_config(
     stage), grouped by 8. Small M (decode): the thinnest tile tl.dot allows and split-K until there are
     about two programs per SM."""
     if M <= 64:
-        block_m = _pow2_at_least(M, 16)
+        block_m = pow2_at_least(M, 16)
         block_n = 64
         block_k = 128 if not wide_operands else 64
         num_warps, num_stages = 4, 4
@@ -262,13 +262,27 @@ def heuristic_config(
         block_k = 32 if wide_operands else 64
         num_warps, num_stages = 8, 3
     # Never wider than the problem (matters for the interpreter and for tiny layers).
-    block_n = min(block_n, _pow2_at_least(N, 16))
-    block_k = max(min(block_k, _pow2_at_least(K, 16), max_block_k or block_k), min_block_k)
+    block_n = min(block_n, pow2_at_least(N, 16))
+    block_k = max(min(block_k, pow2_at_least(K, 16), max_block_k or block_k), min_block_k)
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    k_steps = triton.cdiv(K, block_k)
+    programs = 2 * num_sms(device) if M <= 64 else 0
+    split_k = split_k_to_fill(tiles, triton.cdiv(K, block_k), programs)
+    return tile_config(block_m, block_n, block_k, split_k, num_warps, num_stages)
+
+
+def split_k_to_fill(tiles: int, k_steps: int, programs: int) -> int:
+    """The K split of a launch of `tiles` output tiles: the largest power of two keeping tiles * split
+    within `programs` (e.g. two per SM), at most 16 and at most the K steps; 1 when programs <= tiles."""
     split_k = 1
-    while M <= 64 and tiles * split_k * 2 <= 2 * num_sms(device) and split_k * 2 <= min(k_steps, 16):
+    while tiles * split_k * 2 <= programs and split_k * 2 <= min(k_steps, 16):
         split_k *= 2
+    return split_k
+
+
+def tile_config(
+    block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int
+) -> dict:
+    """A `tile_program` launch's config dict (CONFIG_KEYS; programs grouped by 8 along M)."""
     return {
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
@@ -295,9 +309,9 @@ def config_space(shape: dict, dtype: torch.dtype, min_block_k: int = 16, b_tiles
     for bm, bn, bk, sk, warps, stages in itertools.product(
         block_ms, [64, 128, 256], [32, 64, 128], split_ks, [4, 8], [3, 4]
     ):
-        if bk < min_block_k or bm > _pow2_at_least(M, 16) or bn > _pow2_at_least(N, 16):
+        if bk < min_block_k or bm > pow2_at_least(M, 16) or bn > pow2_at_least(N, 16):
             continue
-        if bk > _pow2_at_least(K, 16) or (bm * bn >= 128 * 256 and warps == 4):
+        if bk > pow2_at_least(K, 16) or (bm * bn >= 128 * 256 and warps == 4):
             continue
         if (bm * bk + b_tiles * bk * bn) * operand_bytes * stages > SHARED_MEMORY_BUDGET:
             continue

@@ -32,8 +32,11 @@ from kiln.ops.gemm.tiling import (
     SHARED_MEMORY_BUDGET,
     num_sms,
     partials_buffer,
+    pow2_at_least,
     reduce_split_k,
+    split_k_to_fill,
     store_tile,
+    tile_config,
     tile_options,
     tile_program,
 )
@@ -147,10 +150,6 @@ def _fp8_block_linear_kernel(
                HAS_BIAS, SPLIT_K)  # fmt: skip
 
 
-def _pow2_at_least(n: int, low: int) -> int:
-    return max(low, triton.next_power_of_2(max(n, 1)))
-
-
 def heuristic_config(
     M: int, N: int, K: int, block_k: int, device: torch.device, out_dtype: torch.dtype = torch.bfloat16
 ) -> dict:
@@ -175,22 +174,11 @@ def heuristic_config(
             block_m, block_n, num_warps, num_stages = 256, 64, 16, 3
     if block_k < 128:  # thin groups: more steps in flight
         num_stages += 1
-    block_m = min(block_m, _pow2_at_least(M, 16))
-    block_n = min(block_n, _pow2_at_least(N, 16))  # never wider than the layer (tiny layers, interpreter)
+    block_m = min(block_m, pow2_at_least(M, 16))
+    block_n = min(block_n, pow2_at_least(N, 16))  # never wider than the layer (tiny layers, interpreter)
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    groups = triton.cdiv(K, block_k)
-    split_k = 1
-    while tiles * split_k * 2 <= programs_per_sm * num_sms(device) and split_k * 2 <= min(groups, 16):
-        split_k *= 2
-    return {
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
-        "BLOCK_K": block_k,
-        "GROUP_M": 8,
-        "SPLIT_K": split_k,
-        "num_warps": num_warps,
-        "num_stages": num_stages,
-    }
+    split_k = split_k_to_fill(tiles, triton.cdiv(K, block_k), programs_per_sm * num_sms(device))
+    return tile_config(block_m, block_n, block_k, split_k, num_warps, num_stages)
 
 
 def fp8_block_configs(shape: dict, dtype: torch.dtype) -> list[dict]:
@@ -203,7 +191,7 @@ def fp8_block_configs(shape: dict, dtype: torch.dtype) -> list[dict]:
     configs = []
     space = itertools.product(block_ms, [64, 128, 256], split_ks, [4, 8, 16], [3, 4, 5])
     for bm, bn, sk, warps, stages in space:
-        if bm > _pow2_at_least(M, 16) or bn > _pow2_at_least(N, 16) or bm * bn > 32 * 32 * warps:
+        if bm > pow2_at_least(M, 16) or bn > pow2_at_least(N, 16) or bm * bn > 32 * 32 * warps:
             continue
         if (bm + bn) * block_k * stages > SHARED_MEMORY_BUDGET:
             continue
