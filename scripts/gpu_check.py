@@ -203,6 +203,9 @@ def merge_verify_shards(work: Path) -> None:
         shards = [json.loads(p.read_text()) for p in paths]
         complete = len(shards) == expected[backend] and all(s["complete"] for s in shards)
         merged = dict(shards[0], complete=complete, shards=f"{len(shards)} of {expected[backend]}")
+        # every shard's fallbacks (a TMA -> pointer fallback in shard 3 is a fallback of the backend)
+        fallbacks = [f for shard in shards for f in (shard.get("environment") or {}).get("fallbacks") or []]
+        merged["environment"] = dict(shards[0].get("environment") or {}, fallbacks=fallbacks)
         merged["rows"] = [row for shard in shards for row in shard["rows"]]
         _write(work / f"verify-{backend}.json", merged)
 
@@ -213,6 +216,18 @@ def cmd_ops(backend: str) -> int:
     from kiln.ops import all_ops
 
     print(" ".join(name for name, spec in all_ops().items() if backend in spec.implementations))
+    return 0
+
+
+def cmd_check_ops(names: list[str]) -> int:
+    """Exit 2 naming the ones that are no registered op (KILN_GPU_OPS: a typo would check nothing)."""
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    from kiln.ops import all_ops
+
+    unknown = [name for name in names if name not in all_ops()]
+    if unknown:
+        print(f"gpu_check: KILN_GPU_OPS names no such op: {', '.join(unknown)}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -267,7 +282,8 @@ def main() -> int:
     dry = sub.add_parser("dry")
     dry.add_argument("argv", nargs=argparse.REMAINDER)
     ops = sub.add_parser("ops")
-    ops.add_argument("backend")
+    ops.add_argument("backend", nargs="?")
+    ops.add_argument("--check", nargs="+", default=None, metavar="OP")
     summary = sub.add_parser("summary")
     summary.add_argument("workdir")
     summary.add_argument("path")
@@ -281,7 +297,7 @@ def main() -> int:
     if args.what == "dry":
         return cmd_dry(rest)
     if args.what == "ops":
-        return cmd_ops(args.backend)
+        return cmd_check_ops(args.check) if args.check else cmd_ops(args.backend)
     return cmd_summary(args.workdir, args.path)
 
 

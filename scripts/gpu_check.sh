@@ -70,6 +70,14 @@ for phase in "${phases[@]}"; do
   esac
 done
 
+if [ -n "$DEADLINE_S" ] && ! [[ "$DEADLINE_S" =~ ^[0-9]+$ ]]; then
+  echo "KILN_CALL_DEADLINE_S=$DEADLINE_S: expected whole seconds" >&2; exit 2
+fi
+if [ -n "${KILN_GPU_OPS:-}" ]; then  # a misspelt name would leave verify, quant and bench with nothing
+  # shellcheck disable=SC2086
+  $PY scripts/gpu_check.py ops --check $KILN_GPU_OPS || exit 2
+fi
+
 OUT=${OUT:-$ROOT/out}
 CALL=$(IFS=-; echo "${phases[*]}")  # file names there: letters, digits, . _ - only
 WORK=${KILN_WORK:-/tmp/kiln-gpu-check}/$CALL-$(date -u +%H%M%S)
@@ -207,13 +215,14 @@ declare -A VERIFY_SHARDS=([triton]=6 [pallas_gpu]=3 [triton_tma]=1)
 
 phase_verify() {  # backends' ops split over processes side by side; each rewrites its JSON after every row
   parallel begin
-  local backend i n op ops op_args
+  local backend i n op ops op_args listed
   for backend in triton pallas_gpu triton_tma; do
     n=${VERIFY_SHARDS[$backend]}
     op_args=()
     if [ -n "${KILN_GPU_OPS:-}" ]; then  # only those of the backend's ops, over at most as many processes
-      # shellcheck disable=SC2046
-      read -ra ops <<<"$(only_ops $($PY scripts/gpu_check.py ops "$backend"))"
+      listed=$($PY scripts/gpu_check.py ops "$backend") || { echo "gpu_check: no op list for $backend" >&2; exit 2; }
+      # shellcheck disable=SC2086
+      read -ra ops <<<"$(only_ops $listed)"
       [ ${#ops[@]} -gt 0 ] || continue
       [ ${#ops[@]} -lt "$n" ] && n=${#ops[@]}
       for op in "${ops[@]}"; do op_args+=(--op "$op"); done

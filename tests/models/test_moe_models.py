@@ -167,7 +167,7 @@ def test_engine_config_expert_format_reaches_the_model_and_generates_like_transf
     assert out.token_ids == _hf_greedy(hf_model, PROMPT, 6)
 
 
-def test_expert_format_is_refused_by_name_for_an_unknown_format_or_a_dense_model(tmp_path):
+def test_expert_format_is_refused_by_name_for_an_unknown_format_or_a_dense_model(tmp_path, capsys):
     from kiln.cli import build_parser
     from kiln.engine.config import EngineConfig
     from kiln.loaders import load_model
@@ -183,3 +183,10 @@ def test_expert_format_is_refused_by_name_for_an_unknown_format_or_a_dense_model
         load_model(str(tmp_path), expert_format="fp8")
     args = build_parser().parse_args(["generate", "x", "--expert-format", "fp8"])
     assert args.expert_format == "fp8"
+    from kiln.server.cli import run as serve
+
+    serve_args = build_parser().parse_args(
+        ["serve", "--model", str(tmp_path), "--device", "cpu", "--expert-format", "fp8"]
+    )
+    assert serve(serve_args) == 1  # a named load error, not a traceback (it was a bare ValueError)
+    assert "LlamaForCausalLM has no routed experts" in capsys.readouterr().err

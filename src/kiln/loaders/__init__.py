@@ -179,7 +179,7 @@ def load_model(
         kwargs["pipeline_layers"] = pipeline_layers
     if expert_format is not None:
         if "expert_format" not in inspect.signature(checkpoint.model_class).parameters:
-            raise ValueError(
+            raise ModelLoadError(
                 f"expert_format={expert_format!r}: {checkpoint.config.architecture} has no routed experts "
                 "(it applies to MoE models: Mixtral, Qwen2-MoE, Qwen3-MoE)"
             )

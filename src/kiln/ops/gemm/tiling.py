@@ -97,11 +97,12 @@ def store_tile(
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
             acc = acc + bias[None, :]
-        ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+        rows = offs_m[:, None].to(tl.int64)  # M * N may pass 2^31 (a long prefill times a wide layer)
+        ptrs = out_ptr + rows * stride_om + offs_n[None, :] * stride_on
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         slab = partial_ptr + pid_k.to(tl.int64) * M * N
-        tl.store(slab + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+        tl.store(slab + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -126,7 +127,8 @@ def store_linear_tile(
     up): with one K split, store silu(gate) * up; with several, store gate into columns [0, N) and up
     into [N, 2N) of this split's slab of `partials [SPLIT_K, M, 2N]` (the reduction finishes it)."""
     if SILU_MUL and SPLIT_K > 1:
-        slab = partial_ptr + pid_k.to(tl.int64) * M * 2 * N + offs_m[:, None] * 2 * N + offs_n[None, :]
+        rows = offs_m[:, None].to(tl.int64)
+        slab = partial_ptr + pid_k.to(tl.int64) * M * 2 * N + rows * 2 * N + offs_n[None, :]
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         tl.store(slab, acc, mask=mask)
         tl.store(slab + N, acc_up, mask=mask)
