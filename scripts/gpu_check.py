@@ -109,15 +109,17 @@ def _check_verify(args) -> list[str]:
         ]
         if not ops:
             problems.append(f"verify: no op registers backend {backend!r} here (jax missing?)")
-        elif args.shard:  # the ops this process will verify (kiln.verify.runner.verify's split)
+        elif args.shard:  # the ops this process will verify: the runner's own split
             from kiln.verify.cli import _shard
+            from kiln.verify.runner import shard_specs
 
             try:
-                index, count = _shard(args.shard)
+                mine = [
+                    spec.name for spec in shard_specs([registry[op] for op in ops], None, _shard(args.shard))
+                ]
             except ValueError as exc:
                 problems.append(str(exc))
                 continue
-            mine = ops[index - 1 :: count]
             print(f"  verify --backend {backend} --shard {args.shard}: {len(mine)} ops ({', '.join(mine)})")
             if not mine:
                 problems.append(f"verify: shard {args.shard} of backend {backend!r} has no op")

@@ -246,11 +246,7 @@ def verify(
             names, known_names = ", ".join(unknown), ", ".join(sorted(known))
             raise ValueError(f"kiln verify: unknown {what}(s) {names} for these ops; known: {known_names}")
     if shard is not None:
-        index, count = shard
-        if not 1 <= index <= count:
-            raise ValueError(f"kiln verify: shard {index}/{count}: expected 1 <= I <= N")
-        chosen = [spec for spec in chosen if not backends or set(backends) & set(spec.backends())]
-        chosen = chosen[index - 1 :: count]
+        chosen = shard_specs(chosen, backends, shard)
     picked = {spec.name for spec in chosen}
     rows: list[Row] = []
     for name, spec in registry.items():
@@ -294,6 +290,17 @@ def verify(
                     progress(row)
         _drop_jax_compilations()
     return rows
+
+
+def shard_specs(specs: list[OpSpec], backends: list[str] | None, shard: tuple[int, int]) -> list[OpSpec]:
+    """shard=(i, n): the i-th (1-based) of every n of `specs` that have one of `backends` (all of them
+    for None), so n processes side by side (`kiln verify --shard i/n`) cover them once. ValueError
+    unless 1 <= i <= n."""
+    index, count = shard
+    if not 1 <= index <= count:
+        raise ValueError(f"kiln verify: shard {index}/{count}: expected 1 <= I <= N")
+    having = [spec for spec in specs if not backends or set(backends) & set(spec.backends())]
+    return having[index - 1 :: count]
 
 
 def _drop_jax_compilations() -> None:
