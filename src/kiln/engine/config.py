@@ -8,9 +8,9 @@ import torch
 
 from kiln.engine.exact_kv import ExactKVLayout, exact_kv_layout
 from kiln.engine.speculative.config import SpeculativeConfig
+from kiln.models.mixtral import EXPERT_FORMATS
 from kiln.ops.attention.validate import FP8_DTYPES
 
-EXPERT_FORMATS = (None, "fp8")  # EngineConfig.expert_format (kiln.models.mixtral.EXPERT_FORMATS)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32, small on a 24 GiB box
 # EngineConfig.kv_cache_dtype's accepted names -> the cache dtype (None = the model's own)
 KV_CACHE_DTYPES = {
