@@ -18,6 +18,20 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 INT8_MAX = 127.0
 AMAX_FLOOR = 1e-12  # an all-zero row gets a tiny positive scale instead of a division by zero
+# The quantizers' exact check (quantize_int8 / quantize_fp8 verified_outputs): a correct float32 kernel's
+# scale is amax / qmax rounded once (or twice, amax * (1 / qmax)): ~1e-7 relative; its x / scale errs by
+# a few float32 roundings (XLA's reciprocal product: an ulp), so a code can differ from the exact
+# quantization of x only where the exact quotient lies that close to a rounding tie.
+SCALE_RTOL = 1e-6
+TIE_RTOL = 1e-6
+
+
+def snapped_scale(scale: torch.Tensor, exact_scale: torch.Tensor) -> torch.Tensor:
+    """A quantizer's scale as its exact check sees it: `exact_scale` (float64, on the CPU) where `scale`
+    lies within SCALE_RTOL of it, else the scale as given; in scale's dtype and on its device."""
+    got = scale.detach().to(device="cpu", dtype=torch.float64)
+    snapped = torch.where((got - exact_scale).abs() <= SCALE_RTOL * exact_scale, exact_scale, got)
+    return snapped.to(device=scale.device, dtype=scale.dtype)
 
 
 def _check_scale(op: str, name: str, scale, rows: int, device) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_nonempty_rows, check_tensor, row_count
-from kiln.ops.gemm.scaled import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, make_quantize_inputs
+from kiln.ops.gemm.scaled import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, TIE_RTOL, make_quantize_inputs, snapped_scale
 from kiln.ops.gemm.shapes import fuzz_quantize_shapes, quantize_bytes, quantize_flops
 from kiln.ops.registry import OpSpec, define_op
 
@@ -31,10 +31,6 @@ E4M3_GRID = torch.unique(
     torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).to(torch.float64)
 )
 E4M3_GRID = E4M3_GRID[E4M3_GRID.isfinite()]
-# As quantize_int8's: a correct float32 kernel's scale is within ~1e-7 of max(amax, floor) / 448, and
-# its x / scale within a few float32 roundings of the exact quotient (XLA's reciprocal product: an ulp).
-SCALE_RTOL = 1e-6
-TIE_RTOL = 1e-6
 
 
 def verified_outputs(result, inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,11 +50,9 @@ def verified_outputs(result, inputs) -> tuple[torch.Tensor, torch.Tensor]:
     near_tie = (exact - (low + high) / 2).abs() <= TIE_RTOL * exact.abs()
     got_codes = codes.detach().to(device="cpu", dtype=torch.float64)
     snap_code = near_tie & ((got_codes == low) | (got_codes == high))
-    got_scale = scale.detach().to(device="cpu", dtype=torch.float64)
-    snap_scale = (got_scale - exact_scale).abs() <= SCALE_RTOL * exact_scale
     return (
         torch.where(snap_code, low, got_codes).to(device=codes.device, dtype=codes.dtype),
-        torch.where(snap_scale, exact_scale, got_scale).to(device=scale.device, dtype=scale.dtype),
+        snapped_scale(scale, exact_scale),
     )
 
 

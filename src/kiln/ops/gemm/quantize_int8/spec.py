@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.checks import FLOAT_DTYPES, check_nonempty_rows, check_tensor, row_count
-from kiln.ops.gemm.scaled import AMAX_FLOOR, INT8_MAX, make_quantize_inputs
+from kiln.ops.gemm.scaled import AMAX_FLOOR, INT8_MAX, TIE_RTOL, make_quantize_inputs, snapped_scale
 from kiln.ops.gemm.shapes import fuzz_quantize_shapes, quantize_bytes, quantize_flops
 from kiln.ops.registry import OpSpec, define_op
 
@@ -25,13 +25,6 @@ def quantize_int8_reference(x):
     xf = x.to(torch.float32)
     scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR) / INT8_MAX
     return round_half_away(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
-
-
-# A correct float32 kernel against the exact quantization of x: its scale is amax / 127 rounded once
-# (or twice, amax * (1 / 127)): ~1e-7 relative; its x / scale errs by a few float32 roundings of it, so
-# a code can differ only where the exact x / scale lies that close to a .5 tie, and then by one step.
-SCALE_RTOL = 1e-6
-TIE_RTOL = 1e-6
 
 
 def verified_outputs(result, inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,11 +46,9 @@ def verified_outputs(result, inputs) -> tuple[torch.Tensor, torch.Tensor]:
     near_tie = (magnitude - magnitude.floor() - 0.5).abs() <= TIE_RTOL * magnitude
     got_codes = codes.detach().to(device="cpu", dtype=torch.float64)
     snap_code = near_tie & ((got_codes - nearest).abs() <= 1)
-    got_scale = scale.detach().to(device="cpu", dtype=torch.float64)
-    snap_scale = (got_scale - exact_scale).abs() <= SCALE_RTOL * exact_scale
     return (
         torch.where(snap_code, nearest, got_codes).to(device=codes.device, dtype=codes.dtype),
-        torch.where(snap_scale, exact_scale, got_scale).to(device=scale.device, dtype=scale.dtype),
+        snapped_scale(scale, exact_scale),
     )
 
 
