@@ -120,7 +120,7 @@ run_step() {  # the command under timeout; its status and time go to steps.tsv
     left=$((DEADLINE_S - SECONDS - 15))
     if [ "$left" -lt 10 ]; then
       echo "gpu_check: $name not run: ${left}s left before the ${DEADLINE_S}s deadline"
-      printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$current_phase" "$name" 0 124 0 "$name.log" >>"$WORK/steps.tsv"
+      record_step "$name" 0 124 0
       return 124
     fi
     [ "$left" -lt "$limit" ] && { echo "gpu_check: $name cut to ${left}s (deadline)"; limit=$left; }
@@ -133,10 +133,13 @@ run_step() {  # the command under timeout; its status and time go to steps.tsv
   esac
   rc=$?
   [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "gpu_check: $name stopped at its ${limit}s limit (exit $rc)"
-  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$current_phase" "$name" "$limit" "$rc" "$((SECONDS - start))" \
-    "$name.log" >>"$WORK/steps.tsv"
+  record_step "$name" "$limit" "$rc" "$((SECONDS - start))"
   echo "gpu_check: $name exit $rc after $((SECONDS - start))s"
   return $rc
+}
+
+record_step() {  # record_step NAME LIMIT RC SECONDS: one row of steps.tsv (gpu_check.py summary reads it)
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$current_phase" "$1" "$2" "$3" "$4" "$1.log" >>"$WORK/steps.tsv"
 }
 
 dry_check() {  # what each kind of step can show without CUDA: it parses, imports, collects
@@ -195,16 +198,15 @@ phase_gputests() {  # the tests marked gpu: no CPU run ever runs them (kernels i
 }
 
 phase_tests() {
-  local common=("${TEST_OPTIONS[@]}")
   # the native CPU kernels (the "cpu" backends' tests) once, on all cores, before the workers: each
   # worker's first test otherwise waited out the build (H200, 2026-11-29: 63-68 s)
   step native-build 80 py -c "import kiln.ops.native_cpu as n, sys; sys.exit(0 if n.load() else 1)"
   # kernel tests on their own data: safe to spread over workers sharing the GPU
   # shellcheck disable=SC2046
-  step tests-kernels 160 pytest "${common[@]}" -m "not gpu" $(xdist_args) --junitxml="$WORK/tests-kernels.xml" \
+  step tests-kernels 160 pytest "${TEST_OPTIONS[@]}" -m "not gpu" $(xdist_args) --junitxml="$WORK/tests-kernels.xml" \
     tests/ops tests/verify tests/tune tests/jax
   # timings, memory peaks, CUDA graphs and the profiler: alone on the GPU
-  step tests-timing 70 pytest "${common[@]}" --junitxml="$WORK/tests-timing.xml" \
+  step tests-timing 70 pytest "${TEST_OPTIONS[@]}" --junitxml="$WORK/tests-timing.xml" \
     tests/bench tests/profile tests/engine/test_cuda_graphs.py tests/loaders/test_random_weights.py \
     tests/loaders/test_gguf_loader.py
 }
