@@ -284,6 +284,25 @@ def test_nan_inf_or_all_minus_inf_logits_fail_only_their_requests_and_draw_nothi
     assert retried == fresh and retried[0][1] >= 10
 
 
+def test_a_greedy_batch_copies_its_tokens_to_the_host_once(monkeypatch):
+    """On a GPU every copy to the host waits for the device: the greedy step took two (the non-finite
+    check's nonzero().tolist(), then the tokens'), 0.23 ms of a 0.8 ms H200 decode step with sampling
+    the largest part. Tokens and finiteness now come back in one copy, logprobs still right."""
+    logits = random_logits(4, seed=12)
+    argmax = logits.argmax(-1).tolist()
+    copies = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: copies.append(t.shape) or real_tolist(t))
+    tokens, logprobs = Sampler(torch.device("cpu"))(logits, seqs_for([SamplingParams(temperature=0.0)] * 4))
+    assert tokens == argmax and logprobs == [None] * 4
+    assert len(copies) == 1
+    params = [SamplingParams(temperature=0.0, logprobs=1)] * 4
+    tokens, logprobs = Sampler(torch.device("cpu"))(logits, seqs_for(params))
+    expected = logits.log_softmax(-1)
+    assert [max(entry, key=entry.get) for entry in logprobs] == tokens
+    assert logprobs[0][tokens[0]] == pytest.approx(expected[0, tokens[0]].item(), abs=1e-6)
+
+
 # ---- seeded draws: noise keyed by (seed, output position), nothing else ----
 def test_a_seeded_greedy_row_leaves_torch_global_generator_alone():
     logits = random_logits(3, seed=11)

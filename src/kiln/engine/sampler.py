@@ -73,21 +73,33 @@ class Sampler:
         params = [s.params for s in seqs]
         failures = self.seed_failures(seqs)
         if all(p.greedy for p in params):
-            tokens = row_argmax(logits)
-            # the argmax is the first NaN if any, +inf if any, -inf only when the whole row is
-            top = logits.gather(1, tokens[:, None]).squeeze(1)
+            token_list = self._greedy(logits, seqs)
+            tokens = None
         else:
-            top = logits.amax(dim=-1)
-        failures.update(non_finite_failures(top, seqs))
-        if failures:
-            raise SamplingError(failures)
-        if not all(p.greedy for p in params):
+            failures.update(non_finite_failures(logits.amax(dim=-1), seqs))
+            if failures:
+                raise SamplingError(failures)
             tokens = self._sample(logits, seqs)
-        token_list = tokens.tolist()
+            token_list = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(seqs)
         if any(p.logprobs is not None for p in params):
+            if tokens is None:
+                tokens = torch.tensor(token_list, dtype=torch.int64, device=logits.device)
             logprobs = self.token_logprobs(logits, tokens, [p.logprobs for p in params])
         return token_list, logprobs
+
+    @staticmethod
+    def _greedy(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """The argmax of every row of logits [N, vocab], or SamplingError naming the rows that are not
+        finite. Tokens and finiteness come to the host in one copy: on a GPU each `.tolist()` is a
+        synchronisation, and a greedy decode step would otherwise wait twice."""
+        tokens = row_argmax(logits)
+        # the argmax is the first NaN if any, +inf if any, -inf only when the whole row is
+        top = logits.gather(1, tokens[:, None]).squeeze(1)
+        both = torch.stack((tokens, torch.isfinite(top).to(tokens.dtype))).tolist()
+        if not all(both[1]):
+            raise SamplingError(non_finite_failures(top, seqs))
+        return both[0]
 
     @staticmethod
     def seed_failures(seqs: list[Sequence]) -> dict[str, str]:
