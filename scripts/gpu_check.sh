@@ -11,7 +11,7 @@
 #           timing-sensitive ones alone
 #   verify  `kiln verify --device cuda` per backend (triton, triton_tma, pallas_gpu), side by side
 #   overhead `kiln profile --engine` of a tiny random model at batch 1 (the engine's per-step overhead)
-#   quant   the GEMM benchmarks ("quant" suite): fp8 (per-tensor and block), int8, int4, GGUF blocks, bf16
+#   quant   the GEMM benchmarks ("quant" suite): fp8 (per-tensor and block), int8, int4, GGUF planes, bf16
 #   bench   the rest of the kernel benchmark suite (llm shapes): attention, norms and the rest
 #   engine  8B-shaped Llama with random bf16 weights (random:llama3-8b): `kiln bench engine` at
 #           concurrency 1,16,64 and `kiln profile --engine --batch 64`
@@ -264,9 +264,11 @@ bench_step() {  # bench_step NAME LIMIT SUFFIX SUITE OP...: `kiln bench` keeps i
 }
 
 phase_quant() {  # the quantized GEMMs beside bf16 cuBLAS and torch._scaled_mm in one run (#25): the "quant"
-  # suite (Llama-3-8B's projections at M = 1, 16, 2048; "llm"'s ~400 cases would not fit the step)
-  bench_step bench-gemm 150 gemm quant fp8_linear fp8_block_linear int8_linear int4_linear w8a16_linear \
-    linear linear_silu_mul gguf_linear
+  # suite (Llama-3-8B's projections at M = 1, 16, 2048; "llm"'s ~400 cases would not fit the step).
+  # GGUF: prepared_linear's cases are the engine's planes, with gguf_linear on the file's blocks and bf16
+  # cuBLAS as their baselines (gguf_linear's own quant cases would time the blocks a second time)
+  bench_step bench-gemm 130 gemm quant fp8_linear fp8_block_linear int8_linear int4_linear w8a16_linear
+  bench_step bench-gguf 130 gguf quant prepared_linear
 }
 
 phase_overhead() {  # a tiny model at batch 1: the step is almost all per-step overhead (its phase table, #21)
@@ -282,7 +284,7 @@ phase_engine() {
     --device cuda --top 40
 }
 
-declare -A BUDGET=([env]=60 [gputests]=140 [tests]=350 [verify]=210 [overhead]=60 [quant]=160 [bench]=280 [engine]=400)
+declare -A BUDGET=([env]=60 [gputests]=140 [tests]=350 [verify]=210 [overhead]=60 [quant]=280 [bench]=280 [engine]=400)
 
 pack() {  # every file of this call into $OUT: logs tarball, summary, up to 6 result JSONs
   local prefix="$DATE-$GPU_SLUG"

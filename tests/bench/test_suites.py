@@ -32,3 +32,21 @@ def test_cases_cover_requested_dtypes_and_reject_unknown_ops():
     assert resolve_cases(["rms_norm"], "llm", None, None, cpu)[0].dtype == torch.float32
     with pytest.raises(ValueError, match="unknown op"):
         resolve_cases(["no_such_op"], "llm", None, None, cpu)
+
+
+def test_a_baseline_that_does_not_apply_to_a_case_is_left_out_not_an_error():
+    """prepared_linear's GGUF comparisons (gguf_linear on the file's blocks, bf16 cuBLAS) belong to its
+    CUDA layouts: on a CPU layout they raise BaselineNotApplicable and the record leaves them out
+    (before, every CPU case would have carried two "error" columns)."""
+    from kiln.bench.ceilings import measure_ceilings
+    from kiln.bench.runner import bench_case
+    from kiln.bench.suites import Case
+    from kiln.ops import get_op
+
+    cpu = torch.device("cpu")
+    shape = {"M": 1, "N": 32, "K": 64, "format": "fp32", "source": "Q4_1"}
+    record = bench_case(Case(get_op("prepared_linear"), shape, torch.float32), cpu, measure_ceilings(cpu),
+                        backend="cpu", timing_kwargs={"reps": 2})  # fmt: skip
+    assert record["error"] is None
+    assert set(record["baselines"]) == {"torch_linear_fp32"}
+    assert record["baselines"]["torch_linear_fp32"]["median_ms"] > 0

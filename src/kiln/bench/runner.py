@@ -19,7 +19,7 @@ from kiln.bench.ceilings import Ceilings
 from kiln.bench.roofline import roofline
 from kiln.bench.suites import Case, dtype_name
 from kiln.bench.timing import Timing, copies_to_flush, tensor_bytes, time_fn
-from kiln.ops.registry import OpSpec
+from kiln.ops.registry import BaselineNotApplicable, OpSpec
 
 
 def pick_backend(spec: OpSpec, device: torch.device, backend: str | None) -> str:
@@ -158,6 +158,8 @@ def bench_case(
         for base_name, fn in {**(spec.baselines if baselines else {}), **others}.items():
             try:
                 t = time_fn(lambda inputs, fn=fn: fn(**inputs), input_sets, device, **timing_kwargs)
+            except BaselineNotApplicable:
+                continue
             except Exception as exc:  # e.g. a CUDA-only library on the CPU
                 record["baselines"][base_name] = {"error": f"{type(exc).__name__}: {exc}"}
                 continue

@@ -104,6 +104,10 @@ def validating() -> bool:
     return not getattr(_state, "trusted", False)
 
 
+class BaselineNotApplicable(Exception):
+    """Raised by an OpSpec baseline for a case it has no counterpart of (`kiln bench` leaves it out)."""
+
+
 @dataclass
 class Implementation:
     """One backend of an op.
@@ -172,7 +176,8 @@ class OpSpec:
     outputs:       (result, inputs) -> tuple of tensors to compare. Defaults to the result itself;
                    in-place ops return the tensors they modified.
     bench_shapes:  suite name -> shapes for `kiln bench`.
-    baselines:     name -> callable(**inputs) other libraries' way of doing the same (for `kiln bench`).
+    baselines:     name -> callable(**inputs) other libraries' way of doing the same (for `kiln bench`);
+                   one that does not apply to a case raises BaselineNotApplicable (left out of it).
     gpu_only_dtypes: implementation -> dtypes only checked on a GPU (bf16 `tl.dot` is wrong in the
                    Triton interpreter).
     doc:           the public function's docstring (shapes, dtypes, what is modified in place).

@@ -12,6 +12,7 @@ from kiln.ops.gemm import cpu_w8a8, weight_formats
 from kiln.ops.gemm.prepared_linear import PREPARED_LINEAR
 from kiln.ops.gemm.prepared_linear.spec import _torch_linear_fp32
 from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
+from kiln.ops.registry import BaselineNotApplicable
 from kiln.quant import dequantize_blocks, quantize_blocks
 from kiln.quant.gguf_blocks import GGUFWeight
 from kiln.verify import assert_close, run_case
@@ -231,7 +232,7 @@ def test_int8_stores_per_channel_values_with_bf16_scales_and_runs_them():
 
 
 def test_int8_gives_a_row_the_same_values_alone_and_among_other_rows():
-    """"int8" runs torch's int8 CPU matmul for every row count, so a row's output does not depend on
+    """ "int8" runs torch's int8 CPU matmul for every row count, so a row's output does not depend on
     the rows beside it, bit for bit (measured on SmolLM2's shapes up to its 49152-row head and 130
     rows; here its gate/up matrix's 1536 x 576). Speculative decoding's verify step and plain decoding
     part under "int8" because its bf16 rounding magnifies float32 differences elsewhere (README,
@@ -343,17 +344,22 @@ def test_the_bench_baseline_is_f_linear_on_the_float32_matrix():
     inputs = PREPARED_LINEAR.make_inputs(shape, torch.float32, CPU, torch.Generator().manual_seed(0))
     ref = PREPARED_LINEAR.reference(**inputs)
     assert_close(_torch_linear_fp32(**inputs), ref, 1.6e-2, "baseline")  # GGUF weights, not bf16 scales
-    assert set(PREPARED_LINEAR.baselines) == {"torch_linear_fp32"}
+    assert set(PREPARED_LINEAR.baselines) == {"torch_linear_fp32", "gguf_linear_blocks", "torch_bf16_matmul"}
+    # the GGUF ones are CUDA layouts' comparisons: for a CPU layout they do not apply (left out)
+    for name in ("gguf_linear_blocks", "torch_bf16_matmul"):
+        with pytest.raises(BaselineNotApplicable):
+            PREPARED_LINEAR.baselines[name](**inputs)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_blocks_stay_blocks_on_cuda_and_match_float64(qtype):
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0"])
+def test_gguf_blocks_become_planes_on_cuda_and_match_float64(qtype):
     cuda = torch.device("cuda")
-    prepared = prepare_linear_weight(_gguf(qtype), device=cuda, dtype=torch.float32, cpu_format="int4")
-    assert prepared.layout == f"gguf_{qtype}" and prepared.kind == "gguf"
+    k = 256 if qtype.endswith("_K") else 96
+    prepared = prepare_linear_weight(_gguf(qtype, k=k), device=cuda, dtype=torch.float32, cpu_format="int4")
+    assert prepared.layout == f"gguf_planar_{qtype}" and prepared.kind == "gguf"
     for rows in (1, 7):
-        shape = {"M": rows, "N": 48, "K": 96, "format": "fp32", "source": qtype, "bias": True}
+        shape = {"M": rows, "N": 48, "K": k, "format": "fp32", "source": qtype, "bias": True}
         case = run_case(PREPARED_LINEAR, "triton", shape, torch.float32, cuda, seed())
         assert case.passed, case
 

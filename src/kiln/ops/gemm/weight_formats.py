@@ -47,6 +47,8 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      as in "q4_blocks_onednn", then              (7) q4_blocks_gemm (exact); more rows:
                      "w8a8_packed"'s four]                       W8A8 on the int8 copy
     "gguf_<qtype>"  [uint8 blocks [N, row_bytes] as in the file] kiln.ops.gguf_linear
+    "gguf_planar_<qtype>"  [qs, qh, scales, mins: the blocks'     CUDA: gguf_planar_triton's GEMM
+                     fields in planes (kiln.ops.gemm.gguf_planar)] (CPU: F.linear on the decoded matrix)
                     (qtype Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)
     "fp8_*", "int8_*", "w4a16_*", "fp8_block*", "sparse24": quantized checkpoint weights
                     (compressed-tensors, block FP8, AWQ, GPTQ, `kiln sparsify`'s 2:4), see
@@ -61,7 +63,9 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     cpu_format "int4" where torch's int4 CPU packing takes it (quantized_layouts.int4_cpu_packable);
     2:4 sparse (Sparse24Weight) runs sparse24_linear on CUDA and is expanded to the dense layouts
     below on the CPU (logged);
-  - CUDA: GGUF blocks stay blocks ("gguf_*", the K-quants included); anything else is "dense" in the
+  - CUDA: GGUF blocks are repacked into planes ("gguf_planar_*", every kernel type, the K-quants
+    included: words and float32 group scales the GPU reads in whole sectors, the same values bit for
+    bit); anything else is "dense" in the
     model dtype;
   - CPU, "int4", GGUF Q4_0/Q4_1/Q4_K with N % 16 == 0: "int4". A Q4_1 block w = d*q + m (q in 0..15)
     is torch's (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0: m = -8d, so zero = 0; a
@@ -156,6 +160,7 @@ import torch
 
 from kiln.ops import native_cpu
 from kiln.ops.gemm import cpu_block_tiles, cpu_blocks_a8, cpu_q4_blocks, cpu_q8_blocks, cpu_w8a8
+from kiln.ops.gemm.gguf_planar import PLANAR_LAYOUTS, pack_planar, planar_matrix
 from kiln.ops.gemm.quantized_layouts import (
     QUANTIZED_LAYOUTS,
     W4A16_LAYOUTS,
@@ -231,6 +236,7 @@ LAYOUTS = {
     "int8_blocks_w8a8_packed": 6,
     "q4_blocks_w8a8_packed": 7,
     **dict.fromkeys(GGUF_LAYOUTS, 1),
+    **dict.fromkeys(PLANAR_LAYOUTS, 4),
     **QUANTIZED_LAYOUTS,
 }
 
@@ -252,11 +258,11 @@ class PreparedLinearWeight:
 
     @property
     def kind(self) -> str:
-        """How the weight is stored: "gguf" (file blocks), "int4" (repacked nibbles), "int8_weight"
-        (weight-only int8), "int8_blocks" (GGUF Q8_0's values and scales), "w8a8" (int8 for Kiln's AMX
-        or oneDNN's int8 GEMM, activations quantized per row), "fp8" / "int8" (W8A8 checkpoints),
-        "w4a16" (int4_linear), "fp8_block", "sparse24" (2:4) or "dense"."""
-        if self.layout in GGUF_LAYOUTS:
+        """How the weight is stored: "gguf" (file blocks, or their planes on CUDA), "int4" (repacked
+        nibbles), "int8_weight" (weight-only int8), "int8_blocks" (GGUF Q8_0's values and scales),
+        "w8a8" (int8 for Kiln's AMX or oneDNN's int8 GEMM, activations quantized per row), "fp8" /
+        "int8" (W8A8 checkpoints), "w4a16" (int4_linear), "fp8_block", "sparse24" (2:4) or "dense"."""
+        if self.layout in GGUF_LAYOUTS or self.layout in PLANAR_LAYOUTS:
             return "gguf"
         if self.layout in W8A8_LAYOUTS:
             return W8A8_LAYOUTS[self.layout][0]
@@ -318,6 +324,8 @@ def prepare_linear_weight(
         source = weight.qtype if isinstance(weight, GGUFWeight) else "float"
         # no format asked: the model dtype's (what "dense" holds)
         fmt = cpu_format or next((f for f, d in FORMAT_DTYPES.items() if d == dtype), "fp32")
+        if prepared.layout in GGUF_LAYOUTS or prepared.layout in PLANAR_LAYOUTS:
+            fmt = "gguf"  # CUDA keeps GGUF weights quantized whatever cpu_format says: bytes are the blocks'
         key = prepared.tensors[0]
         _PREPARED_CASES[id(key)] = (fmt, source)
         weakref.finalize(key, _PREPARED_CASES.pop, id(key), None)
@@ -337,7 +345,12 @@ def _prepare(weight, device: torch.device, dtype: torch.dtype, cpu_format: str |
         fmt = type(weight).__name__
         _log_dequantized_at_load(fmt, device.type, cpu_format or str(dtype))
         weight = weight.dequantize(torch.float32)
-    if isinstance(weight, GGUFWeight) and (device.type == "cuda" or cpu_format == "gguf"):
+    if isinstance(weight, GGUFWeight) and device.type == "cuda":
+        planes = pack_planar(weight.data, weight.qtype)
+        return PreparedLinearWeight(
+            f"gguf_planar_{weight.qtype}", tuple(t.to(device) for t in planes), shape, None, dtype
+        )
+    if isinstance(weight, GGUFWeight) and cpu_format == "gguf":
         return PreparedLinearWeight(f"gguf_{weight.qtype}", (weight.data.to(device),), shape, None, dtype)
     if device.type == "cpu" and cpu_format in W8A8_FALLBACK and not cpu_w8a8.load():
         _log_w8a8_unavailable(cpu_format)
@@ -591,6 +604,8 @@ def prepared_matrix(
     does not record exactly (quantized_layouts.quantized_matrix)."""
     if layout in GGUF_LAYOUTS:
         return dequantize_blocks(tensors[0], GGUF_LAYOUTS[layout], torch.float64)
+    if layout in PLANAR_LAYOUTS:
+        return planar_matrix(tensors, PLANAR_LAYOUTS[layout], torch.float64)
     if layout == "onednn":
         packed = tensors[0]
         identity = torch.eye(packed.shape[1], dtype=packed.dtype)

@@ -40,13 +40,30 @@ class DriveError:
     error: str
 
 
-# Ops whose "triton" implementation launches no kernel of its own: prepared_linear hands its CUDA
-# layouts to linear / gguf_linear (swept directly), and its inputs made here are CPU layouts.
+# Ops whose "triton" implementation launches no kernel of its own but other ops': prepared_linear hands
+# its CUDA layouts to linear / gguf_linear (swept directly), and its inputs made here are CPU layouts;
+# its own kernel, the GGUF planes' GEMM, is driven on planes packed from the same GGUF blocks.
 DELEGATING_OPS = ("prepared_linear",)
+
+
+def _gguf_planar_driver(x, layout, weight, bias=None, out_dtype=None):
+    """prepared_linear's CUDA GGUF path ("gguf_planar_*") for an input made from GGUF blocks."""
+    from kiln.ops.gemm.gguf_planar import pack_planar
+    from kiln.ops.gemm.gguf_planar_triton import gguf_planar_linear_triton
+    from kiln.ops.gemm.prepared_linear.spec import gguf_source
+
+    source = gguf_source(weight)
+    if source is None:
+        return None  # a float source: the "dense" layout on CUDA, i.e. linear's kernels
+    blocks, qtype = source
+    bias = None if bias is None else bias.to(x.dtype)
+    return gguf_planar_linear_triton(x, pack_planar(blocks, qtype), qtype, bias)
 
 
 def triton_backends(spec) -> dict:
     """name -> callable: the op's Triton implementations and its Triton baselines."""
+    if spec.name == "prepared_linear":
+        return {"triton_gguf_planar": _gguf_planar_driver}
     if spec.name in DELEGATING_OPS:
         return {}
     backends = {name: impl.fn for name, impl in spec.implementations.items() if name.startswith("triton")}

@@ -30,7 +30,8 @@
                  activations and output) at every row count, so a row's values do not depend on the
                  rows beside it; the bias is added in float32;
   "dense"        F.linear in the matrix's dtype;
-  "gguf_*"       kiln.ops.gguf_linear (CUDA's layout; runs here too, decoding the blocks every call);
+  "gguf_*"       kiln.ops.gguf_linear (the "gguf" format's blocks, decoded every call);
+  "gguf_planar_*"  CUDA's GGUF layout, here for completeness: F.linear on the decoded float32 matrix;
   quantized checkpoint layouts (kiln.ops.gemm.quantized_layouts.run_quantized): W8A8 quantizes x
                  (quantize_fp8 / quantize_int8) and multiplies by the float32 copy of the weight's
                  values; "w4a16_*" and "fp8_block*" run int4_linear's / fp8_block_linear's CPU paths.
@@ -49,6 +50,7 @@ from kiln.ops.gemm.cpu_q4_blocks import q4_blocks_gemm, q4_blocks_gemv
 from kiln.ops.gemm.cpu_q8_blocks import q8_blocks_gemm
 from kiln.ops.gemm.cpu_w8a8 import w8a8_linear
 from kiln.ops.gemm.gguf_linear import gguf_linear
+from kiln.ops.gemm.gguf_planar import PLANAR_LAYOUTS, planar_matrix
 from kiln.ops.gemm.prepared_linear.int8_blocks_gemv import int8_blocks_gemv
 from kiln.ops.gemm.prepared_linear.spec import PREPARED_LINEAR
 from kiln.ops.gemm.quantized_layouts import QUANTIZED_LAYOUTS, run_quantized
@@ -194,6 +196,13 @@ def _gguf(qtype):
     return run
 
 
+def _gguf_planar(qtype):
+    def run(x, weight, bias, out_dtype):
+        return F.linear(x, planar_matrix(weight, qtype, torch.float32).to(x.dtype), bias).to(out_dtype)
+
+    return run
+
+
 KERNELS = {
     "dense": _dense,
     "onednn": _onednn,
@@ -212,6 +221,7 @@ KERNELS = {
     "int8_blocks_w8a8_packed": _int8_blocks_w8a8,
     "q4_blocks_w8a8_packed": _q4_blocks_w8a8,
     **{layout: _gguf(qtype) for layout, qtype in GGUF_LAYOUTS.items()},
+    **{layout: _gguf_planar(qtype) for layout, qtype in PLANAR_LAYOUTS.items()},
     **dict.fromkeys(QUANTIZED_LAYOUTS, run_quantized),
 }
 

@@ -7,7 +7,8 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
                "int4_onednn", "int4_w8a8_packed", "w8a8_packed", "int8_weight", "int8_blocks_onednn",
                "int8_blocks_w8a8_packed", "q4_blocks_onednn", "q8_blocks_onednn", "q4_blocks_a8_onednn",
                "q8_blocks_a8_onednn", "q4_blocks_w8a8_packed", "gguf_<qtype>" for
-               the GGUF block types of kiln.ops.gguf_linear; the quantized checkpoint layouts of
+               the GGUF block types of kiln.ops.gguf_linear, "gguf_planar_<qtype>" (CUDA: the same
+               blocks in planes, kiln.ops.gemm.gguf_planar); the quantized checkpoint layouts of
                kiln.ops.gemm.quantized_layouts: "fp8_dynamic", "fp8_static", "int8_dynamic",
                "int8_static", "w4a16_g<gs>[_perm]", "fp8_block<bn>x<bk>")
     weight:    its tensors (PreparedLinearWeight.tensors), W standing for [N, K]
@@ -31,7 +32,11 @@ import torch
 from kiln.ops import native_cpu
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of, row_count
 from kiln.ops.gemm import cpu_blocks_a8, cpu_w8a8
+from kiln.ops.gemm.dense_baseline import bf16_matmul
 from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
+from kiln.ops.gemm.gguf_linear import gguf_linear
+from kiln.ops.gemm.gguf_linear.spec import QUANT_QTYPES
+from kiln.ops.gemm.gguf_planar import PLANAR_LAYOUTS, planar_shapes
 from kiln.ops.gemm.quantized_layouts import (
     FP8_BLOCK_LAYOUTS,
     QDTYPES,
@@ -45,7 +50,7 @@ from kiln.ops.gemm.quantized_layouts import (
     w4a16_layout,
     w8a8_layout,
 )
-from kiln.ops.gemm.shapes import GEMM_TOLERANCE, SMOLLM2_135M, gemm_flops
+from kiln.ops.gemm.shapes import GEMM_TOLERANCE, SMOLLM2_135M, gemm_flops, quant_shapes
 from kiln.ops.gemm.weight_formats import (
     GGUF_LAYOUTS,
     INT4_GROUP_SIZE,
@@ -63,9 +68,9 @@ from kiln.ops.gemm.weight_formats import (
     prepared_matrix,
     w8a8_matrix,
 )
-from kiln.ops.registry import OpSpec, define_op
+from kiln.ops.registry import BaselineNotApplicable, OpSpec, define_op
 from kiln.ops.testing import element_size, randn
-from kiln.quant.gguf_blocks import K_QUANTS, QK_K, GGUFWeight
+from kiln.quant.gguf_blocks import BLOCK_WEIGHTS, K_QUANTS, QK_K, GGUFWeight
 from kiln.quant.int4 import quantize_int4
 from kiln.quant.linear_weights import BlockFP8Weight, Int4Weight, ScaledWeight
 from kiln.quant.scaled import quantize_fp8_per_channel, quantize_int8_per_channel
@@ -100,7 +105,7 @@ def _in_features(layout: str, weight) -> int | None:
         return weight[1].shape[0] * INT4_GROUP_SIZE  # scales_and_zeros [K / 32, N, 2]
     if layout == "w8a8_packed":
         return weight[3].shape[0]  # smooth [K]
-    if layout in GGUF_LAYOUTS or layout in W4A16_LAYOUTS:
+    if layout in GGUF_LAYOUTS or layout in W4A16_LAYOUTS or layout in PLANAR_LAYOUTS:
         return None  # validate_gguf_weight / _validate_w4a16 check the packing against x
     if layout in SPARSE24_LAYOUTS or layout in (
         "q4_blocks_onednn",
@@ -170,6 +175,23 @@ def _validate_quantized(op, layout, weight, K, device) -> None:
         expected = (-(-n // bn), -(-K // bk))
         if tuple(weight[1].shape) != expected:
             raise ValueError(f"{op}: {layout} scale has shape {tuple(weight[1].shape)}, expected {expected}")
+
+
+def _validate_planar(op, layout, weight, K, device) -> None:
+    """The planes (qs, qh, scales, mins) of kiln.ops.gemm.gguf_planar for an [N, K] weight."""
+    qtype = PLANAR_LAYOUTS[layout]
+    if K % BLOCK_WEIGHTS[qtype]:
+        raise ValueError(f"{op}: K={K} must be a multiple of {BLOCK_WEIGHTS[qtype]} (the GGUF {qtype} block)")
+    n = weight[0].shape[0] if weight[0].dim() == 2 else -1
+    dtypes = (torch.int8 if qtype == "Q8_0" else torch.int32, torch.int32, torch.float32, torch.float32)
+    for i, (name, tensor, dtype, expected) in enumerate(
+        zip(("qs", "qh", "scales", "mins"), weight, dtypes, planar_shapes(n, K, qtype), strict=True)
+    ):
+        check_tensor(op, f"weight[{i}]", tensor, ndim=2, dtypes=(dtype,), device=device)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"{op}: {layout} {name} has shape {tuple(tensor.shape)}, expected {expected} for K={K}"
+            )
 
 
 def _validate_tiles(op, layout, weight, n: int, k: int, device) -> None:
@@ -321,6 +343,8 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
         _validate_q4_blocks(op, layout, weight, device)
     elif layout in GGUF_LAYOUTS:
         validate_gguf_weight(op, weight[0], GGUF_LAYOUTS[layout], x.shape[-1], device)
+    elif layout in PLANAR_LAYOUTS:
+        _validate_planar(op, layout, weight, x.shape[-1], device)
     elif layout in QUANTIZED_LAYOUTS:
         _validate_quantized(op, layout, weight, x.shape[-1], device)
     else:
@@ -332,7 +356,8 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
     if bias is not None:
         # F.linear adds a bias of the matrix's dtype, gguf_linear one of x's; the others convert it
         bias_dtypes = {"dense": weight[0].dtype, "fp16_onednn": torch.float16, "fp16_rows": torch.float16}
-        expected = x.dtype if layout in GGUF_LAYOUTS else bias_dtypes.get(layout)
+        gguf = layout in GGUF_LAYOUTS or layout in PLANAR_LAYOUTS
+        expected = x.dtype if gguf else bias_dtypes.get(layout)
         check_tensor(
             op, "bias", bias, ndim=1, dtypes=(expected,) if expected else FLOAT_DTYPES, device=device
         )
@@ -373,6 +398,7 @@ def _fake(x, layout, weight, bias, out_dtype):
 # for the engine.
 
 _BASELINE_MATRICES: dict[int, torch.Tensor] = {}  # id(weight[0]) -> its float32 matrix, while it lives
+_GGUF_BLOCKS: dict[int, tuple] = {}  # id(weight[0]) -> (the GGUF blocks it was prepared from, qtype)
 
 
 def _make_inputs(shape, dtype, device, generator):
@@ -388,6 +414,8 @@ def _make_inputs(shape, dtype, device, generator):
     prepared = prepare_linear_weight(weight, device=device, dtype=dtype, cpu_format=shape["format"])
     matrix = weight if source == "float" else weight.dequantize(torch.float32)
     _remember_matrix(prepared.tensors[0], matrix.to(device))
+    if source != "float":
+        _remember(_GGUF_BLOCKS, prepared.tensors[0], (blocks.to(device), source))
     return {
         "x": randn((M, K), dtype, device, generator),
         "layout": prepared.layout,
@@ -448,8 +476,12 @@ def _make_quantized_inputs(shape, dtype, device, generator):
 
 
 def _remember_matrix(key: torch.Tensor, matrix: torch.Tensor) -> None:
-    _BASELINE_MATRICES[id(key)] = matrix
-    weakref.finalize(key, _BASELINE_MATRICES.pop, id(key), None)
+    _remember(_BASELINE_MATRICES, key, matrix)
+
+
+def _remember(table: dict, key: torch.Tensor, value) -> None:
+    table[id(key)] = value
+    weakref.finalize(key, table.pop, id(key), None)
 
 
 # (format, source) pairs: every CPU layout (fp16 one-row and multi-row; bf16 "onednn" where this CPU
@@ -486,6 +518,7 @@ _FUZZ_FORMATS = (
     ("q4_blocks_a8", "Q4_1"),  # "q4_blocks_a8_onednn" (x quantized to Q8_0 at one row)
     ("q4_blocks_a8", "Q4_K"),
     ("q8_blocks_a8", "Q8_0"),  # "q8_blocks_a8_onednn"
+    ("fp16", "Q5_0"),  # CUDA: every GGUF type above and this one in "gguf_planar_*"
 )
 
 
@@ -563,7 +596,10 @@ def _blocks_rows_read_blocks(kind: str, m: int) -> bool:
 
 def _weight_bytes(shape, dtype) -> float:
     """Bytes the CPU layout reads per call: fp32 / bf16 the matrix; fp16 the fp16 matrix for one row,
-    its float32 copy for more; int4 the nibbles and a bf16 (scale, zero) per 32 weights; gguf the blocks;
+    its float32 copy for more; int4 the nibbles and a bf16 (scale, zero) per 32 weights; gguf the file's
+    blocks (on CUDA the engine reads their planes, gguf_planar: 6 bits a weight for Q4_K where the file
+    has 4.5; counting the file's bytes keeps the roofline % comparable with gguf_linear's and says what
+    the planes cost);
     q4_blocks / q8_blocks the blocks (or their tiles: Q4_0 / Q4_1's d and m as float16) for as many rows
     as their kernels take here, the float32 copy for more; int8_blocks the values and scales for one
     row, the bf16 copy for more; the checkpoint layouts ("kernel") on the CPU: w4a16 its nibbles,
@@ -605,13 +641,41 @@ def _weight_bytes(shape, dtype) -> float:
     return N * K * (2 if fmt == "bf16" else 4)
 
 
+def gguf_source(weight) -> tuple[torch.Tensor, str] | None:
+    """(GGUF blocks uint8 [N, row_bytes], qtype) a weight made by this spec's input maker was prepared
+    from, or None (a float source, or tensors it did not make)."""
+    return _GGUF_BLOCKS.get(id(weight[0]))
+
+
+def _gguf_linear_blocks(x, layout, weight, bias=None, out_dtype=None):
+    """kiln.ops.gguf_linear on the GGUF blocks the weight was prepared from (the file's bytes, decoded in
+    registers): what the planes of "gguf_planar_*" are measured against on CUDA."""
+    blocks = _GGUF_BLOCKS.get(id(weight[0]))
+    if layout not in PLANAR_LAYOUTS or blocks is None:
+        raise BaselineNotApplicable("only GGUF weights in planes (CUDA)")
+    return gguf_linear(x, blocks[0], blocks[1], bias).to(out_dtype or x.dtype)
+
+
+def _bf16_matmul(x, layout, weight, bias=None, out_dtype=None):
+    """The same layer as a bf16 GEMM (cuBLAS on CUDA) on the matrix the weight stands for: for the CUDA
+    GGUF layouts (the CPU formats are compared with torch_linear_fp32)."""
+    if layout not in PLANAR_LAYOUTS and layout not in GGUF_LAYOUTS:
+        raise BaselineNotApplicable("only GGUF weights")
+    matrix = _BASELINE_MATRICES.get(id(weight[0]))
+    make = (lambda: matrix) if matrix is not None else (lambda: prepared_matrix(layout, weight, x.shape[-1]))
+    return bf16_matmul(x, weight[0], make, bias).to(out_dtype or x.dtype)
+
+
 def _bytes(shape, dtype) -> float:
     M, N, K = shape["M"], shape["N"], shape["K"]
     return _weight_bytes(shape, dtype) + (M * K + M * N) * element_size(dtype)
 
 
 def _torch_linear_fp32(x, layout, weight, bias=None, out_dtype=None):
-    """F.linear with the float32 matrix: what a layer without a prepared weight would run."""
+    """F.linear with the float32 matrix: what a layer without a prepared weight would run (on the CPU;
+    the CUDA GGUF planes are compared with gguf_linear on the blocks and bf16 cuBLAS instead)."""
+    if layout in PLANAR_LAYOUTS:
+        raise BaselineNotApplicable("the CUDA GGUF planes: see gguf_linear_blocks, torch_bf16_matmul")
     matrix = _BASELINE_MATRICES.get(id(weight[0]))
     if matrix is None:
         matrix = prepared_matrix(layout, weight, x.shape[-1]).to(device=x.device, dtype=torch.float32)
@@ -649,9 +713,16 @@ PREPARED_LINEAR = OpSpec(
             {"M": m, "N": 49152, "K": 576, "format": fmt, "source": "Q8_0"}
             for m in (1, 16)
             for fmt in ("fp16", "bf16", "q8_blocks", "q8_blocks_a8", "int8_blocks", "int8_blocks_w8a8")
-        ]
+        ],
+        # GGUF weights as the engine runs them on CUDA ("gguf_planar_*"), beside gguf_linear on the
+        # file's blocks and bf16 cuBLAS (the baselines); bytes: the file's (_weight_bytes)
+        "quant": [{**s, "format": "gguf", "source": q} for s in quant_shapes() for q in QUANT_QTYPES],
     },
-    baselines={"torch_linear_fp32": _torch_linear_fp32},
+    baselines={
+        "torch_linear_fp32": _torch_linear_fp32,
+        "gguf_linear_blocks": _gguf_linear_blocks,
+        "torch_bf16_matmul": _bf16_matmul,
+    },
     schema="(Tensor x, str layout, Tensor[] weight, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor",
     validate=validate_prepared_linear,
     fake=_fake,

@@ -1,0 +1,161 @@
+"""GGUF weights repacked once, at load, into planes a GPU reads in whole sectors ("gguf_planar_<qtype>",
+a prepared_linear layout on CUDA; the kernel: gguf_planar_triton.py).
+
+The file's blocks interleave 2-byte scales with the quants (18, 20, 22, 34, 144, 176 or 210 bytes a
+block): a kernel reading them straight loads bytes, not words (gguf_linear on an H200: 5-16 % of the
+memory roofline at decode). Here each kind of field gets its own row-major plane, W standing for [N, K]:
+
+    plane    dtype / shape                 holds
+    qs       int32 [N, K / 8]              the low 4 bits of every weight, nibble i of word j = weight 8j + i
+             (Q8_0: int8 [N, K])           (Q8_0: the signed values)
+    qh       int32 [N, K / 32] (Q5_0,      bit 4 of weight 32j + i at bit i of word j (Q5_*); bits 4-5 of
+             Q5_K), [N, K / 16] (Q6_K),    weight 16j + i at bits 2i, 2i + 1 (Q6_K)
+             else [N, 0]
+    scales   float32 [N, K / G]            the scale of each group of G = 32 weights (16 for Q6_K): d, or
+                                           d * sc for the K-quants (the product ggml forms first)
+    mins     float32 [N, K / 32] (Q4_1,    the term added: m (Q4_1), -(dmin * m) (Q4_K, Q5_K)
+             Q4_K, Q5_K), else [N, 0]
+
+    w = (q - OFFSET[qtype]) * scale + min    (OFFSET: 8 Q4_0, 16 Q5_0, 32 Q6_K, else 0)
+
+Every stored float is a product ggml computes in float32 and is exact there (an fp16 times a 6-bit or
+int8 integer), and q * scale is exact too (at most 24 significant bits), so the one rounding left is
+the add, as in ggml: float32 decodes are bit-exact with `gguf.quants.dequantize` (tests/ops/gemm/
+test_gguf_planar.py). The price is bytes: a float32 scale (and min) per group costs 1 bit a weight each
+(2 for Q6_K's groups of 16). Bits a weight, planes / file: Q4_0 5 / 4.5, Q4_1 6 / 5, Q5_0 6 / 5.5,
+Q8_0 9 / 8.5, Q4_K 6 / 4.5, Q5_K 7 / 5.5, Q6_K 8 / 6.56.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.quant.gguf_blocks import (
+    BLOCK_BYTES,
+    K_QUANTS,
+    KERNEL_QTYPES,
+    _bits,
+    _half,
+    _k4_scales_mins,
+    _nibbles,
+)
+
+PLANAR_LAYOUTS = {f"gguf_planar_{qtype}": qtype for qtype in KERNEL_QTYPES}
+OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}  # the integer subtracted from q before scaling
+GROUP = {"Q6_K": 16}  # weights per scale (default 32)
+HIGH_BITS = {"Q5_0": 1, "Q5_K": 1, "Q6_K": 2}  # bits of q above the low nibble (qh)
+WITH_MINS = ("Q4_1", "Q4_K", "Q5_K")
+
+
+def group_size(qtype: str) -> int:
+    return GROUP.get(qtype, 32)
+
+
+def _fields(qweight: torch.Tensor, qtype: str):
+    """uint8 [N, row_bytes] -> (q [N, K] int64 (Q8_0: the signed values, else the unsigned quant),
+    scales float32 [N, K / G], mins float32 [N, K / 32] or None)."""
+    n = qweight.shape[0]
+    blocks = qweight.reshape(n, -1, BLOCK_BYTES[qtype])
+    nb = blocks.shape[1]
+    mins = None
+    if qtype == "Q6_K":
+        low = _bits(blocks[..., 0:128].reshape(n, nb, 2, 64), 4).reshape(n, nb, 256)
+        high = _bits(blocks[..., 128:192].reshape(n, nb, 2, 32), 2).reshape(n, nb, 256)
+        q = low.long() | (high.long() << 4)
+        sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
+        scales = _half(blocks[..., 208:210]).float() * sc  # [n, nb, 16]
+    elif qtype in K_QUANTS:  # Q4_K, Q5_K
+        d, dmin = _half(blocks[..., 0:2]).float(), _half(blocks[..., 2:4]).float()
+        sc, m = _k4_scales_mins(blocks[..., 4:16])
+        q = _bits(blocks[..., -128:].reshape(n, nb, 4, 32), 4).reshape(n, nb, 256).long()
+        if qtype == "Q5_K":
+            q = q | (_bits(blocks[..., 16:48], 1).reshape(n, nb, 256).long() << 4)
+        scales = d * sc.float()
+        mins = -(dmin * m.float())
+    else:
+        d = _half(blocks[..., 0:2]).float()
+        scales = d
+        if qtype == "Q8_0":
+            q = blocks[..., 2:].contiguous().view(torch.int8).long()
+        elif qtype == "Q4_0":
+            q = _nibbles(blocks[..., 2:]).long()
+        elif qtype == "Q5_0":
+            high = _bits(blocks[..., 2:6], 1).transpose(-1, -2).reshape(n, nb, 32)
+            q = _nibbles(blocks[..., 6:]).long() | (high.long() << 4)
+        else:  # Q4_1
+            q = _nibbles(blocks[..., 4:]).long()
+            mins = _half(blocks[..., 2:4]).float()
+    q = q.reshape(n, -1)
+    return q, scales.reshape(n, -1).contiguous(), None if mins is None else mins.reshape(n, -1).contiguous()
+
+
+def _words(fields: torch.Tensor, width: int) -> torch.Tensor:
+    """int64 [N, K] of values below 2^width -> int32 [N, K * width / 32], field i of word j at bit
+    i * width (the bit pattern of a uint32 word, kept as int32)."""
+    per_word = 32 // width
+    n = fields.shape[0]
+    shifts = torch.arange(per_word, dtype=torch.int64) * width
+    words = (fields.reshape(n, -1, per_word) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_planar(
+    qweight: torch.Tensor, qtype: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF blocks uint8 [N, row_bytes] (kiln.ops.gguf_linear's layout) -> (qs, qh, scales, mins), the
+    planes of the module docstring, on qweight's device."""
+    if qtype not in KERNEL_QTYPES:
+        raise ValueError(
+            f"pack_planar: qtype {qtype!r} unsupported, expected one of {', '.join(KERNEL_QTYPES)}"
+        )
+    device = qweight.device
+    q, scales, mins = _fields(qweight.cpu(), qtype)
+    n = q.shape[0]
+    if qtype == "Q8_0":
+        qs = q.to(torch.int8)
+    else:
+        qs = _words(q & 0xF, 4)
+    bits = HIGH_BITS.get(qtype, 0)
+    qh = _words(q >> 4, bits) if bits else torch.empty(n, 0, dtype=torch.int32)
+    if mins is None:
+        mins = torch.empty(n, 0, dtype=torch.float32)
+    return tuple(t.contiguous().to(device) for t in (qs, qh, scales, mins))
+
+
+def _unwords(words: torch.Tensor, width: int) -> torch.Tensor:
+    per_word = 32 // width
+    shifts = torch.arange(per_word, dtype=torch.int64, device=words.device) * width
+    fields = (words.long()[..., None] >> shifts) & ((1 << width) - 1)
+    return fields.reshape(words.shape[0], -1)
+
+
+def planar_matrix(tensors, qtype: str, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The [N, K] matrix the planes stand for, computed in float64 (exact) or float32 (the kernel's
+    arithmetic), returned in `dtype`."""
+    qs, qh, scales, mins = tensors
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    q = qs.long() if qtype == "Q8_0" else _unwords(qs, 4)
+    bits = HIGH_BITS.get(qtype, 0)
+    if bits:
+        q = q | (_unwords(qh, bits) << 4)
+    q = (q - OFFSET.get(qtype, 0)).to(compute)
+    w = q * scales.to(compute).repeat_interleave(group_size(qtype), dim=1)
+    if mins.numel():
+        w = w + mins.to(compute).repeat_interleave(32, dim=1)
+    return w.to(dtype)
+
+
+def planar_shapes(N: int, K: int, qtype: str) -> tuple[tuple[int, int], ...]:
+    """The shapes of (qs, qh, scales, mins) for an [N, K] weight in qtype."""
+    bits = HIGH_BITS.get(qtype, 0)
+    qs = (N, K) if qtype == "Q8_0" else (N, K // 8)
+    qh = (N, K * bits // 32)
+    return qs, qh, (N, K // group_size(qtype)), (N, K // 32 if qtype in WITH_MINS else 0)
+
+
+def planar_bytes(N: int, K: int, qtype: str) -> int:
+    """Bytes of the four planes of an [N, K] weight."""
+    qs, qh, scales, mins = planar_shapes(N, K, qtype)
+    return qs[0] * qs[1] * (1 if qtype == "Q8_0" else 4) + 4 * (
+        qh[0] * qh[1] + scales[0] * scales[1] + mins[0] * mins[1]
+    )

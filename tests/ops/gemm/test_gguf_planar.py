@@ -1,0 +1,113 @@
+"""GGUF weights in planes (kiln.ops.gemm.gguf_planar, prepared_linear's "gguf_planar_*" layouts on
+CUDA): the packing is exact against the gguf package's own decode, and the Triton GEMM on the planes
+(interpreted here, compiled on a GPU) matches the float64 product with the gguf package's matrix, for
+every kernel type, decode and tiled row counts, split-K cuts inside K-quant super-blocks, K tiles
+past the end of K, bias."""
+
+import random
+
+import pytest
+import torch
+
+import kiln.ops
+from kiln.ops.gemm.gguf_planar import PLANAR_LAYOUTS, pack_planar, planar_bytes, planar_matrix
+from kiln.ops.gemm.gguf_planar_triton import gguf_planar_linear_triton
+from kiln.quant.gguf_blocks import BLOCK_WEIGHTS, KERNEL_QTYPES, quantize_blocks
+from kiln.verify import assert_close
+
+gguf = pytest.importorskip("gguf")
+
+SPLIT = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 4, "num_warps": 4,
+         "num_stages": 2}  # fmt: skip
+
+
+def seed() -> int:
+    return random.randrange(2**31)
+
+
+def blocks_and_matrix(n: int, k: int, qtype: str, generator: torch.Generator):
+    """Fresh GGUF blocks uint8 [n, row_bytes] (uneven sub-block scales) and the gguf package's float32
+    decode of them [n, k]."""
+    weight = torch.randn(n, k, generator=generator) * (torch.arange(k) // 16 % 5 + 1)
+    blocks = quantize_blocks(weight, qtype)
+    matrix = gguf.quants.dequantize(blocks.numpy(), getattr(gguf.GGMLQuantizationType, qtype))
+    return blocks, torch.from_numpy(matrix)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_QTYPES)
+def test_planes_decode_bit_exact_with_the_gguf_package(qtype):
+    k = 2 * BLOCK_WEIGHTS[qtype] + (0 if BLOCK_WEIGHTS[qtype] > 32 else 96)
+    blocks, expected = blocks_and_matrix(23, k, qtype, torch.Generator().manual_seed(seed()))
+    planes = pack_planar(blocks, qtype)
+    assert torch.equal(planar_matrix(planes, qtype, torch.float32), expected)
+    assert torch.equal(planar_matrix(planes, qtype, torch.float64), expected.double())
+    assert sum(t.numel() * t.element_size() for t in planes) == planar_bytes(23, k, qtype)
+
+
+def test_nibble_words_hold_weight_8j_plus_i_at_bits_4i():
+    """A known answer: Q4_0 block of d = 1 whose weight t is t % 16 - 8, so quant t % 16: word 0 holds
+    quants 0..7 (0x76543210), word 1 quants 8..15, word 2 quants 0..7 again (weights 16..23)."""
+    nibbles = torch.tensor([(j % 16) | ((j + 16) % 16) << 4 for j in range(16)], dtype=torch.uint8)
+    block = torch.cat([torch.tensor([1.0], dtype=torch.float16).view(torch.uint8), nibbles])[None]
+    qs, qh, scales, mins = pack_planar(block, "Q4_0")
+    assert [w & 0xFFFFFFFF for w in qs[0].tolist()] == [0x76543210, 0xFEDCBA98, 0x76543210, 0xFEDCBA98]
+    assert scales.tolist() == [[1.0]] and qh.shape == (1, 0) and mins.shape == (1, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("qtype", KERNEL_QTYPES)
+@pytest.mark.parametrize(
+    "M, N, blocks, config",
+    [
+        (1, 37, 2, None),  # decode: split-K by the heuristic
+        (3, 19, 3, SPLIT),  # 4 splits of a 64-deep K tile: cuts inside a K-quant super-block
+        (17, 21, 1, None),  # the tiled GEMM
+    ],
+)
+def test_planar_gemm_matches_the_gguf_packages_matrix(qtype, dtype, M, N, blocks, config, device):
+    generator = torch.Generator().manual_seed(seed())
+    qk = BLOCK_WEIGHTS[qtype]
+    k = blocks * qk + (96 if qk == 32 else 0)  # 32-block types: K tiles of 64 ending past K
+    weight, matrix = blocks_and_matrix(N, k, qtype, generator)
+    x = torch.randn(M, k, generator=generator).to(dtype)
+    bias = torch.randn(N, generator=generator).to(dtype)
+    planes = [t.to(device) for t in pack_planar(weight, qtype)]
+    out = gguf_planar_linear_triton(x.to(device), planes, qtype, bias.to(device), config=config)
+    assert out.dtype == dtype and out.shape == (M, N)
+    ref = x.double() @ matrix.double().T + bias.double()
+    assert_close(out.cpu(), ref, 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_prepared_linear_refuses_planes_of_the_wrong_shape_or_dtype():
+    blocks, _ = blocks_and_matrix(8, 256, "Q4_K", torch.Generator().manual_seed(0))
+    planes = list(pack_planar(blocks, "Q4_K"))
+    x = torch.randn(2, 256)
+    with pytest.raises(ValueError, match=r"gguf_planar_Q4_K scales has shape \(8, 4\), expected \(8, 8\)"):
+        kiln.ops.prepared_linear(x, "gguf_planar_Q4_K", [planes[0], planes[1], planes[2][:, :4], planes[3]])
+    with pytest.raises(ValueError, match="weight\\[0\\]"):
+        kiln.ops.prepared_linear(x, "gguf_planar_Q4_K", [planes[0].float(), *planes[1:]])
+    with pytest.raises(ValueError, match="K=255 must be a multiple of 256"):
+        kiln.ops.prepared_linear(torch.randn(2, 255), "gguf_planar_Q4_K", planes)
+    with pytest.raises(ValueError, match="holds 4 tensors"):
+        kiln.ops.prepared_linear(x, "gguf_planar_Q4_K", planes[:3])
+    # the planes themselves run on the CPU too (F.linear on their decoded matrix)
+    out = kiln.ops.prepared_linear(x, "gguf_planar_Q4_K", planes)
+    assert_close(out, x.double() @ planar_matrix(planes, "Q4_K").T, 1e-5)
+
+
+def test_every_kernel_type_has_a_planar_layout():
+    assert sorted(PLANAR_LAYOUTS.values()) == sorted(KERNEL_QTYPES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", KERNEL_QTYPES)
+@pytest.mark.parametrize("M", [1, 300])
+def test_planar_gemm_in_bfloat16_on_gpu(qtype, M):
+    """bf16 tl.dot is wrong in the Triton interpreter: the bf16 path is checked on a GPU."""
+    generator = torch.Generator().manual_seed(seed())
+    k = 768 if BLOCK_WEIGHTS[qtype] > 32 else 576
+    weight, matrix = blocks_and_matrix(1000, k, qtype, generator)
+    x = torch.randn(M, k, generator=generator).to(torch.bfloat16)
+    planes = [t.cuda() for t in pack_planar(weight, qtype)]
+    out = gguf_planar_linear_triton(x.cuda(), planes, qtype)
+    assert_close(out.cpu(), x.double() @ matrix.double().T, 8e-3)
