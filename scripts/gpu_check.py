@@ -201,6 +201,10 @@ def merge_verify_shards(work: Path) -> None:
         backend, shard = path.stem.rsplit("-", 1)
         groups.setdefault(backend, []).append(path)
         expected[backend] = int(shard.partition("of")[2])
+    for backend, launched in _launched_verify_shards(work).items():
+        if backend not in groups:  # every shard died before its first row: say so, not nothing
+            empty = {"backend": backend, "complete": False, "shards": f"0 of {launched}", "rows": []}
+            _write(work / f"verify-{backend}.json", empty)
     for backend, paths in groups.items():
         shards = [json.loads(p.read_text()) for p in paths]
         complete = len(shards) == expected[backend] and all(s["complete"] for s in shards)
@@ -210,6 +214,18 @@ def merge_verify_shards(work: Path) -> None:
         merged["environment"] = dict(shards[0].get("environment") or {}, fallbacks=fallbacks)
         merged["rows"] = [row for shard in shards for row in shard["rows"]]
         _write(work / f"verify-{backend}.json", merged)
+
+
+def _launched_verify_shards(work: Path) -> dict[str, int]:
+    """backend -> how many `verify-<backend>-<i>` steps steps.tsv records (the shards launched)."""
+    launched: dict[str, int] = {}
+    tsv = work / "steps.tsv"
+    for line in tsv.read_text().splitlines() if tsv.is_file() else []:
+        fields = line.split("\t")
+        if len(fields) > 1 and fields[0] == "verify" and fields[1].startswith("verify-"):
+            backend = fields[1][len("verify-") :].rpartition("-")[0]
+            launched[backend] = launched.get(backend, 0) + 1
+    return launched
 
 
 def cmd_ops(backend: str) -> int:
