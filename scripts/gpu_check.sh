@@ -2,7 +2,7 @@
 # The GPU check: what a short visit to an H100/H200 machine (the device tool's `run`) runs, in phases
 # that each end well inside the tool's 10-minute cut. docs/gpu_runbook.md gives the calls in order.
 #
-#   bash scripts/gpu_check.sh [--dry-run | --list] [PHASE ...]      (no PHASE = env verify overhead quant)
+#   bash scripts/gpu_check.sh [--dry-run | --list] [PHASE ...]      (no PHASE = env verify gputests)
 #
 # Phases, in the order they matter (correctness first); `--list` prints each step and its limit:
 #   env     commit, GPU, CPU and ISA, torch/triton/jax versions, optional packages -> env.json
@@ -54,13 +54,13 @@ esac
 ALL_PHASES=(env gputests tests verify overhead quant bench engine)
 # docs/gpu_runbook.md: one device call each, in this order; a 15-minute visit runs the first, and the
 # second at once while the machine is still warm (a fresh start would cost another minute or more)
-RUNBOOK_CALLS=("env verify overhead quant" "env gputests tests" "env bench" "env engine")
+RUNBOOK_CALLS=("env verify gputests" "env quant overhead" "env tests" "env bench" "env engine")
 phases=("$@")
 if [ ${#phases[@]} -eq 0 ] && [ "$MODE" != run ]; then
   phases=("${ALL_PHASES[@]}")  # list or dry-run everything; each runbook call is checked against the limit
   calls=("${RUNBOOK_CALLS[@]}")
 else
-  [ ${#phases[@]} -gt 0 ] || phases=(env verify overhead quant)
+  [ ${#phases[@]} -gt 0 ] || phases=(env verify gputests)
   [ "${phases[0]}" = env ] || phases=(env "${phases[@]}")  # every call records where it ran
   calls=("${phases[*]}")
 fi
