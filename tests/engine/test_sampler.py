@@ -284,18 +284,25 @@ def test_nan_inf_or_all_minus_inf_logits_fail_only_their_requests_and_draw_nothi
     assert retried == fresh and retried[0][1] >= 10
 
 
-def test_a_greedy_batch_copies_its_tokens_to_the_host_once(monkeypatch):
-    """On a GPU every copy to the host waits for the device: the greedy step took two (the non-finite
+def test_a_batch_copies_its_tokens_to_the_host_once(monkeypatch):
+    """On a GPU every copy to the host waits for the device: a greedy step took two (the non-finite
     check's nonzero().tolist(), then the tokens'), 0.23 ms of a 0.8 ms H200 decode step with sampling
-    the largest part. Tokens and finiteness now come back in one copy, logprobs still right."""
+    the largest part; a sampled step too (the check came before the draw). Tokens and finiteness now
+    come back in one copy, logprobs still right."""
     logits = random_logits(4, seed=12)
     argmax = logits.argmax(-1).tolist()
+    top5 = [set(row) for row in logits.topk(5).indices.tolist()]
     copies = []
     real_tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: copies.append(t.shape) or real_tolist(t))
     tokens, logprobs = Sampler(torch.device("cpu"))(logits, seqs_for([SamplingParams(temperature=0.0)] * 4))
-    assert tokens == argmax and logprobs == [None] * 4
     assert len(copies) == 1
+    assert tokens == argmax and logprobs == [None] * 4
+    copies.clear()
+    tokens, _ = Sampler(torch.device("cpu"))(logits, seqs_for([SamplingParams(temperature=1.0, top_k=5)] * 4))
+    assert len(copies) == 1
+    assert all(token in top for token, top in zip(tokens, top5, strict=True))
+    copies.clear()
     params = [SamplingParams(temperature=0.0, logprobs=1)] * 4
     tokens, logprobs = Sampler(torch.device("cpu"))(logits, seqs_for(params))
     expected = logits.log_softmax(-1)

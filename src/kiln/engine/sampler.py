@@ -26,7 +26,9 @@ temperature is clamped to float32's smallest normal number, so temperature -> 0 
 
 Isolation: a request the sampler cannot serve (a seed outside what a generator takes; logits that
 are not finite: a NaN, +inf, or every token -inf) makes it raise SamplingError naming those
-requests, before it draws anything for any row, so the caller can drop them and run the step again.
+requests, with nothing drawn for any row (a refused seed is seen before the draw; non-finite logits
+with the tokens, in the step's one copy to the host, after which the shared generator is put back as
+it was), so the caller can drop them and run the step again.
 """
 
 from __future__ import annotations
@@ -72,15 +74,12 @@ class Sampler:
         names the requests whose seed is refused or whose logits are not finite."""
         params = [s.params for s in seqs]
         failures = self.seed_failures(seqs)
+        if failures:  # refused seeds: known on the host, before anything is drawn
+            raise SamplingError(failures)
         if all(p.greedy for p in params):
-            token_list = self._greedy(logits, seqs)
-            tokens = None
+            token_list, tokens = self._greedy(logits, seqs), None
         else:
-            failures.update(non_finite_failures(logits.amax(dim=-1), seqs))
-            if failures:
-                raise SamplingError(failures)
-            tokens = self._sample(logits, seqs)
-            token_list = tokens.tolist()
+            token_list, tokens = self._drawn(logits, seqs)
         logprobs: list[dict[int, float] | None] = [None] * len(seqs)
         if any(p.logprobs is not None for p in params):
             if tokens is None:
@@ -100,6 +99,19 @@ class Sampler:
         if not all(both[1]):
             raise SamplingError(non_finite_failures(top, seqs))
         return both[0]
+
+    def _drawn(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
+        """The sampled tokens (a list, and int64 [N] on logits' device), or SamplingError naming the rows
+        that are not finite. The draw comes first and both reach the host in one copy (one GPU sync);
+        on a failure the shared generator is put back, so for every later draw nothing was drawn."""
+        state = self.generator.get_state()
+        tokens = self._sample(logits, seqs)
+        top = logits.amax(dim=-1)
+        both = torch.stack((tokens, torch.isfinite(top).to(tokens.dtype))).tolist()
+        if not all(both[1]):
+            self.generator.set_state(state)
+            raise SamplingError(non_finite_failures(top, seqs))
+        return both[0], tokens
 
     @staticmethod
     def seed_failures(seqs: list[Sequence]) -> dict[str, str]:
