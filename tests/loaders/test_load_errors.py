@@ -303,13 +303,19 @@ def test_unread_tensors_outside_the_layers_are_a_warning_rope_tables_ignored(hf_
     tensors = load_file(d / "model.safetensors")
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # older checkpoints saved it
     tensors["vision_tower.proj.weight"] = torch.ones(2, 2)
-    # an FP8 checkpoint's KV-cache scales: Kiln's fp8 cache has its own
+    # an FP8 checkpoint's KV-cache scales are kept (LoadedModel.kv_scales, for kv_cache_scales
+    # "checkpoint"); an attention scale Kiln has no use for (q_proj.output_scale) is unused, a warning
     tensors["model.layers.1.self_attn.k_scale"] = torch.ones(())
     tensors["model.layers.1.self_attn.v_proj.v_scale"] = torch.ones(())
+    tensors["model.layers.1.self_attn.q_proj.output_scale"] = torch.ones(())
     save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
     with caplog.at_level("WARNING", logger="kiln.loaders"):
-        load_model(str(d))
-    assert "vision_tower.proj.weight" in caplog.text and "self_attn.k_scale" in caplog.text
+        loaded = load_model(str(d))
+    assert "vision_tower.proj.weight" in caplog.text and "q_proj.output_scale" in caplog.text
+    assert "self_attn.k_scale" not in caplog.text and "v_proj.v_scale" not in caplog.text
+    assert [(k[0], v[0]) for k, v in loaded.kv_scales.layers[1:]] == [
+        ("model.layers.1.self_attn.k_scale", "model.layers.1.self_attn.v_proj.v_scale")
+    ]
     assert "inv_freq" not in caplog.text
 
 

@@ -155,7 +155,9 @@ def run_rank(group: TPGroup | PipelineGroup, device_type: str) -> None:
     num_blocks = agree_on_blocks(error, num_blocks, group)
     kv_cache_dtype = kv_cache_dtype_for(config, loaded.model)
     # rank 0 calibrates at this point of its LLMEngine start-up too
-    kv_calibration = engine_kv_calibration(config, loaded.model, loaded.tokenizer, kv_cache_dtype, pipeline)
+    kv_calibration = engine_kv_calibration(
+        config, loaded.model, loaded.tokenizer, kv_cache_dtype, pipeline, checkpoint_scales=loaded.kv_scales
+    )
     # rank 0's runner has the same cache; only CUDA graphs would read max_model_len, and TP runs eagerly
     stage_args = {"group": group, "micro_batches": setup["micro_batches"]} if pipeline else {}
     runner = (PipelineStageRunner if pipeline else ModelRunner)(

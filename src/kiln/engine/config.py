@@ -22,7 +22,7 @@ KV_CACHE_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
 }
-KV_CACHE_SCALES = ("calibrated", "unit")  # EngineConfig.kv_cache_scales
+KV_CACHE_SCALES = ("calibrated", "unit", "checkpoint")  # EngineConfig.kv_cache_scales
 
 
 @dataclass
@@ -60,9 +60,14 @@ class EngineConfig:
         (docs/contracts.md, "FP8 KV cache", has the greedy-token agreement measured).
     kv_cache_scales: for an fp8 cache, "calibrated" (measured at start-up by one prefill of Kiln's
         calibration text through the model, kiln.engine.kv_scales: per head, keys centred on their
-        mean, which attention ignores, and scales at twice the peaks over 448) or "unit" (1.0, as
-        vLLM uses when a checkpoint gives none). Under tensor parallelism each rank calibrates its
-        own heads at the same start-up point; under pipeline parallelism the scales stay 1.0 (logged).
+        mean, which attention ignores, and scales at twice the peaks over 448), "unit" (1.0, as
+        vLLM uses when a checkpoint gives none) or "checkpoint" (the per-layer k and v scales a quantized
+        checkpoint ships, as vLLM uses them: compressed-tensors' kv_cache_scheme, self_attn.k_scale /
+        v_scale, one per tensor or one per kv head; keys not centred; kiln.loaders.kv_scales; a
+        ValueError at start-up when the checkpoint has none). A 16-bit cache ignores this ("checkpoint"
+        logs that it does). Under tensor parallelism each rank calibrates its own heads at the same
+        start-up point, or takes its heads' slice of per-head checkpoint scales; under pipeline
+        parallelism calibrated scales stay 1.0 (logged), checkpoint scales apply.
     kv_cache_exact_window: for an fp8 cache, every sequence's first block and its last this many
         positions are also kept unrounded (float16) and attention reads them from there
         (kiln.engine.exact_kv): the attention sink and the recent tokens, where e4m3's rounding flips

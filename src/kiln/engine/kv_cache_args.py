@@ -23,9 +23,9 @@ def exact_window_arg(text: str) -> int | None:
 
 
 def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    """--kv-cache-dtype auto|bfloat16|bf16|float16|fp16|fp8|fp8_e4m3, --kv-cache-scales calibrated|unit
-    and --kv-cache-exact-window N|off (EngineConfig's kv_cache_dtype, kv_cache_scales and
-    kv_cache_exact_window)."""
+    """--kv-cache-dtype auto|bfloat16|bf16|float16|fp16|fp8|fp8_e4m3, --kv-cache-scales
+    calibrated|unit|checkpoint and --kv-cache-exact-window N|off (EngineConfig's kv_cache_dtype,
+    kv_cache_scales and kv_cache_exact_window)."""
     parser.add_argument(
         "--kv-cache-dtype",
         choices=list(KV_CACHE_DTYPES),
@@ -38,7 +38,8 @@ def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(KV_CACHE_SCALES),
         default="calibrated",
         help="fp8 KV cache: calibrated = per-head scales and centred keys measured by one prefill at "
-        "start-up; unit = scales 1.0",
+        "start-up; unit = scales 1.0; checkpoint = the k/v scales a quantized checkpoint ships "
+        "(compressed-tensors kv_cache_scheme: self_attn.k_scale / v_scale), as vLLM uses them",
     )
     parser.add_argument(
         "--kv-cache-exact-window",

@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from kiln.loaders.kv_scales import CheckpointKVScales
 from kiln.models.calibration import prefill, read_text
 from kiln.ops.attention.validate import FP8_DTYPES
 
@@ -78,14 +79,43 @@ def calibrate_kv_cache(
 
 
 def engine_kv_calibration(
-    config, model: torch.nn.Module, tokenizer, kv_cache_dtype: torch.dtype, pipeline: bool = False
+    config,
+    model: torch.nn.Module,
+    tokenizer,
+    kv_cache_dtype: torch.dtype,
+    pipeline: bool = False,
+    checkpoint_scales: CheckpointKVScales | None = None,
 ):
-    """ModelRunner's kv_calibration for an engine: calibrate_kv_cache on Kiln's calibration text when
-    the cache is fp8 and config.kv_cache_scales is "calibrated", else None (also when the tokenizer
-    writes that text as fewer than MIN_DISTINCT_CALIBRATION_TOKENS distinct ids). Under tensor parallelism
-    every rank calls it at the same point (the prefill's collectives pair up) and gets its own heads;
-    a pipeline stage holds only some layers, so there (`pipeline`) the scales stay 1.0, logged."""
-    if kv_cache_dtype not in FP8_DTYPES or config.kv_cache_scales != "calibrated":
+    """ModelRunner's kv_calibration for an engine, per layer (k_scale, v_scale, k_shift or None), or None
+    (scales 1.0). For an fp8 cache, by config.kv_cache_scales:
+      "calibrated": calibrate_kv_cache on Kiln's calibration text (None when the tokenizer writes that
+        text as fewer than MIN_DISTINCT_CALIBRATION_TOKENS distinct ids, logged);
+      "checkpoint": the scales the checkpoint ships (`checkpoint_scales`, LoadedModel.kv_scales, for the
+        layers and kv heads this model holds), no key shift; ValueError when it ships none;
+      "unit": None.
+    Another cache ignores kv_cache_scales ("checkpoint" says so in the log). Under tensor parallelism every
+    rank calls it at the same point (the calibration prefill's collectives pair up) and gets its own
+    heads; a pipeline stage holds only some layers, so there (`pipeline`) calibration is skipped (scales
+    1.0, logged) while the checkpoint's scales of the stage's layers apply as they are."""
+    choice = config.kv_cache_scales
+    if kv_cache_dtype not in FP8_DTYPES:
+        if choice == "checkpoint":
+            logger.warning(
+                "kv_cache_scales='checkpoint' applies to an fp8 KV cache; this %s cache ignores it "
+                "(kv_cache_dtype 'fp8' uses the checkpoint's scales)",
+                str(kv_cache_dtype).removeprefix("torch."),
+            )
+        return None
+    if choice == "checkpoint":
+        return checkpoint_kv_calibration(config, checkpoint_scales)
+    if checkpoint_scales is not None:
+        logger.info(
+            "fp8 KV cache: %s ships k/v scales, not used (kv_cache_scales=%r); kv_cache_scales 'checkpoint' "
+            "(--kv-cache-scales checkpoint) uses them",
+            checkpoint_scales.source,
+            choice,
+        )
+    if choice != "calibrated":
         return None
     if pipeline:
         logger.warning("fp8 KV cache under pipeline parallelism: scales 1.0, keys not centred")
@@ -101,3 +131,21 @@ def engine_kv_calibration(
         )
         return None
     return calibrate_kv_cache(model, token_ids)
+
+
+def checkpoint_kv_calibration(
+    config, checkpoint_scales: CheckpointKVScales | None
+) -> list[tuple[torch.Tensor, torch.Tensor, None]]:
+    """Per layer (k_scale, v_scale float32 [num_kv_heads], None): the checkpoint's scales as the fp8 cache
+    takes them (stored = value / scale, the convention of compressed-tensors and vLLM), keys not
+    shifted. ValueError naming the checkpoint when it ships none; ModelLoadError naming the tensor for a
+    scale of another shape or not finite and > 0 (CheckpointKVScales.per_head)."""
+    if checkpoint_scales is None:
+        raise ValueError(
+            f"EngineConfig: kv_cache_scales='checkpoint', but {config.model or 'the model'} ships no "
+            "KV-cache scales (no model.layers.N.self_attn.k_scale / v_scale tensors, as a compressed-tensors "
+            "checkpoint with a kv_cache_scheme has); use kv_cache_scales 'calibrated' (the default) or 'unit'"
+        )
+    scales = [(k, v, None) for k, v in checkpoint_scales.per_head()]
+    logger.info("fp8 KV cache: the k/v scales %s ships (%d layers)", checkpoint_scales.source, len(scales))
+    return scales

@@ -78,7 +78,12 @@ class LLMEngine:
         self.scheduler = self.new_scheduler(config.max_num_seqs)
         # one process or tensor parallelism (whose workers calibrate at the same point); not a pipeline
         kv_calibration = engine_kv_calibration(
-            config, self.model, self.tokenizer, kv_cache_dtype, pipeline=runner_class is not ModelRunner
+            config,
+            self.model,
+            self.tokenizer,
+            kv_cache_dtype,
+            pipeline=runner_class is not ModelRunner,
+            checkpoint_scales=getattr(loaded, "kv_scales", None),  # test doubles of LoadedModel lack it
         )
         self.runner = runner_class(
             self.model,

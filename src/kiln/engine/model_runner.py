@@ -122,15 +122,17 @@ def allocate_layer_kv_cache(
 ) -> tuple[torch.Tensor, torch.Tensor] | LayerKVCache:
     """One layer's cache: (key_cache, value_cache) of `shape` [num_blocks, block_size, num_kv_heads,
     head_dim]; for an fp8 dtype a LayerKVCache of those plus k_scale and v_scale float32
-    [num_kv_heads] (ones, or with `calibration`, one layer of kiln.engine.kv_scales.calibrate_kv_cache,
-    the measured scales and the key shift float32 [num_kv_heads, head_dim]) and, with `exact_kv`, its
+    [num_kv_heads] (ones, or with `calibration`, one layer of kiln.engine.kv_scales.engine_kv_calibration:
+    its scales and the key shift float32 [num_kv_heads, head_dim] or None) and, with `exact_kv`, its
     exact caches."""
     # zeros, not empty: masked-out lanes of a partly filled block must not hold NaN bit patterns
     caches = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
     if dtype not in FP8_DTYPES:
         return caches
     if calibration is not None:  # copies: calibration may have made them in inference mode
-        scales = tuple(t.to(device=device, dtype=torch.float32).clone() for t in calibration)
+        scales = tuple(
+            None if t is None else t.to(device=device, dtype=torch.float32).clone() for t in calibration
+        )
     else:
         num_kv_heads = shape[2]
         ones = (torch.ones(num_kv_heads, dtype=torch.float32, device=device) for _ in range(2))
@@ -147,8 +149,8 @@ class ModelRunner:
     kv_caches: per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
     of kv_cache_dtype (None = model.kv_cache_dtype) on the model's device; an fp8 cache's layers are
     (key_cache, value_cache, k_scale, v_scale[, k_shift]), the scales float32 [num_kv_heads]: 1.0, or
-    with `kv_calibration` (per layer (k_scale, v_scale, k_shift), see kiln.engine.kv_scales) the
-    measured ones and the keys' shift (EngineConfig.kv_cache_scales).
+    with `kv_calibration` (per layer (k_scale, v_scale, k_shift or None), see kiln.engine.kv_scales) the
+    measured or the checkpoint's ones and the keys' shift (EngineConfig.kv_cache_scales).
     before_forward: called with each step's ModelInputs before the model runs (rank 0 of a
     tensor-parallel group broadcasts them there).
     """
@@ -183,6 +185,10 @@ class ModelRunner:
                 f"ModelRunner: kv_calibration has {len(kv_calibration)} layers, the model {cfg.num_layers}"
             )
         self.kv_calibrated = kv_calibration is not None and dtype in FP8_DTYPES
+        self.kv_scales_description = "scales 1.0"
+        if self.kv_calibrated:  # engine_kv_calibration shifts keys with its own scales, not a checkpoint's
+            shifted = kv_calibration[0][2] is not None
+            self.kv_scales_description = "calibrated scales, centred keys" if shifted else "checkpoint scales"
         if exact_kv is not None and dtype not in FP8_DTYPES:
             raise ValueError(f"ModelRunner: exact positions are for an fp8 cache, not {dtype}")
         self.exact_kv = exact_kv
@@ -228,7 +234,7 @@ class ModelRunner:
         nbytes = sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer if t is not None)
         dtype = str(self.kv_cache_dtype).removeprefix("torch.")
         if self.kv_cache_dtype in FP8_DTYPES:
-            dtype += " (calibrated scales, centred keys)" if self.kv_calibrated else " (scales 1.0)"
+            dtype += f" ({self.kv_scales_description})"
         if self.exact_kv is not None:
             layout = self.exact_kv
             dtype += (

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.loaders.gguf import load_gguf
+from kiln.loaders.kv_scales import CheckpointKVScales, read_kv_scales
 from kiln.loaders.random_weights import RandomTokenizer, is_random_spec, load_random
 from kiln.loaders.safetensors import load_safetensors_dir
 from kiln.loaders.tokenizer import Tokenizer
@@ -63,9 +64,14 @@ DEFAULT_LM_HEAD_FORMAT = "fp16"
 
 @dataclass
 class LoadedModel:
+    """A built model, its tokenizer and config; kv_scales: the FP8 KV-cache scales its checkpoint ships
+    for the layers (and, under tensor parallelism, the kv heads) it holds, None when it ships none
+    (kiln.loaders.kv_scales; an engine uses them with EngineConfig(kv_cache_scales="checkpoint"))."""
+
     model: torch.nn.Module
     tokenizer: Tokenizer | RandomTokenizer
     config: ModelConfig
+    kv_scales: CheckpointKVScales | None = None
 
 
 @dataclass
@@ -196,25 +202,26 @@ def load_model(
             **kwargs,
         )
     model.eval()
+    layers = range(*pipeline_layers) if pipeline_layers is not None else None
+    kv_scales = read_kv_scales(
+        checkpoint.weights, checkpoint.config, layers or range(checkpoint.config.num_layers), tp_group
+    )
     # a pipeline stage reads its own layers only, an expert-parallel rank its own experts
     check_all_read(
-        checkpoint.weights,
-        checkpoint.config,
-        layers=range(*pipeline_layers) if pipeline_layers is not None else None,
-        experts_split=expert_parallel_size(tp_group) > 1,
+        checkpoint.weights, checkpoint.config, layers=layers, experts_split=expert_parallel_size(tp_group) > 1
     )
     if not parallel_rank:
         smooth_w8a8_linears(model, checkpoint.tokenizer)  # W8A8 CPU formats only: one calibration prefill
     elif w8a8_linears(model):  # a prefill here would need every rank or stage at once
         logger.warning("W8A8 on a tensor / pipeline parallel rank: SmoothQuant is not applied")
-    return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, config=checkpoint.config)
+    return LoadedModel(model, checkpoint.tokenizer, checkpoint.config, kv_scales)
 
 
 # stored tensors no model reads and nothing is lost without: RoPE tables older checkpoints saved
 _DERIVED = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
-# FP8 KV-cache scales (compressed-tensors' kv_cache_scheme: self_attn.k_scale / v_scale; AutoFP8's
-# k_proj.k_scale, v_proj.v_scale, kv_scale; output_scale): Kiln's fp8 cache keeps scales of its own
-# (kiln.engine.kv_scales), so these are unused, not lost: a warning, not an error
+# FP8 KV-cache / attention scales: the k and v ones kiln.loaders.kv_scales knows are read into
+# LoadedModel.kv_scales (an fp8 cache uses them with kv_cache_scales "checkpoint", else keeps scales of its
+# own); others (q_proj.output_scale, ...) are unused, not lost: a warning, not an error
 _KV_SCALES = re.compile(r"\.(k_scale|v_scale|kv_scale|output_scale)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _ONE_EXPERT = re.compile(r"\.experts\.\d+\.")

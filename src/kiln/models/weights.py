@@ -83,6 +83,11 @@ class WeightStore:
     def names(self) -> list[str]:
         return list(self._loaders)
 
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        """The shape `name` is stored with (for tensors whose shape the reader does not fix, such as a
+        KV-cache scale: [], [1] or [num_kv_heads, 1, 1]); KeyError when it is not stored."""
+        return tuple(self._loaders[name][0])
+
     def unread(self) -> list[str]:
         """The stored tensors no `get` has asked for (after a model is built: what it runs without)."""
         return [name for name in self._loaders if name not in self.used]
