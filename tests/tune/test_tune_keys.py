@@ -118,7 +118,9 @@ def test_kiln_tune_fused_moe_config_is_used_by_its_launcher(monkeypatch, device)
     result = tune_shape(FUSED_MOE, "triton", shape, dtype, device, budget=2, timing_kwargs={"reps": 3})
     assert result.best is not None and "fp8=False" in result.cache_key and "skew" not in result.cache_key
     stored = json.loads(tune_cache.user_cache_path().read_text())["entries"]
-    assert list(stored) == [result.cache_key] and stored[result.cache_key]["shape"] == shape
+    # the shape's own entry and its bucket's, which names it
+    (bucket,) = (key for key in stored if key != result.cache_key)
+    assert stored[bucket]["from"] == result.cache_key and stored[result.cache_key]["shape"] == shape
 
     inputs = FUSED_MOE.make_inputs(shape, dtype, device, torch.Generator().manual_seed(7))
     key, config = _launcher_lookup(monkeypatch, FUSED_MOE, "triton", inputs)
@@ -169,8 +171,9 @@ RACE_WORKER = textwrap.dedent(
 
 
 def test_concurrent_writers_keep_every_entry(tmp_path):
-    """Two processes store 40 distinct keys each into one cache at the same time: all 80 are kept
-    (without the lock, 40-63 of 80 were, the last writer dropping what the other wrote meanwhile)."""
+    """Two processes store 40 distinct shapes each into one cache at the same time: all 80 are kept,
+    each under two keys (without the lock, 40-63 of 80 were, the last writer dropping what the other
+    wrote meanwhile)."""
     cache, start, n = tmp_path / "tune.json", tmp_path / "start", 40
     env = {**os.environ, "KILN_TUNE_CACHE": str(cache)}
     procs = [
@@ -192,5 +195,5 @@ def test_concurrent_writers_keep_every_entry(tmp_path):
             if p.poll() is None:
                 p.kill()
     entries = json.loads(cache.read_text())["entries"]
-    assert len(entries) == 2 * n
+    assert len(entries) == 2 * 2 * n  # each store: the shape's exact key and its bucket's
     assert {key.split("|")[2] for key in entries} == {"op_a", "op_b"}

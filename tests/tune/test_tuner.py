@@ -134,12 +134,29 @@ def test_tune_command_stores_and_exports_the_shipped_format(tmp_path, monkeypatc
     shipped = tune_cache.shipped_path(device)  # cpu.json here, e.g. nvidia-h100-80gb-hbm3.json on an H100
     assert shipped.parent == tmp_path / "configs"
     entries = json.loads(shipped.read_text())["entries"]
-    (key,) = entries
-    assert key.startswith(f"{tune_cache.device_name(device)}|triton-")
-    assert "|planted_scale|float32|n=1024" in key
+    exact, bucket = sorted(entries, key=lambda k: "from" in entries[k])  # the shape's, then its bucket's
+    for key in entries:
+        assert key.startswith(f"{tune_cache.device_name(device)}|triton-")
+    assert exact.endswith("|planted_scale|float32=n=777") and bucket.endswith("|planted_scale|float32|n=1024")
+    assert entries[bucket]["from"] == exact
     # with the user cache gone, the launcher falls back to the shipped file
     tune_cache.user_cache_path().unlink()
     monkeypatch.setattr(tune_cache, "_user_entries", None)
-    assert kiln.tune.lookup("planted_scale", torch.float32, {"n": 777}, device) == entries[key]["config"]
+    assert kiln.tune.lookup("planted_scale", torch.float32, {"n": 777}, device) == entries[exact]["config"]
     x = torch.randn(777, device=device)
     torch.testing.assert_close(scale_triton(x), x * 2 + 1)
+
+
+def test_two_tuned_shapes_in_one_bucket_keep_their_own_winners(tmp_path, monkeypatch):
+    """n = 600 and n = 1000 share the bucket n = 1024: the later store replaced the earlier one's winner,
+    so n = 600 ran n = 1000's config. Each now keeps its own; an untuned n = 800 gets the bucket's
+    (the later)."""
+    monkeypatch.setenv("KILN_TUNE_CACHE", str(tmp_path / "tune.json"))
+    monkeypatch.setattr(tune_cache, "_user_entries", None)
+    cpu = torch.device("cpu")
+    tune_cache.store("op_x", torch.float32, {"n": 600}, {"BLOCK": 32}, device=cpu)
+    tune_cache.store("op_x", torch.float32, {"n": 1000}, {"BLOCK": 128}, device=cpu)
+    assert tune_cache.lookup("op_x", torch.float32, {"n": 600}, cpu) == {"BLOCK": 32}
+    assert tune_cache.lookup("op_x", torch.float32, {"n": 1000}, cpu) == {"BLOCK": 128}
+    assert tune_cache.lookup("op_x", torch.float32, {"n": 800}, cpu) == {"BLOCK": 128}
+    assert tune_cache.lookup("op_x", torch.float32, {"n": 2000}, cpu) is None

@@ -1,8 +1,12 @@
 """The persistent autotuning cache that kernels read at run time (so production start-up does no tuning).
 
-Keyed by (device name, Triton version, op, dtype, shape bucket). Two layers, the first match wins:
+Keyed by (device name, Triton version, op, dtype, shape). Two layers:
   1. the user's cache, `$KILN_TUNE_CACHE` or ~/.cache/kiln/tune.json (written by `kiln tune`);
   2. caches shipped with Kiln under kiln/ops/shipped_configs/*.json (tuned on real GPUs and committed).
+A tuned shape is stored twice: under its exact shape and under its bucket (integers rounded up to a
+power of two), which serves the untuned shapes near it. `lookup` takes the exact entry from either
+layer first, then the bucket's (user first): two tuned shapes that share a bucket each keep their own
+winner (the bucket holds the later one).
 A launcher calls `lookup(op, dtype, shape)` with a shape dict it builds from its arguments, and falls
 back to its heuristic when that returns None. That call is the one definition of the op's key:
 `kiln tune` does not rebuild it from the OpSpec's shape, it runs the launcher on the tuned inputs up
@@ -65,8 +69,16 @@ def shape_bucket(shape: dict[str, Any]) -> str:
 
 
 def cache_key(op: str, dtype: torch.dtype, shape: dict[str, Any], device: torch.device | None = None) -> str:
+    """The bucket's key: every shape whose integers round up to the same powers of two shares it."""
     dtype_name = str(dtype).replace("torch.", "")
     return f"{device_name(device)}|triton-{triton_version()}|{op}|{dtype_name}|{shape_bucket(shape)}"
+
+
+def exact_key(op: str, dtype: torch.dtype, shape: dict[str, Any], device: torch.device | None = None) -> str:
+    """The key of this shape alone (its values as they are, after "=" where the bucket's has "|")."""
+    dtype_name = str(dtype).replace("torch.", "")
+    exact = ",".join(f"{key}={shape[key]}" for key in sorted(shape))
+    return f"{device_name(device)}|triton-{triton_version()}|{op}|{dtype_name}={exact}"
 
 
 def user_cache_path() -> Path:
@@ -147,11 +159,12 @@ def launcher_request(launcher: Callable[..., Any], inputs: dict[str, Any], op: s
 def lookup(
     op: str, dtype: torch.dtype, shape: dict[str, Any], device: torch.device | None = None
 ) -> dict | None:
-    """The tuned config for this op/dtype/shape bucket on this device, or None (use the heuristic)."""
+    """The tuned config for this op/dtype/shape on this device (the shape's own, else its bucket's), or
+    None (use the heuristic)."""
     if _probe.op == op:  # under `launcher_request`: stop the launcher here
         raise _Asked(LookupRequest(op, dtype, dict(shape), device))
-    key = cache_key(op, dtype, shape, device)
-    entry = _user().get(key) or _shipped().get(key)
+    exact, bucket = exact_key(op, dtype, shape, device), cache_key(op, dtype, shape, device)
+    entry = _user().get(exact) or _shipped().get(exact) or _user().get(bucket) or _shipped().get(bucket)
     return dict(entry["config"]) if entry else None
 
 
@@ -164,13 +177,16 @@ def store(
     path: Path | None = None,
     device: torch.device | None = None,
 ) -> str:
-    """Record a tuned config (with optional metadata such as its time) in the user's cache."""
+    """Record a tuned config (with optional metadata such as its time) in the user's cache, under the
+    shape's exact key and its bucket's (the bucket's entry names the exact key it came from). Returns
+    the exact key."""
     global _user_entries
     path = path or user_cache_path()
-    key = cache_key(op, dtype, shape, device)
+    key, bucket = exact_key(op, dtype, shape, device), cache_key(op, dtype, shape, device)
     with _locked(path):
         entries = _read(path)
         entries[key] = {"config": config, **(meta or {})}
+        entries[bucket] = {**entries[key], "from": key}
         _write(path, entries)
     _user_entries = None
     return key
@@ -221,6 +237,8 @@ def export(
     missing = [key for key in keys if key not in user]
     if missing:
         raise ValueError(f"kiln tune export: {len(missing)} key(s) not in {user_cache_path()}: {missing[0]}")
+    # with each exact entry, the bucket entry made from it (one that a later shape took over stays)
+    keys = list(keys) + [bucket for bucket, entry in user.items() if entry.get("from") in set(keys)]
     with _locked(path):
         entries = _read(path)
         entries.update({key: user[key] for key in keys})
