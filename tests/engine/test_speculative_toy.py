@@ -14,6 +14,7 @@ from kiln.engine.block_manager import block_hash
 from kiln.engine.sequence import Sequence, SequenceStatus
 from kiln.engine.speculative import SpeculativeConfig
 from kiln.engine.speculative.ngram import NgramProposer, ngram_propose
+from kiln.loaders import LoadedModel
 
 from .toy_model import ToyTokenizer, toy_loaded
 
@@ -196,7 +197,7 @@ def test_eos_inside_a_speculated_run_ends_the_request_there(loaded, mid_run):
     class Tokenizer(ToyTokenizer):
         eos_token_ids = [token]
 
-    custom = SimpleNamespace(model=loaded.model, tokenizer=Tokenizer(), config=loaded.config)
+    custom = LoadedModel(model=loaded.model, tokenizer=Tokenizer(), config=loaded.config)
     params = SamplingParams(max_tokens=32, temperature=0.0)
     plain = make_llm(custom).generate(PROMPTS[p], params)[0]
     spec = make_llm(custom, ngram()).generate(PROMPTS[p], params)[0]

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import torch
 
+from kiln.loaders import LoadedModel
+
 VOCAB = 64
 EOS = 1
 
@@ -105,4 +107,4 @@ class ToyModel(torch.nn.Module):
 
 def toy_loaded(seed: int = 0, max_pos: int = 4096):
     model = ToyModel(seed=seed, max_pos=max_pos)
-    return SimpleNamespace(model=model, tokenizer=ToyTokenizer(), config=model.config)
+    return LoadedModel(model=model, tokenizer=ToyTokenizer(), config=model.config)

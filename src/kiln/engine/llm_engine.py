@@ -83,7 +83,7 @@ class LLMEngine:
             self.tokenizer,
             kv_cache_dtype,
             pipeline=runner_class is not ModelRunner,
-            checkpoint_scales=getattr(loaded, "kv_scales", None),  # test doubles of LoadedModel lack it
+            checkpoint_scales=loaded.kv_scales,
         )
         self.runner = runner_class(
             self.model,
