@@ -294,13 +294,17 @@ def test_a_batch_copies_its_tokens_to_the_host_once(monkeypatch):
     top5 = [set(row) for row in logits.topk(5).indices.tolist()]
     copies = []
     real_tolist = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: copies.append(t.shape) or real_tolist(t))
+    real_bool, real_item = torch.Tensor.__bool__, torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: copies.append("tolist") or real_tolist(t))
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: copies.append("bool") or real_bool(t))
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: copies.append("item") or real_item(t))
     tokens, logprobs = Sampler(torch.device("cpu"))(logits, seqs_for([SamplingParams(temperature=0.0)] * 4))
-    assert len(copies) == 1
+    assert copies == ["tolist"]
     assert tokens == argmax and logprobs == [None] * 4
     copies.clear()
-    tokens, _ = Sampler(torch.device("cpu"))(logits, seqs_for([SamplingParams(temperature=1.0, top_k=5)] * 4))
-    assert len(copies) == 1
+    nucleus = SamplingParams(temperature=1.0, top_k=5, top_p=0.9)  # top-p over top-k asked bool() too
+    tokens, _ = Sampler(torch.device("cpu"))(logits, seqs_for([nucleus] * 4))
+    assert copies == ["tolist"]
     assert all(token in top for token, top in zip(tokens, top5, strict=True))
     copies.clear()
     params = [SamplingParams(temperature=0.0, logprobs=1)] * 4

@@ -49,8 +49,9 @@ _NEG_INF = float("-inf")
 class SamplingError(RuntimeError):
     """Sampling could not start for some requests of the batch.
 
-    failures: request_id -> what went wrong. The sampler raises it before drawing anything, so the
-    step can be run again without the failed requests. A seeded request then samples exactly what it
+    failures: request_id -> what went wrong. The sampler raises it with nothing drawn (a refused seed
+    before the draw; non-finite logits after it, the shared generator put back), so the step can be
+    run again without the failed requests. A seeded request then samples exactly what it
     would have (its noise is keyed by (seed, position)); an unseeded one may get other (equally
     distributed) draws when the failure came from the verify step of a speculative batch, after the
     batch's plain rows drew from the shared generator."""
@@ -102,8 +103,9 @@ class Sampler:
 
     def _drawn(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
         """The sampled tokens (a list, and int64 [N] on logits' device), or SamplingError naming the rows
-        that are not finite. The draw comes first and both reach the host in one copy (one GPU sync);
-        on a failure the shared generator is put back, so for every later draw nothing was drawn."""
+        that are not finite. The draw comes first, then tokens and finiteness reach the host in one copy
+        (the filters' small per-row tensors still go the other way, host to device); on a failure the
+        shared generator is put back, so for every later draw nothing was drawn."""
         state = self.generator.get_state()
         tokens = self._sample(logits, seqs)
         top = logits.amax(dim=-1)
@@ -283,10 +285,10 @@ def _top_p_floor(
     width = ranked.shape[1]
     if width < scaled.shape[1]:
         # the last ranked value still at or above the k-th: more tokens tied with it may follow
+        # (computed for every row: asking whether any row needs it would wait for the GPU)
         more = ranked[:, -1:] > _NEG_INF
-        if bool(more.any()):
-            extra = (scaled >= kth).sum(dim=-1, keepdim=True) - width
-            total = total + torch.where(more, extra * kth.exp().double(), 0.0)
+        extra = (scaled >= kth).sum(dim=-1, keepdim=True) - width
+        total = total + torch.where(more, extra * kth.exp().double(), 0.0)
     probs = weights / total
     mass_before = probs.cumsum(dim=-1) - probs
     num_kept = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_min(1)

@@ -123,7 +123,8 @@ class LookupRequest:
 
     @property
     def key(self) -> str:
-        return cache_key(self.op, self.dtype, self.shape, self.device)
+        """The key `store` records these arguments under (the shape's exact key)."""
+        return exact_key(self.op, self.dtype, self.shape, self.device)
 
 
 class _Asked(BaseException):
@@ -238,7 +239,8 @@ def export(
     if missing:
         raise ValueError(f"kiln tune export: {len(missing)} key(s) not in {user_cache_path()}: {missing[0]}")
     # with each exact entry, the bucket entry made from it (one that a later shape took over stays)
-    keys = list(keys) + [bucket for bucket, entry in user.items() if entry.get("from") in set(keys)]
+    exact = set(keys)
+    keys = list(keys) + [bucket for bucket, entry in user.items() if entry.get("from") in exact]
     with _locked(path):
         entries = _read(path)
         entries.update({key: user[key] for key in keys})

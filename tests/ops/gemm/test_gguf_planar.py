@@ -82,7 +82,8 @@ def test_prepared_linear_refuses_planes_of_the_wrong_shape_or_dtype():
     blocks, _ = blocks_and_matrix(8, 256, "Q4_K", torch.Generator().manual_seed(0))
     planes = list(pack_planar(blocks, "Q4_K"))
     x = torch.randn(2, 256)
-    with pytest.raises(ValueError, match=r"gguf_planar_Q4_K scales has shape \(8, 4\), expected \(8, 8\)"):
+    wrong_scales = r"gguf_planar_Q4_K weight\[2\] \(scales\) has shape \(8, 4\), expected \(8, 8\)"
+    with pytest.raises(ValueError, match=wrong_scales):
         kiln.ops.prepared_linear(x, "gguf_planar_Q4_K", [planes[0], planes[1], planes[2][:, :4], planes[3]])
     with pytest.raises(ValueError, match="weight\\[0\\]"):
         kiln.ops.prepared_linear(x, "gguf_planar_Q4_K", [planes[0].float(), *planes[1:]])
@@ -111,3 +112,17 @@ def test_planar_gemm_in_bfloat16_on_gpu(qtype, M):
     planes = [t.cuda() for t in pack_planar(weight, qtype)]
     out = gguf_planar_linear_triton(x.cuda(), planes, qtype)
     assert_close(out.cpu(), x.double() @ matrix.double().T, 8e-3)
+
+
+def test_packing_a_few_rows_at_a_time_gives_the_same_planes(monkeypatch):
+    """pack_planar packs PACK_WEIGHTS weights at a time (its int64 fields peaked at ~26 bytes a weight:
+    ~14 GB for a 128256 x 4096 head at once); the chunks join into the same planes. Empty weights give
+    empty planes of the right shapes."""
+    import kiln.ops.gemm.gguf_planar as planar
+
+    blocks, _ = blocks_and_matrix(37, 512, "Q5_K", torch.Generator().manual_seed(seed()))
+    whole = pack_planar(blocks, "Q5_K")
+    monkeypatch.setattr(planar, "PACK_WEIGHTS", 3 * 512)  # 3 rows a chunk, 13 chunks
+    assert all(torch.equal(a, b) for a, b in zip(whole, pack_planar(blocks, "Q5_K"), strict=True))
+    empty = pack_planar(torch.empty(0, 176, dtype=torch.uint8), "Q5_K")
+    assert [tuple(t.shape) for t in empty] == [(0, 32), (0, 8), (0, 8), (0, 8)]

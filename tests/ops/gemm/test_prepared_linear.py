@@ -232,9 +232,9 @@ def test_int8_stores_per_channel_values_with_bf16_scales_and_runs_them():
 
 
 def test_int8_gives_a_row_the_same_values_alone_and_among_other_rows():
-    """ "int8" runs torch's int8 CPU matmul for every row count, so a row's output does not depend on
-    the rows beside it, bit for bit (measured on SmolLM2's shapes up to its 49152-row head and 130
-    rows; here its gate/up matrix's 1536 x 576). Speculative decoding's verify step and plain decoding
+    """The "int8" format runs torch's int8 CPU matmul for every row count, so a row's output does not
+    depend on the rows beside it, bit for bit (measured on SmolLM2's shapes up to its 49152-row head and
+    130 rows; here its gate/up matrix's 1536 x 576). Speculative decoding's verify step and plain decoding
     part under "int8" because its bf16 rounding magnifies float32 differences elsewhere (README,
     "Formats that round activations to 16 bits"), not in this kernel."""
     g = torch.Generator().manual_seed(seed())

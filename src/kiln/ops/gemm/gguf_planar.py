@@ -32,6 +32,7 @@ import torch
 
 from kiln.quant.gguf_blocks import (
     BLOCK_BYTES,
+    BLOCK_WEIGHTS,
     K_QUANTS,
     KERNEL_QTYPES,
     _bits,
@@ -45,9 +46,11 @@ OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}  # the integer subtracted from q be
 GROUP = {"Q6_K": 16}  # weights per scale (default 32)
 HIGH_BITS = {"Q5_0": 1, "Q5_K": 1, "Q6_K": 2}  # bits of q above the low nibble (qh)
 WITH_MINS = ("Q4_1", "Q4_K", "Q5_K")
+PACK_WEIGHTS = 1 << 22  # weights packed at once (pack_planar's working memory: ~100 MB)
 
 
 def group_size(qtype: str) -> int:
+    """Weights per scale in the planes of qtype: 16 for Q6_K, else 32."""
     return GROUP.get(qtype, 32)
 
 
@@ -108,28 +111,42 @@ def pack_planar(
         raise ValueError(
             f"pack_planar: qtype {qtype!r} unsupported, expected one of {', '.join(KERNEL_QTYPES)}"
         )
-    device = qweight.device
-    q, scales, mins = _fields(qweight.cpu(), qtype)
+    blocks = qweight.cpu()
+    k = blocks.shape[1] // BLOCK_BYTES[qtype] * BLOCK_WEIGHTS[qtype]
+    if blocks.numel() == 0:  # no rows or no columns: planes of the right shapes, nothing to read
+        dtypes = (torch.int8 if qtype == "Q8_0" else torch.int32, torch.int32, torch.float32, torch.float32)
+        shapes = planar_shapes(blocks.shape[0], k, qtype)
+        return tuple(
+            torch.empty(s, dtype=d, device=qweight.device) for s, d in zip(shapes, dtypes, strict=True)
+        )
+    # a few rows at a time: the fields are int64 while they are packed (~26 bytes a weight at once)
+    step = max(1, PACK_WEIGHTS // k)
+    parts = [_pack_rows(blocks[i : i + step], qtype) for i in range(0, blocks.shape[0], step)]
+    return tuple(torch.cat(planes).to(qweight.device) for planes in zip(*parts, strict=True))
+
+
+def _pack_rows(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, ...]:
+    q, scales, mins = _fields(blocks, qtype)
     n = q.shape[0]
-    if qtype == "Q8_0":
-        qs = q.to(torch.int8)
-    else:
-        qs = _words(q & 0xF, 4)
+    qs = q.to(torch.int8) if qtype == "Q8_0" else _words(q & 0xF, 4)
     bits = HIGH_BITS.get(qtype, 0)
     qh = _words(q >> 4, bits) if bits else torch.empty(n, 0, dtype=torch.int32)
     if mins is None:
         mins = torch.empty(n, 0, dtype=torch.float32)
-    return tuple(t.contiguous().to(device) for t in (qs, qh, scales, mins))
+    return qs, qh, scales, mins
 
 
 def _unwords(words: torch.Tensor, width: int) -> torch.Tensor:
+    """int32 [N, W] -> int64 [N, W * 32 / width]: `_words` undone."""
     per_word = 32 // width
     shifts = torch.arange(per_word, dtype=torch.int64, device=words.device) * width
     fields = (words.long()[..., None] >> shifts) & ((1 << width) - 1)
     return fields.reshape(words.shape[0], -1)
 
 
-def planar_matrix(tensors, qtype: str, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def planar_matrix(
+    tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], qtype: str, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
     """The [N, K] matrix the planes stand for, computed in float64 (exact) or float32 (the kernel's
     arithmetic), returned in `dtype`."""
     qs, qh, scales, mins = tensors

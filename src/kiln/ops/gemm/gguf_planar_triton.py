@@ -32,8 +32,9 @@ from kiln.ops.gemm.tiling import (
     tile_program,
 )
 
-# K tiles of up to 64 inputs (float32 x: 32): as int4_linear, whose [16, 64, 64] tile compiles for sm_90
-# at 64-72 registers, a deeper one spills the decoded [BLOCK_K, BLOCK_N] tile
+# The heuristic's K tiles: up to 64 inputs (float32 x: 32), as int4_linear, whose [16, 64, 64] tile
+# compiles for sm_90 at 64-72 registers; a deeper one spills the decoded [BLOCK_K, BLOCK_N] tile. By
+# wide (float32) operands.
 MAX_BLOCK_K = {False: 64, True: 32}
 
 
@@ -45,7 +46,7 @@ def _per_group(values, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
-def _fields(words, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bit_fields(words, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """int32 words [BLOCK_K * WIDTH / 32, BLOCK_N] -> their WIDTH-bit fields [BLOCK_K, BLOCK_N], field
     i of word j at row j * 32 / WIDTH + i."""
     PER_WORD: tl.constexpr = 32 // WIDTH
@@ -84,13 +85,13 @@ def _gguf_planar_kernel(
             )
             w_mask = (offs_w * 8 < k_end)[:, None] & n_mask[None, :]
             words = tl.load(qs_ptr + n64 * stride_qn + offs_w[:, None], mask=w_mask, other=0)
-            q = _fields(words, 4, BLOCK_K, BLOCK_N)
+            q = _bit_fields(words, 4, BLOCK_K, BLOCK_N)
             if HIGH_BITS > 0:
                 H: tl.constexpr = 32 // HIGH_BITS  # weights per high-bits word
                 offs_h = k0 // H + tl.arange(0, BLOCK_K // H)
                 h_mask = (offs_h * H < k_end)[:, None] & n_mask[None, :]
                 high = tl.load(qh_ptr + n64 * stride_hn + offs_h[:, None], mask=h_mask, other=0)
-                q = q | (_fields(high, HIGH_BITS, BLOCK_K, BLOCK_N) << 4)
+                q = q | (_bit_fields(high, HIGH_BITS, BLOCK_K, BLOCK_N) << 4)
         groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         g_mask = (groups * GROUP < k_end)[:, None] & n_mask[None, :]
         scale = tl.load(scales_ptr + n64 * stride_sn + groups[:, None], mask=g_mask, other=0.0)
@@ -125,7 +126,7 @@ def gguf_planar_linear_triton(x, planes, qtype: str, bias=None, config: dict | N
     wide = x.dtype == torch.float32
     shape = {"M": M, "N": N, "K": K, "qtype": qtype}
     cfg = resolve_config("gguf_planar_linear", x.dtype, shape, config, x.device, min_block_k=32,
-                         wide_operands=wide, max_block_k=max(MAX_BLOCK_K[wide], 32))  # fmt: skip
+                         wide_operands=wide, max_block_k=MAX_BLOCK_K[wide])  # fmt: skip
     partials = partials_buffer(cfg, M, N, x.device)
     bits = HIGH_BITS.get(qtype, 0)
     _gguf_planar_kernel[launch_grid(cfg, M, N)](

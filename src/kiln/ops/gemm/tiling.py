@@ -185,14 +185,15 @@ def partials_buffer(config: dict, M: int, n_acc: int, device: torch.device) -> t
 def reduce_split_k(
     partials: torch.Tensor | None, out: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False
 ) -> None:
-    """Second pass of a split-K GEMM: sums the partials into `out` (no-op without split-K)."""
+    """Second pass of a split-K GEMM: sums the partials into `out` (no-op without split-K), adding bias
+    [N] (any strides: the kernel reads it contiguous)."""
     if partials is None:
         return
     M, N = out.shape
     grid = (triton.cdiv(M, 32), triton.cdiv(N, 64))
     split_k_reduce_kernel[grid](
         partials,
-        bias if bias is not None else out,
+        bias.contiguous() if bias is not None else out,
         out,
         M,
         N,

@@ -190,7 +190,8 @@ def _validate_planar(op, layout, weight, K, device) -> None:
         check_tensor(op, f"weight[{i}]", tensor, ndim=2, dtypes=(dtype,), device=device)
         if tuple(tensor.shape) != expected:
             raise ValueError(
-                f"{op}: {layout} {name} has shape {tuple(tensor.shape)}, expected {expected} for K={K}"
+                f"{op}: {layout} weight[{i}] ({name}) has shape {tuple(tensor.shape)}, expected {expected} "
+                f"for K={K}"
             )
 
 
@@ -394,8 +395,8 @@ def _fake(x, layout, weight, bias, out_dtype):
 #
 # A shape asks for what the loader asks for: "format" is the cpu_format, "source" the checkpoint
 # weight ("float", or GGUF blocks "Q4_0" / "Q4_1" / "Q8_0" / "Q4_K" / ...). On the CPU that gives the
-# CPU layouts; on CUDA the same shape gives "gguf_*" (GGUF sources) or "dense" (float sources), as
-# for the engine.
+# CPU layouts; on CUDA the same shape gives "gguf_planar_*" (GGUF sources) or "dense" (float sources),
+# as for the engine.
 
 _BASELINE_MATRICES: dict[int, torch.Tensor] = {}  # id(weight[0]) -> its float32 matrix, while it lives
 _GGUF_BLOCKS: dict[int, tuple] = {}  # id(weight[0]) -> (the GGUF blocks it was prepared from, qtype)
@@ -657,8 +658,8 @@ def _gguf_linear_blocks(x, layout, weight, bias=None, out_dtype=None):
 
 
 def _bf16_matmul(x, layout, weight, bias=None, out_dtype=None):
-    """The same layer as a bf16 GEMM (cuBLAS on CUDA) on the matrix the weight stands for: for the CUDA
-    GGUF layouts (the CPU formats are compared with torch_linear_fp32)."""
+    """The same layer as a bf16 GEMM (cuBLAS on CUDA) on the matrix the weight stands for: for the GGUF
+    layouts, planes and blocks (the CPU formats are compared with torch_linear_fp32)."""
     if layout not in PLANAR_LAYOUTS and layout not in GGUF_LAYOUTS:
         raise BaselineNotApplicable("only GGUF weights")
     matrix = _BASELINE_MATRICES.get(id(weight[0]))
