@@ -50,3 +50,27 @@ def test_a_baseline_that_does_not_apply_to_a_case_is_left_out_not_an_error():
     assert record["error"] is None
     assert set(record["baselines"]) == {"torch_linear_fp32"}
     assert record["baselines"]["torch_linear_fp32"]["median_ms"] > 0
+
+
+def test_ops_with_slow_inputs_get_their_bench_copies_by_cloning(monkeypatch):
+    """GGUF weights are quantized on the host (seconds for a Llama-3-8B weight), and on an H200 a
+    decode case rotates ~6 L2-flushing copies: the quant suite's GGUF step ran out of time making
+    inputs. Specs with copy_inputs now make one set and clone it; each copy's tensors are new memory
+    with the same values, and prepared_linear's baseline tables follow the clones."""
+    from kiln.bench.runner import make_input_sets
+    from kiln.ops import get_op
+    from kiln.ops.gemm.prepared_linear.spec import _BASELINE_MATRICES, gguf_source
+
+    spec = get_op("prepared_linear")
+    made = []
+    real = spec.make_inputs
+    monkeypatch.setattr(spec, "make_inputs", lambda *a: made.append(a) or real(*a))
+    shape = {"M": 1, "N": 32, "K": 64, "format": "gguf", "source": "Q4_1"}  # the blocks as they are
+    sets = make_input_sets(spec, shape, torch.float32, torch.device("cpu"), max_copies=3)
+    assert len(made) == 1 and len(sets) == 3
+    first, copy = sets[0], sets[2]
+    assert copy["weight"][0].data_ptr() != first["weight"][0].data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(first["weight"], copy["weight"], strict=True))
+    assert torch.equal(copy["x"], first["x"]) and copy["x"].data_ptr() != first["x"].data_ptr()
+    assert torch.equal(_BASELINE_MATRICES[id(copy["weight"][0])], _BASELINE_MATRICES[id(first["weight"][0])])
+    assert gguf_source(copy["weight"])[1] == "Q4_1"

@@ -45,12 +45,15 @@ def make_input_sets(
     seed: int = 0,
     max_copies: int | None = None,
 ) -> list[dict]:
-    """Input copies (seeds seed, seed+1, ...) that together exceed twice the L2 cache on CUDA. On the
-    CPU at most 4 by default: CPU numbers are CI smoke timings, not worth gigabytes of inputs."""
+    """Input copies (seeds seed, seed+1, ...; or, for a spec with copy_inputs, copies of the first in
+    new memory) that together exceed twice the L2 cache on CUDA. On the CPU at most 4 by default: CPU
+    numbers are CI smoke timings, not worth gigabytes of inputs."""
     if max_copies is None:
         max_copies = 64 if device.type == "cuda" else 4
     first = spec.make_inputs(shape, dtype, device, torch.Generator().manual_seed(seed))
     copies = copies_to_flush(tensor_bytes(first), device, max_copies=max_copies)
+    if spec.copy_inputs is not None:
+        return [first] + [spec.copy_inputs(first) for _ in range(1, copies)]
     return [first] + [
         spec.make_inputs(shape, dtype, device, torch.Generator().manual_seed(seed + i))
         for i in range(1, copies)

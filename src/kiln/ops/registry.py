@@ -176,6 +176,9 @@ class OpSpec:
     outputs:       (result, inputs) -> tuple of tensors to compare. Defaults to the result itself;
                    in-place ops return the tensors they modified.
     bench_shapes:  suite name -> shapes for `kiln bench`.
+    copy_inputs:   inputs -> another set with the same values in new memory (kiln.ops.testing.
+                   clone_inputs), for ops whose inputs are slow to make (weights quantized on the host):
+                   `kiln bench` makes its L2-flushing copies with it instead of `make_inputs`.
     baselines:     name -> callable(**inputs) other libraries' way of doing the same (for `kiln bench`);
                    one that does not apply to a case raises BaselineNotApplicable (left out of it).
     gpu_only_dtypes: implementation -> dtypes only checked on a GPU (bf16 `tl.dot` is wrong in the
@@ -209,6 +212,7 @@ class OpSpec:
     max_tolerance: dict[torch.dtype, float] = field(default_factory=dict)
     requires: tuple[str, ...] = ()
     call_case: Callable[..., tuple[Shape, torch.dtype] | None] | None = None
+    copy_inputs: Callable[[Inputs], Inputs] | None = None
 
     def __post_init__(self) -> None:
         self._selected: dict[tuple, Implementation] = {}

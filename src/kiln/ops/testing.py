@@ -72,3 +72,15 @@ def upcast_to_float64(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(upcast_to_float64(v) for v in value)
     return copy.deepcopy(value)
+
+
+def clone_inputs(value: Any) -> Any:
+    """An input set (or any value in one) with every tensor cloned, same strides and values in new
+    memory; lists, tuples and dicts rebuilt, anything else shared."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: clone_inputs(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(clone_inputs(v) for v in value)
+    return value

@@ -25,7 +25,7 @@ from kiln.ops.gemm.shapes import (
     quant_shapes,
 )
 from kiln.ops.registry import OpSpec, define_op
-from kiln.ops.testing import element_size, randn
+from kiln.ops.testing import clone_inputs, element_size, randn
 from kiln.quant.gguf_blocks import BLOCK_SIZE, K_QUANTS, QK_K, dequantize_blocks
 
 QTYPES_32 = ("Q4_0", "Q4_1", "Q8_0")
@@ -116,6 +116,7 @@ GGUF_LINEAR = OpSpec(
     gpu_only_dtypes={"triton": (torch.bfloat16,)},
     schema="(Tensor x, Tensor qweight, str qtype, Tensor? bias=None) -> Tensor",
     validate=validate_gguf_linear,
+    copy_inputs=clone_inputs,  # the K-quant encoder runs on the host: seconds per 8B weight
     fake=lambda x, qweight, qtype, bias: x.new_empty((*x.shape[:-1], qweight.shape[0])),
     call_case=lambda x, qweight, qtype, bias: (
         {"M": row_count(x), "N": qweight.shape[0], "K": x.shape[-1], "qtype": qtype},

@@ -69,7 +69,7 @@ from kiln.ops.gemm.weight_formats import (
     w8a8_matrix,
 )
 from kiln.ops.registry import BaselineNotApplicable, OpSpec, define_op
-from kiln.ops.testing import element_size, randn
+from kiln.ops.testing import clone_inputs, element_size, randn
 from kiln.quant.gguf_blocks import BLOCK_WEIGHTS, K_QUANTS, QK_K, GGUFWeight
 from kiln.quant.int4 import quantize_int4
 from kiln.quant.linear_weights import BlockFP8Weight, Int4Weight, ScaledWeight
@@ -476,6 +476,19 @@ def _make_quantized_inputs(shape, dtype, device, generator):
     }
 
 
+def _copy_inputs(inputs: dict) -> dict:
+    """A bench copy of an input set: the tensors cloned (quantizing a Llama-3-8B weight on the host for
+    each L2-flushing copy took seconds), the baselines' float matrix and GGUF blocks cloned with them."""
+    copy = clone_inputs(inputs)
+    key, new = inputs["weight"][0], copy["weight"][0]
+    if id(key) in _BASELINE_MATRICES:
+        _remember_matrix(new, _BASELINE_MATRICES[id(key)].clone())
+    if id(key) in _GGUF_BLOCKS:
+        blocks, qtype = _GGUF_BLOCKS[id(key)]
+        _remember(_GGUF_BLOCKS, new, (blocks.clone(), qtype))
+    return copy
+
+
 def _remember_matrix(key: torch.Tensor, matrix: torch.Tensor) -> None:
     _remember(_BASELINE_MATRICES, key, matrix)
 
@@ -726,6 +739,7 @@ PREPARED_LINEAR = OpSpec(
     },
     schema="(Tensor x, str layout, Tensor[] weight, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor",
     validate=validate_prepared_linear,
+    copy_inputs=_copy_inputs,
     fake=_fake,
     call_case=_call_case,
     doc=__doc__,
