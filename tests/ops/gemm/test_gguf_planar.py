@@ -126,3 +126,18 @@ def test_packing_a_few_rows_at_a_time_gives_the_same_planes(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(whole, pack_planar(blocks, "Q5_K"), strict=True))
     empty = pack_planar(torch.empty(0, 176, dtype=torch.uint8), "Q5_K")
     assert [tuple(t.shape) for t in empty] == [(0, 32), (0, 8), (0, 8), (0, 8)]
+
+
+def test_planar_gemm_with_nothing_to_multiply(device):
+    """M = 0 gives [0, N]; K = 0 an empty sum: the bias alone (as torch's matmul); leading dims kept."""
+    blocks, matrix = blocks_and_matrix(5, 64, "Q4_1", torch.Generator().manual_seed(1))
+    planes = [t.to(device) for t in pack_planar(blocks, "Q4_1")]
+    assert gguf_planar_linear_triton(torch.randn(0, 64, device=device), planes, "Q4_1").shape == (0, 5)
+    x = torch.randn(2, 3, 64)
+    out = gguf_planar_linear_triton(x.to(device), planes, "Q4_1")
+    assert out.shape == (2, 3, 5)
+    assert_close(out.cpu(), x.double() @ matrix.double().T, 1e-5)
+    empty = [t.to(device) for t in pack_planar(torch.empty(5, 0, dtype=torch.uint8), "Q4_1")]
+    bias = torch.randn(5)
+    out = gguf_planar_linear_triton(torch.randn(2, 0, device=device), empty, "Q4_1", bias.to(device))
+    assert torch.equal(out.cpu(), bias.expand(2, 5))

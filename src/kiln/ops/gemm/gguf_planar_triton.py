@@ -24,6 +24,7 @@ from kiln.ops.checks import as_rows, contiguous_rows
 from kiln.ops.gemm.gguf_planar import HIGH_BITS, OFFSET, WITH_MINS, group_size
 from kiln.ops.gemm.tiling import (
     launch_grid,
+    nothing_to_multiply,
     partials_buffer,
     reduce_split_k,
     resolve_config,
@@ -116,13 +117,8 @@ def gguf_planar_linear_triton(x, planes, qtype: str, bias=None, config: dict | N
     x2 = contiguous_rows(as_rows(x))
     M, N = x2.shape[0], qs.shape[0]
     out = empty((M, N), x.dtype, x.device)
-    if M == 0 or N == 0:
-        return out.reshape(*x.shape[:-1], N)
-    if K == 0:  # an empty sum, as torch's matmul gives
-        out.zero_()
-        if bias is not None:
-            out += bias
-        return out.reshape(*x.shape[:-1], N)
+    if (done := nothing_to_multiply(out, x.shape, bias)) is not None:
+        return done
     wide = x.dtype == torch.float32
     shape = {"M": M, "N": N, "K": K, "qtype": qtype}
     cfg = resolve_config("gguf_planar_linear", x.dtype, shape, config, x.device, min_block_k=32,

@@ -207,6 +207,22 @@ def reduce_split_k(
     )
 
 
+def nothing_to_multiply(
+    out: torch.Tensor, x_shape: torch.Size, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The result [..., N] of a GEMM into out [M, N] (x [..., K]) that has no product to launch: out as
+    it is when M or N is 0, zeros (+ bias) when K is 0 (an empty sum, as torch's matmul gives); None
+    when there is work."""
+    (M, N), K = out.shape, x_shape[-1]
+    if M and N and K:
+        return None
+    if M and N:
+        out.zero_()
+        if bias is not None:
+            out += bias
+    return out.reshape(*x_shape[:-1], N)
+
+
 def launch_grid(config: dict, M: int, N: int) -> tuple[int, int]:
     return (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]), config["SPLIT_K"])
 

@@ -24,6 +24,7 @@ from kiln.ops.gemm.tiling import (
     k_range,
     kernel_options,
     launch_grid,
+    nothing_to_multiply,
     partials_buffer,
     reduce_split_k,
     resolve_config,
@@ -121,13 +122,8 @@ def gguf_linear_triton(x, qweight, qtype, bias=None, config: dict | None = None)
     x2 = contiguous_rows(as_rows(x))
     M, N = x2.shape[0], qweight.shape[0]
     out = empty((M, N), x.dtype, x.device)
-    if M == 0 or N == 0:
-        return out.reshape(*x.shape[:-1], N)
-    if K == 0:  # an empty sum, as torch's matmul gives
-        out.zero_()
-        if bias is not None:
-            out += bias
-        return out.reshape(*x.shape[:-1], N)
+    if (done := nothing_to_multiply(out, x.shape, bias)) is not None:
+        return done
     qweight = contiguous_rows(qweight)
     shape = {"M": M, "N": N, "K": K, "qtype": qtype}
     # The tiled GEMM keeps a dequantized [BLOCK_K, BLOCK_N] tile in registers: at BLOCK_K 128 (the
