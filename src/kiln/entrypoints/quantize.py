@@ -2,7 +2,7 @@
 `load_model` / `LLM(...)` (and transformers, vLLM, SGLang) load.
 
     kiln quantize SRC_DIR --out DIR --scheme fp8|int8|w4a16 [--method rtn|awq] [--group-size 128]
-                  [--ignore REGEX ...] [--calibration FILE]
+                  [--kv-cache fp8] [--ignore REGEX ...] [--calibration FILE]
 
 Schemes (compressed-tensors presets; weights from min/max, the library's own calculate_qparams):
     fp8     FP8_DYNAMIC: e4m3 weights, one scale per output channel; activations quantized per token
@@ -30,8 +30,13 @@ and folded: 1/s into the op producing the input, s into the projections' input c
 The scales live in the weights and norms: the output is a standard W4A16 checkpoint. AWQ's weight
 clipping search is not done.
 
+--kv-cache fp8 (any scheme): an FP8 kv_cache_scheme with per-layer static k/v scales measured on the
+calibration text (kiln.entrypoints.quantize_kv_cache), for an fp8 KV cache (`--kv-cache-dtype fp8
+--kv-cache-scales checkpoint` in Kiln; vLLM's `kv_cache_dtype="fp8"`).
+
 Written: the compressed-tensors library's model compression and save (config.json gains its
-quantization_config, plus "kiln_quantize": {"scheme", "method", "group_size", "ignore", "quantized"});
+quantization_config, plus "kiln_quantize": {"scheme", "method", "group_size", "kv_cache", "ignore",
+"quantized"});
 every other file of SRC_DIR (tokenizer files) is copied. transformers and compressed-tensors are
 optional dependencies of Kiln: without them this command says so.
 """
@@ -54,6 +59,7 @@ from kiln.entrypoints.checkpoint_args import (
     read_calibration,
     source_safetensors,
 )
+from kiln.entrypoints.quantize_kv_cache import KV_CACHE_SCHEMES, attach_kv_cache_scales, kv_cache_observations
 from kiln.quant.int4 import GROUP_SIZES
 
 SCHEMES = {"fp8": "FP8_DYNAMIC", "int8": "W8A8", "w4a16": "W4A16"}
@@ -79,6 +85,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--scheme", required=True, choices=list(SCHEMES))
     parser.add_argument("--method", choices=["rtn", "awq"], default="rtn", help="w4a16 only: rtn or awq")
     parser.add_argument("--group-size", type=int, default=128, help="w4a16 group size (default 128)")
+    parser.add_argument(
+        "--kv-cache",
+        choices=list(KV_CACHE_SCHEMES),
+        default=None,
+        help="also write static k/v scales for an fp8 KV cache (kv_cache_scheme), from the calibration text",
+    )
     parser.set_defaults(func=run)
 
 
@@ -255,6 +267,7 @@ def quantize(
     calibration_text: str | None = None,
     max_calibration_tokens: int = 512,
     progress: bool = True,
+    kv_cache: str | None = None,
 ) -> dict:
     """Quantize `source` into `out` (see the module docstring). Returns config.json's "kiln_quantize"
     entry, with "awq": the per-layer search results for --method awq."""
@@ -276,6 +289,9 @@ def quantize(
         raise ValueError("kiln quantize: --method awq applies to --scheme w4a16 only")
     if group_size <= 0:
         raise ValueError(f"kiln quantize: --group-size {group_size} must be positive")
+    if kv_cache is not None and kv_cache not in KV_CACHE_SCHEMES:
+        expected = ", ".join(KV_CACHE_SCHEMES)
+        raise ValueError(f"kiln quantize: --kv-cache {kv_cache!r} unsupported, expected one of {expected}")
     source_safetensors("kiln quantize", source, out)
     with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
         source_config = json.load(f)
@@ -317,6 +333,9 @@ def quantize(
         inputs = calibration_inputs(source, calibration_text, max_calibration_tokens)
         awq = awq_fold(hf, inputs, fake_quantizer(preset.weights), set(names), progress)
         del inputs
+    observations = None
+    if kv_cache is not None:  # the float model's keys and values, AWQ's folds included
+        observations = kv_cache_observations(hf, source, calibration_text, max_calibration_tokens)
 
     hf.to(dtype)
     hf.config.dtype = dtype
@@ -324,6 +343,7 @@ def quantize(
     unquantized = [n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized]
     qconfig = QuantizationConfig(config_groups={"group_0": preset}, ignore=unquantized)
     apply_quantization_config(hf, qconfig)
+    kv_cache_scheme = attach_kv_cache_scales(hf, observations, dtype) if observations is not None else None
     with torch.no_grad():
         for name in tqdm(names, desc=f"quantize {scheme}", disable=not progress, file=sys.stderr):
             module = hf.get_submodule(name)
@@ -333,6 +353,7 @@ def quantize(
                 zp = module.weight_zero_point
                 zp.data = zero.to(zp.dtype).reshape(zp.shape)
     compressor = ModelCompressor.from_pretrained_model(hf)
+    compressor.quantization_config.kv_cache_scheme = kv_cache_scheme
     compressor.compress_model(hf)
     os.makedirs(out, exist_ok=True)
     hf.save_pretrained(out)
@@ -343,6 +364,7 @@ def quantize(
         "scheme": scheme,
         "method": method,
         "group_size": group_size if scheme == "w4a16" else None,
+        "kv_cache": kv_cache,
         "ignore": list(ignore),
         "quantized": len(names),
     }
@@ -367,6 +389,7 @@ def run(args: argparse.Namespace) -> int:
             args.ignore,
             text,
             args.max_calibration_tokens,
+            kv_cache=args.kv_cache,
         )
     except ValueError as exc:
         print(exc, file=sys.stderr)
