@@ -134,3 +134,18 @@ def test_a_tensor_parallel_rank_gets_the_scales_of_its_kv_heads(fp8_checkpoint, 
                 tensor = stored[f"model.layers.{i}.self_attn.{kind}_scale"].reshape(-1)
                 want = tensor.expand(end - start) if tensor.numel() == 1 else tensor[start:end]
                 assert scale.shape == (end - start,) and torch.equal(scale, want)
+
+
+def test_a_pipeline_stage_whose_layers_lack_scales_others_have_is_told_they_are_incomplete(
+    per_tensor, tmp_path
+):
+    """Layer 1's scales removed: the stage building layer 1 alone was told the checkpoint ships no
+    scales at all; it now hears that layer 1 has none (the checkpoint's scales are incomplete)."""
+    from kiln.models.config import ModelLoadError
+
+    drop = {f"model.layers.1.self_attn.{kind}_scale" for kind in "kv"}
+    path = _renamed(per_tensor, tmp_path / "partial", {name: None for name in drop})
+    stage = load_model(path, pipeline_layers=(1, 2))
+    assert stage.kv_scales is not None
+    with pytest.raises(ModelLoadError, match="decoder layer 1 has no k scale"):
+        stage.kv_scales.per_head()

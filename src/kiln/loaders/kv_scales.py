@@ -99,9 +99,16 @@ def read_kv_scales(weights, config, layers: range, tp_group=None) -> CheckpointK
             # read in the shape it is stored in: per_head says which shapes it takes
             pair.append(None if name is None else (name, weights.get(name, weights.stored_shape(name))))
         found.append(tuple(pair))
-    if all(k is None and v is None for k, v in found):
-        return None
+    if all(k is None and v is None for k, v in found) and not _scales_elsewhere(weights, config, layers):
+        return None  # (a pipeline stage whose layers lack them while others have them: per_head says so)
     kv_heads = (0, config.num_kv_heads)
     if tp_group is not None:
         kv_heads = ShardPlan(config, tp_group.world_size).shards[tp_group.rank].kv_heads
     return CheckpointKVScales(weights.source, config.num_kv_heads, kv_heads, found, layers.start)
+
+
+def _scales_elsewhere(weights, config, layers: range) -> bool:
+    """Whether a decoder layer outside `layers` has a KV-cache scale in `weights`."""
+    names = K_SCALE_NAMES + V_SCALE_NAMES
+    others = (i for i in range(config.num_layers) if i not in layers)
+    return any(f"model.layers.{i}.{n}" in weights for i in others for n in names)
