@@ -77,43 +77,26 @@ class Sampler:
         failures = self.seed_failures(seqs)
         if failures:  # refused seeds: known on the host, before anything is drawn
             raise SamplingError(failures)
+        state = None
         if all(p.greedy for p in params):
-            token_list, tokens = self._greedy(logits, seqs), None
+            tokens = row_argmax(logits)
+            # the argmax is the first NaN if any, +inf if any, -inf only when the whole row is
+            top = logits.gather(1, tokens[:, None]).squeeze(1)
         else:
-            token_list, tokens = self._drawn(logits, seqs)
+            state = self.generator.get_state()  # put back if the step fails: then nothing was drawn
+            tokens = self._sample(logits, seqs)
+            top = logits.amax(dim=-1)
+        # tokens and finiteness reach the host in one copy: on a GPU each `.tolist()` waits for the
+        # device (a sampled batch's filters still send their small per-row tensors the other way)
+        token_list, finite = torch.stack((tokens, torch.isfinite(top).to(tokens.dtype))).tolist()
+        if not all(finite):
+            if state is not None:
+                self.generator.set_state(state)
+            raise SamplingError(non_finite_failures(top, seqs))
         logprobs: list[dict[int, float] | None] = [None] * len(seqs)
         if any(p.logprobs is not None for p in params):
-            if tokens is None:
-                tokens = torch.tensor(token_list, dtype=torch.int64, device=logits.device)
             logprobs = self.token_logprobs(logits, tokens, [p.logprobs for p in params])
         return token_list, logprobs
-
-    @staticmethod
-    def _greedy(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """The argmax of every row of logits [N, vocab], or SamplingError naming the rows that are not
-        finite. Tokens and finiteness come to the host in one copy: on a GPU each `.tolist()` is a
-        synchronisation, and a greedy decode step would otherwise wait twice."""
-        tokens = row_argmax(logits)
-        # the argmax is the first NaN if any, +inf if any, -inf only when the whole row is
-        top = logits.gather(1, tokens[:, None]).squeeze(1)
-        both = torch.stack((tokens, torch.isfinite(top).to(tokens.dtype))).tolist()
-        if not all(both[1]):
-            raise SamplingError(non_finite_failures(top, seqs))
-        return both[0]
-
-    def _drawn(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
-        """The sampled tokens (a list, and int64 [N] on logits' device), or SamplingError naming the rows
-        that are not finite. The draw comes first, then tokens and finiteness reach the host in one copy
-        (the filters' small per-row tensors still go the other way, host to device); on a failure the
-        shared generator is put back, so for every later draw nothing was drawn."""
-        state = self.generator.get_state()
-        tokens = self._sample(logits, seqs)
-        top = logits.amax(dim=-1)
-        both = torch.stack((tokens, torch.isfinite(top).to(tokens.dtype))).tolist()
-        if not all(both[1]):
-            self.generator.set_state(state)
-            raise SamplingError(non_finite_failures(top, seqs))
-        return both[0], tokens
 
     @staticmethod
     def seed_failures(seqs: list[Sequence]) -> dict[str, str]:
