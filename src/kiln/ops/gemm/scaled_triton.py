@@ -26,6 +26,7 @@ from kiln.ops.gemm.scaled import AMAX_FLOOR
 from kiln.ops.gemm.tiling import (
     config_space,
     launch_grid,
+    nothing_to_multiply,
     partials_buffer,
     reduce_split_k,
     resolve_config,
@@ -217,10 +218,8 @@ def scaled_linear(op, x_q, x_scale, w_q, w_scale, bias, out_dtype, config):
     M, K = x_q.shape
     N = w_q.shape[0]
     out = empty((M, N), out_dtype, x_q.device)
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.zero_() if bias is None else out.copy_(bias.expand(M, N))
+    if (done := nothing_to_multiply(out, x_q.shape, bias)) is not None:
+        return done
     shape = {"M": M, "N": N, "K": K, "per_token": x_scale.dim() == 2}
     cfg = resolve_config(op, out_dtype, shape, config, x_q.device, min_block_k=32, byte_operands=True)
     partials = partials_buffer(cfg, M, N, x_q.device)

@@ -30,6 +30,7 @@ from kiln.ops.gemm.scaled_triton import _round_to_e4m3
 from kiln.ops.gemm.tiling import (
     CONFIG_KEYS,
     SHARED_MEMORY_BUDGET,
+    nothing_to_multiply,
     num_sms,
     partials_buffer,
     pow2_at_least,
@@ -239,10 +240,8 @@ def fp8_block_linear_triton(
     M, K = x.shape
     N = w_fp8.shape[0]
     out = empty((M, N), out_dtype, x.device)
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.zero_() if bias is None else out.copy_(bias.expand(M, N))
+    if (done := nothing_to_multiply(out, x.shape, bias)) is not None:
+        return done
     x = x if x.stride(-1) == 1 else x.contiguous()
     w_fp8 = w_fp8 if w_fp8.stride(-1) == 1 else w_fp8.contiguous()
     w_scale = w_scale.float().contiguous()

@@ -25,6 +25,7 @@ from kiln.ops.gemm.int4_linear.spec import INT4_LINEAR
 from kiln.ops.gemm.tiling import (
     config_space,
     launch_grid,
+    nothing_to_multiply,
     partials_buffer,
     reduce_split_k,
     resolve_config,
@@ -94,8 +95,8 @@ def int4_linear_triton(x, qweight, scales, zeros, group_size, config: dict | Non
     x2 = as_rows(x)
     M, N = x2.shape[0], qweight.shape[0]
     out = empty((M, N), x.dtype, x.device)
-    if M == 0 or N == 0 or K == 0:
-        return (out if M == 0 or N == 0 else out.zero_()).reshape(*x.shape[:-1], N)
+    if (done := nothing_to_multiply(out, x.shape, None)) is not None:
+        return done
     qweight, scales, zeros = contiguous_rows(qweight), contiguous_rows(scales), contiguous_rows(zeros)
     shape = {"M": M, "N": N, "K": K, "group_size": group_size}
     # K tiles of up to 64 inputs (float32 x: 32, its ieee dot's registers): 8 words of a column per step

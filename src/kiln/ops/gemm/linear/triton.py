@@ -32,6 +32,7 @@ from kiln.ops.gemm.linear.triton_tma import launch_linear_tma, tma_device, tma_e
 from kiln.ops.gemm.tiling import (
     config_space,
     launch_grid,
+    nothing_to_multiply,
     partials_buffer,
     reduce_split_k,
     resolve_config,
@@ -117,13 +118,8 @@ def launch_dense(op: str, x, weight, bias, silu_mul: bool, config, kernel: str =
     M = x2.shape[0]
     N = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = empty((M, N), x.dtype, x.device)
-    if M == 0 or N == 0:
-        return out.reshape(*x.shape[:-1], N)
-    if K == 0:
-        out.zero_()
-        if bias is not None:
-            out += bias
-        return out.reshape(*x.shape[:-1], N)
+    if (done := nothing_to_multiply(out, x.shape, bias)) is not None:
+        return done
     shape = {"M": M, "N": N, "K": K} if silu_mul else {"M": M, "N": N, "K": K, "bias": bias is not None}
     cfg = resolve_config(op, x.dtype, shape, config, x.device, wide_operands=x.dtype == torch.float32)
     partials = partials_buffer(cfg, M, 2 * N if silu_mul else N, x.device)

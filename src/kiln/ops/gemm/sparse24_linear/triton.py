@@ -21,6 +21,7 @@ from kiln.ops.gemm.sparse24_linear.spec import SPARSE24_LINEAR
 from kiln.ops.gemm.tiling import (
     config_space,
     launch_grid,
+    nothing_to_multiply,
     partials_buffer,
     reduce_split_k,
     resolve_config,
@@ -69,12 +70,8 @@ def sparse24_linear_triton(x, values, meta, bias=None, config: dict | None = Non
     x2 = as_rows(x)
     M, N = x2.shape[0], values.shape[0]
     out = empty((M, N), x.dtype, x.device)
-    if M == 0 or N == 0 or K == 0:
-        if M and N:
-            out.zero_()
-            if bias is not None:
-                out += bias
-        return out.reshape(*x.shape[:-1], N)
+    if (done := nothing_to_multiply(out, x.shape, bias)) is not None:
+        return done
     values, meta = contiguous_rows(values), contiguous_rows(meta)
     # The tuning-cache key (`kiln tune` stores under what this asks for). No `bias`: it is one [BLOCK_N]
     # load and add in the epilogue of a tile that streams K / 2 kept values per column, so it does not
