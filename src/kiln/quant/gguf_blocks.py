@@ -81,52 +81,78 @@ def _k4_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, m
 
 
-def _dequantize_k(blocks: torch.Tensor, qtype: str, compute: torch.dtype) -> torch.Tensor:
-    """K-quant super-blocks [N, nb, block_bytes] -> [N, nb, 256] in `compute`."""
+# w = (q - QUANT_OFFSET) * scale + min per weight, in float32 as ggml: the scale is d (or d * sc for the
+# K-quants, a product ggml forms first and exact in float32), per scale_group weights (16 for Q6_K, 32
+# otherwise); the min m (Q4_1) or -(dmin * m) (Q4_K, Q5_K) per 32; q * scale is exact too, so the one
+# rounding is the add, as ggml's.
+QUANT_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
+SCALE_GROUP = {"Q6_K": 16}
+WITH_MINS = ("Q4_1", "Q4_K", "Q5_K")
+
+
+def scale_group(qtype: str) -> int:
+    """Weights per scale of `qtype`'s block_fields: 16 for Q6_K, else 32."""
+    return SCALE_GROUP.get(qtype, 32)
+
+
+def block_fields(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """uint8 [N, row_bytes] of KERNEL_QTYPES blocks -> (q int16 [N, K]: the stored quant, signed for
+    Q8_0, else unsigned with its high bits; scales float32 [N, K / scale_group]; mins float32
+    [N, K / 32], or None for the types without one), with w = (q - QUANT_OFFSET) * scale + min."""
+    blocks = _blocks(qweight, qtype)
     n, nb = blocks.shape[:2]
+    mins = None
     if qtype == "Q6_K":
         low = _bits(blocks[..., 0:128].reshape(n, nb, 2, 64), 4)  # [n, nb, 2 halves, 2, 64]
         high = _bits(blocks[..., 128:192].reshape(n, nb, 2, 32), 2)  # [n, nb, 2 halves, 4, 32]
-        q = (low.reshape(n, nb, 256) | (high.reshape(n, nb, 256) << 4)).to(torch.int8) - 32
-        d = _half(blocks[..., 208:210]).to(compute) * blocks[..., 192:208].contiguous().view(torch.int8)
-        return (d[..., None] * q.reshape(n, nb, 16, 16).to(compute)).reshape(n, nb, 256)
-    d, dmin = _half(blocks[..., 0:2]).to(compute), _half(blocks[..., 2:4]).to(compute)
-    sc, m = _k4_scales_mins(blocks[..., 4:16])
-    qs = blocks[..., -128:].reshape(n, nb, 4, 32)
-    q = _bits(qs, 4).reshape(n, nb, 8, 32)  # chunk c: sub-blocks 2c (low nibbles), 2c + 1 (high)
-    if qtype == "Q5_K":
-        q = q | (_bits(blocks[..., 16:48], 1) << 4)  # bit s of byte j: sub-block s, weight j
-    scale = (d * sc.to(compute))[..., None]
-    offset = (dmin * m.to(compute))[..., None]
-    return (scale * q.to(compute) - offset).reshape(n, nb, 256)
+        q = low.reshape(n, nb, 256).short() | (high.reshape(n, nb, 256).short() << 4)
+        scales = _half(blocks[..., 208:210]).float() * blocks[..., 192:208].contiguous().view(torch.int8)
+    elif qtype in K_QUANTS:  # Q4_K, Q5_K
+        d, dmin = _half(blocks[..., 0:2]).float(), _half(blocks[..., 2:4]).float()
+        sc, m = _k4_scales_mins(blocks[..., 4:16])
+        # chunk c of the nibbles: sub-blocks 2c (low nibbles), 2c + 1 (high)
+        q = _bits(blocks[..., -128:].reshape(n, nb, 4, 32), 4).reshape(n, nb, 256).short()
+        if qtype == "Q5_K":  # bit s of byte j: sub-block s, weight j
+            q = q | (_bits(blocks[..., 16:48], 1).reshape(n, nb, 256).short() << 4)
+        scales, mins = d * sc.float(), -(dmin * m.float())
+    else:
+        scales = _half(blocks[..., 0:2]).float()
+        if qtype == "Q8_0":
+            q = blocks[..., 2:].contiguous().view(torch.int8).short()
+        elif qtype == "Q4_0":
+            q = _nibbles(blocks[..., 2:]).short()
+        elif qtype == "Q5_0":  # bit 4 of q_j: bit j % 8 of byte j // 8
+            high = _bits(blocks[..., 2:6], 1).transpose(-1, -2).reshape(n, nb, 32)
+            q = (_nibbles(blocks[..., 6:]) | (high << 4)).short()
+        else:  # Q4_1
+            q = _nibbles(blocks[..., 4:]).short()
+            mins = _half(blocks[..., 2:4]).float()
+    return q.reshape(n, -1), scales.reshape(n, -1), None if mins is None else mins.reshape(n, -1)
+
+
+def decode_fields(
+    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, qtype: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """block_fields (or the same fields kept elsewhere) -> the [N, K] matrix in `dtype`, computed in
+    float32 (float64 when asked for it; exact there)."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    n = q.shape[0]
+    w = (q - QUANT_OFFSET.get(qtype, 0)).to(compute).reshape(n, scales.shape[1], -1)
+    w = w * scales.to(compute)[..., None]
+    if mins is not None:
+        w = w.reshape(n, mins.shape[1], -1) + mins.to(compute)[..., None]
+    return w.reshape(n, -1).to(dtype)
 
 
 def dequantize_blocks(qweight: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 [N, row_bytes] -> [N, K] in `dtype`. Computed in float32 (float64 when asked for it),
     the same operations as ggml, so float32 output is bit-exact with `gguf.quants.dequantize`."""
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
     if qtype not in KERNEL_QTYPES:
         raise ValueError(f"dequantize_blocks: qtype {qtype!r} unsupported, expected one of {KERNEL_QTYPES}")
     if qweight.numel() == 0:  # torch cannot reinterpret empty byte views
         K = qweight.shape[1] // BLOCK_BYTES[qtype] * BLOCK_WEIGHTS[qtype]
         return torch.empty(qweight.shape[0], K, dtype=dtype, device=qweight.device)
-    blocks = _blocks(qweight, qtype)
-    if qtype in K_QUANTS:
-        return _dequantize_k(blocks, qtype, compute).reshape(qweight.shape[0], -1).to(dtype)
-    d = _half(blocks[..., 0:2]).to(compute)
-    if qtype == "Q8_0":
-        w = blocks[..., 2:].contiguous().view(torch.int8).to(compute) * d
-    elif qtype == "Q4_0":
-        w = (_nibbles(blocks[..., 2:]).to(torch.int8) - 8).to(compute) * d
-    elif qtype == "Q5_0":
-        # bit 4 of q_j: bit j % 8 of byte j // 8
-        high = _bits(blocks[..., 2:6], 1).transpose(-1, -2).reshape(*blocks.shape[:2], 32)
-        q = (_nibbles(blocks[..., 6:]) | (high << 4)).to(torch.int8) - 16
-        w = q.to(compute) * d
-    else:  # Q4_1
-        m = _half(blocks[..., 2:4]).to(compute)
-        w = d * _nibbles(blocks[..., 4:]).to(compute) + m
-    return w.reshape(qweight.shape[0], -1).to(dtype)
+    return decode_fields(*block_fields(qweight, qtype), qtype, dtype)
 
 
 def _round_half_away(v: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ memory roofline at decode). Here each kind of field gets its own row-major plane
     mins     float32 [N, K / 32] (Q4_1,    the term added: m (Q4_1), -(dmin * m) (Q4_K, Q5_K)
              Q4_K, Q5_K), else [N, 0]
 
-    w = (q - OFFSET[qtype]) * scale + min    (OFFSET: 8 Q4_0, 16 Q5_0, 32 Q6_K, else 0)
+    w = (q - QUANT_OFFSET[qtype]) * scale + min    (kiln.quant.gguf_blocks.block_fields: the same fields)
 
 Every stored float is a product ggml computes in float32 and is exact there (an fp16 times a 6-bit or
 int8 integer), and q * scale is exact too (at most 24 significant bits), so the one rounding left is
@@ -33,63 +33,16 @@ import torch
 from kiln.quant.gguf_blocks import (
     BLOCK_BYTES,
     BLOCK_WEIGHTS,
-    K_QUANTS,
     KERNEL_QTYPES,
-    _bits,
-    _half,
-    _k4_scales_mins,
-    _nibbles,
+    WITH_MINS,
+    block_fields,
+    decode_fields,
+    scale_group,
 )
 
 PLANAR_LAYOUTS = {f"gguf_planar_{qtype}": qtype for qtype in KERNEL_QTYPES}
-OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}  # the integer subtracted from q before scaling
-GROUP = {"Q6_K": 16}  # weights per scale (default 32)
 HIGH_BITS = {"Q5_0": 1, "Q5_K": 1, "Q6_K": 2}  # bits of q above the low nibble (qh)
-WITH_MINS = ("Q4_1", "Q4_K", "Q5_K")
 PACK_WEIGHTS = 1 << 22  # weights packed at once (pack_planar's working memory: ~100 MB)
-
-
-def group_size(qtype: str) -> int:
-    """Weights per scale in the planes of qtype: 16 for Q6_K, else 32."""
-    return GROUP.get(qtype, 32)
-
-
-def _fields(qweight: torch.Tensor, qtype: str):
-    """uint8 [N, row_bytes] -> (q [N, K] int64 (Q8_0: the signed values, else the unsigned quant),
-    scales float32 [N, K / G], mins float32 [N, K / 32] or None)."""
-    n = qweight.shape[0]
-    blocks = qweight.reshape(n, -1, BLOCK_BYTES[qtype])
-    nb = blocks.shape[1]
-    mins = None
-    if qtype == "Q6_K":
-        low = _bits(blocks[..., 0:128].reshape(n, nb, 2, 64), 4).reshape(n, nb, 256)
-        high = _bits(blocks[..., 128:192].reshape(n, nb, 2, 32), 2).reshape(n, nb, 256)
-        q = low.long() | (high.long() << 4)
-        sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
-        scales = _half(blocks[..., 208:210]).float() * sc  # [n, nb, 16]
-    elif qtype in K_QUANTS:  # Q4_K, Q5_K
-        d, dmin = _half(blocks[..., 0:2]).float(), _half(blocks[..., 2:4]).float()
-        sc, m = _k4_scales_mins(blocks[..., 4:16])
-        q = _bits(blocks[..., -128:].reshape(n, nb, 4, 32), 4).reshape(n, nb, 256).long()
-        if qtype == "Q5_K":
-            q = q | (_bits(blocks[..., 16:48], 1).reshape(n, nb, 256).long() << 4)
-        scales = d * sc.float()
-        mins = -(dmin * m.float())
-    else:
-        d = _half(blocks[..., 0:2]).float()
-        scales = d
-        if qtype == "Q8_0":
-            q = blocks[..., 2:].contiguous().view(torch.int8).long()
-        elif qtype == "Q4_0":
-            q = _nibbles(blocks[..., 2:]).long()
-        elif qtype == "Q5_0":
-            high = _bits(blocks[..., 2:6], 1).transpose(-1, -2).reshape(n, nb, 32)
-            q = _nibbles(blocks[..., 6:]).long() | (high.long() << 4)
-        else:  # Q4_1
-            q = _nibbles(blocks[..., 4:]).long()
-            mins = _half(blocks[..., 2:4]).float()
-    q = q.reshape(n, -1)
-    return q, scales.reshape(n, -1).contiguous(), None if mins is None else mins.reshape(n, -1).contiguous()
 
 
 def _words(fields: torch.Tensor, width: int) -> torch.Tensor:
@@ -114,23 +67,22 @@ def pack_planar(
     blocks = qweight.cpu()
     k = blocks.shape[1] // BLOCK_BYTES[qtype] * BLOCK_WEIGHTS[qtype]
     if blocks.numel() == 0:  # no rows or no columns: planes of the right shapes, nothing to read
-        dtypes = (torch.int8 if qtype == "Q8_0" else torch.int32, torch.int32, torch.float32, torch.float32)
-        shapes = planar_shapes(blocks.shape[0], k, qtype)
+        shapes, dtypes = planar_shapes(blocks.shape[0], k, qtype), planar_dtypes(qtype)
         return tuple(
             torch.empty(s, dtype=d, device=qweight.device) for s, d in zip(shapes, dtypes, strict=True)
         )
-    # a few rows at a time: the fields are int64 while they are packed (~26 bytes a weight at once)
+    # a few rows at a time: the words are built in int64 (~26 bytes a weight at once)
     step = max(1, PACK_WEIGHTS // k)
     parts = [_pack_rows(blocks[i : i + step], qtype) for i in range(0, blocks.shape[0], step)]
     return tuple(torch.cat(planes).to(qweight.device) for planes in zip(*parts, strict=True))
 
 
 def _pack_rows(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, ...]:
-    q, scales, mins = _fields(blocks, qtype)
+    q, scales, mins = block_fields(blocks, qtype)
     n = q.shape[0]
-    qs = q.to(torch.int8) if qtype == "Q8_0" else _words(q & 0xF, 4)
+    qs = q.to(torch.int8) if qtype == "Q8_0" else _words((q & 0xF).long(), 4)
     bits = HIGH_BITS.get(qtype, 0)
-    qh = _words(q >> 4, bits) if bits else torch.empty(n, 0, dtype=torch.int32)
+    qh = _words((q >> 4).long(), bits) if bits else torch.empty(n, 0, dtype=torch.int32)
     if mins is None:
         mins = torch.empty(n, 0, dtype=torch.float32)
     return qs, qh, scales, mins
@@ -150,16 +102,11 @@ def planar_matrix(
     """The [N, K] matrix the planes stand for, computed in float64 (exact) or float32 (the kernel's
     arithmetic), returned in `dtype`."""
     qs, qh, scales, mins = tensors
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
     q = qs.long() if qtype == "Q8_0" else _unwords(qs, 4)
     bits = HIGH_BITS.get(qtype, 0)
     if bits:
         q = q | (_unwords(qh, bits) << 4)
-    q = (q - OFFSET.get(qtype, 0)).to(compute)
-    w = q * scales.to(compute).repeat_interleave(group_size(qtype), dim=1)
-    if mins.numel():
-        w = w + mins.to(compute).repeat_interleave(32, dim=1)
-    return w.to(dtype)
+    return decode_fields(q, scales, mins if qtype in WITH_MINS else None, qtype, dtype)
 
 
 def planar_shapes(N: int, K: int, qtype: str) -> tuple[tuple[int, int], ...]:
@@ -167,7 +114,12 @@ def planar_shapes(N: int, K: int, qtype: str) -> tuple[tuple[int, int], ...]:
     bits = HIGH_BITS.get(qtype, 0)
     qs = (N, K) if qtype == "Q8_0" else (N, K // 8)
     qh = (N, K * bits // 32)
-    return qs, qh, (N, K // group_size(qtype)), (N, K // 32 if qtype in WITH_MINS else 0)
+    return qs, qh, (N, K // scale_group(qtype)), (N, K // 32 if qtype in WITH_MINS else 0)
+
+
+def planar_dtypes(qtype: str) -> tuple[torch.dtype, ...]:
+    """The dtypes of (qs, qh, scales, mins) in qtype."""
+    return (torch.int8 if qtype == "Q8_0" else torch.int32, torch.int32, torch.float32, torch.float32)
 
 
 def planar_bytes(N: int, K: int, qtype: str) -> int:

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kiln.ops.alloc import empty
 from kiln.ops.checks import as_rows, contiguous_rows
-from kiln.ops.gemm.gguf_planar import HIGH_BITS, OFFSET, WITH_MINS, group_size
+from kiln.ops.gemm.gguf_planar import HIGH_BITS
 from kiln.ops.gemm.tiling import (
     launch_grid,
     nothing_to_multiply,
@@ -32,6 +32,7 @@ from kiln.ops.gemm.tiling import (
     tile_options,
     tile_program,
 )
+from kiln.quant.gguf_blocks import QUANT_OFFSET, WITH_MINS, scale_group
 
 # The heuristic's K tiles: up to 64 inputs (float32 x: 32), as int4_linear, whose [16, 64, 64] tile
 # compiles for sm_90 at 64-72 registers; a deeper one spills the decoded [BLOCK_K, BLOCK_N] tile. By
@@ -131,8 +132,8 @@ def gguf_planar_linear_triton(x, planes, qtype: str, bias=None, config: dict | N
         M, N, K,
         x2.stride(0), qs.stride(0), qh.stride(0), scales.stride(0), mins.stride(0),
         out.stride(0), out.stride(1),
-        BYTE_VALUES=qtype == "Q8_0", HIGH_BITS=bits, GROUP=group_size(qtype), OFFSET=OFFSET.get(qtype, 0),
-        HAS_MINS=qtype in WITH_MINS, HAS_BIAS=bias is not None,
+        BYTE_VALUES=qtype == "Q8_0", HIGH_BITS=bits, GROUP=scale_group(qtype),
+        OFFSET=QUANT_OFFSET.get(qtype, 0), HAS_MINS=qtype in WITH_MINS, HAS_BIAS=bias is not None,
         DOT_PRECISION="ieee" if wide else "tf32", **tile_options(cfg),
     )  # fmt: skip
     reduce_split_k(partials, out, bias)

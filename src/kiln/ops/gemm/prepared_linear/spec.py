@@ -36,7 +36,7 @@ from kiln.ops.gemm.dense_baseline import bf16_matmul
 from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
 from kiln.ops.gemm.gguf_linear import gguf_linear
 from kiln.ops.gemm.gguf_linear.spec import QUANT_QTYPES
-from kiln.ops.gemm.gguf_planar import PLANAR_LAYOUTS, planar_shapes
+from kiln.ops.gemm.gguf_planar import PLANAR_LAYOUTS, planar_dtypes, planar_shapes
 from kiln.ops.gemm.quantized_layouts import (
     FP8_BLOCK_LAYOUTS,
     QDTYPES,
@@ -183,9 +183,14 @@ def _validate_planar(op, layout, weight, K, device) -> None:
     if K % BLOCK_WEIGHTS[qtype]:
         raise ValueError(f"{op}: K={K} must be a multiple of {BLOCK_WEIGHTS[qtype]} (the GGUF {qtype} block)")
     n = weight[0].shape[0] if weight[0].dim() == 2 else -1
-    dtypes = (torch.int8 if qtype == "Q8_0" else torch.int32, torch.int32, torch.float32, torch.float32)
     for i, (name, tensor, dtype, expected) in enumerate(
-        zip(("qs", "qh", "scales", "mins"), weight, dtypes, planar_shapes(n, K, qtype), strict=True)
+        zip(
+            ("qs", "qh", "scales", "mins"),
+            weight,
+            planar_dtypes(qtype),
+            planar_shapes(n, K, qtype),
+            strict=True,
+        )
     ):
         check_tensor(op, f"weight[{i}]", tensor, ndim=2, dtypes=(dtype,), device=device)
         if tuple(tensor.shape) != expected:
