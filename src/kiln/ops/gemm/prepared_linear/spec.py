@@ -669,7 +669,7 @@ def gguf_source(weight) -> tuple[torch.Tensor, str] | None:
 def _gguf_linear_blocks(x, layout, weight, bias=None, out_dtype=None):
     """kiln.ops.gguf_linear on the GGUF blocks the weight was prepared from (the file's bytes, decoded in
     registers): what the planes of "gguf_planar_*" are measured against on CUDA."""
-    blocks = _GGUF_BLOCKS.get(id(weight[0]))
+    blocks = gguf_source(weight)
     if layout not in PLANAR_LAYOUTS or blocks is None:
         raise BaselineNotApplicable("only GGUF weights in planes (CUDA)")
     return gguf_linear(x, blocks[0], blocks[1], bias).to(out_dtype or x.dtype)
@@ -680,9 +680,8 @@ def _bf16_matmul(x, layout, weight, bias=None, out_dtype=None):
     layouts, planes and blocks (the CPU formats are compared with torch_linear_fp32)."""
     if layout not in PLANAR_LAYOUTS and layout not in GGUF_LAYOUTS:
         raise BaselineNotApplicable("only GGUF weights")
-    matrix = _BASELINE_MATRICES.get(id(weight[0]))
-    make = (lambda: matrix) if matrix is not None else (lambda: prepared_matrix(layout, weight, x.shape[-1]))
-    return bf16_matmul(x, weight[0], make, bias).to(out_dtype or x.dtype)
+    dense = bf16_matmul(x, weight[0], lambda: _float32_matrix(layout, weight, x), bias)
+    return dense.to(out_dtype or x.dtype)
 
 
 def _bytes(shape, dtype) -> float:
@@ -695,12 +694,19 @@ def _torch_linear_fp32(x, layout, weight, bias=None, out_dtype=None):
     the CUDA GGUF planes are compared with gguf_linear on the blocks and bf16 cuBLAS instead)."""
     if layout in PLANAR_LAYOUTS:
         raise BaselineNotApplicable("the CUDA GGUF planes: see gguf_linear_blocks, torch_bf16_matmul")
+    matrix = _float32_matrix(layout, weight, x)
+    y = torch.nn.functional.linear(x.float(), matrix, None if bias is None else bias.float())
+    return y.to(out_dtype or x.dtype)
+
+
+def _float32_matrix(layout, weight, x) -> torch.Tensor:
+    """The float32 [N, K] matrix the weight stands for, on x's device (the baselines' weight): the one
+    the input maker remembered, else read back from the layout and remembered."""
     matrix = _BASELINE_MATRICES.get(id(weight[0]))
     if matrix is None:
         matrix = prepared_matrix(layout, weight, x.shape[-1]).to(device=x.device, dtype=torch.float32)
         _remember_matrix(weight[0], matrix)
-    y = torch.nn.functional.linear(x.float(), matrix, None if bias is None else bias.float())
-    return y.to(out_dtype or x.dtype)
+    return matrix
 
 
 # The engine's CPU GEMMs: SmolLM2-135M's projections at decode sizes, in each CPU format.
