@@ -68,17 +68,23 @@ def shape_bucket(shape: dict[str, Any]) -> str:
     return ",".join(parts)
 
 
-def cache_key(op: str, dtype: torch.dtype, shape: dict[str, Any], device: torch.device | None = None) -> str:
-    """The bucket's key: every shape whose integers round up to the same powers of two shares it."""
+def _prefix(op: str, dtype: torch.dtype, device: torch.device | None) -> str:
     dtype_name = str(dtype).replace("torch.", "")
-    return f"{device_name(device)}|triton-{triton_version()}|{op}|{dtype_name}|{shape_bucket(shape)}"
+    return f"{device_name(device)}|triton-{triton_version()}|{op}|{dtype_name}"
+
+
+def _bucket_key(prefix: str, shape: dict[str, Any]) -> str:
+    return f"{prefix}|{shape_bucket(shape)}"
+
+
+def _exact_key(prefix: str, shape: dict[str, Any]) -> str:
+    # "=" where the bucket's key has "|": the two never collide
+    return prefix + "=" + ",".join(f"{key}={shape[key]}" for key in sorted(shape))
 
 
 def exact_key(op: str, dtype: torch.dtype, shape: dict[str, Any], device: torch.device | None = None) -> str:
-    """The key of this shape alone (its values as they are, after "=" where the bucket's has "|")."""
-    dtype_name = str(dtype).replace("torch.", "")
-    exact = ",".join(f"{key}={shape[key]}" for key in sorted(shape))
-    return f"{device_name(device)}|triton-{triton_version()}|{op}|{dtype_name}={exact}"
+    """The key of this shape alone (its values as they are)."""
+    return _exact_key(_prefix(op, dtype, device), shape)
 
 
 def user_cache_path() -> Path:
@@ -164,7 +170,8 @@ def lookup(
     None (use the heuristic)."""
     if _probe.op == op:  # under `launcher_request`: stop the launcher here
         raise _Asked(LookupRequest(op, dtype, dict(shape), device))
-    exact, bucket = exact_key(op, dtype, shape, device), cache_key(op, dtype, shape, device)
+    prefix = _prefix(op, dtype, device)
+    exact, bucket = _exact_key(prefix, shape), _bucket_key(prefix, shape)
     entry = _user().get(exact) or _shipped().get(exact) or _user().get(bucket) or _shipped().get(bucket)
     return dict(entry["config"]) if entry else None
 
@@ -183,7 +190,8 @@ def store(
     the exact key."""
     global _user_entries
     path = path or user_cache_path()
-    key, bucket = exact_key(op, dtype, shape, device), cache_key(op, dtype, shape, device)
+    prefix = _prefix(op, dtype, device)
+    key, bucket = _exact_key(prefix, shape), _bucket_key(prefix, shape)
     with _locked(path):
         entries = _read(path)
         entries[key] = {"config": config, **(meta or {})}

@@ -324,7 +324,7 @@ def prepare_linear_weight(
         source = weight.qtype if isinstance(weight, GGUFWeight) else "float"
         # no format asked: the model dtype's (what "dense" holds)
         fmt = cpu_format or next((f for f, d in FORMAT_DTYPES.items() if d == dtype), "fp32")
-        if prepared.layout in GGUF_LAYOUTS or prepared.layout in PLANAR_LAYOUTS:
+        if prepared.kind == "gguf":
             fmt = "gguf"  # CUDA keeps GGUF weights quantized whatever cpu_format says: bytes are the blocks'
         key = prepared.tensors[0]
         _PREPARED_CASES[id(key)] = (fmt, source)
