@@ -219,13 +219,31 @@ def merge_verify_shards(work: Path) -> None:
 def _launched_verify_shards(work: Path) -> dict[str, int]:
     """backend -> how many `verify-<backend>-<i>` steps steps.tsv records (the shards launched)."""
     launched: dict[str, int] = {}
-    tsv = work / "steps.tsv"
-    for line in tsv.read_text().splitlines() if tsv.is_file() else []:
-        fields = line.split("\t")
-        if len(fields) > 1 and fields[0] == "verify" and fields[1].startswith("verify-"):
-            backend = fields[1][len("verify-") :].rpartition("-")[0]
+    for step in read_steps(work):
+        if step["phase"] == "verify" and step["step"].startswith("verify-"):
+            backend = step["step"][len("verify-") :].rpartition("-")[0]
             launched[backend] = launched.get(backend, 0) + 1
     return launched
+
+
+def read_steps(work: Path) -> list[dict]:
+    """The rows of steps.tsv (gpu_check.sh's record_step), one dict each; [] before the first step."""
+    steps = []
+    tsv = work / "steps.tsv"
+    for line in tsv.read_text().splitlines() if tsv.is_file() else []:
+        phase, name, limit, rc, seconds, log = line.split("\t")
+        steps.append(
+            {
+                "phase": phase,
+                "step": name,
+                "limit_s": int(limit),
+                "rc": int(rc),
+                "timed_out": int(rc) in (124, 137),
+                "seconds": int(seconds),
+                "log": log,
+            }
+        )
+    return steps
 
 
 def cmd_ops(backend: str) -> int:
@@ -252,23 +270,7 @@ def cmd_check_ops(names: list[str]) -> int:
 def cmd_summary(workdir: str, path: str) -> int:
     work = Path(workdir)
     merge_verify_shards(work)
-    steps = []
-    tsv = work / "steps.tsv"
-    if tsv.is_file():
-        for line in tsv.read_text().splitlines():
-            phase, name, limit, rc, seconds, log = line.split("\t")
-            rc_int = int(rc)
-            steps.append(
-                {
-                    "phase": phase,
-                    "step": name,
-                    "limit_s": int(limit),
-                    "rc": rc_int,
-                    "timed_out": rc_int in (124, 137),
-                    "seconds": int(seconds),
-                    "log": log,
-                }
-            )
+    steps = read_steps(work)
     env_path = work / "env.json"
     summary = {
         "kind": "kiln-gpu-check",
