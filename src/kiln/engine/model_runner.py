@@ -184,9 +184,8 @@ class ModelRunner:
             raise ValueError(
                 f"ModelRunner: kv_calibration has {len(kv_calibration)} layers, the model {cfg.num_layers}"
             )
-        self.kv_calibrated = kv_calibration is not None and dtype in FP8_DTYPES
-        self.kv_scales_description = "scales 1.0"
-        if self.kv_calibrated:  # engine_kv_calibration shifts keys with its own scales, not a checkpoint's
+        self.kv_scales_description = "scales 1.0"  # (a 16-bit cache has none)
+        if kv_calibration is not None:  # engine_kv_calibration shifts keys with its own scales only
             shifted = kv_calibration[0][2] is not None
             self.kv_scales_description = "calibrated scales, centred keys" if shifted else "checkpoint scales"
         if exact_kv is not None and dtype not in FP8_DTYPES:
