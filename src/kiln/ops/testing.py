@@ -63,24 +63,28 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def upcast_to_float64(value: Any) -> Any:
     """Float tensors become float64 copies; everything else is deep-copied unchanged (opaque packed
     tensors too, e.g. a oneDNN-blocked weight: only their kernel can read them)."""
-    if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided:
-            return value.detach().clone()
-        return value.detach().to(torch.float64) if value.is_floating_point() else value.detach().clone()
-    if isinstance(value, dict):
-        return {k: upcast_to_float64(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(upcast_to_float64(v) for v in value)
-    return copy.deepcopy(value)
+
+    def upcast(t: torch.Tensor) -> torch.Tensor:
+        if t.layout != torch.strided or not t.is_floating_point():
+            return t.detach().clone()
+        return t.detach().to(torch.float64)
+
+    return _map_tensors(value, upcast, copy.deepcopy)
 
 
 def clone_inputs(value: Any) -> Any:
     """An input set (or any value in one) with every tensor cloned, same strides and values in new
     memory; lists, tuples and dicts rebuilt, anything else shared."""
+    return _map_tensors(value, lambda t: t.detach().clone(), lambda other: other)
+
+
+def _map_tensors(value: Any, on_tensor, on_other) -> Any:
+    """`value` with on_tensor applied to each tensor and on_other to each other leaf, through dicts,
+    lists and tuples (rebuilt)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return on_tensor(value)
     if isinstance(value, dict):
-        return {k: clone_inputs(v) for k, v in value.items()}
+        return {k: _map_tensors(v, on_tensor, on_other) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(clone_inputs(v) for v in value)
-    return value
+        return type(value)(_map_tensors(v, on_tensor, on_other) for v in value)
+    return on_other(value)
