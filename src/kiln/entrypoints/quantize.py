@@ -2,7 +2,8 @@
 `load_model` / `LLM(...)` (and transformers, vLLM, SGLang) load.
 
     kiln quantize SRC_DIR --out DIR --scheme fp8|int8|w4a16 [--method rtn|awq] [--group-size 128]
-                  [--kv-cache fp8] [--ignore REGEX ...] [--calibration FILE]
+                  [--kv-cache fp8 [--kv-cache-strategy tensor|attn_head]] [--ignore REGEX ...]
+                  [--calibration FILE]
 
 Schemes (compressed-tensors presets; weights from min/max, the library's own calculate_qparams):
     fp8     FP8_DYNAMIC: e4m3 weights, one scale per output channel; activations quantized per token
@@ -30,13 +31,14 @@ and folded: 1/s into the op producing the input, s into the projections' input c
 The scales live in the weights and norms: the output is a standard W4A16 checkpoint. AWQ's weight
 clipping search is not done.
 
---kv-cache fp8 (any scheme): an FP8 kv_cache_scheme with per-layer static k/v scales measured on the
-calibration text (kiln.entrypoints.quantize_kv_cache), for an fp8 KV cache (`--kv-cache-dtype fp8
---kv-cache-scales checkpoint` in Kiln; vLLM's `kv_cache_dtype="fp8"`).
+--kv-cache fp8 (any scheme): an FP8 kv_cache_scheme with static k/v scales measured on the calibration
+text (kiln.entrypoints.quantize_kv_cache), one per layer (--kv-cache-strategy tensor, the default) or
+one per layer and kv head (attn_head, compressed-tensors' per-head strategy), for an fp8 KV cache
+(`--kv-cache-dtype fp8 --kv-cache-scales checkpoint` in Kiln; vLLM's `kv_cache_dtype="fp8"`).
 
 Written: the compressed-tensors library's model compression and save (config.json gains its
-quantization_config, plus "kiln_quantize": {"scheme", "method", "group_size", "kv_cache", "ignore",
-"quantized"});
+quantization_config, plus "kiln_quantize": {"scheme", "method", "group_size", "kv_cache",
+"kv_cache_strategy", "ignore", "quantized"});
 every other file of SRC_DIR (tokenizer files) is copied. transformers and compressed-tensors are
 optional dependencies of Kiln: without them this command says so.
 """
@@ -59,7 +61,12 @@ from kiln.entrypoints.checkpoint_args import (
     read_calibration,
     source_safetensors,
 )
-from kiln.entrypoints.quantize_kv_cache import KV_CACHE_SCHEMES, attach_kv_cache_scales, kv_cache_observations
+from kiln.entrypoints.quantize_kv_cache import (
+    KV_CACHE_SCHEMES,
+    KV_CACHE_STRATEGIES,
+    attach_kv_cache_scales,
+    kv_cache_observations,
+)
 from kiln.quant.int4 import GROUP_SIZES
 
 SCHEMES = {"fp8": "FP8_DYNAMIC", "int8": "W8A8", "w4a16": "W4A16"}
@@ -90,6 +97,13 @@ def add_parser(subparsers) -> None:
         choices=list(KV_CACHE_SCHEMES),
         default=None,
         help="also write static k/v scales for an fp8 KV cache (kv_cache_scheme), from the calibration text",
+    )
+    parser.add_argument(
+        "--kv-cache-strategy",
+        choices=list(KV_CACHE_STRATEGIES),
+        default=None,
+        help="with --kv-cache: one k/v scale per layer (tensor, the default) or per layer and kv head "
+        "(attn_head: [num_kv_heads, 1, 1])",
     )
     parser.set_defaults(func=run)
 
@@ -268,9 +282,11 @@ def quantize(
     max_calibration_tokens: int = 512,
     progress: bool = True,
     kv_cache: str | None = None,
+    kv_cache_strategy: str | None = None,
 ) -> dict:
     """Quantize `source` into `out` (see the module docstring). Returns config.json's "kiln_quantize"
-    entry, with "awq": the per-layer search results for --method awq."""
+    entry, with "awq": the per-layer search results for --method awq. kv_cache_strategy: None is
+    "tensor" with `kv_cache`, and must be None without."""
     from tqdm import tqdm
 
     transformers, _ = _libraries()
@@ -292,6 +308,15 @@ def quantize(
     if kv_cache is not None and kv_cache not in KV_CACHE_SCHEMES:
         expected = ", ".join(KV_CACHE_SCHEMES)
         raise ValueError(f"kiln quantize: --kv-cache {kv_cache!r} unsupported, expected one of {expected}")
+    if kv_cache is None and kv_cache_strategy is not None:
+        raise ValueError("kiln quantize: --kv-cache-strategy applies with --kv-cache only")
+    if kv_cache is not None:
+        kv_cache_strategy = kv_cache_strategy or "tensor"
+        if kv_cache_strategy not in KV_CACHE_STRATEGIES:
+            raise ValueError(
+                f"kiln quantize: --kv-cache-strategy {kv_cache_strategy!r} unsupported, expected one of "
+                + ", ".join(KV_CACHE_STRATEGIES)
+            )
     source_safetensors("kiln quantize", source, out)
     with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
         source_config = json.load(f)
@@ -343,7 +368,9 @@ def quantize(
     unquantized = [n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized]
     qconfig = QuantizationConfig(config_groups={"group_0": preset}, ignore=unquantized)
     apply_quantization_config(hf, qconfig)
-    kv_cache_scheme = attach_kv_cache_scales(hf, observations, dtype) if observations is not None else None
+    kv_cache_scheme = None
+    if observations is not None:
+        kv_cache_scheme = attach_kv_cache_scales(hf, observations, dtype, kv_cache_strategy)
     with torch.no_grad():
         for name in tqdm(names, desc=f"quantize {scheme}", disable=not progress, file=sys.stderr):
             module = hf.get_submodule(name)
@@ -365,6 +392,7 @@ def quantize(
         "method": method,
         "group_size": group_size if scheme == "w4a16" else None,
         "kv_cache": kv_cache,
+        "kv_cache_strategy": kv_cache_strategy,
         "ignore": list(ignore),
         "quantized": len(names),
     }
@@ -390,6 +418,7 @@ def run(args: argparse.Namespace) -> int:
             text,
             args.max_calibration_tokens,
             kv_cache=args.kv_cache,
+            kv_cache_strategy=args.kv_cache_strategy,
         )
     except ValueError as exc:
         print(exc, file=sys.stderr)
