@@ -58,7 +58,7 @@ def _blocks(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
 
 
 def _half(bytes2: torch.Tensor) -> torch.Tensor:
-    """[..., 2] little-endian bytes -> fp16 values [..., 1]."""
+    """[..., 2n] little-endian bytes -> fp16 values [..., n]."""
     return bytes2.contiguous().view(torch.float16)
 
 
@@ -88,6 +88,8 @@ def _k4_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 QUANT_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
 SCALE_GROUP = {"Q6_K": 16}
 WITH_MINS = ("Q4_1", "Q4_K", "Q5_K")
+# fp16 values per super-block in block_codes' supers: (d, dmin) for Q4_K / Q5_K, d for Q6_K
+SUPER_VALUES = {"Q4_K": 2, "Q5_K": 2, "Q6_K": 1}
 
 
 def scale_group(qtype: str) -> int:
@@ -95,28 +97,33 @@ def scale_group(qtype: str) -> int:
     return SCALE_GROUP.get(qtype, 32)
 
 
-def block_fields(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """uint8 [N, row_bytes] of KERNEL_QTYPES blocks -> (q int16 [N, K]: the stored quant, signed for
-    Q8_0, else unsigned with its high bits; scales float32 [N, K / scale_group]; mins float32
-    [N, K / 32], or None for the types without one), with w = (q - QUANT_OFFSET) * scale + min."""
+def block_codes(
+    qweight: torch.Tensor, qtype: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """uint8 [N, row_bytes] of KERNEL_QTYPES blocks -> the values the file stores, unmultiplied:
+    (q int16 [N, K]: the stored quant, signed for Q8_0, else unsigned with its high bits;
+     scales [N, K / scale_group]: float16 d, or the K-quants' sub-block sc (uint8; int8 for Q6_K);
+     mins [N, K / 32]: float16 m (Q4_1), uint8 m (Q4_K, Q5_K), else None;
+     supers float16 [N, K / 256 * SUPER_VALUES]: each super-block's (d, dmin) (Q4_K, Q5_K) or d
+     (Q6_K), else None).
+    group_scales turns them into block_fields' float32 scales and mins."""
     blocks = _blocks(qweight, qtype)
     n, nb = blocks.shape[:2]
-    mins = None
+    mins = supers = None
     if qtype == "Q6_K":
         low = _bits(blocks[..., 0:128].reshape(n, nb, 2, 64), 4)  # [n, nb, 2 halves, 2, 64]
         high = _bits(blocks[..., 128:192].reshape(n, nb, 2, 32), 2)  # [n, nb, 2 halves, 4, 32]
         q = low.reshape(n, nb, 256).short() | (high.reshape(n, nb, 256).short() << 4)
-        scales = _half(blocks[..., 208:210]).float() * blocks[..., 192:208].contiguous().view(torch.int8)
+        scales, supers = blocks[..., 192:208].contiguous().view(torch.int8), _half(blocks[..., 208:210])
     elif qtype in K_QUANTS:  # Q4_K, Q5_K
-        d, dmin = _half(blocks[..., 0:2]).float(), _half(blocks[..., 2:4]).float()
-        sc, m = _k4_scales_mins(blocks[..., 4:16])
+        scales, mins = _k4_scales_mins(blocks[..., 4:16])
+        supers = _half(blocks[..., 0:4])  # d, dmin
         # chunk c of the nibbles: sub-blocks 2c (low nibbles), 2c + 1 (high)
         q = _bits(blocks[..., -128:].reshape(n, nb, 4, 32), 4).reshape(n, nb, 256).short()
         if qtype == "Q5_K":  # bit s of byte j: sub-block s, weight j
             q = q | (_bits(blocks[..., 16:48], 1).reshape(n, nb, 256).short() << 4)
-        scales, mins = d * sc.float(), -(dmin * m.float())
     else:
-        scales = _half(blocks[..., 0:2]).float()
+        scales = _half(blocks[..., 0:2])
         if qtype == "Q8_0":
             q = blocks[..., 2:].contiguous().view(torch.int8).short()
         elif qtype == "Q4_0":
@@ -126,8 +133,31 @@ def block_fields(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch
             q = (_nibbles(blocks[..., 6:]) | (high << 4)).short()
         else:  # Q4_1
             q = _nibbles(blocks[..., 4:]).short()
-            mins = _half(blocks[..., 2:4]).float()
-    return q.reshape(n, -1), scales.reshape(n, -1), None if mins is None else mins.reshape(n, -1)
+            mins = _half(blocks[..., 2:4])
+    return tuple(None if t is None else t.reshape(n, -1) for t in (q, scales, mins, supers))
+
+
+def group_scales(
+    scales: torch.Tensor, mins: torch.Tensor | None, supers: torch.Tensor | None, qtype: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """block_codes' (scales, mins, supers) [N, ...] -> float32 (scales [N, K / scale_group], mins
+    [N, K / 32] or None): d, or d * sc and -(dmin * m) for the K-quants, the products ggml forms."""
+    n = scales.shape[0]
+    if supers is None:
+        return scales.float(), None if mins is None else mins.float()
+    values = supers.float().reshape(n, -1, SUPER_VALUES[qtype])
+    product = values[..., :1] * scales.float().reshape(n, values.shape[1], -1)
+    if mins is not None:
+        mins = -(values[..., 1:] * mins.float().reshape(n, values.shape[1], -1)).reshape(n, -1)
+    return product.reshape(n, -1), mins
+
+
+def block_fields(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """uint8 [N, row_bytes] of KERNEL_QTYPES blocks -> (q int16 [N, K]: the stored quant, signed for
+    Q8_0, else unsigned with its high bits; scales float32 [N, K / scale_group]; mins float32
+    [N, K / 32], or None for the types without one), with w = (q - QUANT_OFFSET) * scale + min."""
+    q, scales, mins, supers = block_codes(qweight, qtype)
+    return q, *group_scales(scales, mins, supers, qtype)
 
 
 def decode_fields(

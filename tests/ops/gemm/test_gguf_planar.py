@@ -49,9 +49,10 @@ def test_nibble_words_hold_weight_8j_plus_i_at_bits_4i():
     quants 0..7 (0x76543210), word 1 quants 8..15, word 2 quants 0..7 again (weights 16..23)."""
     nibbles = torch.tensor([(j % 16) | ((j + 16) % 16) << 4 for j in range(16)], dtype=torch.uint8)
     block = torch.cat([torch.tensor([1.0], dtype=torch.float16).view(torch.uint8), nibbles])[None]
-    qs, qh, scales, mins = pack_planar(block, "Q4_0")
+    qs, qh, scales, mins, supers = pack_planar(block, "Q4_0")
     assert [w & 0xFFFFFFFF for w in qs[0].tolist()] == [0x76543210, 0xFEDCBA98, 0x76543210, 0xFEDCBA98]
-    assert scales.tolist() == [[1.0]] and qh.shape == (1, 0) and mins.shape == (1, 0)
+    assert scales.tolist() == [[1.0]] and scales.dtype == torch.float16
+    assert qh.shape == mins.shape == supers.shape == (1, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -84,13 +85,18 @@ def test_prepared_linear_refuses_planes_of_the_wrong_shape_or_dtype():
     x = torch.randn(2, 256)
     wrong_scales = r"gguf_planar_Q4_K weight\[2\] \(scales\) has shape \(8, 4\), expected \(8, 8\)"
     with pytest.raises(ValueError, match=wrong_scales):
-        kiln.ops.prepared_linear(x, "gguf_planar_Q4_K", [planes[0], planes[1], planes[2][:, :4], planes[3]])
+        kiln.ops.prepared_linear(x, "gguf_planar_Q4_K", [*planes[:2], planes[2][:, :4], *planes[3:]])
+    wrong_supers = r"weight\[4\] \(supers\) has shape \(8, 1\), expected \(8, 2\)"
+    with pytest.raises(ValueError, match=wrong_supers):
+        kiln.ops.prepared_linear(x, "gguf_planar_Q4_K", [*planes[:4], planes[4][:, :1]])
     with pytest.raises(ValueError, match="weight\\[0\\]"):
         kiln.ops.prepared_linear(x, "gguf_planar_Q4_K", [planes[0].float(), *planes[1:]])
     with pytest.raises(ValueError, match="K=255 must be a multiple of 256"):
         kiln.ops.prepared_linear(torch.randn(2, 255), "gguf_planar_Q4_K", planes)
-    with pytest.raises(ValueError, match="holds 4 tensors"):
-        kiln.ops.prepared_linear(x, "gguf_planar_Q4_K", planes[:3])
+    with pytest.raises(ValueError, match="weight\\[3\\]"):  # mins of the file's uint8, not float32
+        kiln.ops.prepared_linear(x, "gguf_planar_Q4_K", [*planes[:3], planes[3].float(), planes[4]])
+    with pytest.raises(ValueError, match="holds 5 tensors"):
+        kiln.ops.prepared_linear(x, "gguf_planar_Q4_K", planes[:4])
     # the planes themselves run on the CPU too (F.linear on their decoded matrix)
     out = kiln.ops.prepared_linear(x, "gguf_planar_Q4_K", planes)
     assert_close(out, x.double() @ planar_matrix(planes, "Q4_K").T, 1e-5)
@@ -125,7 +131,7 @@ def test_packing_a_few_rows_at_a_time_gives_the_same_planes(monkeypatch):
     monkeypatch.setattr(planar, "PACK_WEIGHTS", 3 * 512)  # 3 rows a chunk, 13 chunks
     assert all(torch.equal(a, b) for a, b in zip(whole, pack_planar(blocks, "Q5_K"), strict=True))
     empty = pack_planar(torch.empty(0, 176, dtype=torch.uint8), "Q5_K")
-    assert [tuple(t.shape) for t in empty] == [(0, 32), (0, 8), (0, 8), (0, 8)]
+    assert [tuple(t.shape) for t in empty] == [(0, 32), (0, 8), (0, 8), (0, 8), (0, 2)]
 
 
 def test_planar_gemm_with_nothing_to_multiply(device):
@@ -141,3 +147,12 @@ def test_planar_gemm_with_nothing_to_multiply(device):
     bias = torch.randn(5)
     out = gguf_planar_linear_triton(torch.randn(2, 0, device=device), empty, "Q4_1", bias.to(device))
     assert torch.equal(out.cpu(), bias.expand(2, 5))
+
+
+def test_planar_gemm_refuses_k_quant_tiles_deeper_than_a_super_block(device):
+    """The kernel reads one super-block's d (and dmin) a K tile: BLOCK_K must divide 256."""
+    blocks, _ = blocks_and_matrix(16, 512, "Q6_K", torch.Generator().manual_seed(2))
+    planes = [t.to(device) for t in pack_planar(blocks, "Q6_K")]
+    config = {**SPLIT, "BLOCK_K": 512, "SPLIT_K": 1}
+    with pytest.raises(ValueError, match="BLOCK_K=512 must divide 256 for Q6_K"):
+        gguf_planar_linear_triton(torch.randn(2, 512, device=device), planes, "Q6_K", config=config)

@@ -47,8 +47,9 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      as in "q4_blocks_onednn", then              (7) q4_blocks_gemm (exact); more rows:
                      "w8a8_packed"'s four]                       W8A8 on the int8 copy
     "gguf_<qtype>"  [uint8 blocks [N, row_bytes] as in the file] kiln.ops.gguf_linear
-    "gguf_planar_<qtype>"  [qs, qh, scales, mins: the blocks'     CUDA: gguf_planar_triton's GEMM
-                     fields in planes (kiln.ops.gemm.gguf_planar)] (CPU: F.linear on the decoded matrix)
+    "gguf_planar_<qtype>"  [qs, qh, scales, mins, supers: the     CUDA: gguf_planar_triton's GEMM
+                     blocks' fields in planes                    (CPU: F.linear on the decoded matrix)
+                     (kiln.ops.gemm.gguf_planar)]
                     (qtype Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)
     "fp8_*", "int8_*", "w4a16_*", "fp8_block*", "sparse24": quantized checkpoint weights
                     (compressed-tensors, block FP8, AWQ, GPTQ, `kiln sparsify`'s 2:4), see
@@ -64,9 +65,8 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     2:4 sparse (Sparse24Weight) runs sparse24_linear on CUDA and is expanded to the dense layouts
     below on the CPU (logged);
   - CUDA: GGUF blocks are repacked into planes ("gguf_planar_*", every kernel type, the K-quants
-    included: words and float32 group scales the GPU reads in whole sectors, the same values bit for
-    bit); anything else is "dense" in the
-    model dtype;
+    included: words and the file's own scales the GPU reads in whole sectors, the same values bit for
+    bit); anything else is "dense" in the model dtype;
   - CPU, "int4", GGUF Q4_0/Q4_1/Q4_K with N % 16 == 0: "int4". A Q4_1 block w = d*q + m (q in 0..15)
     is torch's (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0: m = -8d, so zero = 0; a
     Q4_K sub-block of 32: d = d*sc, m = -dmin*m): the packed nibbles are the GGUF ones; scale and
@@ -236,7 +236,7 @@ LAYOUTS = {
     "int8_blocks_w8a8_packed": 6,
     "q4_blocks_w8a8_packed": 7,
     **dict.fromkeys(GGUF_LAYOUTS, 1),
-    **dict.fromkeys(PLANAR_LAYOUTS, 4),
+    **dict.fromkeys(PLANAR_LAYOUTS, 5),
     **QUANTIZED_LAYOUTS,
 }
 

@@ -178,14 +178,14 @@ def _validate_quantized(op, layout, weight, K, device) -> None:
 
 
 def _validate_planar(op, layout, weight, K, device) -> None:
-    """The planes (qs, qh, scales, mins) of kiln.ops.gemm.gguf_planar for an [N, K] weight."""
+    """The planes (qs, qh, scales, mins, supers) of kiln.ops.gemm.gguf_planar for an [N, K] weight."""
     qtype = PLANAR_LAYOUTS[layout]
     if K % BLOCK_WEIGHTS[qtype]:
         raise ValueError(f"{op}: K={K} must be a multiple of {BLOCK_WEIGHTS[qtype]} (the GGUF {qtype} block)")
     n = weight[0].shape[0] if weight[0].dim() == 2 else -1
     for i, (name, tensor, dtype, expected) in enumerate(
         zip(
-            ("qs", "qh", "scales", "mins"),
+            ("qs", "qh", "scales", "mins", "supers"),
             weight,
             planar_dtypes(qtype),
             planar_shapes(n, K, qtype),
@@ -616,9 +616,9 @@ def _blocks_rows_read_blocks(kind: str, m: int) -> bool:
 def _weight_bytes(shape, dtype) -> float:
     """Bytes the CPU layout reads per call: fp32 / bf16 the matrix; fp16 the fp16 matrix for one row,
     its float32 copy for more; int4 the nibbles and a bf16 (scale, zero) per 32 weights; gguf the file's
-    blocks (on CUDA the engine reads their planes, gguf_planar: 6 bits a weight for Q4_K where the file
-    has 4.5; counting the file's bytes keeps the roofline % comparable with gguf_linear's and says what
-    the planes cost);
+    blocks (on CUDA the engine reads their planes, gguf_planar: 4.625 bits a weight for Q4_K where the
+    file has 4.5; counting the file's bytes keeps the roofline % comparable with gguf_linear's and says
+    what the planes cost);
     q4_blocks / q8_blocks the blocks (or their tiles: Q4_0 / Q4_1's d and m as float16) for as many rows
     as their kernels take here, the float32 copy for more; int8_blocks the values and scales for one
     row, the bf16 copy for more; the checkpoint layouts ("kernel") on the CPU: w4a16 its nibbles,
