@@ -194,7 +194,7 @@ TEST_OPTIONS=(-q -p no:cacheprovider -o junit_family=xunit2 --durations=20)
 phase_gputests() {  # the tests marked gpu: no CPU run ever runs them (kernels in bf16, TMA, compiled Pallas)
   # shellcheck disable=SC2046
   step tests-gpu-marked 130 pytest "${TEST_OPTIONS[@]}" -m gpu $(xdist_args) \
-    --junitxml="$WORK/tests-gpu-marked.xml" tests/ops tests/jax tests/loaders
+    --junitxml="$WORK/tests-gpu-marked.xml" tests/ops tests/jax tests/loaders tests/engine/test_host_upload.py
 }
 
 phase_tests() {

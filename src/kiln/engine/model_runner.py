@@ -38,6 +38,7 @@ from kiln.engine.exact_kv import (
     exact_block_table_row,
     exact_slots_for,
 )
+from kiln.engine.host_upload import upload
 from kiln.engine.sampler import Sampler, prompt_token_logprobs
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.speculative.verify import verify_proposals
@@ -202,6 +203,7 @@ class ModelRunner:
             ]
         logger.info("KV cache: %s", self.kv_cache_description())
         self.sampler = Sampler(device, seed)
+        self.pack_uploads = device.type == "cuda"  # a step's inputs in one pinned copy (host_upload)
         self.step_times = StepTimes()  # prepare / forward / sample; the engine adds its phases
         # on CUDA the forward only launches: with this set (a profile's timed steps), finish waits for
         # the GPU before it reads the clock, so "forward" holds the GPU's time and "sample" does not
@@ -303,29 +305,36 @@ class ModelRunner:
         block_tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
         for row, seq in zip(block_tables, batch.seqs, strict=True):  # numpy reads each list in C
             row[: len(seq.block_table)] = seq.block_table
-        dev = self.device
+        arrays = [
+            np.array(slot_mapping, dtype=np.int64),
+            block_tables,
+            np.array(seq_lens, dtype=np.int32),
+            np.array(cu_seqlens_q, dtype=np.int32),
+            np.array(input_ids, dtype=np.int64),
+            np.array(positions, dtype=np.int64),
+        ]
+        if exact is not None:
+            arrays.append(np.array([exact_block_table_row(seq) for seq in batch.seqs], dtype=np.int32))
+            arrays.append(np.array(exact_slot_mapping, dtype=np.int64))
+            if exact_fill:
+                arrays.append(np.array(exact_fill, dtype=np.int64).T)
+        sent = upload(self.device, arrays, self.pack_uploads)
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32).to(dev, non_blocking=True),
+            slot_mapping=sent[0],
+            block_tables=sent[1],
+            seq_lens=sent[2],
+            cu_seqlens_q=sent[3],
             max_seqlen_q=max(batch.num_tokens),
             max_seqlen_k=max(seq_lens),
             decode_only=all(n == 1 for n in batch.num_tokens),
         )
+        ids, pos = sent[4], sent[5]
         fill = None
         if exact is not None:
-            metadata.exact_block_tables = torch.tensor(
-                [exact_block_table_row(seq) for seq in batch.seqs], dtype=torch.int32
-            ).to(dev, non_blocking=True)
-            metadata.exact_slot_mapping = torch.tensor(exact_slot_mapping, dtype=torch.int64).to(
-                dev, non_blocking=True
-            )
+            metadata.exact_block_tables, metadata.exact_slot_mapping = sent[6], sent[7]
             metadata.exact_window = exact.window
             if exact_fill:
-                fill = torch.tensor(exact_fill, dtype=torch.int64).T.contiguous().to(dev, non_blocking=True)
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+                fill = sent[8]
         return ModelInputs(ids, pos, metadata, sample_rows, fill), rows
 
     @torch.inference_mode()
