@@ -314,6 +314,30 @@ def test_a_batch_copies_its_tokens_to_the_host_once(monkeypatch):
     assert logprobs[0][tokens[0]] == pytest.approx(expected[0, tokens[0]].item(), abs=1e-6)
 
 
+
+def test_a_sampled_batch_sends_its_settings_to_the_device_in_one_copy(monkeypatch):
+    """Temperatures, greedy flags, min-p floors, top-k, the nucleus rows and their top-p were six
+    small host-to-device tensors a sampled step (and the shared noise's row index a seventh): one
+    upload now (kiln.engine.host_upload), no torch.tensor from a list, the same draws."""
+    import kiln.engine.sampling_rows as sampling_rows
+
+    params = [
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, seed=7),
+    ]
+    logits = random_logits(4, seed=13)
+    expected, _ = Sampler(torch.device("cpu"), seed=5)(logits, seqs_for(params))
+    uploads, tensors = [], []
+    real_upload, real_tensor = sampling_rows.upload, torch.tensor
+    monkeypatch.setattr(sampling_rows, "upload", lambda *a: uploads.append(len(a[1])) or real_upload(*a))
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: tensors.append(a) or real_tensor(*a, **k))
+    tokens, _ = Sampler(torch.device("cpu"), seed=5)(logits, seqs_for(params))
+    monkeypatch.undo()
+    assert uploads == [6] and tensors == []
+    assert tokens == expected and tokens[1] == logits[1].argmax().item()
+
 # ---- seeded draws: noise keyed by (seed, output position), nothing else ----
 def test_a_seeded_greedy_row_leaves_torch_global_generator_alone():
     logits = random_logits(3, seed=11)

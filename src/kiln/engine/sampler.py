@@ -34,12 +34,12 @@ it was), so the caller can drop them and run the step again.
 from __future__ import annotations
 
 import hashlib
-import math
 
 import torch
 
 from kiln.engine.argmax import row_argmax
 from kiln.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from kiln.engine.sampling_rows import RowSettings
 from kiln.engine.sequence import Sequence
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -87,7 +87,7 @@ class Sampler:
             tokens = self._sample(logits, seqs)
             top = logits.amax(dim=-1)
         # tokens and finiteness reach the host in one copy: on a GPU each `.tolist()` waits for the
-        # device (a sampled batch's filters still send their small per-row tensors the other way)
+        # device (a sampled batch's settings went the other way in one copy too: RowSettings)
         token_list, finite = torch.stack((tokens, torch.isfinite(top).to(tokens.dtype))).tolist()
         if not all(finite):
             if state is not None:
@@ -124,8 +124,10 @@ class Sampler:
         output position positions[i]: from the (seed, position) generator for a seeded request, from
         the shared generator otherwise, all ones (nothing drawn) for a greedy one."""
         device = self.generator.device
-        noise = torch.ones(len(seqs), vocab, device=device)
         unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None and not s.params.greedy]
+        if unseeded and len(unseeded) == len(seqs):  # every row: no index list sent to the device
+            return torch.empty(len(seqs), vocab, device=device).exponential_(generator=self.generator)
+        noise = torch.ones(len(seqs), vocab, device=device)
         if unseeded:
             rows = torch.empty(len(unseeded), vocab, device=device)
             noise[unseeded] = rows.exponential_(generator=self.generator)
@@ -135,27 +137,30 @@ class Sampler:
         return noise
 
     @classmethod
-    def probs(cls, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def probs(
+        cls, logits: torch.Tensor, params: list[SamplingParams], settings: RowSettings | None = None
+    ) -> torch.Tensor:
         """The distribution each row samples from: float32 [N, vocab], softmax of logits [N, vocab]
         divided by the row's temperature, after its top-k, top-p and min-p filters (greedy rows get
-        temperature 1 and no filters; callers take their argmax instead)."""
-        device = logits.device
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        temperature 1 and no filters; callers take their argmax instead). `settings`: params as
+        device tensors (RowSettings.of), when the caller has them already."""
+        if settings is None:
+            settings = RowSettings.of(params, logits.shape[1], logits.device)
         # (logits - max) / T is <= 0 and finite or -inf: the top token stays at 0 however small T is
         logits = logits.float()
         shifted = logits - logits.amax(dim=-1, keepdim=True)
-        scaled = shifted / temps.clamp_min(_TINY)[:, None]
-        return filter_logits(scaled, params).softmax(dim=-1)
+        scaled = shifted / settings.temps.clamp_min(_TINY)[:, None]
+        return filter_logits(scaled, settings).softmax(dim=-1)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        probs = self.probs(logits, params)
+        settings = RowSettings.of(params, logits.shape[1], logits.device)
+        probs = self.probs(logits, params, settings)
         # the noise is indexed by token id, never by rank or batch row, so a seeded request draws the
         # same token whatever filters the other rows of its batch use
         noise = self.exponentials(seqs, [s.num_output_tokens for s in seqs], logits.shape[1])
         choice = row_argmax(probs / noise)
-        return torch.where(greedy, row_argmax(logits), choice)
+        return torch.where(settings.greedy, row_argmax(logits), choice)
 
     @staticmethod
     def token_logprobs(
@@ -215,39 +220,33 @@ def seeded_exponentials(seed: int, position: int, vocab: int, device: torch.devi
     return torch.empty(vocab, device=device).exponential_(generator=generator)
 
 
-def filter_logits(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filter_logits(scaled: torch.Tensor, settings: RowSettings) -> torch.Tensor:
     """top-k, then top-p, then min-p on tempered logits scaled float32 [N, vocab] (each row's top at
-    0); returns a copy with the dropped tokens at -inf (scaled itself when no row filters). Greedy rows
-    are left as they are. Each filter keeps the tokens at or above a value, so the three make one
-    floor per row, and what a row keeps depends on that row alone (ties stay or go together)."""
-    vocab = scaled.shape[1]
-    device = scaled.device
-    sampling = [not p.greedy for p in params]
-    top_k = [p.top_k if s and 0 < p.top_k < vocab else 0 for p, s in zip(params, sampling, strict=True)]
-    nucleus = [i for i, (p, s) in enumerate(zip(params, sampling, strict=True)) if s and p.top_p < 1.0]
-    min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampling, strict=True)]
-    if not (any(top_k) or nucleus or any(min_p)):
+    0), with the rows' settings (RowSettings); returns a copy with the dropped tokens at -inf (scaled
+    itself when no row filters). Greedy rows are left as they are. Each filter keeps the tokens at or
+    above a value, so the three make one floor per row, and what a row keeps depends on that row alone
+    (ties stay or go together)."""
+    if not settings.filters:
         return scaled
-    # min-p: p_i >= min_p * p_top  <=>  scaled_i >= log(min_p), the top token's scaled logit being 0
-    floor = torch.tensor([math.log(m) if m > 0 else _NEG_INF for m in min_p], device=device)[:, None]
-    if any(top_k):
+    vocab = scaled.shape[1]
+    floor = settings.min_p_floor[:, None]
+    if settings.max_top_k:
         # top-k: the k-th largest value is the floor, so the tokens tied with it all stay. One value
         # more than the largest k tells top-p below whether such ties run past the values ranked here.
-        ranked = scaled.topk(min(max(top_k) + 1, vocab), dim=-1).values  # descending
-        k = torch.tensor(top_k, device=device)[:, None]
+        ranked = scaled.topk(min(settings.max_top_k + 1, vocab), dim=-1).values  # descending
+        k = settings.top_k[:, None]
         kth = ranked.gather(1, (k - 1).clamp_min(0)).masked_fill(k == 0, _NEG_INF)
         floor = torch.maximum(floor, kth)
     else:
         kth = torch.full_like(floor, _NEG_INF)
-    if nucleus:
-        rows = torch.tensor(nucleus, device=device)
-        top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=torch.float64, device=device)
-        nucleus_scaled = scaled if len(nucleus) == len(params) else scaled[rows]
-        if all(top_k[i] for i in nucleus):
+    rows = settings.nucleus
+    if rows.numel():
+        nucleus_scaled = scaled if rows.numel() == scaled.shape[0] else scaled[rows]
+        if settings.nucleus_within_top_k:
             nucleus_ranked = ranked[rows]
         else:  # a row without top-k ranks its whole vocabulary
             nucleus_ranked = nucleus_scaled.sort(dim=-1, descending=True).values
-        top_p_floor = _top_p_floor(nucleus_scaled, nucleus_ranked, kth[rows], top_p)
+        top_p_floor = _top_p_floor(nucleus_scaled, nucleus_ranked, kth[rows], settings.top_p)
         floor = floor.index_copy(0, rows, torch.maximum(floor[rows], top_p_floor))
     return scaled.masked_fill(scaled < floor, _NEG_INF)
 
