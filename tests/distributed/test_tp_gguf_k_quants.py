@@ -27,7 +27,8 @@ GGUF_FORMATS = dict(cpu_format="gguf", lm_head_format="gguf")
 
 def _write(tmp_path, **shape) -> str:
     path = tmp_path / "tiny-k.gguf"
-    hf = tiny_llama(seed=3, hidden_size=512, num_attention_heads=4, num_key_value_heads=2, **shape)
+    shape = {"hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, **shape}
+    hf = tiny_llama(seed=3, **shape)
     write_tiny_gguf(hf, path, tensor_types=TYPES)
     return str(path)
 
@@ -43,3 +44,11 @@ def test_tp_over_more_ranks_than_super_blocks_is_refused_before_starting_workers
     config = EngineConfig(model=path, device="cpu", num_kv_blocks=16, **GGUF_FORMATS)
     with pytest.raises(ValueError, match=r"256-input GGUF super-blocks .* it holds 2\); use tp <= 2"):
         TensorParallelEngine(config, tp_size=4, timeout_s=10)
+
+
+def test_tp2_with_a_k_quant_o_proj_cut_inside_super_blocks_runs_those_slices_dense(tmp_path):
+    """6 heads of 128 over 2 ranks: each rank's o_proj reads 384 inputs, 1.5 super-blocks, so its
+    slice is dequantized at load (logged) rather than refused; the rest stays K-quant blocks, and the
+    logits match TP 1's."""
+    path = _write(tmp_path, hidden_size=768, num_attention_heads=6, intermediate_size=1280)
+    _compare(path, PROMPTS, tol=1e-5, num_kv_blocks=16, **GGUF_FORMATS)

@@ -88,9 +88,24 @@ def test_gguf_column_shards_keep_their_block_scales(qtype):
     torch.testing.assert_close(shard_rows(weight, 3, 7).dequantize(), full[3:7], rtol=0, atol=0)
 
 
-def test_gguf_column_shard_off_a_block_boundary_is_rejected():
-    with pytest.raises(ValueError, match="multiples of 32"):
-        shard_cols(_random_gguf(4, 128, "Q4_1"), 16, 80, "o_proj")
+def test_gguf_column_shard_off_a_block_boundary_is_its_decoded_slice(caplog):
+    """A slice that cuts blocks (a K-quant o_proj over ranks of 7 heads of 128) runs dense: the decoded
+    columns exactly, logged once per split."""
+    from kiln.quant.gguf_blocks import quantize_blocks
+
+    weight = _random_gguf(4, 128, "Q4_1")
+    with caplog.at_level("WARNING", logger="kiln.models.sharding"):
+        part = shard_cols(weight, 16, 80, "o_proj")
+        shard_cols(weight, 16, 80, "o_proj")
+    assert part.dtype == torch.float32 and torch.equal(part, weight.dequantize()[:, 16:80])
+    assert [r.getMessage() for r in caplog.records] == [
+        "tensor parallel: inputs [16, 80) of o_proj (Q4_1) cut its 32-input GGUF blocks: this rank's slice "
+        "is dequantized at load and runs dense (a tp size giving every rank a multiple of 32 of these inputs "
+        "keeps it quantized)"
+    ]
+    k_quant = GGUFWeight("Q4_K", quantize_blocks(torch.randn(3, 1024), "Q4_K"), (3, 1024))
+    assert torch.equal(shard_cols(k_quant, 384, 768), k_quant.dequantize()[:, 384:768])
+    assert shard_cols(k_quant, 256, 768).data.shape == (3, 2 * 144)  # whole super-blocks: still blocks
 
 
 def _blocks(qtype: str, n: int, k: int) -> GGUFWeight:

@@ -20,8 +20,9 @@ down_proj columns of its intermediate slice; embedding / LM-head rows of its voc
 Norms are replicated.
 
 Quantized weights shard together with their scales: GGUF blocks cover 32 consecutive inputs of one
-output row (256 for the K-quants), so a row slice is free and a column slice must start and end on a
-block boundary;
+output row (256 for the K-quants), so a row slice is free and a column slice that starts and ends on
+block boundaries stays blocks (one that cuts a block, e.g. a K-quant o_proj over 7 heads of 128 a
+rank, is dequantized at load and logged);
 quantized checkpoint weights (kiln.quant.linear_weights: W8A8, W4A16, block FP8, 2:4) slice through
 their own `rows` / `cols`: int4 on group boundaries (act-order weights not along their inputs), block
 FP8 on block boundaries, 2:4 on 8-input boundaries, per-channel W8A8 scales follow their rows.
@@ -30,12 +31,18 @@ FP8 on block boundaries, 2:4 on 8-input boundaries, per-channel W8A8 scales foll
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass
+
+import torch
 
 from kiln.models.config import ModelConfig, ModelLoadError
 from kiln.models.weights import GGUF_BLOCK_BYTES, GGUFWeight, Weight, WeightStore
 from kiln.quant.linear_weights import QUANTIZED_WEIGHT_TYPES
+
+logger = logging.getLogger(__name__)
+_LOGGED_DECODED_SLICES: set[tuple[str, int, int]] = set()
 
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Phi-3 is split like Llama: kiln.models.phi3 names the row blocks of its fused qkv / gate_up tensors
@@ -65,9 +72,11 @@ def shard_rows(weight: Weight, start: int, end: int) -> Weight:
 
 
 def shard_cols(weight: Weight, start: int, end: int, what: str = "weight") -> Weight:
-    """Columns [start, end) of a matrix [out, in]. GGUF blocks: start and end must be multiples of the
-    block (32 inputs; 256 for the K-quants' super-blocks), else ValueError; quantized checkpoint weights
-    likewise on their group / block boundaries (their `cols`)."""
+    """Columns [start, end) of a matrix [out, in]. GGUF blocks: kept as blocks when start and end are
+    multiples of the block (32 inputs; 256 for the K-quants' super-blocks), else the blocks covering
+    the slice are decoded and the slice returned as a float32 matrix (logged once per split; e.g. a
+    K-quant o_proj over ranks of 7 heads of 128); quantized checkpoint weights slice on their group /
+    block boundaries (their `cols`), else ValueError."""
     if isinstance(weight, QUANTIZED_WEIGHT_TYPES):
         try:
             return weight.cols(start, end)
@@ -76,17 +85,20 @@ def shard_cols(weight: Weight, start: int, end: int, what: str = "weight") -> We
     if not isinstance(weight, GGUFWeight):
         return weight[:, start:end].contiguous()
     qk = weight.block_weights
-    if start % qk or end % qk:
-        raise ValueError(
-            f"tensor parallel: cannot shard {what} ({weight.qtype}) along its inputs at [{start}, {end}): "
-            f"GGUF {weight.qtype} blocks hold {qk} inputs, so shard boundaries must be multiples of "
-            f"{qk}; use a tp size that gives every rank a multiple of {qk} of these inputs"
-        )
     n, k = weight.shape
-    block_bytes = GGUF_BLOCK_BYTES[weight.qtype]
-    blocks = weight.data.view(n, k // qk, block_bytes)
-    data = blocks[:, start // qk : end // qk].reshape(n, -1).contiguous()
-    return GGUFWeight(weight.qtype, data, (n, end - start))
+    first, last = start // qk, -(-end // qk)  # the blocks the slice touches
+    blocks = weight.data.view(n, k // qk, GGUF_BLOCK_BYTES[weight.qtype])[:, first:last]
+    covered = GGUFWeight(weight.qtype, blocks.reshape(n, -1).contiguous(), (n, (last - first) * qk))
+    if start % qk == 0 and end % qk == 0:
+        return covered
+    if (weight.qtype, start, end) not in _LOGGED_DECODED_SLICES:
+        _LOGGED_DECODED_SLICES.add((weight.qtype, start, end))
+        logger.warning(
+            "tensor parallel: inputs [%d, %d) of %s (%s) cut its %d-input GGUF blocks: this rank's slice "
+            "is dequantized at load and runs dense (a tp size giving every rank a multiple of %d of "
+            "these inputs keeps it quantized)", start, end, what, weight.qtype, qk, qk,
+        )  # fmt: skip
+    return covered.dequantize(torch.float32)[:, start - first * qk : end - first * qk].contiguous()
 
 
 def split_evenly(total: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
