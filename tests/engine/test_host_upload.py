@@ -23,6 +23,7 @@ def arrays(rng: np.random.Generator) -> list[np.ndarray]:
         rng.random(3) < 0.5,  # 3 bytes: the next array starts past a pad
         rng.standard_normal(9).astype(np.float32),
         rng.integers(0, 100, size=1, dtype=np.int32),
+        np.array(rng.integers(0, 100), dtype=np.int64),  # 0-d
     ]
 
 

@@ -20,7 +20,7 @@ def upload(device: torch.device, arrays: list[np.ndarray], pack: bool | None = N
     """numpy arrays (any numeric dtype and shape) -> the same values as torch tensors on `device`, each
     contiguous with its dtype and shape. `pack` (default: on CUDA) sends them as one buffer (pinned on
     CUDA), else each is its own tensor (on the CPU `torch.from_numpy`, no copy)."""
-    arrays = [np.ascontiguousarray(a) for a in arrays]
+    arrays = [np.asarray(a, order="C") for a in arrays]  # (ascontiguousarray makes 0-d arrays 1-d)
     if pack is None:
         pack = device.type == "cuda"
     if not pack:

@@ -42,7 +42,7 @@ from kiln.models.weights import GGUF_BLOCK_BYTES, GGUFWeight, Weight, WeightStor
 from kiln.quant.linear_weights import QUANTIZED_WEIGHT_TYPES
 
 logger = logging.getLogger(__name__)
-_LOGGED_DECODED_SLICES: set[tuple[str, int, int]] = set()
+_LOGGED_DECODED_SLICES: set[tuple[str, str, int, int]] = set()
 
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Phi-3 is split like Llama: kiln.models.phi3 names the row blocks of its fused qkv / gate_up tensors
@@ -91,8 +91,9 @@ def shard_cols(weight: Weight, start: int, end: int, what: str = "weight") -> We
     covered = GGUFWeight(weight.qtype, blocks.reshape(n, -1).contiguous(), (n, (last - first) * qk))
     if start % qk == 0 and end % qk == 0:
         return covered
-    if (weight.qtype, start, end) not in _LOGGED_DECODED_SLICES:
-        _LOGGED_DECODED_SLICES.add((weight.qtype, start, end))
+    key = (re.sub(r"\d+", "N", what), weight.qtype, start, end)  # once for every layer's o_proj
+    if key not in _LOGGED_DECODED_SLICES:
+        _LOGGED_DECODED_SLICES.add(key)
         logger.warning(
             "tensor parallel: inputs [%d, %d) of %s (%s) cut its %d-input GGUF blocks: this rank's slice "
             "is dequantized at load and runs dense (a tp size giving every rank a multiple of %d of "
@@ -155,7 +156,7 @@ def _head_ranges(num_heads: int, num_kv_heads: int, tp: int) -> list[tuple[tuple
 
 def _unit(total: int, tp: int, preferred: int) -> int:
     # whole GGUF blocks / int4-packable row counts when the size allows, else any split (dense weights;
-    # a GGUF down_proj then fails in shard_cols with the reason)
+    # a GGUF down_proj's slices that cut its blocks are then dequantized in shard_cols, logged)
     return preferred if total % preferred == 0 and total // preferred >= tp else 1
 
 
