@@ -81,6 +81,9 @@ def test_k_quant_gguf_kept_as_blocks_matches_transformers_loading_the_same_file(
 
 
 def test_k_quant_gguf_default_cpu_path_dequantizes_once_at_load_and_says_so(k_quant_gguf, caplog):
+    from kiln.ops.gemm import weight_formats
+
+    weight_formats._log_dequantized_at_load.cache_clear()  # logged once a process: other tests' loads
     path, _, ref = k_quant_gguf
     config, weights, _, _ = load_gguf(str(path))
     with caplog.at_level(logging.INFO, logger="kiln.ops.gemm.weight_formats"):
@@ -118,3 +121,55 @@ def test_k_quant_gguf_on_cuda_runs_the_blocks_in_planes(k_quant_gguf):
         assert _layouts(model) == planar
         out = prompt_logits(model, PROMPT, block_size=4).cpu()
         assert _relative_error(out, ref) < tol, dtype
+
+
+# A Q4_K_M-like file: Q4_K matrices, Q6_K down_proj and embedding (llama.cpp's choice for them)
+Q4_K_M_TYPES = {
+    "attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q4_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K,
+    "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K, "token_embd": Q.Q6_K, "output": Q.Q6_K,
+}  # fmt: skip
+
+
+def test_q4_k_m_gguf_in_the_exact_blocks_format_keeps_q4_k_and_q6_k_as_blocks(tmp_path):
+    """cpu_format "q4_blocks" (what the probe picks among for a model's layers) keeps Q4_K in the Q4
+    blocks layout and Q6_K as its int8 values with d * sc per 16 ("q8_blocks_onednn"; it was the
+    float32 fallback), exact: the engine (its one-call native decode over every layer, one and
+    17 sequences) gives transformers' greedy tokens and float32-close logits."""
+    from kiln.engine import LLM, SamplingParams
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    hf = tiny_llama(seed=5, **shape)
+    write_tiny_gguf(hf, tmp_path / "tiny-q4km.gguf", tensor_types=Q4_K_M_TYPES)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="tiny-q4km.gguf", dtype=torch.float32
+    ).eval()
+    config, weights, _, _ = load_gguf(str(tmp_path / "tiny-q4km.gguf"))
+    model = LlamaForCausalLM(config, weights, cpu_format="q4_blocks", lm_head_format="q4_blocks")
+    layouts = _layouts(model)
+    if "onednn" in layouts.values() or "dense" in layouts.values():
+        pytest.skip(f"oneDNN does not pack float32 here: {layouts}")
+    assert layouts == {"qkv": "q4_blocks_onednn", "o": "q4_blocks_onednn", "gate_up": "q4_blocks_onednn",
+                       "down": "q8_blocks_onednn", "head": "q8_blocks_onednn"}  # fmt: skip
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([PROMPT])).logits[0]
+    assert _relative_error(prompt_logits(model, PROMPT, block_size=4), ref) < TOL
+    # 17 sequences: where this build has tile kernels (AVX-512: Q4 from 8 rows, Q8_0 16 to 32) the Q4
+    # layers' tiles run and Q6_K's down_proj (no tiles) its row kernel
+    prompts = [PROMPT, PROMPT[3:]] + [[7, 7, 1 + i, 50 - i] for i in range(15)]
+    with torch.no_grad():
+        expected = [
+            ref_model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0]
+            for p in prompts
+        ]
+    expected = [e[len(p) :] for e, p in zip(expected, prompts, strict=True)]
+    llm = LLM(model=str(tmp_path / "tiny-q4km.gguf"), device="cpu", num_kv_blocks=32, cpu_format="q4_blocks",
+              lm_head_format="q4_blocks")  # fmt: skip
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = [e.tolist() for e in expected]
+
+    def tokens(outputs):  # as far as transformers went: it stops at an end-of-sequence token
+        return [o.token_ids[: len(e)] for o, e in zip(outputs, expected[: len(outputs)], strict=True)]
+
+    assert tokens(llm.generate(prompts[:1], params)) == expected[:1]
+    assert tokens(llm.generate(prompts, params)) == expected
+    assert llm.engine.runner.flat_decode is not None and llm.engine.runner.flat_decode.native is not None

@@ -114,7 +114,8 @@ HAS_GGUF = all(importlib.util.find_spec(name) is not None for name in ("gguf", "
 @pytest.fixture(scope="module")
 def blocks_gguf(tmp_path_factory):
     """name -> a tiny Llama stored as GGUF blocks, written once: "q4" (Q4_1 q/k/v, gate/up and down,
-    Q4_0 o), "q8" (every layer matrix Q8_0) and "mixed" (Q4 but a Q8_0 down); Q8_0 embeddings and head."""
+    Q4_0 o), "q8" (every layer matrix Q8_0), "mixed" (Q4 but a Q8_0 down) and "q5_down" (Q4 but a Q5_0
+    down: no exact blocks layout); Q8_0 embeddings and head."""
     from gguf import GGMLQuantizationType as Q
 
     from tests.loaders.gguf_tiny import write_tiny_gguf
@@ -122,7 +123,8 @@ def blocks_gguf(tmp_path_factory):
 
     q4 = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.Q4_0,
           "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1}  # fmt: skip
-    kinds = {"q4": q4, "q8": dict.fromkeys(q4, Q.Q8_0), "mixed": {**q4, "ffn_down": Q.Q8_0}}
+    kinds = {"q4": q4, "q8": dict.fromkeys(q4, Q.Q8_0), "mixed": {**q4, "ffn_down": Q.Q8_0},
+             "q5_down": {**q4, "ffn_down": Q.Q5_0}}  # fmt: skip
     folder, written = tmp_path_factory.mktemp("flat_blocks"), {}
 
     def path(name: str) -> str:
@@ -173,8 +175,9 @@ def _three_ways(path, loaded, monkeypatch, **kw) -> dict:
 @pytest.mark.parametrize(
     "weights, cpu_format, layout",
     [("q4", "q4_blocks", "q4_blocks_onednn"), ("q4", "q4_blocks_a8", "q4_blocks_a8_onednn"),
-     ("q8", "q8_blocks", "q8_blocks_onednn"), ("q8", "q8_blocks_a8", "q8_blocks_a8_onednn")],
-    ids=["q4", "q4_a8", "q8", "q8_a8"],
+     ("q8", "q8_blocks", "q8_blocks_onednn"), ("q8", "q8_blocks_a8", "q8_blocks_a8_onednn"),
+     ("mixed", "q4_blocks", "q4_blocks_onednn q8_blocks_onednn")],  # either blocks format keeps both
+    ids=["q4", "q4_a8", "q8", "q8_a8", "mixed"],
 )  # fmt: skip
 @pytest.mark.parametrize("qkv_bias", [False, True], ids=["no_bias", "qkv_bias"])
 def test_native_flat_decode_gives_the_python_loops_and_the_modules_logprobs(
@@ -185,7 +188,7 @@ def test_native_flat_decode_gives_the_python_loops_and_the_modules_logprobs(
     if qkv_bias:
         _with_qkv_bias(loaded, seed=11)
     linears = [loaded.model.layers[0].self_attn.qkv_proj, loaded.model.layers[0].mlp.down_proj]
-    assert {linear.prepared.layout for linear in linears} == {layout}
+    assert {linear.prepared.layout for linear in linears} == set(layout.split())
     outputs = _three_ways(path, loaded, monkeypatch)
     assert loaded.model.flat_decode is None  # (the modules' run cleared it)
     assert outputs["built"] == outputs["python"] == outputs["modules"]  # token ids and logprobs, bit for bit
@@ -207,7 +210,7 @@ def test_16_bit_kv_caches_run_flat_with_the_python_loops_and_the_modules_logprob
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
 def test_a_layout_without_a_native_kernel_keeps_the_python_loop(blocks_gguf, monkeypatch):
-    path = blocks_gguf("mixed")  # the Q8_0 down_proj stays float32 ("onednn") under the q4_blocks format
+    path = blocks_gguf("q5_down")  # the Q5_0 down_proj stays float32 ("onednn") under the q4_blocks format
     loaded = load_model(path, device="cpu", cpu_format="q4_blocks", lm_head_format="q8_blocks")
     assert loaded.model.layers[0].mlp.down_proj.prepared.layout == "onednn"
     engine = _engine(path, loaded)

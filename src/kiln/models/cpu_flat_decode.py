@@ -162,7 +162,7 @@ def _native_decode(args: list[_LayerArgs]):
         ints += [int(a.qkv_bias is not None), a.q_size, a.kv_size, a.heads, a.kv_heads, a.head_dim]
         hybrid = any(kernel in _HYBRID_KERNELS for kernel, _ in linears)
         # from this many rows each linear's tile kernel (a hybrid's layer: never the tiles)
-        ints += [0 if hybrid else native_cpu.blocks_tiles_rows(_block_kind(k))[0] for k, _ in linears]
+        ints += [0 if hybrid else _tiles_rows(k, w)[0] for k, w in linears]
         floats += [float(a.eps), float(a.scale)]
     return torch.classes.kiln_cpu.FlatDecode(tensors, ints, floats)
 
@@ -183,7 +183,14 @@ def _native_rows(args: list[_LayerArgs]) -> int:
     if hybrid:
         return min(hybrid)
     gemm_rows = native_cpu.blocks_gemm_rows()
-    return min(max(gemm_rows, native_cpu.blocks_tiles_rows(_block_kind(kernel))[1]) for kernel, _ in linears)
+    return min(max(gemm_rows, _tiles_rows(kernel, w)[1]) for kernel, w in linears)
+
+
+def _tiles_rows(kernel, weight) -> tuple[int, int]:
+    """The rows a NATIVE_LAYOUTS linear's tile kernel takes (native_cpu.blocks_tiles_rows), (0, 0) when
+    its layout holds no tiles (Q6_K's values in "q8_blocks_onednn": no tile kernel reads blocks of 16)."""
+    tiles = weight[_NATIVE_KERNELS[kernel][1] + 1]  # after the blocks' tensors and the float32 copy
+    return native_cpu.blocks_tiles_rows(_block_kind(kernel)) if tiles.numel() else (0, 0)
 
 
 def _block_kind(kernel) -> str:

@@ -1,7 +1,8 @@
 """The "q8_blocks" CPU format: GGUF Q8_0 weights kept as their int8 values with a float32 scale per 32
-weights, one row through Kiln's native GEMV (kiln_cpu.q8_blocks_gemv) in float32 on the exact weights,
-several rows through a oneDNN float32 copy. Blocks are written by the `gguf` package, and `gguf`'s
-dequantization is the weights' reference."""
+weights (Q6_K's as q - 32 with d * sc per 16), one row through Kiln's native GEMV
+(kiln_cpu.q8_blocks_gemv) in float32 on the exact weights, a few through its multi-row kernel, more
+through a oneDNN float32 copy. Q8_0 blocks are written by the `gguf` package (Q6_K by Kiln's encoder:
+the package has none), and `gguf`'s dequantization is the weights' reference."""
 
 import random
 
@@ -14,7 +15,7 @@ from kiln.ops.gemm import cpu_q8_blocks as q8_module
 from kiln.ops.gemm import weight_formats
 from kiln.ops.gemm.prepared_linear import int8_blocks_gemv
 from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
-from kiln.quant.gguf_blocks import GGUFWeight
+from kiln.quant.gguf_blocks import GGUFWeight, quantize_blocks, scale_group
 from kiln.verify import assert_close
 from tests.ops.gemm.native_gemv_child import assert_compiled_call_holds_native_op
 
@@ -22,13 +23,18 @@ gguf = pytest.importorskip("gguf")
 CPU = torch.device("cpu")
 
 
-def _q8_weight(n: int, k: int, generator) -> tuple[GGUFWeight, torch.Tensor]:
-    """(GGUFWeight, its float64 matrix as `gguf` dequantizes it): rows of unlike size, fresh values."""
+def _q8_weight(n: int, k: int, generator, qtype: str = "Q8_0") -> tuple[GGUFWeight, torch.Tensor]:
+    """(GGUFWeight, its float64 matrix as `gguf` dequantizes it): rows of unlike size, fresh values,
+    uneven sub-block scales."""
     weight = torch.randn(n, k, generator=generator) * torch.rand(n, 1, generator=generator)
-    kind = gguf.GGMLQuantizationType.Q8_0
-    blocks = torch.from_numpy(gguf.quants.quantize(weight.numpy(), kind))
+    weight = weight * (torch.arange(k) // 16 % 5 + 1)
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    if qtype == "Q8_0":
+        blocks = torch.from_numpy(gguf.quants.quantize(weight.numpy(), kind))
+    else:
+        blocks = quantize_blocks(weight, qtype)
     expected = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), kind)).double()
-    return GGUFWeight("Q8_0", blocks, (n, k)), expected
+    return GGUFWeight(qtype, blocks, (n, k)), expected
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +50,18 @@ def _prepared(weight):
     return prepared
 
 
-@pytest.mark.parametrize("n,k", [(37, 96), (50, 576), (3, 32)])
-def test_q8_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(n, k, native):
+@pytest.mark.parametrize(
+    "qtype,n,k", [("Q8_0", 37, 96), ("Q8_0", 50, 576), ("Q8_0", 3, 32), ("Q6_K", 37, 256), ("Q6_K", 19, 768)]
+)
+def test_q8_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(qtype, n, k, native):
     g = torch.Generator().manual_seed(random.randrange(2**31))
-    weight, expected = _q8_weight(n, k, g)
+    weight, expected = _q8_weight(n, k, g, qtype)
     prepared = _prepared(weight)
     assert prepared.kind == "q8_blocks" and prepared.compute_dtype == torch.float32
-    values, scales, copy, *_ = prepared.tensors
-    assert values.dtype == torch.int8 and values.shape == (n, k) and scales.shape == (n, k // 32)
+    values, scales, copy, *tiles = prepared.tensors
+    group = scale_group(qtype)  # a scale per 32 (Q8_0) or per 16 (Q6_K)
+    assert values.dtype == torch.int8 and values.shape == (n, k) and scales.shape == (n, k // group)
+    assert qtype == "Q8_0" or all(t.numel() == 0 for t in tiles)  # no tile kernel reads blocks of 16
     matrix = prepared_matrix(prepared.layout, prepared.tensors)
     assert torch.equal(matrix, expected)  # d * q exactly: no rounding of the weight
     read_back = weight_formats.onednn_linear(torch.eye(k), copy, None).T
@@ -73,11 +83,13 @@ def test_q8_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(n, k, na
     assert torch.equal(y, weight_formats.onednn_linear(rows, copy, bias))
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])
 @pytest.mark.parametrize("m", [2, 3, 4, 5, 9, 19])  # the AVX2 kernel: x rows 8 at a time, W weight rows
-def test_q8_blocks_gemm_matches_float64_and_its_tensor_form_row_by_row(m, native, monkeypatch):
+def test_q8_blocks_gemm_matches_float64_and_its_tensor_form_row_by_row(m, qtype, native, monkeypatch):
     g = torch.Generator().manual_seed(random.randrange(2**31))
-    n, k = 45, 544  # 17 groups: the prefetch path's odd end, three 16-row tasks
-    weight, matrix = _q8_weight(n, k, g)
+    # Q8_0: 17 groups, the prefetch path's odd end; Q6_K: 48 groups of 16; three 16-row tasks
+    n, k = 45, 544 if qtype == "Q8_0" else 768
+    weight, matrix = _q8_weight(n, k, g, qtype)
     values, scales, *_ = _prepared(weight).tensors
     x = torch.randn(m, k, generator=g)
     y = torch.full((m, n), float("nan"))
@@ -97,14 +109,15 @@ def test_q8_blocks_gemm_matches_float64_and_its_tensor_form_row_by_row(m, native
     assert torch.isnan(y[m - 1]).all() and not torch.isnan(y[: m - 1]).any()
     with pytest.raises(RuntimeError, match=r"q8_blocks_gemm: x must be float32 \[M, K\]"):
         torch.ops.kiln_cpu.q8_blocks_gemm(x.double(), values, scales)
-    with pytest.raises(RuntimeError, match=r"q8_blocks_gemm: K = 512 must be a multiple of 32 with values"):
+    with pytest.raises(RuntimeError, match=r"q8_blocks_gemm: values must be int8 \[N, K\] with K = 512"):
         torch.ops.kiln_cpu.q8_blocks_gemm(x[:, :512].contiguous(), values, scales)
 
 
-def test_q8_blocks_native_kernel_matches_the_compiled_tensor_form_and_keeps_nan(native, monkeypatch):
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])
+def test_q8_blocks_native_kernel_matches_the_compiled_tensor_form_and_keeps_nan(qtype, native, monkeypatch):
     g = torch.Generator().manual_seed(random.randrange(2**31))
     n, k = 129, 1536  # rows past several of the kernel's 16-row tasks, SmolLM2's down_proj K
-    weight, _ = _q8_weight(n, k, g)
+    weight, _ = _q8_weight(n, k, g, qtype)
     values, scales, *_ = _prepared(weight).tensors
     x = torch.randn(1, k, generator=g)
     native_y = int8_blocks_gemv.int8_blocks_gemv(x, values, scales)
@@ -121,7 +134,7 @@ def test_q8_blocks_refuses_malformed_inputs_by_name(native):
     weight, _ = _q8_weight(40, 160, g)
     values, scales, copy, *tiles = _prepared(weight).tensors
     run, x = kiln.ops.prepared_linear, torch.randn(2, 160, generator=g)
-    with pytest.raises(ValueError, match=r"scales \(40, 4\), expected .* scales \(40, 5\)"):
+    with pytest.raises(ValueError, match=r"scales \(40, 4\), expected .* scales \(40, 5\) or \(40, 10\)"):
         run(x, "q8_blocks_onednn", [values, scales[:, :4].contiguous(), copy, *tiles])
     with pytest.raises(ValueError, match=r"weight\[0\].*int8"):
         run(x, "q8_blocks_onednn", [values.to(torch.uint8), scales, copy, *tiles])
@@ -132,29 +145,42 @@ def test_q8_blocks_refuses_malformed_inputs_by_name(native):
     with pytest.raises(ValueError, match=r"x has 96 in-features, the 'q8_blocks_onednn' weight 160"):
         run(torch.randn(1, 96), "q8_blocks_onednn", [values, scales, copy, *tiles])
     op = torch.ops.kiln_cpu.q8_blocks_gemv
-    with pytest.raises(RuntimeError, match=r"K = 80 must be a multiple of 32"):
-        op(torch.randn(1, 80), torch.zeros(40, 80, dtype=torch.int8), scales)
+    with pytest.raises(RuntimeError, match=r"K = 72 must be a multiple of 16"):
+        op(torch.randn(1, 72), torch.zeros(40, 72, dtype=torch.int8), scales)
+    with pytest.raises(RuntimeError, match=r"\[N, K / 32\] = \[40, 3\] or \[N, K / 16\] = \[40, 6\]"):
+        op(torch.randn(1, 96), torch.zeros(40, 96, dtype=torch.int8), scales)  # 5 scales: neither
     with pytest.raises(RuntimeError, match=r"x must be float32 \[1, K\]"):
         op(torch.randn(2, 160), values, scales)
     with pytest.raises(RuntimeError, match=r"scales must be float32 \[N, K / 32\] = \[40, 5\]"):
         op(torch.randn(1, 160), values, scales.double())
 
 
-def test_q8_blocks_gives_other_weights_the_float32_layouts():
+def test_q8_blocks_gives_weights_without_an_exact_blocks_layout_the_float32_layouts():
     g = torch.Generator().manual_seed(4)
-    blocks = torch.from_numpy(
-        gguf.quants.quantize(torch.randn(16, 64, generator=g).numpy(), gguf.GGMLQuantizationType.Q4_1)
-    )
-    for weight in (GGUFWeight("Q4_1", blocks, (16, 64)), torch.randn(16, 64, generator=g)):
+    blocks = quantize_blocks(torch.randn(16, 256, generator=g), "Q5_K")
+    for weight in (GGUFWeight("Q5_K", blocks, (16, 256)), torch.randn(16, 64, generator=g)):
         prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q8_blocks")
         assert prepared.layout in ("onednn", "dense") and prepared.compute_dtype == torch.float32
+
+
+@pytest.mark.parametrize("cpu_format", ["q4_blocks", "q8_blocks"])
+def test_either_blocks_format_keeps_every_type_it_has_an_exact_layout_for(cpu_format):
+    """The probe picks one format for all of a model's layers, whose files mix types (Q4_K_M: Q4_K
+    and Q6_K): each blocks format keeps Q4_0 / Q4_1 / Q4_K in "q4_blocks_onednn" and Q8_0 / Q6_K in
+    "q8_blocks_onednn" (where oneDNN packs float32 here)."""
+    g = torch.Generator().manual_seed(5)
+    for qtype, layout in (("Q4_1", "q4_blocks_onednn"), ("Q4_K", "q4_blocks_onednn"),
+                          ("Q8_0", "q8_blocks_onednn"), ("Q6_K", "q8_blocks_onednn")):  # fmt: skip
+        weight = GGUFWeight(qtype, quantize_blocks(torch.randn(32, 256, generator=g), qtype), (32, 256))
+        prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format=cpu_format)
+        assert prepared.layout in (layout, "onednn", "dense"), (qtype, prepared.layout)
 
 
 def test_a_compiled_step_traced_before_any_eager_call_holds_the_native_op(native):
     setup = """
 import gguf
 from kiln.ops.gemm.prepared_linear import int8_blocks_gemv
-from kiln.quant.gguf_blocks import GGUFWeight
+from kiln.quant.gguf_blocks import GGUFWeight, quantize_blocks, scale_group
 blocks = gguf.quants.quantize(torch.randn(48, 96).numpy(), gguf.GGMLQuantizationType.Q8_0)
 weight = GGUFWeight("Q8_0", torch.from_numpy(blocks), (48, 96))
 """

@@ -91,8 +91,11 @@ def layout_tiles(*blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The tiles a "q4_blocks[_a8]_onednn" (blocks: nibbles, scales, mins) or "q8_blocks[_a8]_onednn"
     (values, scales) layout keeps after its float32 copy: `pack_q4` / `pack_q8` where this build runs
     the tile kernel (native_cpu.blocks_tiles_rows(kind) not (0, 0): AVX-512), else `NO_TILES` /
-    `NO_Q8_TILES` (no copy where no kernel reads it)."""
+    `NO_Q8_TILES` (no copy where no kernel reads it; nor for values with a scale per 16, Q6_K's: the
+    tile kernel reads blocks of 32)."""
     q4 = len(blocks) == 3
+    if not q4 and blocks[1].shape[1] * BLOCK != blocks[0].shape[1]:  # Q6_K's scales per 16: no tile kernel
+        return NO_Q8_TILES
     if native_cpu.blocks_tiles_rows("q4" if q4 else "q8")[0]:
         return pack_q4(*blocks) if q4 else pack_q8(*blocks)
     return NO_TILES if q4 else NO_Q8_TILES

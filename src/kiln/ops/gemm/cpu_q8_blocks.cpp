@@ -1,15 +1,16 @@
 // The one-row kernel of the "q8_blocks_onednn" and "int8_blocks_onednn" layouts
-// (kiln.ops.gemm.weight_formats): y = x @ W^T with W kept as GGUF Q8_0 blocks of 32 weights,
-// w = d * q (q int8), computed in float32 on those exact values:
+// (kiln.ops.gemm.weight_formats): y = x @ W^T with W kept as int8 values in blocks of B = 32 weights
+// (GGUF Q8_0: w = d * q) or B = 16 (GGUF Q6_K's sub-blocks: w = (d * sc) * (q - 32)), one float32
+// scale a block, computed in float32 on those exact values:
 //
-//   y[n] = sum_g d[n, g] * sum_j x[32 g + j] * q[n, g, 32 g + j]
+//   y[n] = sum_g d[n, g] * sum_j x[B g + j] * q[n, B g + j]
 //
-// values int8 [N, K] are the blocks' q in weight order, scales float32 [N, K / 32] their d. One row of
-// x reads a byte a weight (plus a float a block) instead of the two bytes of an fp16 GEMV or the four
-// of a float32 one; the AVX2 build reads four weight rows at a time, the AVX-512 one a row at a time,
-// in 8 or 16 float lanes (cpu_float_lanes.h). q8_blocks_gemm does a few rows at once (batched decode;
-// its vector kernel converts each block to float32 once for up to 8 rows of x). Registered as
-// torch.ops.kiln_cpu.q8_blocks_gemv and q8_blocks_gemm.
+// values int8 [N, K] are the blocks' q in weight order, scales float32 [N, K / B] their scales; B is
+// read from the scales' shape. One row of x reads a byte a weight (plus a float a block) instead of the
+// two bytes of an fp16 GEMV or the four of a float32 one; the AVX2 build reads four weight rows at a
+// time, the AVX-512 one a row at a time, in 8 or 16 float lanes (cpu_float_lanes.h). q8_blocks_gemm
+// does a few rows at once (batched decode; its vector kernel converts each block to float32 once for
+// up to 8 rows of x). Registered as torch.ops.kiln_cpu.q8_blocks_gemv and q8_blocks_gemm.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,7 +26,7 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // weights per GGUF Q8_0 block
+constexpr int64_t kBlocks[] = {32, 16};  // weights per scale: a GGUF Q8_0 block, a Q6_K sub-block
 constexpr int64_t kRowsPerTask = 16;
 // Software prefetch this far ahead of the block being read, once per 64-byte line (as the Q4 kernel,
 // cpu_q4_blocks.cpp: a matrix is too short a stream for the hardware prefetcher to reach full speed)
@@ -33,59 +34,61 @@ constexpr int64_t kPrefetchAhead = 4096;
 
 #if defined(KILN_FLOAT_LANES)
 using namespace kiln_cpu::lanes;  // Floats: kLanes floats, 16 (AVX-512) or 8 (AVX2)
-constexpr int kParts = kBlock / kLanes;
 // Weight rows a one-row GEMV reads at once: 4 on AVX2; on a 2-core Zen 5 with AVX-512 one row reads
 // faster (SmolLM2's 49152 x 576 head cache-cold: 0.77 ms, ~37 GB/s, against 0.87-0.99 ms for 4 rows)
 constexpr int kGemvRows = kLanes == 16 ? 1 : 4;
 
-// R consecutive weight rows (`k` bytes apart; d `groups` apart) against one row of x: each loaded x
-// vector serves R rows, and the R accumulators are independent chains. `stop`: the end of the rows
-// this task reads; prefetches stay before it (inside the weights).
-template <int R>
+// R consecutive weight rows (`k` bytes apart; d `groups` apart) against one row of x, in blocks of B:
+// each loaded x vector serves R rows, and the R accumulators are independent chains. `stop`: the end of
+// the rows this task reads; prefetches stay before it (inside the weights).
+template <int B, int R>
 void rows_dot(const float* x, const int8_t* rows, int64_t k, const float* d, int64_t groups, const int8_t* stop,
               float* y) {
+  constexpr int kParts = B / kLanes;
   Floats acc[R];
   for (int i = 0; i < R; ++i) acc[i] = zero();
   for (int64_t g = 0; g < groups; ++g) {
-    if ((g & 1) == 0) {
+    if ((g * B) % 64 == 0) {  // once per 64-byte line
       for (int i = 0; i < R; ++i) {
-        const int8_t* ahead = rows + i * k + g * kBlock + kPrefetchAhead;
+        const int8_t* ahead = rows + i * k + g * B + kPrefetchAhead;
         if (ahead < stop) _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
       }
     }
-    const float* xb = x + g * kBlock;
+    const float* xb = x + g * B;
     Floats t[R];
     for (int i = 0; i < R; ++i) t[i] = zero();
     for (int part = 0; part < kParts; ++part) {
       const Floats xp = load(xb + kLanes * part);
-      for (int i = 0; i < R; ++i) t[i] = fmadd(int8s(rows + i * k + g * kBlock + kLanes * part), xp, t[i]);
+      for (int i = 0; i < R; ++i) t[i] = fmadd(int8s(rows + i * k + g * B + kLanes * part), xp, t[i]);
     }
     for (int i = 0; i < R; ++i) acc[i] = fmadd(set1(d[i * groups + g]), t[i], acc[i]);
   }
   for (int i = 0; i < R; ++i) y[i] = sum(acc[i]);
 }
 
-// R rows of x (`k` apart) against W consecutive weight rows (`k` bytes apart; d `groups` apart): each
-// block's weights become float32 once for all R rows, w = d * q (the float32 copy's values). Every
-// (x row, weight row) pair sums into one accumulator in the same order whatever R and W are, so a row's
-// result does not depend on how many rows share the call (batch-invariant); W weight rows at once keep
-// R * W >= 6 chains in flight where R is small. y[i * n + j] for x row i and weight row j.
-template <int R, int W>
+// R rows of x (`k` apart) against W consecutive weight rows (`k` bytes apart; d `groups` apart), in
+// blocks of B: each block's weights become float32 once for all R rows, w = d * q (the float32 copy's
+// values). Every (x row, weight row) pair sums into one accumulator in the same order whatever R and W
+// are, so a row's result does not depend on how many rows share the call (batch-invariant); W weight
+// rows at once keep R * W >= 6 chains in flight where R is small. y[i * n + j] for x row i and weight
+// row j.
+template <int B, int R, int W>
 void x_rows_dot(const float* x, int64_t k, const int8_t* rows, const float* d, int64_t groups, const int8_t* stop,
                 float* y, int64_t n) {
+  constexpr int kParts = B / kLanes;
   Floats acc[R * W];
   for (int i = 0; i < R * W; ++i) acc[i] = zero();
   for (int64_t g = 0; g < groups; ++g) {
     for (int j = 0; j < W; ++j) {
-      const int8_t* q = rows + j * k + g * kBlock;
-      if ((g & 1) == 0 && q + kPrefetchAhead < stop) {
+      const int8_t* q = rows + j * k + g * B;
+      if ((g * B) % 64 == 0 && q + kPrefetchAhead < stop) {
         _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchAhead), _MM_HINT_T0);
       }
       const Floats dg = set1(d[j * groups + g]);
       Floats w[kParts];  // weights kLanes part .. kLanes part + kLanes - 1
       for (int part = 0; part < kParts; ++part) w[part] = mul(int8s(q + kLanes * part), dg);
       for (int i = 0; i < R; ++i) {
-        const float* xb = x + i * k + g * kBlock;
+        const float* xb = x + i * k + g * B;
         Floats& a = acc[i * W + j];
         for (int part = 0; part < kParts; ++part) a = fmadd(w[part], load(xb + kLanes * part), a);
       }
@@ -98,51 +101,69 @@ void x_rows_dot(const float* x, int64_t k, const int8_t* rows, const float* d, i
 
 // x rows [0, rows) (at most kXRows) against weight rows [begin, end): W weight rows at a time, then
 // one at a time for the rest (the same sums either way)
-template <int R>
+template <int B, int R>
 void x_rows_times_weight_rows(const float* x, int64_t k, const int8_t* q, const float* d, int64_t groups,
                               int64_t begin, int64_t end, const int8_t* stop, float* y, int64_t n) {
   constexpr int W = R >= 5 ? 1 : R >= 3 ? 2 : 8 / R;  // R * W >= 6 independent accumulators
   int64_t row = begin;
-  for (; row + W <= end; row += W) x_rows_dot<R, W>(x, k, q + row * k, d + row * groups, groups, stop, y + row, n);
-  for (; row < end; ++row) x_rows_dot<R, 1>(x, k, q + row * k, d + row * groups, groups, stop, y + row, n);
+  for (; row + W <= end; row += W) {
+    x_rows_dot<B, R, W>(x, k, q + row * k, d + row * groups, groups, stop, y + row, n);
+  }
+  for (; row < end; ++row) x_rows_dot<B, R, 1>(x, k, q + row * k, d + row * groups, groups, stop, y + row, n);
 }
 
 using XRowsTimesWeightRows = void (*)(const float*, int64_t, const int8_t*, const float*, int64_t, int64_t, int64_t,
                                       const int8_t*, float*, int64_t);
 // x rows a pass: 8 accumulators (one a pair) and the block's weight vectors stay in registers
 constexpr int kXRows = 8;
-template <size_t... R>
+template <int B, size_t... R>
 constexpr std::array<XRowsTimesWeightRows, kXRows + 1> rows_table(std::index_sequence<R...>) {
-  return {nullptr, x_rows_times_weight_rows<R + 1>...};
+  return {nullptr, x_rows_times_weight_rows<B, R + 1>...};
 }
-constexpr auto kXRowsTimesWeightRows = rows_table(std::make_index_sequence<kXRows>());  // [R]: R x rows
+// [R]: R x rows, blocks of 32 / 16
+constexpr auto kXRowsTimesWeightRows32 = rows_table<32>(std::make_index_sequence<kXRows>());
+constexpr auto kXRowsTimesWeightRows16 = rows_table<16>(std::make_index_sequence<kXRows>());
+
+// one row of x against weight rows [begin, end) in blocks of B
+template <int B>
+void gemv_rows(const float* x, const int8_t* q, int64_t k, const float* d, int64_t groups, int64_t begin,
+               int64_t end, float* y) {
+  const int8_t* stop = q + end * k;
+  int64_t row = begin;
+  for (; row + kGemvRows <= end; row += kGemvRows) {
+    rows_dot<B, kGemvRows>(x, q + row * k, k, d + row * groups, groups, stop, y + row);
+  }
+  for (; row < end; ++row) rows_dot<B, 1>(x, q + row * k, k, d + row * groups, groups, stop, y + row);
+}
 #else
-float row_dot(const float* x, const int8_t* row, const float* d, int64_t groups) {
+float row_dot(const float* x, const int8_t* row, const float* d, int64_t groups, int64_t block) {
   float s = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
     float t = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) t += x[g * kBlock + j] * static_cast<float>(row[g * kBlock + j]);
+    for (int64_t j = 0; j < block; ++j) t += x[g * block + j] * static_cast<float>(row[g * block + j]);
     s += d[g] * t;
   }
   return s;
 }
 #endif
 
-// The argument checks of both ops; `one_row`: x must be [1, K] (q8_blocks_gemv), else [M, K]
-void check_args(const char* op, bool one_row, const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
+// The argument checks of both ops; `one_row`: x must be [1, K] (q8_blocks_gemv), else [M, K]. Returns
+// the block size B, K / scales.size(1): 32 or 16.
+int64_t check_args(const char* op, bool one_row, const at::Tensor& x, const at::Tensor& values,
+                   const at::Tensor& scales) {
   TORCH_CHECK(x.device().is_cpu() && values.device().is_cpu() && scales.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && (!one_row || x.size(0) == 1), op,
               ": x must be float32 ", one_row ? "[1, K]" : "[M, K]", ", got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(values.scalar_type() == at::kChar && values.dim() == 2,
               op, ": values must be int8 [N, K], got ", values.scalar_type(), " ", values.sizes());
   const int64_t n = values.size(0), k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0 && values.size(1) == k,
-              op, ": K = ", k, " must be a multiple of 32 with values [N, K], got ", values.sizes());
-  const int64_t groups = k / kBlock;
+  TORCH_CHECK(values.size(1) == k, op, ": values must be int8 [N, K] with K = ", k, " (x's), got ", values.sizes());
+  TORCH_CHECK(k % 16 == 0, op, ": K = ", k, " must be a multiple of 16 (32 for a scale per 32)");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == n &&
-                  scales.size(1) == groups,
-              op, ": scales must be float32 [N, K / 32] = [", n, ", ", groups, "], got ", scales.scalar_type(), " ",
-              scales.sizes());
+                  scales.size(1) > 0 && (scales.size(1) * kBlocks[0] == k || scales.size(1) * kBlocks[1] == k),
+              op, ": scales must be float32 [N, K / 32] = [", n, ", ", k / kBlocks[0], "] or [N, K / 16] = [", n,
+              ", ", k / kBlocks[1], "], got ", scales.scalar_type(), " ", scales.sizes());
+  return k / scales.size(1);
 }
 
 }  // namespace
@@ -150,8 +171,8 @@ void check_args(const char* op, bool one_row, const at::Tensor& x, const at::Ten
 namespace kiln_cpu {
 
 at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
-  check_args("q8_blocks_gemv", true, x, values, scales);
-  const int64_t n = values.size(0), k = x.size(1), groups = k / kBlock;
+  const int64_t block = check_args("q8_blocks_gemv", true, x, values, scales);
+  const int64_t n = values.size(0), k = x.size(1), groups = k / block;
   const at::Tensor xc = x.contiguous(), qc = values.contiguous(), dc = scales.contiguous();
   at::Tensor y = at::empty({1, n}, x.options());
   const float* xp = xc.data_ptr<float>();
@@ -159,27 +180,25 @@ at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const a
   const float* dp = dc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    int64_t row = begin;
 #if defined(KILN_FLOAT_LANES)
-    const int8_t* stop = qp + end * k;
-    for (; row + kGemvRows <= end; row += kGemvRows) {
-      rows_dot<kGemvRows>(xp, qp + row * k, k, dp + row * groups, groups, stop, yp + row);
+    if (block == 32) {
+      gemv_rows<32>(xp, qp, k, dp, groups, begin, end, yp);
+    } else {
+      gemv_rows<16>(xp, qp, k, dp, groups, begin, end, yp);
     }
-    for (; row < end; ++row) rows_dot<1>(xp, qp + row * k, k, dp + row * groups, groups, stop, yp + row);
 #else
-    for (; row < end; ++row) yp[row] = row_dot(xp, qp + row * k, dp + row * groups, groups);
+    for (int64_t row = begin; row < end; ++row) yp[row] = row_dot(xp, qp + row * k, dp + row * groups, groups, block);
 #endif
   });
   return y;
 }
 
-
 // x float32 [M, K] (M >= 1) -> y float32 [M, N], each row as q8_blocks_gemv computes it. A task's 16
 // weight rows stay in the cache while each group of up to 8 x rows passes over them: the weights are
 // read from memory once, a byte a weight instead of the float32 copy's four.
 at::Tensor q8_blocks_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
-  check_args("q8_blocks_gemm", false, x, values, scales);
-  const int64_t rows = x.size(0), n = values.size(0), k = x.size(1), groups = k / kBlock;
+  const int64_t block = check_args("q8_blocks_gemm", false, x, values, scales);
+  const int64_t rows = x.size(0), n = values.size(0), k = x.size(1), groups = k / block;
   const at::Tensor xc = x.contiguous(), qc = values.contiguous(), dc = scales.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   const float* xp = xc.data_ptr<float>();
@@ -189,14 +208,14 @@ at::Tensor q8_blocks_gemm(const at::Tensor& x, const at::Tensor& values, const a
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
 #if defined(KILN_FLOAT_LANES)
     const int8_t* stop = qp + end * k;
+    const auto& table = block == 32 ? kXRowsTimesWeightRows32 : kXRowsTimesWeightRows16;
     for (int64_t r = 0; r < rows; r += kXRows) {
-      kXRowsTimesWeightRows[std::min<int64_t>(kXRows, rows - r)](xp + r * k, k, qp, dp, groups, begin, end, stop,
-                                                                  yp + r * n, n);
+      table[std::min<int64_t>(kXRows, rows - r)](xp + r * k, k, qp, dp, groups, begin, end, stop, yp + r * n, n);
     }
 #else
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t row = begin; row < end; ++row) {
-        yp[r * n + row] = row_dot(xp + r * k, qp + row * k, dp + row * groups, groups);
+        yp[r * n + row] = row_dot(xp + r * k, qp + row * k, dp + row * groups, groups, block);
       }
     }
 #endif

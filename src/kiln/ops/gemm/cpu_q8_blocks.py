@@ -1,7 +1,8 @@
 """GGUF Q8_0 weights kept as their int8 values and per-32 scales on the CPU, for the "q8_blocks_onednn"
 and "int8_blocks_onednn" layouts (kiln.ops.gemm.weight_formats): `pack` splits a weight into them
 (w = d * q exactly), `q8_blocks_gemv` computes one row of y = x @ W^T in float32 on those values,
-`q8_blocks_gemm` a few rows (batched decode).
+`q8_blocks_gemm` a few rows (batched decode). GGUF Q6_K weights take the same form with a scale per
+16 ("q8_blocks_onednn" only): values q - 32 and scales d * sc, exact in float32 (ggml's own product).
 
 torch.ops.kiln_cpu.q8_blocks_gemv (cpu_q8_blocks.cpp, part of Kiln's native CPU library,
 kiln.ops.native_cpu) reads a byte a weight; where the library cannot be built the same sum runs as a
@@ -15,9 +16,10 @@ from __future__ import annotations
 import torch
 
 from kiln.ops import native_cpu
-from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
+from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, QUANT_OFFSET, block_fields
 
 BLOCK = BLOCK_WEIGHTS["Q8_0"]  # weights per scale: one Q8_0 block
+QTYPES = ("Q8_0", "Q6_K")  # what `pack` takes: scales per 32 weights, per 16 for Q6_K
 _state: dict = {"loaded": None}
 
 
@@ -44,10 +46,16 @@ def loaded() -> bool:
 
 
 def pack(weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GGUF Q8_0 GGUFWeight [N, K] -> (values int8 [N, K], scales float32 [N, K / 32]), w = d * q
-    exactly (d is fp16 in the file). Loads the native kernel (`load`) first."""
+    """A GGUF Q8_0 or Q6_K GGUFWeight [N, K] -> (values int8 [N, K], scales float32 [N, K / B]), B = 32
+    (Q8_0: w = d * q, d fp16 in the file) or 16 (Q6_K: w = (d * sc) * (q - 32), values q - 32), exact.
+    Loads the native kernel (`load`) first."""
     load()
     n, k = weight.shape
+    if weight.qtype == "Q6_K":
+        q, scales, _ = block_fields(weight.data.view(n, -1), "Q6_K")
+        return (q - QUANT_OFFSET["Q6_K"]).to(torch.int8), scales
+    if weight.qtype != "Q8_0":
+        raise ValueError(f"cpu_q8_blocks.pack: GGUF {weight.qtype} unsupported, expected one of {QTYPES}")
     blocks = weight.data.view(n, k // BLOCK, BLOCK_BYTES["Q8_0"])
     scales = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32).view(n, -1)
     values = blocks[..., 2:].contiguous().view(torch.int8).view(n, k)
@@ -55,8 +63,8 @@ def pack(weight) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def q8_blocks_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [1, K] float32, values int8 [N, K], scales float32 [N, K / 32] -> y float32 [1, N],
-    y[n] = sum_k x[k] * scales[n, k // 32] * values[n, k], through the native kernel (`load` must
+    """x [1, K] float32, values int8 [N, K], scales float32 [N, K / B] (B = 32 or 16) -> y float32 [1, N],
+    y[n] = sum_k x[k] * scales[n, k // B] * values[n, k], through the native kernel (`load` must
     have returned True)."""
     return torch.ops.kiln_cpu.q8_blocks_gemv(x, values, scales)
 
@@ -68,5 +76,5 @@ def q8_blocks_gemm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) 
     if loaded():
         return torch.ops.kiln_cpu.q8_blocks_gemm(x, values, scales)
     n, k = values.shape
-    blocks = values.view(n, k // BLOCK, BLOCK).float() * scales.view(n, -1, 1)
+    blocks = values.view(n, scales.shape[1], -1).float() * scales.view(n, -1, 1)
     return x @ blocks.view(n, k).T

@@ -23,7 +23,8 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      16-row tiles and their d and m (AVX-512;    q4_tiles_gemm); more rows: oneDNN fp32
                      elsewhere two empty tensors)]               on the copy
     "q8_blocks_onednn"  [Q8_0's int8 values [N, K], its scales   1 row: Kiln's native GEMV on the blocks,
-                     float32 [N, K/32], oneDNN's blocked fp32    in float32 (exact; kiln_cpu.q8_blocks_gemv);
+                     float32 [N, K/32] (Q6_K: q - 32, d * sc     in float32 (exact; kiln_cpu.q8_blocks_gemv);
+                     [N, K/16], no tiles), oneDNN's blocked fp32
                      copy of the same matrix, the values in      a few rows: the blocks' row or tile kernel
                      16-row tiles and their d (AVX-512;          (exact; kiln_cpu.q8_blocks_gemm /
                      elsewhere two empty tensors)]               q8_tiles_gemm); more rows: oneDNN fp32
@@ -87,15 +88,17 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     (kiln.ops.gemm.cpu_block_tiles; the same values, +0.625 byte a weight with Q4_0 / Q4_1's d and m
     as float16, +0.75 with Q4_K's as float32), and a oneDNN-packed float32
     copy of the same matrix for more rows, as "fp32". Exact like "fp32", so the
-    probe times it by default. Other weights, or a CPU where oneDNN cannot pack, get "fp32";
-  - CPU, "q8_blocks", GGUF Q8_0 weights: "q8_blocks_onednn", the same for Q8_0: its int8 values and
-    its scales (fp16 in the file, exact in float32), one row through Kiln's native GEMV
-    (kiln.ops.gemm.cpu_q8_blocks, one byte a weight), a few rows through its q8_blocks_gemm or, for
+    probe times it by default. GGUF Q8_0 / Q6_K weights get "q8_blocks"'s layout (EXACT_BLOCKS_FORMAT);
+    other weights, or a CPU where oneDNN cannot pack, get "fp32";
+  - CPU, "q8_blocks", GGUF Q8_0 and Q6_K weights: "q8_blocks_onednn", the same for Q8_0: its int8
+    values and its scales (fp16 in the file, exact in float32; Q6_K's: q - 32 and d * sc per 16, with
+    no tiles), one row through Kiln's native GEMV (kiln.ops.gemm.cpu_q8_blocks, one byte a weight), a
+    few rows through its q8_blocks_gemm or, for
     native_cpu.blocks_tiles_rows("q8") rows (16 to 32, AVX-512 builds), q8_tiles_gemm on a copy in
     16-row tiles (as "q4_blocks"; +1.125 byte a weight: the values and a float32 d per 32), more
     through a oneDNN-packed float32 copy. Made for the LM head, the largest matrix of a small model,
-    whose GGUF type is usually Q8_0; exact, so the probe times it by default. Other weights, or a CPU
-    where oneDNN cannot pack, get "fp32";
+    whose GGUF type is usually Q8_0; exact, so the probe times it by default. GGUF Q4 weights get
+    "q4_blocks"'s layout; other weights, or a CPU where oneDNN cannot pack, get "fp32";
   - CPU, "q4_blocks_a8" / "q8_blocks_a8", the same weights: "q4_blocks_a8_onednn" /
     "q8_blocks_a8_onednn", the same tensors, but a one-row x is quantized to Q8_0 blocks first (int8
     per 32 values, a float32 scale: llama.cpp's CPU arithmetic) and each block's dot product is integer
@@ -194,9 +197,15 @@ INT4_FORMATS = ("int4", "int4_bf16", "int4_w8a8")  # cpu formats that keep GGUF 
 # the exact blocks formats: cpu format -> (layout, GGUF types it keeps, the packer of their tensors)
 BLOCKS_FORMATS = {
     "q4_blocks": ("q4_blocks_onednn", INT4_QTYPES, cpu_q4_blocks.pack),
-    "q8_blocks": ("q8_blocks_onednn", ("Q8_0",), cpu_q8_blocks.pack),
+    "q8_blocks": ("q8_blocks_onednn", cpu_q8_blocks.QTYPES, cpu_q8_blocks.pack),
     "q4_blocks_a8": ("q4_blocks_a8_onednn", INT4_QTYPES, cpu_blocks_a8.pack_q4),
     "q8_blocks_a8": ("q8_blocks_a8_onednn", ("Q8_0",), cpu_blocks_a8.pack_q8),
+}
+# "q4_blocks" and "q8_blocks" each keep every GGUF type that has an exact blocks layout in it: the
+# probe picks one format for a model's layers, whose files mix types (Q4_K_M: Q4_K and Q6_K)
+EXACT_BLOCKS_FORMAT = {
+    **dict.fromkeys(INT4_QTYPES, "q4_blocks"),
+    **dict.fromkeys(cpu_q8_blocks.QTYPES, "q8_blocks"),
 }
 INT8_BLOCK_SIZE = BLOCK_WEIGHTS["Q8_0"]  # weights per scale in "q8_blocks_onednn" etc.: one Q8_0 block
 # torch's int8 CPU matmul reads K in steps of 16 (other K give garbage or crash): "int8" keeps a weight
@@ -489,8 +498,12 @@ def _q4_blocks_w8a8_layout(weight: GGUFWeight, shape, dtype) -> PreparedLinearWe
 def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | None:
     """The "q4_blocks[_a8]_onednn" / "q8_blocks[_a8]_onednn" layout (BLOCKS_FORMATS[cpu_format]) of a
     GGUF weight of its block types, where oneDNN packs float32 here; else None."""
+    if not isinstance(weight, GGUFWeight):
+        return None
+    if cpu_format in ("q4_blocks", "q8_blocks"):
+        cpu_format = EXACT_BLOCKS_FORMAT.get(weight.qtype, cpu_format)
     layout, qtypes, pack = BLOCKS_FORMATS[cpu_format]
-    if not isinstance(weight, GGUFWeight) or weight.qtype not in qtypes:
+    if weight.qtype not in qtypes:
         return None
     rows = onednn_pack(weight.dequantize(torch.float32))
     if rows is None:
@@ -634,8 +647,8 @@ def prepared_matrix(
         q = cpu_q4_blocks.block_values(nibbles, groups).to(torch.float64)
         return (q * scales[..., None] + mins[..., None]).view(n, groups * INT4_GROUP_SIZE)
     if layout in ("q8_blocks_onednn", "q8_blocks_a8_onednn", "int8_blocks_onednn", "int8_blocks_w8a8_packed"):
-        values, scales = tensors[:2]
-        blocks = values.to(torch.float64).view(values.shape[0], -1, INT8_BLOCK_SIZE)
+        values, scales = tensors[:2]  # a scale per 32 values, or per 16 (Q6_K's)
+        blocks = values.to(torch.float64).view(values.shape[0], scales.shape[1], -1)
         return (blocks * scales.to(torch.float64)[..., None]).view(values.shape)
     if layout in QUANTIZED_LAYOUTS:
         return quantized_matrix(layout, tensors, in_features)

@@ -147,7 +147,7 @@ def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm):
         rows = x.shape[0]
         if rows == 1:
             y = gemv(x, *weight[:copy_at])
-        elif blocks_tiles_take(kind, rows):
+        elif blocks_tiles_take(kind, rows) and weight[copy_at + 1].numel():  # (Q6_K's have no tiles)
             y = tiles_gemm(x, weight[copy_at + 1], weight[copy_at + 2], weight[0].shape[0])
         elif rows <= blocks_gemm_rows():
             y = gemm(x, *weight[:copy_at])

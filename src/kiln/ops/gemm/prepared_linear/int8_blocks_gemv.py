@@ -22,15 +22,14 @@ import torch
 
 from kiln.ops.cpu_inductor import compile_cpu
 from kiln.ops.gemm import cpu_q8_blocks
-from kiln.ops.gemm.weight_formats import INT8_BLOCK_SIZE
 from kiln.ops.realize import realized
 
 
 def _gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     n, k = values.shape
-    groups = k // INT8_BLOCK_SIZE
-    xs = x.float().view(1, groups, INT8_BLOCK_SIZE)
-    products = xs * values.view(n, groups, INT8_BLOCK_SIZE).float() * scales.view(n, groups, 1)
+    groups = scales.shape[1]  # blocks of 32 (Q8_0) or 16 (Q6_K)
+    xs = x.float().view(1, groups, k // groups)
+    products = xs * values.view(n, groups, k // groups).float() * scales.view(n, groups, 1)
     return products.sum((-1, -2)).view(1, n)
 
 
@@ -42,8 +41,8 @@ def _compiled_gemv():
 
 
 def int8_blocks_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [1, K] float (any float dtype, read as float32), values int8 [N, K], scales float32 [N, K / 32]
-    -> y float32 [1, N], y[n] = sum_k x[k] * scales[n, k // 32] * values[n, k]."""
+    """x [1, K] float (any float dtype, read as float32), values int8 [N, K], scales float32 [N, K / B]
+    (B = 32, or 16 for Q6_K's) -> y float32 [1, N], y[n] = sum_k x[k] * scales[n, k // B] * values[n, k]."""
     if cpu_q8_blocks.loaded():
         return cpu_q8_blocks.q8_blocks_gemv(x.float(), values, scales)
     if torch.compiler.is_compiling():  # traced into the caller's graph

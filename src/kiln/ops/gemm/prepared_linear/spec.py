@@ -52,6 +52,8 @@ from kiln.ops.gemm.quantized_layouts import (
 )
 from kiln.ops.gemm.shapes import GEMM_TOLERANCE, SMOLLM2_135M, gemm_flops, quant_shapes
 from kiln.ops.gemm.weight_formats import (
+    BLOCKS_FORMATS,
+    EXACT_BLOCKS_FORMAT,
     GGUF_LAYOUTS,
     INT4_GROUP_SIZE,
     INT4_QTYPES,
@@ -70,7 +72,7 @@ from kiln.ops.gemm.weight_formats import (
 )
 from kiln.ops.registry import BaselineNotApplicable, OpSpec, define_op
 from kiln.ops.testing import clone_inputs, element_size, randn
-from kiln.quant.gguf_blocks import BLOCK_WEIGHTS, K_QUANTS, QK_K, GGUFWeight
+from kiln.quant.gguf_blocks import BLOCK_WEIGHTS, K_QUANTS, QK_K, GGUFWeight, scale_group
 from kiln.quant.int4 import quantize_int4
 from kiln.quant.linear_weights import BlockFP8Weight, Int4Weight, ScaledWeight
 from kiln.quant.scaled import quantize_fp8_per_channel, quantize_int8_per_channel
@@ -210,9 +212,12 @@ def _validate_tiles(op, layout, weight, n: int, k: int, device) -> None:
     scales_dtypes = (torch.float32, torch.float16) if q4 else (torch.float32,)  # Q4: float16 where exact
     check_tensor(op, f"weight[{at}]", tiles, ndim=2, dtypes=(tiles_dtype,), device=device)
     check_tensor(op, f"weight[{at + 1}]", scales, ndim=2, dtypes=scales_dtypes, device=device)
-    no_tiles_here = not native_cpu.blocks_tiles_rows("q4" if q4 else "q8")[0]
+    per16 = not q4 and weight[1].shape[1] * INT8_BLOCK_SIZE != k  # Q6_K's values: no tile kernel
+    no_tiles_here = per16 or not native_cpu.blocks_tiles_rows("q4" if q4 else "q8")[0]
     if tiles.numel() == 0 and scales.numel() == 0 and no_tiles_here:
         return
+    if per16:
+        raise ValueError(f"{op}: {layout} with a scale per 16 values has no tiles, got {tuple(tiles.shape)}")
     num_tiles, groups = -(-n // 16), k // (INT4_GROUP_SIZE if q4 else INT8_BLOCK_SIZE)
     expected = (num_tiles, groups * 256 if q4 else k * 16), (num_tiles, groups * (32 if q4 else 16))
     if (tuple(tiles.shape), tuple(scales.shape)) != expected:
@@ -223,14 +228,17 @@ def _validate_tiles(op, layout, weight, n: int, k: int, device) -> None:
 
 
 def _check_q8_0_blocks(op, layout, weight, device) -> tuple[int, int]:
-    """Q8_0's int8 values [N, K] and float32 scales [N, K / 32] (weight[0], weight[1]) -> (N, K)."""
+    """Q8_0's int8 values [N, K] and float32 scales [N, K / 32] (weight[0], weight[1]; "q8_blocks_onednn"
+    also Q6_K's values with scales [N, K / 16]) -> (N, K)."""
     check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int8,), device=device)
     check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
     n, k = weight[0].shape
-    if k % INT8_BLOCK_SIZE or tuple(weight[1].shape) != (n, k // INT8_BLOCK_SIZE):
+    blocks = (INT8_BLOCK_SIZE, scale_group("Q6_K")) if layout == "q8_blocks_onednn" else (INT8_BLOCK_SIZE,)
+    if not any(k % b == 0 and tuple(weight[1].shape) == (n, k // b) for b in blocks):
+        expected = " or ".join(f"({n}, {k // b})" for b in blocks)  # a scale per 32 (or per 16)
         raise ValueError(
             f"{op}: {layout} values [{n}, {k}] and scales {tuple(weight[1].shape)}, expected "
-            f"in-features a multiple of {INT8_BLOCK_SIZE} and scales ({n}, {k // INT8_BLOCK_SIZE})"
+            f"in-features a multiple of {blocks[-1]} and scales {expected}"
         )
     return n, k
 
@@ -531,9 +539,12 @@ _FUZZ_FORMATS = (
     ("q4_blocks", "Q4_0"),  # "q4_blocks_onednn" where oneDNN packs float32 here, else "onednn" / "dense"
     ("q4_blocks", "Q4_1"),
     ("q4_blocks", "Q4_K"),
-    ("q4_blocks", "Q8_0"),  # not a Q4 type: "fp32"'s layouts
+    ("q4_blocks", "Q8_0"),  # not a Q4 type: the q8_blocks layout (either keeps every type it has one for)
+    ("q4_blocks", "Q6_K"),  # "q8_blocks_onednn" with a scale per 16
     ("q8_blocks", "Q8_0"),  # "q8_blocks_onednn" where oneDNN packs float32 here, else "onednn" / "dense"
-    ("q8_blocks", "Q4_1"),  # not Q8_0: "fp32"'s layouts
+    ("q8_blocks", "Q6_K"),
+    ("q8_blocks", "Q4_1"),  # not Q8_0: the q4_blocks layout
+    ("q8_blocks", "Q5_K"),  # no exact blocks layout: "fp32"'s layouts
     ("q4_blocks_a8", "Q4_1"),  # "q4_blocks_a8_onednn" (x quantized to Q8_0 at one row)
     ("q4_blocks_a8", "Q4_K"),
     ("q8_blocks_a8", "Q8_0"),  # "q8_blocks_a8_onednn"
@@ -606,11 +617,11 @@ def _case_tolerance(shape, dtype) -> float:
     return max(GEMM_TOLERANCE[dtype], inside)
 
 
-def _blocks_rows_read_blocks(kind: str, m: int) -> bool:
+def _blocks_rows_read_blocks(kind: str, m: int, tiles: bool = True) -> bool:
     """Whether m rows of x run the "q4" / "q8" blocks layouts' own kernels (the row kernel up to
-    native_cpu.blocks_gemm_rows(), the tile kernel over blocks_tiles_rows(kind)) rather than the float32
-    copy, on this build."""
-    return m <= native_cpu.blocks_gemm_rows() or native_cpu.blocks_tiles_take(kind, m)
+    native_cpu.blocks_gemm_rows(), the tile kernel over blocks_tiles_rows(kind) where the layout has
+    tiles) rather than the float32 copy, on this build."""
+    return m <= native_cpu.blocks_gemm_rows() or (tiles and native_cpu.blocks_tiles_take(kind, m))
 
 
 def _weight_bytes(shape, dtype) -> float:
@@ -633,6 +644,8 @@ def _weight_bytes(shape, dtype) -> float:
         return N * K * (4 if source.startswith(("fp8", "int8")) else 1)  # CPU: float32 values
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
+    exact_blocks = EXACT_BLOCKS_FORMAT.get(shape["source"]) if fmt in ("q4_blocks", "q8_blocks") else None
+    fmt = exact_blocks or fmt  # the layout each of those keeps the source in
     q4_blocks = fmt in ("q4_blocks", "q4_blocks_a8", "q4_blocks_w8a8") and shape["source"] in INT4_QTYPES
     blocks_rows = Q4_W8A8_EXACT_ROWS if fmt == "q4_blocks_w8a8" else 1  # rows that read the blocks
     if q4_blocks and shape["M"] <= blocks_rows:  # the nibbles and a float32 d and m per 32
@@ -653,8 +666,10 @@ def _weight_bytes(shape, dtype) -> float:
         return N * K * 4
     if fmt in ("int8_blocks", "int8_blocks_w8a8"):  # one row: the values and a float32 scale per 32
         return N * K + N * K / 32 * 4 if shape["M"] == 1 else N * K * 2
-    if fmt in ("q8_blocks", "q8_blocks_a8") and shape["source"] == "Q8_0":  # values and d (or their tiles)
-        return N * K + N * K / 32 * 4 if _blocks_rows_read_blocks("q8", shape["M"]) else N * K * 4
+    if fmt in ("q8_blocks", "q8_blocks_a8") and shape["source"] in BLOCKS_FORMATS[fmt][1]:  # values, d
+        group = scale_group(shape["source"])  # (Q6_K: a scale per 16, no tiles)
+        reads_blocks = _blocks_rows_read_blocks("q8", shape["M"], tiles=group == INT8_BLOCK_SIZE)
+        return N * K + N * K / group * 4 if reads_blocks else N * K * 4
     if fmt == "fp16":
         return N * K * (2 if shape["M"] == 1 else 4)
     return N * K * (2 if fmt == "bf16" else 4)
