@@ -114,8 +114,8 @@ HAS_GGUF = all(importlib.util.find_spec(name) is not None for name in ("gguf", "
 @pytest.fixture(scope="module")
 def blocks_gguf(tmp_path_factory):
     """name -> a tiny Llama stored as GGUF blocks, written once: "q4" (Q4_1 q/k/v, gate/up and down,
-    Q4_0 o), "q8" (every layer matrix Q8_0), "mixed" (Q4 but a Q8_0 down) and "q5_down" (Q4 but a Q5_0
-    down: no exact blocks layout); Q8_0 embeddings and head."""
+    Q4_0 o), "q8" (every layer matrix Q8_0), "mixed" (Q4 but a Q8_0 down) and "f16_down" (Q4 but an F16
+    down: no blocks); Q8_0 embeddings and head."""
     from gguf import GGMLQuantizationType as Q
 
     from tests.loaders.gguf_tiny import write_tiny_gguf
@@ -124,7 +124,7 @@ def blocks_gguf(tmp_path_factory):
     q4 = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.Q4_0,
           "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1}  # fmt: skip
     kinds = {"q4": q4, "q8": dict.fromkeys(q4, Q.Q8_0), "mixed": {**q4, "ffn_down": Q.Q8_0},
-             "q5_down": {**q4, "ffn_down": Q.Q5_0}}  # fmt: skip
+             "f16_down": {**q4, "ffn_down": Q.F16}}  # fmt: skip
     folder, written = tmp_path_factory.mktemp("flat_blocks"), {}
 
     def path(name: str) -> str:
@@ -210,7 +210,7 @@ def test_16_bit_kv_caches_run_flat_with_the_python_loops_and_the_modules_logprob
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
 def test_a_layout_without_a_native_kernel_keeps_the_python_loop(blocks_gguf, monkeypatch):
-    path = blocks_gguf("q5_down")  # the Q5_0 down_proj stays float32 ("onednn") under the q4_blocks format
+    path = blocks_gguf("f16_down")  # the F16 down_proj is float32 ("onednn") under the q4_blocks format
     loaded = load_model(path, device="cpu", cpu_format="q4_blocks", lm_head_format="q8_blocks")
     assert loaded.model.layers[0].mlp.down_proj.prepared.layout == "onednn"
     engine = _engine(path, loaded)

@@ -139,12 +139,10 @@ def test_q4_blocks_refuses_malformed_inputs_by_name(native):
 
 
 def test_q4_blocks_gives_weights_without_an_exact_blocks_layout_the_float32_layouts():
-    """(Q8_0 and Q6_K weights get "q8_blocks"'s layout: tests/ops/gemm/test_q8_blocks.py)"""
+    """(Q8_0, Q5_0 and Q6_K weights get "q8_blocks"'s layout: tests/ops/gemm/test_q8_blocks.py)"""
     g = torch.Generator().manual_seed(4)
-    blocks = torch.from_numpy(
-        gguf.quants.quantize(torch.randn(16, 64, generator=g).numpy(), gguf.GGMLQuantizationType.Q5_0)
-    )
-    for weight in (GGUFWeight("Q5_0", blocks, (16, 64)), torch.randn(16, 64, generator=g)):
+    blocks = quantize_blocks(torch.randn(16, 256, generator=g), "Q5_K")
+    for weight in (GGUFWeight("Q5_K", blocks, (16, 256)), torch.randn(16, 64, generator=g)):
         prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q4_blocks")
         assert prepared.layout in ("onednn", "dense") and prepared.compute_dtype == torch.float32
 

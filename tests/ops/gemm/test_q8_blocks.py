@@ -29,7 +29,7 @@ def _q8_weight(n: int, k: int, generator, qtype: str = "Q8_0") -> tuple[GGUFWeig
     weight = torch.randn(n, k, generator=generator) * torch.rand(n, 1, generator=generator)
     weight = weight * (torch.arange(k) // 16 % 5 + 1)
     kind = getattr(gguf.GGMLQuantizationType, qtype)
-    if qtype == "Q8_0":
+    if qtype in ("Q8_0", "Q5_0"):
         blocks = torch.from_numpy(gguf.quants.quantize(weight.numpy(), kind))
     else:
         blocks = quantize_blocks(weight, qtype)
@@ -51,7 +51,9 @@ def _prepared(weight):
 
 
 @pytest.mark.parametrize(
-    "qtype,n,k", [("Q8_0", 37, 96), ("Q8_0", 50, 576), ("Q8_0", 3, 32), ("Q6_K", 37, 256), ("Q6_K", 19, 768)]
+    "qtype,n,k",
+    [("Q8_0", 37, 96), ("Q8_0", 50, 576), ("Q8_0", 3, 32), ("Q5_0", 23, 160), ("Q6_K", 37, 256),
+     ("Q6_K", 19, 768)],  # fmt: skip
 )
 def test_q8_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(qtype, n, k, native):
     g = torch.Generator().manual_seed(random.randrange(2**31))
@@ -61,7 +63,7 @@ def test_q8_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(qtype, n
     values, scales, copy, *tiles = prepared.tensors
     group = scale_group(qtype)  # a scale per 32 (Q8_0) or per 16 (Q6_K)
     assert values.dtype == torch.int8 and values.shape == (n, k) and scales.shape == (n, k // group)
-    assert qtype == "Q8_0" or all(t.numel() == 0 for t in tiles)  # no tile kernel reads blocks of 16
+    assert qtype != "Q6_K" or all(t.numel() == 0 for t in tiles)  # no tile kernel reads blocks of 16
     matrix = prepared_matrix(prepared.layout, prepared.tensors)
     assert torch.equal(matrix, expected)  # d * q exactly: no rounding of the weight
     read_back = weight_formats.onednn_linear(torch.eye(k), copy, None).T
@@ -83,12 +85,12 @@ def test_q8_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(qtype, n
     assert torch.equal(y, weight_formats.onednn_linear(rows, copy, bias))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q6_K"])
 @pytest.mark.parametrize("m", [2, 3, 4, 5, 9, 19])  # the AVX2 kernel: x rows 8 at a time, W weight rows
 def test_q8_blocks_gemm_matches_float64_and_its_tensor_form_row_by_row(m, qtype, native, monkeypatch):
     g = torch.Generator().manual_seed(random.randrange(2**31))
     # Q8_0: 17 groups, the prefetch path's odd end; Q6_K: 48 groups of 16; three 16-row tasks
-    n, k = 45, 544 if qtype == "Q8_0" else 768
+    n, k = 45, 768 if qtype == "Q6_K" else 544
     weight, matrix = _q8_weight(n, k, g, qtype)
     values, scales, *_ = _prepared(weight).tensors
     x = torch.randn(m, k, generator=g)
@@ -166,11 +168,11 @@ def test_q8_blocks_gives_weights_without_an_exact_blocks_layout_the_float32_layo
 @pytest.mark.parametrize("cpu_format", ["q4_blocks", "q8_blocks"])
 def test_either_blocks_format_keeps_every_type_it_has_an_exact_layout_for(cpu_format):
     """The probe picks one format for all of a model's layers, whose files mix types (Q4_K_M: Q4_K
-    and Q6_K): each blocks format keeps Q4_0 / Q4_1 / Q4_K in "q4_blocks_onednn" and Q8_0 / Q6_K in
+    and Q6_K): each blocks format keeps Q4_0 / Q4_1 / Q4_K in "q4_blocks_onednn" and Q8_0 / Q5_0 / Q6_K in
     "q8_blocks_onednn" (where oneDNN packs float32 here)."""
     g = torch.Generator().manual_seed(5)
-    for qtype, layout in (("Q4_1", "q4_blocks_onednn"), ("Q4_K", "q4_blocks_onednn"),
-                          ("Q8_0", "q8_blocks_onednn"), ("Q6_K", "q8_blocks_onednn")):  # fmt: skip
+    q4, q8 = "q4_blocks_onednn", "q8_blocks_onednn"
+    for qtype, layout in (("Q4_1", q4), ("Q4_K", q4), ("Q8_0", q8), ("Q5_0", q8), ("Q6_K", q8)):
         weight = GGUFWeight(qtype, quantize_blocks(torch.randn(32, 256, generator=g), qtype), (32, 256))
         prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format=cpu_format)
         assert prepared.layout in (layout, "onednn", "dense"), (qtype, prepared.layout)

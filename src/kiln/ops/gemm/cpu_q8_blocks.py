@@ -1,8 +1,9 @@
 """GGUF Q8_0 weights kept as their int8 values and per-32 scales on the CPU, for the "q8_blocks_onednn"
 and "int8_blocks_onednn" layouts (kiln.ops.gemm.weight_formats): `pack` splits a weight into them
 (w = d * q exactly), `q8_blocks_gemv` computes one row of y = x @ W^T in float32 on those values,
-`q8_blocks_gemm` a few rows (batched decode). GGUF Q6_K weights take the same form with a scale per
-16 ("q8_blocks_onednn" only): values q - 32 and scales d * sc, exact in float32 (ggml's own product).
+`q8_blocks_gemm` a few rows (batched decode). GGUF Q5_0 weights take the same form (values q - 16,
+w = d * (q - 16)), and Q6_K weights with a scale per 16 ("q8_blocks_onednn" only): values q - 32 and
+scales d * sc, exact in float32 (ggml's own product).
 
 torch.ops.kiln_cpu.q8_blocks_gemv (cpu_q8_blocks.cpp, part of Kiln's native CPU library,
 kiln.ops.native_cpu) reads a byte a weight; where the library cannot be built the same sum runs as a
@@ -19,7 +20,7 @@ from kiln.ops import native_cpu
 from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, QUANT_OFFSET, block_fields
 
 BLOCK = BLOCK_WEIGHTS["Q8_0"]  # weights per scale: one Q8_0 block
-QTYPES = ("Q8_0", "Q6_K")  # what `pack` takes: scales per 32 weights, per 16 for Q6_K
+QTYPES = ("Q8_0", "Q5_0", "Q6_K")  # what `pack` takes: scales per 32 weights, per 16 for Q6_K
 _state: dict = {"loaded": None}
 
 
@@ -46,14 +47,14 @@ def loaded() -> bool:
 
 
 def pack(weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GGUF Q8_0 or Q6_K GGUFWeight [N, K] -> (values int8 [N, K], scales float32 [N, K / B]), B = 32
-    (Q8_0: w = d * q, d fp16 in the file) or 16 (Q6_K: w = (d * sc) * (q - 32), values q - 32), exact.
-    Loads the native kernel (`load`) first."""
+    """A GGUF Q8_0, Q5_0 or Q6_K GGUFWeight [N, K] -> (values int8 [N, K], scales float32 [N, K / B]),
+    B = 32 (Q8_0: w = d * q, d fp16 in the file; Q5_0: w = d * (q - 16), values q - 16) or 16 (Q6_K:
+    w = (d * sc) * (q - 32), values q - 32), exact. Loads the native kernel (`load`) first."""
     load()
     n, k = weight.shape
-    if weight.qtype == "Q6_K":
-        q, scales, _ = block_fields(weight.data.view(n, -1), "Q6_K")
-        return (q - QUANT_OFFSET["Q6_K"]).to(torch.int8), scales
+    if weight.qtype in ("Q5_0", "Q6_K"):
+        q, scales, _ = block_fields(weight.data.view(n, -1), weight.qtype)
+        return (q - QUANT_OFFSET[weight.qtype]).to(torch.int8), scales
     if weight.qtype != "Q8_0":
         raise ValueError(f"cpu_q8_blocks.pack: GGUF {weight.qtype} unsupported, expected one of {QTYPES}")
     blocks = weight.data.view(n, k // BLOCK, BLOCK_BYTES["Q8_0"])

@@ -88,12 +88,13 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     (kiln.ops.gemm.cpu_block_tiles; the same values, +0.625 byte a weight with Q4_0 / Q4_1's d and m
     as float16, +0.75 with Q4_K's as float32), and a oneDNN-packed float32
     copy of the same matrix for more rows, as "fp32". Exact like "fp32", so the
-    probe times it by default. GGUF Q8_0 / Q6_K weights get "q8_blocks"'s layout (EXACT_BLOCKS_FORMAT);
+    probe times it by default. GGUF Q8_0 / Q5_0 / Q6_K weights get "q8_blocks"'s layout
+    (EXACT_BLOCKS_FORMAT);
     other weights, or a CPU where oneDNN cannot pack, get "fp32";
-  - CPU, "q8_blocks", GGUF Q8_0 and Q6_K weights: "q8_blocks_onednn", the same for Q8_0: its int8
-    values and its scales (fp16 in the file, exact in float32; Q6_K's: q - 32 and d * sc per 16, with
-    no tiles), one row through Kiln's native GEMV (kiln.ops.gemm.cpu_q8_blocks, one byte a weight), a
-    few rows through its q8_blocks_gemm or, for
+  - CPU, "q8_blocks", GGUF Q8_0, Q5_0 and Q6_K weights: "q8_blocks_onednn", the same for Q8_0: its
+    int8 values and its scales (fp16 in the file, exact in float32; Q5_0's: q - 16 and d; Q6_K's:
+    q - 32 and d * sc per 16, with no tiles), one row through Kiln's native GEMV
+    (kiln.ops.gemm.cpu_q8_blocks, one byte a weight), a few rows through its q8_blocks_gemm or, for
     native_cpu.blocks_tiles_rows("q8") rows (16 to 32, AVX-512 builds), q8_tiles_gemm on a copy in
     16-row tiles (as "q4_blocks"; +1.125 byte a weight: the values and a float32 d per 32), more
     through a oneDNN-packed float32 copy. Made for the LM head, the largest matrix of a small model,

@@ -543,6 +543,7 @@ _FUZZ_FORMATS = (
     ("q4_blocks", "Q6_K"),  # "q8_blocks_onednn" with a scale per 16
     ("q8_blocks", "Q8_0"),  # "q8_blocks_onednn" where oneDNN packs float32 here, else "onednn" / "dense"
     ("q8_blocks", "Q6_K"),
+    ("q8_blocks", "Q5_0"),  # values q - 16 with d per 32: tiles too
     ("q8_blocks", "Q4_1"),  # not Q8_0: the q4_blocks layout
     ("q8_blocks", "Q5_K"),  # no exact blocks layout: "fp32"'s layouts
     ("q4_blocks_a8", "Q4_1"),  # "q4_blocks_a8_onednn" (x quantized to Q8_0 at one row)
