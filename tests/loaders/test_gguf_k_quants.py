@@ -123,6 +123,23 @@ def test_k_quant_gguf_on_cuda_runs_the_blocks_in_planes(k_quant_gguf):
         assert _relative_error(out, ref) < tol, dtype
 
 
+def test_k_quant_gguf_in_the_exact_blocks_format_keeps_every_matrix_as_blocks(k_quant_gguf):
+    """cpu_format "q8_blocks": Q4_K in the Q4 blocks layout, Q5_K as q with d * sc and its min per 32,
+    Q6_K as q - 32 with d * sc per 16; float32 arithmetic on the exact weights."""
+    path, ref_model, ref = k_quant_gguf
+    config, weights, _, _ = load_gguf(str(path))
+    model = LlamaForCausalLM(config, weights, cpu_format="q8_blocks", lm_head_format="q8_blocks")
+    layouts = _layouts(model)
+    if "onednn" in layouts.values() or "dense" in layouts.values():
+        pytest.skip(f"oneDNN does not pack float32 here: {layouts}")
+    q4, q8, q8m = "q4_blocks_onednn", "q8_blocks_onednn", "q8_blocks_mins_onednn"
+    assert layouts == {"qkv": q4, "o": q8m, "gate_up": q8m, "down": q8, "head": q4}
+    assert _relative_error(prompt_logits(model, PROMPT, block_size=4), ref) < TOL
+    with torch.no_grad():
+        theirs = ref_model.generate(torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert greedy(model, PROMPT, 6, block_size=4) == theirs[0, len(PROMPT) :].tolist()
+
+
 # A Q4_K_M-like file: Q4_K matrices, Q6_K down_proj and embedding (llama.cpp's choice for them)
 Q4_K_M_TYPES = {
     "attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q4_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K,

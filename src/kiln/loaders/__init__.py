@@ -159,9 +159,9 @@ def load_model(
     device: where weights and activations live; dtype: activation dtype (default float32 on CPU,
     bfloat16 on CUDA). cpu_format / lm_head_format: how CPU linear weights are stored, one of
     kiln.models.layers.linear.CPU_WEIGHT_FORMATS ("int4" / "int4_bf16" apply to GGUF Q4_0/Q4_1/Q4_K
-    and int4 checkpoint matrices only, "q4_blocks" / "q8_blocks" to GGUF Q4_0/Q4_1/Q4_K and Q8_0/Q5_0/Q6_K
-    ones, "int8_blocks" to GGUF Q8_0 ones; others are kept dense, in bf16 for "int4_bf16" and
-    "int8_blocks", in float32 for "q4_blocks" / "q8_blocks"), or "auto".
+    and int4 checkpoint matrices only, "q4_blocks" / "q8_blocks" to GGUF Q4_0/Q4_1/Q4_K and
+    Q8_0/Q5_0/Q6_K/Q5_K ones, "int8_blocks" to GGUF Q8_0 ones; others are kept dense, in bf16 for
+    "int4_bf16" and "int8_blocks", in float32 for "q4_blocks" / "q8_blocks"), or "auto".
     None: for GGUF files on the CPU, the format a short timed probe picks on this host
     (kiln.loaders.cpu_format_probe, cached per CPU; on
     failure DEFAULT_CPU_FORMAT / DEFAULT_LM_HEAD_FORMAT), the model dtype for HF checkpoints. "auto":

@@ -8,11 +8,12 @@ head), one-row inputs (single-stream decode, where the formats differ most: seve
 the same packed fp32 copy under "fp16" and "fp32"), in each candidate format, and keeps the fastest.
 
 Candidates (`KILN_CPU_FORMATS`, comma-separated, overrides them): "fp16", "fp32", "q4_blocks" and
-"q8_blocks" (GGUF Q4_0 / Q4_1 / Q4_K matrices as Q4 blocks, Q8_0, Q5_0 and Q6_K ones as int8 values and
-block scales, whichever of the two is named: a file mixes types, Q4_K_M's layers Q4_K and Q6_K; other
-matrices in fp32) by default, the formats whose greedy tokens stay those of the checkpoint (fp16 holds GGUF
-block values to one rounding, fp32 exactly, q4_blocks and q8_blocks exactly: float32 arithmetic on the
-blocks' own values at one row, the fp32 copy for several). "bf16", "int4" (GGUF Q4
+"q8_blocks" (GGUF Q4_0 / Q4_1 / Q4_K matrices as Q4 blocks, Q8_0, Q5_0, Q6_K and Q5_K ones as int8
+values and block scales (Q5_K: and mins), whichever of the two is named: a file mixes types,
+Q4_K_M's layers Q4_K and Q6_K; other matrices in fp32) by default, the formats whose greedy tokens
+stay those of the checkpoint (fp16 holds GGUF block values to one rounding, fp32 exactly, q4_blocks
+and q8_blocks exactly: float32 arithmetic on the blocks' own values at one row, the fp32 copy for
+several). "bf16", "int4" (GGUF Q4
 weights only) and "int8" round activations to bfloat16 (~3e-2 logit error, flipping near-tied greedy
 choices; int8 also requantizes the weights per output channel, which GGUF's 32-weight blocks resolve
 more finely), so they are candidates only when asked for: `KILN_CPU_FORMATS=fp16,fp32,bf16,int4,int8`.

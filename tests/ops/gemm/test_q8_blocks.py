@@ -157,22 +157,48 @@ def test_q8_blocks_refuses_malformed_inputs_by_name(native):
         op(torch.randn(1, 160), values, scales.double())
 
 
-def test_q8_blocks_gives_weights_without_an_exact_blocks_layout_the_float32_layouts():
-    g = torch.Generator().manual_seed(4)
-    blocks = quantize_blocks(torch.randn(16, 256, generator=g), "Q5_K")
-    for weight in (GGUFWeight("Q5_K", blocks, (16, 256)), torch.randn(16, 64, generator=g)):
-        prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q8_blocks")
-        assert prepared.layout in ("onednn", "dense") and prepared.compute_dtype == torch.float32
+def test_q8_blocks_gives_float_weights_the_float32_layouts():
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(4))
+    prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q8_blocks")
+    assert prepared.layout in ("onednn", "dense") and prepared.compute_dtype == torch.float32
+
+
+def test_q5_k_keeps_its_values_scales_and_mins_exactly_at_every_row_count(native, monkeypatch):
+    """GGUF Q5_K ("q8_blocks_mins_onednn"): q with d * sc and -(dmin * m) per 32, decoded exactly as the
+    gguf package does; one row (the Q8 GEMV), a few (its multi-row kernel) and many (the float32 copy)
+    rows against float64 on that matrix, and the tensor form where the library is missing."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    n, k = 37, 768
+    weight, expected = _q8_weight(n, k, g, "Q5_K")
+    prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q8_blocks")
+    if prepared.layout != "q8_blocks_mins_onednn":
+        pytest.skip(f"q8_blocks fell back to {prepared.layout!r} here (no oneDNN float32 packing)")
+    assert prepared.kind == "q8_blocks" and prepared.compute_dtype == torch.float32
+    values, scales, mins, _ = prepared.tensors
+    assert values.dtype == torch.int8 and 0 <= int(values.min()) and int(values.max()) <= 31
+    assert scales.shape == mins.shape == (n, k // 32)
+    matrix = prepared_matrix(prepared.layout, prepared.tensors)
+    assert torch.equal(matrix, expected)  # scale * q + min exactly
+    run, bias = kiln.ops.prepared_linear, torch.randn(n, generator=g)
+    for m in (1, 3, 9, native_cpu.blocks_gemm_rows() + 1):
+        x = torch.randn(m, k, generator=g)
+        y = torch.full((m, n), float("nan"))
+        y.copy_(run(x, prepared.layout, prepared.tensors, bias))
+        assert_close(y, x.double() @ matrix.T + bias.double(), 1e-6, f"{m} rows")
+    monkeypatch.setitem(q8_module._state, "loaded", False)  # as where the library cannot be built
+    tensor_y = q8_module.q8_blocks_mins_gemm(x[:3], values, scales, mins)
+    assert_close(tensor_y, x[:3].double() @ matrix.T, 1e-6, "tensor form")
 
 
 @pytest.mark.parametrize("cpu_format", ["q4_blocks", "q8_blocks"])
 def test_either_blocks_format_keeps_every_type_it_has_an_exact_layout_for(cpu_format):
     """The probe picks one format for all of a model's layers, whose files mix types (Q4_K_M: Q4_K
-    and Q6_K): each blocks format keeps Q4_0 / Q4_1 / Q4_K in "q4_blocks_onednn" and Q8_0 / Q5_0 / Q6_K in
-    "q8_blocks_onednn" (where oneDNN packs float32 here)."""
+    and Q6_K): each blocks format keeps Q4_0 / Q4_1 / Q4_K in "q4_blocks_onednn", Q8_0 / Q5_0 / Q6_K in
+    "q8_blocks_onednn" and Q5_K in "q8_blocks_mins_onednn" (where oneDNN packs float32 here)."""
     g = torch.Generator().manual_seed(5)
-    q4, q8 = "q4_blocks_onednn", "q8_blocks_onednn"
-    for qtype, layout in (("Q4_1", q4), ("Q4_K", q4), ("Q8_0", q8), ("Q5_0", q8), ("Q6_K", q8)):
+    q4, q8, q8m = "q4_blocks_onednn", "q8_blocks_onednn", "q8_blocks_mins_onednn"
+    kept = (("Q4_1", q4), ("Q4_K", q4), ("Q8_0", q8), ("Q5_0", q8), ("Q6_K", q8), ("Q5_K", q8m))
+    for qtype, layout in kept:
         weight = GGUFWeight(qtype, quantize_blocks(torch.randn(32, 256, generator=g), qtype), (32, 256))
         prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format=cpu_format)
         assert prepared.layout in (layout, "onednn", "dense"), (qtype, prepared.layout)

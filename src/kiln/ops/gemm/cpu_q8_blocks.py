@@ -3,7 +3,9 @@ and "int8_blocks_onednn" layouts (kiln.ops.gemm.weight_formats): `pack` splits a
 (w = d * q exactly), `q8_blocks_gemv` computes one row of y = x @ W^T in float32 on those values,
 `q8_blocks_gemm` a few rows (batched decode). GGUF Q5_0 weights take the same form (values q - 16,
 w = d * (q - 16)), and Q6_K weights with a scale per 16 ("q8_blocks_onednn" only): values q - 32 and
-scales d * sc, exact in float32 (ggml's own product).
+scales d * sc, exact in float32 (ggml's own product). GGUF Q5_K weights (w = (d * sc) * q - dmin * m,
+q in 0..31) keep q with d * sc and a min -(dmin * m) per 32 ("q8_blocks_mins_onednn": `pack_with_mins`,
+`q8_blocks_mins_gemm`): the same kernels, plus each block's sum of x times its min.
 
 torch.ops.kiln_cpu.q8_blocks_gemv (cpu_q8_blocks.cpp, part of Kiln's native CPU library,
 kiln.ops.native_cpu) reads a byte a weight; where the library cannot be built the same sum runs as a
@@ -21,6 +23,7 @@ from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, QUANT_OFFSET, blo
 
 BLOCK = BLOCK_WEIGHTS["Q8_0"]  # weights per scale: one Q8_0 block
 QTYPES = ("Q8_0", "Q5_0", "Q6_K")  # what `pack` takes: scales per 32 weights, per 16 for Q6_K
+MIN_QTYPES = ("Q5_K",)  # what `pack_with_mins` takes
 _state: dict = {"loaded": None}
 
 
@@ -61,6 +64,30 @@ def pack(weight) -> tuple[torch.Tensor, torch.Tensor]:
     scales = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32).view(n, -1)
     values = blocks[..., 2:].contiguous().view(torch.int8).view(n, k)
     return values, scales
+
+
+def pack_with_mins(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF Q5_K GGUFWeight [N, K] -> (values int8 [N, K]: q in 0..31, scales float32 [N, K / 32]:
+    d * sc, mins float32 [N, K / 32]: -(dmin * m)), w = values * scales + mins exactly (ggml's
+    products, exact in float32). Loads the native kernel (`load`) first."""
+    if weight.qtype not in MIN_QTYPES:
+        raise ValueError(f"cpu_q8_blocks.pack_with_mins: GGUF {weight.qtype} unsupported, expected Q5_K")
+    load()
+    n = weight.shape[0]
+    q, scales, mins = block_fields(weight.data.view(n, -1), weight.qtype)
+    return q.to(torch.int8), scales, mins
+
+
+def q8_blocks_mins_gemm(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, gemv=None
+) -> torch.Tensor:
+    """x [M, K] float (read as float32), `pack_with_mins`' tensors -> y float32 [M, N],
+    y[i, n] = sum_g (scales[n, g] * sum_j x[i, 32g+j] * values[n, 32g+j] + mins[n, g] * sum_j x[i, 32g+j]):
+    q8_blocks_gemm's sums (`gemv` instead for one row), plus the blocks' sums of x times their mins."""
+    x = x.float()
+    y = gemv(x, values, scales) if gemv is not None else q8_blocks_gemm(x, values, scales)
+    block_sums = x.view(x.shape[0], mins.shape[1], -1).sum(-1)  # [M, K / 32]
+    return y.addmm_(block_sums, mins.T)
 
 
 def q8_blocks_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

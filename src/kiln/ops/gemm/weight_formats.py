@@ -29,6 +29,10 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      16-row tiles and their d (AVX-512;          (exact; kiln_cpu.q8_blocks_gemm /
                      elsewhere two empty tensors)]               q8_tiles_gemm); more rows: oneDNN fp32
                                                                 on the copy
+    "q8_blocks_mins_onednn"  [Q5_K's q int8 [N, K], d * sc and  1 row: the native GEMV on q and d * sc,
+                     -(dmin * m) float32 [N, K/32], oneDNN's     plus each block's sum of x times its min
+                     blocked fp32 copy]                          (exact); a few rows: q8_blocks_gemm the
+                                                                same way; more rows: oneDNN fp32 on the copy
     "q4_blocks_a8_onednn", "q8_blocks_a8_onednn"  the tensors    1 row: x quantized to Q8_0 (int8 per 32
                      of "q4_blocks_onednn" / "q8_blocks_onednn"  values), then Kiln's native integer GEMV
                                                                 (kiln.ops.gemm.cpu_blocks_a8); more rows:
@@ -89,7 +93,7 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     as float16, +0.75 with Q4_K's as float32), and a oneDNN-packed float32
     copy of the same matrix for more rows, as "fp32". Exact like "fp32", so the
     probe times it by default. GGUF Q8_0 / Q5_0 / Q6_K weights get "q8_blocks"'s layout
-    (EXACT_BLOCKS_FORMAT);
+    (EXACT_BLOCKS_FORMAT), Q5_K ones "q8_blocks_mins_onednn" (under either format);
     other weights, or a CPU where oneDNN cannot pack, get "fp32";
   - CPU, "q8_blocks", GGUF Q8_0, Q5_0 and Q6_K weights: "q8_blocks_onednn", the same for Q8_0: its
     int8 values and its scales (fp16 in the file, exact in float32; Q5_0's: q - 16 and d; Q6_K's:
@@ -241,6 +245,7 @@ LAYOUTS = {
     "q8_blocks_onednn": 5,
     "q4_blocks_a8_onednn": 6,
     "q8_blocks_a8_onednn": 5,
+    "q8_blocks_mins_onednn": 4,
     "w8a8_packed": 4,
     "int4_w8a8_packed": 6,
     "int8_blocks_w8a8_packed": 6,
@@ -289,6 +294,7 @@ class PreparedLinearWeight:
         if self.layout in (
             "q4_blocks_onednn",
             "q8_blocks_onednn",
+            "q8_blocks_mins_onednn",
             "q4_blocks_a8_onednn",
             "q8_blocks_a8_onednn",
             "q4_blocks_w8a8_packed",
@@ -501,7 +507,14 @@ def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | N
     GGUF weight of its block types, where oneDNN packs float32 here; else None."""
     if not isinstance(weight, GGUFWeight):
         return None
-    if cpu_format in ("q4_blocks", "q8_blocks"):
+    exact = cpu_format in ("q4_blocks", "q8_blocks")
+    if exact and weight.qtype in cpu_q8_blocks.MIN_QTYPES:  # Q5_K: values, scales and mins
+        rows = onednn_pack(weight.dequantize(torch.float32))
+        if rows is None:
+            return None
+        tensors = (*cpu_q8_blocks.pack_with_mins(weight), rows)
+        return PreparedLinearWeight("q8_blocks_mins_onednn", tensors, shape, torch.float32, dtype)
+    if exact:
         cpu_format = EXACT_BLOCKS_FORMAT.get(weight.qtype, cpu_format)
     layout, qtypes, pack = BLOCKS_FORMATS[cpu_format]
     if weight.qtype not in qtypes:
@@ -651,6 +664,10 @@ def prepared_matrix(
         values, scales = tensors[:2]  # a scale per 32 values, or per 16 (Q6_K's)
         blocks = values.to(torch.float64).view(values.shape[0], scales.shape[1], -1)
         return (blocks * scales.to(torch.float64)[..., None]).view(values.shape)
+    if layout == "q8_blocks_mins_onednn":  # exact: scale * q + min
+        values, scales, mins = (t.to(torch.float64) for t in tensors[:3])
+        blocks = values.view(values.shape[0], scales.shape[1], -1)
+        return (blocks * scales[..., None] + mins[..., None]).view(values.shape)
     if layout in QUANTIZED_LAYOUTS:
         return quantized_matrix(layout, tensors, in_features)
     if layout in LAYOUTS:  # "dense", "fp16_*": the plain matrix comes first

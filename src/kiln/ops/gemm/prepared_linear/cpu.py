@@ -20,6 +20,8 @@
   "q4_blocks_a8_onednn", "q8_blocks_a8_onednn"  one row: x quantized to Q8_0, then Kiln's integer GEMV
                  on the same blocks (kiln.ops.gemm.cpu_blocks_a8); several rows: as the exact layouts
                  (the tile and row kernels included);
+  "q8_blocks_mins_onednn"  GGUF Q5_K: as "q8_blocks_onednn" without tiles, each block's sum of x times
+                 its min added (exact); more rows: the float32 copy;
   "int8_blocks_onednn"  one row: as "q8_blocks_onednn"; several rows: oneDNN's bf16 GEMM on the copy;
   "w8a8_packed"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, Kiln's AMX tile kernel
                  or oneDNN's int8 GEMM (one native op);
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 from kiln.ops.gemm.cpu_block_tiles import q4_tiles_gemm, q8_tiles_gemm
 from kiln.ops.gemm.cpu_blocks_a8 import q4_blocks_a8_gemv, q8_blocks_a8_gemv
 from kiln.ops.gemm.cpu_q4_blocks import q4_blocks_gemm, q4_blocks_gemv
-from kiln.ops.gemm.cpu_q8_blocks import q8_blocks_gemm
+from kiln.ops.gemm.cpu_q8_blocks import q8_blocks_gemm, q8_blocks_mins_gemm
 from kiln.ops.gemm.cpu_w8a8 import w8a8_linear
 from kiln.ops.gemm.gguf_linear import gguf_linear
 from kiln.ops.gemm.gguf_planar import PLANAR_LAYOUTS, planar_matrix
@@ -163,6 +165,18 @@ def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm):
 _q4_blocks_onednn = _blocks_kernel(q4_blocks_gemv, 3, q4_blocks_gemm, q4_tiles_gemm)
 
 
+def _q8_blocks_mins_onednn(x, weight, bias, out_dtype):
+    """Q5_K's values, scales and mins: one row through the Q8 GEMV, up to blocks_gemm_rows() rows its
+    multi-row kernel (each plus the blocks' sums of x times their mins); more rows the float32 copy."""
+    rows = x.shape[0]
+    if rows > blocks_gemm_rows():
+        return _onednn(x, weight[3:], bias, out_dtype)
+    y = q8_blocks_mins_gemm(x, *weight[:3], gemv=int8_blocks_gemv if rows == 1 else None)
+    if bias is not None:
+        y = y.add_(bias.float())
+    return y.to(out_dtype)
+
+
 def _w8a8(x, weight, bias, out_dtype):
     return w8a8_linear(x, weight[0], weight[1], weight[2], weight[3], bias, out_dtype)
 
@@ -214,6 +228,7 @@ KERNELS = {
     "int8_blocks_onednn": _int8_blocks_onednn,
     "q4_blocks_onednn": _q4_blocks_onednn,
     "q8_blocks_onednn": _blocks_kernel(int8_blocks_gemv, 2, q8_blocks_gemm, q8_tiles_gemm),
+    "q8_blocks_mins_onednn": _q8_blocks_mins_onednn,
     "q4_blocks_a8_onednn": _blocks_kernel(q4_blocks_a8_gemv, 3, q4_blocks_gemm, q4_tiles_gemm),
     "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2, q8_blocks_gemm, q8_tiles_gemm),
     "w8a8_packed": _w8a8,

@@ -32,6 +32,7 @@ import torch
 from kiln.ops import native_cpu
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of, row_count
 from kiln.ops.gemm import cpu_blocks_a8, cpu_w8a8
+from kiln.ops.gemm.cpu_q8_blocks import MIN_QTYPES
 from kiln.ops.gemm.dense_baseline import bf16_matmul
 from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
 from kiln.ops.gemm.gguf_linear import gguf_linear
@@ -271,6 +272,17 @@ def _validate_q8_blocks(op, layout, weight, device) -> None:
         _validate_tiles(op, layout, weight, n, k, device)
 
 
+def _validate_q8_blocks_mins(op, layout, weight, device) -> None:
+    """Q5_K's values int8 [N, K], scales and mins float32 [N, K / 32], then the float32 copy."""
+    n, k = _check_q8_0_blocks(op, layout, weight, device)
+    check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(torch.float32,), device=device)
+    if tuple(weight[2].shape) != tuple(weight[1].shape):
+        raise ValueError(f"{op}: {layout} mins {tuple(weight[2].shape)}, expected {tuple(weight[1].shape)}")
+    check_tensor(op, "weight[3]", weight[3], ndim=2, dtypes=(torch.float32,), device=device)
+    if tuple(weight[3].shape) != (n, k):  # oneDNN's packing of the copy reports the matrix's shape
+        raise ValueError(f"{op}: {layout} copy has shape {tuple(weight[3].shape)}, expected {n, k}")
+
+
 def _validate_q4_blocks(op, layout, weight, device) -> None:
     n, k = _check_q4_blocks(op, layout, weight, device)
     check_tensor(op, "weight[3]", weight[3], ndim=2, dtypes=(torch.float32,), device=device)
@@ -355,6 +367,8 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
         _validate_q8_blocks(op, layout, weight, device)
     elif layout in ("q4_blocks_onednn", "q4_blocks_a8_onednn"):
         _validate_q4_blocks(op, layout, weight, device)
+    elif layout == "q8_blocks_mins_onednn":
+        _validate_q8_blocks_mins(op, layout, weight, device)
     elif layout in GGUF_LAYOUTS:
         validate_gguf_weight(op, weight[0], GGUF_LAYOUTS[layout], x.shape[-1], device)
     elif layout in PLANAR_LAYOUTS:
@@ -545,7 +559,8 @@ _FUZZ_FORMATS = (
     ("q8_blocks", "Q6_K"),
     ("q8_blocks", "Q5_0"),  # values q - 16 with d per 32: tiles too
     ("q8_blocks", "Q4_1"),  # not Q8_0: the q4_blocks layout
-    ("q8_blocks", "Q5_K"),  # no exact blocks layout: "fp32"'s layouts
+    ("q8_blocks", "Q5_K"),  # "q8_blocks_mins_onednn": values, scales and mins
+    ("q4_blocks", "Q5_K"),
     ("q4_blocks_a8", "Q4_1"),  # "q4_blocks_a8_onednn" (x quantized to Q8_0 at one row)
     ("q4_blocks_a8", "Q4_K"),
     ("q8_blocks_a8", "Q8_0"),  # "q8_blocks_a8_onednn"
@@ -645,6 +660,8 @@ def _weight_bytes(shape, dtype) -> float:
         return N * K * (4 if source.startswith(("fp8", "int8")) else 1)  # CPU: float32 values
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
+    if fmt in ("q4_blocks", "q8_blocks") and shape["source"] in MIN_QTYPES:  # values, d * sc and the min
+        return N * K + N * K / 32 * 8 if shape["M"] <= native_cpu.blocks_gemm_rows() else N * K * 4
     exact_blocks = EXACT_BLOCKS_FORMAT.get(shape["source"]) if fmt in ("q4_blocks", "q8_blocks") else None
     fmt = exact_blocks or fmt  # the layout each of those keeps the source in
     q4_blocks = fmt in ("q4_blocks", "q4_blocks_a8", "q4_blocks_w8a8") and shape["source"] in INT4_QTYPES
