@@ -212,6 +212,8 @@ EXACT_BLOCKS_FORMAT = {
     **dict.fromkeys(INT4_QTYPES, "q4_blocks"),
     **dict.fromkeys(cpu_q8_blocks.QTYPES, "q8_blocks"),
 }
+# Q5_K's blocks under either exact format: values, scales and a min per 32 (no tile kernel takes mins)
+MINS_BLOCKS = ("q8_blocks_mins_onednn", cpu_q8_blocks.MIN_QTYPES, cpu_q8_blocks.pack_with_mins)
 INT8_BLOCK_SIZE = BLOCK_WEIGHTS["Q8_0"]  # weights per scale in "q8_blocks_onednn" etc.: one Q8_0 block
 # torch's int8 CPU matmul reads K in steps of 16 (other K give garbage or crash): "int8" keeps a weight
 # whose in-features are not a multiple in the "fp16" layouts instead
@@ -507,23 +509,18 @@ def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | N
     GGUF weight of its block types, where oneDNN packs float32 here; else None."""
     if not isinstance(weight, GGUFWeight):
         return None
-    exact = cpu_format in ("q4_blocks", "q8_blocks")
-    if exact and weight.qtype in cpu_q8_blocks.MIN_QTYPES:  # Q5_K: values, scales and mins
-        rows = onednn_pack(weight.dequantize(torch.float32))
-        if rows is None:
-            return None
-        tensors = (*cpu_q8_blocks.pack_with_mins(weight), rows)
-        return PreparedLinearWeight("q8_blocks_mins_onednn", tensors, shape, torch.float32, dtype)
-    if exact:
-        cpu_format = EXACT_BLOCKS_FORMAT.get(weight.qtype, cpu_format)
-    layout, qtypes, pack = BLOCKS_FORMATS[cpu_format]
+    entry = BLOCKS_FORMATS[cpu_format]
+    if cpu_format in ("q4_blocks", "q8_blocks"):  # either keeps every type it has an exact layout for
+        exact_format = EXACT_BLOCKS_FORMAT.get(weight.qtype, cpu_format)
+        entry = MINS_BLOCKS if weight.qtype in MINS_BLOCKS[1] else BLOCKS_FORMATS[exact_format]
+    layout, qtypes, pack = entry
     if weight.qtype not in qtypes:
         return None
     rows = onednn_pack(weight.dequantize(torch.float32))
     if rows is None:
         return None
     blocks = pack(weight)
-    tiles = cpu_block_tiles.layout_tiles(*blocks)
+    tiles = () if entry is MINS_BLOCKS else cpu_block_tiles.layout_tiles(*blocks)
     return PreparedLinearWeight(layout, (*blocks, rows, *tiles), shape, torch.float32, dtype)
 
 

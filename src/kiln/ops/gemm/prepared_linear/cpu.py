@@ -43,6 +43,8 @@ copy when the dtypes already agree).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -138,18 +140,18 @@ def _int8_blocks_onednn(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
-def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm):
-    """The "q4/q8_blocks[_a8]_onednn" kernels: one row through `gemv` on the first `copy_at` tensors
-    (the blocks' values and scales: 3 for Q4, 2 for Q8_0); blocks_tiles_rows(kind) rows through
-    `tiles_gemm` on the tiles after the float32 copy; up to blocks_gemm_rows() rows through `gemm` on the
-    blocks; more rows through the float32 copy, as "onednn"."""
-    kind = "q4" if copy_at == 3 else "q8"
+def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm=None, kind: str = "q8"):
+    """The "q4/q8_blocks[_a8]_onednn" kernels (and "q8_blocks_mins_onednn"'s): one row through `gemv`
+    on the first `copy_at` tensors (the blocks' values and scales: 3 for Q4 and for Q5_K's with mins, 2
+    for Q8_0); blocks_tiles_rows(kind) rows through `tiles_gemm` on the tiles after the float32 copy,
+    where the layout has them; up to blocks_gemm_rows() rows through `gemm` on the blocks; more rows
+    through the float32 copy, as "onednn"."""
 
     def run(x, weight, bias, out_dtype):
         rows = x.shape[0]
         if rows == 1:
             y = gemv(x, *weight[:copy_at])
-        elif blocks_tiles_take(kind, rows) and weight[copy_at + 1].numel():  # (Q6_K's have no tiles)
+        elif tiles_gemm is not None and blocks_tiles_take(kind, rows) and weight[copy_at + 1].numel():
             y = tiles_gemm(x, weight[copy_at + 1], weight[copy_at + 2], weight[0].shape[0])
         elif rows <= blocks_gemm_rows():
             y = gemm(x, *weight[:copy_at])
@@ -162,19 +164,11 @@ def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm):
     return run
 
 
-_q4_blocks_onednn = _blocks_kernel(q4_blocks_gemv, 3, q4_blocks_gemm, q4_tiles_gemm)
-
-
-def _q8_blocks_mins_onednn(x, weight, bias, out_dtype):
-    """Q5_K's values, scales and mins: one row through the Q8 GEMV, up to blocks_gemm_rows() rows its
-    multi-row kernel (each plus the blocks' sums of x times their mins); more rows the float32 copy."""
-    rows = x.shape[0]
-    if rows > blocks_gemm_rows():
-        return _onednn(x, weight[3:], bias, out_dtype)
-    y = q8_blocks_mins_gemm(x, *weight[:3], gemv=int8_blocks_gemv if rows == 1 else None)
-    if bias is not None:
-        y = y.add_(bias.float())
-    return y.to(out_dtype)
+_q4_blocks_onednn = _blocks_kernel(q4_blocks_gemv, 3, q4_blocks_gemm, q4_tiles_gemm, "q4")
+# Q5_K's values, scales and mins: the Q8 kernels plus the blocks' sums of x times their mins; no tiles
+_q8_blocks_mins_onednn = _blocks_kernel(
+    functools.partial(q8_blocks_mins_gemm, gemv=int8_blocks_gemv), 3, q8_blocks_mins_gemm
+)
 
 
 def _w8a8(x, weight, bias, out_dtype):
@@ -229,7 +223,7 @@ KERNELS = {
     "q4_blocks_onednn": _q4_blocks_onednn,
     "q8_blocks_onednn": _blocks_kernel(int8_blocks_gemv, 2, q8_blocks_gemm, q8_tiles_gemm),
     "q8_blocks_mins_onednn": _q8_blocks_mins_onednn,
-    "q4_blocks_a8_onednn": _blocks_kernel(q4_blocks_a8_gemv, 3, q4_blocks_gemm, q4_tiles_gemm),
+    "q4_blocks_a8_onednn": _blocks_kernel(q4_blocks_a8_gemv, 3, q4_blocks_gemm, q4_tiles_gemm, "q4"),
     "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2, q8_blocks_gemm, q8_tiles_gemm),
     "w8a8_packed": _w8a8,
     "int4_w8a8_packed": _int4_w8a8,

@@ -260,14 +260,19 @@ def _check_q4_blocks(op, layout, weight, device) -> tuple[int, int]:
     return n, k
 
 
+def _check_copy(op, layout, weight, at: int, n: int, k: int, dtype, device) -> None:
+    """weight[at]: a blocks layout's oneDNN-packed copy of the [n, k] matrix, in `dtype`."""
+    check_tensor(op, f"weight[{at}]", weight[at], ndim=2, dtypes=(dtype,), device=device)
+    if tuple(weight[at].shape) != (n, k):  # oneDNN's packing of the copy reports the matrix's shape
+        raise ValueError(f"{op}: {layout} copy has shape {tuple(weight[at].shape)}, expected {n, k}")
+
+
 def _validate_q8_blocks(op, layout, weight, device) -> None:
     """The layouts "int8_blocks_onednn" (a bf16 copy) and "q8_blocks[_a8]_onednn" (a float32 copy, then
     the tiles)."""
     copy_dtype = torch.bfloat16 if layout == "int8_blocks_onednn" else torch.float32
     n, k = _check_q8_0_blocks(op, layout, weight, device)
-    check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(copy_dtype,), device=device)
-    if tuple(weight[2].shape) != (n, k):  # oneDNN's packing of the copy reports the matrix's shape
-        raise ValueError(f"{op}: {layout} copy has shape {tuple(weight[2].shape)}, expected {n, k}")
+    _check_copy(op, layout, weight, 2, n, k, copy_dtype, device)
     if layout != "int8_blocks_onednn":
         _validate_tiles(op, layout, weight, n, k, device)
 
@@ -278,16 +283,12 @@ def _validate_q8_blocks_mins(op, layout, weight, device) -> None:
     check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(torch.float32,), device=device)
     if tuple(weight[2].shape) != tuple(weight[1].shape):
         raise ValueError(f"{op}: {layout} mins {tuple(weight[2].shape)}, expected {tuple(weight[1].shape)}")
-    check_tensor(op, "weight[3]", weight[3], ndim=2, dtypes=(torch.float32,), device=device)
-    if tuple(weight[3].shape) != (n, k):  # oneDNN's packing of the copy reports the matrix's shape
-        raise ValueError(f"{op}: {layout} copy has shape {tuple(weight[3].shape)}, expected {n, k}")
+    _check_copy(op, layout, weight, 3, n, k, torch.float32, device)
 
 
 def _validate_q4_blocks(op, layout, weight, device) -> None:
     n, k = _check_q4_blocks(op, layout, weight, device)
-    check_tensor(op, "weight[3]", weight[3], ndim=2, dtypes=(torch.float32,), device=device)
-    if tuple(weight[3].shape) != (n, k):  # oneDNN's packing of the float32 copy reports the matrix's shape
-        raise ValueError(f"{op}: {layout} copy has shape {tuple(weight[3].shape)}, expected {n, k}")
+    _check_copy(op, layout, weight, 3, n, k, torch.float32, device)
     _validate_tiles(op, layout, weight, n, k, device)
 
 
