@@ -35,10 +35,6 @@ def upload(device: torch.device, arrays: list[np.ndarray], pack: bool | None = N
         flat[start : start + a.nbytes] = a.reshape(-1).view(np.uint8)
     sent = host.to(device, non_blocking=True)
     return [
-        sent[start : start + a.nbytes].view(_torch_dtype(a.dtype)).reshape(a.shape)
+        sent[start : start + a.nbytes].view(torch.from_numpy(a).dtype).reshape(a.shape)
         for a, start in zip(arrays, offsets, strict=True)
     ]
-
-
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype

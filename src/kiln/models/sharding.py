@@ -31,6 +31,7 @@ FP8 on block boundaries, 2:4 on 8-input boundaries, per-channel W8A8 scales foll
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 from dataclasses import dataclass
@@ -42,7 +43,6 @@ from kiln.models.weights import GGUF_BLOCK_BYTES, GGUFWeight, Weight, WeightStor
 from kiln.quant.linear_weights import QUANTIZED_WEIGHT_TYPES
 
 logger = logging.getLogger(__name__)
-_LOGGED_DECODED_SLICES: set[tuple[str, str, int, int]] = set()
 
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Phi-3 is split like Llama: kiln.models.phi3 names the row blocks of its fused qkv / gate_up tensors
@@ -91,15 +91,19 @@ def shard_cols(weight: Weight, start: int, end: int, what: str = "weight") -> We
     covered = GGUFWeight(weight.qtype, blocks.reshape(n, -1).contiguous(), (n, (last - first) * qk))
     if start % qk == 0 and end % qk == 0:
         return covered
-    key = (re.sub(r"\d+", "N", what), weight.qtype, start, end)  # once for every layer's o_proj
-    if key not in _LOGGED_DECODED_SLICES:
-        _LOGGED_DECODED_SLICES.add(key)
-        logger.warning(
-            "tensor parallel: inputs [%d, %d) of %s (%s) cut its %d-input GGUF blocks: this rank's slice "
-            "is dequantized at load and runs dense (a tp size giving every rank a multiple of %d of "
-            "these inputs keeps it quantized)", start, end, what, weight.qtype, qk, qk,
-        )  # fmt: skip
+    _log_decoded_slice(re.sub(r"\d+", "N", what), weight.qtype, start, end, qk)
     return covered.dequantize(torch.float32)[:, start - first * qk : end - first * qk].contiguous()
+
+
+@functools.cache
+def _log_decoded_slice(kind: str, qtype: str, start: int, end: int, qk: int) -> None:
+    """Once per tensor kind (its name with the layer numbers as N: every layer's o_proj logs once) and
+    split."""
+    logger.warning(
+        "tensor parallel: inputs [%d, %d) of %s (%s) cut its %d-input GGUF blocks: this rank's slice "
+        "is dequantized at load and runs dense (a tp size giving every rank a multiple of %d of "
+        "these inputs keeps it quantized)", start, end, kind, qtype, qk, qk,
+    )  # fmt: skip
 
 
 def split_evenly(total: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
