@@ -60,3 +60,18 @@ def run_to_completion(engine, prompts, params) -> dict[str, list[int]]:
         for out in engine.step():
             tokens[out.request_id] = list(out.token_ids)
     return tokens
+
+
+def run_tensor_parallel(config, prompts, params, inspect=None, tp_size: int = 2):
+    """(token ids of every request, the logits rank 0 sampled from) of a TensorParallelEngine run over
+    `config`; `inspect(engine)` runs on the live engine first. Every worker must exit with status 0."""
+    from kiln.distributed import TensorParallelEngine
+
+    with TensorParallelEngine(config, tp_size=tp_size, timeout_s=30) as engine:
+        workers = list(engine.workers)
+        if inspect is not None:
+            inspect(engine)
+        logits = record_logits(engine)
+        tokens = run_to_completion(engine, prompts, params)
+    assert all(process.exitcode == 0 for process in workers)
+    return tokens, logits

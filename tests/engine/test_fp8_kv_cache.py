@@ -223,9 +223,13 @@ def test_fp8_on_a_word_level_toy_checkpoint_inside_the_exact_window_gives_the_fl
 def test_fp8_tensor_parallel_ranks_keep_fp8_caches(tmp_path):
     """TP 2 over an fp8 cache gives TP 1's fp8 logits; a rank on a float32 cache would be as far off
     as fp8 is from float32, which is checked to be much further."""
-    from kiln.distributed import TensorParallelEngine
     from kiln.verify import relative_error
-    from tests.distributed.checkpoints import record_logits, run_to_completion, write_checkpoint
+    from tests.distributed.checkpoints import (
+        record_logits,
+        run_tensor_parallel,
+        run_to_completion,
+        write_checkpoint,
+    )
 
     path = write_checkpoint(tmp_path, "llama", num_key_value_heads=2)
     # 30 + 4 tokens with a window of 4: positions 16-25 and on are read from the fp8 cache only
@@ -242,12 +246,11 @@ def test_fp8_tensor_parallel_ranks_keep_fp8_caches(tmp_path):
     config = EngineConfig(
         model=path, device="cpu", num_kv_blocks=32, kv_cache_dtype="fp8", kv_cache_exact_window=4
     )
-    with TensorParallelEngine(config, tp_size=2, timeout_s=30) as engine:
-        workers = list(engine.workers)
+
+    def fp8_caches(engine):
         assert engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
-        tp_logits = record_logits(engine)
-        tp_tokens = run_to_completion(engine, prompts, greedy)
-    assert all(process.exitcode == 0 for process in workers)
+
+    tp_tokens, tp_logits = run_tensor_parallel(config, prompts, greedy, fp8_caches)
     fp8_tokens, fp8_logits = runs["fp8"]
     assert tp_tokens == fp8_tokens
     tp_error = max(relative_error(a, b) for a, b in zip(tp_logits, fp8_logits, strict=True))

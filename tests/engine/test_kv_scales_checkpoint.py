@@ -264,10 +264,9 @@ def test_tensor_parallel_ranks_use_their_heads_checkpoint_scales(tmp_path):
     """TP 2 over per-head checkpoint scales (FP8 weights, which shard exactly; each rank one kv head)
     gives TP 1's logits: measured 1.8e-7 apart, while scales 1.0 are 6.6e-2 from them, so a rank on
     another head's scale, on scales 1.0 or without the checkpoint's (an error) would show."""
-    from kiln.distributed import TensorParallelEngine
     from kiln.engine import LLMEngine
     from kiln.verify import relative_error
-    from tests.distributed.checkpoints import record_logits, run_to_completion
+    from tests.distributed.checkpoints import record_logits, run_tensor_parallel, run_to_completion
 
     path = write_kv_scaled_llama(tmp_path, "attn_head", preset="FP8")
     # 40 + 4 tokens with a window of 4: positions 16-35 and on are read from the fp8 cache only
@@ -279,15 +278,13 @@ def test_tensor_parallel_ranks_use_their_heads_checkpoint_scales(tmp_path):
         engine = LLMEngine(EngineConfig(**options, kv_cache_scales=choice))
         logits = record_logits(engine)
         runs[choice] = (run_to_completion(engine, prompts, greedy), logits)
-    with TensorParallelEngine(
-        EngineConfig(**options, kv_cache_scales="checkpoint"), tp_size=2, timeout_s=30
-    ) as tp:
-        workers = list(tp.workers)
-        head_0 = _stored_scales(path)["model.layers.0.self_attn.k_scale"].reshape(-1)[:1]
-        assert torch.equal(tp.runner.kv_caches[0].k_scale, head_0)  # rank 0 holds kv head 0
-        tp_logits = record_logits(tp)
-        tp_tokens = run_to_completion(tp, prompts, greedy)
-    assert all(process.exitcode == 0 for process in workers)
+    head_0 = _stored_scales(path)["model.layers.0.self_attn.k_scale"].reshape(-1)[:1]
+
+    def rank_0_holds_head_0(tp):
+        assert torch.equal(tp.runner.kv_caches[0].k_scale, head_0)
+
+    config = EngineConfig(**options, kv_cache_scales="checkpoint")
+    tp_tokens, tp_logits = run_tensor_parallel(config, prompts, greedy, rank_0_holds_head_0)
     tokens, logits = runs["checkpoint"]
     assert tp_tokens == tokens
     tp_error = max(relative_error(a, b) for a, b in zip(tp_logits, logits, strict=True))
