@@ -102,4 +102,5 @@ def test_write_kv_cache_gpu_kernel_lowers_to_triton(lower_for_gpu, cache_dtype):
     def lower(k, v, kc, vc, s, *scales):
         return write_kv_cache_pallas_gpu(k, v, kc, vc, s, *scales, interpret=False)
 
-    lower_for_gpu(lower, key, key, cache, cache, slots, *scales)
+    text = lower_for_gpu(lower, key, key, cache, cache, slots, *scales)
+    assert ("div.rn.f32" in text) == fp8  # value / scale rounded once, as the Triton kernel divides

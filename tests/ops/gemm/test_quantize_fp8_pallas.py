@@ -35,10 +35,25 @@ def test_quantize_fp8_pallas_gpu_several_rows_per_program_match_float64(dtype, p
     assert case.passed, case
 
 
+@pytest.mark.parametrize("backend", ["pallas_gpu", "xla"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_token", [True, False])
+def test_quantize_fp8_jax_codes_and_scales_are_torchs_bit_for_bit(backend, dtype, per_token):
+    """Both divisions rounded once (div_rn), as the CPU backend's torch divides: with XLA's reciprocal
+    product some scales were an ulp off and some x / scale took the other e4m3 neighbour."""
+    x = torch.randn((203, 300), generator=torch.Generator().manual_seed(random.randrange(2**31))).to(dtype)
+    op = get_op("quantize_fp8")
+    q, scale = op.implementation(backend).fn(x, per_token)
+    q_cpu, scale_cpu = op.implementation("cpu").fn(x, per_token)
+    assert torch.equal(scale, scale_cpu)
+    assert torch.equal(q.float(), q_cpu.float())
+
+
 @pytest.mark.parametrize("per_token", [True, False])
 def test_quantize_fp8_gpu_kernel_lowers_to_triton(lower_for_gpu, per_token):
     x = jnp.ones((40, 700), jnp.bfloat16)
-    lower_for_gpu(lambda a: quantize_fp8_pallas_gpu(a, per_token, interpret=False), x)
+    text = lower_for_gpu(lambda a: quantize_fp8_pallas_gpu(a, per_token, interpret=False), x)
+    assert "div.rn.f32" in text  # x / scale rounded once, as the Triton kernel divides
 
 
 @pytest.mark.parametrize("per_token", [True, False])

@@ -45,8 +45,23 @@ def test_quantize_int8_kernels_round_ties_away_from_zero(kernel):
     np.testing.assert_array_equal(np.asarray(q), [[127, 1, -1, 2, -2, 3, -3, 0]])
 
 
+@pytest.mark.parametrize("backend", ["pallas_gpu", "xla"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quantize_int8_jax_codes_and_scales_are_torchs_bit_for_bit(backend, dtype):
+    """Both divisions rounded once (div_rn), as the CPU backend's torch divides (XLA's reciprocal
+    product put some scales an ulp off)."""
+    x = torch.randn((203, 300), generator=torch.Generator().manual_seed(random.randrange(2**31))).to(dtype)
+    op = get_op("quantize_int8")
+    q, scale = op.implementation(backend).fn(x)
+    q_cpu, scale_cpu = op.implementation("cpu").fn(x)
+    assert torch.equal(scale, scale_cpu)
+    assert torch.equal(q, q_cpu)
+
+
 def test_quantize_int8_gpu_kernel_lowers_to_triton(lower_for_gpu):
-    lower_for_gpu(lambda a: quantize_int8_pallas_gpu(a, interpret=False), jnp.ones((40, 700), jnp.bfloat16))
+    x = jnp.ones((40, 700), jnp.bfloat16)
+    text = lower_for_gpu(lambda a: quantize_int8_pallas_gpu(a, interpret=False), x)
+    assert "div.rn.f32" in text  # x / scale rounded once, as the Triton kernel divides
 
 
 def test_quantize_int8_tpu_kernel_lowers_to_mosaic(lower_for_tpu):

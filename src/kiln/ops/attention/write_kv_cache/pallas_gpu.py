@@ -23,7 +23,7 @@ from kiln.ops.attention.write_kv_cache.xla import to_cache_dtype
 from kiln.ops.pallas_common import gpu_interpret
 
 
-def _kernel(slots_ref, *refs, kv_heads: int, head_dim: int, quantized: bool):
+def _kernel(slots_ref, *refs, kv_heads: int, head_dim: int, quantized: bool, compiled: str | None):
     from jax.experimental.pallas import triton as plgpu
 
     if quantized:
@@ -48,7 +48,8 @@ def _kernel(slots_ref, *refs, kv_heads: int, head_dim: int, quantized: bool):
             if scale_ref is not None:  # [Hkv] -> [pow2(Hkv), 1], 1 on the padded heads
                 heads_in = heads[:, 0] < kv_heads
                 scale = plgpu.load(scale_ref.at[pl.ds(0, heads_p)], mask=heads_in, other=1.0)[:, None]
-            plgpu.store(out_ref.at[(slot, *row)], to_cache_dtype(rows, out_ref.dtype, scale), mask=mask)
+            stored = to_cache_dtype(rows, out_ref.dtype, scale, compiled=compiled)
+            plgpu.store(out_ref.at[(slot, *row)], stored, mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -64,7 +65,13 @@ def _write_gpu(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scal
         operands = [k_scale, v_scale, *operands]
     first_cache = len(operands) - 2 + 1  # operand positions count slot_mapping first
     key_out, value_out = pl.pallas_call(
-        functools.partial(_kernel, kv_heads=kv_heads, head_dim=head_dim, quantized=quantized),
+        functools.partial(
+            _kernel,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            quantized=quantized,
+            compiled=None if interpret else "triton",
+        ),
         out_shape=[jax.ShapeDtypeStruct(flat, key_cache.dtype)] * 2,
         grid=(tokens,),
         in_specs=[pl.no_block_spec] * (len(operands) + 1),

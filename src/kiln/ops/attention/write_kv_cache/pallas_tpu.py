@@ -23,7 +23,7 @@ from kiln.ops.attention.write_kv_cache.xla import to_cache_dtype
 from kiln.ops.pallas_common import squeezed, tpu_interpret, tpu_params
 
 
-def _kernel(slots_ref, *refs, block_size, quantized):
+def _kernel(slots_ref, *refs, block_size, quantized, compiled):
     if quantized:
         k_scale_ref, v_scale_ref, key_ref, value_ref, _, _, key_cache, value_cache, rows, sems = refs
         scales = (k_scale_ref[...], v_scale_ref[...])
@@ -40,7 +40,7 @@ def _kernel(slots_ref, *refs, block_size, quantized):
         for i, (data_ref, cache, scale) in enumerate(
             ((key_ref, key_cache, scales[0]), (value_ref, value_cache, scales[1]))
         ):
-            rows[i] = to_cache_dtype(data_ref[...], rows.dtype, scale)
+            rows[i] = to_cache_dtype(data_ref[...], rows.dtype, scale, compiled=compiled)
             copies.append(pltpu.make_async_copy(rows.at[i], cache.at[block, offset], sems.at[i]))
             copies[-1].start()
         for copy in copies:
@@ -62,7 +62,9 @@ def _write_tpu(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scal
         operands = [k_scale.reshape(kv_heads, 1), v_scale.reshape(kv_heads, 1), *operands]
     first_cache = len(operands) - 2 + 1  # operand positions count the scalar-prefetch slot_mapping
     return pl.pallas_call(
-        functools.partial(_kernel, block_size=block_size, quantized=quantized),
+        functools.partial(
+            _kernel, block_size=block_size, quantized=quantized, compiled=None if interpret else "mosaic"
+        ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(tokens,),

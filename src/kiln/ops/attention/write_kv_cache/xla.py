@@ -11,16 +11,18 @@ import jax
 import jax.numpy as jnp
 
 from kiln.ops.attention.write_kv_cache.spec import WRITE_KV_CACHE
+from kiln.ops.jax_div_rn import div_rn
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn; casting beyond it gives NaN, so saturate first
 
 
-def to_cache_dtype(rows, cache_dtype, scale):
-    """rows [..., Hkv, D] as stored in a cache of `cache_dtype`: divided by scale [Hkv, 1] (float32),
-    saturated to +-448 and rounded to nearest for fp8 caches; a plain cast otherwise."""
+def to_cache_dtype(rows, cache_dtype, scale, *, compiled: str | None = None):
+    """rows [..., Hkv, D] as stored in a cache of `cache_dtype`: divided by scale [Hkv, 1] (float32,
+    rounded once: div_rn, `compiled` as its), saturated to +-448 and rounded to nearest for fp8 caches;
+    a plain cast otherwise."""
     if scale is None:
         return rows.astype(cache_dtype)
-    scaled = rows.astype(jnp.float32) / scale.astype(jnp.float32)
+    scaled = div_rn(rows, scale, compiled=compiled)
     return jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(cache_dtype)
 
 

@@ -3,7 +3,8 @@ GEMMs' tile loop (../scaled_pallas_gpu.py) with the activation quantization fuse
 
 One K step is one group of block_k inputs (block_k is a power of two, 16..256: a legal Triton tile and
 dot depth). The step loads the float x tile [block_m, block_k], quantizes it per row to e4m3 with
-xla.py's quantize_groups (the same float32 scale and rounding as the XLA path), multiplies it with the
+xla.py's quantize_groups (the same float32 scale and rounding as the XLA path; compiled, its
+divisions are PTX's div.rn.f32, as the Triton kernel's), multiplies it with the
 e4m3 weight tile, both widened to bfloat16 in registers (exact), with a float32 result, and
 accumulates it scaled:
 
@@ -38,9 +39,10 @@ from kiln.ops.gemm.scaled_pallas_gpu import (
 from kiln.ops.pallas_common import gpu_interpret, pad_to, round_up
 
 
-def _step(kk, acc, x_ref, w_ref, ws_ref, *_, block_k: int):
+def _step(kk, acc, x_ref, w_ref, ws_ref, *_, block_k: int, compiled: str | None):
     start = pl.multiple_of(kk * block_k, block_k)
-    x_q, x_scale = quantize_groups(x_ref[:, pl.ds(start, block_k)], block_k)  # [bm, bk] e4m3, [bm, 1]
+    x_tile = x_ref[:, pl.ds(start, block_k)]
+    x_q, x_scale = quantize_groups(x_tile, block_k, compiled=compiled)  # [bm, bk] e4m3, [bm, 1]
     w = w_ref[:, pl.ds(start, block_k)]
     part = jax.lax.dot_general(
         x_q.astype(jnp.bfloat16), w.astype(jnp.bfloat16), CONTRACT_LAST, preferred_element_type=jnp.float32
@@ -63,7 +65,7 @@ def block_fp8_gemm_gpu(x, w_fp8, w_scale, bias, block_n, block_k, out_dtype, til
     if bias is not None:
         operands.append(w_panel(bias.astype(jnp.float32)))
     return tiled_gemm_gpu(
-        functools.partial(_step, block_k=block_k),
+        functools.partial(_step, block_k=block_k, compiled=None if interpret else "triton"),
         _epilogue,
         operands,
         m=m,

@@ -10,16 +10,21 @@ import jax.numpy as jnp
 from kiln.ops.gemm.fp8_block_linear.spec import FP8_BLOCK_LINEAR
 from kiln.ops.gemm.jax_codecs import jnp_dtype
 from kiln.ops.gemm.scaled import AMAX_FLOOR, FP8_MAX
+from kiln.ops.jax_div_rn import div_rn
 from kiln.ops.pallas_common import pad_to, round_up
 
 
-def quantize_groups(x, block_k: int):
-    """x [M, K] -> (x_q e4m3 [M, G * block_k] zero-padded, s float32 [M, G])."""
+def quantize_groups(x, block_k: int, *, compiled: str | None = None):
+    """x [M, K] -> (x_q e4m3 [M, G * block_k] zero-padded, s float32 [M, G]). Both divisions round
+    once (div_rn), as the spec's torch reference divides: XLA's reciprocal product put an x / s an ulp
+    off on an e4m3 rounding tie. `compiled`: as div_rn's."""
     m, k = x.shape
     padded = pad_to(x.astype(jnp.float32), 1, round_up(k, block_k))
     groups = padded.reshape(m, -1, block_k)
-    scale = jnp.maximum(jnp.max(jnp.abs(groups), axis=-1), AMAX_FLOOR) / FP8_MAX
-    q = jnp.clip(groups / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    amax = jnp.maximum(jnp.max(jnp.abs(groups), axis=-1), AMAX_FLOOR)
+    scale = div_rn(amax, FP8_MAX, compiled=compiled)
+    quotient = div_rn(groups, scale[..., None], compiled=compiled)
+    q = jnp.clip(quotient, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
     return q.reshape(m, -1), scale
 
 

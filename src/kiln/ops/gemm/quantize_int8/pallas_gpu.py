@@ -20,12 +20,13 @@ from jax.experimental import pallas as pl
 from kiln.ops.gemm.quantize_int8.spec import QUANTIZE_INT8
 from kiln.ops.gemm.quantize_int8.xla import round_half_away
 from kiln.ops.gemm.scaled import AMAX_FLOOR, INT8_MAX
+from kiln.ops.jax_div_rn import div_rn
 from kiln.ops.pallas_common import gpu_interpret, pad_to, round_up
 
 ROW_BLOCK_ELEMENTS = 4096
 
 
-def _kernel(*refs, qmax: float, out_dtype, given_scale: bool, round_away: bool):
+def _kernel(*refs, qmax: float, out_dtype, given_scale: bool, round_away: bool, compiled: str | None):
     if given_scale:
         x_ref, scale_in_ref, q_ref, s_ref = refs
         scale = scale_in_ref[...][:, None]
@@ -33,8 +34,9 @@ def _kernel(*refs, qmax: float, out_dtype, given_scale: bool, round_away: bool):
         x_ref, q_ref, s_ref = refs
     x = x_ref[...].astype(jnp.float32)
     if not given_scale:
-        scale = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True), AMAX_FLOOR) / qmax
-    v = x / scale
+        amax = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True), AMAX_FLOOR)
+        scale = div_rn(amax, qmax, compiled=compiled)
+    v = div_rn(x, scale, compiled=compiled)
     if round_away:
         v = round_half_away(v)
     q_ref[...] = jnp.clip(v, -qmax, qmax).astype(out_dtype)
@@ -57,7 +59,12 @@ def quantize_rows_gpu(x, scale, qmax: float, out_dtype, round_away: bool, interp
         operands.append(jnp.broadcast_to(scale.astype(jnp.float32).reshape(1), (mp,)))
         in_specs.append(scale_spec)
     kernel = functools.partial(
-        _kernel, qmax=qmax, out_dtype=out_dtype, given_scale=scale is not None, round_away=round_away
+        _kernel,
+        qmax=qmax,
+        out_dtype=out_dtype,
+        given_scale=scale is not None,
+        round_away=round_away,
+        compiled=None if interpret else "triton",
     )
     q, s = pl.pallas_call(
         kernel,
