@@ -20,8 +20,9 @@ INT8_MAX = 127.0
 AMAX_FLOOR = 1e-12  # an all-zero row gets a tiny positive scale instead of a division by zero
 # The quantizers' exact check (quantize_int8 / quantize_fp8 verified_outputs): a correct float32 kernel's
 # scale is amax / qmax rounded once (or twice, amax * (1 / qmax)): ~1e-7 relative; its x / scale errs by
-# a few float32 roundings (XLA's reciprocal product: an ulp), so a code can differ from the exact
-# quantization of x only where the exact quotient lies that close to a rounding tie.
+# a few float32 roundings (a Mosaic kernel's division on a TPU; XLA and the GPU kernels divide rounded
+# once, kiln.ops.jax_div_rn), so a code can differ from the exact quantization of x only where the exact
+# quotient lies that close to a rounding tie.
 SCALE_RTOL = 1e-6
 TIE_RTOL = 1e-6
 
