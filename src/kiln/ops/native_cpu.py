@@ -9,7 +9,8 @@ their ops under torch.ops.kiln_cpu:
     gemm/cpu_w8a8.cpp                       kiln_cpu.w8a8_linear (on oneDNN)
     gemm/cpu_w8a8_amx.cpp                   kiln_cpu.w8a8_amx_linear, kiln_cpu.amx_int8_available
     gemm/cpu_q4_blocks.cpp                  kiln_cpu.q4_blocks_gemv (GGUF Q4_0 / Q4_1 blocks, one row)
-    gemm/cpu_q8_blocks.cpp                  kiln_cpu.q8_blocks_gemv (GGUF Q8_0 blocks, one row)
+    gemm/cpu_q8_blocks.cpp                  kiln_cpu.q8_blocks_gemv (GGUF Q8_0 blocks, one row; Q5_K's
+                                            given their mins), kiln_cpu.q8_blocks_gemm (a few rows)
     gemm/cpu_blocks_a8.cpp                  kiln_cpu.q4_blocks_a8_gemv, q8_blocks_a8_gemv (the same
                                             blocks, x quantized to Q8_0 first), kiln_cpu.quantize_q8_0
     gemm/cpu_block_tiles.cpp                kiln_cpu.q4_tiles_gemm (Q4 blocks in 16-row tiles, batched

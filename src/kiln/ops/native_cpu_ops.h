@@ -40,8 +40,11 @@ at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const 
                           const at::Tensor& mins);
 at::Tensor q4_blocks_gemm(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
                           const at::Tensor& mins);
-at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales);
-at::Tensor q8_blocks_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales);
+// mins: Q5_K's float32 [N, K / 32] (blocks of 32 only), or none
+at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& mins = std::nullopt);
+at::Tensor q8_blocks_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& mins = std::nullopt);
 std::tuple<at::Tensor, at::Tensor> quantize_q8_0(const at::Tensor& x);
 at::Tensor q4_blocks_a8_gemv(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
                              const at::Tensor& mins);

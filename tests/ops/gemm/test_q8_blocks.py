@@ -110,9 +110,9 @@ def test_q8_blocks_gemm_matches_float64_and_its_tensor_form_row_by_row(m, qtype,
     y = q8_module.q8_blocks_gemm(x, values, scales)
     assert torch.isnan(y[m - 1]).all() and not torch.isnan(y[: m - 1]).any()
     with pytest.raises(RuntimeError, match=r"q8_blocks_gemm: x must be float32 \[M, K\]"):
-        torch.ops.kiln_cpu.q8_blocks_gemm(x.double(), values, scales)
+        torch.ops.kiln_cpu.q8_blocks_gemm(x.double(), values, scales, None)
     with pytest.raises(RuntimeError, match=r"q8_blocks_gemm: values must be int8 \[N, K\] with K = 512"):
-        torch.ops.kiln_cpu.q8_blocks_gemm(x[:, :512].contiguous(), values, scales)
+        torch.ops.kiln_cpu.q8_blocks_gemm(x[:, :512].contiguous(), values, scales, None)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])
@@ -146,7 +146,7 @@ def test_q8_blocks_refuses_malformed_inputs_by_name(native):
             run(x, "q8_blocks_onednn", [values, scales, bf16_copy, *tiles])
     with pytest.raises(ValueError, match=r"x has 96 in-features, the 'q8_blocks_onednn' weight 160"):
         run(torch.randn(1, 96), "q8_blocks_onednn", [values, scales, copy, *tiles])
-    op = torch.ops.kiln_cpu.q8_blocks_gemv
+    op = q8_module.q8_blocks_gemv  # torch.ops.kiln_cpu.q8_blocks_gemv, no mins
     with pytest.raises(RuntimeError, match=r"K = 72 must be a multiple of 16"):
         op(torch.randn(1, 72), torch.zeros(40, 72, dtype=torch.int8), scales)
     with pytest.raises(RuntimeError, match=r"\[N, K / 32\] = \[40, 3\] or \[N, K / 16\] = \[40, 6\]"):
@@ -165,8 +165,9 @@ def test_q8_blocks_gives_float_weights_the_float32_layouts():
 
 def test_q5_k_keeps_its_values_scales_and_mins_exactly_at_every_row_count(native, monkeypatch):
     """GGUF Q5_K ("q8_blocks_mins_onednn"): q with d * sc and -(dmin * m) per 32, decoded exactly as the
-    gguf package does; one row (the Q8 GEMV), a few (its multi-row kernel) and many (the float32 copy)
-    rows against float64 on that matrix, and the tensor form where the library is missing."""
+    gguf package does; one row (the Q8 GEMV with the mins), a few (its multi-row kernel with the mins)
+    and many (the float32 copy) rows against float64 on that matrix, and the tensor forms where the
+    library is missing."""
     g = torch.Generator().manual_seed(random.randrange(2**31))
     n, k = 37, 768
     weight, expected = _q8_weight(n, k, g, "Q5_K")
@@ -185,9 +186,61 @@ def test_q5_k_keeps_its_values_scales_and_mins_exactly_at_every_row_count(native
         y = torch.full((m, n), float("nan"))
         y.copy_(run(x, prepared.layout, prepared.tensors, bias))
         assert_close(y, x.double() @ matrix.T + bias.double(), 1e-6, f"{m} rows")
+        if m == 1:  # one native call, the mins included (no min term added in Python after it)
+            assert torch.equal(y, q8_module.q8_blocks_gemv(x, values, scales, mins).add_(bias))
+        elif m <= native_cpu.blocks_gemm_rows():
+            assert torch.equal(y, q8_module.q8_blocks_gemm(x, values, scales, mins).add_(bias))
     monkeypatch.setitem(q8_module._state, "loaded", False)  # as where the library cannot be built
-    tensor_y = q8_module.q8_blocks_mins_gemm(x[:3], values, scales, mins)
+    tensor_y = q8_module.q8_blocks_gemm(x[:3], values, scales, mins)
     assert_close(tensor_y, x[:3].double() @ matrix.T, 1e-6, "tensor form")
+    one = int8_blocks_gemv.int8_blocks_gemv(x[:1], values, scales, mins)  # inductor's compiled GEMV
+    assert_close(one, x[:1].double() @ matrix.T, 1e-6, "compiled tensor form, one row")
+    y = run(x[:1], prepared.layout, prepared.tensors, bias)
+    assert_close(y, x[:1].double() @ matrix.T + bias.double(), 1e-6, "prepared_linear without the library")
+
+
+@pytest.mark.parametrize("n", [37, 45, 129])  # odd: a task's last rows one at a time (and AVX2's 4-row steps)
+@pytest.mark.parametrize("m", [1, 3, 9])  # 9: x rows 8 at a time, then one
+def test_q8_blocks_kernels_with_mins_match_gguf_float64(m, n, native):
+    """The native kernels given Q5_K's mins (q8_blocks_gemv for one row, q8_blocks_gemm for any) against
+    float64 on the gguf package's decode of the same blocks: the min term is each block's sum of x times
+    its min (one row) or fma(q, d * sc, min) per weight (several), both exact up to float32 sums."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    k = 1280  # 40 blocks of 32: AVX-512's min_terms takes 16 at a time, then 8 one by one
+    weight, matrix = _q8_weight(n, k, g, "Q5_K")
+    values, scales, mins = q8_module.pack_with_mins(weight)
+    x = torch.randn(m, k, generator=g)
+    expected = x.double() @ matrix.T
+    y = torch.full((m, n), float("nan"))
+    y.copy_(q8_module.q8_blocks_gemm(x, values, scales, mins))
+    assert_close(y, expected, 1e-6, f"q8_blocks_gemm, {m} rows")
+    for i in range(m):
+        # one row sums d * sum(x q) and min * sum(x) apart: they partly cancel (q >= 0, min <= 0), so
+        # their float32 roundings are a larger part of the result (median 4e-7 over 40 seeds, max 7.5e-7)
+        one = q8_module.q8_blocks_gemv(x[i : i + 1], values, scales, mins)
+        assert_close(one, expected[i : i + 1], 2e-6, f"q8_blocks_gemv, row {i}")
+    if native_cpu.blocks_gemm_rows() > 1:  # the multi-row kernel: each row's floats whatever shares the call
+        alone = torch.cat([q8_module.q8_blocks_gemm(x[i : i + 1], values, scales, mins) for i in range(m)])
+        assert torch.equal(y, alone)
+    without = q8_module.q8_blocks_gemm(x, values, scales)  # the mins change the result (q in 0..31 alone)
+    assert (without - y).abs().max() > 1e-3 * y.abs().max()
+
+
+def test_q8_blocks_kernels_refuse_malformed_mins_by_name(native):
+    g = torch.Generator().manual_seed(6)
+    weight, _ = _q8_weight(40, 256, g, "Q5_K")
+    values, scales, mins = q8_module.pack_with_mins(weight)
+    x = torch.randn(2, 256, generator=g)
+    for op in (torch.ops.kiln_cpu.q8_blocks_gemv, torch.ops.kiln_cpu.q8_blocks_gemm):
+        name, x_in = op._qualified_op_name.split("::")[1], x[:1]
+        with pytest.raises(RuntimeError, match=rf"{name}: mins need blocks of 32 .* a scale per 16"):
+            op(x_in, values, torch.rand(40, 16), mins)  # Q6_K-like scales per 16
+        with pytest.raises(RuntimeError, match=rf"{name}: mins must be float32 \[N, K / 32\] = \[40, 8\]"):
+            op(x_in, values, scales, mins[:, :4].contiguous())
+        with pytest.raises(RuntimeError, match=rf"{name}: mins must be float32 \[N, K / 32\] = \[40, 8\]"):
+            op(x_in, values, scales, mins[:39].contiguous())
+        with pytest.raises(RuntimeError, match=rf"{name}: mins must be float32 \[N, K / 32\].*Double"):
+            op(x_in, values, scales, mins.double())
 
 
 @pytest.mark.parametrize("cpu_format", ["q4_blocks", "q8_blocks"])

@@ -11,6 +11,15 @@
 // time, the AVX-512 one a row at a time, in 8 or 16 float lanes (cpu_float_lanes.h). q8_blocks_gemm
 // does a few rows at once (batched decode; its vector kernel converts each block to float32 once for
 // up to 8 rows of x). Registered as torch.ops.kiln_cpu.q8_blocks_gemv and q8_blocks_gemm.
+//
+// Optional mins float32 [N, K / 32] (blocks of 32 only: the "q8_blocks_mins_onednn" layout, GGUF Q5_K's
+// w = (d * sc) * q - dmin * m with q in 0..31, mins -(dmin * m)) add each block's min, as the Q4 kernel
+// (cpu_q4_blocks.cpp) does its m:
+//
+//   y[n] = sum_g d[n, g] * sum_j x[32 g + j] * q[n, 32 g + j]  +  m[n, g] * sum_j x[32 g + j]
+//
+// one row: x's block sums once per call, then a vector dot with each weight row's mins; several rows:
+// each block's weights become fma(q, d, m) once for all the rows. Without mins, the floats of before.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,7 +31,9 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -38,12 +49,23 @@ using namespace kiln_cpu::lanes;  // Floats: kLanes floats, 16 (AVX-512) or 8 (A
 // faster (SmolLM2's 49152 x 576 head cache-cold: 0.77 ms, ~37 GB/s, against 0.87-0.99 ms for 4 rows)
 constexpr int kGemvRows = kLanes == 16 ? 1 : 4;
 
-// R consecutive weight rows (`k` bytes apart; d `groups` apart) against one row of x, in blocks of B:
-// each loaded x vector serves R rows, and the R accumulators are independent chains. `stop`: the end of
-// the rows this task reads; prefetches stay before it (inside the weights).
+// sum_g m[g] * xsum[g], kLanes groups a step
+inline float min_terms(const float* m, const float* xsum, int64_t groups) {
+  Floats acc = zero();
+  int64_t g = 0;
+  for (; g + kLanes <= groups; g += kLanes) acc = fmadd(load(m + g), load(xsum + g), acc);
+  float s = sum(acc);
+  for (; g < groups; ++g) s += m[g] * xsum[g];
+  return s;
+}
+
+// R consecutive weight rows (`k` bytes apart; d and m `groups` apart) against one row of x, in blocks of
+// B: each loaded x vector serves R rows, and the R accumulators are independent chains. `stop`: the end
+// of the rows this task reads; prefetches stay before it (inside the weights). m (with xsum, x's block
+// sums): the rows' mins, or null.
 template <int B, int R>
-void rows_dot(const float* x, const int8_t* rows, int64_t k, const float* d, int64_t groups, const int8_t* stop,
-              float* y) {
+void rows_dot(const float* x, const float* xsum, const int8_t* rows, int64_t k, const float* d, const float* m,
+              int64_t groups, const int8_t* stop, float* y) {
   constexpr int kParts = B / kLanes;
   Floats acc[R];
   for (int i = 0; i < R; ++i) acc[i] = zero();
@@ -63,18 +85,21 @@ void rows_dot(const float* x, const int8_t* rows, int64_t k, const float* d, int
     }
     for (int i = 0; i < R; ++i) acc[i] = fmadd(set1(d[i * groups + g]), t[i], acc[i]);
   }
-  for (int i = 0; i < R; ++i) y[i] = sum(acc[i]);
+  for (int i = 0; i < R; ++i) {
+    y[i] = m == nullptr ? sum(acc[i]) : sum(acc[i]) + min_terms(m + i * groups, xsum, groups);
+  }
 }
 
-// R rows of x (`k` apart) against W consecutive weight rows (`k` bytes apart; d `groups` apart), in
-// blocks of B: each block's weights become float32 once for all R rows, w = d * q (the float32 copy's
-// values). Every (x row, weight row) pair sums into one accumulator in the same order whatever R and W
-// are, so a row's result does not depend on how many rows share the call (batch-invariant); W weight
-// rows at once keep R * W >= 6 chains in flight where R is small. y[i * n + j] for x row i and weight
-// row j.
-template <int B, int R, int W>
-void x_rows_dot(const float* x, int64_t k, const int8_t* rows, const float* d, int64_t groups, const int8_t* stop,
-                float* y, int64_t n) {
+// R rows of x (`k` apart) against W consecutive weight rows (`k` bytes apart; d and m `groups` apart),
+// in blocks of B: each block's weights become float32 once for all R rows, w = d * q, or with Mins
+// fma(q, d, m) (d * q is exact in float32, so one rounding of d * q + m: the float32 copy's values, as
+// gguf's decode). Every (x row, weight row) pair sums into one accumulator in the same order whatever R
+// and W are, so a row's result does not depend on how many rows share the call (batch-invariant); W
+// weight rows at once keep R * W >= 6 chains in flight where R is small. y[i * n + j] for x row i and
+// weight row j.
+template <int B, int R, int W, bool Mins>
+void x_rows_dot(const float* x, int64_t k, const int8_t* rows, const float* d, const float* m, int64_t groups,
+                const int8_t* stop, float* y, int64_t n) {
   constexpr int kParts = B / kLanes;
   Floats acc[R * W];
   for (int i = 0; i < R * W; ++i) acc[i] = zero();
@@ -86,7 +111,12 @@ void x_rows_dot(const float* x, int64_t k, const int8_t* rows, const float* d, i
       }
       const Floats dg = set1(d[j * groups + g]);
       Floats w[kParts];  // weights kLanes part .. kLanes part + kLanes - 1
-      for (int part = 0; part < kParts; ++part) w[part] = mul(int8s(q + kLanes * part), dg);
+      if constexpr (Mins) {
+        const Floats mg = set1(m[j * groups + g]);
+        for (int part = 0; part < kParts; ++part) w[part] = fmadd(int8s(q + kLanes * part), dg, mg);
+      } else {
+        for (int part = 0; part < kParts; ++part) w[part] = mul(int8s(q + kLanes * part), dg);
+      }
       for (int i = 0; i < R; ++i) {
         const float* xb = x + i * k + g * B;
         Floats& a = acc[i * W + j];
@@ -101,57 +131,70 @@ void x_rows_dot(const float* x, int64_t k, const int8_t* rows, const float* d, i
 
 // x rows [0, rows) (at most kXRows) against weight rows [begin, end): W weight rows at a time, then
 // one at a time for the rest (the same sums either way)
-template <int B, int R>
-void x_rows_times_weight_rows(const float* x, int64_t k, const int8_t* q, const float* d, int64_t groups,
-                              int64_t begin, int64_t end, const int8_t* stop, float* y, int64_t n) {
+template <int B, bool Mins, int R>
+void x_rows_times_weight_rows(const float* x, int64_t k, const int8_t* q, const float* d, const float* m,
+                              int64_t groups, int64_t begin, int64_t end, const int8_t* stop, float* y, int64_t n) {
   constexpr int W = R >= 5 ? 1 : R >= 3 ? 2 : 8 / R;  // R * W >= 6 independent accumulators
   int64_t row = begin;
   for (; row + W <= end; row += W) {
-    x_rows_dot<B, R, W>(x, k, q + row * k, d + row * groups, groups, stop, y + row, n);
+    x_rows_dot<B, R, W, Mins>(x, k, q + row * k, d + row * groups, Mins ? m + row * groups : nullptr, groups, stop,
+                              y + row, n);
   }
-  for (; row < end; ++row) x_rows_dot<B, R, 1>(x, k, q + row * k, d + row * groups, groups, stop, y + row, n);
+  for (; row < end; ++row) {
+    x_rows_dot<B, R, 1, Mins>(x, k, q + row * k, d + row * groups, Mins ? m + row * groups : nullptr, groups, stop,
+                              y + row, n);
+  }
 }
 
-using XRowsTimesWeightRows = void (*)(const float*, int64_t, const int8_t*, const float*, int64_t, int64_t, int64_t,
-                                      const int8_t*, float*, int64_t);
+using XRowsTimesWeightRows = void (*)(const float*, int64_t, const int8_t*, const float*, const float*, int64_t,
+                                      int64_t, int64_t, const int8_t*, float*, int64_t);
 // x rows a pass: 8 accumulators (one a pair) and the block's weight vectors stay in registers
 constexpr int kXRows = 8;
-template <int B, size_t... R>
+template <int B, bool Mins, size_t... R>
 constexpr std::array<XRowsTimesWeightRows, kXRows + 1> rows_table(std::index_sequence<R...>) {
-  return {nullptr, x_rows_times_weight_rows<B, R + 1>...};
+  return {nullptr, x_rows_times_weight_rows<B, Mins, R + 1>...};
 }
-// [R]: R x rows, blocks of 32 / 16
-constexpr auto kXRowsTimesWeightRows32 = rows_table<32>(std::make_index_sequence<kXRows>());
-constexpr auto kXRowsTimesWeightRows16 = rows_table<16>(std::make_index_sequence<kXRows>());
+// [R]: R x rows, blocks of 32 / 16 / 32 with mins
+constexpr auto kXRowsTimesWeightRows32 = rows_table<32, false>(std::make_index_sequence<kXRows>());
+constexpr auto kXRowsTimesWeightRows16 = rows_table<16, false>(std::make_index_sequence<kXRows>());
+constexpr auto kXRowsTimesWeightRowsMins = rows_table<32, true>(std::make_index_sequence<kXRows>());
 
-// one row of x against weight rows [begin, end) in blocks of B
+// one row of x against weight rows [begin, end) in blocks of B (m, xsum: the mins and x's block sums, or
+// null)
 template <int B>
-void gemv_rows(const float* x, const int8_t* q, int64_t k, const float* d, int64_t groups, int64_t begin,
-               int64_t end, float* y) {
+void gemv_rows(const float* x, const float* xsum, const int8_t* q, int64_t k, const float* d, const float* m,
+               int64_t groups, int64_t begin, int64_t end, float* y) {
   const int8_t* stop = q + end * k;
   int64_t row = begin;
   for (; row + kGemvRows <= end; row += kGemvRows) {
-    rows_dot<B, kGemvRows>(x, q + row * k, k, d + row * groups, groups, stop, y + row);
+    rows_dot<B, kGemvRows>(x, xsum, q + row * k, k, d + row * groups, m ? m + row * groups : nullptr, groups, stop,
+                           y + row);
   }
-  for (; row < end; ++row) rows_dot<B, 1>(x, q + row * k, k, d + row * groups, groups, stop, y + row);
+  for (; row < end; ++row) {
+    rows_dot<B, 1>(x, xsum, q + row * k, k, d + row * groups, m ? m + row * groups : nullptr, groups, stop, y + row);
+  }
 }
 #else
-float row_dot(const float* x, const int8_t* row, const float* d, int64_t groups, int64_t block) {
+// m, xsum: the row's mins and x's block sums, or null
+float row_dot(const float* x, const float* xsum, const int8_t* row, const float* d, const float* m, int64_t groups,
+              int64_t block) {
   float s = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
     float t = 0.f;
     for (int64_t j = 0; j < block; ++j) t += x[g * block + j] * static_cast<float>(row[g * block + j]);
-    s += d[g] * t;
+    s += m == nullptr ? d[g] * t : d[g] * t + m[g] * xsum[g];
   }
   return s;
 }
 #endif
 
 // The argument checks of both ops; `one_row`: x must be [1, K] (q8_blocks_gemv), else [M, K]. Returns
-// the block size B, K / scales.size(1): 32 or 16.
+// the block size B, K / scales.size(1): 32 or 16 (32 where mins are given).
 int64_t check_args(const char* op, bool one_row, const at::Tensor& x, const at::Tensor& values,
-                   const at::Tensor& scales) {
-  TORCH_CHECK(x.device().is_cpu() && values.device().is_cpu() && scales.device().is_cpu(), op, ": CPU tensors only");
+                   const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
+  TORCH_CHECK(x.device().is_cpu() && values.device().is_cpu() && scales.device().is_cpu() &&
+                  (!mins.has_value() || mins->device().is_cpu()),
+              op, ": CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && (!one_row || x.size(0) == 1), op,
               ": x must be float32 ", one_row ? "[1, K]" : "[M, K]", ", got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(values.scalar_type() == at::kChar && values.dim() == 2,
@@ -163,31 +206,58 @@ int64_t check_args(const char* op, bool one_row, const at::Tensor& x, const at::
                   scales.size(1) > 0 && (scales.size(1) * kBlocks[0] == k || scales.size(1) * kBlocks[1] == k),
               op, ": scales must be float32 [N, K / 32] = [", n, ", ", k / kBlocks[0], "] or [N, K / 16] = [", n,
               ", ", k / kBlocks[1], "], got ", scales.scalar_type(), " ", scales.sizes());
-  return k / scales.size(1);
+  const int64_t block = k / scales.size(1);
+  if (mins.has_value()) {
+    TORCH_CHECK(block == kBlocks[0], op, ": mins need blocks of 32 (scales float32 [N, K / 32] = [", n, ", ",
+                k / kBlocks[0], "]), got scales ", scales.sizes(), ": a scale per ", block);
+    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->dim() == 2 && mins->size(0) == n &&
+                    mins->size(1) == k / kBlocks[0],
+                op, ": mins must be float32 [N, K / 32] = [", n, ", ", k / kBlocks[0], "], got ", mins->scalar_type(),
+                " ", mins->sizes());
+  }
+  return block;
+}
+
+// the sum of each block of 32 values of each of `rows` rows of x [rows, k]: [rows, k / 32]
+std::vector<float> block_sums(const float* x, int64_t rows, int64_t k) {
+  std::vector<float> sums(rows * (k / kBlocks[0]));
+  for (size_t b = 0; b < sums.size(); ++b) {
+    float s = 0.f;
+    for (int64_t j = 0; j < kBlocks[0]; ++j) s += x[b * kBlocks[0] + j];
+    sums[b] = s;
+  }
+  return sums;
 }
 
 }  // namespace
 
 namespace kiln_cpu {
 
-at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
-  const int64_t block = check_args("q8_blocks_gemv", true, x, values, scales);
+at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& mins) {
+  const int64_t block = check_args("q8_blocks_gemv", true, x, values, scales, mins);
   const int64_t n = values.size(0), k = x.size(1), groups = k / block;
   const at::Tensor xc = x.contiguous(), qc = values.contiguous(), dc = scales.contiguous();
+  const at::Tensor mc = mins.has_value() ? mins->contiguous() : at::Tensor();
   at::Tensor y = at::empty({1, n}, x.options());
   const float* xp = xc.data_ptr<float>();
   const int8_t* qp = qc.data_ptr<int8_t>();
   const float* dp = dc.data_ptr<float>();
+  const float* mp = mc.defined() ? mc.data_ptr<float>() : nullptr;
+  const std::vector<float> xsum = mp != nullptr ? block_sums(xp, 1, k) : std::vector<float>();
+  const float* xs = xsum.data();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
 #if defined(KILN_FLOAT_LANES)
     if (block == 32) {
-      gemv_rows<32>(xp, qp, k, dp, groups, begin, end, yp);
+      gemv_rows<32>(xp, xs, qp, k, dp, mp, groups, begin, end, yp);
     } else {
-      gemv_rows<16>(xp, qp, k, dp, groups, begin, end, yp);
+      gemv_rows<16>(xp, xs, qp, k, dp, mp, groups, begin, end, yp);
     }
 #else
-    for (int64_t row = begin; row < end; ++row) yp[row] = row_dot(xp, qp + row * k, dp + row * groups, groups, block);
+    for (int64_t row = begin; row < end; ++row) {
+      yp[row] = row_dot(xp, xs, qp + row * k, dp + row * groups, mp ? mp + row * groups : nullptr, groups, block);
+    }
 #endif
   });
   return y;
@@ -196,38 +266,51 @@ at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const a
 // x float32 [M, K] (M >= 1) -> y float32 [M, N], each row as q8_blocks_gemv computes it. A task's 16
 // weight rows stay in the cache while each group of up to 8 x rows passes over them: the weights are
 // read from memory once, a byte a weight instead of the float32 copy's four.
-at::Tensor q8_blocks_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
-  const int64_t block = check_args("q8_blocks_gemm", false, x, values, scales);
+at::Tensor q8_blocks_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& mins) {
+  const int64_t block = check_args("q8_blocks_gemm", false, x, values, scales, mins);
   const int64_t rows = x.size(0), n = values.size(0), k = x.size(1), groups = k / block;
   const at::Tensor xc = x.contiguous(), qc = values.contiguous(), dc = scales.contiguous();
+  const at::Tensor mc = mins.has_value() ? mins->contiguous() : at::Tensor();
   at::Tensor y = at::empty({rows, n}, x.options());
   const float* xp = xc.data_ptr<float>();
   const int8_t* qp = qc.data_ptr<int8_t>();
   const float* dp = dc.data_ptr<float>();
+  const float* mp = mc.defined() ? mc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
 #if defined(KILN_FLOAT_LANES)
+  const auto& table = mp != nullptr ? kXRowsTimesWeightRowsMins
+                      : block == 32 ? kXRowsTimesWeightRows32
+                                    : kXRowsTimesWeightRows16;
+  at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     const int8_t* stop = qp + end * k;
-    const auto& table = block == 32 ? kXRowsTimesWeightRows32 : kXRowsTimesWeightRows16;
     for (int64_t r = 0; r < rows; r += kXRows) {
-      table[std::min<int64_t>(kXRows, rows - r)](xp + r * k, k, qp, dp, groups, begin, end, stop, yp + r * n, n);
+      table[std::min<int64_t>(kXRows, rows - r)](xp + r * k, k, qp, dp, mp, groups, begin, end, stop, yp + r * n, n);
     }
+  });
 #else
+  const std::vector<float> xsum = mp != nullptr ? block_sums(xp, rows, k) : std::vector<float>();
+  at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r = 0; r < rows; ++r) {
+      const float* xs = mp != nullptr ? xsum.data() + r * groups : nullptr;
       for (int64_t row = begin; row < end; ++row) {
-        yp[r * n + row] = row_dot(xp + r * k, qp + row * k, dp + row * groups, groups, block);
+        yp[r * n + row] = row_dot(xp + r * k, xs, qp + row * k, dp + row * groups, mp ? mp + row * groups : nullptr,
+                                  groups, block);
       }
     }
-#endif
   });
+#endif
   return y;
 }
 
 }  // namespace kiln_cpu
 
+// mins is optional but has no default in the schema: a compiled graph's C++ wrapper (inductor's
+// cpp_wrapper, torch 2.13) leaves out an argument that equals its default and then calls the op with
+// too few (a crash); callers pass None
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
-  m.def("q8_blocks_gemv(Tensor x, Tensor values, Tensor scales) -> Tensor");
-  m.def("q8_blocks_gemm(Tensor x, Tensor values, Tensor scales) -> Tensor");
+  m.def("q8_blocks_gemv(Tensor x, Tensor values, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("q8_blocks_gemm(Tensor x, Tensor values, Tensor scales, Tensor? mins) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {

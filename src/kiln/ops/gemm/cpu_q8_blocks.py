@@ -4,8 +4,9 @@ and "int8_blocks_onednn" layouts (kiln.ops.gemm.weight_formats): `pack` splits a
 `q8_blocks_gemm` a few rows (batched decode). GGUF Q5_0 weights take the same form (values q - 16,
 w = d * (q - 16)), and Q6_K weights with a scale per 16 ("q8_blocks_onednn" only): values q - 32 and
 scales d * sc, exact in float32 (ggml's own product). GGUF Q5_K weights (w = (d * sc) * q - dmin * m,
-q in 0..31) keep q with d * sc and a min -(dmin * m) per 32 ("q8_blocks_mins_onednn": `pack_with_mins`,
-`q8_blocks_mins_gemm`): the same kernels, plus each block's sum of x times its min.
+q in 0..31) keep q with d * sc and a min -(dmin * m) per 32 ("q8_blocks_mins_onednn": `pack_with_mins`):
+the same kernels given the mins (`mins=`), which add each block's sum of x times its min (one row) or
+decode each block as fma(q, d * sc, min), the float32 copy's values (several rows).
 
 torch.ops.kiln_cpu.q8_blocks_gemv (cpu_q8_blocks.cpp, part of Kiln's native CPU library,
 kiln.ops.native_cpu) reads a byte a weight; where the library cannot be built the same sum runs as a
@@ -35,11 +36,11 @@ def load() -> bool:
 
 def _register_fake() -> None:
     @torch.library.register_fake("kiln_cpu::q8_blocks_gemv")
-    def _(x, values, scales):
+    def _(x, values, scales, mins=None):
         return x.new_empty((1, values.shape[0]))
 
     @torch.library.register_fake("kiln_cpu::q8_blocks_gemm")
-    def _(x, values, scales):
+    def _(x, values, scales, mins=None):
         return x.new_empty((x.shape[0], values.shape[0]))
 
 
@@ -78,31 +79,27 @@ def pack_with_mins(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), scales, mins
 
 
-def q8_blocks_mins_gemm(
-    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, gemv=None
+def q8_blocks_gemv(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M, K] float (read as float32), `pack_with_mins`' tensors -> y float32 [M, N],
-    y[i, n] = sum_g (scales[n, g] * sum_j x[i, 32g+j] * values[n, 32g+j] + mins[n, g] * sum_j x[i, 32g+j]):
-    q8_blocks_gemm's sums (`gemv` instead for one row), plus the blocks' sums of x times their mins."""
-    x = x.float()
-    y = gemv(x, values, scales) if gemv is not None else q8_blocks_gemm(x, values, scales)
-    block_sums = x.view(x.shape[0], mins.shape[1], -1).sum(-1)  # [M, K / 32]
-    return y.addmm_(block_sums, mins.T)
-
-
-def q8_blocks_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [1, K] float32, values int8 [N, K], scales float32 [N, K / B] (B = 32 or 16) -> y float32 [1, N],
-    y[n] = sum_k x[k] * scales[n, k // B] * values[n, k], through the native kernel (`load` must
-    have returned True)."""
-    return torch.ops.kiln_cpu.q8_blocks_gemv(x, values, scales)
+    y[n] = sum_k x[k] * (scales[n, k // B] * values[n, k] + mins[n, k // B]) (no mins term without
+    `mins`: float32 [N, K / 32], B = 32 only), through the native kernel (`load` must have returned
+    True)."""
+    return torch.ops.kiln_cpu.q8_blocks_gemv(x, values, scales, mins)
 
 
-def q8_blocks_gemm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float (read as float32) -> y float32 [M, N], each row as `q8_blocks_gemv` computes it;
-    where the native library is not loaded, the same sum as tensor code."""
+def q8_blocks_gemm(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] float (read as float32) -> y float32 [M, N], each row as `q8_blocks_gemv` computes it
+    (with `mins` where given); where the native library is not loaded, the same sum as tensor code on
+    the float32 matrix."""
     x = x.float()
     if loaded():
-        return torch.ops.kiln_cpu.q8_blocks_gemm(x, values, scales)
+        return torch.ops.kiln_cpu.q8_blocks_gemm(x, values, scales, mins)
     n, k = values.shape
     blocks = values.view(n, scales.shape[1], -1).float() * scales.view(n, -1, 1)
+    if mins is not None:
+        blocks = blocks + mins.view(n, -1, 1)  # d * q is exact: one rounding, the float32 copy's
     return x @ blocks.view(n, k).T

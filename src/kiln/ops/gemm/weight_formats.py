@@ -29,10 +29,10 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      16-row tiles and their d (AVX-512;          (exact; kiln_cpu.q8_blocks_gemm /
                      elsewhere two empty tensors)]               q8_tiles_gemm); more rows: oneDNN fp32
                                                                 on the copy
-    "q8_blocks_mins_onednn"  [Q5_K's q int8 [N, K], d * sc and  1 row: the native GEMV on q and d * sc,
-                     -(dmin * m) float32 [N, K/32], oneDNN's     plus each block's sum of x times its min
-                     blocked fp32 copy]                          (exact); a few rows: q8_blocks_gemm the
-                                                                same way; more rows: oneDNN fp32 on the copy
+    "q8_blocks_mins_onednn"  [Q5_K's q int8 [N, K], d * sc and  1 row: the native GEMV on q and d * sc
+                     -(dmin * m) float32 [N, K/32], oneDNN's     given the mins (each block's sum of x times
+                     blocked fp32 copy]                          its min; exact); a few rows: q8_blocks_gemm
+                                                                given them; more rows: oneDNN fp32 on the copy
     "q4_blocks_a8_onednn", "q8_blocks_a8_onednn"  the tensors    1 row: x quantized to Q8_0 (int8 per 32
                      of "q4_blocks_onednn" / "q8_blocks_onednn"  values), then Kiln's native integer GEMV
                                                                 (kiln.ops.gemm.cpu_blocks_a8); more rows:

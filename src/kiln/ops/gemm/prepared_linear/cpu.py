@@ -20,8 +20,9 @@
   "q4_blocks_a8_onednn", "q8_blocks_a8_onednn"  one row: x quantized to Q8_0, then Kiln's integer GEMV
                  on the same blocks (kiln.ops.gemm.cpu_blocks_a8); several rows: as the exact layouts
                  (the tile and row kernels included);
-  "q8_blocks_mins_onednn"  GGUF Q5_K: as "q8_blocks_onednn" without tiles, each block's sum of x times
-                 its min added (exact); more rows: the float32 copy;
+  "q8_blocks_mins_onednn"  GGUF Q5_K: as "q8_blocks_onednn" without tiles, the Q8 kernels given the
+                 blocks' mins too (one row: each block's sum of x times its min added; a few rows: each
+                 block decoded as fma(q, d * sc, min); exact); more rows: the float32 copy;
   "int8_blocks_onednn"  one row: as "q8_blocks_onednn"; several rows: oneDNN's bf16 GEMM on the copy;
   "w8a8_packed"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, Kiln's AMX tile kernel
                  or oneDNN's int8 GEMM (one native op);
@@ -43,15 +44,13 @@ copy when the dtypes already agree).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from kiln.ops.gemm.cpu_block_tiles import q4_tiles_gemm, q8_tiles_gemm
 from kiln.ops.gemm.cpu_blocks_a8 import q4_blocks_a8_gemv, q8_blocks_a8_gemv
 from kiln.ops.gemm.cpu_q4_blocks import q4_blocks_gemm, q4_blocks_gemv
-from kiln.ops.gemm.cpu_q8_blocks import q8_blocks_gemm, q8_blocks_mins_gemm
+from kiln.ops.gemm.cpu_q8_blocks import q8_blocks_gemm
 from kiln.ops.gemm.cpu_w8a8 import w8a8_linear
 from kiln.ops.gemm.gguf_linear import gguf_linear
 from kiln.ops.gemm.gguf_planar import PLANAR_LAYOUTS, planar_matrix
@@ -165,10 +164,6 @@ def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm=None, kind: str = "q8"):
 
 
 _q4_blocks_onednn = _blocks_kernel(q4_blocks_gemv, 3, q4_blocks_gemm, q4_tiles_gemm, "q4")
-# Q5_K's values, scales and mins: the Q8 kernels plus the blocks' sums of x times their mins; no tiles
-_q8_blocks_mins_onednn = _blocks_kernel(
-    functools.partial(q8_blocks_mins_gemm, gemv=int8_blocks_gemv), 3, q8_blocks_mins_gemm
-)
 
 
 def _w8a8(x, weight, bias, out_dtype):
@@ -222,7 +217,8 @@ KERNELS = {
     "int8_blocks_onednn": _int8_blocks_onednn,
     "q4_blocks_onednn": _q4_blocks_onednn,
     "q8_blocks_onednn": _blocks_kernel(int8_blocks_gemv, 2, q8_blocks_gemm, q8_tiles_gemm),
-    "q8_blocks_mins_onednn": _q8_blocks_mins_onednn,
+    # Q5_K's values, scales and mins: the Q8 kernels given the mins; no tiles
+    "q8_blocks_mins_onednn": _blocks_kernel(int8_blocks_gemv, 3, q8_blocks_gemm),
     "q4_blocks_a8_onednn": _blocks_kernel(q4_blocks_a8_gemv, 3, q4_blocks_gemm, q4_tiles_gemm, "q4"),
     "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2, q8_blocks_gemm, q8_tiles_gemm),
     "w8a8_packed": _w8a8,

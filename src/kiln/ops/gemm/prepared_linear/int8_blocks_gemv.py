@@ -1,6 +1,6 @@
-"""The one-row kernel of the "q8_blocks_onednn" and "int8_blocks_onednn" layouts: y = x @ W^T with
-W = d * q stored as GGUF Q8_0's int8 values q [N, K] and float32 scales d [N, K / 32], computed in
-float32 on those values.
+"""The one-row kernel of the "q8_blocks_onednn", "int8_blocks_onednn" and "q8_blocks_mins_onednn"
+layouts: y = x @ W^T with W = d * q stored as GGUF Q8_0's int8 values q [N, K] and float32 scales
+d [N, K / 32] (W = d * q + m with Q5_K's mins m [N, K / 32] too), computed in float32 on those values.
 
 Kiln's native kernel runs it (kiln.ops.gemm.cpu_q8_blocks, loaded when the weight was packed). Where
 that library cannot be built, PyTorch has no CPU kernel for int8 weights with a scale per 32
@@ -25,12 +25,15 @@ from kiln.ops.gemm import cpu_q8_blocks
 from kiln.ops.realize import realized
 
 
-def _gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, mins=None) -> torch.Tensor:
     n, k = values.shape
     groups = scales.shape[1]  # blocks of 32 (Q8_0) or 16 (Q6_K)
     xs = x.float().view(1, groups, k // groups)
     products = xs * values.view(n, groups, k // groups).float() * scales.view(n, groups, 1)
-    return products.sum((-1, -2)).view(1, n)
+    y = products.sum((-1, -2))
+    if mins is not None:  # each block's sum of x times its min
+        y = y + (xs.sum(-1) * mins).sum(-1)
+    return y.view(1, n)
 
 
 @functools.cache
@@ -40,11 +43,15 @@ def _compiled_gemv():
     return compile_cpu(_gemv, dynamic=False)
 
 
-def int8_blocks_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_blocks_gemv(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [1, K] float (any float dtype, read as float32), values int8 [N, K], scales float32 [N, K / B]
-    (B = 32, or 16 for Q6_K's) -> y float32 [1, N], y[n] = sum_k x[k] * scales[n, k // B] * values[n, k]."""
+    (B = 32, or 16 for Q6_K's), mins float32 [N, K / 32] or None -> y float32 [1, N],
+    y[n] = sum_k x[k] * (scales[n, k // B] * values[n, k] + mins[n, k // B]) (no min term without mins)."""
     if cpu_q8_blocks.loaded():
-        return cpu_q8_blocks.q8_blocks_gemv(x.float(), values, scales)
+        return cpu_q8_blocks.q8_blocks_gemv(x.float(), values, scales, mins)
     if torch.compiler.is_compiling():  # traced into the caller's graph
-        return _gemv(realized(x.float()), values, scales)
-    return _compiled_gemv()(x.float(), values, scales)  # float32 first: one graph per shape, not per dtype
+        return _gemv(realized(x.float()), values, scales, mins)
+    # float32 first: one graph per shape, not per dtype
+    return _compiled_gemv()(x.float(), values, scales, mins)
