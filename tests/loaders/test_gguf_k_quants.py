@@ -190,3 +190,57 @@ def test_q4_k_m_gguf_in_the_exact_blocks_format_keeps_q4_k_and_q6_k_as_blocks(tm
     assert tokens(llm.generate(prompts[:1], params)) == expected[:1]
     assert tokens(llm.generate(prompts, params)) == expected
     assert llm.engine.runner.flat_decode is not None and llm.engine.runner.flat_decode.native is not None
+
+
+def test_k_quant_gguf_decodes_in_the_native_flat_call_as_the_modules_and_transformers(
+    k_quant_gguf, monkeypatch
+):
+    """cpu_format "q8_blocks": every decode step, of one sequence and of three, runs as the native
+    one-call decode (kiln_cpu.FlatDecode; Q5_K's o and gate/up through the Q8 kernels given their mins):
+    transformers' greedy tokens and float32-close logprobs (transformers on the same file, all positions
+    at once), and the module path's logprobs bit for bit."""
+    from kiln.engine import LLM, SamplingParams
+    from kiln.models.cpu_flat_decode import FlatDecodeLayers
+    from kiln.ops import native_cpu
+
+    if not native_cpu.load():
+        pytest.skip("Kiln's native CPU library is not built here")
+    path, ref_model, _ = k_quant_gguf
+    llm = LLM(model=str(path), device="cpu", num_kv_blocks=32, max_num_seqs=3, enable_prefix_caching=False,
+              cpu_format="q8_blocks", lm_head_format="q8_blocks")  # fmt: skip
+    layouts = _layouts(llm.engine.runner.model)
+    if "onednn" in layouts.values() or "dense" in layouts.values():
+        pytest.skip(f"oneDNN does not pack float32 here: {layouts}")
+    assert layouts["o"] == layouts["gate_up"] == "q8_blocks_mins_onednn"
+    flat = llm.engine.runner.flat_decode
+    assert flat is not None and flat.native is not None
+    rows, call = [], FlatDecodeLayers.__call__
+
+    def counted(flat, *args):  # the hidden rows of each step the flat loop takes
+        rows.append(args[1].shape[0])
+        return call(flat, *args)
+
+    monkeypatch.setattr(FlatDecodeLayers, "__call__", counted)
+    prompts = [PROMPT, PROMPT[3:], [7, 7, 1, 50]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def run() -> list:
+        outputs = llm.generate(prompts[:1], params) + llm.generate(prompts, params)
+        return [(out.token_ids, out.logprobs) for out in outputs]
+
+    flat_outputs = run()
+    assert rows.count(1) >= 5  # one sequence's steps, in the native call
+    # three sequences' steps too where the blocks' multi-row kernels are built (AVX2, AVX-512)
+    assert (3 in rows) == (native_cpu.blocks_gemm_rows() >= 3)
+    for (tokens, logprobs), prompt in zip(flat_outputs, [prompts[0], *prompts], strict=True):
+        with torch.no_grad():
+            logits = ref_model(torch.tensor([prompt + tokens])).logits[0].double()
+        for i, (token, top) in enumerate(zip(tokens, logprobs, strict=True)):
+            row = logits[len(prompt) - 1 + i]  # the logits that chose token i
+            assert token == int(row.argmax()), (prompt, i)
+            # a logprob is a logit less the log-sum-exp, each float32-close (TOL of the row's norm)
+            error = max(abs(value - float(row.log_softmax(-1)[t])) for t, value in top.items())
+            assert error < 2 * TOL * float(row.norm()), (prompt, i, error)
+    rows.clear()
+    llm.engine.runner.model.flat_decode = None  # the modules (the runner puts back only its own loop)
+    assert run() == flat_outputs and not rows

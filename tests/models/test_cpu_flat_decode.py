@@ -114,8 +114,9 @@ HAS_GGUF = all(importlib.util.find_spec(name) is not None for name in ("gguf", "
 @pytest.fixture(scope="module")
 def blocks_gguf(tmp_path_factory):
     """name -> a tiny Llama stored as GGUF blocks, written once: "q4" (Q4_1 q/k/v, gate/up and down,
-    Q4_0 o), "q8" (every layer matrix Q8_0), "mixed" (Q4 but a Q8_0 down) and "f16_down" (Q4 but an F16
-    down: no blocks); Q8_0 embeddings and head."""
+    Q4_0 o), "q8" (every layer matrix Q8_0), "mixed" (Q4 but a Q8_0 down), "f16_down" (Q4 but an F16
+    down: no blocks) and "k_quants" (Q5_K q/k/v and down, Q4_K o, Q6_K gate/up: every K-quant's exact
+    layout; sizes multiples of 256, a K-quant's super-block); Q8_0 embeddings and head."""
     from gguf import GGMLQuantizationType as Q
 
     from tests.loaders.gguf_tiny import write_tiny_gguf
@@ -123,14 +124,18 @@ def blocks_gguf(tmp_path_factory):
 
     q4 = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.Q4_0,
           "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1}  # fmt: skip
+    k_quants = {"attn_q": Q.Q5_K, "attn_k": Q.Q5_K, "attn_v": Q.Q5_K, "attn_output": Q.Q4_K,
+                "ffn_gate": Q.Q6_K, "ffn_up": Q.Q6_K, "ffn_down": Q.Q5_K}
     kinds = {"q4": q4, "q8": dict.fromkeys(q4, Q.Q8_0), "mixed": {**q4, "ffn_down": Q.Q8_0},
-             "f16_down": {**q4, "ffn_down": Q.F16}}  # fmt: skip
+             "f16_down": {**q4, "ffn_down": Q.F16}, "k_quants": k_quants}  # fmt: skip
     folder, written = tmp_path_factory.mktemp("flat_blocks"), {}
 
     def path(name: str) -> str:
         if name not in written:
+            sizes = (256, 512) if name == "k_quants" else (128, 160)
             hf = tiny_llama(
-                seed=7, hidden_size=128, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2
+                seed=7, hidden_size=sizes[0], intermediate_size=sizes[1], num_attention_heads=4,
+                num_key_value_heads=2,
             )
             types = {**kinds[name], "token_embd": Q.Q8_0, "output": Q.Q8_0}
             write_tiny_gguf(hf, folder / f"{name}.gguf", tensor_types=types)
@@ -152,11 +157,14 @@ def _with_qkv_bias(loaded, seed: int):
     return loaded
 
 
-def _three_ways(path, loaded, monkeypatch, **kw) -> dict:
+def _three_ways(path, loaded, monkeypatch, native=None, **kw) -> dict:
     """Greedy outputs of two prompts, one at a time, through the engine's flat loop as built (native
-    call or not), the same loop kept in Python, and the modules (engine options `kw`)."""
+    call or not; `native`: assert which), the same loop kept in Python, and the modules (engine options
+    `kw`)."""
     prompts = [[(5 * j + 11) % 60 + 2 for j in range(9)], [(3 * j + 2) % 60 + 2 for j in range(21)]]
     engine = _engine(path, loaded, **kw)
+    if native is not None:
+        assert (engine.runner.model.flat_decode.native is not None) == native
     calls = _counting(engine, monkeypatch)
     outputs = {"built": [_run(engine, [p]) for p in prompts]}
     assert len(calls) == 2 * 15
@@ -176,8 +184,9 @@ def _three_ways(path, loaded, monkeypatch, **kw) -> dict:
     "weights, cpu_format, layout",
     [("q4", "q4_blocks", "q4_blocks_onednn"), ("q4", "q4_blocks_a8", "q4_blocks_a8_onednn"),
      ("q8", "q8_blocks", "q8_blocks_onednn"), ("q8", "q8_blocks_a8", "q8_blocks_a8_onednn"),
-     ("mixed", "q4_blocks", "q4_blocks_onednn q8_blocks_onednn")],  # either blocks format keeps both
-    ids=["q4", "q4_a8", "q8", "q8_a8", "mixed"],
+     ("mixed", "q4_blocks", "q4_blocks_onednn q8_blocks_onednn"),  # either blocks format keeps both
+     ("k_quants", "q8_blocks", "q8_blocks_mins_onednn")],  # Q5_K's q/k/v and down, with their mins
+    ids=["q4", "q4_a8", "q8", "q8_a8", "mixed", "k_quants"],
 )  # fmt: skip
 @pytest.mark.parametrize("qkv_bias", [False, True], ids=["no_bias", "qkv_bias"])
 def test_native_flat_decode_gives_the_python_loops_and_the_modules_logprobs(
@@ -189,7 +198,7 @@ def test_native_flat_decode_gives_the_python_loops_and_the_modules_logprobs(
         _with_qkv_bias(loaded, seed=11)
     linears = [loaded.model.layers[0].self_attn.qkv_proj, loaded.model.layers[0].mlp.down_proj]
     assert {linear.prepared.layout for linear in linears} == set(layout.split())
-    outputs = _three_ways(path, loaded, monkeypatch)
+    outputs = _three_ways(path, loaded, monkeypatch, native=True)
     assert loaded.model.flat_decode is None  # (the modules' run cleared it)
     assert outputs["built"] == outputs["python"] == outputs["modules"]  # token ids and logprobs, bit for bit
 
@@ -237,6 +246,9 @@ def test_native_flat_decode_names_malformed_arguments():
     with pytest.raises(RuntimeError, match="1 tensors left over"):
         tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 17  # Q8_0 kinds: values, scales, tiles
         flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows], [1e-5, 0.25])
+    with pytest.raises(RuntimeError, match=r"kind 4 \(Q5_K's, with mins\) has no tiles, got tiles_rows 8"):
+        tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 12  # values, scales and mins
+        flat_decode(tensors, [4] * 4 + [0, 64, 32, 4, 2, 16, 8, 0, 0, 0], [1e-5, 0.25])
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
@@ -267,9 +279,10 @@ def test_the_profiler_sees_each_kernel_of_the_native_call(blocks_gguf):
 )
 @pytest.mark.parametrize(
     "weights, cpu_format, kv_cache_dtype",
-    [("q4", "q4_blocks", "auto"), ("q8", "q8_blocks_a8", "auto"), ("q4", "q4_blocks", "bfloat16")],
-    ids=["q4", "q8_a8", "q4_bf16_cache"],
-)
+    [("q4", "q4_blocks", "auto"), ("q8", "q8_blocks_a8", "auto"), ("q4", "q4_blocks", "bfloat16"),
+     ("k_quants", "q8_blocks", "auto")],
+    ids=["q4", "q8_a8", "q4_bf16_cache", "k_quants"],
+)  # fmt: skip
 def test_native_flat_decode_runs_batched_steps_as_the_modules_do(
     blocks_gguf, weights, cpu_format, kv_cache_dtype, monkeypatch
 ):
@@ -306,17 +319,20 @@ def test_native_flat_decode_runs_tile_kernel_steps_as_the_modules_do(blocks_gguf
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
-@pytest.mark.parametrize("sequences", [2, 16], ids=["row_kernels", "tile_kernels"])
-def test_a_compiled_batched_step_on_the_blocks_compiles_and_equals_eager(blocks_gguf, sequences):
+@pytest.mark.parametrize(
+    "weights, sequences", [("q4", 2), ("q4", 16), ("k_quants", 2)],
+    ids=["row_kernels", "tile_kernels", "k_quants_row_kernels"],
+)  # fmt: skip
+def test_a_compiled_batched_step_on_the_blocks_compiles_and_equals_eager(blocks_gguf, weights, sequences):
     """--compile-cpu-decode traces the batched steps (the flat loop is eager only): the blocks'
     multi-row kernels (at 16 sequences the Q4 layers' and the Q8_0 head's tile kernels, from
-    blocks_tiles_rows("q4") / ("q8") rows) must trace as graph nodes, with no fallback, and give eager's
-    tokens."""
+    blocks_tiles_rows("q4") / ("q8") rows; K-quants: Q5_K's with its mins too) must trace as graph
+    nodes, with no fallback, and give eager's tokens."""
     from kiln import fallbacks
 
     if sequences > 2 and not 0 < max(native_cpu.blocks_tiles_rows(k)[0] for k in ("q4", "q8")) <= sequences:
         pytest.skip("no tile kernel in this build (AVX-512's)")
-    path = blocks_gguf("q4")
+    path = blocks_gguf(weights)
     fallbacks.clear()
     prompts = [[(7 * j + i) % 60 + 2 for j in range(5 + 3 * i)] for i in range(sequences)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -1,10 +1,11 @@
 // The flat decode of kiln.models.cpu_flat_decode in one native call: every layer of a Llama-family
 // model for one float32 token of each of T sequences, whose four linears are GGUF-block layouts with
-// native kernels (q4_blocks / q8_blocks, exact or with a one-row x quantized to Q8_0; several rows
-// through the exact multi-row kernels, as prepared_linear runs them). It calls the same C++ functions
-// the Python loop reaches through torch.ops.kiln_cpu (native_cpu_ops.h), in the same order with the same
-// arguments, so the floats are the loop's; what goes is the Python and the dispatcher between them
-// (~12 calls a layer, ~1.5 ms a token for SmolLM2's 30 layers on a 2-core host).
+// native kernels (q4_blocks / q8_blocks, exact or with a one-row x quantized to Q8_0, and Q5_K's
+// q8_blocks with mins; several rows through the exact multi-row kernels, as prepared_linear runs them).
+// It calls the same C++ functions the Python loop reaches through torch.ops.kiln_cpu (native_cpu_ops.h),
+// in the same order with the same arguments, so the floats are the loop's; what goes is the Python and
+// the dispatcher between them (~12 calls a layer, ~1.5 ms a token for SmolLM2's 30 layers on a 2-core
+// host).
 //
 // Registered as the custom class torch.classes.kiln_cpu.FlatDecode, built once per model and KV caches:
 //
@@ -15,7 +16,8 @@
 //       tensors input_norm [H], post_norm [H], cos_sin_cache [P, R], key_cache, value_cache
 //               [blocks, block_size, Hkv, D], qkv bias [Q + 2 KV] if has_qkv_bias, then the tensors of
 //               the qkv, o, gate_up and down weights (as their layouts keep them, less the float32 copy:
-//               the blocks' tensors, then the layout's tiles; T >= its tiles_rows > 0 rows run them)
+//               the blocks' tensors, then the layout's tiles; T >= its tiles_rows > 0 rows run them;
+//               the kind with mins has none)
 //   forward(positions int64 [T], hidden float32 [T, H], residual float32 [T, H] or None,
 //           slot_mapping int64 [T], block_tables int32 [T, W], seq_lens int32 [T]) -> (hidden, residual)
 //   (T sequences of a decode-only step, one token each; the caller keeps T within the multi-row
@@ -43,12 +45,15 @@ namespace {
   } while (0)
 
 constexpr const char* kKindOps[] = {"kiln_cpu::q4_blocks_gemv", "kiln_cpu::q8_blocks_gemv",
-                                    "kiln_cpu::q4_blocks_a8_gemv", "kiln_cpu::q8_blocks_a8_gemv"};
+                                    "kiln_cpu::q4_blocks_a8_gemv", "kiln_cpu::q8_blocks_a8_gemv",
+                                    "kiln_cpu::q8_blocks_gemv"};
 constexpr const char* kKindRowsOps[] = {"kiln_cpu::q4_blocks_gemm", "kiln_cpu::q8_blocks_gemm"};
 
-enum Kind : int64_t { kQ4Blocks = 0, kQ8Blocks = 1, kQ4BlocksA8 = 2, kQ8BlocksA8 = 3, kKinds = 4 };
-// the blocks' tensors (nibbles, scales, mins / values, scales), then the tiles and tile scales
-constexpr int64_t kKindTensors[kKinds] = {5, 4, 5, 4};
+// kQ8BlocksMins: Q5_K's "q8_blocks_mins_onednn" (the Q8 kernels with their optional mins)
+enum Kind : int64_t { kQ4Blocks = 0, kQ8Blocks = 1, kQ4BlocksA8 = 2, kQ8BlocksA8 = 3, kQ8BlocksMins = 4, kKinds = 5 };
+// the blocks' tensors (nibbles, scales, mins / values, scales), then the tiles and tile scales; Q5_K's
+// values, scales and mins (no tiles)
+constexpr int64_t kKindTensors[kKinds] = {5, 4, 5, 4, 3};
 constexpr int64_t kInts = 14, kFloats = 2;
 
 struct Linear {
@@ -70,13 +75,16 @@ struct Linear {
                   : kiln_cpu::q8_tiles_gemm(x, w[2], w[3], w[0].size(0));
       }
       RECORD_FUNCTION(kKindRowsOps[q4 ? 0 : 1], std::vector<c10::IValue>());
-      return q4 ? kiln_cpu::q4_blocks_gemm(x, w[0], w[1], w[2]) : kiln_cpu::q8_blocks_gemm(x, w[0], w[1]);
+      if (q4) return kiln_cpu::q4_blocks_gemm(x, w[0], w[1], w[2]);
+      if (kind == kQ8BlocksMins) return kiln_cpu::q8_blocks_gemm(x, w[0], w[1], w[2]);
+      return kiln_cpu::q8_blocks_gemm(x, w[0], w[1]);
     }
     RECORD_FUNCTION(kKindOps[kind], std::vector<c10::IValue>());
     switch (kind) {
       case kQ4Blocks: return kiln_cpu::q4_blocks_gemv(x, w[0], w[1], w[2]);
       case kQ8Blocks: return kiln_cpu::q8_blocks_gemv(x, w[0], w[1]);
       case kQ4BlocksA8: return kiln_cpu::q4_blocks_a8_gemv(x, w[0], w[1], w[2]);
+      case kQ8BlocksMins: return kiln_cpu::q8_blocks_gemv(x, w[0], w[1], w[2]);
       default: return kiln_cpu::q8_blocks_a8_gemv(x, w[0], w[1]);
     }
   }
@@ -117,6 +125,9 @@ struct FlatDecode : torch::CustomClassHolder {
       for (auto [i, linear] : {std::pair{0, &layer.qkv}, {1, &layer.o}, {2, &layer.gate_up}, {3, &layer.down}}) {
         linear->kind = in[i];
         linear->tiles_rows = in[10 + i];
+        TORCH_CHECK(in[i] != kQ8BlocksMins || linear->tiles_rows == 0, "kiln_cpu.FlatDecode: layer ", l,
+                    ": weight kind ", kQ8BlocksMins, " (Q5_K's, with mins) has no tiles, got tiles_rows ",
+                    linear->tiles_rows);
         for (int64_t t = 0; t < kKindTensors[in[i]]; ++t) linear->w.push_back(take());
       }
       layer.q_size = in[5];

@@ -19,8 +19,8 @@ token outside torch.compile (the compiled step traces the modules) unless KILN_B
 implementation.
 
 Where every linear's layout is a GGUF-block one with a native one-row kernel (`NATIVE_LAYOUTS`: the
-embedded model's default q4_blocks / q8_blocks, their _a8 forms and q4_blocks_w8a8's blocks, up to
-the rows its blocks serve) the whole loop runs as one native
+embedded model's default q4_blocks / q8_blocks, their _a8 forms, Q5_K's q8_blocks with mins and
+q4_blocks_w8a8's blocks, up to the rows its blocks serve) the whole loop runs as one native
 call, `torch.classes.kiln_cpu.FlatDecode` (cpu_flat_decode.cpp): the same C++ functions in the same
 order, without the Python and dispatch between them. It also takes batched decode steps (one token of
 each of up to `FlatDecodeLayers.max_rows` sequences: 32, or 64 for Q4 layers on AVX-512 builds), whose linears
@@ -52,13 +52,15 @@ from kiln.ops.registry import declare_call, env_backend, observing
 F32 = torch.float32
 
 # layouts whose one-row kernel FlatDecode calls natively -> (its kind there, how many of the layout's
-# tensors that kernel reads: the blocks' values and scales, before the float32 copy and the tiles)
+# tensors that kernel reads: the blocks' values and scales (and mins), before the float32 copy and the
+# tiles, the native_cpu.blocks_tiles_rows kind of its tiles: None where the layout keeps none)
 NATIVE_LAYOUTS = {
-    "q4_blocks_onednn": (0, 3),
-    "q8_blocks_onednn": (1, 2),
-    "q4_blocks_a8_onednn": (2, 3),
-    "q8_blocks_a8_onednn": (3, 2),
-    "q4_blocks_w8a8_packed": (0, 3),
+    "q4_blocks_onednn": (0, 3, "q4"),
+    "q8_blocks_onednn": (1, 2, "q8"),
+    "q4_blocks_a8_onednn": (2, 3, "q4"),
+    "q8_blocks_a8_onednn": (3, 2, "q8"),
+    "q4_blocks_w8a8_packed": (0, 3, "q4"),
+    "q8_blocks_mins_onednn": (4, 3, None),  # GGUF Q5_K: values, scales and mins, the Q8 kernels'
 }
 # of those, the W8A8 hybrids: their rows beyond weight_formats.exact_rows run W8A8, which has no native
 # form here, so the native call gets their blocks and no tiles, and takes up to exact_rows rows
@@ -170,9 +172,9 @@ def _native_decode(args: list[_LayerArgs]):
 def _native_rows(args: list[_LayerArgs]) -> int:
     """The most rows the native call takes: the fewest that any linear's several-row kernels take as
     prepared_linear routes them (each up to the larger of native_cpu.blocks_gemm_rows() and its tile
-    kernel's last row where this build has one; a HYBRID_LAYOUTS one up to its exact_rows), so that each
-    row count runs the modules' kernels (the native Linear has no upper bound of its own: it relies on
-    this one)."""
+    kernel's last row where this build and its layout have one; a HYBRID_LAYOUTS one up to its
+    exact_rows), so that each row count runs the modules' kernels (the native Linear has no upper bound
+    of its own: it relies on this one)."""
     linears = [
         pair
         for a in args
@@ -188,14 +190,19 @@ def _native_rows(args: list[_LayerArgs]) -> int:
 
 def _tiles_rows(kernel, weight) -> tuple[int, int]:
     """The rows a NATIVE_LAYOUTS linear's tile kernel takes (native_cpu.blocks_tiles_rows), (0, 0) when
-    its layout holds no tiles (Q6_K's values in "q8_blocks_onednn": no tile kernel reads blocks of 16)."""
+    its layout holds no tiles (Q5_K's "q8_blocks_mins_onednn": no tile kernel takes mins; Q6_K's values
+    in "q8_blocks_onednn": none reads blocks of 16)."""
+    kind = _block_kind(kernel)
+    if kind is None:
+        return 0, 0
     tiles = weight[_NATIVE_KERNELS[kernel][1] + 1]  # after the blocks' tensors and the float32 copy
-    return native_cpu.blocks_tiles_rows(_block_kind(kernel)) if tiles.numel() else (0, 0)
+    return native_cpu.blocks_tiles_rows(kind) if tiles.numel() else (0, 0)
 
 
-def _block_kind(kernel) -> str:
-    """ "q4" or "q8": the blocks a NATIVE_LAYOUTS kernel reads (3 tensors for Q4, 2 for Q8_0)."""
-    return "q4" if _NATIVE_KERNELS[kernel][1] == 3 else "q8"
+def _block_kind(kernel) -> str | None:
+    """ "q4" or "q8": the tile kind of the blocks a NATIVE_LAYOUTS kernel reads (Q4, Q8_0); None for a
+    layout that keeps no tiles (Q5_K's with mins)."""
+    return _NATIVE_KERNELS[kernel][2]
 
 
 class FlatDecodeLayers:
