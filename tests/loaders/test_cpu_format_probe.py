@@ -156,5 +156,14 @@ def test_default_candidates_time_the_blocks_formats_only_for_their_gguf_types(mo
     assert cpu_format_probe.candidate_formats(q4) == ("fp16", "fp32", "q4_blocks")
     assert cpu_format_probe.candidate_formats([q8]) == ("fp16", "fp32", "q8_blocks")  # a GGUF LM head
     assert cpu_format_probe.choose_format([q8], torch.float32, "lm_head") in ("fp16", "fp32", "q8_blocks")
-    assert cpu_format_probe.candidate_formats([*q4, q8]) == ("fp16", "fp32")
+    # a mixed file's layer (Q4_K_M: Q4_K beside Q6_K; a fused projection whose parts mixed types comes
+    # as a float matrix): the two exact formats prepare it alike, the first named is timed
+    q6, q5 = (GGUFWeight(t, quantize_blocks(torch.randn(32, 256), t), (32, 256)) for t in ("Q6_K", "Q5_0"))
+    assert cpu_format_probe.candidate_formats([*q4, q8]) == ("fp16", "fp32", "q4_blocks")
+    mixed_layer = [q4[0], q6, torch.randn(32, 64)]
+    assert cpu_format_probe.candidate_formats(mixed_layer) == ("fp16", "fp32", "q4_blocks")
+    assert cpu_format_probe.candidate_formats([q5]) == ("fp16", "fp32", "q4_blocks")
+    monkeypatch.setenv("KILN_CPU_FORMATS", "fp16,q8_blocks,q4_blocks")
+    assert cpu_format_probe.candidate_formats([q5, q6]) == ("fp16", "q8_blocks")
+    monkeypatch.delenv("KILN_CPU_FORMATS")
     assert cpu_format_probe.candidate_formats([torch.randn(32, 64)]) == ("fp16", "fp32")

@@ -46,11 +46,17 @@ import kiln.ops
 from kiln import environment
 from kiln.models.weights import GGUFWeight, WeightStore, cat_rows
 from kiln.ops import tuned_configs
-from kiln.ops.gemm.weight_formats import CPU_WEIGHT_FORMATS, INT4_QTYPES, prepare_linear_weight
+from kiln.ops.gemm.weight_formats import (
+    CPU_WEIGHT_FORMATS,
+    EXACT_BLOCKS_QTYPES,
+    INT4_QTYPES,
+    prepare_linear_weight,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CANDIDATES = ("fp16", "fp32", "q4_blocks", "q8_blocks")
+EXACT_FORMATS = ("q4_blocks", "q8_blocks")
 CACHE_OP = "cpu_weight_format"  # the tuning cache's "op" of these entries
 REPEATS = 5  # timed passes per format; the median counts
 
@@ -69,9 +75,11 @@ def cpu_model_name() -> str:
 
 def candidate_formats(weights: list) -> tuple[str, ...]:
     """The formats to time for `weights` (float tensors or GGUFWeights): KILN_CPU_FORMATS or
-    DEFAULT_CANDIDATES, without "int4" / "int4_bf16" / "q4_blocks" unless every weight is a GGUF Q4
-    matrix, without "int8_blocks" / "q8_blocks" unless every one is GGUF Q8_0 (elsewhere they fall back
-    to other layouts), without "gguf"."""
+    DEFAULT_CANDIDATES, without "int4" / "int4_bf16" / "q4_blocks_a8" unless every weight is a GGUF Q4
+    matrix, without "int8_blocks" / "q8_blocks_a8" unless every one is GGUF Q8_0 (elsewhere they fall
+    back to other layouts), without "gguf". "q4_blocks" (all Q4) or "q8_blocks" (all Q8_0) as those;
+    for other GGUF matrices of exact-blocks types (a mixed file's, float matrices beside them allowed)
+    the first of the two named."""
     names = os.environ.get("KILN_CPU_FORMATS")
     wanted = tuple(n.strip() for n in names.split(",") if n.strip()) if names else DEFAULT_CANDIDATES
     unknown = [n for n in wanted if n not in CPU_WEIGHT_FORMATS]
@@ -79,15 +87,25 @@ def candidate_formats(weights: list) -> tuple[str, ...]:
         raise ValueError(
             f"KILN_CPU_FORMATS: unknown format(s) {unknown}, expected some of {CPU_WEIGHT_FORMATS}"
         )
-    q4 = all(isinstance(w, GGUFWeight) and w.qtype in INT4_QTYPES for w in weights)
-    q8 = all(isinstance(w, GGUFWeight) and w.qtype == "Q8_0" for w in weights)
-    return tuple(
-        n
-        for n in wanted
-        if n != "gguf"
-        and (not n.startswith(("int4", "q4_blocks")) or q4)
-        and (not n.startswith(("int8_blocks", "q8_blocks")) or q8)
-    )
+    gguf = [w for w in weights if isinstance(w, GGUFWeight)]
+    q4 = len(gguf) == len(weights) and all(w.qtype in INT4_QTYPES for w in gguf)
+    q8 = len(gguf) == len(weights) and all(w.qtype == "Q8_0" for w in gguf)
+    # Other GGUF types with exact blocks (Q5_0, Q6_K, Q5_K, a Q4_K_M file's mix; a fused projection
+    # whose parts mixed types comes as a float matrix, fp32 under these formats): "q4_blocks" and
+    # "q8_blocks" prepare them alike, so only the first of the two named is timed
+    mixed = bool(gguf) and not (q4 or q8) and all(w.qtype in EXACT_BLOCKS_QTYPES for w in gguf)
+    first_exact = next((n for n in wanted if n in EXACT_FORMATS), None)
+
+    def keep(name: str) -> bool:
+        if name in EXACT_FORMATS:
+            return name == first_exact if mixed else (q4 if name == "q4_blocks" else q8)
+        if name.startswith(("int4", "q4_blocks")):
+            return q4
+        if name.startswith(("int8_blocks", "q8_blocks")):
+            return q8
+        return name != "gguf"
+
+    return tuple(n for n in wanted if keep(n))
 
 
 def time_call(fn, repeats: int = REPEATS) -> float:

@@ -40,9 +40,10 @@ def weight_shape(weight: Weight) -> tuple[int, ...]:
 
 def cat_rows(weights: list[Weight], dtype: torch.dtype) -> Weight:
     """Stack matrices along the output dim (fused QKV, gate/up). GGUF blocks of one type stay blocks
-    (Q4_0 next to Q4_1 becomes Q4_1); quantized checkpoint weights stay quantized where their formats
-    stack (kiln.quant.linear_weights.cat_quantized_rows: W8A8 rows with their per-channel scales, int4
-    groups, whole FP8 blocks); other mixes are dequantized to `dtype`."""
+    (Q4_0 next to Q4_1 becomes Q4_1, Q4_0 / Q5_0 next to Q8_0 become Q8_0: exact, as a Q4_K_M file of
+    a model whose rows are not a multiple of 256 mixes them); quantized checkpoint weights stay
+    quantized where their formats stack (kiln.quant.linear_weights.cat_quantized_rows: W8A8 rows with
+    their per-channel scales, int4 groups, whole FP8 blocks); other mixes are dequantized to `dtype`."""
     if all(isinstance(w, QUANTIZED_WEIGHT_TYPES) for w in weights):
         stacked = cat_quantized_rows(weights)
         if stacked is not None:
@@ -51,6 +52,8 @@ def cat_rows(weights: list[Weight], dtype: torch.dtype) -> Weight:
         qtypes = {w.qtype for w in weights}
         if qtypes == {"Q4_0", "Q4_1"}:
             weights, qtypes = [w.as_q4_1() for w in weights], {"Q4_1"}
+        elif len(qtypes) > 1 and qtypes <= {"Q4_0", "Q5_0", "Q8_0"}:  # small models' fallback types
+            weights, qtypes = [w.as_q8_0() for w in weights], {"Q8_0"}
         if len(qtypes) == 1:
             data = torch.cat([w.data for w in weights], dim=0)
             return GGUFWeight(weights[0].qtype, data, (data.shape[0], weights[0].shape[1]))

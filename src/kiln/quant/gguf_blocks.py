@@ -357,6 +357,21 @@ class GGUFWeight:
         data = torch.cat([blocks[..., 0:2], m, blocks[..., 2:]], dim=-1).reshape(n, -1)
         return GGUFWeight("Q4_1", data, self.shape)
 
+    def as_q8_0(self) -> GGUFWeight:
+        """The same matrix as Q8_0 blocks: a Q4_0 / Q5_0 block is d * (q - offset) with q - offset in
+        -16..15, a Q8_0 block's int8 values under the same float16 d, exact (so a fused projection
+        whose parts mix these types stays blocks). Other types: ValueError."""
+        if self.qtype == "Q8_0":
+            return self
+        if self.qtype not in ("Q4_0", "Q5_0"):
+            raise ValueError(f"GGUFWeight.as_q8_0: GGUF {self.qtype} has no exact Q8_0 form")
+        n, k = self.shape
+        q, d, _, _ = block_codes(self.data.view(n, -1), self.qtype)
+        values = (q - QUANT_OFFSET[self.qtype]).to(torch.int8).view(n, k // BLOCK_SIZE, BLOCK_SIZE)
+        d = d.reshape(n, k // BLOCK_SIZE, 1).contiguous().view(torch.uint8)  # float16 d as its 2 bytes
+        data = torch.cat([d, values.view(torch.uint8)], dim=-1).reshape(n, -1)
+        return GGUFWeight("Q8_0", data, self.shape)
+
     @property
     def block_weights(self) -> int:
         """Weights per block (32, or 256 for the K-quants): column slices must fall on multiples of it."""

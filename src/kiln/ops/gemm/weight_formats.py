@@ -214,6 +214,8 @@ EXACT_BLOCKS_FORMAT = {
 }
 # Q5_K's blocks under either exact format: values, scales and a min per 32 (no tile kernel takes mins)
 MINS_BLOCKS = ("q8_blocks_mins_onednn", cpu_q8_blocks.MIN_QTYPES, cpu_q8_blocks.pack_with_mins)
+# the GGUF types "q4_blocks" / "q8_blocks" keep as exact blocks
+EXACT_BLOCKS_QTYPES = (*EXACT_BLOCKS_FORMAT, *MINS_BLOCKS[1])
 INT8_BLOCK_SIZE = BLOCK_WEIGHTS["Q8_0"]  # weights per scale in "q8_blocks_onednn" etc.: one Q8_0 block
 # torch's int8 CPU matmul reads K in steps of 16 (other K give garbage or crash): "int8" keeps a weight
 # whose in-features are not a multiple in the "fp16" layouts instead

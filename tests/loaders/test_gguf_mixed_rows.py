@@ -1,0 +1,103 @@
+"""A fused projection whose GGUF parts mix Q4_0 / Q5_0 with Q8_0 (a Q4_K_M file of a model whose rows
+are not a multiple of 256, e.g. Gemma 3 270M: q and k Q5_0, v Q8_0) stays blocks: the parts become
+Q8_0 exactly (GGUFWeight.as_q8_0) and stack, instead of being dequantized; the CPU format probe times
+the exact blocks formats for such a file's layers. References: the `gguf` package's decoder and
+transformers loading the same file."""
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+from kiln.loaders import cpu_format_probe  # noqa: E402
+from kiln.loaders.gguf import load_gguf  # noqa: E402
+from kiln.models import LlamaForCausalLM  # noqa: E402
+from kiln.models.weights import cat_rows  # noqa: E402
+from kiln.quant.gguf_blocks import GGUFWeight, quantize_blocks  # noqa: E402
+from tests.loaders.gguf_tiny import write_tiny_gguf  # noqa: E402
+from tests.loaders.test_gguf_loader import tiny_llama  # noqa: E402
+from tests.models.helpers import greedy, prompt_logits  # noqa: E402
+
+PROMPT = [3, 17, 29, 4, 4, 60, 11, 2, 45, 31, 8]
+TOL = 1e-5  # float32 on the exact weights against transformers: summation order only
+MIXED_TYPES = {
+    "attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_K,
+    "ffn_gate": Q.Q5_0, "ffn_up": Q.Q4_0, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0, "output": Q.Q8_0,
+}  # fmt: skip
+
+
+def _weight(qtype: str, rows: int, cols: int, seed: int) -> tuple[GGUFWeight, torch.Tensor]:
+    """A random GGUF matrix encoded by the gguf package, and its float32 decode by that package."""
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)).numpy()
+    data = quantize(w, Q[qtype])
+    expected = torch.from_numpy(dequantize(data, Q[qtype])).reshape(rows, cols)
+    return GGUFWeight(qtype, torch.from_numpy(data), (rows, cols)), expected
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q8_0"])
+def test_as_q8_0_is_exact(qtype):
+    weight, expected = _weight(qtype, 7, 96, 1)
+    q8 = weight.as_q8_0()
+    assert q8.qtype == "Q8_0" and q8.shape == (7, 96)
+    assert torch.equal(q8.dequantize(), expected)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
+def test_as_q8_0_refuses_types_it_cannot_hold(qtype):
+    weight = GGUFWeight(qtype, quantize_blocks(torch.randn(4, 256), qtype), (4, 256))
+    with pytest.raises(ValueError, match=f"GGUF {qtype} has no exact Q8_0 form"):
+        weight.as_q8_0()
+
+
+def test_mixed_parts_stack_as_q8_0_blocks():
+    parts = [_weight("Q5_0", 12, 64, 3), _weight("Q4_0", 5, 64, 4), _weight("Q8_0", 9, 64, 5)]
+    stacked = cat_rows([w for w, _ in parts], torch.float32)
+    assert isinstance(stacked, GGUFWeight) and stacked.qtype == "Q8_0" and stacked.shape == (26, 64)
+    assert torch.equal(stacked.dequantize(), torch.cat([e for _, e in parts]))
+    # a mix with no exact common type is dequantized, as before
+    q41, q41_expected = _weight("Q4_1", 3, 64, 6)
+    q8, q8_expected = _weight("Q8_0", 2, 64, 7)
+    dense = cat_rows([q41, q8], torch.float32)
+    assert not isinstance(dense, GGUFWeight)
+    assert torch.equal(dense, torch.cat([q41_expected, q8_expected]))
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mixed")
+    hf = tiny_llama(
+        seed=5, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+    )
+    write_tiny_gguf(hf, folder / "tiny-mixed.gguf", tensor_types=MIXED_TYPES)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), gguf_file="tiny-mixed.gguf", dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([PROMPT])).logits[0]
+    return folder / "tiny-mixed.gguf", ref_model, ref
+
+
+def test_mixed_file_keeps_its_fused_projections_as_exact_blocks_and_matches_transformers(
+    mixed_gguf, monkeypatch
+):
+    monkeypatch.delenv("KILN_CPU_FORMATS", raising=False)  # the default candidates
+    path, ref_model, ref = mixed_gguf
+    config, weights, _, _ = load_gguf(str(path))
+    layer_weights = cpu_format_probe.layer_weights(weights, config, torch.float32)
+    assert [w.qtype for w in layer_weights] == ["Q8_0", "Q4_K", "Q8_0", "Q6_K"]  # qkv and gate_up stacked
+    assert "q4_blocks" in cpu_format_probe.candidate_formats(layer_weights)
+    model = LlamaForCausalLM(config, weights, cpu_format="q4_blocks", lm_head_format="q8_blocks")
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    layouts = [attn.qkv_proj.prepared.layout, attn.o_proj.prepared.layout, mlp.gate_up_proj.prepared.layout]
+    if any("blocks" not in layout for layout in layouts):
+        pytest.skip(f"oneDNN does not pack float32 here: {layouts}")
+    assert layouts == ["q8_blocks_onednn", "q4_blocks_onednn", "q8_blocks_onednn"]
+    out = prompt_logits(model, PROMPT, block_size=4)
+    assert float(((out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max()) < TOL
+    with torch.no_grad():
+        theirs = ref_model.generate(torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert greedy(model, PROMPT, 6, block_size=4) == theirs[0, len(PROMPT) :].tolist()
