@@ -157,3 +157,23 @@ def write_tiny_gguf(
     if tied:
         stored["lm_head.weight"] = stored["model.embed_tokens.weight"]
     return stored
+
+
+def tiny_gguf_with_reference(folder, name: str, tensor_types: dict, prompt: list[int], seed: int):
+    """A tiny Llama (hidden 256, intermediate 512: whole K-quant super-blocks) written to
+    folder/name with `tensor_types`, transformers' float32 model loaded from that file, and its logits
+    [len(prompt), vocab] over `prompt`: (path, model, logits)."""
+    import transformers
+
+    from tests.loaders.test_gguf_loader import tiny_llama
+
+    hf = tiny_llama(
+        seed=seed, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+    )
+    write_tiny_gguf(hf, folder / name, tensor_types=tensor_types)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), gguf_file=name, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([prompt])).logits[0]
+    return folder / name, ref_model, ref

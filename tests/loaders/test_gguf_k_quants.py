@@ -18,8 +18,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from kiln.loaders.gguf import load_gguf  # noqa: E402
 from kiln.models import LlamaForCausalLM  # noqa: E402
-from tests.loaders.gguf_tiny import write_tiny_gguf  # noqa: E402
-from tests.loaders.test_gguf_loader import tiny_llama  # noqa: E402
+from tests.loaders.gguf_tiny import tiny_gguf_with_reference  # noqa: E402
 from tests.models.helpers import greedy, prompt_logits  # noqa: E402
 
 PROMPT = [3, 17, 29, 4, 4, 60, 11, 2, 45, 31, 8]
@@ -40,16 +39,7 @@ LAYOUTS = {
 def k_quant_gguf(tmp_path_factory):
     """(path of the file, transformers' model loaded from it, its float32 logits over PROMPT)."""
     folder = tmp_path_factory.mktemp("k_quants")
-    hf = tiny_llama(
-        seed=3, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
-    )
-    write_tiny_gguf(hf, folder / "tiny-k.gguf", tensor_types=K_QUANT_TYPES)
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(folder), gguf_file="tiny-k.gguf", dtype=torch.float32
-    ).eval()
-    with torch.no_grad():
-        ref = ref_model(torch.tensor([PROMPT])).logits[0]
-    return folder / "tiny-k.gguf", ref_model, ref
+    return tiny_gguf_with_reference(folder, "tiny-k.gguf", K_QUANT_TYPES, PROMPT, seed=3)
 
 
 def _layouts(model) -> dict[str, str]:
@@ -154,12 +144,7 @@ def test_q4_k_m_gguf_in_the_exact_blocks_format_keeps_q4_k_and_q6_k_as_blocks(tm
     17 sequences) gives transformers' greedy tokens and float32-close logits."""
     from kiln.engine import LLM, SamplingParams
 
-    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
-    hf = tiny_llama(seed=5, **shape)
-    write_tiny_gguf(hf, tmp_path / "tiny-q4km.gguf", tensor_types=Q4_K_M_TYPES)
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path), gguf_file="tiny-q4km.gguf", dtype=torch.float32
-    ).eval()
+    _, ref_model, ref = tiny_gguf_with_reference(tmp_path, "tiny-q4km.gguf", Q4_K_M_TYPES, PROMPT, seed=5)
     config, weights, _, _ = load_gguf(str(tmp_path / "tiny-q4km.gguf"))
     model = LlamaForCausalLM(config, weights, cpu_format="q4_blocks", lm_head_format="q4_blocks")
     layouts = _layouts(model)
@@ -167,8 +152,6 @@ def test_q4_k_m_gguf_in_the_exact_blocks_format_keeps_q4_k_and_q6_k_as_blocks(tm
         pytest.skip(f"oneDNN does not pack float32 here: {layouts}")
     assert layouts == {"qkv": "q4_blocks_onednn", "o": "q4_blocks_onednn", "gate_up": "q4_blocks_onednn",
                        "down": "q8_blocks_onednn", "head": "q8_blocks_onednn"}  # fmt: skip
-    with torch.no_grad():
-        ref = ref_model(torch.tensor([PROMPT])).logits[0]
     assert _relative_error(prompt_logits(model, PROMPT, block_size=4), ref) < TOL
     # 17 sequences: where this build has tile kernels (AVX-512: Q4 from 8 rows, Q8_0 16 to 32) the Q4
     # layers' tiles run and Q6_K's down_proj (no tiles) its row kernel

@@ -18,8 +18,7 @@ from kiln.loaders.gguf import load_gguf  # noqa: E402
 from kiln.models import LlamaForCausalLM  # noqa: E402
 from kiln.models.weights import cat_rows  # noqa: E402
 from kiln.quant.gguf_blocks import GGUFWeight, quantize_blocks  # noqa: E402
-from tests.loaders.gguf_tiny import write_tiny_gguf  # noqa: E402
-from tests.loaders.test_gguf_loader import tiny_llama  # noqa: E402
+from tests.loaders.gguf_tiny import tiny_gguf_with_reference  # noqa: E402
 from tests.models.helpers import greedy, prompt_logits  # noqa: E402
 
 PROMPT = [3, 17, 29, 4, 4, 60, 11, 2, 45, 31, 8]
@@ -69,16 +68,7 @@ def test_mixed_parts_stack_as_q8_0_blocks():
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mixed")
-    hf = tiny_llama(
-        seed=5, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
-    )
-    write_tiny_gguf(hf, folder / "tiny-mixed.gguf", tensor_types=MIXED_TYPES)
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(folder), gguf_file="tiny-mixed.gguf", dtype=torch.float32
-    ).eval()
-    with torch.no_grad():
-        ref = ref_model(torch.tensor([PROMPT])).logits[0]
-    return folder / "tiny-mixed.gguf", ref_model, ref
+    return tiny_gguf_with_reference(folder, "tiny-mixed.gguf", MIXED_TYPES, PROMPT, seed=5)
 
 
 def test_mixed_file_keeps_its_fused_projections_as_exact_blocks_and_matches_transformers(

@@ -69,6 +69,17 @@ inline Floats int8s(const int8_t* p) {
 }
 #endif
 
+// The blocks' min terms of one weight row: sum_g m[g] * xsum[g] (xsum: x's sum over each block),
+// kLanes groups a step (the Q4 kernels' m, Q5_K's mins in the Q8 ones)
+inline float min_terms(const float* m, const float* xsum, int64_t groups) {
+  Floats acc = zero();
+  int64_t g = 0;
+  for (; g + kLanes <= groups; g += kLanes) acc = fmadd(load(m + g), load(xsum + g), acc);
+  float s = sum(acc);
+  for (; g < groups; ++g) s += m[g] * xsum[g];
+  return s;
+}
+
 }  // namespace lanes
 }  // namespace kiln_cpu
 #endif

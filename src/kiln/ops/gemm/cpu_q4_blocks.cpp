@@ -41,16 +41,6 @@ constexpr int kParts = 16 / kLanes;  // a block's 16 bytes, kLanes bytes a part
 // 2 rows the same, 4 rows 3.1-3.5 ms)
 constexpr int kGemvRows = kLanes == 16 ? 1 : 4;
 
-// sum_g m[g] * xsum[g], kLanes groups a step
-inline float min_terms(const float* m, const float* xsum, int64_t groups) {
-  Floats acc = zero();
-  int64_t g = 0;
-  for (; g + kLanes <= groups; g += kLanes) acc = fmadd(load(m + g), load(xsum + g), acc);
-  float s = sum(acc);
-  for (; g < groups; ++g) s += m[g] * xsum[g];
-  return s;
-}
-
 // R consecutive rows at once (rows r .. r + R - 1, `row_bytes` apart; d and m `groups` apart): each
 // loaded x vector serves R rows, and the R accumulators are independent chains. With one row a
 // block's scaled add waits on the previous block's (FMA latency), and the m * sum(x) terms were a

@@ -49,16 +49,6 @@ using namespace kiln_cpu::lanes;  // Floats: kLanes floats, 16 (AVX-512) or 8 (A
 // faster (SmolLM2's 49152 x 576 head cache-cold: 0.77 ms, ~37 GB/s, against 0.87-0.99 ms for 4 rows)
 constexpr int kGemvRows = kLanes == 16 ? 1 : 4;
 
-// sum_g m[g] * xsum[g], kLanes groups a step
-inline float min_terms(const float* m, const float* xsum, int64_t groups) {
-  Floats acc = zero();
-  int64_t g = 0;
-  for (; g + kLanes <= groups; g += kLanes) acc = fmadd(load(m + g), load(xsum + g), acc);
-  float s = sum(acc);
-  for (; g < groups; ++g) s += m[g] * xsum[g];
-  return s;
-}
-
 // R consecutive weight rows (`k` bytes apart; d and m `groups` apart) against one row of x, in blocks of
 // B: each loaded x vector serves R rows, and the R accumulators are independent chains. `stop`: the end
 // of the rows this task reads; prefetches stay before it (inside the weights). m (with xsum, x's block
