@@ -234,21 +234,29 @@ def test_native_flat_decode_names_malformed_arguments():
     norm, cos_sin = torch.ones(64), torch.ones(128, 16)
     cache = torch.zeros(4, 16, 2, 16)
     tiles_rows = [0] * 4  # each linear's
-    with pytest.raises(RuntimeError, match="14 ints and 2 floats a layer"):
-        flat_decode([norm], [0, 0, 0], [1e-5, 0.25])
+    llama = [0, 0, 0, -1]  # no sandwich norms, no q/k norm, SiLU, no window
+    floats = [1e-5, 0.25, 0.0, 1e-6]  # eps, scale, norm offset, q/k norm eps
+    with pytest.raises(RuntimeError, match="18 ints and 4 floats a layer"):
+        flat_decode([norm], [0, 0, 0], floats)
     with pytest.raises(RuntimeError, match="layer 0 has weight kind 7"):
-        flat_decode([norm], [7, 0, 0, 0, 0, 64, 32, 4, 2, 16, *tiles_rows], [1e-5, 0.25])
+        flat_decode([norm], [7, 0, 0, 0, 0, 64, 32, 4, 2, 16, *tiles_rows, *llama], floats)
     with pytest.raises(RuntimeError, match="are not heads"):
-        flat_decode([norm] * 21, [1, 1, 1, 1, 0, 64, 32, 4, 2, 8, *tiles_rows], [1e-5, 0.25])
+        flat_decode([norm] * 21, [1, 1, 1, 1, 0, 64, 32, 4, 2, 8, *tiles_rows, *llama], floats)
     with pytest.raises(RuntimeError, match="tensors are too few"):
-        layer = [1, 1, 1, 1, 0, 64, 32, 4, 2, 16, *tiles_rows]
-        flat_decode([norm, norm, cos_sin, cache, cache], layer, [1e-5, 0.25])
+        layer = [1, 1, 1, 1, 0, 64, 32, 4, 2, 16, *tiles_rows, *llama]
+        flat_decode([norm, norm, cos_sin, cache, cache], layer, floats)
     with pytest.raises(RuntimeError, match="1 tensors left over"):
         tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 17  # Q8_0 kinds: values, scales, tiles
-        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows], [1e-5, 0.25])
+        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, *llama], floats)
+    with pytest.raises(RuntimeError, match="tensors are too few"):  # a Gemma layer's four more norms
+        tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 16
+        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, 1, 1, 1, 4], floats)
+    with pytest.raises(RuntimeError, match="layer 0 has activation 2"):
+        tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 16
+        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, 0, 0, 2, -1], floats)
     with pytest.raises(RuntimeError, match=r"kind 4 \(Q5_K's, with mins\) has no tiles, got tiles_rows 8"):
         tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 12  # values, scales and mins
-        flat_decode(tensors, [4] * 4 + [0, 64, 32, 4, 2, 16, 8, 0, 0, 0], [1e-5, 0.25])
+        flat_decode(tensors, [4] * 4 + [0, 64, 32, 4, 2, 16, 8, 0, 0, 0, *llama], floats)
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")

@@ -225,11 +225,12 @@ GGUF_NAMES = {
 GGUF_TYPES = {"attn_q": Q.Q4_0, "attn_k": Q.Q8_0, "attn_v": Q.Q4_1, "attn_output": Q.F16, "ffn_down": Q.Q8_0}
 
 
-def write_gemma3_gguf(hf, path, *, metadata=None) -> dict:
+def write_gemma3_gguf(hf, path, *, metadata=None, tensor_types=None) -> dict:
     """`hf` as llama.cpp's converter writes a Gemma 3 (arch "gemma3"): no Q/K permutation, every norm
     weight stored as 1 + w, the metadata its set_gguf_parameters writes (plus `metadata`: key suffix
-    -> value, for the optional keys). Returns {hf_name: tensor} of what the file holds, in HF's terms
-    (norms as (1 + w) - 1 in float32), to load into transformers."""
+    -> value, for the optional keys); each layer matrix as `tensor_types` (GGUF short name -> type;
+    default GGUF_TYPES, F32 for the rest) says. Returns {hf_name: tensor} of what the file holds, in
+    HF's terms (norms as (1 + w) - 1 in float32), to load into transformers."""
     c = hf.config
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
     writer = GGUFWriter(str(path), "gemma3")
@@ -253,7 +254,7 @@ def write_gemma3_gguf(hf, path, *, metadata=None) -> dict:
     writer.add_token_merges([])
     writer.add_bos_token_id(2)
     writer.add_eos_token_id(1)
-    stored = {}
+    stored, types = {}, GGUF_TYPES if tensor_types is None else tensor_types
 
     def add(gguf_name, hf_name, qtype):
         w = sd[hf_name]
@@ -275,7 +276,7 @@ def write_gemma3_gguf(hf, path, *, metadata=None) -> dict:
     for i in range(c.num_hidden_layers):
         for short, hf_short in GGUF_NAMES.items():
             add(
-                f"blk.{i}.{short}.weight", f"model.layers.{i}.{hf_short}.weight", GGUF_TYPES.get(short, Q.F32)
+                f"blk.{i}.{short}.weight", f"model.layers.{i}.{hf_short}.weight", types.get(short, Q.F32)
             )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

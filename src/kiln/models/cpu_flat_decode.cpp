@@ -1,5 +1,5 @@
-// The flat decode of kiln.models.cpu_flat_decode in one native call: every layer of a Llama-family
-// model for one float32 token of each of T sequences, whose four linears are GGUF-block layouts with
+// The flat decode of kiln.models.cpu_flat_decode in one native call: every layer of a Llama-family or
+// Gemma 3 model for one float32 token of each of T sequences, whose four linears are GGUF-block layouts with
 // native kernels (q4_blocks / q8_blocks, exact or with a one-row x quantized to Q8_0, and Q5_K's
 // q8_blocks with mins; several rows through the exact multi-row kernels, as prepared_linear runs them).
 // It calls the same C++ functions the Python loop reaches through torch.ops.kiln_cpu (native_cpu_ops.h),
@@ -11,10 +11,14 @@
 //
 //   FlatDecode(tensors, ints, floats)   per layer, in order:
 //       ints    qkv_kind, o_kind, gate_up_kind, down_kind, has_qkv_bias, q_size, kv_size, heads,
-//               kv_heads, head_dim, then the four linears' tiles_rows      (kKindTensors: a kind's count)
-//       floats  eps, scale
+//               kv_heads, head_dim, then the four linears' tiles_rows      (kKindTensors: a kind's count),
+//               ff_norms (0: Llama's; 1: Gemma's post-attention norm of the attention alone, then a
+//               pre-feedforward norm with the residual; 2: and a post-feedforward norm), qk_norm,
+//               activation (kSilu / kGeluTanh), window (paged decode's sliding window, -1: none)
+//       floats  eps, scale, norm_offset (every norm's weight offset: Gemma's 1 + w), qk_eps
 //       tensors input_norm [H], post_norm [H], cos_sin_cache [P, R], key_cache, value_cache
-//               [blocks, block_size, Hkv, D], qkv bias [Q + 2 KV] if has_qkv_bias, then the tensors of
+//               [blocks, block_size, Hkv, D], qkv bias [Q + 2 KV] if has_qkv_bias, ff_norms norms [H]
+//               (pre-, then post-feedforward), q_norm [D] and k_norm [D] if qk_norm, then the tensors of
 //               the qkv, o, gate_up and down weights (as their layouts keep them, less the float32 copy:
 //               the blocks' tensors, then the layout's tiles; T >= its tiles_rows > 0 rows run them;
 //               the kind with mins has none)
@@ -22,6 +26,10 @@
 //           slot_mapping int64 [T], block_tables int32 [T, W], seq_lens int32 [T]) -> (hidden, residual)
 //   (T sequences of a decode-only step, one token each; the caller keeps T within the multi-row
 //   kernels' rows, FlatDecodeLayers.max_rows)
+//
+// A Llama layer: h = norm_in(h + r); h = attn(h); h = post_norm(h + r); h = mlp(h). A Gemma 3 layer
+// (ff_norms 2, qk_norm, kGeluTanh): h = norm_in(h + r); h = post_norm(attn(h)) with each q / k head
+// normalized before RoPE; h = mlp(pre_ff_norm(h + r)); h = post_ff_norm(h).
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -54,7 +62,29 @@ enum Kind : int64_t { kQ4Blocks = 0, kQ8Blocks = 1, kQ4BlocksA8 = 2, kQ8BlocksA8
 // the blocks' tensors (nibbles, scales, mins / values, scales), then the tiles and tile scales; Q5_K's
 // values, scales and mins (no tiles)
 constexpr int64_t kKindTensors[kKinds] = {5, 4, 5, 4, 3};
-constexpr int64_t kInts = 14, kFloats = 2;
+constexpr int64_t kInts = 18, kFloats = 4;
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+
+// gelu_tanh_and_mul's "cpu" implementation (activation/gelu_tanh_and_mul/cpu.py) on float32 x [T, 2 I]:
+// the same ATen calls in the same order (the op has no native kernel), so the modules' floats
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  const int64_t d = x.size(-1) / 2;
+  const at::Tensor gate = x.slice(-1, 0, d);
+  at::Tensor z2 = (gate * gate).mul_(0.044715).add_(1.0).mul_(gate).mul_(1.5957691216057308);  // 2 sqrt(2 / pi)
+  return z2.sigmoid_().mul_(gate).mul_(x.slice(-1, d));
+}
+
+// x [T, heads * D] (a view into the QKV output) -> [T, heads, D]: rms_norm over each head, a new tensor,
+// as Gemma's QKNormRotary calls it on [T * heads, D] rows
+at::Tensor head_norm(const at::Tensor& x, int64_t heads, int64_t head_dim, const at::Tensor& weight, double eps,
+                     double offset) {
+  const int64_t t = x.size(0);
+  at::Tensor out;
+  KILN_RECORDED("kiln_cpu::rms_norm",
+                out = kiln_cpu::rms_norm(x.view({t, heads, head_dim}).reshape({t * heads, head_dim}), weight, eps,
+                                         std::nullopt, offset));
+  return out.view({t, heads, head_dim});
+}
 
 struct Linear {
   int64_t kind;
@@ -93,9 +123,11 @@ struct Linear {
 struct Layer {
   at::Tensor norm_in, norm_post, cos_sin, key_cache, value_cache;
   std::optional<at::Tensor> qkv_bias;
+  std::optional<at::Tensor> norm_pre_ff, norm_post_ff;  // Gemma's sandwich norms
+  std::optional<at::Tensor> q_norm, k_norm;             // [head_dim], each head before RoPE
   Linear qkv, o, gate_up, down;
-  int64_t q_size, kv_size, heads, kv_heads, head_dim;
-  double eps, scale;
+  int64_t q_size, kv_size, heads, kv_heads, head_dim, activation, window;
+  double eps, scale, norm_offset, qk_eps;
 };
 
 struct FlatDecode : torch::CustomClassHolder {
@@ -122,6 +154,18 @@ struct FlatDecode : torch::CustomClassHolder {
       layer.key_cache = take();
       layer.value_cache = take();
       if (in[4] != 0) layer.qkv_bias = take();
+      TORCH_CHECK(in[14] >= 0 && in[14] <= 2, "kiln_cpu.FlatDecode: layer ", l, " has ", in[14],
+                  " feedforward norms (0 to 2)");
+      if (in[14] >= 1) layer.norm_pre_ff = take();
+      if (in[14] >= 2) layer.norm_post_ff = take();
+      if (in[15] != 0) {
+        layer.q_norm = take();
+        layer.k_norm = take();
+      }
+      TORCH_CHECK(in[16] == kSilu || in[16] == kGeluTanh, "kiln_cpu.FlatDecode: layer ", l, " has activation ",
+                  in[16]);
+      layer.activation = in[16];
+      layer.window = in[17];
       for (auto [i, linear] : {std::pair{0, &layer.qkv}, {1, &layer.o}, {2, &layer.gate_up}, {3, &layer.down}}) {
         linear->kind = in[i];
         linear->tiles_rows = in[10 + i];
@@ -140,6 +184,8 @@ struct FlatDecode : torch::CustomClassHolder {
                   " are not heads ", layer.heads, " / ", layer.kv_heads, " x head_dim ", layer.head_dim);
       layer.eps = floats[l * kFloats];
       layer.scale = floats[l * kFloats + 1];
+      layer.norm_offset = floats[l * kFloats + 2];
+      layer.qk_eps = floats[l * kFloats + 3];
       layers.push_back(std::move(layer));
     }
     TORCH_CHECK(next == tensors.size(), "kiln_cpu.FlatDecode: ", tensors.size() - next, " tensors left over");
@@ -154,17 +200,24 @@ struct FlatDecode : torch::CustomClassHolder {
                 hidden.sizes());
     const int64_t t = hidden.size(0);
     for (Layer& l : layers) {
+      const double offset = l.norm_offset;
       if (residual.has_value()) {
-        KILN_RECORDED("kiln_cpu::rms_norm", hidden = kiln_cpu::rms_norm(hidden, l.norm_in, l.eps, residual, 0.0));
+        KILN_RECORDED("kiln_cpu::rms_norm", hidden = kiln_cpu::rms_norm(hidden, l.norm_in, l.eps, residual, offset));
       } else {  // the first layer: the residual stream starts as the embeddings themselves
         residual = hidden;
-        KILN_RECORDED("kiln_cpu::rms_norm", hidden = kiln_cpu::rms_norm(hidden, l.norm_in, l.eps, std::nullopt, 0.0));
+        KILN_RECORDED("kiln_cpu::rms_norm",
+                      hidden = kiln_cpu::rms_norm(hidden, l.norm_in, l.eps, std::nullopt, offset));
       }
       at::Tensor qkv = l.qkv(hidden);
       if (l.qkv_bias.has_value()) qkv.add_(*l.qkv_bias);
       at::Tensor q = qkv.slice(1, 0, l.q_size).view({t, l.heads, l.head_dim});
       at::Tensor k = qkv.slice(1, l.q_size, l.q_size + l.kv_size).view({t, l.kv_heads, l.head_dim});
       at::Tensor v = qkv.slice(1, l.q_size + l.kv_size).view({t, l.kv_heads, l.head_dim});
+      if (l.q_norm.has_value()) {  // new tensors, which RoPE then rotates in place
+        q = head_norm(qkv.slice(1, 0, l.q_size), l.heads, l.head_dim, *l.q_norm, l.qk_eps, offset);
+        k = head_norm(qkv.slice(1, l.q_size, l.q_size + l.kv_size), l.kv_heads, l.head_dim, *l.k_norm, l.qk_eps,
+                      offset);
+      }
       KILN_RECORDED("kiln_cpu::rotary_embedding_", kiln_cpu::rotary_embedding_(positions, q, k, l.cos_sin, true));
       KILN_RECORDED("kiln_cpu::write_kv_cache",
                     kiln_cpu::write_kv_cache(k, v, l.key_cache, l.value_cache, slot_mapping));
@@ -173,12 +226,28 @@ struct FlatDecode : torch::CustomClassHolder {
       at::Tensor out;
       KILN_RECORDED("kiln_cpu::paged_decode",
                     out = kiln_cpu::paged_decode(narrow ? q.to(l.key_cache.scalar_type()) : q, l.key_cache,
-                                                 l.value_cache, block_tables, seq_lens, l.scale, -1));
+                                                 l.value_cache, block_tables, seq_lens, l.scale, l.window));
       hidden = l.o((narrow ? out.to(at::kFloat) : out).view({t, l.q_size}));
-      KILN_RECORDED("kiln_cpu::rms_norm", hidden = kiln_cpu::rms_norm(hidden, l.norm_post, l.eps, residual, 0.0));
+      if (l.norm_pre_ff.has_value()) {  // Gemma: the attention output is normalized before it joins the stream
+        KILN_RECORDED("kiln_cpu::rms_norm",
+                      hidden = kiln_cpu::rms_norm(hidden, l.norm_post, l.eps, std::nullopt, offset));
+        KILN_RECORDED("kiln_cpu::rms_norm",
+                      hidden = kiln_cpu::rms_norm(hidden, *l.norm_pre_ff, l.eps, residual, offset));
+      } else {
+        KILN_RECORDED("kiln_cpu::rms_norm",
+                      hidden = kiln_cpu::rms_norm(hidden, l.norm_post, l.eps, residual, offset));
+      }
       at::Tensor gate_up = l.gate_up(hidden);
-      KILN_RECORDED("kiln_cpu::silu_and_mul", gate_up = kiln_cpu::silu_and_mul(gate_up));
+      if (l.activation == kGeluTanh) {
+        KILN_RECORDED("kiln_cpu::gelu_tanh_and_mul", gate_up = gelu_tanh_and_mul(gate_up));
+      } else {
+        KILN_RECORDED("kiln_cpu::silu_and_mul", gate_up = kiln_cpu::silu_and_mul(gate_up));
+      }
       hidden = l.down(gate_up);
+      if (l.norm_post_ff.has_value()) {
+        KILN_RECORDED("kiln_cpu::rms_norm",
+                      hidden = kiln_cpu::rms_norm(hidden, *l.norm_post_ff, l.eps, std::nullopt, offset));
+      }
     }
     return {hidden, *residual};
   }

@@ -1,19 +1,21 @@
-"""One-row CPU decode through a Llama-family model's layers as one flat loop over its kernels.
+"""One-row CPU decode through a Llama-family or Gemma 3 model's layers as one flat loop over its kernels.
 
 An eager decode step of a small model on the CPU spends about a third of its time between kernels:
 per layer ~10 module calls, public `kiln.ops` functions and dispatch (SmolLM2-135M on a 2-core AVX2
 EPYC: ~3.5 ms of a 12.5 ms step). For a step of one sequence, `FlatDecodeLayers` runs the same layers
 as one Python loop that calls what those modules end up calling, with every argument bound once at
 start: Kiln's native CPU ops for the norms, RoPE, the KV write and paged attention
-(torch.ops.kiln_cpu.*), silu_and_mul's CPU implementation, and the prepared_linear CPU kernel of
-each weight's layout (kiln.ops.gemm.prepared_linear.cpu.KERNELS). Same kernels, same order, same
-arguments, so the same floats as the module path (the tests compare logprobs bit for bit).
+(torch.ops.kiln_cpu.*), silu_and_mul's or gelu_tanh_and_mul's CPU implementation, and the
+prepared_linear CPU kernel of each weight's layout (kiln.ops.gemm.prepared_linear.cpu.KERNELS). Same
+kernels, same order, same arguments, so the same floats as the module path (the tests compare
+logprobs bit for bit).
 
 `FlatDecodeLayers.build(model, kv_caches)` returns None (the model keeps its module path) unless every
-layer is a plain pre-norm `DecoderLayer` with `PagedAttention` (no q/k norm, no sliding window) and a
-SiLU `GatedMLP`, NeoX RoPE, no tensor parallelism, float32 norms and activations, float32, bfloat16
-or float16 KV caches without scales, shifts or exact copies, and the native library serves paged
-decode at this head dim and cache dtype.
+layer is either a plain pre-norm `DecoderLayer` with `PagedAttention` (no q/k norm, no sliding window)
+and a SiLU `GatedMLP`, or a `Gemma3DecoderLayer` (four (1 + w) norms, `QKNormRotary`'s per-head q/k
+norm before RoPE, its layer's sliding window or none, a GeGLU `GatedMLP`), with NeoX RoPE, no tensor
+parallelism, float32 norms and activations, float32, bfloat16 or float16 KV caches without scales,
+shifts or exact copies, and the native library serves paged decode at this head dim and cache dtype.
 `KILN_CPU_FLAT_DECODE=0` turns it off. The model's forward_layers uses it for decode-only steps of one
 token outside torch.compile (the compiled step traces the modules) unless KILN_BACKEND forces an
 implementation.
@@ -35,11 +37,13 @@ from typing import NamedTuple
 
 import torch
 
+from kiln.models.gemma3 import NORM_WEIGHT_OFFSET, Gemma3DecoderLayer, QKNormRotary
 from kiln.models.layers.attention import PagedAttention
 from kiln.models.layers.mlp import GATED_ACTIVATIONS, GatedMLP
 from kiln.models.layers.rotary import RotaryEmbedding
 from kiln.models.llama import DecoderLayer
 from kiln.ops import native_cpu
+from kiln.ops.activation.gelu_tanh_and_mul.cpu import gelu_tanh_and_mul_cpu
 from kiln.ops.activation.silu_and_mul.cpu import silu_and_mul_cpu
 from kiln.ops.attention.paged_decode_attention import cpu_native as paged_decode_native
 from kiln.ops.attention.write_kv_cache.cpu import NATIVE_CACHE_DTYPES
@@ -67,10 +71,15 @@ NATIVE_LAYOUTS = {
 HYBRID_LAYOUTS = ("q4_blocks_w8a8_packed",)
 _NATIVE_KERNELS = {KERNELS[layout]: kind for layout, kind in NATIVE_LAYOUTS.items()}  # the same, by kernel
 _HYBRID_KERNELS = {KERNELS[layout]: layout for layout in HYBRID_LAYOUTS}
+# the gated activations' CPU implementations (what GatedMLP's act_and_mul runs on float32) -> their kind
+# in FlatDecode
+_ACTIVATIONS = {silu_and_mul_cpu: 0, gelu_tanh_and_mul_cpu: 1}
 
 
 class _LayerArgs(NamedTuple):
-    """One layer's bound arguments (the loop unpacks them in this order)."""
+    """One layer's bound arguments (the loop unpacks them in this order). A Llama layer's norm_pre_ff,
+    norm_post_ff, q_norm and k_norm are None, its norm_offset 0 and window -1; a Gemma 3 layer's
+    norm_post normalizes the attention's output alone (the residual joins at norm_pre_ff)."""
 
     norm_in: torch.Tensor
     norm_post: torch.Tensor
@@ -94,19 +103,54 @@ class _LayerArgs(NamedTuple):
     cos_sin: torch.Tensor
     key_cache: torch.Tensor
     value_cache: torch.Tensor
+    act_and_mul: object  # silu_and_mul_cpu or gelu_tanh_and_mul_cpu: [T, 2 I] -> [T, I]
+    norm_offset: float  # every norm's weight offset, q/k norms included (Gemma's 1 + w)
+    norm_pre_ff: torch.Tensor | None
+    norm_post_ff: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [head_dim], per q head before RoPE
+    k_norm: torch.Tensor | None
+    qk_eps: float
+    window: int  # paged decode's sliding window, -1 for none
 
 
-def _layer_args(layer, kv_cache) -> _LayerArgs | None:
-    """The bound arguments of one layer's flat step, or None when the layer is not the plain form."""
-    if type(layer) is not DecoderLayer:
+class _Structure(NamedTuple):
+    """What differs between the layer kinds the loop runs: their norms, q/k norm, RoPE, activation."""
+
+    norms: tuple  # (input, post-attention, pre-feedforward or None, post-feedforward or None) [hidden]
+    norm_offset: float
+    qk_norm: tuple  # (q weight, k weight, eps) or (None, None, 0.0)
+    rotary: object
+    act_and_mul: object
+
+
+def _structure(layer) -> _Structure | None:
+    """A plain Llama layer's or a Gemma 3 layer's parts, or None for any other layer."""
+    if type(layer) not in (DecoderLayer, Gemma3DecoderLayer):
         return None
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not PagedAttention or type(mlp) is not GatedMLP:
         return None
-    rotary = attn.rotary
-    if type(rotary) is not RotaryEmbedding or attn.qk_norm is not None or attn.sliding_window is not None:
+    if type(layer) is DecoderLayer:
+        if attn.sliding_window is not None or mlp.act_and_mul is not GATED_ACTIVATIONS["silu"]:
+            return None
+        norms = (layer.input_layernorm, layer.post_attention_layernorm, None, None)
+        return _Structure(norms, 0.0, (None, None, 0.0), attn.rotary, silu_and_mul_cpu)
+    position = attn.rotary  # Gemma 3's: the per-head q/k norm, then its RoPE
+    if type(position) is not QKNormRotary or mlp.act_and_mul is not GATED_ACTIVATIONS["gelu_tanh"]:
         return None
-    if mlp.act_and_mul is not GATED_ACTIVATIONS["silu"]:
+    norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+             layer.post_feedforward_layernorm)  # fmt: skip
+    qk_norm = (position.q_norm, position.k_norm, position.eps)
+    return _Structure(norms, NORM_WEIGHT_OFFSET, qk_norm, position.rotary, gelu_tanh_and_mul_cpu)
+
+
+def _layer_args(layer, kv_cache) -> _LayerArgs | None:
+    """The bound arguments of one layer's flat step, or None when the layer is not a form it runs."""
+    structure = _structure(layer)
+    if structure is None:
+        return None
+    attn, mlp, rotary = layer.self_attn, layer.mlp, structure.rotary
+    if type(rotary) is not RotaryEmbedding or attn.qk_norm is not None:
         return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(getattr(linear, "tp_group", None) is not None for linear in linears):
@@ -121,7 +165,9 @@ def _layer_args(layer, kv_cache) -> _LayerArgs | None:
         return None
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         return None
-    if not all(w.dtype == F32 for w in (layer.input_layernorm, layer.post_attention_layernorm)):
+    # the norms the modules' rms_norm runs natively (other dtypes take PyTorch's)
+    norms = [w for w in (*structure.norms, *structure.qk_norm[:2]) if w is not None]
+    if not all(w.dtype == F32 for w in norms):
         return None
     if rotary.cos_sin_cache.dtype != F32 or not paged_decode_native.ready(attn.head_dim, key_cache.dtype):
         return None
@@ -131,13 +177,16 @@ def _layer_args(layer, kv_cache) -> _LayerArgs | None:
     qkv_bias = attn.qkv_proj.bias
     if qkv_bias is not None and qkv_bias.dtype != F32:
         return None
+    norm_in, norm_post, norm_pre_ff, norm_post_ff = structure.norms
+    window = -1 if attn.sliding_window is None else int(attn.sliding_window)
     return _LayerArgs(
-        layer.input_layernorm, layer.post_attention_layernorm, layer.eps,
+        norm_in, norm_post, layer.eps,
         KERNELS[qkv.layout], qkv.tensors, qkv_bias, KERNELS[o.layout], o.tensors,
         KERNELS[gate_up.layout], gate_up.tensors, gate_up.compute_dtype or F32,
         KERNELS[down.layout], down.tensors,
         attn.q_size, attn.kv_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
         rotary.cos_sin_cache, key_cache, value_cache,
+        structure.act_and_mul, structure.norm_offset, norm_pre_ff, norm_post_ff, *structure.qk_norm, window,
     )  # fmt: skip
 
 
@@ -152,8 +201,12 @@ def _native_decode(args: list[_LayerArgs]):
             return None
         if a.gate_up_dtype != F32:  # gate_up's output is down's input as is
             return None
+        # Gemma's: the pre-feedforward norm, then the post-feedforward one (none without the first)
+        ff_norms = [w for w in (a.norm_pre_ff, a.norm_post_ff) if w is not None]
+        qk_norm = a.q_norm is not None
         tensors += [a.norm_in, a.norm_post, a.cos_sin, a.key_cache, a.value_cache]
         tensors += [] if a.qkv_bias is None else [a.qkv_bias]
+        tensors += ff_norms + ([a.q_norm, a.k_norm] if qk_norm else [])
         for kernel, weight in linears:  # the blocks' tensors, then the layout's tiles (not the copy)
             blocks = _NATIVE_KERNELS[kernel][1]
             tensors += [
@@ -165,7 +218,8 @@ def _native_decode(args: list[_LayerArgs]):
         hybrid = any(kernel in _HYBRID_KERNELS for kernel, _ in linears)
         # from this many rows each linear's tile kernel (a hybrid's layer: never the tiles)
         ints += [0 if hybrid else _tiles_rows(k, w)[0] for k, w in linears]
-        floats += [float(a.eps), float(a.scale)]
+        ints += [len(ff_norms), int(qk_norm), _ACTIVATIONS[a.act_and_mul], a.window]
+        floats += [float(a.eps), float(a.scale), float(a.norm_offset), float(a.qk_eps)]
     return torch.classes.kiln_cpu.FlatDecode(tensors, ints, floats)
 
 
@@ -206,7 +260,8 @@ def _block_kind(kernel) -> str | None:
 
 
 class FlatDecodeLayers:
-    """The layers of a Llama-family model for decode steps of one token on the CPU (module docstring).
+    """The layers of a Llama-family or Gemma 3 model for decode steps of one token on the CPU (module
+    docstring).
 
     Call with forward_layers' arguments for T tokens of a decode-only step (T = 1, or up to
     `max_rows` through the native call: `applies`): positions [T], hidden [T, hidden]
@@ -278,27 +333,37 @@ class FlatDecodeLayers:
         for (
             norm_in, norm_post, eps, qkv_kernel, qkv_w, qkv_bias, o_kernel, o_w, gate_up_kernel, gate_up_w,
             gate_up_dtype, down_kernel, down_w, q_size, kv_size, heads, kv_heads, head_dim, scale, cos_sin,
-            key_cache, value_cache,
+            key_cache, value_cache, act_and_mul, offset, norm_pre_ff, norm_post_ff, q_norm, k_norm, qk_eps,
+            window,
         ) in self.layers:  # fmt: skip
             if residual is None:
                 residual = hidden
-                hidden = ops.rms_norm(hidden, norm_in, eps, None, 0.0)
+                hidden = ops.rms_norm(hidden, norm_in, eps, None, offset)
             else:
-                hidden = ops.rms_norm(hidden, norm_in, eps, residual, 0.0)
+                hidden = ops.rms_norm(hidden, norm_in, eps, residual, offset)
             qkv = qkv_kernel(hidden, qkv_w, qkv_bias, F32)
             q = qkv[:, :q_size].view(1, heads, head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(1, kv_heads, head_dim)
             v = qkv[:, q_size + kv_size :].view(1, kv_heads, head_dim)
+            if q_norm is not None:  # Gemma's QKNormRotary: one norm per head, new tensors RoPE rotates
+                q = ops.rms_norm(q.reshape(heads, head_dim), q_norm, qk_eps, None, offset).view(q.shape)
+                k = ops.rms_norm(k.reshape(kv_heads, head_dim), k_norm, qk_eps, None, offset).view(k.shape)
             ops.rotary_embedding_(positions, q, k, cos_sin, True)
             ops.write_kv_cache(k, v, key_cache, value_cache, slots)
             # a 16-bit cache: q rounds to its dtype and the output comes back to float32, as PagedAttention
             q = q if key_cache.dtype == F32 else q.to(key_cache.dtype)
-            out = ops.paged_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, -1)
+            out = ops.paged_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, window)
             hidden = o_kernel(out.view(1, q_size).to(F32), o_w, None, F32)
-            hidden = ops.rms_norm(hidden, norm_post, eps, residual, 0.0)
+            if norm_pre_ff is None:
+                hidden = ops.rms_norm(hidden, norm_post, eps, residual, offset)
+            else:  # Gemma: the attention's output is normalized before it joins the residual stream
+                hidden = ops.rms_norm(hidden, norm_post, eps, None, offset)
+                hidden = ops.rms_norm(hidden, norm_pre_ff, eps, residual, offset)
             # as GatedMLP: gate_up's output stays in its layout's compute dtype (fp16 for "fp16_*")
             gate_up = gate_up_kernel(hidden, gate_up_w, None, gate_up_dtype)
-            hidden = down_kernel(silu_and_mul_cpu(gate_up), down_w, None, F32)
+            hidden = down_kernel(act_and_mul(gate_up), down_w, None, F32)
+            if norm_post_ff is not None:
+                hidden = ops.rms_norm(hidden, norm_post_ff, eps, None, offset)
         return hidden, residual
 
     def _declare_calls(self, positions, hidden, residual, slots, block_tables, seq_lens) -> None:
@@ -312,17 +377,32 @@ class FlatDecodeLayers:
 
         for a, (qkv, o, gate_up, down, gate_up_size) in zip(self.layers, self.layouts, strict=True):
             x = meta(t, a.norm_in.shape[0])
-            declare_call("rms_norm", x, a.norm_in, a.eps, None if residual is None else x)
+            declare_call("rms_norm", x, a.norm_in, a.eps, None if residual is None else x, a.norm_offset)
             residual = x
             declare_call("prepared_linear", x, qkv, list(a.qkv_w), a.qkv_bias)
             q, k = meta(t, a.heads, a.head_dim), meta(t, a.kv_heads, a.head_dim)
+            if a.q_norm is not None:
+                for heads, weight in ((a.heads, a.q_norm), (a.kv_heads, a.k_norm)):
+                    rows = meta(t * heads, a.head_dim)
+                    declare_call("rms_norm", rows, weight, a.qk_eps, None, a.norm_offset)
             declare_call("rotary_embedding", positions, q, k, a.cos_sin)
             declare_call("write_kv_cache", k, k, a.key_cache, a.value_cache, slots)
             q = meta(t, a.heads, a.head_dim, dtype=a.key_cache.dtype)
-            declare_call("paged_decode_attention", q, a.key_cache, a.value_cache, block_tables, seq_lens)
+            window = None if a.window < 0 else a.window
+            declare_call(
+                "paged_decode_attention", q, a.key_cache, a.value_cache, block_tables, seq_lens,
+                sliding_window=window,
+            )  # fmt: skip
             declare_call("prepared_linear", meta(t, a.q_size), o, list(a.o_w))
-            declare_call("rms_norm", x, a.norm_post, a.eps, x)
+            if a.norm_pre_ff is None:
+                declare_call("rms_norm", x, a.norm_post, a.eps, x, a.norm_offset)
+            else:
+                declare_call("rms_norm", x, a.norm_post, a.eps, None, a.norm_offset)
+                declare_call("rms_norm", x, a.norm_pre_ff, a.eps, x, a.norm_offset)
             declare_call("prepared_linear", x, gate_up, list(a.gate_up_w))
-            declare_call("silu_and_mul", meta(t, gate_up_size, dtype=a.gate_up_dtype))
+            act = "silu_and_mul" if a.act_and_mul is silu_and_mul_cpu else "gelu_tanh_and_mul"
+            declare_call(act, meta(t, gate_up_size, dtype=a.gate_up_dtype))
             act = meta(t, gate_up_size // 2, dtype=a.gate_up_dtype)
             declare_call("prepared_linear", act, down, list(a.down_w))
+            if a.norm_post_ff is not None:
+                declare_call("rms_norm", x, a.norm_post_ff, a.eps, None, a.norm_offset)

@@ -249,6 +249,8 @@ class Gemma3ForCausalLM(torch.nn.Module):
         tp_group: TPGroup | None = None,
     ):
         super().__init__()
+        # set by a CPU ModelRunner: one-token eager decode steps as one loop (kiln.models.cpu_flat_decode)
+        self.flat_decode = None
         device = torch.device(device)
         self.options = options = Gemma3Options.from_config(config, weights.source)
         vocab_start, vocab_sizes = 0, None
@@ -311,11 +313,26 @@ class Gemma3ForCausalLM(torch.nn.Module):
                 f"({len(self.layers)})"
             )
         hidden = self.embed_tokens(input_ids) * self.embed_scale
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        hidden, residual = self.forward_layers(positions, hidden, None, kv_caches, attn_metadata)
         hidden, _ = kiln.ops.rms_norm(hidden, self.norm, self.eps, residual, NORM_WEIGHT_OFFSET)
         return hidden
+
+    def forward_layers(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers: hidden, residual [T, hidden] (residual None before the first layer) ->
+        (hidden, residual) after the last; through the flat loop where it applies (LlamaForCausalLM's)."""
+        flat = self.flat_decode
+        if flat is not None and flat.applies(hidden, kv_caches, attn_metadata):
+            return flat(positions, hidden, residual, kv_caches, attn_metadata)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        return hidden, residual
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ NATIVE_OPS = {
     r"rms_norm": "rms_norm",
     r"rotary_embedding_": "rotary_embedding",
     r"silu_and_mul": "silu_and_mul",
+    r"gelu_tanh_and_mul": "gelu_tanh_and_mul",
     r"write_kv_cache": "write_kv_cache",
 }
 
