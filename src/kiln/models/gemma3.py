@@ -41,7 +41,7 @@ from kiln.models.layers import (
     TPGroup,
     VocabParallelEmbedding,
 )
-from kiln.models.llama import LayerOptions, build_lm_head
+from kiln.models.llama import LayerOptions, LlamaForCausalLM, build_lm_head
 from kiln.models.sharding import ShardedWeightStore, ShardPlan
 from kiln.models.weights import WeightStore
 
@@ -317,22 +317,8 @@ class Gemma3ForCausalLM(torch.nn.Module):
         hidden, _ = kiln.ops.rms_norm(hidden, self.norm, self.eps, residual, NORM_WEIGHT_OFFSET)
         return hidden
 
-    def forward_layers(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder layers: hidden, residual [T, hidden] (residual None before the first layer) ->
-        (hidden, residual) after the last; through the flat loop where it applies (LlamaForCausalLM's)."""
-        flat = self.flat_decode
-        if flat is not None and flat.applies(hidden, kv_caches, attn_metadata):
-            return flat(positions, hidden, residual, kv_caches, attn_metadata)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
-        return hidden, residual
+    # the decoder layers, through the flat loop (self.flat_decode) where it applies: Llama's, as is
+    forward_layers = LlamaForCausalLM.forward_layers
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
