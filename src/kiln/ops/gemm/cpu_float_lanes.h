@@ -2,8 +2,28 @@
 // cpu_blocks_a8.cpp), so that each kernel is written once: `Floats` holds kLanes = 16 floats on
 // AVX-512 builds, 8 on AVX2 ones (KILN_FLOAT_LANES is defined for either; other builds keep the
 // kernels' scalar loops). hsum: a __m256's sum, in the order all the AVX2 code uses. load() also widens
-// kLanes float16 values (c10::Half) to float32, exactly.
+// kLanes float16 values (c10::Half) to float32, exactly. block_sums (every build): the x side of the
+// blocks' min terms.
 #pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace kiln_cpu {
+
+// the sum of each block of 32 values of each of `rows` rows of x [rows, k]: [rows, k / 32]
+inline std::vector<float> block_sums(const float* x, int64_t rows, int64_t k) {
+  constexpr int64_t kBlock = 32;
+  std::vector<float> sums(rows * (k / kBlock));
+  for (size_t b = 0; b < sums.size(); ++b) {
+    float s = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) s += x[b * kBlock + j];
+    sums[b] = s;
+  }
+  return sums;
+}
+
+}  // namespace kiln_cpu
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <c10/util/Half.h>

@@ -208,17 +208,6 @@ int64_t check_args(const char* op, bool one_row, const at::Tensor& x, const at::
   return block;
 }
 
-// the sum of each block of 32 values of each of `rows` rows of x [rows, k]: [rows, k / 32]
-std::vector<float> block_sums(const float* x, int64_t rows, int64_t k) {
-  std::vector<float> sums(rows * (k / kBlocks[0]));
-  for (size_t b = 0; b < sums.size(); ++b) {
-    float s = 0.f;
-    for (int64_t j = 0; j < kBlocks[0]; ++j) s += x[b * kBlocks[0] + j];
-    sums[b] = s;
-  }
-  return sums;
-}
-
 }  // namespace
 
 namespace kiln_cpu {
