@@ -71,9 +71,9 @@ NATIVE_LAYOUTS = {
 HYBRID_LAYOUTS = ("q4_blocks_w8a8_packed",)
 _NATIVE_KERNELS = {KERNELS[layout]: kind for layout, kind in NATIVE_LAYOUTS.items()}  # the same, by kernel
 _HYBRID_KERNELS = {KERNELS[layout]: layout for layout in HYBRID_LAYOUTS}
-# the gated activations' CPU implementations (what GatedMLP's act_and_mul runs on float32) -> their kind
-# in FlatDecode
-_ACTIVATIONS = {silu_and_mul_cpu: 0, gelu_tanh_and_mul_cpu: 1}
+# the gated activations' CPU implementations (what GatedMLP's act_and_mul runs on float32) -> (their kind
+# in FlatDecode, their op)
+_ACTIVATIONS = {silu_and_mul_cpu: (0, "silu_and_mul"), gelu_tanh_and_mul_cpu: (1, "gelu_tanh_and_mul")}
 
 
 class _LayerArgs(NamedTuple):
@@ -218,7 +218,7 @@ def _native_decode(args: list[_LayerArgs]):
         hybrid = any(kernel in _HYBRID_KERNELS for kernel, _ in linears)
         # from this many rows each linear's tile kernel (a hybrid's layer: never the tiles)
         ints += [0 if hybrid else _tiles_rows(k, w)[0] for k, w in linears]
-        ints += [len(ff_norms), int(qk_norm), _ACTIVATIONS[a.act_and_mul], a.window]
+        ints += [len(ff_norms), int(qk_norm), _ACTIVATIONS[a.act_and_mul][0], a.window]
         floats += [float(a.eps), float(a.scale), float(a.norm_offset), float(a.qk_eps)]
     return torch.classes.kiln_cpu.FlatDecode(tensors, ints, floats)
 
@@ -246,17 +246,11 @@ def _tiles_rows(kernel, weight) -> tuple[int, int]:
     """The rows a NATIVE_LAYOUTS linear's tile kernel takes (native_cpu.blocks_tiles_rows), (0, 0) when
     its layout holds no tiles (Q5_K's "q8_blocks_mins_onednn": no tile kernel takes mins; Q6_K's values
     in "q8_blocks_onednn": none reads blocks of 16)."""
-    kind = _block_kind(kernel)
+    _, blocks, kind = _NATIVE_KERNELS[kernel]
     if kind is None:
         return 0, 0
-    tiles = weight[_NATIVE_KERNELS[kernel][1] + 1]  # after the blocks' tensors and the float32 copy
+    tiles = weight[blocks + 1]  # after the blocks' tensors and the float32 copy
     return native_cpu.blocks_tiles_rows(kind) if tiles.numel() else (0, 0)
-
-
-def _block_kind(kernel) -> str | None:
-    """ "q4" or "q8": the tile kind of the blocks a NATIVE_LAYOUTS kernel reads (Q4, Q8_0); None for a
-    layout that keeps no tiles (Q5_K's with mins)."""
-    return _NATIVE_KERNELS[kernel][2]
 
 
 class FlatDecodeLayers:
@@ -400,8 +394,7 @@ class FlatDecodeLayers:
                 declare_call("rms_norm", x, a.norm_post, a.eps, None, a.norm_offset)
                 declare_call("rms_norm", x, a.norm_pre_ff, a.eps, x, a.norm_offset)
             declare_call("prepared_linear", x, gate_up, list(a.gate_up_w))
-            act = "silu_and_mul" if a.act_and_mul is silu_and_mul_cpu else "gelu_tanh_and_mul"
-            declare_call(act, meta(t, gate_up_size, dtype=a.gate_up_dtype))
+            declare_call(_ACTIVATIONS[a.act_and_mul][1], meta(t, gate_up_size, dtype=a.gate_up_dtype))
             act = meta(t, gate_up_size // 2, dtype=a.gate_up_dtype)
             declare_call("prepared_linear", act, down, list(a.down_w))
             if a.norm_post_ff is not None:
