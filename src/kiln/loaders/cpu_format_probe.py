@@ -49,6 +49,7 @@ from kiln.ops import tuned_configs
 from kiln.ops.gemm.weight_formats import (
     CPU_WEIGHT_FORMATS,
     EXACT_BLOCKS_QTYPES,
+    EXACT_FORMATS,
     INT4_QTYPES,
     prepare_linear_weight,
 )
@@ -56,7 +57,6 @@ from kiln.ops.gemm.weight_formats import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_CANDIDATES = ("fp16", "fp32", "q4_blocks", "q8_blocks")
-EXACT_FORMATS = ("q4_blocks", "q8_blocks")
 CACHE_OP = "cpu_weight_format"  # the tuning cache's "op" of these entries
 REPEATS = 5  # timed passes per format; the median counts
 

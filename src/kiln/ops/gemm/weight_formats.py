@@ -208,6 +208,7 @@ BLOCKS_FORMATS = {
 }
 # "q4_blocks" and "q8_blocks" each keep every GGUF type that has an exact blocks layout in it: the
 # probe picks one format for a model's layers, whose files mix types (Q4_K_M: Q4_K and Q6_K)
+EXACT_FORMATS = ("q4_blocks", "q8_blocks")
 EXACT_BLOCKS_FORMAT = {
     **dict.fromkeys(INT4_QTYPES, "q4_blocks"),
     **dict.fromkeys(cpu_q8_blocks.QTYPES, "q8_blocks"),
@@ -512,7 +513,7 @@ def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | N
     if not isinstance(weight, GGUFWeight):
         return None
     entry = BLOCKS_FORMATS[cpu_format]
-    if cpu_format in ("q4_blocks", "q8_blocks"):  # either keeps every type it has an exact layout for
+    if cpu_format in EXACT_FORMATS:  # either keeps every type it has an exact layout for
         exact_format = EXACT_BLOCKS_FORMAT.get(weight.qtype, cpu_format)
         entry = MINS_BLOCKS if weight.qtype in MINS_BLOCKS[1] else BLOCKS_FORMATS[exact_format]
     layout, qtypes, pack = entry

@@ -55,6 +55,7 @@ from kiln.ops.gemm.shapes import GEMM_TOLERANCE, SMOLLM2_135M, gemm_flops, quant
 from kiln.ops.gemm.weight_formats import (
     BLOCKS_FORMATS,
     EXACT_BLOCKS_FORMAT,
+    EXACT_FORMATS,
     GGUF_LAYOUTS,
     INT4_GROUP_SIZE,
     INT4_QTYPES,
@@ -661,9 +662,9 @@ def _weight_bytes(shape, dtype) -> float:
         return N * K * (4 if source.startswith(("fp8", "int8")) else 1)  # CPU: float32 values
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
-    if fmt in ("q4_blocks", "q8_blocks") and shape["source"] in MIN_QTYPES:  # values, d * sc and the min
+    if fmt in EXACT_FORMATS and shape["source"] in MIN_QTYPES:  # values, d * sc and the min
         return N * K + N * K / 32 * 8 if shape["M"] <= native_cpu.blocks_gemm_rows() else N * K * 4
-    exact_blocks = EXACT_BLOCKS_FORMAT.get(shape["source"]) if fmt in ("q4_blocks", "q8_blocks") else None
+    exact_blocks = EXACT_BLOCKS_FORMAT.get(shape["source"]) if fmt in EXACT_FORMATS else None
     fmt = exact_blocks or fmt  # the layout each of those keeps the source in
     q4_blocks = fmt in ("q4_blocks", "q4_blocks_a8", "q4_blocks_w8a8") and shape["source"] in INT4_QTYPES
     blocks_rows = Q4_W8A8_EXACT_ROWS if fmt == "q4_blocks_w8a8" else 1  # rows that read the blocks
