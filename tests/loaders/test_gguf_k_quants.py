@@ -137,21 +137,30 @@ Q4_K_M_TYPES = {
 }  # fmt: skip
 
 
-def test_q4_k_m_gguf_in_the_exact_blocks_format_keeps_q4_k_and_q6_k_as_blocks(tmp_path):
+@pytest.mark.parametrize("attn_v", ["Q4_K", "Q6_K"])
+def test_q4_k_m_gguf_in_the_exact_blocks_format_keeps_q4_k_and_q6_k_as_blocks(tmp_path, attn_v):
     """cpu_format "q4_blocks" (what the probe picks among for a model's layers) keeps Q4_K in the Q4
     blocks layout and Q6_K as its int8 values with d * sc per 16 ("q8_blocks_onednn"; it was the
-    float32 fallback), exact: the engine (its one-call native decode over every layer, one and
-    17 sequences) gives transformers' greedy tokens and float32-close logits."""
+    float32 fallback); where llama.cpp gives v more bits (attn_v Q6_K beside Q4_K q and k, half a
+    Q4_K_M file's layers) the fused QKV is a stacked weight, values with a scale and a min per 16
+    ("q8_blocks_mins_onednn"; it was dequantized to float32). Exact: the engine (its one-call native
+    decode over every layer, one and 17 sequences) gives transformers' greedy tokens and float32-close
+    logits."""
     from kiln.engine import LLM, SamplingParams
 
-    _, ref_model, ref = tiny_gguf_with_reference(tmp_path, "tiny-q4km.gguf", Q4_K_M_TYPES, PROMPT, seed=5)
+    types = {**Q4_K_M_TYPES, "attn_v": Q[attn_v]}
+    _, ref_model, ref = tiny_gguf_with_reference(tmp_path, "tiny-q4km.gguf", types, PROMPT, seed=5)
     config, weights, _, _ = load_gguf(str(tmp_path / "tiny-q4km.gguf"))
     model = LlamaForCausalLM(config, weights, cpu_format="q4_blocks", lm_head_format="q4_blocks")
     layouts = _layouts(model)
     if "onednn" in layouts.values() or "dense" in layouts.values():
         pytest.skip(f"oneDNN does not pack float32 here: {layouts}")
-    assert layouts == {"qkv": "q4_blocks_onednn", "o": "q4_blocks_onednn", "gate_up": "q4_blocks_onednn",
+    qkv = "q4_blocks_onednn" if attn_v == "Q4_K" else "q8_blocks_mins_onednn"
+    assert layouts == {"qkv": qkv, "o": "q4_blocks_onednn", "gate_up": "q4_blocks_onednn",
                        "down": "q8_blocks_onednn", "head": "q8_blocks_onednn"}  # fmt: skip
+    if attn_v == "Q6_K":
+        scales = model.layers[0].self_attn.qkv_proj.prepared.tensors[1]
+        assert scales.shape[1] == config.hidden_size // 16  # a scale (and a min) per 16
     assert _relative_error(prompt_logits(model, PROMPT, block_size=4), ref) < TOL
     # 17 sequences: where this build has tile kernels (AVX-512: Q4 from 8 rows, Q8_0 16 to 32) the Q4
     # layers' tiles run and Q6_K's down_proj (no tiles) its row kernel

@@ -44,13 +44,14 @@ import torch
 
 import kiln.ops
 from kiln import environment
-from kiln.models.weights import GGUFWeight, WeightStore, cat_rows
+from kiln.models.weights import GGUFStackedWeight, GGUFWeight, WeightStore, cat_rows
 from kiln.ops import tuned_configs
 from kiln.ops.gemm.weight_formats import (
     CPU_WEIGHT_FORMATS,
     EXACT_BLOCKS_QTYPES,
     EXACT_FORMATS,
     INT4_QTYPES,
+    gguf_source_name,
     prepare_linear_weight,
 )
 
@@ -74,12 +75,12 @@ def cpu_model_name() -> str:
 
 
 def candidate_formats(weights: list) -> tuple[str, ...]:
-    """The formats to time for `weights` (float tensors or GGUFWeights): KILN_CPU_FORMATS or
-    DEFAULT_CANDIDATES, without "int4" / "int4_bf16" / "q4_blocks_a8" unless every weight is a GGUF Q4
-    matrix, without "int8_blocks" / "q8_blocks_a8" unless every one is GGUF Q8_0 (elsewhere they fall
-    back to other layouts), without "gguf". "q4_blocks" (all Q4) or "q8_blocks" (all Q8_0) as those;
-    for other GGUF matrices of exact-blocks types (a mixed file's, float matrices beside them allowed)
-    the first of the two named."""
+    """The formats to time for `weights` (float tensors, GGUFWeights or GGUFStackedWeights):
+    KILN_CPU_FORMATS or DEFAULT_CANDIDATES, without "int4" / "int4_bf16" / "q4_blocks_a8" unless every
+    weight is a GGUF Q4 matrix, without "int8_blocks" / "q8_blocks_a8" unless every one is GGUF Q8_0
+    (elsewhere they fall back to other layouts), without "gguf". "q4_blocks" (all Q4) or "q8_blocks"
+    (all Q8_0) as those; for other GGUF matrices of exact-blocks types (a mixed file's, stacked ones and
+    float matrices beside them allowed) the first of the two named."""
     names = os.environ.get("KILN_CPU_FORMATS")
     wanted = tuple(n.strip() for n in names.split(",") if n.strip()) if names else DEFAULT_CANDIDATES
     unknown = [n for n in wanted if n not in CPU_WEIGHT_FORMATS]
@@ -90,9 +91,10 @@ def candidate_formats(weights: list) -> tuple[str, ...]:
     gguf = [w for w in weights if isinstance(w, GGUFWeight)]
     q4 = len(gguf) == len(weights) and all(w.qtype in INT4_QTYPES for w in gguf)
     q8 = len(gguf) == len(weights) and all(w.qtype == "Q8_0" for w in gguf)
-    # Other GGUF types with exact blocks (Q5_0, Q6_K, Q5_K, a Q4_K_M file's mix; a fused projection
-    # whose parts mixed types comes as a float matrix, fp32 under these formats): "q4_blocks" and
-    # "q8_blocks" prepare them alike, so only the first of the two named is timed
+    # Other GGUF types with exact blocks (Q5_0, Q6_K, Q5_K, a Q4_K_M file's mix, a fused projection
+    # whose parts mix types: GGUFStackedWeight): "q4_blocks" and "q8_blocks" prepare them alike, so
+    # only the first of the two named is timed
+    gguf += [part for w in weights if isinstance(w, GGUFStackedWeight) for part in w.parts]
     mixed = bool(gguf) and not (q4 or q8) and all(w.qtype in EXACT_BLOCKS_QTYPES for w in gguf)
     first_exact = next((n for n in wanted if n in EXACT_FORMATS), None)
 
@@ -122,7 +124,10 @@ def time_call(fn, repeats: int = REPEATS) -> float:
 def _describe(weights: list) -> str:
     parts = []
     for w in weights:
-        kind = w.qtype if isinstance(w, GGUFWeight) else str(w.dtype).removeprefix("torch.")
+        if isinstance(w, (GGUFWeight, GGUFStackedWeight)):
+            kind = gguf_source_name(w)
+        else:
+            kind = str(w.dtype).removeprefix("torch.")
         parts.append(f"{w.shape[0]}x{w.shape[1]}:{kind}")
     return ",".join(parts)
 

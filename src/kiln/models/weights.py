@@ -17,7 +17,13 @@ import numpy as np
 import torch
 
 from kiln.models.config import ModelLoadError
-from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_SIZE, GGUFWeight  # noqa: F401  (re-exported)
+from kiln.quant.gguf_blocks import (  # noqa: F401  (re-exported)
+    BLOCK_BYTES,
+    BLOCK_SIZE,
+    KERNEL_QTYPES,
+    GGUFStackedWeight,
+    GGUFWeight,
+)
 from kiln.quant.linear_weights import (  # noqa: F401  (re-exported)
     QUANTIZED_WEIGHT_TYPES,
     BlockFP8Weight,
@@ -31,7 +37,7 @@ GGUF_BLOCK_BYTES = BLOCK_BYTES
 GGUF_BLOCK_SIZE = BLOCK_SIZE
 
 
-Weight = torch.Tensor | GGUFWeight | ScaledWeight | BlockFP8Weight | Int4Weight
+Weight = torch.Tensor | GGUFWeight | GGUFStackedWeight | ScaledWeight | BlockFP8Weight | Int4Weight
 
 
 def weight_shape(weight: Weight) -> tuple[int, ...]:
@@ -41,9 +47,11 @@ def weight_shape(weight: Weight) -> tuple[int, ...]:
 def cat_rows(weights: list[Weight], dtype: torch.dtype) -> Weight:
     """Stack matrices along the output dim (fused QKV, gate/up). GGUF blocks of one type stay blocks
     (Q4_0 next to Q4_1 becomes Q4_1, Q4_0 / Q5_0 next to Q8_0 become Q8_0: exact, as a Q4_K_M file of
-    a model whose rows are not a multiple of 256 mixes them); quantized checkpoint weights stay
-    quantized where their formats stack (kiln.quant.linear_weights.cat_quantized_rows: W8A8 rows with
-    their per-channel scales, int4 groups, whole FP8 blocks); other mixes are dequantized to `dtype`."""
+    a model whose rows are not a multiple of 256 mixes them); other mixes of GGUF types keep their
+    parts' blocks as one GGUFStackedWeight (a Q4_K_M file's Q4_K q / k beside a Q6_K v); quantized
+    checkpoint weights stay quantized where their formats stack (kiln.quant.linear_weights.
+    cat_quantized_rows: W8A8 rows with their per-channel scales, int4 groups, whole FP8 blocks); other
+    mixes are dequantized to `dtype`."""
     if all(isinstance(w, QUANTIZED_WEIGHT_TYPES) for w in weights):
         stacked = cat_quantized_rows(weights)
         if stacked is not None:
@@ -57,8 +65,12 @@ def cat_rows(weights: list[Weight], dtype: torch.dtype) -> Weight:
         if len(qtypes) == 1:
             data = torch.cat([w.data for w in weights], dim=0)
             return GGUFWeight(weights[0].qtype, data, (data.shape[0], weights[0].shape[1]))
+        if qtypes <= set(KERNEL_QTYPES):
+            return GGUFStackedWeight.stack(weights)
     dense = [
-        w.dequantize(dtype) if isinstance(w, (GGUFWeight, *QUANTIZED_WEIGHT_TYPES)) else w.to(dtype)
+        w.dequantize(dtype)
+        if isinstance(w, (GGUFWeight, GGUFStackedWeight, *QUANTIZED_WEIGHT_TYPES))
+        else w.to(dtype)
         for w in weights
     ]
     return torch.cat(dense, dim=0)

@@ -380,3 +380,64 @@ class GGUFWeight:
     def rows(self, index: torch.Tensor) -> GGUFWeight:
         """The matrix with its output rows reordered by `index` (blocks never straddle rows)."""
         return GGUFWeight(self.qtype, self.data[index].contiguous(), (int(index.numel()), self.shape[1]))
+
+
+@dataclass
+class GGUFStackedWeight:
+    """GGUF matrices of different block types stacked along the output dim: a fused projection of a file
+    that mixes types where no one GGUF type holds every part exactly (a Q4_K_M file's Q4_K q / k
+    beside a Q6_K v in the layers llama.cpp gives more bits; kiln.models.weights.cat_rows). The parts
+    keep their blocks; `fields` gives them one exact form, int8 values with a float32 scale and min per
+    block of 16 or 32 weights, which the CPU's blocks kernels read (kiln.ops.gemm.weight_formats).
+
+    parts: GGUFWeights of KERNEL_QTYPES with the same in_features; shape: (sum of their rows, K).
+    """
+
+    parts: tuple[GGUFWeight, ...]
+    shape: tuple[int, int]
+
+    @classmethod
+    def stack(cls, parts: list[GGUFWeight]) -> GGUFStackedWeight:
+        """The parts stacked; ValueError for a type without a block decoder here or different K."""
+        bad = [p.qtype for p in parts if p.qtype not in KERNEL_QTYPES]
+        if bad or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError(
+                f"GGUFStackedWeight: parts must be GGUF {KERNEL_QTYPES} matrices with one in_features, got "
+                + ", ".join(f"{p.qtype} {tuple(p.shape)}" for p in parts)
+            )
+        return cls(tuple(parts), (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+    @property
+    def qtypes(self) -> tuple[str, ...]:
+        """The parts' GGUF types, each once, in order of the parts."""
+        return tuple(dict.fromkeys(p.qtype for p in self.parts))
+
+    @property
+    def block(self) -> int:
+        """Weights per scale in `fields`: 16 where a part scales per 16 (Q6_K), else 32."""
+        return min(scale_group(q) for q in self.qtypes)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float matrix [N, K]: each part as `GGUFWeight.dequantize` decodes it, then `dtype`."""
+        return torch.cat([p.dequantize(torch.float32) for p in self.parts]).to(dtype)
+
+    def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(values int8 [N, K], scales float32 [N, K / B], mins float32 [N, K / B] or None where no part
+        has mins), B = `block`, with w = values * scale + min exactly each part's decoded weight: the
+        stored quant less its offset, ggml's own float32 scale and min products, repeated for each
+        block of 16 in a block of 32 (the same floats, so the same float32 rounding of w)."""
+        block = self.block
+        with_mins = any(q in WITH_MINS for q in self.qtypes)
+        values, scales, mins = [], [], []
+        for part in self.parts:
+            n = part.shape[0]
+            q, scale, minimum = block_fields(part.data.view(n, -1), part.qtype)
+            values.append((q - QUANT_OFFSET.get(part.qtype, 0)).to(torch.int8))
+            scales.append(scale.repeat_interleave(scale_group(part.qtype) // block, dim=1))
+            if with_mins:  # block_fields' mins are per 32
+                k_blocks = part.shape[1] // block
+                zero = torch.zeros(n, k_blocks, dtype=torch.float32)
+                mins.append(
+                    zero if minimum is None else minimum.repeat_interleave(BLOCK_SIZE // block, dim=1)
+                )
+        return torch.cat(values), torch.cat(scales), torch.cat(mins) if with_mins else None

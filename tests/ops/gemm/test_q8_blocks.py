@@ -15,7 +15,7 @@ from kiln.ops.gemm import cpu_q8_blocks as q8_module
 from kiln.ops.gemm import weight_formats
 from kiln.ops.gemm.prepared_linear import int8_blocks_gemv
 from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
-from kiln.quant.gguf_blocks import GGUFWeight, quantize_blocks, scale_group
+from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight, quantize_blocks, scale_group
 from kiln.verify import assert_close
 from tests.ops.gemm.native_gemv_child import assert_compiled_call_holds_native_op
 
@@ -52,8 +52,14 @@ def _prepared(weight):
 
 @pytest.mark.parametrize(
     "qtype,n,k",
-    [("Q8_0", 37, 96), ("Q8_0", 50, 576), ("Q8_0", 3, 32), ("Q5_0", 23, 160), ("Q6_K", 37, 256),
-     ("Q6_K", 19, 768)],  # fmt: skip
+    [
+        ("Q8_0", 37, 96),
+        ("Q8_0", 50, 576),
+        ("Q8_0", 3, 32),
+        ("Q5_0", 23, 160),
+        ("Q6_K", 37, 256),
+        ("Q6_K", 19, 768),
+    ],  # fmt: skip
 )
 def test_q8_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(qtype, n, k, native):
     g = torch.Generator().manual_seed(random.randrange(2**31))
@@ -199,16 +205,30 @@ def test_q5_k_keeps_its_values_scales_and_mins_exactly_at_every_row_count(native
     assert_close(y, x[:1].double() @ matrix.T + bias.double(), 1e-6, "prepared_linear without the library")
 
 
+def _with_mins(source: str, n: int, k: int, g) -> tuple[torch.Tensor, ...]:
+    """(values, scales, mins, the float64 matrix as `gguf` decodes it) of a Q5_K weight (a scale and a
+    min per 32) or of a stacked one, a Q4_K_M file's QKV: Q4_K rows above Q6_K rows, a scale and a min
+    per 16 (GGUFStackedWeight.fields)."""
+    if source == "Q5_K":
+        weight, matrix = _q8_weight(n, k, g, "Q5_K")
+        return (*q8_module.pack_with_mins(weight), matrix)
+    parts = [_q8_weight(rows, k, g, qtype) for qtype, rows in (("Q4_K", n - n // 3), ("Q6_K", n // 3))]
+    stacked = GGUFStackedWeight.stack([w for w, _ in parts])
+    return (*stacked.fields(), torch.cat([matrix for _, matrix in parts]))
+
+
+@pytest.mark.parametrize("source", ["Q5_K", "Q4_K+Q6_K"])
 @pytest.mark.parametrize("n", [37, 45, 129])  # odd: a task's last rows one at a time (and AVX2's 4-row steps)
 @pytest.mark.parametrize("m", [1, 3, 9])  # 9: x rows 8 at a time, then one
-def test_q8_blocks_kernels_with_mins_match_gguf_float64(m, n, native):
-    """The native kernels given Q5_K's mins (q8_blocks_gemv for one row, q8_blocks_gemm for any) against
-    float64 on the gguf package's decode of the same blocks: the min term is each block's sum of x times
-    its min (one row) or fma(q, d * sc, min) per weight (several), both exact up to float32 sums."""
+def test_q8_blocks_kernels_with_mins_match_gguf_float64(m, n, source, native):
+    """The native kernels given mins (q8_blocks_gemv for one row, q8_blocks_gemm for any), per 32 (Q5_K)
+    or per 16 (a stacked Q4_K + Q6_K weight), against float64 on the gguf package's decode of the same
+    blocks: the min term is each block's sum of x times its min (one row) or fma(q, d * sc, min) per
+    weight (several), both exact up to float32 sums."""
     g = torch.Generator().manual_seed(random.randrange(2**31))
-    k = 1280  # 40 blocks of 32: AVX-512's min_terms takes 16 at a time, then 8 one by one
-    weight, matrix = _q8_weight(n, k, g, "Q5_K")
-    values, scales, mins = q8_module.pack_with_mins(weight)
+    k = 1280  # 40 blocks of 32 (80 of 16): AVX-512's min_terms takes 16 at a time, then 8 one by one
+    values, scales, mins, matrix = _with_mins(source, n, k, g)
+    assert scales.shape == mins.shape == (n, k // (32 if source == "Q5_K" else 16))
     x = torch.randn(m, k, generator=g)
     expected = x.double() @ matrix.T
     y = torch.full((m, n), float("nan"))
@@ -233,8 +253,10 @@ def test_q8_blocks_kernels_refuse_malformed_mins_by_name(native):
     x = torch.randn(2, 256, generator=g)
     for op in (torch.ops.kiln_cpu.q8_blocks_gemv, torch.ops.kiln_cpu.q8_blocks_gemm):
         name, x_in = op._qualified_op_name.split("::")[1], x[:1]
-        with pytest.raises(RuntimeError, match=rf"{name}: mins need blocks of 32 .* a scale per 16"):
-            op(x_in, values, torch.rand(40, 16), mins)  # Q6_K-like scales per 16
+        with pytest.raises(
+            RuntimeError, match=rf"{name}: mins must be float32 \[N, K / 16\] = \[40, 16\] \(the"
+        ):
+            op(x_in, values, torch.rand(40, 16), mins)  # scales per 16, mins per 32
         with pytest.raises(RuntimeError, match=rf"{name}: mins must be float32 \[N, K / 32\] = \[40, 8\]"):
             op(x_in, values, scales, mins[:, :4].contiguous())
         with pytest.raises(RuntimeError, match=rf"{name}: mins must be float32 \[N, K / 32\] = \[40, 8\]"):

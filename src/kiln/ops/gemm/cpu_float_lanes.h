@@ -11,13 +11,13 @@
 
 namespace kiln_cpu {
 
-// the sum of each block of 32 values of each of `rows` rows of x [rows, k]: [rows, k / 32]
-inline std::vector<float> block_sums(const float* x, int64_t rows, int64_t k) {
-  constexpr int64_t kBlock = 32;
-  std::vector<float> sums(rows * (k / kBlock));
+// the sum of each block of `block` values (32, or 16 for Q6_K-shaped scales) of each of `rows` rows of
+// x [rows, k]: [rows, k / block]
+inline std::vector<float> block_sums(const float* x, int64_t rows, int64_t k, int64_t block = 32) {
+  std::vector<float> sums(rows * (k / block));
   for (size_t b = 0; b < sums.size(); ++b) {
     float s = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) s += x[b * kBlock + j];
+    for (int64_t j = 0; j < block; ++j) s += x[b * block + j];
     sums[b] = s;
   }
   return sums;

@@ -12,11 +12,12 @@
 // does a few rows at once (batched decode; its vector kernel converts each block to float32 once for
 // up to 8 rows of x). Registered as torch.ops.kiln_cpu.q8_blocks_gemv and q8_blocks_gemm.
 //
-// Optional mins float32 [N, K / 32] (blocks of 32 only: the "q8_blocks_mins_onednn" layout, GGUF Q5_K's
-// w = (d * sc) * q - dmin * m with q in 0..31, mins -(dmin * m)) add each block's min, as the Q4 kernel
-// (cpu_q4_blocks.cpp) does its m:
+// Optional mins float32 [N, K / B] (the "q8_blocks_mins_onednn" layout: GGUF Q5_K's w = (d * sc) * q -
+// dmin * m with q in 0..31, mins -(dmin * m), B = 32; or a fused projection whose parts mix GGUF types,
+// Q4_K beside Q6_K, all as values, a scale and a min per 16: kiln.quant.gguf_blocks.GGUFStackedWeight)
+// add each block's min, as the Q4 kernel (cpu_q4_blocks.cpp) does its m:
 //
-//   y[n] = sum_g d[n, g] * sum_j x[32 g + j] * q[n, 32 g + j]  +  m[n, g] * sum_j x[32 g + j]
+//   y[n] = sum_g d[n, g] * sum_j x[B g + j] * q[n, B g + j]  +  m[n, g] * sum_j x[B g + j]
 //
 // one row: x's block sums once per call, then a vector dot with each weight row's mins; several rows:
 // each block's weights become fma(q, d, m) once for all the rows. Without mins, the floats of before.
@@ -144,10 +145,11 @@ template <int B, bool Mins, size_t... R>
 constexpr std::array<XRowsTimesWeightRows, kXRows + 1> rows_table(std::index_sequence<R...>) {
   return {nullptr, x_rows_times_weight_rows<B, Mins, R + 1>...};
 }
-// [R]: R x rows, blocks of 32 / 16 / 32 with mins
+// [R]: R x rows, blocks of 32 / 16, without and with mins
 constexpr auto kXRowsTimesWeightRows32 = rows_table<32, false>(std::make_index_sequence<kXRows>());
 constexpr auto kXRowsTimesWeightRows16 = rows_table<16, false>(std::make_index_sequence<kXRows>());
-constexpr auto kXRowsTimesWeightRowsMins = rows_table<32, true>(std::make_index_sequence<kXRows>());
+constexpr auto kXRowsTimesWeightRowsMins32 = rows_table<32, true>(std::make_index_sequence<kXRows>());
+constexpr auto kXRowsTimesWeightRowsMins16 = rows_table<16, true>(std::make_index_sequence<kXRows>());
 
 // one row of x against weight rows [begin, end) in blocks of B (m, xsum: the mins and x's block sums, or
 // null)
@@ -179,7 +181,7 @@ float row_dot(const float* x, const float* xsum, const int8_t* row, const float*
 #endif
 
 // The argument checks of both ops; `one_row`: x must be [1, K] (q8_blocks_gemv), else [M, K]. Returns
-// the block size B, K / scales.size(1): 32 or 16 (32 where mins are given).
+// the block size B, K / scales.size(1): 32 or 16 (mins, where given, have the scales' shape).
 int64_t check_args(const char* op, bool one_row, const at::Tensor& x, const at::Tensor& values,
                    const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
   TORCH_CHECK(x.device().is_cpu() && values.device().is_cpu() && scales.device().is_cpu() &&
@@ -198,12 +200,10 @@ int64_t check_args(const char* op, bool one_row, const at::Tensor& x, const at::
               ", ", k / kBlocks[1], "], got ", scales.scalar_type(), " ", scales.sizes());
   const int64_t block = k / scales.size(1);
   if (mins.has_value()) {
-    TORCH_CHECK(block == kBlocks[0], op, ": mins need blocks of 32 (scales float32 [N, K / 32] = [", n, ", ",
-                k / kBlocks[0], "]), got scales ", scales.sizes(), ": a scale per ", block);
     TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->dim() == 2 && mins->size(0) == n &&
-                    mins->size(1) == k / kBlocks[0],
-                op, ": mins must be float32 [N, K / 32] = [", n, ", ", k / kBlocks[0], "], got ", mins->scalar_type(),
-                " ", mins->sizes());
+                    mins->size(1) == k / block,
+                op, ": mins must be float32 [N, K / ", block, "] = [", n, ", ", k / block,
+                "] (the scales' shape), got ", mins->scalar_type(), " ", mins->sizes());
   }
   return block;
 }
@@ -223,7 +223,7 @@ at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const a
   const int8_t* qp = qc.data_ptr<int8_t>();
   const float* dp = dc.data_ptr<float>();
   const float* mp = mc.defined() ? mc.data_ptr<float>() : nullptr;
-  const std::vector<float> xsum = mp != nullptr ? block_sums(xp, 1, k) : std::vector<float>();
+  const std::vector<float> xsum = mp != nullptr ? block_sums(xp, 1, k, block) : std::vector<float>();
   const float* xs = xsum.data();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
@@ -258,7 +258,7 @@ at::Tensor q8_blocks_gemm(const at::Tensor& x, const at::Tensor& values, const a
   const float* mp = mc.defined() ? mc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
 #if defined(KILN_FLOAT_LANES)
-  const auto& table = mp != nullptr ? kXRowsTimesWeightRowsMins
+  const auto& table = mp != nullptr ? (block == 32 ? kXRowsTimesWeightRowsMins32 : kXRowsTimesWeightRowsMins16)
                       : block == 32 ? kXRowsTimesWeightRows32
                                     : kXRowsTimesWeightRows16;
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
@@ -268,7 +268,7 @@ at::Tensor q8_blocks_gemm(const at::Tensor& x, const at::Tensor& values, const a
     }
   });
 #else
-  const std::vector<float> xsum = mp != nullptr ? block_sums(xp, rows, k) : std::vector<float>();
+  const std::vector<float> xsum = mp != nullptr ? block_sums(xp, rows, k, block) : std::vector<float>();
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r = 0; r < rows; ++r) {
       const float* xs = mp != nullptr ? xsum.data() + r * groups : nullptr;

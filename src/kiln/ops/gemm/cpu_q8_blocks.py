@@ -6,7 +6,9 @@ w = d * (q - 16)), and Q6_K weights with a scale per 16 ("q8_blocks_onednn" only
 scales d * sc, exact in float32 (ggml's own product). GGUF Q5_K weights (w = (d * sc) * q - dmin * m,
 q in 0..31) keep q with d * sc and a min -(dmin * m) per 32 ("q8_blocks_mins_onednn": `pack_with_mins`):
 the same kernels given the mins (`mins=`), which add each block's sum of x times its min (one row) or
-decode each block as fma(q, d * sc, min), the float32 copy's values (several rows).
+decode each block as fma(q, d * sc, min), the float32 copy's values (several rows). A fused projection
+whose parts mix GGUF types (kiln.quant.gguf_blocks.GGUFStackedWeight: Q4_K beside Q6_K) takes the
+same layout with a scale and a min per 16.
 
 torch.ops.kiln_cpu.q8_blocks_gemv (cpu_q8_blocks.cpp, part of Kiln's native CPU library,
 kiln.ops.native_cpu) reads a byte a weight; where the library cannot be built the same sum runs as a
@@ -84,8 +86,7 @@ def q8_blocks_gemv(
 ) -> torch.Tensor:
     """x [1, K] float32, values int8 [N, K], scales float32 [N, K / B] (B = 32 or 16) -> y float32 [1, N],
     y[n] = sum_k x[k] * (scales[n, k // B] * values[n, k] + mins[n, k // B]) (no mins term without
-    `mins`: float32 [N, K / 32], B = 32 only), through the native kernel (`load` must have returned
-    True)."""
+    `mins`: float32, the scales' shape), through the native kernel (`load` must have returned True)."""
     return torch.ops.kiln_cpu.q8_blocks_gemv(x, values, scales, mins)
 
 

@@ -30,9 +30,9 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      elsewhere two empty tensors)]               q8_tiles_gemm); more rows: oneDNN fp32
                                                                 on the copy
     "q8_blocks_mins_onednn"  [Q5_K's q int8 [N, K], d * sc and  1 row: the native GEMV on q and d * sc
-                     -(dmin * m) float32 [N, K/32], oneDNN's     given the mins (each block's sum of x times
-                     blocked fp32 copy]                          its min; exact); a few rows: q8_blocks_gemm
-                                                                given them; more rows: oneDNN fp32 on the copy
+                     -(dmin * m) float32 [N, K/32] (a stacked    given the mins (each block's sum of x times
+                     weight's values, scales and mins per 16     its min; exact); a few rows: q8_blocks_gemm
+                     or 32), oneDNN's blocked fp32 copy]         given them; more rows: oneDNN fp32 on the copy
     "q4_blocks_a8_onednn", "q8_blocks_a8_onednn"  the tensors    1 row: x quantized to Q8_0 (int8 per 32
                      of "q4_blocks_onednn" / "q8_blocks_onednn"  values), then Kiln's native integer GEMV
                                                                 (kiln.ops.gemm.cpu_blocks_a8); more rows:
@@ -93,8 +93,12 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     as float16, +0.75 with Q4_K's as float32), and a oneDNN-packed float32
     copy of the same matrix for more rows, as "fp32". Exact like "fp32", so the
     probe times it by default. GGUF Q8_0 / Q5_0 / Q6_K weights get "q8_blocks"'s layout
-    (EXACT_BLOCKS_FORMAT), Q5_K ones "q8_blocks_mins_onednn" (under either format);
-    other weights, or a CPU where oneDNN cannot pack, get "fp32";
+    (EXACT_BLOCKS_FORMAT), Q5_K ones "q8_blocks_mins_onednn" (under either format), and a fused
+    projection whose parts mix GGUF types with no exact common one (GGUFStackedWeight: a Q4_K_M
+    file's Q4_K q / k beside a Q6_K v in the layers llama.cpp gives v more bits) its one exact form,
+    int8 values with a float32 scale and min per 16 (per 32 without Q6_K) in "q8_blocks_mins_onednn"
+    (without mins: "q8_blocks_onednn"): 1.5 bytes a weight against the float32 copy's 4 it was
+    dequantized to; other weights, or a CPU where oneDNN cannot pack, get "fp32";
   - CPU, "q8_blocks", GGUF Q8_0, Q5_0 and Q6_K weights: "q8_blocks_onednn", the same for Q8_0: its
     int8 values and its scales (fp16 in the file, exact in float32; Q5_0's: q - 16 and d; Q6_K's:
     q - 32 and d * sc per 16, with no tiles), one row through Kiln's native GEMV
@@ -143,6 +147,8 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     this project measures on (kiln.loaders.cpu_format_probe times it on each host);
   - CPU, "gguf", GGUF blocks: kept as the file's blocks ("gguf_*", as on CUDA), run by gguf_linear's
     CPU path, which decodes the whole matrix on every call: the least memory, not the fastest;
+  - a stacked weight (GGUFStackedWeight) under any other format or on CUDA: dequantized once, here,
+    to that format's dense layout (logged);
   - CPU, GGUF blocks otherwise (every other type, the K-quants included): dequantized once, here, to
     the format's dense layout below (logged once per type): faster than decoding the blocks on every
     call, which is all gguf_linear's CPU path can do;
@@ -181,7 +187,13 @@ from kiln.ops.gemm.quantized_layouts import (
     w4a16_layout,
     w8a8_layout,
 )
-from kiln.quant.gguf_blocks import BLOCK_WEIGHTS, KERNEL_QTYPES, GGUFWeight, dequantize_blocks
+from kiln.quant.gguf_blocks import (
+    BLOCK_WEIGHTS,
+    KERNEL_QTYPES,
+    GGUFStackedWeight,
+    GGUFWeight,
+    dequantize_blocks,
+)
 from kiln.quant.linear_weights import QUANTIZED_WEIGHT_TYPES, BlockFP8Weight, Int4Weight, ScaledWeight
 from kiln.quant.sparse24 import Sparse24Weight
 
@@ -341,8 +353,8 @@ def prepare_linear_weight(
     weights; others fall back to a dense `dtype` matrix.
     """
     prepared = _prepare(weight, torch.device(device), dtype, cpu_format)
-    if isinstance(weight, (torch.Tensor, GGUFWeight)) and prepared.tensors:
-        source = weight.qtype if isinstance(weight, GGUFWeight) else "float"
+    if isinstance(weight, (torch.Tensor, GGUFWeight, GGUFStackedWeight)) and prepared.tensors:
+        source = gguf_source_name(weight)
         # no format asked: the model dtype's (what "dense" holds)
         fmt = cpu_format or next((f for f, d in FORMAT_DTYPES.items() if d == dtype), "fp32")
         if prepared.kind == "gguf":
@@ -351,6 +363,14 @@ def prepare_linear_weight(
         _PREPARED_CASES[id(key)] = (fmt, source)
         weakref.finalize(key, _PREPARED_CASES.pop, id(key), None)
     return prepared
+
+
+def gguf_source_name(weight) -> str:
+    """The source a prepared_linear case names for `weight`: its GGUF type, a stacked weight's types
+    joined by "+" ("Q4_K+Q6_K"), or "float"."""
+    if isinstance(weight, GGUFWeight):
+        return weight.qtype
+    return "+".join(weight.qtypes) if isinstance(weight, GGUFStackedWeight) else "float"
 
 
 def _prepare(weight, device: torch.device, dtype: torch.dtype, cpu_format: str | None):
@@ -365,6 +385,15 @@ def _prepare(weight, device: torch.device, dtype: torch.dtype, cpu_format: str |
             return prepared
         fmt = type(weight).__name__
         _log_dequantized_at_load(fmt, device.type, cpu_format or str(dtype))
+        weight = weight.dequantize(torch.float32)
+    if isinstance(weight, GGUFStackedWeight):
+        if device.type == "cpu" and cpu_format in EXACT_FORMATS:
+            prepared = _stacked_layout(weight, shape, dtype)
+            if prepared is not None:
+                return prepared
+        _log_dequantized_at_load(
+            f"stacked GGUF {gguf_source_name(weight)}", device.type, cpu_format or str(dtype)
+        )
         weight = weight.dequantize(torch.float32)
     if isinstance(weight, GGUFWeight) and device.type == "cuda":
         planes = pack_planar(weight.data, weight.qtype)
@@ -525,6 +554,26 @@ def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | N
     blocks = pack(weight)
     tiles = () if entry is MINS_BLOCKS else cpu_block_tiles.layout_tiles(*blocks)
     return PreparedLinearWeight(layout, (*blocks, rows, *tiles), shape, torch.float32, dtype)
+
+
+def _stacked_layout(weight: GGUFStackedWeight, shape, dtype) -> PreparedLinearWeight | None:
+    """A stacked weight's one exact form (GGUFStackedWeight.fields) in the Q8 kernels' layouts:
+    "q8_blocks_mins_onednn" where a part has mins (Q4_K beside Q6_K: values, a scale and a min per 16),
+    else "q8_blocks_onednn" (with tiles where the scales are per 32); None where oneDNN cannot pack
+    float32 here."""
+    rows = onednn_pack(weight.dequantize(torch.float32))
+    if rows is None:
+        return None
+    cpu_q8_blocks.load()
+    values, scales, mins = weight.fields()
+    if mins is not None:
+        return PreparedLinearWeight(
+            "q8_blocks_mins_onednn", (values, scales, mins, rows), shape, torch.float32, dtype
+        )
+    tiles = cpu_block_tiles.layout_tiles(values, scales)
+    return PreparedLinearWeight(
+        "q8_blocks_onednn", (values, scales, rows, *tiles), shape, torch.float32, dtype
+    )
 
 
 @functools.cache

@@ -20,7 +20,8 @@
   "q4_blocks_a8_onednn", "q8_blocks_a8_onednn"  one row: x quantized to Q8_0, then Kiln's integer GEMV
                  on the same blocks (kiln.ops.gemm.cpu_blocks_a8); several rows: as the exact layouts
                  (the tile and row kernels included);
-  "q8_blocks_mins_onednn"  GGUF Q5_K: as "q8_blocks_onednn" without tiles, the Q8 kernels given the
+  "q8_blocks_mins_onednn"  GGUF Q5_K (and a stacked weight of mixed GGUF types, a scale and a min per 16
+                 or 32): as "q8_blocks_onednn" without tiles, the Q8 kernels given the
                  blocks' mins too (one row: each block's sum of x times its min added; a few rows: each
                  block decoded as fma(q, d * sc, min); exact); more rows: the float32 copy;
   "int8_blocks_onednn"  one row: as "q8_blocks_onednn"; several rows: oneDNN's bf16 GEMM on the copy;

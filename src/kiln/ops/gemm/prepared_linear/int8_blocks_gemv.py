@@ -1,6 +1,7 @@
 """The one-row kernel of the "q8_blocks_onednn", "int8_blocks_onednn" and "q8_blocks_mins_onednn"
 layouts: y = x @ W^T with W = d * q stored as GGUF Q8_0's int8 values q [N, K] and float32 scales
-d [N, K / 32] (W = d * q + m with Q5_K's mins m [N, K / 32] too), computed in float32 on those values.
+d [N, K / 32] (Q6_K's per 16; W = d * q + m with Q5_K's mins m [N, K / 32] too, or a stacked weight's
+per 16 or 32 as its scales), computed in float32 on those values.
 
 Kiln's native kernel runs it (kiln.ops.gemm.cpu_q8_blocks, loaded when the weight was packed). Where
 that library cannot be built, PyTorch has no CPU kernel for int8 weights with a scale per 32
@@ -47,7 +48,7 @@ def int8_blocks_gemv(
     x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [1, K] float (any float dtype, read as float32), values int8 [N, K], scales float32 [N, K / B]
-    (B = 32, or 16 for Q6_K's), mins float32 [N, K / 32] or None -> y float32 [1, N],
+    (B = 32, or 16 for Q6_K's), mins float32 [N, K / B] or None -> y float32 [1, N],
     y[n] = sum_k x[k] * (scales[n, k // B] * values[n, k] + mins[n, k // B]) (no min term without mins)."""
     if cpu_q8_blocks.loaded():
         return cpu_q8_blocks.q8_blocks_gemv(x.float(), values, scales, mins)

@@ -74,7 +74,15 @@ from kiln.ops.gemm.weight_formats import (
 )
 from kiln.ops.registry import BaselineNotApplicable, OpSpec, define_op
 from kiln.ops.testing import clone_inputs, element_size, randn
-from kiln.quant.gguf_blocks import BLOCK_WEIGHTS, K_QUANTS, QK_K, GGUFWeight, scale_group
+from kiln.quant.gguf_blocks import (
+    BLOCK_WEIGHTS,
+    K_QUANTS,
+    QK_K,
+    WITH_MINS,
+    GGUFStackedWeight,
+    GGUFWeight,
+    scale_group,
+)
 from kiln.quant.int4 import quantize_int4
 from kiln.quant.linear_weights import BlockFP8Weight, Int4Weight, ScaledWeight
 from kiln.quant.scaled import quantize_fp8_per_channel, quantize_int8_per_channel
@@ -231,11 +239,12 @@ def _validate_tiles(op, layout, weight, n: int, k: int, device) -> None:
 
 def _check_q8_0_blocks(op, layout, weight, device) -> tuple[int, int]:
     """Q8_0's int8 values [N, K] and float32 scales [N, K / 32] (weight[0], weight[1]; "q8_blocks_onednn"
-    also Q6_K's values with scales [N, K / 16]) -> (N, K)."""
+    and "q8_blocks_mins_onednn" also scales [N, K / 16]: Q6_K's, a stacked weight's) -> (N, K)."""
     check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int8,), device=device)
     check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
     n, k = weight[0].shape
-    blocks = (INT8_BLOCK_SIZE, scale_group("Q6_K")) if layout == "q8_blocks_onednn" else (INT8_BLOCK_SIZE,)
+    per_16 = layout in ("q8_blocks_onednn", "q8_blocks_mins_onednn")
+    blocks = (INT8_BLOCK_SIZE, scale_group("Q6_K")) if per_16 else (INT8_BLOCK_SIZE,)
     if not any(k % b == 0 and tuple(weight[1].shape) == (n, k // b) for b in blocks):
         expected = " or ".join(f"({n}, {k // b})" for b in blocks)  # a scale per 32 (or per 16)
         raise ValueError(
@@ -279,7 +288,8 @@ def _validate_q8_blocks(op, layout, weight, device) -> None:
 
 
 def _validate_q8_blocks_mins(op, layout, weight, device) -> None:
-    """Q5_K's values int8 [N, K], scales and mins float32 [N, K / 32], then the float32 copy."""
+    """Values int8 [N, K], scales and mins float32 [N, K / 32] (Q5_K's) or [N, K / 16] (a stacked
+    weight's, kiln.quant.gguf_blocks.GGUFStackedWeight), then the float32 copy."""
     n, k = _check_q8_0_blocks(op, layout, weight, device)
     check_tensor(op, "weight[2]", weight[2], ndim=2, dtypes=(torch.float32,), device=device)
     if tuple(weight[2].shape) != tuple(weight[1].shape):
@@ -438,13 +448,15 @@ def _make_inputs(shape, dtype, device, generator):
         return _make_quantized_inputs(shape, dtype, device, generator)
     if source == "float":
         weight = randn((N, K), torch.float32, "cpu", generator, scale=K**-0.5)
+    elif "+" in source:
+        weight = _stacked_weight(source.split("+"), N, K, generator)
     else:
         blocks = make_gguf_weight({"N": N, "K": K, "qtype": source}, "cpu", generator)
         weight = GGUFWeight(source, blocks, (N, K))
     prepared = prepare_linear_weight(weight, device=device, dtype=dtype, cpu_format=shape["format"])
     matrix = weight if source == "float" else weight.dequantize(torch.float32)
     _remember_matrix(prepared.tensors[0], matrix.to(device))
-    if source != "float":
+    if isinstance(weight, GGUFWeight):
         _remember(_GGUF_BLOCKS, prepared.tensors[0], (blocks.to(device), source))
     return {
         "x": randn((M, K), dtype, device, generator),
@@ -453,6 +465,17 @@ def _make_inputs(shape, dtype, device, generator):
         "bias": randn((N,), prepared.bias_dtype, device, generator) if shape.get("bias") else None,
         "out_dtype": torch.float32 if shape.get("float32_out") else None,
     }
+
+
+def _stacked_weight(qtypes: list[str], N: int, K: int, generator) -> GGUFStackedWeight:
+    """A fused projection whose parts have GGUF types `qtypes` (source "Q4_K+Q6_K": a Q4_K_M file's
+    QKV), N rows split among them as evenly as they go (each at least one)."""
+    rows = [N // len(qtypes) + (i < N % len(qtypes)) for i in range(len(qtypes))]
+    parts = [
+        GGUFWeight(q, make_gguf_weight({"N": n, "K": K, "qtype": q}, "cpu", generator), (n, K))
+        for q, n in zip(qtypes, rows, strict=True)
+    ]
+    return GGUFStackedWeight.stack(parts)
 
 
 # Quantized checkpoint sources: the weight a checkpoint of that format holds (random values quantized
@@ -567,6 +590,14 @@ _FUZZ_FORMATS = (
     ("q4_blocks_a8", "Q4_K"),
     ("q8_blocks_a8", "Q8_0"),  # "q8_blocks_a8_onednn"
     ("fp16", "Q5_0"),  # CUDA: every GGUF type above and this one in "gguf_planar_*"
+    # fused projections whose parts mix GGUF types (a Q4_K_M file's QKV): the exact formats keep them as
+    # values with a scale and min per 16 ("q8_blocks_mins_onednn") or per 32, or without mins
+    # ("q8_blocks_onednn"); others, and CUDA, dequantize them ("dense")
+    ("q4_blocks", "Q4_K+Q4_K+Q6_K"),
+    ("q8_blocks", "Q5_K+Q6_K"),
+    ("q4_blocks", "Q4_K+Q8_0"),
+    ("q8_blocks", "Q6_K+Q8_0"),
+    ("fp16", "Q4_K+Q6_K"),
 )
 
 
@@ -585,7 +616,7 @@ def _fuzz_shapes(rng):
         k = 32 * rng.randint(1, 8) if source != "float" else rng.randint(1, 300)  # GGUF: whole blocks
         if fmt == "int8" and source == "float" and i % 2 == 0:
             k = INT8_K_MULTIPLE * rng.randint(1, 18)
-        if source in K_QUANTS:
+        if any(q in K_QUANTS for q in source.split("+")):
             k = QK_K * rng.randint(1, 2)  # whole super-blocks
         for m in (1, rng.randint(2, 70)):
             shapes.append(
@@ -664,6 +695,14 @@ def _weight_bytes(shape, dtype) -> float:
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
     if fmt in EXACT_FORMATS and shape["source"] in MIN_QTYPES:  # values, d * sc and the min
         return N * K + N * K / 32 * 8 if shape["M"] <= native_cpu.blocks_gemm_rows() else N * K * 4
+    if fmt in EXACT_FORMATS and "+" in shape["source"]:  # stacked: values, a scale (and min) per block
+        qtypes = shape["source"].split("+")
+        floats = 2 if any(q in WITH_MINS for q in qtypes) else 1
+        block = min(scale_group(q) for q in qtypes)
+        tiles = floats == 1 and block == INT8_BLOCK_SIZE
+        if not _blocks_rows_read_blocks("q8", shape["M"], tiles=tiles):
+            return N * K * 4
+        return N * K + N * K / block * 4 * floats
     exact_blocks = EXACT_BLOCKS_FORMAT.get(shape["source"]) if fmt in EXACT_FORMATS else None
     fmt = exact_blocks or fmt  # the layout each of those keeps the source in
     q4_blocks = fmt in ("q4_blocks", "q4_blocks_a8", "q4_blocks_w8a8") and shape["source"] in INT4_QTYPES
