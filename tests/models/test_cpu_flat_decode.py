@@ -115,8 +115,10 @@ HAS_GGUF = all(importlib.util.find_spec(name) is not None for name in ("gguf", "
 def blocks_gguf(tmp_path_factory):
     """name -> a tiny Llama stored as GGUF blocks, written once: "q4" (Q4_1 q/k/v, gate/up and down,
     Q4_0 o), "q8" (every layer matrix Q8_0), "mixed" (Q4 but a Q8_0 down), "f16_down" (Q4 but an F16
-    down: no blocks) and "k_quants" (Q5_K q/k/v and down, Q4_K o, Q6_K gate/up: every K-quant's exact
-    layout; sizes multiples of 256, a K-quant's super-block); Q8_0 embeddings and head."""
+    down: no blocks), "k_quants" (Q5_K q/k/v and down, Q4_K o, Q6_K gate/up: every K-quant's exact
+    layout; sizes multiples of 256, a K-quant's super-block) and "q4_k_m" (a Q4_K_M file's layers where
+    llama.cpp gives v and down more bits: Q4_K but Q6_K v and down, so QKV stacks Q4_K with Q6_K);
+    Q8_0 embeddings and head."""
     from gguf import GGMLQuantizationType as Q
 
     from tests.loaders.gguf_tiny import write_tiny_gguf
@@ -126,13 +128,14 @@ def blocks_gguf(tmp_path_factory):
           "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1}  # fmt: skip
     k_quants = {"attn_q": Q.Q5_K, "attn_k": Q.Q5_K, "attn_v": Q.Q5_K, "attn_output": Q.Q4_K,
                 "ffn_gate": Q.Q6_K, "ffn_up": Q.Q6_K, "ffn_down": Q.Q5_K}
+    q4_k_m = {**dict.fromkeys(q4, Q.Q4_K), "attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}
     kinds = {"q4": q4, "q8": dict.fromkeys(q4, Q.Q8_0), "mixed": {**q4, "ffn_down": Q.Q8_0},
-             "f16_down": {**q4, "ffn_down": Q.F16}, "k_quants": k_quants}  # fmt: skip
+             "f16_down": {**q4, "ffn_down": Q.F16}, "k_quants": k_quants, "q4_k_m": q4_k_m}  # fmt: skip
     folder, written = tmp_path_factory.mktemp("flat_blocks"), {}
 
     def path(name: str) -> str:
         if name not in written:
-            sizes = (256, 512) if name == "k_quants" else (128, 160)
+            sizes = (256, 512) if name in ("k_quants", "q4_k_m") else (128, 160)
             hf = tiny_llama(
                 seed=7, hidden_size=sizes[0], intermediate_size=sizes[1], num_attention_heads=4,
                 num_key_value_heads=2,
@@ -185,8 +188,12 @@ def _three_ways(path, loaded, monkeypatch, native=None, **kw) -> dict:
     [("q4", "q4_blocks", "q4_blocks_onednn"), ("q4", "q4_blocks_a8", "q4_blocks_a8_onednn"),
      ("q8", "q8_blocks", "q8_blocks_onednn"), ("q8", "q8_blocks_a8", "q8_blocks_a8_onednn"),
      ("mixed", "q4_blocks", "q4_blocks_onednn q8_blocks_onednn"),  # either blocks format keeps both
-     ("k_quants", "q8_blocks", "q8_blocks_mins_onednn")],  # Q5_K's q/k/v and down, with their mins
-    ids=["q4", "q4_a8", "q8", "q8_a8", "mixed", "k_quants"],
+     ("k_quants", "q8_blocks", "q8_blocks_mins_onednn"),  # Q5_K's q/k/v and down, with their mins
+     ("k_quants", "q4_blocks_a8", "q8_blocks_mins_a8_onednn"),
+     # QKV stacking Q4_K with Q6_K: values, a scale and a min per 16; the Q6_K down
+     ("q4_k_m", "q4_blocks", "q8_blocks_mins_onednn q8_blocks_onednn"),
+     ("q4_k_m", "q4_blocks_a8", "q8_blocks_mins_a8_onednn q8_blocks_a8_onednn")],
+    ids=["q4", "q4_a8", "q8", "q8_a8", "mixed", "k_quants", "k_quants_a8", "q4_k_m", "q4_k_m_a8"],
 )  # fmt: skip
 @pytest.mark.parametrize("qkv_bias", [False, True], ids=["no_bias", "qkv_bias"])
 def test_native_flat_decode_gives_the_python_loops_and_the_modules_logprobs(
@@ -254,9 +261,10 @@ def test_native_flat_decode_names_malformed_arguments():
     with pytest.raises(RuntimeError, match="layer 0 has activation 2"):
         tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 16
         flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, 0, 0, 2, -1], floats)
-    with pytest.raises(RuntimeError, match=r"kind 4 \(Q5_K's, with mins\) has no tiles, got tiles_rows 8"):
-        tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 12  # values, scales and mins
-        flat_decode(tensors, [4] * 4 + [0, 64, 32, 4, 2, 16, 8, 0, 0, 0, *llama], floats)
+    for kind in (4, 5):  # the kinds with mins (exact, a8)
+        with pytest.raises(RuntimeError, match=rf"kind {kind} \(with mins\) has no tiles, got tiles_rows 8"):
+            tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 12  # values, scales and mins
+            flat_decode(tensors, [kind] * 4 + [0, 64, 32, 4, 2, 16, 8, 0, 0, 0, *llama], floats)
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
@@ -288,8 +296,8 @@ def test_the_profiler_sees_each_kernel_of_the_native_call(blocks_gguf):
 @pytest.mark.parametrize(
     "weights, cpu_format, kv_cache_dtype",
     [("q4", "q4_blocks", "auto"), ("q8", "q8_blocks_a8", "auto"), ("q4", "q4_blocks", "bfloat16"),
-     ("k_quants", "q8_blocks", "auto")],
-    ids=["q4", "q8_a8", "q4_bf16_cache", "k_quants"],
+     ("k_quants", "q8_blocks", "auto"), ("q4_k_m", "q4_blocks_a8", "auto")],
+    ids=["q4", "q8_a8", "q4_bf16_cache", "k_quants", "q4_k_m_a8"],
 )  # fmt: skip
 def test_native_flat_decode_runs_batched_steps_as_the_modules_do(
     blocks_gguf, weights, cpu_format, kv_cache_dtype, monkeypatch

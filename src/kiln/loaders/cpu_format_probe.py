@@ -47,6 +47,7 @@ from kiln import environment
 from kiln.models.weights import GGUFStackedWeight, GGUFWeight, WeightStore, cat_rows
 from kiln.ops import tuned_configs
 from kiln.ops.gemm.weight_formats import (
+    A8_FORMATS,
     CPU_WEIGHT_FORMATS,
     EXACT_BLOCKS_QTYPES,
     EXACT_FORMATS,
@@ -80,7 +81,8 @@ def candidate_formats(weights: list) -> tuple[str, ...]:
     weight is a GGUF Q4 matrix, without "int8_blocks" / "q8_blocks_a8" unless every one is GGUF Q8_0
     (elsewhere they fall back to other layouts), without "gguf". "q4_blocks" (all Q4) or "q8_blocks"
     (all Q8_0) as those; for other GGUF matrices of exact-blocks types (a mixed file's, stacked ones and
-    float matrices beside them allowed) the first of the two named."""
+    float matrices beside them allowed) the first of the two named; "q4_blocks_a8" / "q8_blocks_a8"
+    likewise."""
     names = os.environ.get("KILN_CPU_FORMATS")
     wanted = tuple(n.strip() for n in names.split(",") if n.strip()) if names else DEFAULT_CANDIDATES
     unknown = [n for n in wanted if n not in CPU_WEIGHT_FORMATS]
@@ -97,10 +99,13 @@ def candidate_formats(weights: list) -> tuple[str, ...]:
     gguf += [part for w in weights if isinstance(w, GGUFStackedWeight) for part in w.parts]
     mixed = bool(gguf) and not (q4 or q8) and all(w.qtype in EXACT_BLOCKS_QTYPES for w in gguf)
     first_exact = next((n for n in wanted if n in EXACT_FORMATS), None)
+    first_a8 = next((n for n in wanted if n in A8_FORMATS), None)  # the same for their a8 forms
 
     def keep(name: str) -> bool:
         if name in EXACT_FORMATS:
             return name == first_exact if mixed else (q4 if name == "q4_blocks" else q8)
+        if name in A8_FORMATS:
+            return name == first_a8 if mixed else (q4 if name == "q4_blocks_a8" else q8)
         if name.startswith(("int4", "q4_blocks")):
             return q4
         if name.startswith(("int8_blocks", "q8_blocks")):

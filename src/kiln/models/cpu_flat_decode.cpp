@@ -1,7 +1,8 @@
 // The flat decode of kiln.models.cpu_flat_decode in one native call: every layer of a Llama-family or
 // Gemma 3 model for one float32 token of each of T sequences, whose four linears are GGUF-block layouts with
-// native kernels (q4_blocks / q8_blocks, exact or with a one-row x quantized to Q8_0, and Q5_K's
-// q8_blocks with mins; several rows through the exact multi-row kernels, as prepared_linear runs them).
+// native kernels (q4_blocks / q8_blocks, exact or with a one-row x quantized to Q8_0, and Q5_K's or a
+// stacked weight's q8_blocks with mins; several rows through the exact multi-row kernels, as
+// prepared_linear runs them).
 // It calls the same C++ functions the Python loop reaches through torch.ops.kiln_cpu (native_cpu_ops.h),
 // in the same order with the same arguments, so the floats are the loop's; what goes is the Python and
 // the dispatcher between them (~12 calls a layer, ~1.5 ms a token for SmolLM2's 30 layers on a 2-core
@@ -52,16 +53,25 @@ namespace {
     __VA_ARGS__;                                      \
   } while (0)
 
-constexpr const char* kKindOps[] = {"kiln_cpu::q4_blocks_gemv", "kiln_cpu::q8_blocks_gemv",
+constexpr const char* kKindOps[] = {"kiln_cpu::q4_blocks_gemv",    "kiln_cpu::q8_blocks_gemv",
                                     "kiln_cpu::q4_blocks_a8_gemv", "kiln_cpu::q8_blocks_a8_gemv",
-                                    "kiln_cpu::q8_blocks_gemv"};
+                                    "kiln_cpu::q8_blocks_gemv",    "kiln_cpu::q8_blocks_mins_a8_gemv"};
 constexpr const char* kKindRowsOps[] = {"kiln_cpu::q4_blocks_gemm", "kiln_cpu::q8_blocks_gemm"};
 
-// kQ8BlocksMins: Q5_K's "q8_blocks_mins_onednn" (the Q8 kernels with their optional mins)
-enum Kind : int64_t { kQ4Blocks = 0, kQ8Blocks = 1, kQ4BlocksA8 = 2, kQ8BlocksA8 = 3, kQ8BlocksMins = 4, kKinds = 5 };
-// the blocks' tensors (nibbles, scales, mins / values, scales), then the tiles and tile scales; Q5_K's
-// values, scales and mins (no tiles)
-constexpr int64_t kKindTensors[kKinds] = {5, 4, 5, 4, 3};
+// kQ8BlocksMins: "q8_blocks_mins_onednn" (Q5_K's, a stacked weight's: the Q8 kernels with their optional
+// mins); kQ8BlocksMinsA8: its a8 form ("q8_blocks_mins_a8_onednn")
+enum Kind : int64_t {
+  kQ4Blocks = 0,
+  kQ8Blocks = 1,
+  kQ4BlocksA8 = 2,
+  kQ8BlocksA8 = 3,
+  kQ8BlocksMins = 4,
+  kQ8BlocksMinsA8 = 5,
+  kKinds = 6
+};
+// the blocks' tensors (nibbles, scales, mins / values, scales), then the tiles and tile scales; the
+// kinds with mins: values, scales and mins (no tiles)
+constexpr int64_t kKindTensors[kKinds] = {5, 4, 5, 4, 3, 3};
 constexpr int64_t kInts = 18, kFloats = 4;
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
@@ -106,7 +116,7 @@ struct Linear {
       }
       RECORD_FUNCTION(kKindRowsOps[q4 ? 0 : 1], std::vector<c10::IValue>());
       if (q4) return kiln_cpu::q4_blocks_gemm(x, w[0], w[1], w[2]);
-      if (kind == kQ8BlocksMins) return kiln_cpu::q8_blocks_gemm(x, w[0], w[1], w[2]);
+      if (kind == kQ8BlocksMins || kind == kQ8BlocksMinsA8) return kiln_cpu::q8_blocks_gemm(x, w[0], w[1], w[2]);
       return kiln_cpu::q8_blocks_gemm(x, w[0], w[1]);
     }
     RECORD_FUNCTION(kKindOps[kind], std::vector<c10::IValue>());
@@ -115,6 +125,7 @@ struct Linear {
       case kQ8Blocks: return kiln_cpu::q8_blocks_gemv(x, w[0], w[1]);
       case kQ4BlocksA8: return kiln_cpu::q4_blocks_a8_gemv(x, w[0], w[1], w[2]);
       case kQ8BlocksMins: return kiln_cpu::q8_blocks_gemv(x, w[0], w[1], w[2]);
+      case kQ8BlocksMinsA8: return kiln_cpu::q8_blocks_mins_a8_gemv(x, w[0], w[1], w[2]);
       default: return kiln_cpu::q8_blocks_a8_gemv(x, w[0], w[1]);
     }
   }
@@ -169,8 +180,8 @@ struct FlatDecode : torch::CustomClassHolder {
       for (auto [i, linear] : {std::pair{0, &layer.qkv}, {1, &layer.o}, {2, &layer.gate_up}, {3, &layer.down}}) {
         linear->kind = in[i];
         linear->tiles_rows = in[10 + i];
-        TORCH_CHECK(in[i] != kQ8BlocksMins || linear->tiles_rows == 0, "kiln_cpu.FlatDecode: layer ", l,
-                    ": weight kind ", kQ8BlocksMins, " (Q5_K's, with mins) has no tiles, got tiles_rows ",
+        TORCH_CHECK((in[i] != kQ8BlocksMins && in[i] != kQ8BlocksMinsA8) || linear->tiles_rows == 0,
+                    "kiln_cpu.FlatDecode: layer ", l, ": weight kind ", in[i], " (with mins) has no tiles, got tiles_rows ",
                     linear->tiles_rows);
         for (int64_t t = 0; t < kKindTensors[in[i]]; ++t) linear->w.push_back(take());
       }

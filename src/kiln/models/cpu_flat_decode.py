@@ -65,6 +65,7 @@ NATIVE_LAYOUTS = {
     "q8_blocks_a8_onednn": (3, 2, "q8"),
     "q4_blocks_w8a8_packed": (0, 3, "q4"),
     "q8_blocks_mins_onednn": (4, 3, None),  # GGUF Q5_K: values, scales and mins, the Q8 kernels'
+    "q8_blocks_mins_a8_onednn": (5, 3, None),  # the same with a one-row x quantized to Q8_0
 }
 # of those, the W8A8 hybrids: their rows beyond weight_formats.exact_rows run W8A8, which has no native
 # form here, so the native call gets their blocks and no tiles, and takes up to exact_rows rows

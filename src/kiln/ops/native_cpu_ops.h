@@ -40,7 +40,7 @@ at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const 
                           const at::Tensor& mins);
 at::Tensor q4_blocks_gemm(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
                           const at::Tensor& mins);
-// mins: Q5_K's float32 [N, K / 32] (blocks of 32 only), or none
+// mins: float32, the scales' shape (Q5_K's per 32, a stacked weight's per 16 or 32), or none
 at::Tensor q8_blocks_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                           const std::optional<at::Tensor>& mins = std::nullopt);
 at::Tensor q8_blocks_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
@@ -49,6 +49,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_q8_0(const at::Tensor& x);
 at::Tensor q4_blocks_a8_gemv(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
                              const at::Tensor& mins);
 at::Tensor q8_blocks_a8_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales);
+at::Tensor q8_blocks_mins_a8_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                                  const at::Tensor& mins);
 // gemm/cpu_block_tiles.cpp, gemm/cpu_q8_tiles.cpp
 at::Tensor q4_tiles_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales, int64_t n);
 at::Tensor q8_tiles_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales, int64_t n);

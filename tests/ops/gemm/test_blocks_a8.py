@@ -14,7 +14,7 @@ from kiln.ops.gemm import cpu_blocks_a8 as a8
 from kiln.ops.gemm.prepared_linear.spec import prepared_linear_reference
 from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
 from kiln.quant import quantize_blocks
-from kiln.quant.gguf_blocks import GGUFWeight
+from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight
 from kiln.verify import assert_close
 from tests.ops.gemm.native_gemv_child import assert_compiled_call_holds_native_op
 
@@ -24,9 +24,10 @@ FORMATS = {"q4_blocks_a8": ("Q4_1", "Q4_0", "Q4_K"), "q8_blocks_a8": ("Q8_0",)}
 
 
 def _weight(qtype: str, n: int, k: int, generator) -> GGUFWeight:
-    """Fresh values in GGUF blocks: written by `gguf` (Kiln's packer for Q4_K, which gguf cannot write)."""
+    """Fresh values in GGUF blocks: written by `gguf` (Kiln's packer for the K-quants, which gguf cannot
+    write)."""
     values = torch.randn(n, k, generator=generator) * torch.rand(n, 1, generator=generator)
-    if qtype == "Q4_K":
+    if qtype.endswith("_K"):
         return GGUFWeight(qtype, quantize_blocks(values, qtype), (n, k))
     kind = gguf.GGMLQuantizationType[qtype]
     return GGUFWeight(qtype, torch.from_numpy(gguf.quants.quantize(values.numpy(), kind)), (n, k))
@@ -162,12 +163,96 @@ def test_a8_ops_refuse_malformed_inputs_by_name(native):
         a8.quantize_q8_0(torch.randn(3, 33))
 
 
-def test_a8_formats_give_other_weights_the_float32_layouts():
+def test_a8_formats_give_float_weights_the_float32_layouts():
     g = torch.Generator().manual_seed(4)
-    for fmt, other in (("q4_blocks_a8", "Q8_0"), ("q8_blocks_a8", "Q4_1")):
-        for weight in (_weight(other, 16, 64, g), torch.randn(16, 64, generator=g)):
-            prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format=fmt)
-            assert prepared.layout in ("onednn", "dense") and prepared.compute_dtype == torch.float32
+    for fmt in FORMATS:
+        prepared = prepare_linear_weight(
+            torch.randn(16, 64, generator=g), device=CPU, dtype=torch.float32, cpu_format=fmt
+        )
+        assert prepared.layout in ("onednn", "dense") and prepared.compute_dtype == torch.float32
+
+
+# Either a8 format keeps every GGUF type with a blocks layout in its a8 form, as the exact pair does: a
+# K-quant file (Q4_K_M: Q4_K, Q6_K, and fused QKV stacking Q4_K with Q6_K) runs every matrix this way
+# instead of float32 copies. source -> layout (parts of a stacked source joined by "+")
+A8_KEEPS = {
+    "Q4_1": "q4_blocks_a8_onednn",
+    "Q8_0": "q8_blocks_a8_onednn",
+    "Q5_0": "q8_blocks_a8_onednn",
+    "Q6_K": "q8_blocks_a8_onednn",  # a weight scale per 16
+    "Q5_K": "q8_blocks_mins_a8_onednn",
+    "Q4_K+Q6_K": "q8_blocks_mins_a8_onednn",  # a scale and a min per 16
+    "Q5_K+Q8_0": "q8_blocks_mins_a8_onednn",  # per 32
+    "Q6_K+Q8_0": "q8_blocks_a8_onednn",  # per 16, no mins
+}
+
+
+def _source(source: str, n: int, k: int, g):
+    """A GGUFWeight, or for "A+B" a GGUFStackedWeight of parts of those types, and its float64 matrix as
+    `gguf` decodes the blocks."""
+    if "+" not in source:
+        weight = _weight(source, n, k, g)
+        return weight, _gguf_matrix(weight)
+    parts = [_weight(q, n // 2 + i, k, g) for i, q in enumerate(source.split("+"))]
+    return GGUFStackedWeight.stack(parts), torch.cat([_gguf_matrix(p) for p in parts])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("source", A8_KEEPS)
+def test_a8_formats_keep_every_blocks_type_and_multiply_the_gguf_quantized_x(
+    fmt, source, native, monkeypatch
+):
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    k = 512 if "_K" in source else 160
+    weight, matrix = _source(source, 37, k, g)
+    prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format=fmt)
+    if prepared.layout == "onednn":
+        pytest.skip("no oneDNN float32 packing here")
+    assert prepared.layout == A8_KEEPS[source] and prepared.kind in ("q4_blocks", "q8_blocks")
+    assert torch.equal(prepared_matrix(prepared.layout, prepared.tensors), matrix)
+    n, run, bias = matrix.shape[0], kiln.ops.prepared_linear, torch.randn(matrix.shape[0], generator=g)
+    x = torch.randn(1, k, generator=g) * 3
+    q, _ = _gguf_q8_0(x)
+    x_gguf = q.double().view(1, -1, 32) * (x.view(1, -1, 32).abs().amax(-1, keepdim=True) / 127).double()
+    y = torch.full((1, n), float("nan"))
+    y.copy_(run(x, prepared.layout, prepared.tensors, bias))
+    expected = x_gguf.view(1, k) @ matrix.T + bias.double()
+    assert_close(y, expected, 1e-6, "one row: W @ x' (integer block sums, float32 scaling)")
+    error = (y.double() - (x.double() @ matrix.T + bias.double())).norm() / (x.double() @ matrix.T).norm()
+    assert 1e-5 < error < 2e-2, f"x's quantization moves it a little: {error}"
+    if "mins" in prepared.layout:  # the min terms count: without them the result is far off
+        values, scales = prepared.tensors[:2]
+        assert (a8.q8_blocks_a8_gemv(x, values, scales) - y + bias).abs().max() > 1e-2 * y.abs().max()
+    rows = torch.randn(5, k, generator=g)  # several rows: the exact kernels
+    assert_close(
+        run(rows, prepared.layout, prepared.tensors, bias),
+        rows.double() @ matrix.T + bias.double(),
+        1e-6,
+        "5 rows",
+    )
+    monkeypatch.setitem(a8._state, "loaded", False)  # where the library cannot be built: the tensor form
+    assert_close(run(x, prepared.layout, prepared.tensors, bias), expected, 1e-6, "tensor form")
+    monkeypatch.undo()
+    x[0, 70] = float("nan")  # one NaN input poisons every output
+    assert torch.isnan(run(x, prepared.layout, prepared.tensors, bias)).all()
+
+
+def test_the_q8_a8_kernels_refuse_malformed_scales_and_mins_by_name(native):
+    g = torch.Generator().manual_seed(5)
+    weight, _ = _source("Q4_K+Q6_K", 40, 256, g)
+    values, scales, mins = weight.fields()
+    x, ops = torch.randn(1, 256, generator=g), torch.ops.kiln_cpu
+    with pytest.raises(
+        RuntimeError,
+        match=r"q8_blocks_a8_gemv: scales must be float32 \[N, K / 32\] = \[41, 8\] or \[N, K / 16\]",
+    ):
+        ops.q8_blocks_a8_gemv(x, values, scales[:, :5].contiguous())
+    with pytest.raises(
+        RuntimeError, match=r"q8_blocks_mins_a8_gemv: mins must be float32 \[41, 16\] \(the scales' shape\)"
+    ):
+        ops.q8_blocks_mins_a8_gemv(x, values, scales, mins[:, :8].contiguous())
+    with pytest.raises(RuntimeError, match=r"q8_blocks_mins_a8_gemv: mins must be float32 .*Double"):
+        ops.q8_blocks_mins_a8_gemv(x, values, scales, mins.double())
 
 
 @pytest.mark.parametrize("fmt,qtype", [("q4_blocks_a8", "Q4_1"), ("q8_blocks_a8", "Q8_0")])

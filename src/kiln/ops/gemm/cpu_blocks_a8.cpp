@@ -7,6 +7,11 @@
 //   Q4 (w = dw * qw + mw, qw in 0..15):  y[n] = sum_g dw dx sum_j qw qx  +  mw dx sum_j qx
 //   Q8_0 (w = dw * qw, qw int8):        y[n] = sum_g dw dx sum_j qw qx
 //
+// The Q8 kernel also takes the q8_blocks layouts' other forms: a weight scale per 16 (GGUF Q6_K's q - 32
+// with d * sc; each block of x against its two halves) and, as q8_blocks_mins_a8_gemv, a min per block
+// of 32 or 16 (Q5_K's, a stacked weight's: kiln.quant.gguf_blocks.GGUFStackedWeight), added as
+// mw * dx * sum(qx) over the min's block.
+//
 // so y is W @ x' in float32, x' = dx * qx the quantized x: the only approximation is x's rounding to
 // 255 levels a block. AVX2's vpmaddubsw multiplies 32 unsigned by 32 signed bytes into 16 int16 pair
 // sums: Q4's values (<= 15) times qx (|qx| <= 127) stay below 3810, and for Q8_0 (|qw| <= 128 after
@@ -16,7 +21,8 @@
 // dx stays float32 (gguf stores it as float16; the int8 values are the same, computed from the float32
 // d, as ggml's reference quantizer does). A NaN or infinity in a block of x makes that block's dx NaN,
 // so it reaches every output.
-// Registered as torch.ops.kiln_cpu.quantize_q8_0, q4_blocks_a8_gemv and q8_blocks_a8_gemv.
+// Registered as torch.ops.kiln_cpu.quantize_q8_0, q4_blocks_a8_gemv, q8_blocks_a8_gemv and
+// q8_blocks_mins_a8_gemv.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -167,6 +173,37 @@ float q8_row(const int8_t* qx, const float* dx, const int8_t* row, const float* 
 #endif
 }
 
+// One Q8 row with a scale per 16 (Q6_K's): each block of 32 of x against the two halves of its weights
+float q8_row16(const int8_t* qx, const float* dx, const int8_t* row, const float* dw, int64_t groups,
+               const int8_t* stop) {
+#if defined(KILN_A8_AVX2)
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* w = row + g * kBlock;
+    if ((g & 1) == 0 && w + kPrefetchAhead < stop) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchAhead), _MM_HINT_T0);
+    }
+    const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + g * kBlock));
+    // int32 lanes 0-3: bytes 0-15 (the first half's sums), lanes 4-7: bytes 16-31
+    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(a, qw)), ones);
+    const __m256 scale = _mm256_set_m128(_mm_set1_ps(dw[2 * g + 1] * dx[g]), _mm_set1_ps(dw[2 * g] * dx[g]));
+    acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc);
+  }
+  return hsum(acc);
+#else
+  (void)stop;
+  float s = 0.f;
+  for (int64_t h = 0; h < 2 * groups; ++h) {
+    int32_t dot = 0;
+    for (int64_t j = 0; j < kBlock / 2; ++j) dot += row[h * 16 + j] * qx[h * 16 + j];
+    s += dw[h] * dx[h / 2] * static_cast<float>(dot);
+  }
+  return s;
+#endif
+}
+
 void check_x(const char* op, const at::Tensor& x, int64_t rows) {
   TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && (rows < 0 || x.size(0) == rows),
@@ -229,29 +266,70 @@ at::Tensor q4_blocks_a8_gemv(const at::Tensor& x, const at::Tensor& nibbles, con
   return y;
 }
 
-at::Tensor q8_blocks_a8_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
-  const char* op = "q8_blocks_a8_gemv";
+// q8_blocks_a8_gemv and q8_blocks_mins_a8_gemv: scales (and mins) float32 [N, K / 32] or [N, K / 16]
+at::Tensor q8_a8(const char* op, const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                 const at::Tensor* mins) {
   check_x(op, x, 1);
   TORCH_CHECK(values.device().is_cpu() && values.scalar_type() == at::kChar && values.dim() == 2 &&
                   values.size(1) == x.size(1),
               op, ": values must be int8 [N, K] on the CPU with K = ", x.size(1), ", got ", values.scalar_type(),
               " ", values.sizes(), " on ", values.device());
   const int64_t n = values.size(0), k = x.size(1), groups = k / kBlock;
-  check_scales(op, "scales", scales, n, groups);
+  const bool halves = scales.dim() == 2 && scales.size(1) == 2 * groups;  // a scale per 16
+  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat && scales.dim() == 2 &&
+                  scales.size(0) == n && (scales.size(1) == groups || halves),
+              op, ": scales must be float32 [N, K / 32] = [", n, ", ", groups, "] or [N, K / 16] = [", n, ", ",
+              2 * groups, "] on the CPU, got ", scales.scalar_type(), " ", scales.sizes(), " on ", scales.device());
+  if (mins != nullptr) {
+    TORCH_CHECK(mins->device().is_cpu() && mins->scalar_type() == at::kFloat && mins->sizes() == scales.sizes(), op,
+                ": mins must be float32 ", scales.sizes(), " (the scales' shape) on the CPU, got ",
+                mins->scalar_type(), " ", mins->sizes(), " on ", mins->device());
+  }
   const at::Tensor xc = x.contiguous(), qc = values.contiguous(), dc = scales.contiguous();
+  const at::Tensor mc = mins != nullptr ? mins->contiguous() : at::Tensor();
   std::vector<int8_t> qx(k);
-  std::vector<float> dx(groups);
-  quantize_row(xc.data_ptr<float>(), k, qx.data(), dx.data(), nullptr);
+  std::vector<float> dx(groups), sx(groups);
+  quantize_row(xc.data_ptr<float>(), k, qx.data(), dx.data(), sx.data());
+  std::vector<float> sx16;  // per 16: dx * sum(qx) over each half block, for mins per 16
+  if (mins != nullptr && halves) {
+    sx16.resize(2 * groups);
+    for (int64_t h = 0; h < 2 * groups; ++h) {
+      int32_t sum = 0;
+      for (int64_t j = 0; j < kBlock / 2; ++j) sum += qx[h * 16 + j];
+      sx16[h] = dx[h / 2] * static_cast<float>(sum);
+    }
+  }
+  const float* sums = halves ? sx16.data() : sx.data();
+  const int64_t per_row = halves ? 2 * groups : groups;
   at::Tensor y = at::empty({1, n}, x.options());
   const int8_t* qp = qc.data_ptr<int8_t>();
   const float* dp = dc.data_ptr<float>();
+  const float* mp = mins != nullptr ? mc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      yp[r] = q8_row(qx.data(), dx.data(), qp + r * k, dp + r * groups, groups, qp + end * k);
+      const float* dw = dp + r * per_row;
+      float v = halves ? q8_row16(qx.data(), dx.data(), qp + r * k, dw, groups, qp + end * k)
+                       : q8_row(qx.data(), dx.data(), qp + r * k, dw, groups, qp + end * k);
+      if (mp != nullptr) {  // the mins times x' summed over their blocks
+        const float* mw = mp + r * per_row;
+        float tail = 0.f;
+        for (int64_t g = 0; g < per_row; ++g) tail += mw[g] * sums[g];
+        v += tail;
+      }
+      yp[r] = v;
     }
   });
   return y;
+}
+
+at::Tensor q8_blocks_a8_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
+  return q8_a8("q8_blocks_a8_gemv", x, values, scales, nullptr);
+}
+
+at::Tensor q8_blocks_mins_a8_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                                  const at::Tensor& mins) {
+  return q8_a8("q8_blocks_mins_a8_gemv", x, values, scales, &mins);
 }
 
 }  // namespace kiln_cpu
@@ -260,10 +338,12 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   m.def("quantize_q8_0(Tensor x) -> (Tensor, Tensor)");
   m.def("q4_blocks_a8_gemv(Tensor x, Tensor nibbles, Tensor scales, Tensor mins) -> Tensor");
   m.def("q8_blocks_a8_gemv(Tensor x, Tensor values, Tensor scales) -> Tensor");
+  m.def("q8_blocks_mins_a8_gemv(Tensor x, Tensor values, Tensor scales, Tensor mins) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
   m.impl("quantize_q8_0", &kiln_cpu::quantize_q8_0);
   m.impl("q4_blocks_a8_gemv", &kiln_cpu::q4_blocks_a8_gemv);
   m.impl("q8_blocks_a8_gemv", &kiln_cpu::q8_blocks_a8_gemv);
+  m.impl("q8_blocks_mins_a8_gemv", &kiln_cpu::q8_blocks_mins_a8_gemv);
 }

@@ -1,12 +1,15 @@
-"""GGUF Q4 / Q8_0 blocks times activations quantized to Q8_0, for the "q4_blocks_a8_onednn" and
-"q8_blocks_a8_onednn" layouts (kiln.ops.gemm.weight_formats): llama.cpp's CPU arithmetic.
+"""GGUF Q4 / Q8 blocks times activations quantized to Q8_0, for the "q4_blocks_a8_onednn",
+"q8_blocks_a8_onednn" and "q8_blocks_mins_a8_onednn" layouts (kiln.ops.gemm.weight_formats): llama.cpp's
+CPU arithmetic.
 
 The weights are the exact q4_blocks / q8_blocks tensors (kiln.ops.gemm.cpu_q4_blocks.pack,
-cpu_q8_blocks.pack). At one row, x is first quantized per 32 values to int8 with a float32 scale
-(`quantize_q8_0`: gguf's Q8_0 values; the scale is not rounded to float16), then each block's dot
-product is exact integer arithmetic (AVX2's vpmaddubsw), so y = W @ x' in float32 with x' = d * q
-the quantized x. x's rounding to 255 levels a block is the whole approximation; in exchange the
-kernels read the weights at the memory bandwidth instead of converting each one to float32
+cpu_q8_blocks.pack: Q8_0, Q5_0 and Q6_K, whose scales are per 16; Q5_K's values, scales and mins,
+cpu_q8_blocks.pack_with_mins, or a stacked weight's fields, kiln.quant.gguf_blocks.GGUFStackedWeight).
+At one row, x is first quantized per 32 values to int8 with a float32 scale (`quantize_q8_0`:
+gguf's Q8_0 values; the scale is not rounded to float16), then each block's dot product is exact
+integer arithmetic (AVX2's vpmaddubsw), so y = W @ x' in float32 with x' = d * q the quantized x. x's
+rounding to 255 levels a block is the whole approximation; in exchange the kernels read the weights at
+the memory bandwidth instead of converting each one to float32
 (cpu_blocks_a8.cpp).
 
 The ops are part of Kiln's native CPU library (kiln.ops.native_cpu); where it cannot be built the same
@@ -44,6 +47,10 @@ def _register_fakes() -> None:
     def _(x, values, scales):
         return x.new_empty((1, values.shape[0]))
 
+    @torch.library.register_fake("kiln_cpu::q8_blocks_mins_a8_gemv")
+    def _(x, values, scales, mins):
+        return x.new_empty((1, values.shape[0]))
+
 
 def pack_q4(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """cpu_q4_blocks.pack(weight) (a GGUF Q4_0 / Q4_1 / Q4_K GGUFWeight), after `load`."""
@@ -52,9 +59,15 @@ def pack_q4(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def pack_q8(weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """cpu_q8_blocks.pack(weight) (a GGUF Q8_0 GGUFWeight), after `load`."""
+    """cpu_q8_blocks.pack(weight) (a GGUF Q8_0 / Q5_0 / Q6_K GGUFWeight), after `load`."""
     load()
     return cpu_q8_blocks.pack(weight)
+
+
+def pack_q8_mins(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cpu_q8_blocks.pack_with_mins(weight) (a GGUF Q5_K GGUFWeight), after `load`."""
+    load()
+    return cpu_q8_blocks.pack_with_mins(weight)
 
 
 def _check_x(op: str, x: torch.Tensor, rows: int | None) -> None:
@@ -136,15 +149,35 @@ def q4_blocks_a8_gemv(
 
 
 def q8_blocks_a8_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [1, K] float (read as float32), values int8 [N, K], scales float32 [N, K / 32]
+    """x [1, K] float (read as float32), values int8 [N, K], scales float32 [N, K / 32] or [N, K / 16]
     (cpu_q8_blocks.pack) -> y float32 [1, N] = x' @ W^T, x' = x quantized to Q8_0 (`quantize_q8_0`)."""
     x = x.float()  # the native op checks its arguments (one call per projection per step)
     if not torch.compiler.is_compiling():
         load()
     if _state["loaded"]:
         return torch.ops.kiln_cpu.q8_blocks_a8_gemv(x, values, scales)
-    _check_x("q8_blocks_a8_gemv", x, 1)
+    return _q8_a8_tensors("q8_blocks_a8_gemv", x, values, scales, None)
+
+
+def q8_blocks_mins_a8_gemv(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> torch.Tensor:
+    """`q8_blocks_a8_gemv` with a min per block of the scales (mins float32, the scales' shape: Q5_K's,
+    a stacked weight's): y = x' @ W^T with W = values * scale + min."""
+    x = x.float()
+    if not torch.compiler.is_compiling():
+        load()
+    if _state["loaded"]:
+        return torch.ops.kiln_cpu.q8_blocks_mins_a8_gemv(x, values, scales, mins)
+    return _q8_a8_tensors("q8_blocks_mins_a8_gemv", x, values, scales, mins)
+
+
+def _q8_a8_tensors(op, x, values, scales, mins) -> torch.Tensor:
+    """The Q8 a8 kernels as tensor code (no native library): x' times the float32 matrix."""
+    _check_x(op, x, 1)
     q, d = _quantize_tensor(x.contiguous())
     n, k = values.shape
-    w = values.view(n, k // BLOCK, BLOCK).float() * scales.view(n, k // BLOCK, 1)
+    w = values.view(n, scales.shape[1], -1).float() * scales.view(n, -1, 1)
+    if mins is not None:
+        w = w + mins.view(n, -1, 1)
     return dequantize_q8_0(q, d) @ w.view(n, k).T

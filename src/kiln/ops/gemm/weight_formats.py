@@ -32,9 +32,11 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
     "q8_blocks_mins_onednn"  [Q5_K's q int8 [N, K], d * sc and  1 row: the native GEMV on q and d * sc
                      -(dmin * m) float32 [N, K/32] (a stacked    given the mins (each block's sum of x times
                      weight's values, scales and mins per 16     its min; exact); a few rows: q8_blocks_gemm
-                     or 32), oneDNN's blocked fp32 copy]         given them; more rows: oneDNN fp32 on the copy
-    "q4_blocks_a8_onednn", "q8_blocks_a8_onednn"  the tensors    1 row: x quantized to Q8_0 (int8 per 32
-                     of "q4_blocks_onednn" / "q8_blocks_onednn"  values), then Kiln's native integer GEMV
+                     or 32), oneDNN's blocked fp32 copy]         given them; more: oneDNN fp32 on the copy
+    "q4_blocks_a8_onednn", "q8_blocks_a8_onednn",               1 row: x quantized to Q8_0 (int8 per 32
+    "q8_blocks_mins_a8_onednn"  the tensors of                  values), then Kiln's native integer GEMV
+                     "q4_blocks_onednn" / "q8_blocks_onednn" /
+                     "q8_blocks_mins_onednn"
                                                                 (kiln.ops.gemm.cpu_blocks_a8); more rows:
                                                                 as "q4/q8_blocks_onednn" (exact)
     "int8_blocks_onednn"  [Q8_0's int8 values [N, K], its        1 row: as "q8_blocks_onednn" (exact);
@@ -115,8 +117,12 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     converts every weight to float32 (SmolLM2's 120 decoder matrices on the 2-core AVX2 EPYC this
     project measures on: 4.1 vs 5.5 ms). Rounding x to 255 levels a block is not exact, so these are
     candidates only when asked for (README, "Measured on a 2-core CPU", states the divergence);
-    several rows stay exact (as "q4_blocks" / "q8_blocks"). Other weights, or a CPU where oneDNN
-    cannot pack, get "fp32";
+    several rows stay exact (as "q4_blocks" / "q8_blocks"). Like the exact pair, either keeps every
+    GGUF type with a blocks layout (A8_BLOCKS_FORMAT): Q4_0 / Q4_1 / Q4_K as "q4_blocks_a8_onednn",
+    Q8_0 / Q5_0 / Q6_K (a weight scale per 16: each 32-block of x against two halves) as
+    "q8_blocks_a8_onednn", Q5_K and stacked weights with mins as "q8_blocks_mins_a8_onednn" (the mins
+    times x' summed over their blocks), so a K-quant file (Q4_K_M) runs every matrix this way. Other
+    weights, or a CPU where oneDNN cannot pack, get "fp32";
   - CPU, "int8_blocks", GGUF Q8_0 weights: "int8_blocks_onednn", the file's blocks split into their
     int8 values and their scales (fp16 in the file, exact in float32): w = d * q exactly, so one-row
     inputs (single-stream decode) read one byte a weight with no rounding of the weight or of x, as
@@ -216,7 +222,7 @@ BLOCKS_FORMATS = {
     "q4_blocks": ("q4_blocks_onednn", INT4_QTYPES, cpu_q4_blocks.pack),
     "q8_blocks": ("q8_blocks_onednn", cpu_q8_blocks.QTYPES, cpu_q8_blocks.pack),
     "q4_blocks_a8": ("q4_blocks_a8_onednn", INT4_QTYPES, cpu_blocks_a8.pack_q4),
-    "q8_blocks_a8": ("q8_blocks_a8_onednn", ("Q8_0",), cpu_blocks_a8.pack_q8),
+    "q8_blocks_a8": ("q8_blocks_a8_onednn", cpu_q8_blocks.QTYPES, cpu_blocks_a8.pack_q8),
 }
 # "q4_blocks" and "q8_blocks" each keep every GGUF type that has an exact blocks layout in it: the
 # probe picks one format for a model's layers, whose files mix types (Q4_K_M: Q4_K and Q6_K)
@@ -229,6 +235,11 @@ EXACT_BLOCKS_FORMAT = {
 MINS_BLOCKS = ("q8_blocks_mins_onednn", cpu_q8_blocks.MIN_QTYPES, cpu_q8_blocks.pack_with_mins)
 # the GGUF types "q4_blocks" / "q8_blocks" keep as exact blocks
 EXACT_BLOCKS_QTYPES = (*EXACT_BLOCKS_FORMAT, *MINS_BLOCKS[1])
+# "q4_blocks_a8" and "q8_blocks_a8" keep the same types in their forms (a one-row x quantized to Q8_0):
+# a K-quant file's Q6_K / Q5_K matrices and stacked projections too
+A8_FORMATS = ("q4_blocks_a8", "q8_blocks_a8")
+A8_BLOCKS_FORMAT = {qtype: f"{fmt}_a8" for qtype, fmt in EXACT_BLOCKS_FORMAT.items()}
+MINS_A8_BLOCKS = ("q8_blocks_mins_a8_onednn", cpu_q8_blocks.MIN_QTYPES, cpu_blocks_a8.pack_q8_mins)
 INT8_BLOCK_SIZE = BLOCK_WEIGHTS["Q8_0"]  # weights per scale in "q8_blocks_onednn" etc.: one Q8_0 block
 # torch's int8 CPU matmul reads K in steps of 16 (other K give garbage or crash): "int8" keeps a weight
 # whose in-features are not a multiple in the "fp16" layouts instead
@@ -263,6 +274,7 @@ LAYOUTS = {
     "q4_blocks_a8_onednn": 6,
     "q8_blocks_a8_onednn": 5,
     "q8_blocks_mins_onednn": 4,
+    "q8_blocks_mins_a8_onednn": 4,
     "w8a8_packed": 4,
     "int4_w8a8_packed": 6,
     "int8_blocks_w8a8_packed": 6,
@@ -312,6 +324,7 @@ class PreparedLinearWeight:
             "q4_blocks_onednn",
             "q8_blocks_onednn",
             "q8_blocks_mins_onednn",
+            "q8_blocks_mins_a8_onednn",
             "q4_blocks_a8_onednn",
             "q8_blocks_a8_onednn",
             "q4_blocks_w8a8_packed",
@@ -387,8 +400,8 @@ def _prepare(weight, device: torch.device, dtype: torch.dtype, cpu_format: str |
         _log_dequantized_at_load(fmt, device.type, cpu_format or str(dtype))
         weight = weight.dequantize(torch.float32)
     if isinstance(weight, GGUFStackedWeight):
-        if device.type == "cpu" and cpu_format in EXACT_FORMATS:
-            prepared = _stacked_layout(weight, shape, dtype)
+        if device.type == "cpu" and cpu_format in (*EXACT_FORMATS, *A8_FORMATS):
+            prepared = _stacked_layout(weight, shape, dtype, a8=cpu_format in A8_FORMATS)
             if prepared is not None:
                 return prepared
         _log_dequantized_at_load(
@@ -545,6 +558,9 @@ def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | N
     if cpu_format in EXACT_FORMATS:  # either keeps every type it has an exact layout for
         exact_format = EXACT_BLOCKS_FORMAT.get(weight.qtype, cpu_format)
         entry = MINS_BLOCKS if weight.qtype in MINS_BLOCKS[1] else BLOCKS_FORMATS[exact_format]
+    elif cpu_format in A8_FORMATS:  # the same, each type in its a8 form
+        a8_format = A8_BLOCKS_FORMAT.get(weight.qtype, cpu_format)
+        entry = MINS_A8_BLOCKS if weight.qtype in MINS_A8_BLOCKS[1] else BLOCKS_FORMATS[a8_format]
     layout, qtypes, pack = entry
     if weight.qtype not in qtypes:
         return None
@@ -552,27 +568,28 @@ def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | N
     if rows is None:
         return None
     blocks = pack(weight)
-    tiles = () if entry is MINS_BLOCKS else cpu_block_tiles.layout_tiles(*blocks)
+    tiles = () if entry in (MINS_BLOCKS, MINS_A8_BLOCKS) else cpu_block_tiles.layout_tiles(*blocks)
     return PreparedLinearWeight(layout, (*blocks, rows, *tiles), shape, torch.float32, dtype)
 
 
-def _stacked_layout(weight: GGUFStackedWeight, shape, dtype) -> PreparedLinearWeight | None:
+def _stacked_layout(weight: GGUFStackedWeight, shape, dtype, a8: bool) -> PreparedLinearWeight | None:
     """A stacked weight's one exact form (GGUFStackedWeight.fields) in the Q8 kernels' layouts:
     "q8_blocks_mins_onednn" where a part has mins (Q4_K beside Q6_K: values, a scale and a min per 16),
-    else "q8_blocks_onednn" (with tiles where the scales are per 32); None where oneDNN cannot pack
-    float32 here."""
+    else "q8_blocks_onednn" (with tiles where the scales are per 32); with `a8` their "_a8" forms (a
+    one-row x quantized to Q8_0); None where oneDNN cannot pack float32 here."""
     rows = onednn_pack(weight.dequantize(torch.float32))
     if rows is None:
         return None
-    cpu_q8_blocks.load()
+    (cpu_blocks_a8 if a8 else cpu_q8_blocks).load()
     values, scales, mins = weight.fields()
+    suffix = "_a8_onednn" if a8 else "_onednn"
     if mins is not None:
         return PreparedLinearWeight(
-            "q8_blocks_mins_onednn", (values, scales, mins, rows), shape, torch.float32, dtype
+            f"q8_blocks_mins{suffix}", (values, scales, mins, rows), shape, torch.float32, dtype
         )
     tiles = cpu_block_tiles.layout_tiles(values, scales)
     return PreparedLinearWeight(
-        "q8_blocks_onednn", (values, scales, rows, *tiles), shape, torch.float32, dtype
+        f"q8_blocks{suffix}", (values, scales, rows, *tiles), shape, torch.float32, dtype
     )
 
 
@@ -713,7 +730,7 @@ def prepared_matrix(
         values, scales = tensors[:2]  # a scale per 32 values, or per 16 (Q6_K's)
         blocks = values.to(torch.float64).view(values.shape[0], scales.shape[1], -1)
         return (blocks * scales.to(torch.float64)[..., None]).view(values.shape)
-    if layout == "q8_blocks_mins_onednn":  # exact: scale * q + min
+    if layout in ("q8_blocks_mins_onednn", "q8_blocks_mins_a8_onednn"):  # exact: scale * q + min
         values, scales, mins = (t.to(torch.float64) for t in tensors[:3])
         blocks = values.view(values.shape[0], scales.shape[1], -1)
         return (blocks * scales[..., None] + mins[..., None]).view(values.shape)

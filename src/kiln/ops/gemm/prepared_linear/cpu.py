@@ -17,9 +17,10 @@
                  Kiln's native kernel); a few rows: q8_tiles_gemm for blocks_tiles_rows("q8") rows
                  (AVX-512: 16 to 32), else q8_blocks_gemm (as the Q4 layout above); more: oneDNN's
                  fp32 GEMM on the copy of the same matrix;
-  "q4_blocks_a8_onednn", "q8_blocks_a8_onednn"  one row: x quantized to Q8_0, then Kiln's integer GEMV
-                 on the same blocks (kiln.ops.gemm.cpu_blocks_a8); several rows: as the exact layouts
-                 (the tile and row kernels included);
+  "q4_blocks_a8_onednn", "q8_blocks_a8_onednn", "q8_blocks_mins_a8_onednn"  one row: x quantized to
+                 Q8_0, then Kiln's integer GEMV on the same blocks (kiln.ops.gemm.cpu_blocks_a8; the
+                 mins times x' summed over their blocks); several rows: as the exact layouts (the tile
+                 and row kernels included);
   "q8_blocks_mins_onednn"  GGUF Q5_K (and a stacked weight of mixed GGUF types, a scale and a min per 16
                  or 32): as "q8_blocks_onednn" without tiles, the Q8 kernels given the
                  blocks' mins too (one row: each block's sum of x times its min added; a few rows: each
@@ -49,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.gemm.cpu_block_tiles import q4_tiles_gemm, q8_tiles_gemm
-from kiln.ops.gemm.cpu_blocks_a8 import q4_blocks_a8_gemv, q8_blocks_a8_gemv
+from kiln.ops.gemm.cpu_blocks_a8 import q4_blocks_a8_gemv, q8_blocks_a8_gemv, q8_blocks_mins_a8_gemv
 from kiln.ops.gemm.cpu_q4_blocks import q4_blocks_gemm, q4_blocks_gemv
 from kiln.ops.gemm.cpu_q8_blocks import q8_blocks_gemm
 from kiln.ops.gemm.cpu_w8a8 import w8a8_linear
@@ -222,6 +223,7 @@ KERNELS = {
     "q8_blocks_mins_onednn": _blocks_kernel(int8_blocks_gemv, 3, q8_blocks_gemm),
     "q4_blocks_a8_onednn": _blocks_kernel(q4_blocks_a8_gemv, 3, q4_blocks_gemm, q4_tiles_gemm, "q4"),
     "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2, q8_blocks_gemm, q8_tiles_gemm),
+    "q8_blocks_mins_a8_onednn": _blocks_kernel(q8_blocks_mins_a8_gemv, 3, q8_blocks_gemm),
     "w8a8_packed": _w8a8,
     "int4_w8a8_packed": _int4_w8a8,
     "int8_blocks_w8a8_packed": _int8_blocks_w8a8,

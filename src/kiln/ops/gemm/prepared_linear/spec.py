@@ -53,6 +53,8 @@ from kiln.ops.gemm.quantized_layouts import (
 )
 from kiln.ops.gemm.shapes import GEMM_TOLERANCE, SMOLLM2_135M, gemm_flops, quant_shapes
 from kiln.ops.gemm.weight_formats import (
+    A8_BLOCKS_FORMAT,
+    A8_FORMATS,
     BLOCKS_FORMATS,
     EXACT_BLOCKS_FORMAT,
     EXACT_FORMATS,
@@ -109,7 +111,8 @@ def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
     return y if x.dtype == torch.float64 else y.to(out_dtype or x.dtype)
 
 
-A8_LAYOUTS = ("q4_blocks_a8_onednn", "q8_blocks_a8_onednn")  # one-row x quantized to Q8_0
+# one-row x quantized to Q8_0
+A8_LAYOUTS = ("q4_blocks_a8_onednn", "q8_blocks_a8_onednn", "q8_blocks_mins_a8_onednn")
 
 
 def _in_features(layout: str, weight) -> int | None:
@@ -243,7 +246,12 @@ def _check_q8_0_blocks(op, layout, weight, device) -> tuple[int, int]:
     check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int8,), device=device)
     check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
     n, k = weight[0].shape
-    per_16 = layout in ("q8_blocks_onednn", "q8_blocks_mins_onednn")
+    per_16 = layout in (
+        "q8_blocks_onednn",
+        "q8_blocks_mins_onednn",
+        "q8_blocks_a8_onednn",
+        "q8_blocks_mins_a8_onednn",
+    )
     blocks = (INT8_BLOCK_SIZE, scale_group("Q6_K")) if per_16 else (INT8_BLOCK_SIZE,)
     if not any(k % b == 0 and tuple(weight[1].shape) == (n, k // b) for b in blocks):
         expected = " or ".join(f"({n}, {k // b})" for b in blocks)  # a scale per 32 (or per 16)
@@ -379,7 +387,7 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
         _validate_q8_blocks(op, layout, weight, device)
     elif layout in ("q4_blocks_onednn", "q4_blocks_a8_onednn"):
         _validate_q4_blocks(op, layout, weight, device)
-    elif layout == "q8_blocks_mins_onednn":
+    elif layout in ("q8_blocks_mins_onednn", "q8_blocks_mins_a8_onednn"):
         _validate_q8_blocks_mins(op, layout, weight, device)
     elif layout in GGUF_LAYOUTS:
         validate_gguf_weight(op, weight[0], GGUF_LAYOUTS[layout], x.shape[-1], device)
@@ -589,6 +597,9 @@ _FUZZ_FORMATS = (
     ("q4_blocks_a8", "Q4_1"),  # "q4_blocks_a8_onednn" (x quantized to Q8_0 at one row)
     ("q4_blocks_a8", "Q4_K"),
     ("q8_blocks_a8", "Q8_0"),  # "q8_blocks_a8_onednn"
+    ("q8_blocks_a8", "Q6_K"),  # "q8_blocks_a8_onednn", a weight scale per 16
+    ("q4_blocks_a8", "Q5_K"),  # "q8_blocks_mins_a8_onednn"
+    ("q4_blocks_a8", "Q4_K+Q6_K"),  # stacked: "q8_blocks_mins_a8_onednn", a scale and a min per 16
     ("fp16", "Q5_0"),  # CUDA: every GGUF type above and this one in "gguf_planar_*"
     # fused projections whose parts mix GGUF types (a Q4_K_M file's QKV): the exact formats keep them as
     # values with a scale and min per 16 ("q8_blocks_mins_onednn") or per 32, or without mins
@@ -693,9 +704,10 @@ def _weight_bytes(shape, dtype) -> float:
         return N * K * (4 if source.startswith(("fp8", "int8")) else 1)  # CPU: float32 values
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
-    if fmt in EXACT_FORMATS and shape["source"] in MIN_QTYPES:  # values, d * sc and the min
+    blocks_formats = (*EXACT_FORMATS, *A8_FORMATS)  # each keeps every GGUF type with a blocks layout
+    if fmt in blocks_formats and shape["source"] in MIN_QTYPES:  # values, d * sc and the min
         return N * K + N * K / 32 * 8 if shape["M"] <= native_cpu.blocks_gemm_rows() else N * K * 4
-    if fmt in EXACT_FORMATS and "+" in shape["source"]:  # stacked: values, a scale (and min) per block
+    if fmt in blocks_formats and "+" in shape["source"]:  # stacked: values, a scale (and min) per block
         qtypes = shape["source"].split("+")
         floats = 2 if any(q in WITH_MINS for q in qtypes) else 1
         block = min(scale_group(q) for q in qtypes)
@@ -704,6 +716,7 @@ def _weight_bytes(shape, dtype) -> float:
             return N * K * 4
         return N * K + N * K / block * 4 * floats
     exact_blocks = EXACT_BLOCKS_FORMAT.get(shape["source"]) if fmt in EXACT_FORMATS else None
+    exact_blocks = A8_BLOCKS_FORMAT.get(shape["source"]) if fmt in A8_FORMATS else exact_blocks
     fmt = exact_blocks or fmt  # the layout each of those keeps the source in
     q4_blocks = fmt in ("q4_blocks", "q4_blocks_a8", "q4_blocks_w8a8") and shape["source"] in INT4_QTYPES
     blocks_rows = Q4_W8A8_EXACT_ROWS if fmt == "q4_blocks_w8a8" else 1  # rows that read the blocks
