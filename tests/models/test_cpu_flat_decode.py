@@ -211,6 +211,21 @@ def test_native_flat_decode_gives_the_python_loops_and_the_modules_logprobs(
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+def test_sliding_window_llama_layers_run_flat_with_the_modules_logprobs(blocks_gguf, monkeypatch):
+    """Mistral-style layers (a DecoderLayer whose attention slides: paged decode's window) take the
+    native call too; prompts of 9 and 21 tokens and 15 steps go well past a window of 6."""
+    path = blocks_gguf("q4")
+    loaded = load_model(path, device="cpu", cpu_format="q4_blocks", lm_head_format="q8_blocks")
+    full = _three_ways(path, loaded, monkeypatch, native=True)
+    for layer in loaded.model.layers:
+        layer.self_attn.sliding_window = 6
+    monkeypatch.delenv("KILN_CPU_FLAT_DECODE")  # (the first run left the Python loop asked for)
+    outputs = _three_ways(path, loaded, monkeypatch, native=True)
+    assert outputs["built"] == outputs["python"] == outputs["modules"]  # token ids and logprobs, bit for bit
+    assert outputs["modules"] != full["modules"]  # the window changes what attention sees
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
 @pytest.mark.parametrize("kv_cache_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_16_bit_kv_caches_run_flat_with_the_python_loops_and_the_modules_logprobs(
     blocks_gguf, kv_cache_dtype, monkeypatch

@@ -11,8 +11,8 @@ kernels, same order, same arguments, so the same floats as the module path (the 
 logprobs bit for bit).
 
 `FlatDecodeLayers.build(model, kv_caches)` returns None (the model keeps its module path) unless every
-layer is either a plain pre-norm `DecoderLayer` with `PagedAttention` (no q/k norm, no sliding window)
-and a SiLU `GatedMLP`, or a `Gemma3DecoderLayer` (four (1 + w) norms, `QKNormRotary`'s per-head q/k
+layer is either a plain pre-norm `DecoderLayer` with `PagedAttention` (no q/k norm; Mistral's sliding
+window is paged decode's) and a SiLU `GatedMLP`, or a `Gemma3DecoderLayer` (four (1 + w) norms, `QKNormRotary`'s per-head q/k
 norm before RoPE, its layer's sliding window or none, a GeGLU `GatedMLP`), with NeoX RoPE, no tensor
 parallelism, float32 norms and activations, float32, bfloat16 or float16 KV caches without scales,
 shifts or exact copies, and the native library serves paged decode at this head dim and cache dtype.
@@ -131,8 +131,8 @@ def _structure(layer) -> _Structure | None:
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not PagedAttention or type(mlp) is not GatedMLP:
         return None
-    if type(layer) is DecoderLayer:
-        if attn.sliding_window is not None or mlp.act_and_mul is not GATED_ACTIVATIONS["silu"]:
+    if type(layer) is DecoderLayer:  # Llama, Qwen2, Mistral (a sliding window: paged decode's)
+        if mlp.act_and_mul is not GATED_ACTIVATIONS["silu"]:
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm, None, None)
         return _Structure(norms, 0.0, (None, None, 0.0), attn.rotary, silu_and_mul_cpu)
