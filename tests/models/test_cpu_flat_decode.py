@@ -211,6 +211,32 @@ def test_native_flat_decode_gives_the_python_loops_and_the_modules_logprobs(
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+def test_qwen3_layers_run_flat_with_the_modules_logprobs_and_transformers_tokens(tmp_path, monkeypatch):
+    """Qwen3's per-head q/k RMSNorm fused with RoPE (qk_norm_rope's CPU form) in the native call: bit for
+    bit the Python loop's and the modules' logprobs, and transformers' greedy tokens on the same file.
+    Every layer matrix a blocks type (q Q8_0 beside k Q4_1: a stacked QKV with mins)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.loaders import test_gguf_qwen3 as qwen3_gguf
+    from tests.models.test_qwen3 import hf_greedy, qwen3, randomize
+
+    blocks = {"attn_v": Q.Q8_0, "ffn_up": Q.Q4_0, "output": Q.Q8_0}  # (the file's F16 ones, as blocks)
+    for name, qtype in blocks.items():
+        monkeypatch.setitem(qwen3_gguf.TENSOR_TYPES, name, qtype)
+    hf = randomize(qwen3(**{**qwen3_gguf.GGUF_SHAPES, "head_dim": 64}), seed=7)  # paged decode serves 64
+    path = tmp_path / "tiny-qwen3.gguf"
+    hf = qwen3_gguf._hf_with(hf, qwen3_gguf.write_qwen3_gguf(hf, path, arch="qwen3"))
+    loaded = load_model(str(path), device="cpu", cpu_format="q4_blocks", lm_head_format="q8_blocks")
+    assert loaded.model.layers[0].self_attn.qk_norm is not None
+    assert loaded.model.layers[0].self_attn.qkv_proj.prepared.layout == "q8_blocks_mins_onednn"
+    monkeypatch.undo()  # (the types were read at writing)
+    outputs = _three_ways(str(path), loaded, monkeypatch, native=True)
+    assert outputs["built"] == outputs["python"] == outputs["modules"]  # token ids and logprobs, bit for bit
+    prompt = [(5 * j + 11) % 60 + 2 for j in range(9)]  # _three_ways' first prompt
+    assert outputs["built"][0][0][0] == hf_greedy(hf, prompt, 16)
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
 def test_sliding_window_llama_layers_run_flat_with_the_modules_logprobs(blocks_gguf, monkeypatch):
     """Mistral-style layers (a DecoderLayer whose attention slides: paged decode's window) take the
     native call too; prompts of 9 and 21 tokens and 15 steps go well past a window of 6."""
@@ -273,6 +299,9 @@ def test_native_flat_decode_names_malformed_arguments():
     with pytest.raises(RuntimeError, match="tensors are too few"):  # a Gemma layer's four more norms
         tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 16
         flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, 1, 1, 1, 4], floats)
+    with pytest.raises(RuntimeError, match=r"layer 0 has q/k norm kind 3 \(0 to 2\)"):
+        tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 16
+        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, 0, 3, 0, -1], floats)
     with pytest.raises(RuntimeError, match="layer 0 has activation 2"):
         tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 16
         flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, 0, 0, 2, -1], floats)

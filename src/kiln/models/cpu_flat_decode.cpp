@@ -14,12 +14,13 @@
 //       ints    qkv_kind, o_kind, gate_up_kind, down_kind, has_qkv_bias, q_size, kv_size, heads,
 //               kv_heads, head_dim, then the four linears' tiles_rows      (kKindTensors: a kind's count),
 //               ff_norms (0: Llama's; 1: Gemma's post-attention norm of the attention alone, then a
-//               pre-feedforward norm with the residual; 2: and a post-feedforward norm), qk_norm,
+//               pre-feedforward norm with the residual; 2: and a post-feedforward norm), qk_norm (QKNorm:
+//               0 none, 1 Gemma's per-head norms then RoPE, 2 Qwen3's qk_norm_rope),
 //               activation (kSilu / kGeluTanh), window (paged decode's sliding window, -1: none)
 //       floats  eps, scale, norm_offset (every norm's weight offset: Gemma's 1 + w), qk_eps
 //       tensors input_norm [H], post_norm [H], cos_sin_cache [P, R], key_cache, value_cache
 //               [blocks, block_size, Hkv, D], qkv bias [Q + 2 KV] if has_qkv_bias, ff_norms norms [H]
-//               (pre-, then post-feedforward), q_norm [D] and k_norm [D] if qk_norm, then the tensors of
+//               (pre-, then post-feedforward), q_norm [D] and k_norm [D] if any qk_norm, then the tensors of
 //               the qkv, o, gate_up and down weights (as their layouts keep them, less the float32 copy:
 //               the blocks' tensors, then the layout's tiles; T >= its tiles_rows > 0 rows run them;
 //               the kind with mins has none)
@@ -74,6 +75,8 @@ enum Kind : int64_t {
 constexpr int64_t kKindTensors[kKinds] = {5, 4, 5, 4, 3, 3};
 constexpr int64_t kInts = 18, kFloats = 4;
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+// the q/k norm: none; Gemma's (rms_norm per head into new tensors, then RoPE); Qwen3's (qk_norm_rope)
+enum QKNorm : int64_t { kNoQKNorm = 0, kHeadNorm = 1, kQKNormRope = 2 };
 
 // gelu_tanh_and_mul's "cpu" implementation (activation/gelu_tanh_and_mul/cpu.py) on float32 x [T, 2 I]:
 // the same ATen calls in the same order (the op has no native kernel), so the modules' floats
@@ -82,6 +85,30 @@ at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
   const at::Tensor gate = x.slice(-1, 0, d);
   at::Tensor z2 = (gate * gate).mul_(0.044715).add_(1.0).mul_(gate).mul_(1.5957691216057308);  // 2 sqrt(2 / pi)
   return z2.sigmoid_().mul_(gate).mul_(x.slice(-1, d));
+}
+
+// qk_norm_rope's "cpu" implementation (rope/qk_norm_rope/cpu.py) on q [T, H, D] and k [T, Hkv, D], views
+// into the QKV output, in place (Qwen3's per-head RMSNorm, then NeoX RoPE): the same ATen calls in the same
+// order (the op has no native kernel), so the modules' floats
+void norm_rotate_(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos, const at::Tensor& sin,
+                  double eps) {
+  at::Tensor y = at::rms_norm(x.to(at::kFloat), {x.size(-1)}, weight.to(at::kFloat), eps);  // a new buffer
+  const int64_t half = cos.size(-1);
+  at::Tensor y1 = y.slice(-1, 0, half), y2 = y.slice(-1, half, 2 * half);
+  // y1' goes to a new buffer first, so y2' (computed in place) still reads the original y1
+  at::Tensor out1 = (y1 * cos).addcmul_(y2, sin, -1.0);
+  y2.mul_(cos).addcmul_(y1, sin);
+  y1.copy_(out1);
+  x.copy_(y);
+}
+
+void qk_norm_rope(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,
+                  const at::Tensor& k_weight, const at::Tensor& cos_sin_cache, double eps) {
+  const at::Tensor cos_sin = cos_sin_cache.index_select(0, positions).to(at::kFloat);  // [T, rotary_dim]
+  const int64_t half = cos_sin.size(-1) / 2;
+  const at::Tensor cos = cos_sin.slice(1, 0, half).unsqueeze(1), sin = cos_sin.slice(1, half).unsqueeze(1);
+  norm_rotate_(q, q_weight, cos, sin, eps);
+  norm_rotate_(k, k_weight, cos, sin, eps);
 }
 
 // x [T, heads * D] (a view into the QKV output) -> [T, heads, D]: rms_norm over each head, a new tensor,
@@ -137,7 +164,7 @@ struct Layer {
   std::optional<at::Tensor> norm_pre_ff, norm_post_ff;  // Gemma's sandwich norms
   std::optional<at::Tensor> q_norm, k_norm;             // [head_dim], each head before RoPE
   Linear qkv, o, gate_up, down;
-  int64_t q_size, kv_size, heads, kv_heads, head_dim, activation, window;
+  int64_t q_size, kv_size, heads, kv_heads, head_dim, activation, window, qk_norm_kind;
   double eps, scale, norm_offset, qk_eps;
 };
 
@@ -169,7 +196,10 @@ struct FlatDecode : torch::CustomClassHolder {
                   " feedforward norms (0 to 2)");
       if (in[14] >= 1) layer.norm_pre_ff = take();
       if (in[14] >= 2) layer.norm_post_ff = take();
-      if (in[15] != 0) {
+      TORCH_CHECK(in[15] >= kNoQKNorm && in[15] <= kQKNormRope, "kiln_cpu.FlatDecode: layer ", l, " has q/k norm kind ",
+                  in[15], " (0 to 2)");
+      layer.qk_norm_kind = in[15];
+      if (in[15] != kNoQKNorm) {
         layer.q_norm = take();
         layer.k_norm = take();
       }
@@ -224,12 +254,16 @@ struct FlatDecode : torch::CustomClassHolder {
       at::Tensor q = qkv.slice(1, 0, l.q_size).view({t, l.heads, l.head_dim});
       at::Tensor k = qkv.slice(1, l.q_size, l.q_size + l.kv_size).view({t, l.kv_heads, l.head_dim});
       at::Tensor v = qkv.slice(1, l.q_size + l.kv_size).view({t, l.kv_heads, l.head_dim});
-      if (l.q_norm.has_value()) {  // new tensors, which RoPE then rotates in place
-        q = head_norm(qkv.slice(1, 0, l.q_size), l.heads, l.head_dim, *l.q_norm, l.qk_eps, offset);
-        k = head_norm(qkv.slice(1, l.q_size, l.q_size + l.kv_size), l.kv_heads, l.head_dim, *l.k_norm, l.qk_eps,
-                      offset);
+      if (l.qk_norm_kind == kQKNormRope) {  // Qwen3: in place, into the QKV output
+        KILN_RECORDED("kiln::qk_norm_rope", qk_norm_rope(positions, q, k, *l.q_norm, *l.k_norm, l.cos_sin, l.qk_eps));
+      } else {
+        if (l.qk_norm_kind == kHeadNorm) {  // new tensors, which RoPE then rotates in place
+          q = head_norm(qkv.slice(1, 0, l.q_size), l.heads, l.head_dim, *l.q_norm, l.qk_eps, offset);
+          k = head_norm(qkv.slice(1, l.q_size, l.q_size + l.kv_size), l.kv_heads, l.head_dim, *l.k_norm, l.qk_eps,
+                        offset);
+        }
+        KILN_RECORDED("kiln_cpu::rotary_embedding_", kiln_cpu::rotary_embedding_(positions, q, k, l.cos_sin, true));
       }
-      KILN_RECORDED("kiln_cpu::rotary_embedding_", kiln_cpu::rotary_embedding_(positions, q, k, l.cos_sin, true));
       KILN_RECORDED("kiln_cpu::write_kv_cache",
                     kiln_cpu::write_kv_cache(k, v, l.key_cache, l.value_cache, slot_mapping));
       // a 16-bit cache: q rounds to its dtype and the output comes back to float32, as PagedAttention does

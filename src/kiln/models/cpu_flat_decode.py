@@ -11,8 +11,9 @@ kernels, same order, same arguments, so the same floats as the module path (the 
 logprobs bit for bit).
 
 `FlatDecodeLayers.build(model, kv_caches)` returns None (the model keeps its module path) unless every
-layer is either a plain pre-norm `DecoderLayer` with `PagedAttention` (no q/k norm; Mistral's sliding
-window is paged decode's) and a SiLU `GatedMLP`, or a `Gemma3DecoderLayer` (four (1 + w) norms, `QKNormRotary`'s per-head q/k
+layer is either a plain pre-norm `DecoderLayer` with `PagedAttention` (Llama, Qwen2, Mistral's sliding
+window as paged decode's, Qwen3's per-head q/k norm fused with RoPE as qk_norm_rope's CPU form runs it)
+and a SiLU `GatedMLP`, or a `Gemma3DecoderLayer` (four (1 + w) norms, `QKNormRotary`'s per-head q/k
 norm before RoPE, its layer's sliding window or none, a GeGLU `GatedMLP`), with NeoX RoPE, no tensor
 parallelism, float32 norms and activations, float32, bfloat16 or float16 KV caches without scales,
 shifts or exact copies, and the native library serves paged decode at this head dim and cache dtype.
@@ -52,6 +53,7 @@ from kiln.ops.gemm.prepared_linear.cpu import KERNELS
 from kiln.ops.gemm.quantized_layouts import run_quantized
 from kiln.ops.gemm.weight_formats import exact_rows
 from kiln.ops.registry import declare_call, env_backend, observing
+from kiln.ops.rope.qk_norm_rope.cpu import qk_norm_rope_cpu
 
 F32 = torch.float32
 
@@ -112,6 +114,7 @@ class _LayerArgs(NamedTuple):
     k_norm: torch.Tensor | None
     qk_eps: float
     window: int  # paged decode's sliding window, -1 for none
+    qk_norm_kind: int  # 0: none; 1: Gemma's rms_norm per head, then RoPE; 2: Qwen3's qk_norm_rope (CPU form)
 
 
 class _Structure(NamedTuple):
@@ -122,6 +125,7 @@ class _Structure(NamedTuple):
     qk_norm: tuple  # (q weight, k weight, eps) or (None, None, 0.0)
     rotary: object
     act_and_mul: object
+    qk_norm_kind: int  # _LayerArgs.qk_norm_kind
 
 
 def _structure(layer) -> _Structure | None:
@@ -131,18 +135,21 @@ def _structure(layer) -> _Structure | None:
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not PagedAttention or type(mlp) is not GatedMLP:
         return None
-    if type(layer) is DecoderLayer:  # Llama, Qwen2, Mistral (a sliding window: paged decode's)
+    if type(layer) is DecoderLayer:  # Llama, Qwen2, Mistral (a sliding window: paged decode's), Qwen3
         if mlp.act_and_mul is not GATED_ACTIVATIONS["silu"]:
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm, None, None)
-        return _Structure(norms, 0.0, (None, None, 0.0), attn.rotary, silu_and_mul_cpu)
+        if attn.qk_norm is None:
+            return _Structure(norms, 0.0, (None, None, 0.0), attn.rotary, silu_and_mul_cpu, 0)
+        qk_norm = (*attn.qk_norm, float(attn.qk_norm_eps))  # Qwen3's, fused with RoPE: qk_norm_rope
+        return _Structure(norms, 0.0, qk_norm, attn.rotary, silu_and_mul_cpu, 2)
     position = attn.rotary  # Gemma 3's: the per-head q/k norm, then its RoPE
     if type(position) is not QKNormRotary or mlp.act_and_mul is not GATED_ACTIVATIONS["gelu_tanh"]:
         return None
     norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
              layer.post_feedforward_layernorm)  # fmt: skip
     qk_norm = (position.q_norm, position.k_norm, position.eps)
-    return _Structure(norms, NORM_WEIGHT_OFFSET, qk_norm, position.rotary, gelu_tanh_and_mul_cpu)
+    return _Structure(norms, NORM_WEIGHT_OFFSET, qk_norm, position.rotary, gelu_tanh_and_mul_cpu, 1)
 
 
 def _layer_args(layer, kv_cache) -> _LayerArgs | None:
@@ -151,7 +158,7 @@ def _layer_args(layer, kv_cache) -> _LayerArgs | None:
     if structure is None:
         return None
     attn, mlp, rotary = layer.self_attn, layer.mlp, structure.rotary
-    if type(rotary) is not RotaryEmbedding or attn.qk_norm is not None:
+    if type(rotary) is not RotaryEmbedding:
         return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(getattr(linear, "tp_group", None) is not None for linear in linears):
@@ -188,6 +195,7 @@ def _layer_args(layer, kv_cache) -> _LayerArgs | None:
         attn.q_size, attn.kv_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
         rotary.cos_sin_cache, key_cache, value_cache,
         structure.act_and_mul, structure.norm_offset, norm_pre_ff, norm_post_ff, *structure.qk_norm, window,
+        structure.qk_norm_kind,
     )  # fmt: skip
 
 
@@ -204,10 +212,9 @@ def _native_decode(args: list[_LayerArgs]):
             return None
         # Gemma's: the pre-feedforward norm, then the post-feedforward one (none without the first)
         ff_norms = [w for w in (a.norm_pre_ff, a.norm_post_ff) if w is not None]
-        qk_norm = a.q_norm is not None
         tensors += [a.norm_in, a.norm_post, a.cos_sin, a.key_cache, a.value_cache]
         tensors += [] if a.qkv_bias is None else [a.qkv_bias]
-        tensors += ff_norms + ([a.q_norm, a.k_norm] if qk_norm else [])
+        tensors += ff_norms + ([a.q_norm, a.k_norm] if a.qk_norm_kind else [])
         for kernel, weight in linears:  # the blocks' tensors, then the layout's tiles (not the copy)
             blocks = _NATIVE_KERNELS[kernel][1]
             tensors += [
@@ -219,7 +226,7 @@ def _native_decode(args: list[_LayerArgs]):
         hybrid = any(kernel in _HYBRID_KERNELS for kernel, _ in linears)
         # from this many rows each linear's tile kernel (a hybrid's layer: never the tiles)
         ints += [0 if hybrid else _tiles_rows(k, w)[0] for k, w in linears]
-        ints += [len(ff_norms), int(qk_norm), _ACTIVATIONS[a.act_and_mul][0], a.window]
+        ints += [len(ff_norms), a.qk_norm_kind, _ACTIVATIONS[a.act_and_mul][0], a.window]
         floats += [float(a.eps), float(a.scale), float(a.norm_offset), float(a.qk_eps)]
     return torch.classes.kiln_cpu.FlatDecode(tensors, ints, floats)
 
@@ -329,7 +336,7 @@ class FlatDecodeLayers:
             norm_in, norm_post, eps, qkv_kernel, qkv_w, qkv_bias, o_kernel, o_w, gate_up_kernel, gate_up_w,
             gate_up_dtype, down_kernel, down_w, q_size, kv_size, heads, kv_heads, head_dim, scale, cos_sin,
             key_cache, value_cache, act_and_mul, offset, norm_pre_ff, norm_post_ff, q_norm, k_norm, qk_eps,
-            window,
+            window, qk_norm_kind,
         ) in self.layers:  # fmt: skip
             if residual is None:
                 residual = hidden
@@ -340,10 +347,14 @@ class FlatDecodeLayers:
             q = qkv[:, :q_size].view(1, heads, head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(1, kv_heads, head_dim)
             v = qkv[:, q_size + kv_size :].view(1, kv_heads, head_dim)
-            if q_norm is not None:  # Gemma's QKNormRotary: one norm per head, new tensors RoPE rotates
-                q = ops.rms_norm(q.reshape(heads, head_dim), q_norm, qk_eps, None, offset).view(q.shape)
-                k = ops.rms_norm(k.reshape(kv_heads, head_dim), k_norm, qk_eps, None, offset).view(k.shape)
-            ops.rotary_embedding_(positions, q, k, cos_sin, True)
+            if qk_norm_kind == 2:  # Qwen3: the norm and the rotation in place, as PagedAttention's op call
+                qk_norm_rope_cpu(positions, q, k, q_norm, k_norm, cos_sin, qk_eps, True)
+            else:
+                if qk_norm_kind == 1:  # Gemma's QKNormRotary: one norm per head, new tensors RoPE rotates
+                    q = ops.rms_norm(q.reshape(heads, head_dim), q_norm, qk_eps, None, offset).view(q.shape)
+                    k = ops.rms_norm(k.reshape(kv_heads, head_dim), k_norm, qk_eps, None, offset)
+                    k = k.view(1, kv_heads, head_dim)
+                ops.rotary_embedding_(positions, q, k, cos_sin, True)
             ops.write_kv_cache(k, v, key_cache, value_cache, slots)
             # a 16-bit cache: q rounds to its dtype and the output comes back to float32, as PagedAttention
             q = q if key_cache.dtype == F32 else q.to(key_cache.dtype)
@@ -376,11 +387,14 @@ class FlatDecodeLayers:
             residual = x
             declare_call("prepared_linear", x, qkv, list(a.qkv_w), a.qkv_bias)
             q, k = meta(t, a.heads, a.head_dim), meta(t, a.kv_heads, a.head_dim)
-            if a.q_norm is not None:
-                for heads, weight in ((a.heads, a.q_norm), (a.kv_heads, a.k_norm)):
-                    rows = meta(t * heads, a.head_dim)
-                    declare_call("rms_norm", rows, weight, a.qk_eps, None, a.norm_offset)
-            declare_call("rotary_embedding", positions, q, k, a.cos_sin)
+            if a.qk_norm_kind == 2:
+                declare_call("qk_norm_rope", positions, q, k, a.q_norm, a.k_norm, a.cos_sin, a.qk_eps, True)
+            else:
+                if a.qk_norm_kind == 1:
+                    for heads, weight in ((a.heads, a.q_norm), (a.kv_heads, a.k_norm)):
+                        rows = meta(t * heads, a.head_dim)
+                        declare_call("rms_norm", rows, weight, a.qk_eps, None, a.norm_offset)
+                declare_call("rotary_embedding", positions, q, k, a.cos_sin)
             declare_call("write_kv_cache", k, k, a.key_cache, a.value_cache, slots)
             q = meta(t, a.heads, a.head_dim, dtype=a.key_cache.dtype)
             window = None if a.window < 0 else a.window
