@@ -103,7 +103,7 @@ def _without(args, piece: str, model):
     dropped = {
         "post_feedforward_norm": {"norm_post_ff": None},
         "gelu_tanh": {"act_and_mul": silu_and_mul_cpu},
-        "qk_norm": {"q_norm": None, "k_norm": None},
+        "qk_norm": {"q_norm": None, "k_norm": None, "qk_norm_kind": 0},
         "norm_offset": {"norm_offset": 0.0},
         "sliding_window": {"window": -1},
     }[piece]

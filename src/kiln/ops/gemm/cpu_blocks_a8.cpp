@@ -143,7 +143,9 @@ float q4_row(const int8_t* qx, const float* dx, const float* sx, const uint8_t* 
 #endif
 }
 
-// One Q8_0 row: `row` its int8 values, dw its d per block
+// One Q8 row: `row` its int8 values, dw its d per block of 32 (Q8_0's, Q5_0's) or, with Halves, per 16
+// (Q6_K's: each block of 32 of x against the two halves of its weights)
+template <bool Halves>
 float q8_row(const int8_t* qx, const float* dx, const int8_t* row, const float* dw, int64_t groups,
              const int8_t* stop) {
 #if defined(KILN_A8_AVX2)
@@ -156,49 +158,22 @@ float q8_row(const int8_t* qx, const float* dx, const int8_t* row, const float* 
     }
     const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + g * kBlock));
-    // |qw| as unsigned bytes, qw's sign moved onto qx (|qx| <= 127, so the flip cannot overflow)
+    // |qw| as unsigned bytes, qw's sign moved onto qx (|qx| <= 127, so the flip cannot overflow); int32
+    // lanes 0-3 sum bytes 0-15 (a first half's), lanes 4-7 bytes 16-31
     const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(a, qw)), ones);
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(dw[g] * dx[g]), _mm256_cvtepi32_ps(dot), acc);
-  }
-  return hsum(acc);
-#else
-  (void)stop;
-  float s = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    int32_t dot = 0;
-    for (int64_t j = 0; j < kBlock; ++j) dot += row[g * kBlock + j] * qx[g * kBlock + j];
-    s += dw[g] * dx[g] * static_cast<float>(dot);
-  }
-  return s;
-#endif
-}
-
-// One Q8 row with a scale per 16 (Q6_K's): each block of 32 of x against the two halves of its weights
-float q8_row16(const int8_t* qx, const float* dx, const int8_t* row, const float* dw, int64_t groups,
-               const int8_t* stop) {
-#if defined(KILN_A8_AVX2)
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* w = row + g * kBlock;
-    if ((g & 1) == 0 && w + kPrefetchAhead < stop) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchAhead), _MM_HINT_T0);
-    }
-    const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + g * kBlock));
-    // int32 lanes 0-3: bytes 0-15 (the first half's sums), lanes 4-7: bytes 16-31
-    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(a, qw)), ones);
-    const __m256 scale = _mm256_set_m128(_mm_set1_ps(dw[2 * g + 1] * dx[g]), _mm_set1_ps(dw[2 * g] * dx[g]));
+    const __m256 scale = Halves ? _mm256_set_m128(_mm_set1_ps(dw[2 * g + 1] * dx[g]), _mm_set1_ps(dw[2 * g] * dx[g]))
+                                : _mm256_set1_ps(dw[g] * dx[g]);
     acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc);
   }
   return hsum(acc);
 #else
   (void)stop;
+  constexpr int64_t kScaleBlock = Halves ? kBlock / 2 : kBlock;  // weights per dw
   float s = 0.f;
-  for (int64_t h = 0; h < 2 * groups; ++h) {
+  for (int64_t b = 0; b < groups * kBlock / kScaleBlock; ++b) {
     int32_t dot = 0;
-    for (int64_t j = 0; j < kBlock / 2; ++j) dot += row[h * 16 + j] * qx[h * 16 + j];
-    s += dw[h] * dx[h / 2] * static_cast<float>(dot);
+    for (int64_t j = 0; j < kScaleBlock; ++j) dot += row[b * kScaleBlock + j] * qx[b * kScaleBlock + j];
+    s += dw[b] * dx[b * kScaleBlock / kBlock] * static_cast<float>(dot);
   }
   return s;
 #endif
@@ -309,8 +284,8 @@ at::Tensor q8_a8(const char* op, const at::Tensor& x, const at::Tensor& values, 
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* dw = dp + r * per_row;
-      float v = halves ? q8_row16(qx.data(), dx.data(), qp + r * k, dw, groups, qp + end * k)
-                       : q8_row(qx.data(), dx.data(), qp + r * k, dw, groups, qp + end * k);
+      float v = halves ? q8_row<true>(qx.data(), dx.data(), qp + r * k, dw, groups, qp + end * k)
+                       : q8_row<false>(qx.data(), dx.data(), qp + r * k, dw, groups, qp + end * k);
       if (mp != nullptr) {  // the mins times x' summed over their blocks
         const float* mw = mp + r * per_row;
         float tail = 0.f;
