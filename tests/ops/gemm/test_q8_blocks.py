@@ -191,7 +191,9 @@ def test_q5_k_keeps_its_values_scales_and_mins_exactly_at_every_row_count(native
         x = torch.randn(m, k, generator=g)
         y = torch.full((m, n), float("nan"))
         y.copy_(run(x, prepared.layout, prepared.tensors, bias))
-        assert_close(y, x.double() @ matrix.T + bias.double(), 1e-6, f"{m} rows")
+        # one row sums d * sum(x q) and min * sum(x) apart, partly cancelling (the float64 test below):
+        # 300 seeds here, median 3.8e-7, max 9.5e-7, and one run of the suite met 1.02e-6
+        assert_close(y, x.double() @ matrix.T + bias.double(), 2e-6 if m == 1 else 1e-6, f"{m} rows")
         if m == 1:  # one native call, the mins included (no min term added in Python after it)
             assert torch.equal(y, q8_module.q8_blocks_gemv(x, values, scales, mins).add_(bias))
         elif m <= native_cpu.blocks_gemm_rows():
