@@ -115,6 +115,8 @@ def test_either_exact_format_runs_a_stacked_weight_on_the_q8_kernels(cpu_format,
     assert prepared.tensors[1].shape == (stacked.shape[0], 512 // block)
     expected = torch.cat([e for _, e in parts]).double()
     assert torch.equal(prepared_matrix(prepared.layout, prepared.tensors), expected)
+    copy = prepared.tensors[3 if with_mins else 2]  # the oneDNN float32 copy several rows read
+    assert torch.equal(prepared_matrix("onednn", [copy]), expected)
     # other formats (and CUDA) dequantize it once, as the parts would have been
     fp16 = prepare_linear_weight(stacked, device=torch.device("cpu"), dtype=torch.float32, cpu_format="fp16")
     assert fp16.layout in ("fp16_onednn", "fp16_rows")

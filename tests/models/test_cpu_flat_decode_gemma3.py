@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kiln.loaders import load_model
-from kiln.models.cpu_flat_decode import FlatDecodeLayers, _native_decode
+from kiln.models.cpu_flat_decode import NO_QK_NORM, FlatDecodeLayers, _native_decode
 from kiln.models.gemma3 import Gemma3ForCausalLM
 from kiln.ops import native_cpu
 from kiln.ops.activation.silu_and_mul.cpu import silu_and_mul_cpu
@@ -103,7 +103,7 @@ def _without(args, piece: str, model):
     dropped = {
         "post_feedforward_norm": {"norm_post_ff": None},
         "gelu_tanh": {"act_and_mul": silu_and_mul_cpu},
-        "qk_norm": {"q_norm": None, "k_norm": None, "qk_norm_kind": 0},
+        "qk_norm": {"q_norm": None, "k_norm": None, "qk_norm_kind": NO_QK_NORM},
         "norm_offset": {"norm_offset": 0.0},
         "sliding_window": {"window": -1},
     }[piece]

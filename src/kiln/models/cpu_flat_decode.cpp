@@ -23,7 +23,7 @@
 //               (pre-, then post-feedforward), q_norm [D] and k_norm [D] if any qk_norm, then the tensors of
 //               the qkv, o, gate_up and down weights (as their layouts keep them, less the float32 copy:
 //               the blocks' tensors, then the layout's tiles; T >= its tiles_rows > 0 rows run them;
-//               the kind with mins has none)
+//               the kinds with mins have none)
 //   forward(positions int64 [T], hidden float32 [T, H], residual float32 [T, H] or None,
 //           slot_mapping int64 [T], block_tables int32 [T, W], seq_lens int32 [T]) -> (hidden, residual)
 //   (T sequences of a decode-only step, one token each; the caller keeps T within the multi-row
@@ -31,7 +31,8 @@
 //
 // A Llama layer: h = norm_in(h + r); h = attn(h); h = post_norm(h + r); h = mlp(h). A Gemma 3 layer
 // (ff_norms 2, qk_norm, kGeluTanh): h = norm_in(h + r); h = post_norm(attn(h)) with each q / k head
-// normalized before RoPE; h = mlp(pre_ff_norm(h + r)); h = post_ff_norm(h).
+// normalized before RoPE; h = mlp(pre_ff_norm(h + r)); h = post_ff_norm(h). A Qwen3 layer is a Llama one
+// whose q and k heads are normalized and rotated by qk_norm_rope (qk_norm 2).
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -73,6 +74,7 @@ enum Kind : int64_t {
 // the blocks' tensors (nibbles, scales, mins / values, scales), then the tiles and tile scales; the
 // kinds with mins: values, scales and mins (no tiles)
 constexpr int64_t kKindTensors[kKinds] = {5, 4, 5, 4, 3, 3};
+inline bool with_mins(int64_t kind) { return kind == kQ8BlocksMins || kind == kQ8BlocksMinsA8; }
 constexpr int64_t kInts = 18, kFloats = 4;
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 // the q/k norm: none; Gemma's (rms_norm per head into new tensors, then RoPE); Qwen3's (qk_norm_rope)
@@ -143,7 +145,7 @@ struct Linear {
       }
       RECORD_FUNCTION(kKindRowsOps[q4 ? 0 : 1], std::vector<c10::IValue>());
       if (q4) return kiln_cpu::q4_blocks_gemm(x, w[0], w[1], w[2]);
-      if (kind == kQ8BlocksMins || kind == kQ8BlocksMinsA8) return kiln_cpu::q8_blocks_gemm(x, w[0], w[1], w[2]);
+      if (with_mins(kind)) return kiln_cpu::q8_blocks_gemm(x, w[0], w[1], w[2]);
       return kiln_cpu::q8_blocks_gemm(x, w[0], w[1]);
     }
     RECORD_FUNCTION(kKindOps[kind], std::vector<c10::IValue>());
@@ -210,7 +212,7 @@ struct FlatDecode : torch::CustomClassHolder {
       for (auto [i, linear] : {std::pair{0, &layer.qkv}, {1, &layer.o}, {2, &layer.gate_up}, {3, &layer.down}}) {
         linear->kind = in[i];
         linear->tiles_rows = in[10 + i];
-        TORCH_CHECK((in[i] != kQ8BlocksMins && in[i] != kQ8BlocksMinsA8) || linear->tiles_rows == 0,
+        TORCH_CHECK(!with_mins(in[i]) || linear->tiles_rows == 0,
                     "kiln_cpu.FlatDecode: layer ", l, ": weight kind ", in[i], " (with mins) has no tiles, got tiles_rows ",
                     linear->tiles_rows);
         for (int64_t t = 0; t < kKindTensors[in[i]]; ++t) linear->w.push_back(take());

@@ -74,6 +74,9 @@ NATIVE_LAYOUTS = {
 HYBRID_LAYOUTS = ("q4_blocks_w8a8_packed",)
 _NATIVE_KERNELS = {KERNELS[layout]: kind for layout, kind in NATIVE_LAYOUTS.items()}  # the same, by kernel
 _HYBRID_KERNELS = {KERNELS[layout]: layout for layout in HYBRID_LAYOUTS}
+# the q/k norm before RoPE (FlatDecode's QKNorm): none; Gemma's rms_norm per head into new tensors, then
+# RoPE; Qwen3's qk_norm_rope (its CPU form), the norm and the rotation in place
+NO_QK_NORM, HEAD_NORM, QK_NORM_ROPE = 0, 1, 2
 # the gated activations' CPU implementations (what GatedMLP's act_and_mul runs on float32) -> (their kind
 # in FlatDecode, their op)
 _ACTIVATIONS = {silu_and_mul_cpu: (0, "silu_and_mul"), gelu_tanh_and_mul_cpu: (1, "gelu_tanh_and_mul")}
@@ -114,7 +117,7 @@ class _LayerArgs(NamedTuple):
     k_norm: torch.Tensor | None
     qk_eps: float
     window: int  # paged decode's sliding window, -1 for none
-    qk_norm_kind: int  # 0: none; 1: Gemma's rms_norm per head, then RoPE; 2: Qwen3's qk_norm_rope (CPU form)
+    qk_norm_kind: int  # NO_QK_NORM, HEAD_NORM or QK_NORM_ROPE
 
 
 class _Structure(NamedTuple):
@@ -140,16 +143,16 @@ def _structure(layer) -> _Structure | None:
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm, None, None)
         if attn.qk_norm is None:
-            return _Structure(norms, 0.0, (None, None, 0.0), attn.rotary, silu_and_mul_cpu, 0)
+            return _Structure(norms, 0.0, (None, None, 0.0), attn.rotary, silu_and_mul_cpu, NO_QK_NORM)
         qk_norm = (*attn.qk_norm, float(attn.qk_norm_eps))  # Qwen3's, fused with RoPE: qk_norm_rope
-        return _Structure(norms, 0.0, qk_norm, attn.rotary, silu_and_mul_cpu, 2)
+        return _Structure(norms, 0.0, qk_norm, attn.rotary, silu_and_mul_cpu, QK_NORM_ROPE)
     position = attn.rotary  # Gemma 3's: the per-head q/k norm, then its RoPE
     if type(position) is not QKNormRotary or mlp.act_and_mul is not GATED_ACTIVATIONS["gelu_tanh"]:
         return None
     norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
              layer.post_feedforward_layernorm)  # fmt: skip
     qk_norm = (position.q_norm, position.k_norm, position.eps)
-    return _Structure(norms, NORM_WEIGHT_OFFSET, qk_norm, position.rotary, gelu_tanh_and_mul_cpu, 1)
+    return _Structure(norms, NORM_WEIGHT_OFFSET, qk_norm, position.rotary, gelu_tanh_and_mul_cpu, HEAD_NORM)
 
 
 def _layer_args(layer, kv_cache) -> _LayerArgs | None:
@@ -214,7 +217,7 @@ def _native_decode(args: list[_LayerArgs]):
         ff_norms = [w for w in (a.norm_pre_ff, a.norm_post_ff) if w is not None]
         tensors += [a.norm_in, a.norm_post, a.cos_sin, a.key_cache, a.value_cache]
         tensors += [] if a.qkv_bias is None else [a.qkv_bias]
-        tensors += ff_norms + ([a.q_norm, a.k_norm] if a.qk_norm_kind else [])
+        tensors += ff_norms + ([a.q_norm, a.k_norm] if a.qk_norm_kind != NO_QK_NORM else [])
         for kernel, weight in linears:  # the blocks' tensors, then the layout's tiles (not the copy)
             blocks = _NATIVE_KERNELS[kernel][1]
             tensors += [
@@ -347,10 +350,10 @@ class FlatDecodeLayers:
             q = qkv[:, :q_size].view(1, heads, head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(1, kv_heads, head_dim)
             v = qkv[:, q_size + kv_size :].view(1, kv_heads, head_dim)
-            if qk_norm_kind == 2:  # Qwen3: the norm and the rotation in place, as PagedAttention's op call
+            if qk_norm_kind == QK_NORM_ROPE:  # Qwen3: in place, as PagedAttention's op call
                 qk_norm_rope_cpu(positions, q, k, q_norm, k_norm, cos_sin, qk_eps, True)
             else:
-                if qk_norm_kind == 1:  # Gemma's QKNormRotary: one norm per head, new tensors RoPE rotates
+                if qk_norm_kind == HEAD_NORM:  # Gemma's QKNormRotary: new tensors, which RoPE rotates
                     q = ops.rms_norm(q.reshape(heads, head_dim), q_norm, qk_eps, None, offset).view(q.shape)
                     k = ops.rms_norm(k.reshape(kv_heads, head_dim), k_norm, qk_eps, None, offset)
                     k = k.view(1, kv_heads, head_dim)
@@ -387,10 +390,10 @@ class FlatDecodeLayers:
             residual = x
             declare_call("prepared_linear", x, qkv, list(a.qkv_w), a.qkv_bias)
             q, k = meta(t, a.heads, a.head_dim), meta(t, a.kv_heads, a.head_dim)
-            if a.qk_norm_kind == 2:
+            if a.qk_norm_kind == QK_NORM_ROPE:
                 declare_call("qk_norm_rope", positions, q, k, a.q_norm, a.k_norm, a.cos_sin, a.qk_eps, True)
             else:
-                if a.qk_norm_kind == 1:
+                if a.qk_norm_kind == HEAD_NORM:
                     for heads, weight in ((a.heads, a.q_norm), (a.kv_heads, a.k_norm)):
                         rows = meta(t * heads, a.head_dim)
                         declare_call("rms_norm", rows, weight, a.qk_eps, None, a.norm_offset)

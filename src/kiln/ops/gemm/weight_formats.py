@@ -198,6 +198,7 @@ from kiln.quant.gguf_blocks import (
     KERNEL_QTYPES,
     GGUFStackedWeight,
     GGUFWeight,
+    decode_fields,
     dequantize_blocks,
 )
 from kiln.quant.linear_weights import QUANTIZED_WEIGHT_TYPES, BlockFP8Weight, Int4Weight, ScaledWeight
@@ -574,23 +575,21 @@ def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | N
 
 def _stacked_layout(weight: GGUFStackedWeight, shape, dtype, a8: bool) -> PreparedLinearWeight | None:
     """A stacked weight's one exact form (GGUFStackedWeight.fields) in the Q8 kernels' layouts:
-    "q8_blocks_mins_onednn" where a part has mins (Q4_K beside Q6_K: values, a scale and a min per 16),
-    else "q8_blocks_onednn" (with tiles where the scales are per 32); with `a8` their "_a8" forms (a
-    one-row x quantized to Q8_0); None where oneDNN cannot pack float32 here."""
-    rows = onednn_pack(weight.dequantize(torch.float32))
+    MINS_BLOCKS' where a part has mins (Q4_K beside Q6_K: values, a scale and a min per 16), else
+    "q8_blocks"'s (with tiles where the scales are per 32); with `a8` their a8 forms (a one-row x
+    quantized to Q8_0); None where oneDNN cannot pack float32 here."""
+    values, scales, mins = weight.fields()
+    # the float32 copy from the same fields: each part's gguf decode, bit for bit (fields' docstring)
+    rows = onednn_pack(decode_fields(values, scales, mins, "Q8_0", torch.float32))
     if rows is None:
         return None
     (cpu_blocks_a8 if a8 else cpu_q8_blocks).load()
-    values, scales, mins = weight.fields()
-    suffix = "_a8_onednn" if a8 else "_onednn"
     if mins is not None:
-        return PreparedLinearWeight(
-            f"q8_blocks_mins{suffix}", (values, scales, mins, rows), shape, torch.float32, dtype
-        )
+        layout = (MINS_A8_BLOCKS if a8 else MINS_BLOCKS)[0]
+        return PreparedLinearWeight(layout, (values, scales, mins, rows), shape, torch.float32, dtype)
+    layout = BLOCKS_FORMATS["q8_blocks_a8" if a8 else "q8_blocks"][0]
     tiles = cpu_block_tiles.layout_tiles(values, scales)
-    return PreparedLinearWeight(
-        f"q8_blocks{suffix}", (values, scales, rows, *tiles), shape, torch.float32, dtype
-    )
+    return PreparedLinearWeight(layout, (values, scales, rows, *tiles), shape, torch.float32, dtype)
 
 
 @functools.cache

@@ -241,17 +241,12 @@ def _validate_tiles(op, layout, weight, n: int, k: int, device) -> None:
 
 
 def _check_q8_0_blocks(op, layout, weight, device) -> tuple[int, int]:
-    """Q8_0's int8 values [N, K] and float32 scales [N, K / 32] (weight[0], weight[1]; "q8_blocks_onednn"
-    and "q8_blocks_mins_onednn" also scales [N, K / 16]: Q6_K's, a stacked weight's) -> (N, K)."""
+    """Q8_0's int8 values [N, K] and float32 scales [N, K / 32] (weight[0], weight[1]; the q8_blocks
+    layouts also scales [N, K / 16]: Q6_K's, a stacked weight's) -> (N, K)."""
     check_tensor(op, "weight[0]", weight[0], ndim=2, dtypes=(torch.int8,), device=device)
     check_tensor(op, "weight[1]", weight[1], ndim=2, dtypes=(torch.float32,), device=device)
     n, k = weight[0].shape
-    per_16 = layout in (
-        "q8_blocks_onednn",
-        "q8_blocks_mins_onednn",
-        "q8_blocks_a8_onednn",
-        "q8_blocks_mins_a8_onednn",
-    )
+    per_16 = layout.startswith("q8_blocks")  # every q8_blocks layout; int8_blocks' are Q8_0's only
     blocks = (INT8_BLOCK_SIZE, scale_group("Q6_K")) if per_16 else (INT8_BLOCK_SIZE,)
     if not any(k % b == 0 and tuple(weight[1].shape) == (n, k // b) for b in blocks):
         expected = " or ".join(f"({n}, {k // b})" for b in blocks)  # a scale per 32 (or per 16)
