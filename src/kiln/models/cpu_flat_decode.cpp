@@ -1,8 +1,8 @@
 // The flat decode of kiln.models.cpu_flat_decode in one native call: every layer of a Llama-family or
 // Gemma 3 model for one float32 token of each of T sequences, whose four linears are GGUF-block layouts with
-// native kernels (q4_blocks / q8_blocks, exact or with a one-row x quantized to Q8_0, and Q5_K's or a
-// stacked weight's q8_blocks with mins; several rows through the exact multi-row kernels, as
-// prepared_linear runs them).
+// native kernels (q4_blocks / q8_blocks, exact or with a one-row x quantized to Q8_0 (Q8_K on a K-quant
+// weight's file blocks), and Q5_K's or a stacked weight's q8_blocks with mins; several rows through the
+// exact multi-row kernels, as prepared_linear runs them).
 // It calls the same C++ functions the Python loop reaches through torch.ops.kiln_cpu (native_cpu_ops.h),
 // in the same order with the same arguments, so the floats are the loop's; what goes is the Python and
 // the dispatcher between them (~12 calls a layer, ~1.5 ms a token for SmolLM2's 30 layers on a 2-core
@@ -23,7 +23,7 @@
 //               (pre-, then post-feedforward), q_norm [D] and k_norm [D] if any qk_norm, then the tensors of
 //               the qkv, o, gate_up and down weights (as their layouts keep them, less the float32 copy:
 //               the blocks' tensors, then the layout's tiles; T >= its tiles_rows > 0 rows run them;
-//               the kinds with mins have none)
+//               the kinds with mins have none; the a8 kinds' last two: a K-quant weight's file blocks)
 //   forward(positions int64 [T], hidden float32 [T, H], residual float32 [T, H] or None,
 //           slot_mapping int64 [T], block_tables int32 [T, W], seq_lens int32 [T]) -> (hidden, residual)
 //   (T sequences of a decode-only step, one token each; the caller keeps T within the multi-row
@@ -72,8 +72,10 @@ enum Kind : int64_t {
   kKinds = 6
 };
 // the blocks' tensors (nibbles, scales, mins / values, scales), then the tiles and tile scales; the
-// kinds with mins: values, scales and mins (no tiles)
-constexpr int64_t kKindTensors[kKinds] = {5, 4, 5, 4, 3, 3};
+// kinds with mins: values, scales and mins (no tiles); the a8 kinds then a K-quant weight's file blocks
+// and parts table (empty for others: cpu_kquants_a8.cpp)
+constexpr int64_t kKindTensors[kKinds] = {5, 4, 7, 6, 3, 5};
+inline bool a8(int64_t kind) { return kind == kQ4BlocksA8 || kind == kQ8BlocksA8 || kind == kQ8BlocksMinsA8; }
 inline bool with_mins(int64_t kind) { return kind == kQ8BlocksMins || kind == kQ8BlocksMinsA8; }
 constexpr int64_t kInts = 18, kFloats = 4;
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
@@ -147,6 +149,10 @@ struct Linear {
       if (q4) return kiln_cpu::q4_blocks_gemm(x, w[0], w[1], w[2]);
       if (with_mins(kind)) return kiln_cpu::q8_blocks_gemm(x, w[0], w[1], w[2]);
       return kiln_cpu::q8_blocks_gemm(x, w[0], w[1]);
+    }
+    if (a8(kind) && w[w.size() - 2].numel() > 0) {
+      RECORD_FUNCTION("kiln_cpu::kquants_a8_gemv", std::vector<c10::IValue>());
+      return kiln_cpu::kquants_a8_gemv(x, w[w.size() - 2], w[w.size() - 1], w[0].size(0));
     }
     RECORD_FUNCTION(kKindOps[kind], std::vector<c10::IValue>());
     switch (kind) {

@@ -13,6 +13,8 @@ their ops under torch.ops.kiln_cpu:
                                             given their mins), kiln_cpu.q8_blocks_gemm (a few rows)
     gemm/cpu_blocks_a8.cpp                  kiln_cpu.q4_blocks_a8_gemv, q8_blocks_a8_gemv (the same
                                             blocks, x quantized to Q8_0 first), kiln_cpu.quantize_q8_0
+    gemm/cpu_kquants_a8.cpp                 kiln_cpu.kquants_a8_gemv (GGUF Q4_K / Q5_K / Q6_K blocks as
+                                            in the file, x quantized to Q8_K), kiln_cpu.quantize_q8_k
     gemm/cpu_block_tiles.cpp                kiln_cpu.q4_tiles_gemm (Q4 blocks in 16-row tiles, batched
                                             decode)
     gemm/cpu_q8_tiles.cpp                   kiln_cpu.q8_tiles_gemm (the same for Q8_0)
@@ -58,6 +60,7 @@ SOURCES = (
     os.path.join(_OPS, "gemm", "cpu_q4_blocks.cpp"),
     os.path.join(_OPS, "gemm", "cpu_q8_blocks.cpp"),
     os.path.join(_OPS, "gemm", "cpu_blocks_a8.cpp"),
+    os.path.join(_OPS, "gemm", "cpu_kquants_a8.cpp"),
     os.path.join(_OPS, "gemm", "cpu_block_tiles.cpp"),
     os.path.join(_OPS, "gemm", "cpu_q8_tiles.cpp"),
     os.path.join(_OPS, "norm", "rms_norm", "rms_norm_cpu.cpp"),
@@ -70,6 +73,7 @@ SOURCES = (
 HEADERS = (
     os.path.join(_OPS, "gemm", "cpu_w8a8_quantize.h"),
     os.path.join(_OPS, "gemm", "cpu_float_lanes.h"),
+    os.path.join(_OPS, "gemm", "cpu_q8_activations.h"),
     os.path.join(_OPS, "native_cpu_ops.h"),
 )
 INCLUDE_DIRS = (_OPS,)  # where the sources find native_cpu_ops.h
@@ -77,7 +81,10 @@ INCLUDE_DIRS = (_OPS,)  # where the sources find native_cpu_ops.h
 # ATen's own CPU capability (what its kernels dispatch to on this host) -> the compiler flags and the
 # macro that select the same at::vec implementation (inductor's choice for these ISAs too)
 ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
+    # -mf16c: every AVX-512 CPU has F16C, but -mavx512f does not enable it (_mm_cvtph_ps)
+    "AVX512": [
+        "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX512"
+    ],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
 }
 

@@ -51,6 +51,9 @@ at::Tensor q4_blocks_a8_gemv(const at::Tensor& x, const at::Tensor& nibbles, con
 at::Tensor q8_blocks_a8_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales);
 at::Tensor q8_blocks_mins_a8_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                                   const at::Tensor& mins);
+// gemm/cpu_kquants_a8.cpp: blocks uint8, the parts' rows as their files store them; parts int64 [P, 2]
+// (GGML type, rows); n: their rows' sum (the output's width)
+at::Tensor kquants_a8_gemv(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n);
 // gemm/cpu_block_tiles.cpp, gemm/cpu_q8_tiles.cpp
 at::Tensor q4_tiles_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales, int64_t n);
 at::Tensor q8_tiles_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales, int64_t n);

@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include "cpu_float_lanes.h"
+#include "cpu_q8_activations.h"
 #include "native_cpu_ops.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -36,9 +37,7 @@
 #define KILN_A8_AVX2 1  // AVX-512 builds run the AVX2 code: 32 bytes a block is one ymm register
 #endif
 
-#include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -50,45 +49,9 @@ constexpr int64_t kPrefetchAhead = 4096;
 
 // One block of 32 floats -> 32 int8 values `q` and the block's d (returned); *qsum = sum of q.
 float quantize_block(const float* x, int8_t* q, int32_t* qsum) {
-  float amax = 0.f;
-  bool nan = false;  // or infinite: either makes the block NaN
-  for (int j = 0; j < kBlock; ++j) {
-    const float a = std::fabs(x[j]);
-    nan |= !std::isfinite(a);
-    amax = a > amax ? a : amax;
-  }
-  if (nan) {  // the block's outputs become NaN through d; its values are never read as numbers
-    for (int j = 0; j < kBlock; ++j) q[j] = 0;
-    *qsum = 0;
-    return std::numeric_limits<float>::quiet_NaN();
-  }
-  const float d = amax / 127.f;
-  const float id = d != 0.f ? 1.f / d : 0.f;
+  const float d = kiln_cpu::quantize_int8_block(x, kBlock, q);
   int32_t sum = 0;
-#if defined(KILN_A8_AVX2)
-  const __m256 sign = _mm256_set1_ps(-0.f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
-  const __m256 vid = _mm256_set1_ps(id);
-  __m256i parts[4];
-  for (int i = 0; i < 4; ++i) {
-    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), vid);
-    const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    // round half away from zero (C's roundf, ggml's reference): one more step where |v - t| >= 1/2
-    const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(v, t)), half, _CMP_GE_OQ);
-    const __m256 step = _mm256_and_ps(up, _mm256_or_ps(_mm256_and_ps(v, sign), one));
-    parts[i] = _mm256_cvtps_epi32(_mm256_add_ps(t, step));
-  }
-  // int32 -> int8 with the packs' lane interleaving undone
-  const __m256i packed = _mm256_permutevar8x32_epi32(
-      _mm256_packs_epi16(_mm256_packs_epi32(parts[0], parts[1]), _mm256_packs_epi32(parts[2], parts[3])),
-      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), packed);
   for (int j = 0; j < kBlock; ++j) sum += q[j];
-#else
-  for (int j = 0; j < kBlock; ++j) {
-    q[j] = static_cast<int8_t>(std::round(x[j] * id));
-    sum += q[j];
-  }
-#endif
   *qsum = sum;
   return d;
 }

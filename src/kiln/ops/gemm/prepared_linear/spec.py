@@ -20,7 +20,9 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
     the "*w8a8_packed" layouts quantize x to int8 per row (all calls of "w8a8_packed", several-row
     calls of the others) and multiply by their int8 copy; the reference does the same in float64.
     The "*_a8_onednn" layouts quantize a one-row x to Q8_0 blocks (kiln.ops.gemm.cpu_blocks_a8); the
-    reference reads x through gguf's own Q8_0 quantizer (cpu_blocks_a8.q8_0_reference).
+    reference reads x through gguf's own Q8_0 quantizer (cpu_blocks_a8.q8_0_reference). Those holding
+    a K-quant weight's file blocks quantize it to Q8_K instead (kiln.ops.gemm.cpu_kquants_a8); the
+    reference reads x through that definition in tensor code (cpu_kquants_a8.q8_k_reference).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from kiln.ops import native_cpu
 from kiln.ops.checks import FLOAT_DTYPES, check_tensor, device_of, row_count
-from kiln.ops.gemm import cpu_blocks_a8, cpu_w8a8
+from kiln.ops.gemm import cpu_blocks_a8, cpu_kquants_a8, cpu_w8a8
 from kiln.ops.gemm.cpu_q8_blocks import MIN_QTYPES
 from kiln.ops.gemm.dense_baseline import bf16_matmul
 from kiln.ops.gemm.gguf_blocks import make_gguf_weight, packed_bytes, validate_gguf_weight
@@ -77,6 +79,7 @@ from kiln.ops.gemm.weight_formats import (
 from kiln.ops.registry import BaselineNotApplicable, OpSpec, define_op
 from kiln.ops.testing import clone_inputs, element_size, randn
 from kiln.quant.gguf_blocks import (
+    BLOCK_BYTES,
     BLOCK_WEIGHTS,
     K_QUANTS,
     QK_K,
@@ -101,6 +104,8 @@ def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
         matrix = prepared_matrix(layout, weight, x.shape[-1]).to(x.device)
         if layout in QUANTIZED_LAYOUTS:
             xq = quantized_reference_input(layout, weight, x)
+        elif layout in A8_LAYOUTS and x.shape[0] == 1 and weight[-2].numel():  # the file's K-quant blocks
+            xq = cpu_kquants_a8.q8_k_reference(x)
         elif layout in A8_LAYOUTS and x.shape[0] == 1:
             xq = cpu_blocks_a8.q8_0_reference(x)
         else:
@@ -111,8 +116,32 @@ def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
     return y if x.dtype == torch.float64 else y.to(out_dtype or x.dtype)
 
 
-# one-row x quantized to Q8_0
+# one-row x quantized to Q8_0 (Q8_K for a K-quant weight's file blocks, their last two tensors)
 A8_LAYOUTS = ("q4_blocks_a8_onednn", "q8_blocks_a8_onednn", "q8_blocks_mins_a8_onednn")
+
+
+def _validate_kquant_parts(op, layout, weight, n: int, k: int, device) -> None:
+    """An a8 layout's last two tensors: a K-quant weight's file blocks, uint8 [bytes], and its parts
+    (GGML type id, rows) int64 [P, 2] (kiln.ops.gemm.cpu_kquants_a8.pack), or both empty."""
+    at = len(weight) - 2
+    blocks, parts = weight[at], weight[at + 1]
+    check_tensor(op, f"weight[{at}]", blocks, ndim=1, dtypes=(torch.uint8,), device=device)
+    check_tensor(op, f"weight[{at + 1}]", parts, ndim=2, dtypes=(torch.int64,), device=device)
+    if (blocks.numel() == 0 and parts.numel() == 0) or torch.compiler.is_compiling():
+        return  # (the table's values: not while tracing; the native op checks them again when it runs)
+    qtypes = {v: q for q, v in cpu_kquants_a8.QTYPE_IDS.items()}
+    if parts.shape[1] != 2 or parts.shape[0] == 0 or any(t not in qtypes for t in parts[:, 0].tolist()):
+        raise ValueError(
+            f"{op}: {layout} K-quant parts {parts.tolist()}, expected rows (GGML type id, rows) with types "
+            f"{cpu_kquants_a8.QTYPE_IDS}"
+        )
+    rows = int(parts[:, 1].sum())
+    size = sum(r * k // QK_K * BLOCK_BYTES[qtypes[t]] for t, r in parts.tolist())
+    if k % QK_K or rows != n or blocks.numel() != size:
+        raise ValueError(
+            f"{op}: {layout} K-quant blocks of {blocks.numel()} bytes in parts of {rows} rows, expected "
+            f"{size} bytes ({n} rows of K = {k}, K a multiple of {QK_K})"
+        )
 
 
 def _in_features(layout: str, weight) -> int | None:
@@ -378,11 +407,17 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
                 f"{op}: int8_weight in-features {weight[0].shape[1]} are not a multiple of "
                 f"{INT8_K_MULTIPLE} (torch's int8 CPU matmul)"
             )
-    elif layout in ("int8_blocks_onednn", "q8_blocks_onednn", "q8_blocks_a8_onednn"):
+    elif layout in A8_LAYOUTS:
+        # the exact layout's tensors, then the K-quant parts
+        validate = {"q8_blocks_a8_onednn": _validate_q8_blocks, "q4_blocks_a8_onednn": _validate_q4_blocks,
+                    "q8_blocks_mins_a8_onednn": _validate_q8_blocks_mins}[layout]  # fmt: skip
+        validate(op, layout, weight[:-2], device)
+        _validate_kquant_parts(op, layout, weight, weight[0].shape[0], _in_features(layout, weight), device)
+    elif layout in ("int8_blocks_onednn", "q8_blocks_onednn"):
         _validate_q8_blocks(op, layout, weight, device)
-    elif layout in ("q4_blocks_onednn", "q4_blocks_a8_onednn"):
+    elif layout == "q4_blocks_onednn":
         _validate_q4_blocks(op, layout, weight, device)
-    elif layout in ("q8_blocks_mins_onednn", "q8_blocks_mins_a8_onednn"):
+    elif layout == "q8_blocks_mins_onednn":
         _validate_q8_blocks_mins(op, layout, weight, device)
     elif layout in GGUF_LAYOUTS:
         validate_gguf_weight(op, weight[0], GGUF_LAYOUTS[layout], x.shape[-1], device)
@@ -595,6 +630,9 @@ _FUZZ_FORMATS = (
     ("q8_blocks_a8", "Q6_K"),  # "q8_blocks_a8_onednn", a weight scale per 16
     ("q4_blocks_a8", "Q5_K"),  # "q8_blocks_mins_a8_onednn"
     ("q4_blocks_a8", "Q4_K+Q6_K"),  # stacked: "q8_blocks_mins_a8_onednn", a scale and a min per 16
+    # (a one-row x of a K-quant source, plain or stacked: Q8_K on the file's blocks)
+    ("q8_blocks_a8", "Q5_K+Q6_K"),
+    ("q4_blocks_a8", "Q4_K+Q8_0"),  # a part that is no K-quant: x to Q8_0 on the fields
     ("fp16", "Q5_0"),  # CUDA: every GGUF type above and this one in "gguf_planar_*"
     # fused projections whose parts mix GGUF types (a Q4_K_M file's QKV): the exact formats keep them as
     # values with a scale and min per 16 ("q8_blocks_mins_onednn") or per 32, or without mins
@@ -699,6 +737,10 @@ def _weight_bytes(shape, dtype) -> float:
         return N * K * (4 if source.startswith(("fp8", "int8")) else 1)  # CPU: float32 values
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
+    kquant_parts = shape["source"].split("+")
+    if fmt in A8_FORMATS and shape["M"] == 1 and all(q in cpu_kquants_a8.QTYPE_IDS for q in kquant_parts):
+        if cpu_kquants_a8.load():  # the file's blocks (a stacked weight's: split evenly between its parts)
+            return sum(N * K / QK_K * BLOCK_BYTES[q] for q in kquant_parts) / len(kquant_parts)
     blocks_formats = (*EXACT_FORMATS, *A8_FORMATS)  # each keeps every GGUF type with a blocks layout
     if fmt in blocks_formats and shape["source"] in MIN_QTYPES:  # values, d * sc and the min
         return N * K + N * K / 32 * 8 if shape["M"] <= native_cpu.blocks_gemm_rows() else N * K * 4

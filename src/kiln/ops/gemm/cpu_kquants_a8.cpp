@@ -1,0 +1,322 @@
+// The one-row kernel of the a8 layouts' K-quant form (kiln.ops.gemm.cpu_kquants_a8): y = x @ W^T with W
+// one or more parts of GGUF K-quant blocks kept as the file stores them (Q4_K: 144 bytes per 256
+// weights, Q5_K: 176, Q6_K: 210) and x quantized first to Q8_K: per 256 values one float32
+// d = max|x| / 127 and int8 q = round(x / d), half away from zero, and q's sum over each 16 and 32.
+// That is llama.cpp's CPU arithmetic for these types; each super-block's dot product is then integer:
+//
+//   Q4_K / Q5_K (w = d sc_j q - dmin m_j per 32, q in 0..15 / 0..31, sc_j, m_j 6-bit):
+//     y += dx (d sum_j sc_j sum_i q qx  -  dmin sum_j m_j sum_i qx)
+//   Q6_K (w = d sc_j (q - 32) per 16, q in 0..63, sc_j int8):
+//     y += dx d (sum_j sc_j sum_i q qx  -  32 sum_j sc_j sum_i qx)
+//
+// so y = W @ x' in float32 with x' = dx * qx: x's rounding to 255 levels per 256 values is the only
+// approximation. The kernels read 0.56 / 0.69 / 0.82 bytes a weight, where the q4_blocks / q8_blocks
+// forms of the same matrices read 0.75 / 1.5 / 1.25, and never convert a weight to float32.
+//
+// AVX2's vpmaddubsw multiplies the unsigned weight bytes by the signed qx into int16 pair sums (at most
+// 63 * 127 * 2 = 16002: no saturation), vpmaddwd then weights each pair sum with its sub-block's scale
+// into int32. A NaN or an infinity in a super-block of x makes its dx NaN, so it reaches every output.
+// Registered as torch.ops.kiln_cpu.quantize_q8_k and kquants_a8_gemv.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "cpu_float_lanes.h"
+#include "cpu_q8_activations.h"
+#include "native_cpu_ops.h"
+
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kSuper = 256;  // weights per K-quant super-block, values per Q8_K block of x
+constexpr int64_t kRowsPerTask = 16;
+constexpr int64_t kPrefetchAhead = 4096;  // as cpu_q4_blocks.cpp: this far ahead, once per 64-byte line
+// GGML's type ids, as the parts table names them
+constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;
+
+// x float32 [K] -> q int8 [K], d float32 [K / 256], q's sums int16 per 16 [K / 16] and per 32 [K / 32]
+void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int16_t* sums16, int16_t* sums32) {
+  for (int64_t s = 0; s < k / kSuper; ++s) d[s] = kiln_cpu::quantize_int8_block(x + s * kSuper, kSuper, q + s * kSuper);
+  for (int64_t j = 0; j < k / 16; ++j) {
+    int32_t sum = 0;
+    for (int i = 0; i < 16; ++i) sum += q[16 * j + i];
+    sums16[j] = static_cast<int16_t>(sum);
+  }
+  for (int64_t j = 0; j < k / 32; ++j) sums32[j] = static_cast<int16_t>(sums16[2 * j] + sums16[2 * j + 1]);
+}
+
+// Q4_K / Q5_K's 12 scale bytes -> the eight 6-bit scales (sc) and mins (m) as bytes, four to a word, as
+// ggml's get_scale_min_k4: bytes 0-3 hold sc 0-3 and the top bits of sc 4-7, bytes 4-7 the same for m,
+// bytes 8-11 the low four bits of sc 4-7 (low nibbles) and of m 4-7 (high nibbles)
+inline void k4_scales(const uint8_t* s, uint32_t* sc, uint32_t* m) {
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  sc[0] = u[0] & 0x3f3f3f3fu;
+  m[0] = u[1] & 0x3f3f3f3fu;
+  sc[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+  m[1] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+}
+
+inline int32_t byte_of(const uint32_t* words, int j) { return static_cast<int32_t>((words[j / 4] >> (8 * (j % 4))) & 255); }
+
+inline float half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+#if defined(KILN_FLOAT_LANES)
+// a vpshufb mask repeating int16 element `low` of the low 128-bit lane and `high` of the high lane
+inline __m256i repeat16(int low, int high) {
+  alignas(32) int8_t bytes[32];
+  for (int i = 0; i < 32; ++i) bytes[i] = static_cast<int8_t>(2 * (i < 16 ? low : high) + i % 2);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
+}
+#endif
+
+// One Q4_K (High = false) or Q5_K (High = true) row of `supers` super-blocks. Q5_K: the 32 bytes qh
+// after the scales hold bit 4 of each weight, bit j of byte i for weight i of sub-block j. sums32: x's
+// int8 sums per 32. (Not prefetched: on a 2-core Zen 4 the Q4_K kernel ran ~8 % faster cache-cold
+// without, being compute-bound there.)
+template <bool High>
+float k4_row(const int8_t* qx, const float* dx, const int16_t* sums32, const uint8_t* row, int64_t supers) {
+  constexpr int64_t kBytes = High ? 176 : 144;
+  constexpr int64_t kNibbles = High ? 48 : 16;  // where the 128 nibble bytes start
+#if defined(KILN_FLOAT_LANES)
+  const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+  const __m256i pick[8] = {repeat16(0, 0), repeat16(1, 1), repeat16(2, 2), repeat16(3, 3),
+                           repeat16(4, 4), repeat16(5, 5), repeat16(6, 6), repeat16(7, 7)};
+  __m256 acc = _mm256_setzero_ps();
+  __m128 mins_acc = _mm_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* b = row + s * kBytes;
+    uint32_t sc[2], m[2];
+    k4_scales(b + 4, sc, m);
+    // int16: sc 0-7 in the low lane, m 0-7 in the high one
+    const __m256i scales_mins = _mm256_cvtepu8_epi16(_mm_set_epi32(m[1], m[0], sc[1], sc[0]));
+    int32_t d_dmin;
+    std::memcpy(&d_dmin, b, 4);
+    const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d_dmin)), _mm_set1_ps(dx[s]));  // d dx, dmin dx
+    const __m128i mins = _mm_madd_epi16(_mm256_extracti128_si256(scales_mins, 1),
+                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums32 + 8 * s)));
+    mins_acc = _mm_fmadd_ps(_mm_shuffle_ps(dd, dd, 0x55), _mm_cvtepi32_ps(mins), mins_acc);
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(scales_mins));
+    const __m256i qh = High ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
+    const uint8_t* qs = b + kNibbles;
+    const int8_t* a = qx + s * kSuper;
+    __m256i isum = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {  // 32 bytes: sub-block 2j in the low nibbles, 2j + 1 in the high
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+      __m256i lo = _mm256_and_si256(q, low), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+      if (High) {
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
+      }
+      const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 64 * j));
+      const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 64 * j + 32));
+      const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), _mm256_shuffle_epi8(scales, pick[2 * j]));
+      const __m256i p1 =
+          _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), _mm256_shuffle_epi8(scales, pick[2 * j + 1]));
+      isum = _mm256_add_epi32(isum, _mm256_add_epi32(p0, p1));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(_mm_cvtss_f32(dd)), _mm256_cvtepi32_ps(isum), acc);
+  }
+  return kiln_cpu::hsum(acc) - kiln_cpu::hsum(_mm256_castps128_ps256(mins_acc));
+#else
+  float total = 0.f;
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* b = row + s * kBytes;
+    uint32_t sc[2], m[2];
+    k4_scales(b + 4, sc, m);
+    int32_t isum = 0, msum = 0;
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* qs = b + kNibbles + 32 * (j / 2);
+      const int8_t* a = qx + s * kSuper + 32 * j;
+      int32_t dot = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int high = High ? ((b[16 + i] >> j) & 1) << 4 : 0;
+        dot += ((j % 2 ? qs[i] >> 4 : qs[i] & 15) | high) * a[i];
+      }
+      isum += byte_of(sc, j) * dot;
+      msum += byte_of(m, j) * sums32[8 * s + j];
+    }
+    total += half(b) * dx[s] * static_cast<float>(isum) - half(b + 2) * dx[s] * static_cast<float>(msum);
+  }
+  return total;
+#endif
+}
+
+// One Q6_K row; sums16: x's int8 sums per 16. Per half (128 weights): ql 64 bytes, qh 32, 8 scales;
+// weight l + 32 t (t = 0..3) is ql[l + 32 (t & 1)]'s low (t < 2) or high nibble with bits 2t, 2t + 1 of
+// qh[l] above it, less 32, its scale 2t + l / 16. `stop`: the end of the rows this task reads
+// (prefetches stay before it).
+float q6_k_row(const int8_t* qx, const float* dx, const int16_t* sums16, const uint8_t* row, int64_t supers,
+               const uint8_t* stop) {
+  constexpr int64_t kBytes = 210;
+#if defined(KILN_FLOAT_LANES)
+  const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+  const __m256i pick[4] = {repeat16(0, 1), repeat16(2, 3), repeat16(4, 5), repeat16(6, 7)};
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* b = row + s * kBytes;
+    for (const uint8_t* p = b + kPrefetchAhead; p < b + kPrefetchAhead + kBytes && p < stop; p += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+    }
+    const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    // the offset, 32 sum_j sc_j sum16_j, subtracted
+    const __m256i offset =
+        _mm256_madd_epi16(scales, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums16 + 16 * s)));
+    __m256i isum = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+    const int8_t* a = qx + s * kSuper;
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = b + 64 * h;
+      // this half's 8 scales in both lanes
+      const __m256i half_scales = h ? _mm256_permute2x128_si256(scales, scales, 0x11)
+                                    : _mm256_permute2x128_si256(scales, scales, 0x00);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+      const __m256i nibbles[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                                  _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                  _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+      for (int t = 0; t < 4; ++t) {
+        const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two), 4);
+        const __m256i q = _mm256_or_si256(nibbles[t], high);
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 128 * h + 32 * t));
+        const __m256i scale = _mm256_shuffle_epi8(half_scales, pick[t]);
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scale));
+      }
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(half(b + 208) * dx[s]), _mm256_cvtepi32_ps(isum), acc);
+  }
+  return kiln_cpu::hsum(acc);
+#else
+  (void)stop, (void)sums16;
+  float total = 0.f;
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* b = row + s * kBytes;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const int8_t* a = qx + s * kSuper;
+    int32_t isum = 0;
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = b + 64 * h;
+      const uint8_t* qh = b + 128 + 32 * h;
+      for (int t = 0; t < 4; ++t) {
+        for (int l = 0; l < 32; ++l) {
+          const int nibble = t < 2 ? ql[l + 32 * (t & 1)] & 15 : ql[l + 32 * (t & 1)] >> 4;
+          const int q = (nibble | (((qh[l] >> (2 * t)) & 3) << 4)) - 32;
+          isum += sc[8 * h + 2 * t + l / 16] * q * a[128 * h + 32 * t + l];
+        }
+      }
+    }
+    total += half(b + 208) * dx[s] * static_cast<float>(isum);
+  }
+  return total;
+#endif
+}
+
+int64_t block_bytes(int64_t qtype) { return qtype == kQ4K ? 144 : qtype == kQ5K ? 176 : 210; }
+
+void check_x(const char* op, const at::Tensor& x, int64_t rows) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && (rows < 0 || x.size(0) == rows), op,
+              ": x must be float32 [", rows < 0 ? "M" : "1", ", K], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.size(1) % kSuper == 0, op, ": K = ", x.size(1), " must be a multiple of 256");
+}
+
+}  // namespace
+
+namespace kiln_cpu {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8_k(const at::Tensor& x) {
+  check_x("quantize_q8_k", x, -1);
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({m, k / kSuper}, x.options());
+  at::Tensor sums = at::empty({m, k / 16}, x.options().dtype(at::kShort));
+  const float* xp = xc.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  int16_t* sp = sums.data_ptr<int16_t>();
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> sums32(k / 32);
+    for (int64_t r = begin; r < end; ++r) {
+      quantize_row(xp + r * k, k, qp + r * k, dp + r * (k / kSuper), sp + r * (k / 16), sums32.data());
+    }
+  });
+  return {q, d, sums};
+}
+
+at::Tensor kquants_a8_gemv(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n) {
+  const char* op = "kquants_a8_gemv";
+  check_x(op, x, 1);
+  TORCH_CHECK(parts.device().is_cpu() && parts.scalar_type() == at::kLong && parts.dim() == 2 && parts.size(1) == 2 &&
+                  parts.size(0) >= 1,
+              op, ": parts must be int64 [P, 2] (GGML type, rows) on the CPU, P >= 1, got ", parts.scalar_type(), " ",
+              parts.sizes(), " on ", parts.device());
+  const int64_t k = x.size(1), supers = k / kSuper;
+  const at::Tensor pc = parts.contiguous();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  const int64_t count = parts.size(0);
+  // per part: its type, first output row and first byte
+  std::vector<int64_t> types(count), first_row(count + 1, 0), first_byte(count + 1, 0);
+  for (int64_t i = 0; i < count; ++i) {
+    types[i] = pp[2 * i];
+    TORCH_CHECK(types[i] == kQ4K || types[i] == kQ5K || types[i] == kQ6K, op, ": part ", i, " has GGML type ",
+                types[i], "; the kernel takes Q4_K (12), Q5_K (13) and Q6_K (14)");
+    TORCH_CHECK(pp[2 * i + 1] >= 0, op, ": part ", i, " has ", pp[2 * i + 1], " rows");
+    first_row[i + 1] = first_row[i] + pp[2 * i + 1];
+    first_byte[i + 1] = first_byte[i] + pp[2 * i + 1] * supers * block_bytes(types[i]);
+  }
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 1 &&
+                  blocks.numel() == first_byte[count],
+              op, ": blocks must be uint8 [", first_byte[count], "] on the CPU (the parts' rows of K = ", k,
+              ", as their files store them), got ", blocks.scalar_type(), " ", blocks.sizes(), " on ", blocks.device());
+  const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
+  std::vector<int8_t> qx(k);
+  std::vector<float> dx(supers);
+  std::vector<int16_t> sums16(k / 16), sums32(k / 32);
+  quantize_row(xc.data_ptr<float>(), k, qx.data(), dx.data(), sums16.data(), sums32.data());
+  TORCH_CHECK(n == first_row[count], op, ": n = ", n, " but the parts hold ", first_row[count], " rows");
+  at::Tensor y = at::empty({1, n}, x.options());
+  const uint8_t* bp = bc.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    int64_t i = 0;
+    for (int64_t r = begin; r < end; ++r) {
+      while (r >= first_row[i + 1]) ++i;
+      const int64_t row_bytes = supers * block_bytes(types[i]);
+      const uint8_t* row = bp + first_byte[i] + (r - first_row[i]) * row_bytes;
+      if (types[i] == kQ4K) {
+        yp[r] = k4_row<false>(qx.data(), dx.data(), sums32.data(), row, supers);
+      } else if (types[i] == kQ5K) {
+        yp[r] = k4_row<true>(qx.data(), dx.data(), sums32.data(), row, supers);
+      } else {
+        const int64_t last = std::min(end, first_row[i + 1]);
+        yp[r] = q6_k_row(qx.data(), dx.data(), sums16.data(), row, supers,
+                         bp + first_byte[i] + (last - first_row[i]) * row_bytes);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace kiln_cpu
+
+TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
+  m.def("quantize_q8_k(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("kquants_a8_gemv(Tensor x, Tensor blocks, Tensor parts, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
+  m.impl("quantize_q8_k", &kiln_cpu::quantize_q8_k);
+  m.impl("kquants_a8_gemv", &kiln_cpu::kquants_a8_gemv);
+}

@@ -1,0 +1,150 @@
+"""GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) as their files store them, times x quantized to Q8_K: the
+one-row kernel the a8 layouts ("q4_blocks_a8_onednn", "q8_blocks_a8_onednn",
+"q8_blocks_mins_a8_onednn"; kiln.ops.gemm.weight_formats) run for a K-quant weight, a plain one or a
+stacked projection whose parts all are K-quants. llama.cpp's CPU arithmetic for these types.
+
+x is quantized per 256 values (one K-quant super-block) to int8 with a float32 scale
+(`quantize_q8_k`: d = max|x| / 127, q = round(x / d) half away from zero; ggml's Q8_K keeps the same
+int8 values and scale), then each super-block's dot product is integer arithmetic
+(cpu_kquants_a8.cpp), so y = W @ x' in float32 with x' = d * q. The weights are read at 0.56 (Q4_K),
+0.69 (Q5_K) and 0.82 (Q6_K) bytes each, the files' own sizes, against 0.75 / 1.5 / 1.25 for the Q8_0-x
+kernels' forms of the same matrices (kiln.ops.gemm.cpu_blocks_a8).
+
+A weight's `pack` form is two tensors: its parts' blocks, uint8 [sum of N_i * row_bytes_i] (the rows
+of each part as in the file, parts in order), and `parts`, int64 [P, 2]: each part's GGML type id
+(QTYPE_IDS) and row count. The op is part of Kiln's native CPU library (kiln.ops.native_cpu); where it
+cannot be built the same arithmetic runs as tensor code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ops import native_cpu
+from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight, dequantize_blocks, row_bytes
+
+SUPER = 256  # values per Q8_K block of x, weights per K-quant super-block
+QTYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # GGML's type ids
+_QTYPES = {v: k for k, v in QTYPE_IDS.items()}
+_state: dict = {"loaded": None}
+
+
+def load() -> bool:
+    """Load Kiln's native CPU library and register the ops' fakes, once per process. True when the
+    native kernel runs here. Call it eagerly (not while torch.compile traces)."""
+    return native_cpu.load_op(_state, _register_fakes)
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("kiln_cpu::quantize_q8_k")
+    def _(x):
+        m, k = x.shape
+        return (
+            x.new_empty((m, k), dtype=torch.int8),
+            x.new_empty((m, k // SUPER)),
+            x.new_empty((m, k // 16), dtype=torch.int16),
+        )
+
+    @torch.library.register_fake("kiln_cpu::kquants_a8_gemv")
+    def _(x, blocks, parts, n):
+        return x.new_empty((1, n))
+
+
+def pack(weight) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(blocks uint8 [bytes], parts int64 [P, 2]) for a GGUFWeight of QTYPE_IDS' types or a
+    GGUFStackedWeight whose parts all are (module docstring); None for any other weight."""
+    parts = weight.parts if isinstance(weight, GGUFStackedWeight) else (weight,)
+    if not all(isinstance(p, GGUFWeight) and p.qtype in QTYPE_IDS for p in parts):
+        return None
+    blocks = torch.cat([p.data.reshape(-1) for p in parts]).contiguous()
+    table = torch.tensor([[QTYPE_IDS[p.qtype], p.shape[0]] for p in parts], dtype=torch.int64)
+    return blocks, table
+
+
+def no_parts() -> tuple[torch.Tensor, torch.Tensor]:
+    """The two tensors the a8 layouts hold for a weight `pack` does not take (empty)."""
+    return torch.empty(0, dtype=torch.uint8), torch.empty(0, 2, dtype=torch.int64)
+
+
+def matrix(blocks: torch.Tensor, parts: torch.Tensor, k: int) -> torch.Tensor:
+    """The float32 [N, K] matrix `pack`'s two tensors stand for: each part's gguf decode, in order."""
+    out, at = [], 0
+    for qtype_id, rows in parts.tolist():
+        qtype = _QTYPES[qtype_id]
+        size = rows * row_bytes(qtype, k)
+        out.append(dequantize_blocks(blocks[at : at + size].view(rows, -1), qtype))
+        at += size
+    return torch.cat(out)
+
+
+def _check_x(op: str, x: torch.Tensor, rows: int | None) -> None:
+    if x.dim() != 2 or (rows is not None and x.shape[0] != rows) or x.shape[1] % SUPER:
+        want = "[1, K]" if rows == 1 else "[M, K]"
+        raise ValueError(f"{op}: x must be {want} with K a multiple of {SUPER}, got {tuple(x.shape)}")
+    if x.device.type != "cpu":
+        raise ValueError(f"{op}: x must be on the CPU, got {x.device}")
+
+
+def _quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    blocks = x.view(m, k // SUPER, SUPER)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    scaled = blocks * torch.where(d == 0, 0.0, 1.0 / d)
+    a = scaled.abs()  # round half away from zero, as the native kernel (and ggml's roundf)
+    q = (scaled.sign() * (a.floor() + (2 * (a - a.floor())).floor())).to(torch.int8)
+    bad = ~blocks.isfinite().all(-1, keepdim=True)
+    q = q.masked_fill(bad, 0).view(m, k)
+    d = d.masked_fill(bad, float("nan")).view(m, k // SUPER)
+    sums = q.view(m, k // 16, 16).sum(-1, dtype=torch.int32).to(torch.int16)
+    return q, d, sums
+
+
+def quantize_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x float [M, K] (read as float32), K a multiple of 256 -> (q int8 [M, K], d float32 [M, K / 256],
+    sums int16 [M, K / 16]): per 256 values d = max|x| / 127 and q = round(x / d), half away from
+    zero; sums: q's sum over each 16. A block holding a NaN or an infinity gets d = NaN and q = 0."""
+    _check_x("quantize_q8_k", x, None)
+    x = x.float().contiguous()
+    if not torch.compiler.is_compiling():
+        load()
+    if _state["loaded"]:
+        return torch.ops.kiln_cpu.quantize_q8_k(x)
+    return _quantize_tensor(x)
+
+
+def q8_k_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K a multiple of 256) as the kernel sees it, float64: per 256 values the int8 values
+    of gguf's own Q8_0 rounding (the `gguf` package's quantize_blocks, ggml's reference: d = max|x| /
+    127, roundf(x / d)) applied to the whole block, times the float32 d; NaN for a block with a NaN or
+    an infinity. The verifier's reference input for the a8 layouts' K-quant form, written without
+    Kiln's quantizer where `gguf` is installed (the tensor form stands in elsewhere)."""
+    m, k = x.shape
+    blocks = x.detach().float().cpu().view(m * k // SUPER, SUPER)
+    finite = blocks.isfinite().all(-1, keepdim=True)
+    try:
+        from gguf import quants
+    except ImportError:
+        q = _quantize_tensor(blocks.view(m, k))[0].view(-1, SUPER)
+    else:
+        data = quants.Q8_0.quantize_blocks(blocks.masked_fill(~finite, 0).numpy())  # [blocks, 2 + 256]
+        q = torch.from_numpy(data[:, 2:].copy()).view(torch.int8)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    xq = (q.to(torch.float64) * d.to(torch.float64)).masked_fill(~finite, float("nan"))
+    return xq.view(m, k).to(x.device)
+
+
+def kquants_a8_gemv(x: torch.Tensor, blocks: torch.Tensor, parts: torch.Tensor, n: int) -> torch.Tensor:
+    """y float32 [1, n] = x' @ W^T: x float32 [1, K] quantized to Q8_K (x'), W [n, K] the K-quant
+    parts `pack` gave (blocks uint8, parts int64 [P, 2]; n the sum of their rows)."""
+    _check_x("kquants_a8_gemv", x, 1)
+    if not torch.compiler.is_compiling():
+        load()
+    if _state["loaded"]:
+        return torch.ops.kiln_cpu.kquants_a8_gemv(x.float(), blocks, parts, n)
+    q, d, _ = _quantize_tensor(x.float().contiguous())
+    k = x.shape[1]
+    xq = (q.view(1, k // SUPER, SUPER).float() * d.view(1, k // SUPER, 1)).view(1, k)
+    w = matrix(blocks, parts, k)
+    if w.shape[0] != n:
+        raise ValueError(f"kquants_a8_gemv: n = {n} but the parts hold {w.shape[0]} rows")
+    return xq @ w.T

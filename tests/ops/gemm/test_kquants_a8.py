@@ -1,0 +1,206 @@
+"""kiln.ops.gemm.cpu_kquants_a8: GGUF Q4_K / Q5_K / Q6_K blocks as the file stores them times x
+quantized to Q8_K (per 256 values), the a8 layouts' one-row kernel for K-quant weights. References not
+written by Kiln: `gguf` decodes the weights' blocks, and its Q8_0 rounding applied to whole 256-value
+blocks gives x's int8 values (ggml's reference rounding; Kiln's packer writes the K-quant blocks, which
+gguf cannot)."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import kiln.ops
+from kiln.ops.gemm import cpu_kquants_a8 as kquants
+from kiln.ops.gemm.prepared_linear.spec import prepared_linear_reference
+from kiln.ops.gemm.weight_formats import prepare_linear_weight
+from kiln.quant import quantize_blocks
+from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight
+from kiln.verify import assert_close
+from tests.ops.gemm.native_gemv_child import assert_compiled_call_holds_native_op
+
+gguf = pytest.importorskip("gguf")
+CPU = torch.device("cpu")
+TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+@pytest.fixture(scope="module")
+def native():
+    if not kquants.load():
+        pytest.skip("Kiln's native CPU library could not be built here (no C++ compiler or ninja)")
+
+
+def _part(qtype: str, n: int, k: int, g) -> GGUFWeight:
+    """Fresh values, each row at its own scale, in K-quant blocks."""
+    values = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.2
+    return GGUFWeight(qtype, quantize_blocks(values, qtype), (n, k))
+
+
+def _gguf_matrix(weight: GGUFWeight) -> torch.Tensor:
+    kind = gguf.GGMLQuantizationType[weight.qtype]
+    return torch.from_numpy(gguf.quants.dequantize(weight.data.numpy(), kind)).double().view(weight.shape)
+
+
+def _gguf_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gguf's rounding of x float32 [M, K] per 256 values: (int8 values [M, K], float32 d [M, K / 256]
+    = max|x| / 127)."""
+    m, k = x.shape
+    blocks = x.view(-1, 256)
+    data = gguf.quants.Q8_0.quantize_blocks(blocks.numpy())
+    q = torch.from_numpy(data[:, 2:].copy().view(np.int8)).view(m, k)
+    return q, (blocks.abs().amax(-1) / 127).view(m, k // 256)
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "tensor_form"])
+def test_quantize_q8_k_gives_gguf_rounding_per_256_and_the_sums(use_native, monkeypatch):
+    if use_native and not kquants.load():
+        pytest.skip("no native library here")
+    if not use_native:
+        monkeypatch.setitem(kquants._state, "loaded", False)
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    x = torch.randn(5, 768, generator=g) * torch.rand(5, 1, generator=g) * 4
+    x[0, :256] = torch.arange(256) * 0.125 - 15.875  # amax 15.875: many x / d land on halves (ties)
+    x[1, 256:512] = 0.0  # an all-zero block: d = 0, q = 0
+    q, d, sums = kquants.quantize_q8_k(x)
+    gq, gd = _gguf_q8_k(x)
+    assert q.dtype == torch.int8 and torch.equal(q, gq)
+    assert d.dtype == torch.float32 and torch.equal(d, gd)
+    assert sums.dtype == torch.int16 and torch.equal(sums, q.view(5, 48, 16).sum(-1).to(torch.int16))
+    x[2, 300], x[3, 5] = float("nan"), float("-inf")
+    q, d, _ = kquants.quantize_q8_k(x)
+    assert torch.isnan(d[2, 1]) and torch.isnan(d[3, 0]) and not q[2, 256:512].any()
+    assert torch.isfinite(d[2, [0, 2]]).all() and torch.isfinite(d[3, 1:]).all()
+
+
+# sources: a plain weight of each type, and stacked projections mixing them (a Q4_K_M file's QKV)
+SOURCES = [
+    ("Q4_K",), ("Q5_K",), ("Q6_K",), ("Q4_K", "Q4_K", "Q6_K"), ("Q6_K", "Q5_K"), ("Q5_K", "Q4_K", "Q6_K")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("qtypes", SOURCES, ids="+".join)
+def test_kquants_a8_gemv_is_w_times_the_gguf_quantized_x(qtypes, native, monkeypatch):
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    k = random.choice((256, 768, 2816))  # whole super-blocks; 2816: a Llama intermediate size
+    # rows past the kernel's 16-row tasks and parts' edges inside one task; a plain weight at least 15
+    # rows: ||out - ref|| / ||ref|| over one output that cancels can exceed any fixed bound (150 seeds
+    # per type at 15-40 rows: at most 8e-7)
+    sizes = (1, 15, 17, 40) if len(qtypes) > 1 else (15, 17, 40)
+    parts = [_part(q, random.choice(sizes), k, g) for q in qtypes]
+    blocks, table = kquants.pack(GGUFStackedWeight.stack(parts) if len(parts) > 1 else parts[0])
+    assert table.tolist() == [[kquants.QTYPE_IDS[p.qtype], p.shape[0]] for p in parts]
+    matrix = torch.cat([_gguf_matrix(p) for p in parts])
+    assert torch.equal(kquants.matrix(blocks, table, k).double(), matrix)
+    n = matrix.shape[0]
+    x = torch.randn(1, k, generator=g) * 3
+    q, d = _gguf_q8_k(x)
+    x_gguf = (q.view(1, -1, 256).double() * d.view(1, -1, 1).double()).view(1, k)
+    y = torch.full((1, n), float("nan"))
+    y.copy_(kquants.kquants_a8_gemv(x, blocks, table, n))
+    # integer sums per super-block: only the float32 scaling and accumulation round
+    assert_close(y, x_gguf @ matrix.T, 2e-6, "W @ x'")
+    error = (y.double() - x.double() @ matrix.T).norm() / (x.double() @ matrix.T).norm()
+    assert 1e-4 < error < 3e-2, f"x's rounding per 256 values moves it a little: {error}"
+    monkeypatch.setitem(kquants._state, "loaded", False)  # where the library cannot be built
+    assert_close(kquants.kquants_a8_gemv(x, blocks, table, n), x_gguf @ matrix.T, 2e-6, "tensor form")
+    monkeypatch.undo()
+    x[0, k - 3] = float("nan")  # one NaN input poisons every output
+    assert torch.isnan(kquants.kquants_a8_gemv(x, blocks, table, n)).all()
+
+
+def test_the_offsets_and_mins_count(native):
+    """Q4_K / Q5_K's mins and Q6_K's -32 enter through x's block sums: a kernel that dropped them would
+    be far off. An x with a large common offset makes those terms dominate (and cancel against the
+    scaled sums: float32 rounding of the two large terms, hence 1e-5 here rather than 1e-6)."""
+    g = torch.Generator().manual_seed(7)
+    for qtype in TYPES:
+        weight = _part(qtype, 33, 512, g)
+        blocks, table = kquants.pack(weight)
+        x = torch.randn(1, 512, generator=g) + 5.0
+        y = kquants.kquants_a8_gemv(x, blocks, table, 33)
+        q, d = _gguf_q8_k(x)
+        x_gguf = (q.view(1, -1, 256).double() * d.view(1, -1, 1).double()).view(1, 512)
+        matrix = _gguf_matrix(weight)
+        ref = x_gguf @ matrix.T
+        assert_close(y, ref, 1e-5, qtype)
+        # the offset's share: x' minus its mean per 256 gives a result off by far more than that
+        centered = x_gguf - x_gguf.view(1, -1, 256).mean(-1, keepdim=True).expand(1, -1, 256).reshape(1, -1)
+        assert (centered @ matrix.T - ref).norm() > 0.1 * ref.norm()
+
+
+def test_the_a8_formats_keep_k_quant_file_blocks_and_only_those(native):
+    g = torch.Generator().manual_seed(11)
+    q4k, q6k = _part("Q4_K", 20, 256, g), _part("Q6_K", 12, 256, g)
+    q8 = GGUFWeight("Q8_0", quantize_blocks(torch.randn(12, 256, generator=g), "Q8_0"), (12, 256))
+    for fmt in ("q4_blocks_a8", "q8_blocks_a8"):
+        for weight, kept in ((q4k, (q4k,)), (q6k, (q6k,)), (GGUFStackedWeight.stack([q4k, q6k]), (q4k, q6k)),
+                             (q8, ()), (GGUFStackedWeight.stack([q4k, q8]), ())):  # fmt: skip
+            prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format=fmt)
+            if prepared.layout == "onednn":
+                pytest.skip("no oneDNN float32 packing here")
+            blocks, table = prepared.tensors[-2:]
+            assert torch.equal(blocks, torch.cat([p.data.reshape(-1) for p in kept]) if kept else blocks[:0])
+            assert table.tolist() == [[kquants.QTYPE_IDS[p.qtype], p.shape[0]] for p in kept]
+    exact = prepare_linear_weight(q4k, device=CPU, dtype=torch.float32, cpu_format="q4_blocks")
+    assert len(exact.tensors) == 6  # the exact formats keep no second copy of the blocks
+
+
+def test_prepared_linear_runs_the_file_blocks_for_one_row_and_the_exact_kernels_for_more(native):
+    g = torch.Generator().manual_seed(13)
+    weight = GGUFStackedWeight.stack([_part("Q4_K", 24, 512, g), _part("Q6_K", 8, 512, g)])
+    prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q4_blocks_a8")
+    if prepared.layout == "onednn":
+        pytest.skip("no oneDNN float32 packing here")
+    matrix = weight.dequantize(torch.float64)
+    bias = torch.randn(32, generator=g)
+    x = torch.randn(1, 512, generator=g)
+    y = kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors, bias)
+    q, d = _gguf_q8_k(x)
+    x_gguf = (q.view(1, -1, 256).double() * d.view(1, -1, 1).double()).view(1, 512)
+    assert_close(y, x_gguf @ matrix.T + bias.double(), 1e-6, "one row: Q8_K")
+    reference = prepared_linear_reference(x, prepared.layout, prepared.tensors, bias, torch.float64)
+    assert_close(y, reference, 1e-6, "the verifier's reference")
+    rows = torch.randn(3, 512, generator=g)
+    assert_close(
+        kiln.ops.prepared_linear(rows, prepared.layout, prepared.tensors, bias),
+        rows.double() @ matrix.T + bias.double(),
+        1e-6,
+        "3 rows: exact",
+    )
+
+
+def test_malformed_k_quant_inputs_are_named(native):
+    g = torch.Generator().manual_seed(17)
+    weight = _part("Q4_K", 20, 512, g)
+    blocks, table = kquants.pack(weight)
+    x, ops = torch.randn(1, 512, generator=g), torch.ops.kiln_cpu
+    with pytest.raises(RuntimeError, match=r"part 0 has GGML type 8; the kernel takes Q4_K \(12\)"):
+        ops.kquants_a8_gemv(x, blocks, torch.tensor([[8, 20]]), 20)
+    with pytest.raises(RuntimeError, match=r"blocks must be uint8 \[5760\] on the CPU"):
+        ops.kquants_a8_gemv(x, blocks[:-1], table, 20)
+    with pytest.raises(RuntimeError, match=r"n = 21 but the parts hold 20 rows"):
+        ops.kquants_a8_gemv(x, blocks, table, 21)
+    with pytest.raises(RuntimeError, match=r"K = 320 must be a multiple of 256"):
+        ops.kquants_a8_gemv(torch.randn(1, 320), blocks, table, 20)
+    with pytest.raises(RuntimeError, match=r"parts must be int64 \[P, 2\]"):
+        ops.kquants_a8_gemv(x, blocks, table.int(), 20)
+    with pytest.raises(ValueError, match=r"kquants_a8_gemv: x must be \[1, K\]"):
+        kquants.kquants_a8_gemv(torch.randn(2, 512), blocks, table, 20)
+    prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q4_blocks_a8")
+    if prepared.layout == "onednn":
+        pytest.skip("no oneDNN float32 packing here")
+    tensors = list(prepared.tensors)
+    with pytest.raises(ValueError, match=r"K-quant blocks of 5759 bytes in parts of 20 rows, expected 5760"):
+        kiln.ops.prepared_linear(x, prepared.layout, [*tensors[:-2], blocks[:-1], table])
+    with pytest.raises(ValueError, match=r"K-quant parts \[\[8, 20\]\]"):
+        kiln.ops.prepared_linear(x, prepared.layout, [*tensors[:-2], blocks, torch.tensor([[8, 20]])])
+
+
+def test_a_compiled_step_traced_before_any_eager_call_holds_the_kquants_op(native):
+    setup = """
+from kiln.ops.gemm import cpu_kquants_a8
+from kiln.quant import quantize_blocks
+from kiln.quant.gguf_blocks import GGUFWeight
+weight = GGUFWeight("Q4_K", quantize_blocks(torch.randn(48, 256) * 0.1, "Q4_K"), (48, 256))
+"""
+    assert_compiled_call_holds_native_op(setup, "q4_blocks_a8", "cpu_kquants_a8._quantize_tensor")
