@@ -1,5 +1,6 @@
 """How far greedy decoding in each CPU weight format agrees with the float32 weights (the checkpoint's
-values, the format whose tokens equal HF transformers'), on the embedded SmolLM2-135M-Instruct.
+values, the format whose tokens equal HF transformers'), on the embedded SmolLM2-135M-Instruct or
+--model (a GGUF file; --no-chat for one without a chat template).
 
 For each format (layers and LM head both in it, or the head in --lm-head-format; a weight the format
 cannot hold keeps the fallback kiln.ops.gemm.weight_formats gives it), the 8 prompts of
@@ -15,6 +16,7 @@ batch size compiles: minutes).
 
     OMP_NUM_THREADS=2 python scripts/cpu_format_agreement.py --max-tokens 64 [--formats fp16,int4_bf16]
         [--one-at-a-time] [--lm-head-format int8_blocks] [--compile-cpu-decode] [--kv-cache-dtype bfloat16]
+        [--model FILE.gguf] [--no-chat]
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtype", default="auto", help="the formats' KV cache (the fp32 reference keeps float32)"
     )
+    parser.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the embedded one)")
+    parser.add_argument("--no-chat", action="store_true", help="plain prompts only (a model with no template)")
     args = parser.parse_args()
 
     import torch
@@ -54,11 +58,10 @@ def main() -> None:
     runs = {}
     for fmt in ["fp32", *formats]:
         head = fmt if fmt == "fp32" else args.lm_head_format or fmt
-        loaded = load_model(device="cpu", dtype=torch.float32, cpu_format=fmt, lm_head_format=head)
-        prompts = {
-            "plain": [loaded.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS],
-            "chat": [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS],
-        }
+        loaded = load_model(args.model, device="cpu", dtype=torch.float32, cpu_format=fmt, lm_head_format=head)
+        prompts = {"plain": [loaded.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]}
+        if not args.no_chat:
+            prompts["chat"] = [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
         compiled = args.compile_cpu_decode and fmt != "fp32"
         kv_cache_dtype = "auto" if fmt == "fp32" else args.kv_cache_dtype
         llm = LLM(
@@ -73,7 +76,7 @@ def main() -> None:
         else:
             runs[fmt] = {name: llm.generate(batch, params) for name, batch in prompts.items()}
     for fmt in formats:
-        for name in ("plain", "chat"):
+        for name in runs["fp32"]:
             leads, gaps = [], []
             for ref, out in zip(runs["fp32"][name], runs[fmt][name], strict=True):
                 lead = leading_equal(ref.token_ids, out.token_ids)
