@@ -39,8 +39,8 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtype", default="auto", help="the formats' KV cache (the fp32 reference keeps float32)"
     )
-    parser.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the embedded one)")
-    parser.add_argument("--no-chat", action="store_true", help="plain prompts only (a model with no template)")
+    parser.add_argument("--model", help="a GGUF file or HF directory (default: the embedded one)")
+    parser.add_argument("--no-chat", action="store_true", help="plain prompts only (no chat template)")
     args = parser.parse_args()
 
     import torch
@@ -58,10 +58,13 @@ def main() -> None:
     runs = {}
     for fmt in ["fp32", *formats]:
         head = fmt if fmt == "fp32" else args.lm_head_format or fmt
-        loaded = load_model(args.model, device="cpu", dtype=torch.float32, cpu_format=fmt, lm_head_format=head)
-        prompts = {"plain": [loaded.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]}
+        loaded = load_model(
+            args.model, device="cpu", dtype=torch.float32, cpu_format=fmt, lm_head_format=head
+        )
+        tokenizer = loaded.tokenizer
+        prompts = {"plain": [tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]}
         if not args.no_chat:
-            prompts["chat"] = [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+            prompts["chat"] = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
         compiled = args.compile_cpu_decode and fmt != "fp32"
         kv_cache_dtype = "auto" if fmt == "fp32" else args.kv_cache_dtype
         llm = LLM(

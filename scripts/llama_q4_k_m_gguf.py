@@ -7,11 +7,12 @@ layers it gives more bits (8 of 16 here) and for the tied embedding, so half the
 stack Q4_K with Q6_K.
 
     pip install --no-deps llama-cpp-python==0.3.36 diskcache   # ~10 minutes to build on 2 cores
-    python scripts/llama_q4_k_m_gguf.py /tmp/llama-1024-q4_k_m.gguf
+    python scripts/llama_q4_k_m_gguf.py /tmp/llama-1024-q4_k_m.gguf [--ftype Q5_K_M]
     kiln bench engine --model /tmp/llama-1024-q4_k_m.gguf --concurrency 1,16 --num-prompts 0 --hf-batches ''
 
 The weights are random (normal, std 0.02), so the text is noise; speed and agreement with transformers
-loading the same file are what it is for.
+loading the same file are what it is for. `--ftype` picks another of llama.cpp's K-quant mixes (Q5_K_M:
+Q5_K with Q6_K where Q4_K_M has it).
 """
 
 from __future__ import annotations
@@ -48,8 +49,12 @@ def _smollm2_tokenizer() -> tuple[list[str], list[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", help="the Q4_K_M file to write")
+    parser.add_argument("out", help="the GGUF file to write")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--ftype", default="Q4_K_M", choices=("Q4_K_M", "Q5_K_M", "Q4_K_S", "Q5_K_S", "Q6_K"),
+        help="llama.cpp's file type (LLAMA_FTYPE_MOSTLY_<ftype>)",
+    )  # fmt: skip
     args = parser.parse_args()
     import llama_cpp  # llama-cpp-python: its quantizer is the point
 
@@ -85,7 +90,7 @@ def main() -> None:
             overrides={"tokenizer.ggml.merges": merges, "tokenizer.ggml.pre": "smollm"},
         )  # fmt: skip
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{args.ftype}")
         status = llama_cpp.llama_model_quantize(source.encode(), args.out.encode(), ctypes.byref(params))
     if status != 0:
         raise SystemExit(f"llama_model_quantize failed ({status})")
