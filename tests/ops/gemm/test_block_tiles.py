@@ -155,7 +155,7 @@ def test_prepared_linear_hands_the_tile_kernel_the_rows_this_build_gives_it(fmt,
     weight, _ = _weight(qtype, n, k, g)
     prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format=fmt)
     blocks = 2 if qtype == "Q8_0" else 3  # the tensors before the float32 copy
-    tiles, tile_scales = prepared.tensors[blocks + 1 :]
+    tiles, tile_scales = prepared.tensors[blocks + 1 : blocks + 3]  # (the a8 layouts: then K-quant parts)
     first, last = native_cpu.blocks_tiles_rows(fmt[:2])
     if first == 0:  # no tile kernel in this build: the layout keeps no tiles
         assert tiles.numel() == 0 and tile_scales.numel() == 0
@@ -181,7 +181,7 @@ def test_prepared_linear_hands_the_tile_kernel_the_rows_this_build_gives_it(fmt,
         # the byte model behind `kiln bench`'s GB/s counts what that kernel reads
         shape = {"M": m, "N": n, "K": k, "format": fmt, "source": qtype}
         assert PREPARED_LINEAR.bytes(shape, torch.float32) - (m * k + m * n) * 4 == pytest.approx(read)
-    broken = (*prepared.tensors[: blocks + 1], tiles[:, :-1].contiguous(), tile_scales)
+    broken = (*prepared.tensors[: blocks + 1], tiles[:, :-1].contiguous(), *prepared.tensors[blocks + 2 :])
     expected = 1279 if qtype != "Q8_0" else 2559
     with pytest.raises(ValueError, match=rf"{prepared.layout} tiles \(3, {expected}\) and tile scales"):
         kiln.ops.prepared_linear(torch.randn(first, k), prepared.layout, broken)
