@@ -279,7 +279,7 @@ from kiln.quant.gguf_blocks import GGUFWeight
 blocks = gguf.quants.quantize(torch.randn(48, 96).numpy(), gguf.GGMLQuantizationType.{qtype})
 weight = GGUFWeight("{qtype}", torch.from_numpy(blocks), (48, 96))
 """
-    assert_compiled_call_holds_native_op(setup, fmt, "cpu_blocks_a8._quantize_tensor")
+    assert_compiled_call_holds_native_op(setup, fmt, "cpu_blocks_a8.quantize_tensor_form")
 
 
 def test_the_reference_quantizer_without_gguf_gives_gguf_values(monkeypatch):

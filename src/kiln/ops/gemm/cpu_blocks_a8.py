@@ -70,17 +70,22 @@ def pack_q8_mins(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return cpu_q8_blocks.pack_with_mins(weight)
 
 
-def _check_x(op: str, x: torch.Tensor, rows: int | None) -> None:
-    if x.dim() != 2 or (rows is not None and x.shape[0] != rows) or x.shape[1] % BLOCK:
+def check_x(op: str, x: torch.Tensor, rows: int | None, block: int = BLOCK) -> None:
+    """ValueError naming `op` unless x is [rows, K] (any M for rows None) on the CPU with K a multiple
+    of `block` (32 for Q8_0 activations, 256 for Q8_K: cpu_kquants_a8)."""
+    if x.dim() != 2 or (rows is not None and x.shape[0] != rows) or x.shape[1] % block:
         want = "[1, K]" if rows == 1 else "[M, K]"
-        raise ValueError(f"{op}: x must be {want} with K a multiple of {BLOCK}, got {tuple(x.shape)}")
+        raise ValueError(f"{op}: x must be {want} with K a multiple of {block}, got {tuple(x.shape)}")
     if x.device.type != "cpu":
         raise ValueError(f"{op}: x must be on the CPU, got {x.device}")
 
 
-def _quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tensor_form(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native quantizers' arithmetic as tensor code: x float32 [M, K] -> (q int8 [M, K], d float32
+    [M, K / block]), per `block` values d = max|x| / 127 and q = round(x / d) half away from zero;
+    d = NaN and q = 0 for a block with a NaN or an infinity."""
     m, k = x.shape
-    blocks = x.view(m, k // BLOCK, BLOCK)
+    blocks = x.view(m, k // block, block)
     d = blocks.abs().amax(-1, keepdim=True) / 127.0
     scaled = blocks * torch.where(d == 0, 0.0, 1.0 / d)
     a = scaled.abs()  # round half away from zero as gguf's np_roundf (a + 0.5 can round up in float32)
@@ -88,20 +93,20 @@ def _quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bad = ~blocks.isfinite().all(-1, keepdim=True)
     q = q.masked_fill(bad, 0)
     d = d.masked_fill(bad, float("nan"))
-    return q.view(m, k), d.view(m, k // BLOCK)
+    return q.view(m, k), d.view(m, k // block)
 
 
 def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x float [M, K] (read as float32), K a multiple of 32 -> (q int8 [M, K], d float32 [M, K / 32]):
     per block of 32, d = max|x| / 127 and q = round(x / d), half away from zero (gguf's Q8_0 values;
     d kept in float32). A block holding a NaN or an infinity gets d = NaN and q = 0."""
-    _check_x("quantize_q8_0", x, None)
+    check_x("quantize_q8_0", x, None)
     x = x.float().contiguous()
     if not torch.compiler.is_compiling():
         load()
     if _state["loaded"]:
         return torch.ops.kiln_cpu.quantize_q8_0(x)
-    return _quantize_tensor(x)
+    return quantize_tensor_form(x)
 
 
 def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -116,18 +121,25 @@ def q8_0_reference(x: torch.Tensor) -> torch.Tensor:
     max|x| / 127 of each block (which gguf would round to float16); NaN for a block with a NaN or an
     infinity. The verifier's reference for the "*_a8_onednn" layouts, written without Kiln's
     quantizer where `gguf` is installed (a core dependency; the GPU image lacks it, and there the
-    tensor form below stands in)."""
+    tensor form stands in)."""
+    return int8_reference(x, BLOCK)
+
+
+def int8_reference(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [M, K] quantized per `block` values (32: Q8_0; 256: Q8_K, cpu_kquants_a8) and read back,
+    float64: gguf's Q8_0 rounding (quantize_blocks, applied to whole blocks of that size) times the
+    float32 max|x| / 127 of each block; NaN for a block with a NaN or an infinity; the tensor form
+    where `gguf` is not installed."""
     m, k = x.shape
-    blocks = x.detach().float().cpu().view(m, k // BLOCK, BLOCK)
+    blocks = x.detach().float().cpu().reshape(m * k // block, block)
     finite = blocks.isfinite().all(-1, keepdim=True)
     try:
-        from gguf import GGMLQuantizationType, quants
+        from gguf import quants
     except ImportError:
-        q = _quantize_tensor(blocks.reshape(m, k))[0].view(m, k // BLOCK, BLOCK)
+        q = quantize_tensor_form(blocks.reshape(m, k), block)[0].view(-1, block)
     else:
-        values = blocks.masked_fill(~finite, 0).reshape(m, k).numpy()
-        data = quants.quantize(values, GGMLQuantizationType.Q8_0)
-        q = torch.from_numpy(data.reshape(m, k // BLOCK, BLOCK + 2)[..., 2:].copy()).view(torch.int8)
+        data = quants.Q8_0.quantize_blocks(blocks.masked_fill(~finite, 0).numpy())  # [blocks, 2 + block]
+        q = torch.from_numpy(data[:, 2:].copy()).view(torch.int8)
     d = blocks.abs().amax(-1, keepdim=True) / 127.0
     xq = (q.to(torch.float64) * d.to(torch.float64)).masked_fill(~finite, float("nan"))
     return xq.view(m, k).to(x.device)
@@ -143,8 +155,8 @@ def q4_blocks_a8_gemv(
         load()
     if _state["loaded"]:
         return torch.ops.kiln_cpu.q4_blocks_a8_gemv(x, nibbles, scales, mins)
-    _check_x("q4_blocks_a8_gemv", x, 1)
-    q, d = _quantize_tensor(x.contiguous())
+    check_x("q4_blocks_a8_gemv", x, 1)
+    q, d = quantize_tensor_form(x.contiguous())
     return cpu_q4_blocks.q4_blocks_gemv(dequantize_q8_0(q, d), nibbles, scales, mins)
 
 
@@ -174,8 +186,8 @@ def q8_blocks_mins_a8_gemv(
 
 def _q8_a8_tensors(op, x, values, scales, mins) -> torch.Tensor:
     """The Q8 a8 kernels as tensor code (no native library): x' times the float32 matrix."""
-    _check_x(op, x, 1)
-    q, d = _quantize_tensor(x.contiguous())
+    check_x(op, x, 1)
+    q, d = quantize_tensor_form(x.contiguous())
     n, k = values.shape
     w = values.view(n, scales.shape[1], -1).float() * scales.view(n, -1, 1)
     if mins is not None:

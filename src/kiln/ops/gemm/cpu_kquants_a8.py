@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from kiln.ops import native_cpu
+from kiln.ops.gemm import cpu_blocks_a8
 from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight, dequantize_blocks, row_bytes
 
 SUPER = 256  # values per Q8_K block of x, weights per K-quant super-block
@@ -77,33 +78,18 @@ def matrix(blocks: torch.Tensor, parts: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _check_x(op: str, x: torch.Tensor, rows: int | None) -> None:
-    if x.dim() != 2 or (rows is not None and x.shape[0] != rows) or x.shape[1] % SUPER:
-        want = "[1, K]" if rows == 1 else "[M, K]"
-        raise ValueError(f"{op}: x must be {want} with K a multiple of {SUPER}, got {tuple(x.shape)}")
-    if x.device.type != "cpu":
-        raise ValueError(f"{op}: x must be on the CPU, got {x.device}")
-
-
 def _quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    m, k = x.shape
-    blocks = x.view(m, k // SUPER, SUPER)
-    d = blocks.abs().amax(-1, keepdim=True) / 127.0
-    scaled = blocks * torch.where(d == 0, 0.0, 1.0 / d)
-    a = scaled.abs()  # round half away from zero, as the native kernel (and ggml's roundf)
-    q = (scaled.sign() * (a.floor() + (2 * (a - a.floor())).floor())).to(torch.int8)
-    bad = ~blocks.isfinite().all(-1, keepdim=True)
-    q = q.masked_fill(bad, 0).view(m, k)
-    d = d.masked_fill(bad, float("nan")).view(m, k // SUPER)
-    sums = q.view(m, k // 16, 16).sum(-1, dtype=torch.int32).to(torch.int16)
-    return q, d, sums
+    """The native quantizer as tensor code: cpu_blocks_a8's per 256 values, and q's sums per 16."""
+    q, d = cpu_blocks_a8.quantize_tensor_form(x, SUPER)
+    m, k = q.shape
+    return q, d, q.view(m, k // 16, 16).sum(-1, dtype=torch.int32).to(torch.int16)
 
 
 def quantize_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x float [M, K] (read as float32), K a multiple of 256 -> (q int8 [M, K], d float32 [M, K / 256],
     sums int16 [M, K / 16]): per 256 values d = max|x| / 127 and q = round(x / d), half away from
     zero; sums: q's sum over each 16. A block holding a NaN or an infinity gets d = NaN and q = 0."""
-    _check_x("quantize_q8_k", x, None)
+    cpu_blocks_a8.check_x("quantize_q8_k", x, None, SUPER)
     x = x.float().contiguous()
     if not torch.compiler.is_compiling():
         load()
@@ -118,25 +104,13 @@ def q8_k_reference(x: torch.Tensor) -> torch.Tensor:
     127, roundf(x / d)) applied to the whole block, times the float32 d; NaN for a block with a NaN or
     an infinity. The verifier's reference input for the a8 layouts' K-quant form, written without
     Kiln's quantizer where `gguf` is installed (the tensor form stands in elsewhere)."""
-    m, k = x.shape
-    blocks = x.detach().float().cpu().view(m * k // SUPER, SUPER)
-    finite = blocks.isfinite().all(-1, keepdim=True)
-    try:
-        from gguf import quants
-    except ImportError:
-        q = _quantize_tensor(blocks.view(m, k))[0].view(-1, SUPER)
-    else:
-        data = quants.Q8_0.quantize_blocks(blocks.masked_fill(~finite, 0).numpy())  # [blocks, 2 + 256]
-        q = torch.from_numpy(data[:, 2:].copy()).view(torch.int8)
-    d = blocks.abs().amax(-1, keepdim=True) / 127.0
-    xq = (q.to(torch.float64) * d.to(torch.float64)).masked_fill(~finite, float("nan"))
-    return xq.view(m, k).to(x.device)
+    return cpu_blocks_a8.int8_reference(x, SUPER)
 
 
 def kquants_a8_gemv(x: torch.Tensor, blocks: torch.Tensor, parts: torch.Tensor, n: int) -> torch.Tensor:
     """y float32 [1, n] = x' @ W^T: x float32 [1, K] quantized to Q8_K (x'), W [n, K] the K-quant
     parts `pack` gave (blocks uint8, parts int64 [P, 2]; n the sum of their rows)."""
-    _check_x("kquants_a8_gemv", x, 1)
+    cpu_blocks_a8.check_x("kquants_a8_gemv", x, 1, SUPER)
     if not torch.compiler.is_compiling():
         load()
     if _state["loaded"]:
