@@ -840,6 +840,13 @@ _BENCH_FORMATS = (
     ("q4_blocks", "Q4_1"), ("q4_blocks_a8", "Q4_1"), ("q4_blocks_w8a8", "Q4_1"),
 )  # fmt: skip
 
+# (K, N, GGUF type): QKV, o_proj, gate/up, down (Q4_K, and Q6_K where llama.cpp gives it more bits),
+# the tied head
+_Q4_K_M_SHAPES = (
+    (1024, 1536, "Q4_K"), (1024, 1024, "Q4_K"), (1024, 5632, "Q4_K"), (2816, 1024, "Q4_K"),
+    (2816, 1024, "Q6_K"), (1024, 49152, "Q6_K"),
+)  # fmt: skip
+
 PREPARED_LINEAR = OpSpec(
     name="prepared_linear",
     description="y = x @ W^T (+ bias), W prepared at load (oneDNN-packed, fp16 GEMV, int4, GGUF blocks)",
@@ -862,6 +869,12 @@ PREPARED_LINEAR = OpSpec(
             {"M": m, "N": 49152, "K": 576, "format": fmt, "source": "Q8_0"}
             for m in (1, 16)
             for fmt in ("fp16", "bf16", "q8_blocks", "q8_blocks_a8", "int8_blocks", "int8_blocks_w8a8")
+        ]
+        + [  # a Llama Q4_K_M's one-row GEMVs (scripts/llama_q4_k_m_gguf.py: hidden 1024, intermediate
+            # 2816, tied Q6_K head): exact blocks against x quantized to Q8_K on the file's blocks
+            {"M": 1, "N": n, "K": k, "format": fmt, "source": source}
+            for k, n, source in _Q4_K_M_SHAPES
+            for fmt in ("q4_blocks", "q4_blocks_a8")
         ],
         # GGUF weights as the engine runs them on CUDA ("gguf_planar_*"), beside gguf_linear on the
         # file's blocks and bf16 cuBLAS (the baselines); bytes: the file's (_weight_bytes)
