@@ -167,3 +167,17 @@ def test_default_candidates_time_the_blocks_formats_only_for_their_gguf_types(mo
     assert cpu_format_probe.candidate_formats([q5, q6]) == ("fp16", "q8_blocks")
     monkeypatch.delenv("KILN_CPU_FORMATS")
     assert cpu_format_probe.candidate_formats([torch.randn(32, 64)]) == ("fp16", "fp32")
+
+
+def test_the_probe_times_cache_cold_passes_without_timing_the_eviction(monkeypatch):
+    """Each timed pass (and the warm-up) follows a write of EVICT_BYTES, so the weights come from memory
+    as in a decode step; the write itself is outside the timed region."""
+    import time
+
+    evictions = []
+    monkeypatch.setattr(cpu_format_probe, "_evict_caches", lambda: evictions.append(1))
+    weights = [torch.randn(48, 64), torch.randn(64, 32)]
+    cpu_format_probe._time_format(weights, "fp32", torch.float32)
+    assert len(evictions) == cpu_format_probe.REPEATS + 1
+    slow_before = cpu_format_probe.time_call(lambda: None, before=lambda: time.sleep(0.02))
+    assert slow_before < 0.01  # the median of the timed calls alone
