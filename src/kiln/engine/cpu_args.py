@@ -22,8 +22,9 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         "with --compile-cpu-decode is the fastest measured, with bf16 activations; int4_w8a8 (an int8 "
         "copy for several rows, x quantized to int8 per row) decodes batches faster at an accuracy cost "
         "(q4_blocks_w8a8: the same for GGUF Q4 weights with q4_blocks' exact kernels up to 7 rows); "
-        "q4_blocks_a8 (with --lm-head-format q8_blocks_a8) quantizes a one-row x to Q8_0 as llama.cpp does: "
-        "faster single-stream decode where the exact blocks kernels are arithmetic-bound, not exact",
+        "q4_blocks_a8 (with --lm-head-format q8_blocks_a8, or q4_blocks_a8 for a K-quant head) quantizes "
+        "a one-row x to Q8_0, or to Q8_K for GGUF K-quant weights read as the file stores them, as "
+        "llama.cpp does: faster single-stream decode (a Q4_K_M file: ~1.4x the exact formats), not exact",
     )
     parser.add_argument(
         "--lm-head-format",
