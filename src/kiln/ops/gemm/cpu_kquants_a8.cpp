@@ -11,7 +11,8 @@
 //
 // so y = W @ x' in float32 with x' = dx * qx: x's rounding to 255 levels per 256 values is the only
 // approximation. The kernels read 0.56 / 0.69 / 0.82 bytes a weight, where the q4_blocks / q8_blocks
-// forms of the same matrices read 0.75 / 1.5 / 1.25, and never convert a weight to float32.
+// forms of the same matrices read 0.75 / 1.25 / 1.25 (a stacked one with mins 1.5), and never convert a
+// weight to float32.
 //
 // AVX2's vpmaddubsw multiplies the unsigned weight bytes by the signed qx into int16 pair sums (at most
 // 63 * 127 * 2 = 16002: no saturation), vpmaddwd then weights each pair sum with its sub-block's scale

@@ -7,7 +7,7 @@ x is quantized per 256 values (one K-quant super-block) to int8 with a float32 s
 (`quantize_q8_k`: d = max|x| / 127, q = round(x / d) half away from zero; ggml's Q8_K keeps the same
 int8 values and scale), then each super-block's dot product is integer arithmetic
 (cpu_kquants_a8.cpp), so y = W @ x' in float32 with x' = d * q. The weights are read at 0.56 (Q4_K),
-0.69 (Q5_K) and 0.82 (Q6_K) bytes each, the files' own sizes, against 0.75 / 1.5 / 1.25 for the Q8_0-x
+0.69 (Q5_K) and 0.82 (Q6_K) bytes each, the files' own sizes, against 0.75 / 1.25 / 1.25 for the Q8_0-x
 kernels' forms of the same matrices (kiln.ops.gemm.cpu_blocks_a8).
 
 A weight's `pack` form is two tensors: its parts' blocks, uint8 [sum of N_i * row_bytes_i] (the rows

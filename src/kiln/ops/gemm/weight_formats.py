@@ -126,7 +126,7 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     Q4_K / Q5_K / Q6_K weight, or a stacked one whose parts all are, also keeps its file's blocks
     (kiln.ops.gemm.cpu_kquants_a8.pack): one row then quantizes x to Q8_K (per 256 values, ggml's
     activation type for K-quants) and runs the integer GEMV on those blocks, 0.56 / 0.69 / 0.82 bytes
-    a weight instead of the exact forms' 0.75 / 1.5 / 1.25 (llama.cpp's arithmetic for these types:
+    a weight instead of the exact forms' 0.75 / 1.25 / 1.25 (llama.cpp's arithmetic for these types:
     README, "Measured on a 2-core CPU"). Other weights, or a CPU where oneDNN cannot pack, get "fp32";
   - CPU, "int8_blocks", GGUF Q8_0 weights: "int8_blocks_onednn", the file's blocks split into their
     int8 values and their scales (fp16 in the file, exact in float32): w = d * q exactly, so one-row
