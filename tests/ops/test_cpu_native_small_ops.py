@@ -1,7 +1,7 @@
 """The native CPU kernels of the eager decode path's small ops (kiln_cpu.rms_norm, rotary_embedding_,
-silu_and_mul, write_kv_cache; kiln.ops.native_cpu): through kiln.ops they must be what runs for
-float32 (the profiler sees the native op), agree with the float64 references and with the PyTorch
-forms they replace (the same functions with the library marked unavailable), keep NaN, and refuse
+silu_and_mul, gelu_tanh_and_mul, write_kv_cache; kiln.ops.native_cpu): through kiln.ops they must be
+what runs for float32 (the profiler sees the native op), agree with the float64 references and with
+the PyTorch forms they replace (the same functions with the library marked unavailable), keep NaN, and refuse
 malformed inputs by name. Shapes are odd on purpose: views into a fused QKV row, partial rotary,
 GPT-J pairs, padding slots, rows past the vector width."""
 
@@ -12,6 +12,7 @@ import torch
 
 import kiln.ops
 from kiln.ops import native_cpu
+from kiln.ops.activation.gelu_tanh_and_mul.spec import gelu_tanh_and_mul_reference
 from kiln.ops.activation.silu_and_mul.spec import silu_and_mul_reference
 from kiln.ops.attention.write_kv_cache.spec import write_kv_cache_reference
 from kiln.ops.norm.rms_norm.spec import rms_norm_reference
@@ -119,6 +120,20 @@ def test_silu_and_mul_native_matches_reference_and_torch_form(shape, native, tor
     assert torch.isnan(kiln.ops.silu_and_mul(x)[..., 0]).all()
 
 
+@pytest.mark.parametrize("shape", [(1, 4096), (3, 5, 18), (2, 2)])  # Gemma 3 270M's 2 x 2048, odd tails
+def test_gelu_tanh_and_mul_native_matches_reference_and_torch_form(shape, native, torch_forms):
+    x = torch.randn(*shape, generator=_gen()) * 4
+    x[..., 0] = -12.0  # deep in the negative tail, where 1 + tanh(z) would cancel
+    assert _runs("gelu_tanh_and_mul", lambda: kiln.ops.gelu_tanh_and_mul(x))
+    y = torch.full(x[..., : shape[-1] // 2].shape, float("nan"))
+    y.copy_(kiln.ops.gelu_tanh_and_mul(x))
+    assert_close(y, gelu_tanh_and_mul_reference(x.double()), TOL, "gelu_tanh_and_mul")
+    with torch_forms:
+        assert_close(y, kiln.ops.gelu_tanh_and_mul(x).double(), TOL, "against the PyTorch form")
+    x[..., 0] = float("nan")
+    assert torch.isnan(kiln.ops.gelu_tanh_and_mul(x)[..., 0]).all()
+
+
 def test_write_kv_cache_native_writes_views_and_skips_padding(native, torch_forms):
     g = _gen()
     tokens, kv_heads, head_dim, num_blocks, block_size = 6, 3, 40, 5, 4
@@ -153,6 +168,8 @@ def test_native_small_ops_refuse_malformed_inputs_by_name(native):
         ops.rotary_embedding_(torch.tensor([1]), q, torch.randn(1, 1, 4), torch.randn(32, 8), True)
     with pytest.raises(RuntimeError, match=r"x must be a float32 CPU tensor \[\.\.\., 2 \* d\]"):
         ops.silu_and_mul(torch.randn(2, 5))
+    with pytest.raises(RuntimeError, match=r"gelu_tanh_and_mul: x must be a float32 CPU tensor"):
+        ops.gelu_tanh_and_mul(torch.randn(2, 6, dtype=torch.float64))
     cache, one = torch.zeros(2, 4, 1, 8), torch.randn(1, 1, 8)
     with pytest.raises(RuntimeError, match=r"slot 8 of token 0 is outside the cache's 8 slots"):
         ops.write_kv_cache(one, one, cache, cache.clone(), torch.tensor([8]))

@@ -82,15 +82,6 @@ enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 // the q/k norm: none; Gemma's (rms_norm per head into new tensors, then RoPE); Qwen3's (qk_norm_rope)
 enum QKNorm : int64_t { kNoQKNorm = 0, kHeadNorm = 1, kQKNormRope = 2 };
 
-// gelu_tanh_and_mul's "cpu" implementation (activation/gelu_tanh_and_mul/cpu.py) on float32 x [T, 2 I]:
-// the same ATen calls in the same order (the op has no native kernel), so the modules' floats
-at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
-  const int64_t d = x.size(-1) / 2;
-  const at::Tensor gate = x.slice(-1, 0, d);
-  at::Tensor z2 = (gate * gate).mul_(0.044715).add_(1.0).mul_(gate).mul_(1.5957691216057308);  // 2 sqrt(2 / pi)
-  return z2.sigmoid_().mul_(gate).mul_(x.slice(-1, d));
-}
-
 // qk_norm_rope's "cpu" implementation (rope/qk_norm_rope/cpu.py) on q [T, H, D] and k [T, Hkv, D], views
 // into the QKV output, in place (Qwen3's per-head RMSNorm, then NeoX RoPE): the same ATen calls in the same
 // order (the op has no native kernel), so the modules' floats
@@ -292,7 +283,7 @@ struct FlatDecode : torch::CustomClassHolder {
       }
       at::Tensor gate_up = l.gate_up(hidden);
       if (l.activation == kGeluTanh) {
-        KILN_RECORDED("kiln_cpu::gelu_tanh_and_mul", gate_up = gelu_tanh_and_mul(gate_up));
+        KILN_RECORDED("kiln_cpu::gelu_tanh_and_mul", gate_up = kiln_cpu::gelu_tanh_and_mul(gate_up));
       } else {
         KILN_RECORDED("kiln_cpu::silu_and_mul", gate_up = kiln_cpu::silu_and_mul(gate_up));
       }

@@ -21,11 +21,12 @@ their ops under torch.ops.kiln_cpu:
     norm/rms_norm/rms_norm_cpu.cpp          kiln_cpu.rms_norm (float32)
     rope/rotary_embedding/rotary_embedding_cpu.cpp  kiln_cpu.rotary_embedding_ (float32, in place)
     activation/silu_and_mul/silu_and_mul_cpu.cpp    kiln_cpu.silu_and_mul (float32)
+    activation/gelu_tanh_and_mul/gelu_tanh_and_mul_cpu.cpp  kiln_cpu.gelu_tanh_and_mul (float32)
     attention/write_kv_cache/write_kv_cache_cpu.cpp kiln_cpu.write_kv_cache (float32 caches)
     ../models/cpu_flat_decode.cpp           torch.classes.kiln_cpu.FlatDecode (a model's one-token
                                             decode through the layers above in one call)
 
-The last four serve the eager CPU path of their ops (each op's cpu.py) for float32 tensors, one call
+The last five serve the eager CPU path of their ops (each op's cpu.py) for float32 tensors, one call
 each instead of several ATen calls; a compiled decode step traces those ops' tensor forms instead.
 native_cpu_ops.h declares the ops' C++ entry points, so that FlatDecode calls them directly.
 
@@ -66,6 +67,7 @@ SOURCES = (
     os.path.join(_OPS, "norm", "rms_norm", "rms_norm_cpu.cpp"),
     os.path.join(_OPS, "rope", "rotary_embedding", "rotary_embedding_cpu.cpp"),
     os.path.join(_OPS, "activation", "silu_and_mul", "silu_and_mul_cpu.cpp"),
+    os.path.join(_OPS, "activation", "gelu_tanh_and_mul", "gelu_tanh_and_mul_cpu.cpp"),
     os.path.join(_OPS, "attention", "write_kv_cache", "write_kv_cache_cpu.cpp"),
     os.path.join(os.path.dirname(_OPS), "models", "cpu_flat_decode.cpp"),
 )

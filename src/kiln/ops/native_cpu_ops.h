@@ -33,8 +33,9 @@ at::Tensor paged_decode_fp8(const at::Tensor& q, const at::Tensor& key_cache, co
                             const std::optional<at::Tensor>& exact_key_cache,
                             const std::optional<at::Tensor>& exact_value_cache,
                             const std::optional<at::Tensor>& exact_block_tables, int64_t exact_window);
-// activation/silu_and_mul/silu_and_mul_cpu.cpp
+// activation/silu_and_mul/silu_and_mul_cpu.cpp, activation/gelu_tanh_and_mul/gelu_tanh_and_mul_cpu.cpp
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
 // gemm/cpu_q4_blocks.cpp, gemm/cpu_q8_blocks.cpp, gemm/cpu_blocks_a8.cpp
 at::Tensor q4_blocks_gemv(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
                           const at::Tensor& mins);
