@@ -3,49 +3,20 @@
 // as PyTorch's own silu kernel uses). Registered as torch.ops.kiln_cpu.silu_and_mul.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "activation/cpu_gated_rows.h"
 #include "native_cpu_ops.h"
 
 #include <cmath>
 
-namespace {
-
-using Vec = at::vec::Vectorized<float>;
-
-}  // namespace
-
 namespace kiln_cpu {
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) % 2 == 0,
-              "kiln_cpu.silu_and_mul: x must be a float32 CPU tensor [..., 2 * d], got ", x.scalar_type(), " ",
-              x.sizes());
-  const at::Tensor xc = x.contiguous();
-  const int64_t width = xc.size(-1), d = width / 2, rows = width == 0 ? 0 : xc.numel() / width;
-  auto shape = xc.sizes().vec();
-  shape.back() = d;
-  at::Tensor y = at::empty(shape, xc.options());
-  const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(d, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    const Vec one(1.f);
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = xp + r * width;
-      const float* up = gate + d;
-      float* out = yp + r * d;
-      int64_t j = 0;
-      for (; j + Vec::size() <= d; j += Vec::size()) {
-        const Vec a = Vec::loadu(gate + j);
-        (a / (one + a.neg().exp()) * Vec::loadu(up + j)).store(out + j);
-      }
-      for (; j < d; ++j) out[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
-    }
-  });
-  return y;
+  using Vec = at::vec::Vectorized<float>;
+  return gated_rows(
+      "kiln_cpu.silu_and_mul", x, [](const Vec& a) { return a / (Vec(1.f) + a.neg().exp()); },
+      [](float a) { return a / (1.f + std::exp(-a)); });
 }
 
 }  // namespace kiln_cpu
