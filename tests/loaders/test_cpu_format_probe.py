@@ -175,7 +175,7 @@ def test_the_probe_times_cache_cold_passes_without_timing_the_eviction(monkeypat
     import time
 
     evictions = []
-    monkeypatch.setattr(cpu_format_probe, "_evict_caches", lambda: evictions.append(1))
+    monkeypatch.setattr(cpu_format_probe, "_cache_evictor", lambda: lambda: evictions.append(1))
     weights = [torch.randn(48, 64), torch.randn(64, 32)]
     cpu_format_probe._time_format(weights, "fp32", torch.float32)
     assert len(evictions) == cpu_format_probe.REPEATS + 1

@@ -142,13 +142,6 @@ float q8_row(const int8_t* qx, const float* dx, const int8_t* row, const float* 
 #endif
 }
 
-void check_x(const char* op, const at::Tensor& x, int64_t rows) {
-  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && (rows < 0 || x.size(0) == rows),
-              op, ": x must be float32 [", rows < 0 ? "M" : "1", ", K], got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(x.size(1) % kBlock == 0, op, ": K = ", x.size(1), " must be a multiple of 32");
-}
-
 void check_scales(const char* op, const char* what, const at::Tensor& t, int64_t n, int64_t groups) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == n &&
                   t.size(1) == groups,
@@ -161,7 +154,7 @@ void check_scales(const char* op, const char* what, const at::Tensor& t, int64_t
 namespace kiln_cpu {
 
 std::tuple<at::Tensor, at::Tensor> quantize_q8_0(const at::Tensor& x) {
-  check_x("quantize_q8_0", x, -1);
+  kiln_cpu::check_activation("quantize_q8_0", x, -1, kBlock);
   const at::Tensor xc = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1), groups = k / kBlock;
   at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
@@ -178,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_q8_0(const at::Tensor& x) {
 at::Tensor q4_blocks_a8_gemv(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
                              const at::Tensor& mins) {
   const char* op = "q4_blocks_a8_gemv";
-  check_x(op, x, 1);
+  kiln_cpu::check_activation(op, x, 1, kBlock);
   TORCH_CHECK(nibbles.device().is_cpu() && nibbles.scalar_type() == at::kByte && nibbles.dim() == 2 &&
                   nibbles.size(1) * 2 == x.size(1),
               op, ": nibbles must be uint8 [N, K / 2] on the CPU with K = ", x.size(1), ", got ",
@@ -207,7 +200,7 @@ at::Tensor q4_blocks_a8_gemv(const at::Tensor& x, const at::Tensor& nibbles, con
 // q8_blocks_a8_gemv and q8_blocks_mins_a8_gemv: scales (and mins) float32 [N, K / 32] or [N, K / 16]
 at::Tensor q8_a8(const char* op, const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                  const at::Tensor* mins) {
-  check_x(op, x, 1);
+  kiln_cpu::check_activation(op, x, 1, kBlock);
   TORCH_CHECK(values.device().is_cpu() && values.scalar_type() == at::kChar && values.dim() == 2 &&
                   values.size(1) == x.size(1),
               op, ": values must be int8 [N, K] on the CPU with K = ", x.size(1), ", got ", values.scalar_type(),

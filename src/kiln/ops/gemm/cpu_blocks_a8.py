@@ -110,9 +110,11 @@ def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """The x' = d * q that `quantize_q8_0`'s (q [M, K], d [M, K / 32]) stand for, float32 [M, K]."""
+    """The x' = d * q that `quantize_q8_0`'s (q [M, K], d [M, K / 32]) stand for, float32 [M, K]; d's
+    width gives the block (cpu_kquants_a8's Q8_K: K / 256)."""
     m, k = q.shape
-    return (q.view(m, k // BLOCK, BLOCK).float() * d.view(m, k // BLOCK, 1)).view(m, k)
+    blocks = d.shape[1]
+    return (q.view(m, blocks, k // blocks).float() * d.view(m, blocks, 1)).view(m, k)
 
 
 def q8_0_reference(x: torch.Tensor) -> torch.Tensor:

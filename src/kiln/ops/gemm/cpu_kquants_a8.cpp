@@ -225,19 +225,12 @@ float q6_k_row(const int8_t* qx, const float* dx, const int16_t* sums16, const u
 
 int64_t block_bytes(int64_t qtype) { return qtype == kQ4K ? 144 : qtype == kQ5K ? 176 : 210; }
 
-void check_x(const char* op, const at::Tensor& x, int64_t rows) {
-  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && (rows < 0 || x.size(0) == rows), op,
-              ": x must be float32 [", rows < 0 ? "M" : "1", ", K], got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(x.size(1) % kSuper == 0, op, ": K = ", x.size(1), " must be a multiple of 256");
-}
-
 }  // namespace
 
 namespace kiln_cpu {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8_k(const at::Tensor& x) {
-  check_x("quantize_q8_k", x, -1);
+  kiln_cpu::check_activation("quantize_q8_k", x, -1, kSuper);
   const at::Tensor xc = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
@@ -258,7 +251,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8_k(const at::Tensor& x
 
 at::Tensor kquants_a8_gemv(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n) {
   const char* op = "kquants_a8_gemv";
-  check_x(op, x, 1);
+  kiln_cpu::check_activation(op, x, 1, kSuper);
   TORCH_CHECK(parts.device().is_cpu() && parts.scalar_type() == at::kLong && parts.dim() == 2 && parts.size(1) == 2 &&
                   parts.size(0) >= 1,
               op, ": parts must be int64 [P, 2] (GGML type, rows) on the CPU, P >= 1, got ", parts.scalar_type(), " ",
@@ -281,12 +274,12 @@ at::Tensor kquants_a8_gemv(const at::Tensor& x, const at::Tensor& blocks, const 
                   blocks.numel() == first_byte[count],
               op, ": blocks must be uint8 [", first_byte[count], "] on the CPU (the parts' rows of K = ", k,
               ", as their files store them), got ", blocks.scalar_type(), " ", blocks.sizes(), " on ", blocks.device());
+  TORCH_CHECK(n == first_row[count], op, ": n = ", n, " but the parts hold ", first_row[count], " rows");
   const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
   std::vector<int8_t> qx(k);
   std::vector<float> dx(supers);
   std::vector<int16_t> sums16(k / 16), sums32(k / 32);
   quantize_row(xc.data_ptr<float>(), k, qx.data(), dx.data(), sums16.data(), sums32.data());
-  TORCH_CHECK(n == first_row[count], op, ": n = ", n, " but the parts hold ", first_row[count], " rows");
   at::Tensor y = at::empty({1, n}, x.options());
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();

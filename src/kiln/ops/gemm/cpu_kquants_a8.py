@@ -26,7 +26,7 @@ from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight, dequantize_blo
 
 SUPER = 256  # values per Q8_K block of x, weights per K-quant super-block
 QTYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # GGML's type ids
-_QTYPES = {v: k for k, v in QTYPE_IDS.items()}
+QTYPES_BY_ID = {v: k for k, v in QTYPE_IDS.items()}
 _state: dict = {"loaded": None}
 
 
@@ -71,7 +71,7 @@ def matrix(blocks: torch.Tensor, parts: torch.Tensor, k: int) -> torch.Tensor:
     """The float32 [N, K] matrix `pack`'s two tensors stand for: each part's gguf decode, in order."""
     out, at = [], 0
     for qtype_id, rows in parts.tolist():
-        qtype = _QTYPES[qtype_id]
+        qtype = QTYPES_BY_ID[qtype_id]
         size = rows * row_bytes(qtype, k)
         out.append(dequantize_blocks(blocks[at : at + size].view(rows, -1), qtype))
         at += size
@@ -116,9 +116,8 @@ def kquants_a8_gemv(x: torch.Tensor, blocks: torch.Tensor, parts: torch.Tensor, 
     if _state["loaded"]:
         return torch.ops.kiln_cpu.kquants_a8_gemv(x.float(), blocks, parts, n)
     q, d, _ = _quantize_tensor(x.float().contiguous())
-    k = x.shape[1]
-    xq = (q.view(1, k // SUPER, SUPER).float() * d.view(1, k // SUPER, 1)).view(1, k)
-    w = matrix(blocks, parts, k)
+    xq = cpu_blocks_a8.dequantize_q8_0(q, d)
+    w = matrix(blocks, parts, x.shape[1])
     if w.shape[0] != n:
         raise ValueError(f"kquants_a8_gemv: n = {n} but the parts hold {w.shape[0]} rows")
     return xq @ w.T

@@ -3,6 +3,8 @@
 // from zero (C's roundf, ggml's reference quantizers). d stays float32.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -12,6 +14,15 @@
 #endif
 
 namespace kiln_cpu {
+
+// x for an a8 kernel: float32 [rows, K] (rows < 0: any M) on the CPU, K a multiple of `block` (32 for
+// Q8_0 activations, 256 for Q8_K); errors name `op`
+inline void check_activation(const char* op, const at::Tensor& x, int64_t rows, int64_t block) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && (rows < 0 || x.size(0) == rows), op,
+              ": x must be float32 [", rows < 0 ? "M" : "1", ", K], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.size(1) % block == 0, op, ": K = ", x.size(1), " must be a multiple of ", block);
+}
 
 // n floats (a multiple of 32) -> n int8 values `q`; returns the block's d. A NaN or an infinity in the
 // block makes d NaN (so the block's outputs become NaN through it) and q zero.

@@ -79,13 +79,13 @@ from kiln.ops.gemm.weight_formats import (
 from kiln.ops.registry import BaselineNotApplicable, OpSpec, define_op
 from kiln.ops.testing import clone_inputs, element_size, randn
 from kiln.quant.gguf_blocks import (
-    BLOCK_BYTES,
     BLOCK_WEIGHTS,
     K_QUANTS,
     QK_K,
     WITH_MINS,
     GGUFStackedWeight,
     GGUFWeight,
+    row_bytes,
     scale_group,
 )
 from kiln.quant.int4 import quantize_int4
@@ -129,14 +129,14 @@ def _validate_kquant_parts(op, layout, weight, n: int, k: int, device) -> None:
     check_tensor(op, f"weight[{at + 1}]", parts, ndim=2, dtypes=(torch.int64,), device=device)
     if (blocks.numel() == 0 and parts.numel() == 0) or torch.compiler.is_compiling():
         return  # (the table's values: not while tracing; the native op checks them again when it runs)
-    qtypes = {v: q for q, v in cpu_kquants_a8.QTYPE_IDS.items()}
+    qtypes = cpu_kquants_a8.QTYPES_BY_ID
     if parts.shape[1] != 2 or parts.shape[0] == 0 or any(t not in qtypes for t in parts[:, 0].tolist()):
         raise ValueError(
             f"{op}: {layout} K-quant parts {parts.tolist()}, expected rows (GGML type id, rows) with types "
             f"{cpu_kquants_a8.QTYPE_IDS}"
         )
     rows = int(parts[:, 1].sum())
-    size = sum(r * k // QK_K * BLOCK_BYTES[qtypes[t]] for t, r in parts.tolist())
+    size = sum(r * row_bytes(qtypes[t], k) for t, r in parts.tolist())
     if k % QK_K or rows != n or blocks.numel() != size:
         raise ValueError(
             f"{op}: {layout} K-quant blocks of {blocks.numel()} bytes in parts of {rows} rows, expected "
@@ -740,7 +740,7 @@ def _weight_bytes(shape, dtype) -> float:
     kquant_parts = shape["source"].split("+")
     if fmt in A8_FORMATS and shape["M"] == 1 and all(q in cpu_kquants_a8.QTYPE_IDS for q in kquant_parts):
         if cpu_kquants_a8.load():  # the file's blocks (a stacked weight's: split evenly between its parts)
-            return sum(N * K / QK_K * BLOCK_BYTES[q] for q in kquant_parts) / len(kquant_parts)
+            return sum(N * row_bytes(q, K) for q in kquant_parts) / len(kquant_parts)
     blocks_formats = (*EXACT_FORMATS, *A8_FORMATS)  # each keeps every GGUF type with a blocks layout
     if fmt in blocks_formats and shape["source"] in MIN_QTYPES:  # values, d * sc and the min
         return N * K + N * K / 32 * 8 if shape["M"] <= native_cpu.blocks_gemm_rows() else N * K * 4
