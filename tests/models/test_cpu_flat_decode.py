@@ -118,7 +118,7 @@ def blocks_gguf(tmp_path_factory):
     down: no blocks), "k_quants" (Q5_K q/k/v and down, Q4_K o, Q6_K gate/up: every K-quant's exact
     layout; sizes multiples of 256, a K-quant's super-block) and "q4_k_m" (a Q4_K_M file's layers where
     llama.cpp gives v and down more bits: Q4_K but Q6_K v and down, so QKV stacks Q4_K with Q6_K);
-    Q8_0 embeddings and head."""
+    Q8_0 embeddings and head ("q4_k_m_head": "q4_k_m" with a Q6_K head, as such files have)."""
     from gguf import GGMLQuantizationType as Q
 
     from tests.loaders.gguf_tiny import write_tiny_gguf
@@ -130,17 +130,18 @@ def blocks_gguf(tmp_path_factory):
                 "ffn_gate": Q.Q6_K, "ffn_up": Q.Q6_K, "ffn_down": Q.Q5_K}
     q4_k_m = {**dict.fromkeys(q4, Q.Q4_K), "attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}
     kinds = {"q4": q4, "q8": dict.fromkeys(q4, Q.Q8_0), "mixed": {**q4, "ffn_down": Q.Q8_0},
-             "f16_down": {**q4, "ffn_down": Q.F16}, "k_quants": k_quants, "q4_k_m": q4_k_m}  # fmt: skip
+             "f16_down": {**q4, "ffn_down": Q.F16}, "k_quants": k_quants, "q4_k_m": q4_k_m,
+             "q4_k_m_head": {**q4_k_m, "output": Q.Q6_K}}  # fmt: skip
     folder, written = tmp_path_factory.mktemp("flat_blocks"), {}
 
     def path(name: str) -> str:
         if name not in written:
-            sizes = (256, 512) if name in ("k_quants", "q4_k_m") else (128, 160)
+            sizes = (256, 512) if name in ("k_quants", "q4_k_m", "q4_k_m_head") else (128, 160)
             hf = tiny_llama(
                 seed=7, hidden_size=sizes[0], intermediate_size=sizes[1], num_attention_heads=4,
                 num_key_value_heads=2,
             )
-            types = {**kinds[name], "token_embd": Q.Q8_0, "output": Q.Q8_0}
+            types = {"token_embd": Q.Q8_0, "output": Q.Q8_0, **kinds[name]}
             write_tiny_gguf(hf, folder / f"{name}.gguf", tensor_types=types)
             written[name] = str(folder / f"{name}.gguf")
         return written[name]
@@ -189,10 +190,10 @@ def _three_ways(path, loaded, monkeypatch, native=None, **kw) -> dict:
      ("q8", "q8_blocks", "q8_blocks_onednn"), ("q8", "q8_blocks_a8", "q8_blocks_a8_onednn"),
      ("mixed", "q4_blocks", "q4_blocks_onednn q8_blocks_onednn"),  # either blocks format keeps both
      ("k_quants", "q8_blocks", "q8_blocks_mins_onednn"),  # Q5_K's q/k/v and down, with their mins
-     ("k_quants", "q4_blocks_a8", "q8_blocks_mins_a8_onednn"),
+     ("k_quants", "q4_blocks_a8", "kquants_a8"),  # the a8 formats: the file's K-quant blocks
      # QKV stacking Q4_K with Q6_K: values, a scale and a min per 16; the Q6_K down
      ("q4_k_m", "q4_blocks", "q8_blocks_mins_onednn q8_blocks_onednn"),
-     ("q4_k_m", "q4_blocks_a8", "q8_blocks_mins_a8_onednn q8_blocks_a8_onednn")],
+     ("q4_k_m", "q4_blocks_a8", "kquants_a8")],
     ids=["q4", "q4_a8", "q8", "q8_a8", "mixed", "k_quants", "k_quants_a8", "q4_k_m", "q4_k_m_a8"],
 )  # fmt: skip
 @pytest.mark.parametrize("qkv_bias", [False, True], ids=["no_bias", "qkv_bias"])
@@ -305,10 +306,13 @@ def test_native_flat_decode_names_malformed_arguments():
     with pytest.raises(RuntimeError, match="layer 0 has activation 2"):
         tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 16
         flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, 0, 0, 2, -1], floats)
-    for kind in (4, 5):  # the kinds with mins (exact, a8)
-        with pytest.raises(RuntimeError, match=rf"kind {kind} \(with mins\) has no tiles, got tiles_rows 8"):
-            tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 12  # values, scales and mins
+    for kind, count in ((4, 3), (5, 3), (6, 2)):  # the kinds with mins (exact, a8), kquants_a8
+        with pytest.raises(RuntimeError, match=rf"kind {kind} has no tiles \(the kinds with mins and kquants"):
+            tensors = [norm, norm, cos_sin, cache, cache] + [norm] * (4 * count)  # values, scales and mins
             flat_decode(tensors, [kind] * 4 + [0, 64, 32, 4, 2, 16, 8, 0, 0, 0, *llama], floats)
+    with pytest.raises(RuntimeError, match=r"a kquants_a8 weight's parts must be int64 \[P, 2\], got Float"):
+        tensors = [norm, norm, cos_sin, cache, cache] + [torch.zeros(8, dtype=torch.uint8), norm] * 4
+        flat_decode(tensors, [6] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, *llama], floats)
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
@@ -356,6 +360,25 @@ def test_native_flat_decode_runs_batched_steps_as_the_modules_do(
     assert calls and set(calls) <= {1, 2, 3} and 3 in calls
     loaded.model.flat_decode = None
     assert _run(engine, prompts) == batched  # token ids and logprobs, bit for bit
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+def test_the_a8_formats_decode_each_k_quant_sequence_as_it_would_decode_alone(blocks_gguf, monkeypatch):
+    """A K-quant file under the a8 formats ("kquants_a8" layers and head: x quantized to Q8_K per row)
+    is batch invariant end to end: sequences prefilled in one chunk and decoded in the native call's
+    batched steps get the token ids and logprobs each gets alone, bit for bit (the exact formats' several-
+    row kernels sum in other orders than their one-row ones)."""
+    path = blocks_gguf("q4_k_m_head")
+    loaded = load_model(path, device="cpu", cpu_format="q4_blocks_a8", lm_head_format="q4_blocks_a8")
+    layer = loaded.model.layers[0]
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    assert {linear.prepared.layout for linear in (*linears, loaded.model.lm_head)} == {"kquants_a8"}
+    engine = _engine(path, loaded, max_num_seqs=5)
+    calls = _counting(engine, monkeypatch)
+    prompts = [[(7 * j + i) % 60 + 2 for j in range(4 + 5 * i)] for i in range(5)]  # 4 to 24 tokens
+    together = _run(engine, prompts)
+    assert 5 in calls  # five sequences a decode step, through the native call
+    assert together == [_run(engine, [prompt])[0] for prompt in prompts]
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")

@@ -44,7 +44,7 @@ def test_kilns_kernels_map_to_the_op_whose_package_defines_them():
     assert ops["_scaled_linear_kernel"] is None  # kiln.ops.gemm.scaled_triton: fp8_linear and int8_linear
     assert kiln_kernel_op("_rms_norm_kernel(float*, float*)", ops) == (True, "rms_norm")
     assert kiln_kernel_op("kiln_cpu::q4_blocks_gemv", ops) == (True, "prepared_linear")
-    for gemv in ("q8_blocks_mins_a8_gemv", "kquants_a8_gemv", "quantize_q8_k"):  # the a8 layouts' kernels
+    for gemv in ("q8_blocks_mins_a8_gemv", "kquants_a8_gemv", "kquants_a8_gemm", "quantize_q8_k"):  # a8's
         assert kiln_kernel_op(f"kiln_cpu::{gemv}", ops) == (True, "prepared_linear")
     assert kiln_kernel_op("kiln_cpu::paged_decode", ops) == (True, "paged_decode_attention")
     assert kiln_kernel_op("kiln_cpu::causal_attention", ops) == (True, None)  # two ops' kernel

@@ -1,8 +1,8 @@
 // The flat decode of kiln.models.cpu_flat_decode in one native call: every layer of a Llama-family or
 // Gemma 3 model for one float32 token of each of T sequences, whose four linears are GGUF-block layouts with
-// native kernels (q4_blocks / q8_blocks, exact or with a one-row x quantized to Q8_0 (Q8_K on a K-quant
-// weight's file blocks), and Q5_K's or a stacked weight's q8_blocks with mins; several rows through the
-// exact multi-row kernels, as prepared_linear runs them).
+// native kernels (q4_blocks / q8_blocks, exact or with a one-row x quantized to Q8_0, Q5_K's or a stacked
+// weight's q8_blocks with mins; several rows through the exact multi-row kernels, as prepared_linear runs
+// them; and kquants_a8, a K-quant weight's file blocks times x quantized to Q8_K at any row count).
 // It calls the same C++ functions the Python loop reaches through torch.ops.kiln_cpu (native_cpu_ops.h),
 // in the same order with the same arguments, so the floats are the loop's; what goes is the Python and
 // the dispatcher between them (~12 calls a layer, ~1.5 ms a token for SmolLM2's 30 layers on a 2-core
@@ -23,7 +23,7 @@
 //               (pre-, then post-feedforward), q_norm [D] and k_norm [D] if any qk_norm, then the tensors of
 //               the qkv, o, gate_up and down weights (as their layouts keep them, less the float32 copy:
 //               the blocks' tensors, then the layout's tiles; T >= its tiles_rows > 0 rows run them;
-//               the kinds with mins have none; the a8 kinds' last two: a K-quant weight's file blocks)
+//               the kinds with mins and kquants_a8 (its blocks and parts table) have none)
 //   forward(positions int64 [T], hidden float32 [T, H], residual float32 [T, H] or None,
 //           slot_mapping int64 [T], block_tables int32 [T, W], seq_lens int32 [T]) -> (hidden, residual)
 //   (T sequences of a decode-only step, one token each; the caller keeps T within the multi-row
@@ -57,11 +57,13 @@ namespace {
 
 constexpr const char* kKindOps[] = {"kiln_cpu::q4_blocks_gemv",    "kiln_cpu::q8_blocks_gemv",
                                     "kiln_cpu::q4_blocks_a8_gemv", "kiln_cpu::q8_blocks_a8_gemv",
-                                    "kiln_cpu::q8_blocks_gemv",    "kiln_cpu::q8_blocks_mins_a8_gemv"};
+                                    "kiln_cpu::q8_blocks_gemv",    "kiln_cpu::q8_blocks_mins_a8_gemv",
+                                    "kiln_cpu::kquants_a8_gemv"};
 constexpr const char* kKindRowsOps[] = {"kiln_cpu::q4_blocks_gemm", "kiln_cpu::q8_blocks_gemm"};
 
 // kQ8BlocksMins: "q8_blocks_mins_onednn" (Q5_K's, a stacked weight's: the Q8 kernels with their optional
-// mins); kQ8BlocksMinsA8: its a8 form ("q8_blocks_mins_a8_onednn")
+// mins); kQ8BlocksMinsA8: its a8 form ("q8_blocks_mins_a8_onednn"); kKQuantsA8: "kquants_a8" (a K-quant
+// weight's file blocks and parts table: cpu_kquants_a8.cpp, every row count)
 enum Kind : int64_t {
   kQ4Blocks = 0,
   kQ8Blocks = 1,
@@ -69,13 +71,12 @@ enum Kind : int64_t {
   kQ8BlocksA8 = 3,
   kQ8BlocksMins = 4,
   kQ8BlocksMinsA8 = 5,
-  kKinds = 6
+  kKQuantsA8 = 6,
+  kKinds = 7
 };
 // the blocks' tensors (nibbles, scales, mins / values, scales), then the tiles and tile scales; the
-// kinds with mins: values, scales and mins (no tiles); the a8 kinds then a K-quant weight's file blocks
-// and parts table (empty for others: cpu_kquants_a8.cpp)
-constexpr int64_t kKindTensors[kKinds] = {5, 4, 7, 6, 3, 5};
-inline bool a8(int64_t kind) { return kind == kQ4BlocksA8 || kind == kQ8BlocksA8 || kind == kQ8BlocksMinsA8; }
+// kinds with mins: values, scales and mins (no tiles); kKQuantsA8: the blocks and the parts table
+constexpr int64_t kKindTensors[kKinds] = {5, 4, 5, 4, 3, 3, 2};
 inline bool with_mins(int64_t kind) { return kind == kQ8BlocksMins || kind == kQ8BlocksMinsA8; }
 constexpr int64_t kInts = 18, kFloats = 4;
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
@@ -121,14 +122,19 @@ at::Tensor head_norm(const at::Tensor& x, int64_t heads, int64_t head_dim, const
 struct Linear {
   int64_t kind;
   std::vector<at::Tensor> w;
+  int64_t kquants_rows = 0;  // kKQuantsA8: the output's width (the parts' rows)
   // from this many rows the tile kernel (native_cpu.blocks_tiles_rows(kind); 0: never); no upper bound
   // here: FlatDecodeLayers.max_rows keeps T within every linear's tile rows
   int64_t tiles_rows;
 
   // x [T, K]: one row through the kind's one-row kernel; several (one token of each of T sequences)
   // through the exact multi-row kernels of its blocks, as prepared_linear's "*_blocks[_a8]_onednn"
-  // (FlatDecodeLayers keeps T within the rows they take)
+  // (FlatDecodeLayers keeps T within the rows they take); "kquants_a8" through its kernel at any T
   at::Tensor operator()(const at::Tensor& x) const {
+    if (kind == kKQuantsA8 && x.size(0) > 1) {
+      RECORD_FUNCTION("kiln_cpu::kquants_a8_gemm", std::vector<c10::IValue>());
+      return kiln_cpu::kquants_a8_gemm(x, w[0], w[1], kquants_rows);
+    }
     if (x.size(0) > 1) {
       const bool q4 = kind == kQ4Blocks || kind == kQ4BlocksA8;
       if (tiles_rows > 0 && x.size(0) >= tiles_rows) {
@@ -141,10 +147,6 @@ struct Linear {
       if (with_mins(kind)) return kiln_cpu::q8_blocks_gemm(x, w[0], w[1], w[2]);
       return kiln_cpu::q8_blocks_gemm(x, w[0], w[1]);
     }
-    if (a8(kind) && w[w.size() - 2].numel() > 0) {
-      RECORD_FUNCTION("kiln_cpu::kquants_a8_gemv", std::vector<c10::IValue>());
-      return kiln_cpu::kquants_a8_gemv(x, w[w.size() - 2], w[w.size() - 1], w[0].size(0));
-    }
     RECORD_FUNCTION(kKindOps[kind], std::vector<c10::IValue>());
     switch (kind) {
       case kQ4Blocks: return kiln_cpu::q4_blocks_gemv(x, w[0], w[1], w[2]);
@@ -152,6 +154,7 @@ struct Linear {
       case kQ4BlocksA8: return kiln_cpu::q4_blocks_a8_gemv(x, w[0], w[1], w[2]);
       case kQ8BlocksMins: return kiln_cpu::q8_blocks_gemv(x, w[0], w[1], w[2]);
       case kQ8BlocksMinsA8: return kiln_cpu::q8_blocks_mins_a8_gemv(x, w[0], w[1], w[2]);
+      case kKQuantsA8: return kiln_cpu::kquants_a8_gemv(x, w[0], w[1], kquants_rows);
       default: return kiln_cpu::q8_blocks_a8_gemv(x, w[0], w[1]);
     }
   }
@@ -209,10 +212,18 @@ struct FlatDecode : torch::CustomClassHolder {
       for (auto [i, linear] : {std::pair{0, &layer.qkv}, {1, &layer.o}, {2, &layer.gate_up}, {3, &layer.down}}) {
         linear->kind = in[i];
         linear->tiles_rows = in[10 + i];
-        TORCH_CHECK(!with_mins(in[i]) || linear->tiles_rows == 0,
-                    "kiln_cpu.FlatDecode: layer ", l, ": weight kind ", in[i], " (with mins) has no tiles, got tiles_rows ",
+        TORCH_CHECK((!with_mins(in[i]) && in[i] != kKQuantsA8) || linear->tiles_rows == 0,
+                    "kiln_cpu.FlatDecode: layer ", l, ": weight kind ", in[i],
+                    " has no tiles (the kinds with mins and kquants_a8), got tiles_rows ",
                     linear->tiles_rows);
         for (int64_t t = 0; t < kKindTensors[in[i]]; ++t) linear->w.push_back(take());
+        if (in[i] == kKQuantsA8) {
+          const at::Tensor& parts = linear->w[1];
+          TORCH_CHECK(parts.scalar_type() == at::kLong && parts.dim() == 2 && parts.size(1) == 2,
+                      "kiln_cpu.FlatDecode: layer ", l, ": a kquants_a8 weight's parts must be int64 [P, 2], got ",
+                      parts.scalar_type(), " ", parts.sizes());
+          linear->kquants_rows = parts.select(1, 1).sum().item<int64_t>();
+        }
       }
       layer.q_size = in[5];
       layer.kv_size = in[6];

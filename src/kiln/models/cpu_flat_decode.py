@@ -22,12 +22,13 @@ token outside torch.compile (the compiled step traces the modules) unless KILN_B
 implementation.
 
 Where every linear's layout is a GGUF-block one with a native one-row kernel (`NATIVE_LAYOUTS`: the
-embedded model's default q4_blocks / q8_blocks, their _a8 forms, Q5_K's q8_blocks with mins and
-q4_blocks_w8a8's blocks, up to the rows its blocks serve) the whole loop runs as one native
-call, `torch.classes.kiln_cpu.FlatDecode` (cpu_flat_decode.cpp): the same C++ functions in the same
-order, without the Python and dispatch between them. It also takes batched decode steps (one token of
-each of up to `FlatDecodeLayers.max_rows` sequences: 32, or 64 for Q4 layers on AVX-512 builds), whose linears
-then run the blocks' exact multi-row kernels, as the modules do. `KILN_CPU_FLAT_DECODE=python` keeps
+embedded model's default q4_blocks / q8_blocks, their _a8 forms, Q5_K's q8_blocks with mins,
+q4_blocks_w8a8's blocks, up to the rows its blocks serve, and a K-quant file's kquants_a8) the whole
+loop runs as one native call, `torch.classes.kiln_cpu.FlatDecode` (cpu_flat_decode.cpp): the same C++
+functions in the same order, without the Python and dispatch between them. It also takes batched decode
+steps (one token of each of up to `FlatDecodeLayers.max_rows` sequences: 32, or 64 for Q4 layers on
+AVX-512 builds, KQUANTS_ROWS where every linear is kquants_a8), whose linears then run the blocks'
+multi-row kernels, as the modules do. `KILN_CPU_FLAT_DECODE=python` keeps
 the loop in Python (one token; to compare the two).
 """
 
@@ -68,11 +69,16 @@ NATIVE_LAYOUTS = {
     "q4_blocks_w8a8_packed": (0, 3, "q4"),
     "q8_blocks_mins_onednn": (4, 3, None),  # GGUF Q5_K: values, scales and mins, the Q8 kernels'
     "q8_blocks_mins_a8_onednn": (5, 3, None),  # the same with a one-row x quantized to Q8_0
+    "kquants_a8": (6, 2, None),  # a K-quant weight's file blocks and parts table: any row count
 }
 # of those, the W8A8 hybrids: their rows beyond weight_formats.exact_rows run W8A8, which has no native
 # form here, so the native call gets their blocks and no tiles, and takes up to exact_rows rows
 HYBRID_LAYOUTS = ("q4_blocks_w8a8_packed",)
 _NATIVE_KERNELS = {KERNELS[layout]: kind for layout, kind in NATIVE_LAYOUTS.items()}  # the same, by kernel
+_KQUANTS = KERNELS["kquants_a8"]
+# the most rows of a native call whose linears all are "kquants_a8" (its kernel takes any count): a
+# batched decode step's, which the engine's scheduler bounds well below this
+KQUANTS_ROWS = 1024
 _HYBRID_KERNELS = {KERNELS[layout]: layout for layout in HYBRID_LAYOUTS}
 # the q/k norm before RoPE (FlatDecode's QKNorm): none; Gemma's rms_norm per head into new tensors, then
 # RoPE; Qwen3's qk_norm_rope (its CPU form), the norm and the rotation in place
@@ -238,8 +244,8 @@ def _native_rows(args: list[_LayerArgs]) -> int:
     """The most rows the native call takes: the fewest that any linear's several-row kernels take as
     prepared_linear routes them (each up to the larger of native_cpu.blocks_gemm_rows() and its tile
     kernel's last row where this build and its layout have one; a HYBRID_LAYOUTS one up to its
-    exact_rows), so that each row count runs the modules' kernels (the native Linear has no upper bound
-    of its own: it relies on this one)."""
+    exact_rows; "kquants_a8" ones take any count), so that each row count runs the modules' kernels
+    (the native Linear has no upper bound of its own: it relies on this one)."""
     linears = [
         pair
         for a in args
@@ -250,7 +256,8 @@ def _native_rows(args: list[_LayerArgs]) -> int:
     if hybrid:
         return min(hybrid)
     gemm_rows = native_cpu.blocks_gemm_rows()
-    return min(max(gemm_rows, _tiles_rows(kernel, w)[1]) for kernel, w in linears)
+    bounded = [max(gemm_rows, _tiles_rows(kernel, w)[1]) for kernel, w in linears if kernel is not _KQUANTS]
+    return min(bounded, default=KQUANTS_ROWS)
 
 
 def _tiles_rows(kernel, weight) -> tuple[int, int]:

@@ -54,7 +54,9 @@ at::Tensor q8_blocks_mins_a8_gemv(const at::Tensor& x, const at::Tensor& values,
                                   const at::Tensor& mins);
 // gemm/cpu_kquants_a8.cpp: blocks uint8, the parts' rows as their files store them; parts int64 [P, 2]
 // (GGML type, rows); n: their rows' sum (the output's width)
+// (x [1, K]; the gemm form: x [M, K], each row's outputs as the gemv's for that row alone)
 at::Tensor kquants_a8_gemv(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n);
+at::Tensor kquants_a8_gemm(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n);
 // gemm/cpu_block_tiles.cpp, gemm/cpu_q8_tiles.cpp
 at::Tensor q4_tiles_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales, int64_t n);
 at::Tensor q8_tiles_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales, int64_t n);

@@ -22,7 +22,7 @@ import sys
 # are the prepared weight layouts' (prepared_linear); causal_attention serves both flash_attention and
 # paged_prefill_attention, so it is left to the declared call.
 NATIVE_OPS = {
-    r"(q4|q8)_(blocks|blocks_a8|blocks_mins_a8|tiles)_gem[mv]|kquants_a8_gemv|w8a8(_amx)?_linear"
+    r"(q4|q8)_(blocks|blocks_a8|blocks_mins_a8|tiles)_gem[mv]|kquants_a8_gem[mv]|w8a8(_amx)?_linear"
     r"|quantize_q8_[0k]": "prepared_linear",
     r"paged_decode(_fp8)?": "paged_decode_attention",
     r"rms_norm": "rms_norm",

@@ -1,8 +1,9 @@
 """The "q4_blocks_a8" / "q8_blocks_a8" CPU formats: the exact formats' GGUF blocks, with a one-row x
 quantized to Q8_0 first and integer block dot products (kiln.ops.gemm.cpu_blocks_a8, llama.cpp's CPU
-arithmetic; K-quant weights: x to Q8_K on the file's blocks, kiln.ops.gemm.cpu_kquants_a8, tested in
-test_kquants_a8.py). References not written by Kiln: the `gguf` package writes the weights' blocks and is the
-activation quantizer the kernels must agree with, value for value."""
+arithmetic; K-quant weights get the "kquants_a8" layout instead, x to Q8_K on the file's blocks,
+kiln.ops.gemm.cpu_kquants_a8, tested in test_kquants_a8.py, except where that kernel is missing).
+References not written by Kiln: the `gguf` package writes the weights' blocks and is the activation
+quantizer the kernels must agree with, value for value."""
 
 import random
 
@@ -22,7 +23,7 @@ from tests.ops.gemm.native_gemv_child import assert_compiled_call_holds_native_o
 
 gguf = pytest.importorskip("gguf")
 CPU = torch.device("cpu")
-FORMATS = {"q4_blocks_a8": ("Q4_1", "Q4_0", "Q4_K"), "q8_blocks_a8": ("Q8_0",)}
+FORMATS = {"q4_blocks_a8": ("Q4_1", "Q4_0"), "q8_blocks_a8": ("Q8_0",)}
 
 
 def _weight(qtype: str, n: int, k: int, generator) -> GGUFWeight:
@@ -50,13 +51,11 @@ def _gguf_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, d
 
 
-def _gguf_x(x: torch.Tensor, source: str) -> torch.Tensor:
-    """x float32 [1, K] as the a8 kernels see it for a weight of `source`, float64: gguf's Q8_0 values
-    per 32 with the float32 scale max|x| / 127; for a K-quant source (every part Q4_K / Q5_K / Q6_K)
-    the same rounding per 256 values (Q8_K, cpu_kquants_a8), gguf's quantize_blocks on whole 256-blocks."""
+def _gguf_x(x: torch.Tensor) -> torch.Tensor:
+    """x float32 [1, K] as the Q8_0-x kernels see it, float64: gguf's Q8_0 values per 32 with the
+    float32 scale max|x| / 127."""
     k = x.shape[1]
-    block = 256 if all(q in ("Q4_K", "Q5_K", "Q6_K") for q in source.split("+")) else 32
-    blocks = x.float().view(-1, block)
+    blocks = x.float().view(-1, 32)
     data = gguf.quants.Q8_0.quantize_blocks(blocks.numpy())
     q = torch.from_numpy(data[:, 2:].copy().view(np.int8)).double()
     return (q * (blocks.abs().amax(-1, keepdim=True) / 127).double()).view(1, k)
@@ -102,7 +101,7 @@ def test_quantize_q8_0_gives_gguf_values_ties_included(use_native, monkeypatch):
 @pytest.mark.parametrize("fmt,qtype", [(f, q) for f, qs in FORMATS.items() for q in qs])
 def test_a8_formats_keep_the_blocks_and_multiply_the_gguf_quantized_x(fmt, qtype, native):
     g = torch.Generator().manual_seed(random.randrange(2**31))
-    n, k = (37, 256) if qtype == "Q4_K" else (53, 160)  # Q4_K: whole 256-weight super-blocks
+    n, k = 53, 160
     weight = _weight(qtype, n, k, g)
     prepared = _prepared(weight, fmt)
     exact = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format=fmt[:9])
@@ -113,7 +112,7 @@ def test_a8_formats_keep_the_blocks_and_multiply_the_gguf_quantized_x(fmt, qtype
     run, bias = kiln.ops.prepared_linear, torch.randn(n, generator=g)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = torch.randn(1, k, generator=g).to(dtype)
-        x_gguf = _gguf_x(x.float(), qtype)  # Q4_K: per 256 on the file's blocks
+        x_gguf = _gguf_x(x.float())
         y = torch.full((1, n), float("nan"))
         y.copy_(run(x, prepared.layout, prepared.tensors, bias, torch.float32))
         # integer block sums: only the float32 scaling and accumulation round
@@ -184,11 +183,12 @@ def test_a8_formats_give_float_weights_the_float32_layouts():
         assert prepared.layout in ("onednn", "dense") and prepared.compute_dtype == torch.float32
 
 
-# Either a8 format keeps every GGUF type with a blocks layout in its a8 form, as the exact pair does: a
-# K-quant file (Q4_K_M: Q4_K, Q6_K, and fused QKV stacking Q4_K with Q6_K) runs every matrix this way
-# instead of float32 copies. source -> layout (parts of a stacked source joined by "+")
+# Either a8 format keeps every GGUF type with a blocks layout in its a8 form, as the exact pair does
+# (K-quant sources, plain or stacked, where the "kquants_a8" kernel is missing: test_kquants_a8.py has
+# them where it runs). source -> layout (parts of a stacked source joined by "+")
 A8_KEEPS = {
     "Q4_1": "q4_blocks_a8_onednn",
+    "Q4_K": "q4_blocks_a8_onednn",
     "Q8_0": "q8_blocks_a8_onednn",
     "Q5_0": "q8_blocks_a8_onednn",
     "Q6_K": "q8_blocks_a8_onednn",  # a weight scale per 16
@@ -218,15 +218,16 @@ def test_a8_formats_keep_every_blocks_type_and_multiply_the_gguf_quantized_x(
     g = torch.Generator().manual_seed(random.randrange(2**31))
     k = 512 if "_K" in source else 160
     weight, matrix = _source(source, 37, k, g)
+    monkeypatch.setitem(kquants._state, "loaded", False)  # no K-quant kernel: the Q8_0-x layouts
     prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format=fmt)
+    monkeypatch.undo()
     if prepared.layout == "onednn":
         pytest.skip("no oneDNN float32 packing here")
     assert prepared.layout == A8_KEEPS[source] and prepared.kind in ("q4_blocks", "q8_blocks")
     assert torch.equal(prepared_matrix(prepared.layout, prepared.tensors), matrix)
     n, run, bias = matrix.shape[0], kiln.ops.prepared_linear, torch.randn(matrix.shape[0], generator=g)
     x = torch.randn(1, k, generator=g) * 3
-    x_gguf = _gguf_x(x, source)  # K-quant sources (every part one): Q8_K on the file's blocks
-    assert bool(prepared.tensors[-2].numel()) == all(q.endswith("_K") for q in source.split("+"))
+    x_gguf = _gguf_x(x)
     y = torch.full((1, n), float("nan"))
     y.copy_(run(x, prepared.layout, prepared.tensors, bias))
     expected = x_gguf @ matrix.T + bias.double()
@@ -244,7 +245,6 @@ def test_a8_formats_keep_every_blocks_type_and_multiply_the_gguf_quantized_x(
         "5 rows",
     )
     monkeypatch.setitem(a8._state, "loaded", False)  # where the library cannot be built: the tensor form
-    monkeypatch.setitem(kquants._state, "loaded", False)
     assert_close(run(x, prepared.layout, prepared.tensors, bias), expected, 1e-6, "tensor form")
     monkeypatch.undo()
     x[0, 70] = float("nan")  # one NaN input poisons every output

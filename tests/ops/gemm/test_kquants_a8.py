@@ -1,5 +1,6 @@
 """kiln.ops.gemm.cpu_kquants_a8: GGUF Q4_K / Q5_K / Q6_K blocks as the file stores them times x
-quantized to Q8_K (per 256 values), the a8 layouts' one-row kernel for K-quant weights. References not
+quantized to Q8_K (per 256 values), the "kquants_a8" layout's kernels (the a8 formats' K-quant weights,
+every row count, each row as it would be alone). References not
 written by Kiln: `gguf` decodes the weights' blocks, and its Q8_0 rounding applied to whole 256-value
 blocks gives x's int8 values (ggml's reference rounding; Kiln's packer writes the K-quant blocks, which
 gguf cannot)."""
@@ -13,7 +14,7 @@ import torch
 import kiln.ops
 from kiln.ops.gemm import cpu_kquants_a8 as kquants
 from kiln.ops.gemm.prepared_linear.spec import prepared_linear_reference
-from kiln.ops.gemm.weight_formats import prepare_linear_weight
+from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
 from kiln.quant import quantize_blocks
 from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight
 from kiln.verify import assert_close
@@ -128,45 +129,87 @@ def test_the_offsets_and_mins_count(native):
         assert (centered @ matrix.T - ref).norm() > 0.1 * ref.norm()
 
 
-def test_the_a8_formats_keep_k_quant_file_blocks_and_only_those(native):
+def _x_q8_k(x: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, K] through gguf's rounding per 256 values, float64."""
+    q, d = _gguf_q8_k(x)
+    m, k = x.shape
+    return (q.view(m, -1, 256).double() * d.view(m, -1, 1).double()).view(m, k)
+
+
+@pytest.mark.parametrize(
+    "qtypes", [("Q4_K",), ("Q6_K",), ("Q5_K",), ("Q4_K", "Q4_K", "Q6_K"), ("Q6_K", "Q5_K")], ids="+".join
+)
+def test_kquants_a8_gemm_rows_equal_the_one_row_kernel_bit_for_bit(qtypes, native, monkeypatch):
+    """Batch invariance: each row of a several-row call (groups of 8 or 4 rows against each weight row,
+    and a last partial group) is the one-row kernel's result for that row alone, to the bit, and W @ x'
+    per row."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    k = random.choice((256, 768))
+    parts = [_part(q, random.choice((9, 17, 33)), k, g) for q in qtypes]
+    blocks, table = kquants.pack(GGUFStackedWeight.stack(parts) if len(parts) > 1 else parts[0])
+    n = int(table[:, 1].sum())
+    x = torch.randn(19, k, generator=g) * torch.rand(19, 1, generator=g) * 4
+    alone = torch.cat([kquants.kquants_a8_gemv(x[i : i + 1], blocks, table, n) for i in range(19)])
+    for m in (1, 2, 3, 4, 5, 8, 9, 12, 19):
+        y = torch.full((m, n), float("nan"))
+        y.copy_(kquants.kquants_a8_gemm(x[:m], blocks, table, n))
+        assert torch.equal(y, alone[:m]), f"{m} rows"
+    matrix = torch.cat([_gguf_matrix(p) for p in parts])
+    assert_close(alone, _x_q8_k(x) @ matrix.T, 2e-6, "W @ x' per row")
+    monkeypatch.setitem(kquants._state, "loaded", False)  # the tensor form: the same values, other sums
+    assert_close(kquants.kquants_a8_gemm(x, blocks, table, n), _x_q8_k(x) @ matrix.T, 2e-6, "tensor form")
+    monkeypatch.undo()
+    x[7, 3] = float("nan")  # a NaN poisons its own row only
+    y = kquants.kquants_a8_gemm(x, blocks, table, n)
+    assert torch.isnan(y[7]).all() and torch.equal(y[:7], alone[:7]) and torch.equal(y[8:], alone[8:])
+
+
+def test_the_a8_formats_keep_only_the_file_blocks_of_k_quant_weights(native):
+    """The "kquants_a8" layout holds a K-quant weight's file blocks, its parts table and an empty
+    [N, 0]: no second copy of the matrix (the Q8_0-x layouts keep float32 copies and tiles besides
+    their blocks); a Q8_0 weight, or a stack with a Q8_0 part, keeps its Q8_0-x layout."""
     g = torch.Generator().manual_seed(11)
     q4k, q6k = _part("Q4_K", 20, 256, g), _part("Q6_K", 12, 256, g)
     q8 = GGUFWeight("Q8_0", quantize_blocks(torch.randn(12, 256, generator=g), "Q8_0"), (12, 256))
     for fmt in ("q4_blocks_a8", "q8_blocks_a8"):
-        for weight, kept in ((q4k, (q4k,)), (q6k, (q6k,)), (GGUFStackedWeight.stack([q4k, q6k]), (q4k, q6k)),
-                             (q8, ()), (GGUFStackedWeight.stack([q4k, q8]), ())):  # fmt: skip
+        for weight, kept in ((q4k, (q4k,)), (q6k, (q6k,)), (GGUFStackedWeight.stack([q4k, q6k]), (q4k, q6k))):
             prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format=fmt)
-            if prepared.layout == "onednn":
-                pytest.skip("no oneDNN float32 packing here")
-            blocks, table = prepared.tensors[-2:]
-            assert torch.equal(blocks, torch.cat([p.data.reshape(-1) for p in kept]) if kept else blocks[:0])
+            assert prepared.layout == "kquants_a8" and prepared.kind == "gguf"
+            blocks, table, width = prepared.tensors
+            assert torch.equal(blocks, torch.cat([p.data.reshape(-1) for p in kept]))
             assert table.tolist() == [[kquants.QTYPE_IDS[p.qtype], p.shape[0]] for p in kept]
+            assert width.shape == (weight.shape[0], 0)
+            assert sum(t.nbytes for t in prepared.tensors) == blocks.nbytes + table.nbytes
+            assert torch.equal(
+                prepared_matrix(prepared.layout, prepared.tensors), weight.dequantize(torch.float64)
+            )
+        for weight in (q8, GGUFStackedWeight.stack([q4k, q8])):
+            prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format=fmt)
+            assert prepared.layout != "kquants_a8"
     exact = prepare_linear_weight(q4k, device=CPU, dtype=torch.float32, cpu_format="q4_blocks")
-    assert len(exact.tensors) == 6  # the exact formats keep no second copy of the blocks
+    assert exact.layout == "q4_blocks_onednn" or exact.layout == "onednn"  # the exact formats: unchanged
 
 
-def test_prepared_linear_runs_the_file_blocks_for_one_row_and_the_exact_kernels_for_more(native):
+def test_prepared_linear_quantizes_every_row_to_q8_k_as_the_reference_does(native):
     g = torch.Generator().manual_seed(13)
     weight = GGUFStackedWeight.stack([_part("Q4_K", 24, 512, g), _part("Q6_K", 8, 512, g)])
     prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q4_blocks_a8")
-    if prepared.layout == "onednn":
-        pytest.skip("no oneDNN float32 packing here")
+    assert prepared.layout == "kquants_a8"
     matrix = weight.dequantize(torch.float64)
     bias = torch.randn(32, generator=g)
-    x = torch.randn(1, 512, generator=g)
-    y = kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors, bias)
-    q, d = _gguf_q8_k(x)
-    x_gguf = (q.view(1, -1, 256).double() * d.view(1, -1, 1).double()).view(1, 512)
-    assert_close(y, x_gguf @ matrix.T + bias.double(), 1e-6, "one row: Q8_K")
-    reference = prepared_linear_reference(x, prepared.layout, prepared.tensors, bias, torch.float64)
-    assert_close(y, reference, 1e-6, "the verifier's reference")
-    rows = torch.randn(3, 512, generator=g)
-    assert_close(
-        kiln.ops.prepared_linear(rows, prepared.layout, prepared.tensors, bias),
-        rows.double() @ matrix.T + bias.double(),
-        1e-6,
-        "3 rows: exact",
-    )
+    for m in (1, 3, 70):  # one decode row, a small batch, a prefill chunk
+        x = torch.randn(m, 512, generator=g)
+        y = kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors, bias)
+        assert_close(y, _x_q8_k(x) @ matrix.T + bias.double(), 1e-6, f"{m} rows: Q8_K")
+        reference = prepared_linear_reference(x, prepared.layout, prepared.tensors, bias, torch.float64)
+        assert_close(y, reference, 1e-6, f"{m} rows: the verifier's reference")
+        first = kiln.ops.prepared_linear(x[:1], prepared.layout, prepared.tensors, bias)
+        assert torch.equal(y[:1], first), "a row's outputs do not depend on the rows beside it"
+    for dtype in (torch.bfloat16, torch.float16):  # x read as float32, the result in x's dtype
+        x = torch.randn(5, 512, generator=g).to(dtype)
+        y = kiln.ops.prepared_linear(x, prepared.layout, prepared.tensors, bias)
+        assert y.dtype == dtype
+        assert_close(y, _x_q8_k(x.float()) @ matrix.T + bias.double(), 1e-2, f"{dtype} rows")
 
 
 def test_malformed_k_quant_inputs_are_named(native):
@@ -186,14 +229,27 @@ def test_malformed_k_quant_inputs_are_named(native):
         ops.kquants_a8_gemv(x, blocks, table.int(), 20)
     with pytest.raises(ValueError, match=r"kquants_a8_gemv: x must be \[1, K\]"):
         kquants.kquants_a8_gemv(torch.randn(2, 512), blocks, table, 20)
+    with pytest.raises(RuntimeError, match=r"kquants_a8_gemm: x must be float32 \[M, K\], got Double"):
+        ops.kquants_a8_gemm(torch.randn(3, 512).double(), blocks, table, 20)
+    with pytest.raises(RuntimeError, match=r"kquants_a8_gemm: blocks must be uint8 \[5760\]"):
+        ops.kquants_a8_gemm(torch.randn(3, 512), blocks[:-1], table, 20)
+    with pytest.raises(ValueError, match=r"kquants_a8_gemm: x must be \[M, K\] with K a multiple of 256"):
+        kquants.kquants_a8_gemm(torch.randn(3, 500), blocks, table, 20)
     prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q4_blocks_a8")
-    if prepared.layout == "onednn":
-        pytest.skip("no oneDNN float32 packing here")
-    tensors = list(prepared.tensors)
-    with pytest.raises(ValueError, match=r"K-quant blocks of 5759 bytes in parts of 20 rows, expected 5760"):
-        kiln.ops.prepared_linear(x, prepared.layout, [*tensors[:-2], blocks[:-1], table])
+    blocks, table, width = prepared.tensors
+    run = kiln.ops.prepared_linear
+    with pytest.raises(
+        ValueError, match=r"K-quant blocks of 5759 bytes in parts of 20 rows, expected a multiple of 2880"
+    ):
+        run(x, prepared.layout, [blocks[:-1], table, width])
     with pytest.raises(ValueError, match=r"K-quant parts \[\[8, 20\]\]"):
-        kiln.ops.prepared_linear(x, prepared.layout, [*tensors[:-2], blocks, torch.tensor([[8, 20]])])
+        run(x, prepared.layout, [blocks, torch.tensor([[8, 20]]), width])
+    with pytest.raises(ValueError, match=r"parts hold 20 rows, weight\[2\] is \[21, 0\], expected \[20, 0\]"):
+        run(x, prepared.layout, [blocks, table, torch.empty(21, 0, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match=r"x has 576 in-features, the 'kquants_a8' weight 512"):
+        run(torch.randn(2, 576), prepared.layout, [blocks, table, width])
+    with pytest.raises(ValueError, match=r"layout 'kquants_a8' holds 3 tensors, got 2"):
+        run(x, prepared.layout, [blocks, table])
 
 
 def test_a_compiled_step_traced_before_any_eager_call_holds_the_kquants_op(native):

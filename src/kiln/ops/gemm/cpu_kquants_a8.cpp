@@ -1,4 +1,4 @@
-// The one-row kernel of the a8 layouts' K-quant form (kiln.ops.gemm.cpu_kquants_a8): y = x @ W^T with W
+// The kernels of the a8 layouts' K-quant form (kiln.ops.gemm.cpu_kquants_a8): y = x @ W^T with W
 // one or more parts of GGUF K-quant blocks kept as the file stores them (Q4_K: 144 bytes per 256
 // weights, Q5_K: 176, Q6_K: 210) and x quantized first to Q8_K: per 256 values one float32
 // d = max|x| / 127 and int8 q = round(x / d), half away from zero, and q's sum over each 16 and 32.
@@ -17,7 +17,13 @@
 // AVX2's vpmaddubsw multiplies the unsigned weight bytes by the signed qx into int16 pair sums (at most
 // 63 * 127 * 2 = 16002: no saturation), vpmaddwd then weights each pair sum with its sub-block's scale
 // into int32. A NaN or an infinity in a super-block of x makes its dx NaN, so it reaches every output.
-// Registered as torch.ops.kiln_cpu.quantize_q8_k and kquants_a8_gemv.
+//
+// Several rows of x (kquants_a8_gemm) run in groups of up to eight (AVX-512 builds; else four) against
+// each weight row, which is unpacked once per group; a row's operations are those of the one-row kernel
+// (kquants_a8_gemv) in the same order, so its outputs are bit for bit the same whatever rows share its
+// call (batch invariant: a sequence's tokens do not depend on the batch it decodes in, nor a verified
+// draft's on its length).
+// Registered as torch.ops.kiln_cpu.quantize_q8_k, kquants_a8_gemv and kquants_a8_gemm.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,6 +44,13 @@ namespace {
 
 constexpr int64_t kSuper = 256;  // weights per K-quant super-block, values per Q8_K block of x
 constexpr int64_t kRowsPerTask = 16;
+// x rows one pass over a weight row reads (each weight vector unpacked once for them): 8 where AVX-512's 32
+// vector registers hold their sums (2-core Zen 4, prefill-sized x: 5-14 % faster than 4), else 4
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kGroup = 8;
+#else
+constexpr int64_t kGroup = 4;
+#endif
 constexpr int64_t kPrefetchAhead = 4096;  // as cpu_q4_blocks.cpp: this far ahead, once per 64-byte line
 // GGML's type ids, as the parts table names them
 constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;
@@ -52,6 +65,25 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int16_t* sums1
   }
   for (int64_t j = 0; j < k / 32; ++j) sums32[j] = static_cast<int16_t>(sums16[2 * j] + sums16[2 * j + 1]);
 }
+
+// x [M, K] in Q8_K form: int8 values, d per 256, q's sums per 16 and per 32, row after row
+struct Q8K {
+  int64_t k, supers;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> sums16, sums32;
+  Q8K(int64_t m, int64_t k_)
+      : k(k_), supers(k_ / kSuper), q(m * k_), d(m * supers), sums16(m * (k_ / 16)), sums32(m * (k_ / 32)) {}
+  void quantize(int64_t r, const float* x) {
+    quantize_row(x, k, q.data() + r * k, d.data() + r * supers, sums16.data() + r * (k / 16),
+                 sums32.data() + r * (k / 32));
+  }
+};
+
+// the parts table, read and checked: per part its GGML type, first output row and first byte
+struct Parts {
+  std::vector<int64_t> types, first_row, first_byte;
+};
 
 // Q4_K / Q5_K's 12 scale bytes -> the eight 6-bit scales (sc) and mins (m) as bytes, four to a word, as
 // ggml's get_scale_min_k4: bytes 0-3 hold sc 0-3 and the top bits of sc 4-7, bytes 4-7 the same for m,
@@ -82,37 +114,54 @@ inline __m256i repeat16(int low, int high) {
 }
 #endif
 
-// One Q4_K (High = false) or Q5_K (High = true) row of `supers` super-blocks. Q5_K: the 32 bytes qh
-// after the scales hold bit 4 of each weight, bit j of byte i for weight i of sub-block j. sums32: x's
-// int8 sums per 32. (Not prefetched: on a 2-core Zen 4 the Q4_K kernel ran ~8 % faster cache-cold
+// x's Q8_K form for the R rows of x one kernel call reads against a weight row: each row's int8 values,
+// d per 256 and q's sums per 16 and per 32
+template <int R>
+struct XRows {
+  const int8_t* q[R];
+  const float* d[R];
+  const int16_t* sums16[R];
+  const int16_t* sums32[R];
+};
+
+// One Q4_K (High = false) or Q5_K (High = true) row of `supers` super-blocks times R rows of x, into
+// y[m * stride]. Q5_K: the 32 bytes qh after the scales hold bit 4 of each weight, bit j of byte i for
+// weight i of sub-block j. Each weight vector is unpacked once for the R rows; each (weight row, x row)
+// pair takes the same operations in the same order whatever R is, so a row's outputs do not depend on
+// the rows beside it. (Not prefetched: on a 2-core Zen 4 the Q4_K kernel ran ~8 % faster cache-cold
 // without, being compute-bound there.)
-template <bool High>
-float k4_row(const int8_t* qx, const float* dx, const int16_t* sums32, const uint8_t* row, int64_t supers) {
+template <bool High, int R>
+void k4_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, float* y, int64_t stride) {
   constexpr int64_t kBytes = High ? 176 : 144;
   constexpr int64_t kNibbles = High ? 48 : 16;  // where the 128 nibble bytes start
 #if defined(KILN_FLOAT_LANES)
   const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
   const __m256i pick[8] = {repeat16(0, 0), repeat16(1, 1), repeat16(2, 2), repeat16(3, 3),
                            repeat16(4, 4), repeat16(5, 5), repeat16(6, 6), repeat16(7, 7)};
-  __m256 acc = _mm256_setzero_ps();
-  __m128 mins_acc = _mm_setzero_ps();
+  __m256 acc[R];
+  __m128 mins_acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_ps(), mins_acc[m] = _mm_setzero_ps();
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* b = row + s * kBytes;
-    uint32_t sc[2], m[2];
-    k4_scales(b + 4, sc, m);
+    uint32_t sc[2], mn[2];
+    k4_scales(b + 4, sc, mn);
     // int16: sc 0-7 in the low lane, m 0-7 in the high one
-    const __m256i scales_mins = _mm256_cvtepu8_epi16(_mm_set_epi32(m[1], m[0], sc[1], sc[0]));
+    const __m256i scales_mins = _mm256_cvtepu8_epi16(_mm_set_epi32(mn[1], mn[0], sc[1], sc[0]));
     int32_t d_dmin;
     std::memcpy(&d_dmin, b, 4);
-    const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d_dmin)), _mm_set1_ps(dx[s]));  // d dx, dmin dx
-    const __m128i mins = _mm_madd_epi16(_mm256_extracti128_si256(scales_mins, 1),
-                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums32 + 8 * s)));
-    mins_acc = _mm_fmadd_ps(_mm_shuffle_ps(dd, dd, 0x55), _mm_cvtepi32_ps(mins), mins_acc);
+    const __m128 d_half = _mm_cvtph_ps(_mm_cvtsi32_si128(d_dmin));
+    __m128 dd[R];  // d dx, dmin dx
+    __m256i isum[R];
+    for (int m = 0; m < R; ++m) {
+      dd[m] = _mm_mul_ps(d_half, _mm_set1_ps(x.d[m][s]));
+      const __m128i mins = _mm_madd_epi16(_mm256_extracti128_si256(scales_mins, 1),
+                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.sums32[m] + 8 * s)));
+      mins_acc[m] = _mm_fmadd_ps(_mm_shuffle_ps(dd[m], dd[m], 0x55), _mm_cvtepi32_ps(mins), mins_acc[m]);
+      isum[m] = _mm256_setzero_si256();
+    }
     const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(scales_mins));
     const __m256i qh = High ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
     const uint8_t* qs = b + kNibbles;
-    const int8_t* a = qx + s * kSuper;
-    __m256i isum = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {  // 32 bytes: sub-block 2j in the low nibbles, 2j + 1 in the high
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
       __m256i lo = _mm256_and_si256(q, low), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
@@ -120,62 +169,77 @@ float k4_row(const int8_t* qx, const float* dx, const int16_t* sums32, const uin
         lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
         hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
       }
-      const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 64 * j));
-      const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 64 * j + 32));
-      const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), _mm256_shuffle_epi8(scales, pick[2 * j]));
-      const __m256i p1 =
-          _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), _mm256_shuffle_epi8(scales, pick[2 * j + 1]));
-      isum = _mm256_add_epi32(isum, _mm256_add_epi32(p0, p1));
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(_mm_cvtss_f32(dd)), _mm256_cvtepi32_ps(isum), acc);
-  }
-  return kiln_cpu::hsum(acc) - kiln_cpu::hsum(_mm256_castps128_ps256(mins_acc));
-#else
-  float total = 0.f;
-  for (int64_t s = 0; s < supers; ++s) {
-    const uint8_t* b = row + s * kBytes;
-    uint32_t sc[2], m[2];
-    k4_scales(b + 4, sc, m);
-    int32_t isum = 0, msum = 0;
-    for (int j = 0; j < 8; ++j) {
-      const uint8_t* qs = b + kNibbles + 32 * (j / 2);
-      const int8_t* a = qx + s * kSuper + 32 * j;
-      int32_t dot = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int high = High ? ((b[16 + i] >> j) & 1) << 4 : 0;
-        dot += ((j % 2 ? qs[i] >> 4 : qs[i] & 15) | high) * a[i];
+      const __m256i scale0 = _mm256_shuffle_epi8(scales, pick[2 * j]);
+      const __m256i scale1 = _mm256_shuffle_epi8(scales, pick[2 * j + 1]);
+      for (int m = 0; m < R; ++m) {
+        const int8_t* a = x.q[m] + s * kSuper + 64 * j;
+        const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+        const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32));
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), scale0);
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), scale1);
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(p0, p1));
       }
-      isum += byte_of(sc, j) * dot;
-      msum += byte_of(m, j) * sums32[8 * s + j];
     }
-    total += half(b) * dx[s] * static_cast<float>(isum) - half(b + 2) * dx[s] * static_cast<float>(msum);
+    for (int m = 0; m < R; ++m) {
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(_mm_cvtss_f32(dd[m])), _mm256_cvtepi32_ps(isum[m]), acc[m]);
+    }
   }
-  return total;
+  for (int m = 0; m < R; ++m) {
+    y[m * stride] = kiln_cpu::hsum(acc[m]) - kiln_cpu::hsum(_mm256_castps128_ps256(mins_acc[m]));
+  }
+#else
+  for (int m = 0; m < R; ++m) {
+    float total = 0.f;
+    for (int64_t s = 0; s < supers; ++s) {
+      const uint8_t* b = row + s * kBytes;
+      uint32_t sc[2], mn[2];
+      k4_scales(b + 4, sc, mn);
+      int32_t isum = 0, msum = 0;
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t* qs = b + kNibbles + 32 * (j / 2);
+        const int8_t* a = x.q[m] + s * kSuper + 32 * j;
+        int32_t dot = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int high = High ? ((b[16 + i] >> j) & 1) << 4 : 0;
+          dot += ((j % 2 ? qs[i] >> 4 : qs[i] & 15) | high) * a[i];
+        }
+        isum += byte_of(sc, j) * dot;
+        msum += byte_of(mn, j) * x.sums32[m][8 * s + j];
+      }
+      const float dx = x.d[m][s];
+      total += half(b) * dx * static_cast<float>(isum) - half(b + 2) * dx * static_cast<float>(msum);
+    }
+    y[m * stride] = total;
+  }
 #endif
 }
 
-// One Q6_K row; sums16: x's int8 sums per 16. Per half (128 weights): ql 64 bytes, qh 32, 8 scales;
+// One Q6_K row times R rows of x (as k4_rows). Per half (128 weights): ql 64 bytes, qh 32, 8 scales;
 // weight l + 32 t (t = 0..3) is ql[l + 32 (t & 1)]'s low (t < 2) or high nibble with bits 2t, 2t + 1 of
 // qh[l] above it, less 32, its scale 2t + l / 16. `stop`: the end of the rows this task reads
-// (prefetches stay before it).
-float q6_k_row(const int8_t* qx, const float* dx, const int16_t* sums16, const uint8_t* row, int64_t supers,
-               const uint8_t* stop) {
+// (prefetches stay before it; `row` itself for no prefetching).
+template <int R>
+void q6_k_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, const uint8_t* stop, float* y,
+               int64_t stride) {
   constexpr int64_t kBytes = 210;
 #if defined(KILN_FLOAT_LANES)
   const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
   const __m256i pick[4] = {repeat16(0, 1), repeat16(2, 3), repeat16(4, 5), repeat16(6, 7)};
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* b = row + s * kBytes;
     for (const uint8_t* p = b + kPrefetchAhead; p < b + kPrefetchAhead + kBytes && p < stop; p += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
     }
     const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-    // the offset, 32 sum_j sc_j sum16_j, subtracted
-    const __m256i offset =
-        _mm256_madd_epi16(scales, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums16 + 16 * s)));
-    __m256i isum = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
-    const int8_t* a = qx + s * kSuper;
+    __m256i isum[R];
+    for (int m = 0; m < R; ++m) {
+      // the offset, 32 sum_j sc_j sum16_j, subtracted
+      const __m256i offset =
+          _mm256_madd_epi16(scales, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums16[m] + 16 * s)));
+      isum[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+    }
     for (int h = 0; h < 2; ++h) {
       const uint8_t* ql = b + 64 * h;
       // this half's 8 scales in both lanes
@@ -190,40 +254,141 @@ float q6_k_row(const int8_t* qx, const float* dx, const int16_t* sums16, const u
       for (int t = 0; t < 4; ++t) {
         const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two), 4);
         const __m256i q = _mm256_or_si256(nibbles[t], high);
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 128 * h + 32 * t));
         const __m256i scale = _mm256_shuffle_epi8(half_scales, pick[t]);
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scale));
-      }
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(half(b + 208) * dx[s]), _mm256_cvtepi32_ps(isum), acc);
-  }
-  return kiln_cpu::hsum(acc);
-#else
-  (void)stop, (void)sums16;
-  float total = 0.f;
-  for (int64_t s = 0; s < supers; ++s) {
-    const uint8_t* b = row + s * kBytes;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const int8_t* a = qx + s * kSuper;
-    int32_t isum = 0;
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* ql = b + 64 * h;
-      const uint8_t* qh = b + 128 + 32 * h;
-      for (int t = 0; t < 4; ++t) {
-        for (int l = 0; l < 32; ++l) {
-          const int nibble = t < 2 ? ql[l + 32 * (t & 1)] & 15 : ql[l + 32 * (t & 1)] >> 4;
-          const int q = (nibble | (((qh[l] >> (2 * t)) & 3) << 4)) - 32;
-          isum += sc[8 * h + 2 * t + l / 16] * q * a[128 * h + 32 * t + l];
+        for (int m = 0; m < R; ++m) {
+          const int8_t* a = x.q[m] + s * kSuper + 128 * h + 32 * t;
+          const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q, qx), scale));
         }
       }
     }
-    total += half(b + 208) * dx[s] * static_cast<float>(isum);
+    const float d = half(b + 208);
+    for (int m = 0; m < R; ++m) {
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[m][s]), _mm256_cvtepi32_ps(isum[m]), acc[m]);
+    }
   }
-  return total;
+  for (int m = 0; m < R; ++m) y[m * stride] = kiln_cpu::hsum(acc[m]);
+#else
+  (void)stop;
+  for (int m = 0; m < R; ++m) {
+    float total = 0.f;
+    for (int64_t s = 0; s < supers; ++s) {
+      const uint8_t* b = row + s * kBytes;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const int8_t* a = x.q[m] + s * kSuper;
+      int32_t isum = 0;
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = b + 64 * h;
+        const uint8_t* qh = b + 128 + 32 * h;
+        for (int t = 0; t < 4; ++t) {
+          for (int l = 0; l < 32; ++l) {
+            const int nibble = t < 2 ? ql[l + 32 * (t & 1)] & 15 : ql[l + 32 * (t & 1)] >> 4;
+            const int q = (nibble | (((qh[l] >> (2 * t)) & 3) << 4)) - 32;
+            isum += sc[8 * h + 2 * t + l / 16] * q * a[128 * h + 32 * t + l];
+          }
+        }
+      }
+      total += half(b + 208) * x.d[m][s] * static_cast<float>(isum);
+    }
+    y[m * stride] = total;
+  }
 #endif
 }
 
 int64_t block_bytes(int64_t qtype) { return qtype == kQ4K ? 144 : qtype == kQ5K ? 176 : 210; }
+
+Parts read_parts(const char* op, const at::Tensor& parts, int64_t supers, const at::Tensor& blocks, int64_t n) {
+  TORCH_CHECK(parts.device().is_cpu() && parts.scalar_type() == at::kLong && parts.dim() == 2 && parts.size(1) == 2 &&
+                  parts.size(0) >= 1,
+              op, ": parts must be int64 [P, 2] (GGML type, rows) on the CPU, P >= 1, got ", parts.scalar_type(), " ",
+              parts.sizes(), " on ", parts.device());
+  const at::Tensor pc = parts.contiguous();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  const int64_t count = parts.size(0);
+  Parts out{std::vector<int64_t>(count), std::vector<int64_t>(count + 1, 0), std::vector<int64_t>(count + 1, 0)};
+  for (int64_t i = 0; i < count; ++i) {
+    out.types[i] = pp[2 * i];
+    TORCH_CHECK(out.types[i] == kQ4K || out.types[i] == kQ5K || out.types[i] == kQ6K, op, ": part ", i,
+                " has GGML type ", out.types[i], "; the kernel takes Q4_K (12), Q5_K (13) and Q6_K (14)");
+    TORCH_CHECK(pp[2 * i + 1] >= 0, op, ": part ", i, " has ", pp[2 * i + 1], " rows");
+    out.first_row[i + 1] = out.first_row[i] + pp[2 * i + 1];
+    out.first_byte[i + 1] = out.first_byte[i] + pp[2 * i + 1] * supers * block_bytes(out.types[i]);
+  }
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 1 &&
+                  blocks.numel() == out.first_byte[count],
+              op, ": blocks must be uint8 [", out.first_byte[count], "] on the CPU (the parts' rows of K = ",
+              supers * kSuper, ", as their files store them), got ", blocks.scalar_type(), " ", blocks.sizes(), " on ",
+              blocks.device());
+  TORCH_CHECK(n == out.first_row[count], op, ": n = ", n, " but the parts hold ", out.first_row[count], " rows");
+  return out;
+}
+
+// y[m0 .. m0 + R - 1, begin .. end - 1]: rows [begin, end) of W times x rows [m0, m0 + R)
+template <int R>
+void run_group(const Q8K& xq, int64_t m0, const Parts& parts, const uint8_t* bp, int64_t begin, int64_t end,
+               float* yp, int64_t n) {
+  XRows<R> x;
+  for (int m = 0; m < R; ++m) {
+    x.q[m] = xq.q.data() + (m0 + m) * xq.k;
+    x.d[m] = xq.d.data() + (m0 + m) * xq.supers;
+    x.sums16[m] = xq.sums16.data() + (m0 + m) * (xq.k / 16);
+    x.sums32[m] = xq.sums32.data() + (m0 + m) * (xq.k / 32);
+  }
+  int64_t i = 0;
+  for (int64_t r = begin; r < end; ++r) {
+    while (r >= parts.first_row[i + 1]) ++i;
+    const int64_t row_bytes = xq.supers * block_bytes(parts.types[i]);
+    const uint8_t* row = bp + parts.first_byte[i] + (r - parts.first_row[i]) * row_bytes;
+    float* y = yp + m0 * n + r;
+    if (parts.types[i] == kQ4K) {
+      k4_rows<false, R>(x, row, xq.supers, y, n);
+    } else if (parts.types[i] == kQ5K) {
+      k4_rows<true, R>(x, row, xq.supers, y, n);
+    } else {
+      // prefetch on the first group only: the later ones find the task's rows in the caches
+      const int64_t last = std::min(end, parts.first_row[i + 1]);
+      const uint8_t* stop = m0 == 0 ? bp + parts.first_byte[i] + (last - parts.first_row[i]) * row_bytes : row;
+      q6_k_rows<R>(x, row, xq.supers, stop, y, n);
+    }
+  }
+}
+
+at::Tensor run_kquants_a8(const char* op, const at::Tensor& x, int64_t rows, const at::Tensor& blocks,
+                          const at::Tensor& parts, int64_t n) {
+  kiln_cpu::check_activation(op, x, rows, kSuper);
+  const int64_t k = x.size(1);
+  const Parts table = read_parts(op, parts, k / kSuper, blocks, n);
+  const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
+  const int64_t m = x.size(0);
+  Q8K xq(m, k);
+  const float* xp = xc.data_ptr<float>();
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) xq.quantize(r, xp + r * k);
+  });
+  at::Tensor y = at::empty({m, n}, x.options());
+  const uint8_t* bp = bc.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    // x rows in groups of kGroup, each group over the task's weight rows (they stay in the caches)
+    for (int64_t m0 = 0; m0 < m; m0 += kGroup) {
+      switch (std::min<int64_t>(kGroup, m - m0)) {
+        case 1: run_group<1>(xq, m0, table, bp, begin, end, yp, n); break;
+        case 2: run_group<2>(xq, m0, table, bp, begin, end, yp, n); break;
+        case 3: run_group<3>(xq, m0, table, bp, begin, end, yp, n); break;
+        case 4: run_group<4>(xq, m0, table, bp, begin, end, yp, n); break;
+#if defined(CPU_CAPABILITY_AVX512)
+        case 5: run_group<5>(xq, m0, table, bp, begin, end, yp, n); break;
+        case 6: run_group<6>(xq, m0, table, bp, begin, end, yp, n); break;
+        case 7: run_group<7>(xq, m0, table, bp, begin, end, yp, n); break;
+        default: run_group<8>(xq, m0, table, bp, begin, end, yp, n); break;
+#else
+        default: break;  // kGroup = 4
+#endif
+      }
+    }
+  });
+  return y;
+}
 
 }  // namespace
 
@@ -249,58 +414,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8_k(const at::Tensor& x
   return {q, d, sums};
 }
 
+at::Tensor kquants_a8_gemm(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n) {
+  return run_kquants_a8("kquants_a8_gemm", x, -1, blocks, parts, n);
+}
+
 at::Tensor kquants_a8_gemv(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n) {
-  const char* op = "kquants_a8_gemv";
-  kiln_cpu::check_activation(op, x, 1, kSuper);
-  TORCH_CHECK(parts.device().is_cpu() && parts.scalar_type() == at::kLong && parts.dim() == 2 && parts.size(1) == 2 &&
-                  parts.size(0) >= 1,
-              op, ": parts must be int64 [P, 2] (GGML type, rows) on the CPU, P >= 1, got ", parts.scalar_type(), " ",
-              parts.sizes(), " on ", parts.device());
-  const int64_t k = x.size(1), supers = k / kSuper;
-  const at::Tensor pc = parts.contiguous();
-  const int64_t* pp = pc.data_ptr<int64_t>();
-  const int64_t count = parts.size(0);
-  // per part: its type, first output row and first byte
-  std::vector<int64_t> types(count), first_row(count + 1, 0), first_byte(count + 1, 0);
-  for (int64_t i = 0; i < count; ++i) {
-    types[i] = pp[2 * i];
-    TORCH_CHECK(types[i] == kQ4K || types[i] == kQ5K || types[i] == kQ6K, op, ": part ", i, " has GGML type ",
-                types[i], "; the kernel takes Q4_K (12), Q5_K (13) and Q6_K (14)");
-    TORCH_CHECK(pp[2 * i + 1] >= 0, op, ": part ", i, " has ", pp[2 * i + 1], " rows");
-    first_row[i + 1] = first_row[i] + pp[2 * i + 1];
-    first_byte[i + 1] = first_byte[i] + pp[2 * i + 1] * supers * block_bytes(types[i]);
-  }
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 1 &&
-                  blocks.numel() == first_byte[count],
-              op, ": blocks must be uint8 [", first_byte[count], "] on the CPU (the parts' rows of K = ", k,
-              ", as their files store them), got ", blocks.scalar_type(), " ", blocks.sizes(), " on ", blocks.device());
-  TORCH_CHECK(n == first_row[count], op, ": n = ", n, " but the parts hold ", first_row[count], " rows");
-  const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
-  std::vector<int8_t> qx(k);
-  std::vector<float> dx(supers);
-  std::vector<int16_t> sums16(k / 16), sums32(k / 32);
-  quantize_row(xc.data_ptr<float>(), k, qx.data(), dx.data(), sums16.data(), sums32.data());
-  at::Tensor y = at::empty({1, n}, x.options());
-  const uint8_t* bp = bc.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    int64_t i = 0;
-    for (int64_t r = begin; r < end; ++r) {
-      while (r >= first_row[i + 1]) ++i;
-      const int64_t row_bytes = supers * block_bytes(types[i]);
-      const uint8_t* row = bp + first_byte[i] + (r - first_row[i]) * row_bytes;
-      if (types[i] == kQ4K) {
-        yp[r] = k4_row<false>(qx.data(), dx.data(), sums32.data(), row, supers);
-      } else if (types[i] == kQ5K) {
-        yp[r] = k4_row<true>(qx.data(), dx.data(), sums32.data(), row, supers);
-      } else {
-        const int64_t last = std::min(end, first_row[i + 1]);
-        yp[r] = q6_k_row(qx.data(), dx.data(), sums16.data(), row, supers,
-                         bp + first_byte[i] + (last - first_row[i]) * row_bytes);
-      }
-    }
-  });
-  return y;
+  return run_kquants_a8("kquants_a8_gemv", x, 1, blocks, parts, n);
 }
 
 }  // namespace kiln_cpu
@@ -308,9 +427,11 @@ at::Tensor kquants_a8_gemv(const at::Tensor& x, const at::Tensor& blocks, const 
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   m.def("quantize_q8_k(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("kquants_a8_gemv(Tensor x, Tensor blocks, Tensor parts, int n) -> Tensor");
+  m.def("kquants_a8_gemm(Tensor x, Tensor blocks, Tensor parts, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
   m.impl("quantize_q8_k", &kiln_cpu::quantize_q8_k);
   m.impl("kquants_a8_gemv", &kiln_cpu::kquants_a8_gemv);
+  m.impl("kquants_a8_gemm", &kiln_cpu::kquants_a8_gemm);
 }

@@ -1,20 +1,22 @@
 """GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) as their files store them, times x quantized to Q8_K: the
-one-row kernel the a8 layouts ("q4_blocks_a8_onednn", "q8_blocks_a8_onednn",
-"q8_blocks_mins_a8_onednn"; kiln.ops.gemm.weight_formats) run for a K-quant weight, a plain one or a
-stacked projection whose parts all are K-quants. llama.cpp's CPU arithmetic for these types.
+kernels of the "kquants_a8" layout, which the a8 formats ("q4_blocks_a8", "q8_blocks_a8";
+kiln.ops.gemm.weight_formats) give a K-quant weight, a plain one or a stacked projection whose parts
+all are. llama.cpp's CPU arithmetic for these types.
 
-x is quantized per 256 values (one K-quant super-block) to int8 with a float32 scale
+Each row of x is quantized per 256 values (one K-quant super-block) to int8 with a float32 scale
 (`quantize_q8_k`: d = max|x| / 127, q = round(x / d) half away from zero; ggml's Q8_K keeps the same
 int8 values and scale), then each super-block's dot product is integer arithmetic
 (cpu_kquants_a8.cpp), so y = W @ x' in float32 with x' = d * q. The weights are read at 0.56 (Q4_K),
-0.69 (Q5_K) and 0.82 (Q6_K) bytes each, the files' own sizes, against 0.75 / 1.25 / 1.25 for the Q8_0-x
-kernels' forms of the same matrices (kiln.ops.gemm.cpu_blocks_a8).
+0.69 (Q5_K) and 0.82 (Q6_K) bytes each, the files' own sizes, and the layout holds nothing else (the
+Q8_0-x layouts of kiln.ops.gemm.cpu_blocks_a8 hold 0.75 / 1.25 / 1.25 bytes of blocks a weight, and a
+float32 copy and tiles for several rows). `kquants_a8_gemv` takes one row; `kquants_a8_gemm` any
+number, each row's outputs bit for bit those of `kquants_a8_gemv` on that row alone (batch invariant:
+a sequence's tokens do not depend on the batch it decodes in).
 
 A weight's `pack` form is two tensors: its parts' blocks, uint8 [sum of N_i * row_bytes_i] (the rows
 of each part as in the file, parts in order), and `parts`, int64 [P, 2]: each part's GGML type id
-(QTYPE_IDS) and row count. The op is part of Kiln's native CPU library (kiln.ops.native_cpu); where it
-cannot be built the same arithmetic runs as tensor code.
-"""
+(QTYPE_IDS) and row count. The ops are part of Kiln's native CPU library (kiln.ops.native_cpu); where
+it cannot be built the same arithmetic runs as tensor code."""
 
 from __future__ import annotations
 
@@ -50,6 +52,10 @@ def _register_fakes() -> None:
     def _(x, blocks, parts, n):
         return x.new_empty((1, n))
 
+    @torch.library.register_fake("kiln_cpu::kquants_a8_gemm")
+    def _(x, blocks, parts, n):
+        return x.new_empty((x.shape[0], n))
+
 
 def pack(weight) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(blocks uint8 [bytes], parts int64 [P, 2]) for a GGUFWeight of QTYPE_IDS' types or a
@@ -62,13 +68,16 @@ def pack(weight) -> tuple[torch.Tensor, torch.Tensor] | None:
     return blocks, table
 
 
-def no_parts() -> tuple[torch.Tensor, torch.Tensor]:
-    """The two tensors the a8 layouts hold for a weight `pack` does not take (empty)."""
-    return torch.empty(0, dtype=torch.uint8), torch.empty(0, 2, dtype=torch.int64)
+def in_features(blocks: torch.Tensor, parts: torch.Tensor) -> int:
+    """K of the matrix `pack`'s two tensors hold: their bytes over the parts' bytes per 256 weights."""
+    per_super = sum(rows * row_bytes(QTYPES_BY_ID[qtype_id], SUPER) for qtype_id, rows in parts.tolist())
+    return SUPER * blocks.numel() // per_super if per_super else 0
 
 
-def matrix(blocks: torch.Tensor, parts: torch.Tensor, k: int) -> torch.Tensor:
-    """The float32 [N, K] matrix `pack`'s two tensors stand for: each part's gguf decode, in order."""
+def matrix(blocks: torch.Tensor, parts: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """The float32 [N, K] matrix `pack`'s two tensors stand for: each part's gguf decode, in order (K:
+    `in_features` unless given)."""
+    k = in_features(blocks, parts) if k is None else k
     out, at = [], 0
     for qtype_id, rows in parts.tolist():
         qtype = QTYPES_BY_ID[qtype_id]
@@ -111,13 +120,25 @@ def kquants_a8_gemv(x: torch.Tensor, blocks: torch.Tensor, parts: torch.Tensor, 
     """y float32 [1, n] = x' @ W^T: x float32 [1, K] quantized to Q8_K (x'), W [n, K] the K-quant
     parts `pack` gave (blocks uint8, parts int64 [P, 2]; n the sum of their rows)."""
     cpu_blocks_a8.check_x("kquants_a8_gemv", x, 1, SUPER)
+    return _run("kquants_a8_gemv", x, blocks, parts, n)
+
+
+def kquants_a8_gemm(x: torch.Tensor, blocks: torch.Tensor, parts: torch.Tensor, n: int) -> torch.Tensor:
+    """y float32 [M, n] = x' @ W^T for x float32 [M, K], each row quantized to Q8_K on its own: row i
+    of y equals kquants_a8_gemv(x[i:i + 1], ...) bit for bit (the same operations in the same order,
+    whatever M; the tensor form where the native library is missing is only close)."""
+    cpu_blocks_a8.check_x("kquants_a8_gemm", x, None, SUPER)
+    return _run("kquants_a8_gemm", x, blocks, parts, n)
+
+
+def _run(op: str, x: torch.Tensor, blocks: torch.Tensor, parts: torch.Tensor, n: int) -> torch.Tensor:
     if not torch.compiler.is_compiling():
         load()
     if _state["loaded"]:
-        return torch.ops.kiln_cpu.kquants_a8_gemv(x.float(), blocks, parts, n)
+        return getattr(torch.ops.kiln_cpu, op)(x.float(), blocks, parts, n)
     q, d, _ = _quantize_tensor(x.float().contiguous())
     xq = cpu_blocks_a8.dequantize_q8_0(q, d)
     w = matrix(blocks, parts, x.shape[1])
     if w.shape[0] != n:
-        raise ValueError(f"kquants_a8_gemv: n = {n} but the parts hold {w.shape[0]} rows")
+        raise ValueError(f"{op}: n = {n} but the parts hold {w.shape[0]} rows")
     return xq @ w.T

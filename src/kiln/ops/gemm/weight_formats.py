@@ -35,11 +35,12 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      or 32), oneDNN's blocked fp32 copy]         given them; more: oneDNN fp32 on the copy
     "q4_blocks_a8_onednn", "q8_blocks_a8_onednn",               1 row: x quantized to Q8_0 (int8 per 32
     "q8_blocks_mins_a8_onednn"  the tensors of                  values), then Kiln's native integer GEMV
-                     "q4_blocks_onednn" / "q8_blocks_onednn" /   (kiln.ops.gemm.cpu_blocks_a8); a K-quant
-                     "q8_blocks_mins_onednn", then a K-quant     weight: x quantized to Q8_K (per 256),
-                     weight's blocks as in the file (uint8, its  the integer GEMV on the file's blocks
-                     parts' rows in order) and its parts table   (kiln.ops.gemm.cpu_kquants_a8); more
-                     (int64 [P, 2]; both empty for others)       rows: as "q4/q8_blocks_onednn" (exact)
+                     "q4_blocks_onednn" / "q8_blocks_onednn" /   (kiln.ops.gemm.cpu_blocks_a8); more
+                     "q8_blocks_mins_onednn"                     rows: as "q4/q8_blocks_onednn" (exact)
+    "kquants_a8"    [a K-quant weight's blocks as in the file   every row of x quantized to Q8_K (int8
+                     (uint8, its parts' rows in order), its      per 256 values), then the integer kernel
+                     parts table (int64 [P, 2]: GGML type, rows), on the file's blocks, each row as alone
+                     uint8 [N, 0]]                               (kiln.ops.gemm.cpu_kquants_a8)
     "int8_blocks_onednn"  [Q8_0's int8 values [N, K], its        1 row: as "q8_blocks_onednn" (exact);
                      scales float32 [N, K/32], oneDNN's blocked  more rows: oneDNN bf16 on the copy
                      bf16 copy of the same matrix]
@@ -122,12 +123,14 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     GGUF type with a blocks layout (A8_BLOCKS_FORMAT): Q4_0 / Q4_1 / Q4_K as "q4_blocks_a8_onednn",
     Q8_0 / Q5_0 / Q6_K (a weight scale per 16: each 32-block of x against two halves) as
     "q8_blocks_a8_onednn", Q5_K and stacked weights with mins as "q8_blocks_mins_a8_onednn" (the mins
-    times x' summed over their blocks), so a K-quant file (Q4_K_M) runs every matrix this way. A
-    Q4_K / Q5_K / Q6_K weight, or a stacked one whose parts all are, also keeps its file's blocks
-    (kiln.ops.gemm.cpu_kquants_a8.pack): one row then quantizes x to Q8_K (per 256 values, ggml's
-    activation type for K-quants) and runs the integer GEMV on those blocks, 0.56 / 0.69 / 0.82 bytes
-    a weight instead of the exact forms' 0.75 / 1.25 / 1.25 (llama.cpp's arithmetic for these types:
-    README, "Measured on a 2-core CPU"). Other weights, or a CPU where oneDNN cannot pack, get "fp32";
+    times x' summed over their blocks). A Q4_K / Q5_K / Q6_K weight, or a stacked one whose parts all
+    are, gets "kquants_a8" instead where Kiln's native library runs: its file's blocks and nothing
+    else (kiln.ops.gemm.cpu_kquants_a8.pack: 0.56 / 0.69 / 0.82 bytes a weight, against the exact
+    forms' blocks, float32 copy and tiles, ~5-6 bytes), every row of x quantized to Q8_K (per 256
+    values, ggml's activation type for K-quants) for the integer kernel on those blocks, whatever the
+    row count, each row's outputs those it gets alone (llama.cpp's arithmetic for these types: README,
+    "Measured on a 2-core CPU"). So a K-quant file (Q4_K_M) runs every matrix on its own blocks. Other
+    weights, or a CPU where oneDNN cannot pack, get "fp32";
   - CPU, "int8_blocks", GGUF Q8_0 weights: "int8_blocks_onednn", the file's blocks split into their
     int8 values and their scales (fp16 in the file, exact in float32): w = d * q exactly, so one-row
     inputs (single-stream decode) read one byte a weight with no rounding of the weight or of x, as
@@ -284,10 +287,11 @@ LAYOUTS = {
     "int8_blocks_onednn": 3,
     "q4_blocks_onednn": 6,
     "q8_blocks_onednn": 5,
-    "q4_blocks_a8_onednn": 8,
-    "q8_blocks_a8_onednn": 7,
+    "q4_blocks_a8_onednn": 6,
+    "q8_blocks_a8_onednn": 5,
     "q8_blocks_mins_onednn": 4,
-    "q8_blocks_mins_a8_onednn": 6,
+    "q8_blocks_mins_a8_onednn": 4,
+    "kquants_a8": 3,
     "w8a8_packed": 4,
     "int4_w8a8_packed": 6,
     "int8_blocks_w8a8_packed": 6,
@@ -319,7 +323,7 @@ class PreparedLinearWeight:
         nibbles), "int8_weight" (weight-only int8), "int8_blocks" (GGUF Q8_0's values and scales),
         "w8a8" (int8 for Kiln's AMX or oneDNN's int8 GEMM, activations quantized per row), "fp8" /
         "int8" (W8A8 checkpoints), "w4a16" (int4_linear), "fp8_block", "sparse24" (2:4) or "dense"."""
-        if self.layout in GGUF_LAYOUTS or self.layout in PLANAR_LAYOUTS:
+        if self.layout in GGUF_LAYOUTS or self.layout in PLANAR_LAYOUTS or self.layout == "kquants_a8":
             return "gguf"
         if self.layout in W8A8_LAYOUTS:
             return W8A8_LAYOUTS[self.layout][0]
@@ -383,7 +387,7 @@ def prepare_linear_weight(
         source = gguf_source_name(weight)
         # no format asked: the model dtype's (what "dense" holds)
         fmt = cpu_format or next((f for f, d in FORMAT_DTYPES.items() if d == dtype), "fp32")
-        if prepared.kind == "gguf":
+        if prepared.layout in GGUF_LAYOUTS or prepared.layout in PLANAR_LAYOUTS:
             fmt = "gguf"  # CUDA keeps GGUF weights quantized whatever cpu_format says: bytes are the blocks'
         key = prepared.tensors[0]
         _PREPARED_CASES[id(key)] = (fmt, source)
@@ -412,6 +416,10 @@ def _prepare(weight, device: torch.device, dtype: torch.dtype, cpu_format: str |
         fmt = type(weight).__name__
         _log_dequantized_at_load(fmt, device.type, cpu_format or str(dtype))
         weight = weight.dequantize(torch.float32)
+    if device.type == "cpu" and cpu_format in A8_FORMATS:
+        prepared = _kquants_a8_layout(weight, shape, dtype)
+        if prepared is not None:
+            return prepared
     if isinstance(weight, GGUFStackedWeight):
         if device.type == "cpu" and cpu_format in (*EXACT_FORMATS, *A8_FORMATS):
             prepared = _stacked_layout(weight, shape, dtype, a8=cpu_format in A8_FORMATS)
@@ -582,38 +590,40 @@ def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | N
         return None
     blocks = pack(weight)
     tiles = () if entry in (MINS_BLOCKS, MINS_A8_BLOCKS) else cpu_block_tiles.layout_tiles(*blocks)
-    kquants = _kquant_parts(weight) if cpu_format in A8_FORMATS else ()
-    return PreparedLinearWeight(layout, (*blocks, rows, *tiles, *kquants), shape, torch.float32, dtype)
+    return PreparedLinearWeight(layout, (*blocks, rows, *tiles), shape, torch.float32, dtype)
 
 
-def _kquant_parts(weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """The a8 layouts' last two tensors: a K-quant weight's file blocks and parts table
-    (kiln.ops.gemm.cpu_kquants_a8.pack), both empty for other weights or where the native kernel does
-    not run (its tensor form would decode the blocks on every call: the Q8_0 form is the faster one)."""
-    packed = cpu_kquants_a8.pack(weight) if cpu_kquants_a8.load() else None
-    return packed if packed is not None else cpu_kquants_a8.no_parts()
+def _kquants_a8_layout(weight, shape, dtype) -> PreparedLinearWeight | None:
+    """The "kquants_a8" layout of a GGUF Q4_K / Q5_K / Q6_K weight, or of a stacked one whose parts all
+    are: the file's blocks and the parts table (kiln.ops.gemm.cpu_kquants_a8.pack), and an empty uint8
+    [N, 0] that gives the kernel N; None for other weights or where the native kernel does not run (its
+    tensor form would decode the blocks on every call: the Q8_0-x layouts are the faster ones there)."""
+    if not isinstance(weight, (GGUFWeight, GGUFStackedWeight)):
+        return None
+    packed = cpu_kquants_a8.pack(weight)
+    if packed is None or not cpu_kquants_a8.load():
+        return None
+    width = torch.empty(shape[0], 0, dtype=torch.uint8)  # N as a shape: a compiled call needs it static
+    return PreparedLinearWeight("kquants_a8", (*packed, width), shape, torch.float32, dtype)
 
 
 def _stacked_layout(weight: GGUFStackedWeight, shape, dtype, a8: bool) -> PreparedLinearWeight | None:
     """A stacked weight's one exact form (GGUFStackedWeight.fields) in the Q8 kernels' layouts:
     MINS_BLOCKS' where a part has mins (Q4_K beside Q6_K: values, a scale and a min per 16), else
     "q8_blocks"'s (with tiles where the scales are per 32); with `a8` their a8 forms (a one-row x
-    quantized to Q8_0, or to Q8_K for the file's blocks where every part is a K-quant); None where
-    oneDNN cannot pack float32 here."""
+    quantized to Q8_0); None where oneDNN cannot pack float32 here."""
     values, scales, mins = weight.fields()
     # the float32 copy from the same fields: each part's gguf decode, bit for bit (fields' docstring)
     rows = onednn_pack(decode_fields(values, scales, mins, "Q8_0", torch.float32))
     if rows is None:
         return None
     (cpu_blocks_a8 if a8 else cpu_q8_blocks).load()
-    kquants = _kquant_parts(weight) if a8 else ()
     if mins is not None:
         layout = (MINS_A8_BLOCKS if a8 else MINS_BLOCKS)[0]
-        tensors = (values, scales, mins, rows, *kquants)
-        return PreparedLinearWeight(layout, tensors, shape, torch.float32, dtype)
+        return PreparedLinearWeight(layout, (values, scales, mins, rows), shape, torch.float32, dtype)
     layout = BLOCKS_FORMATS["q8_blocks_a8" if a8 else "q8_blocks"][0]
     tiles = cpu_block_tiles.layout_tiles(values, scales)
-    return PreparedLinearWeight(layout, (values, scales, rows, *tiles, *kquants), shape, torch.float32, dtype)
+    return PreparedLinearWeight(layout, (values, scales, rows, *tiles), shape, torch.float32, dtype)
 
 
 @functools.cache
@@ -757,6 +767,8 @@ def prepared_matrix(
         values, scales, mins = (t.to(torch.float64) for t in tensors[:3])
         blocks = values.view(values.shape[0], scales.shape[1], -1)
         return (blocks * scales[..., None] + mins[..., None]).view(values.shape)
+    if layout == "kquants_a8":  # each part's gguf decode
+        return cpu_kquants_a8.matrix(tensors[0], tensors[1]).to(torch.float64)
     if layout in QUANTIZED_LAYOUTS:
         return quantized_matrix(layout, tensors, in_features)
     if layout in LAYOUTS:  # "dense", "fp16_*": the plain matrix comes first

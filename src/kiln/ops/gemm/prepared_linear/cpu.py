@@ -19,10 +19,11 @@
                  fp32 GEMM on the copy of the same matrix;
   "q4_blocks_a8_onednn", "q8_blocks_a8_onednn", "q8_blocks_mins_a8_onednn"  one row: x quantized to
                  Q8_0, then Kiln's integer GEMV on the same blocks (kiln.ops.gemm.cpu_blocks_a8; the
-                 mins times x' summed over their blocks); a K-quant weight that keeps its file's blocks
-                 (the layout's last two tensors): x quantized to Q8_K, the integer GEMV on those
-                 (kiln.ops.gemm.cpu_kquants_a8); several rows: as the exact layouts (the tile and row
-                 kernels included);
+                 mins times x' summed over their blocks); several rows: as the exact layouts (the tile
+                 and row kernels included);
+  "kquants_a8"   a K-quant weight's file blocks: every row of x quantized to Q8_K, then the integer
+                 kernel on the blocks (kiln.ops.gemm.cpu_kquants_a8; each row's outputs whatever the
+                 rows beside it);
   "q8_blocks_mins_onednn"  GGUF Q5_K (and a stacked weight of mixed GGUF types, a scale and a min per 16
                  or 32): as "q8_blocks_onednn" without tiles, the Q8 kernels given the
                  blocks' mins too (one row: each block's sum of x times its min added; a few rows: each
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 
 from kiln.ops.gemm.cpu_block_tiles import q4_tiles_gemm, q8_tiles_gemm
 from kiln.ops.gemm.cpu_blocks_a8 import q4_blocks_a8_gemv, q8_blocks_a8_gemv, q8_blocks_mins_a8_gemv
-from kiln.ops.gemm.cpu_kquants_a8 import kquants_a8_gemv
+from kiln.ops.gemm.cpu_kquants_a8 import kquants_a8_gemm
 from kiln.ops.gemm.cpu_q4_blocks import q4_blocks_gemm, q4_blocks_gemv
 from kiln.ops.gemm.cpu_q8_blocks import q8_blocks_gemm
 from kiln.ops.gemm.cpu_w8a8 import w8a8_linear
@@ -144,19 +145,16 @@ def _int8_blocks_onednn(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
-def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm=None, kind: str = "q8", a8: bool = False):
+def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm=None, kind: str = "q8"):
     """The "q4/q8_blocks[_a8]_onednn" kernels (and "q8_blocks_mins_onednn"'s): one row through `gemv`
     on the first `copy_at` tensors (the blocks' values and scales: 3 for Q4 and for Q5_K's with mins, 2
-    for Q8_0), or, `a8` layouts whose last two tensors hold a K-quant weight's file blocks, through
-    kquants_a8_gemv on those; blocks_tiles_rows(kind) rows through `tiles_gemm` on the tiles after the
+    for Q8_0); blocks_tiles_rows(kind) rows through `tiles_gemm` on the tiles after the
     float32 copy, where the layout has them; up to blocks_gemm_rows() rows through `gemm` on the
     blocks; more rows through the float32 copy, as "onednn"."""
 
     def run(x, weight, bias, out_dtype):
         rows = x.shape[0]
-        if rows == 1 and a8 and weight[-2].numel():
-            y = kquants_a8_gemv(x, weight[-2], weight[-1], weight[0].shape[0])
-        elif rows == 1:
+        if rows == 1:
             y = gemv(x, *weight[:copy_at])
         elif tiles_gemm is not None and blocks_tiles_take(kind, rows) and weight[copy_at + 1].numel():
             y = tiles_gemm(x, weight[copy_at + 1], weight[copy_at + 2], weight[0].shape[0])
@@ -172,6 +170,13 @@ def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm=None, kind: str = "q8", 
 
 
 _q4_blocks_onednn = _blocks_kernel(q4_blocks_gemv, 3, q4_blocks_gemm, q4_tiles_gemm, "q4")
+
+
+def _kquants_a8(x, weight, bias, out_dtype):
+    y = kquants_a8_gemm(x, weight[0], weight[1], weight[2].shape[0])
+    if bias is not None:
+        y = y.add_(bias.float())
+    return y.to(out_dtype)
 
 
 def _w8a8(x, weight, bias, out_dtype):
@@ -227,9 +232,10 @@ KERNELS = {
     "q8_blocks_onednn": _blocks_kernel(int8_blocks_gemv, 2, q8_blocks_gemm, q8_tiles_gemm),
     # Q5_K's values, scales and mins: the Q8 kernels given the mins; no tiles
     "q8_blocks_mins_onednn": _blocks_kernel(int8_blocks_gemv, 3, q8_blocks_gemm),
-    "q4_blocks_a8_onednn": _blocks_kernel(q4_blocks_a8_gemv, 3, q4_blocks_gemm, q4_tiles_gemm, "q4", a8=True),
-    "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2, q8_blocks_gemm, q8_tiles_gemm, a8=True),
-    "q8_blocks_mins_a8_onednn": _blocks_kernel(q8_blocks_mins_a8_gemv, 3, q8_blocks_gemm, a8=True),
+    "q4_blocks_a8_onednn": _blocks_kernel(q4_blocks_a8_gemv, 3, q4_blocks_gemm, q4_tiles_gemm, "q4"),
+    "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2, q8_blocks_gemm, q8_tiles_gemm),
+    "q8_blocks_mins_a8_onednn": _blocks_kernel(q8_blocks_mins_a8_gemv, 3, q8_blocks_gemm),
+    "kquants_a8": _kquants_a8,
     "w8a8_packed": _w8a8,
     "int4_w8a8_packed": _int4_w8a8,
     "int8_blocks_w8a8_packed": _int8_blocks_w8a8,

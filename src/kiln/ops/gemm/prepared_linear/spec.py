@@ -6,7 +6,8 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
     layout:    a PreparedLinearWeight's layout ("dense", "onednn", "fp16_onednn", "fp16_rows", "int4",
                "int4_onednn", "int4_w8a8_packed", "w8a8_packed", "int8_weight", "int8_blocks_onednn",
                "int8_blocks_w8a8_packed", "q4_blocks_onednn", "q8_blocks_onednn", "q4_blocks_a8_onednn",
-               "q8_blocks_a8_onednn", "q4_blocks_w8a8_packed", "gguf_<qtype>" for
+               "q8_blocks_a8_onednn", "q8_blocks_mins_a8_onednn", "kquants_a8", "q4_blocks_w8a8_packed",
+               "gguf_<qtype>" for
                the GGUF block types of kiln.ops.gguf_linear, "gguf_planar_<qtype>" (CUDA: the same
                blocks in planes, kiln.ops.gemm.gguf_planar); the quantized checkpoint layouts of
                kiln.ops.gemm.quantized_layouts: "fp8_dynamic", "fp8_static", "int8_dynamic",
@@ -20,9 +21,9 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
     the "*w8a8_packed" layouts quantize x to int8 per row (all calls of "w8a8_packed", several-row
     calls of the others) and multiply by their int8 copy; the reference does the same in float64.
     The "*_a8_onednn" layouts quantize a one-row x to Q8_0 blocks (kiln.ops.gemm.cpu_blocks_a8); the
-    reference reads x through gguf's own Q8_0 quantizer (cpu_blocks_a8.q8_0_reference). Those holding
-    a K-quant weight's file blocks quantize it to Q8_K instead (kiln.ops.gemm.cpu_kquants_a8); the
-    reference reads x through that definition in tensor code (cpu_kquants_a8.q8_k_reference).
+    reference reads x through gguf's own Q8_0 quantizer (cpu_blocks_a8.q8_0_reference). "kquants_a8"
+    (a K-quant weight's file blocks) quantizes every row of x to Q8_K (kiln.ops.gemm.cpu_kquants_a8);
+    the reference reads x through gguf's rounding per 256 values (cpu_kquants_a8.q8_k_reference).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
         matrix = prepared_matrix(layout, weight, x.shape[-1]).to(x.device)
         if layout in QUANTIZED_LAYOUTS:
             xq = quantized_reference_input(layout, weight, x)
-        elif layout in A8_LAYOUTS and x.shape[0] == 1 and weight[-2].numel():  # the file's K-quant blocks
+        elif layout == "kquants_a8":  # every row quantized to Q8_K
             xq = cpu_kquants_a8.q8_k_reference(x)
         elif layout in A8_LAYOUTS and x.shape[0] == 1:
             xq = cpu_blocks_a8.q8_0_reference(x)
@@ -116,18 +117,19 @@ def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
     return y if x.dtype == torch.float64 else y.to(out_dtype or x.dtype)
 
 
-# one-row x quantized to Q8_0 (Q8_K for a K-quant weight's file blocks, their last two tensors)
+# one-row x quantized to Q8_0
 A8_LAYOUTS = ("q4_blocks_a8_onednn", "q8_blocks_a8_onednn", "q8_blocks_mins_a8_onednn")
 
 
-def _validate_kquant_parts(op, layout, weight, n: int, k: int, device) -> None:
-    """An a8 layout's last two tensors: a K-quant weight's file blocks, uint8 [bytes], and its parts
-    (GGML type id, rows) int64 [P, 2] (kiln.ops.gemm.cpu_kquants_a8.pack), or both empty."""
-    at = len(weight) - 2
-    blocks, parts = weight[at], weight[at + 1]
-    check_tensor(op, f"weight[{at}]", blocks, ndim=1, dtypes=(torch.uint8,), device=device)
-    check_tensor(op, f"weight[{at + 1}]", parts, ndim=2, dtypes=(torch.int64,), device=device)
-    if (blocks.numel() == 0 and parts.numel() == 0) or torch.compiler.is_compiling():
+def _validate_kquants_a8(op, layout, weight, k: int, device) -> None:
+    """The "kquants_a8" layout: a K-quant weight's file blocks, uint8 [bytes], its parts (GGML type id,
+    rows) int64 [P, 2] (kiln.ops.gemm.cpu_kquants_a8.pack) and uint8 [N, 0], N the parts' rows."""
+    blocks, parts, width = weight
+    check_tensor(op, "weight[0]", blocks, ndim=1, dtypes=(torch.uint8,), device=device)
+    check_tensor(op, "weight[1]", parts, ndim=2, dtypes=(torch.int64,), device=device)
+    check_tensor(op, "weight[2]", width, ndim=2, dtypes=(torch.uint8,), device=device)
+    n = width.shape[0]
+    if torch.compiler.is_compiling():
         return  # (the table's values: not while tracing; the native op checks them again when it runs)
     qtypes = cpu_kquants_a8.QTYPES_BY_ID
     if parts.shape[1] != 2 or parts.shape[0] == 0 or any(t not in qtypes for t in parts[:, 0].tolist()):
@@ -136,11 +138,19 @@ def _validate_kquant_parts(op, layout, weight, n: int, k: int, device) -> None:
             f"{cpu_kquants_a8.QTYPE_IDS}"
         )
     rows = int(parts[:, 1].sum())
-    size = sum(r * row_bytes(qtypes[t], k) for t, r in parts.tolist())
-    if k % QK_K or rows != n or blocks.numel() != size:
+    if rows != n or width.shape[1]:
         raise ValueError(
-            f"{op}: {layout} K-quant blocks of {blocks.numel()} bytes in parts of {rows} rows, expected "
-            f"{size} bytes ({n} rows of K = {k}, K a multiple of {QK_K})"
+            f"{op}: {layout} parts hold {rows} rows, weight[2] is {list(width.shape)}, expected [{rows}, 0]"
+        )
+    per_super = sum(r * row_bytes(qtypes[t], QK_K) for t, r in parts.tolist())  # bytes per 256 in-features
+    if per_super == 0 or blocks.numel() % per_super:
+        raise ValueError(
+            f"{op}: {layout} K-quant blocks of {blocks.numel()} bytes in parts of {rows} rows, expected a "
+            f"multiple of {per_super} (their bytes per {QK_K} in-features)"
+        )
+    if blocks.numel() // per_super * QK_K != k:
+        raise ValueError(
+            f"{op}: x has {k} in-features, the {layout!r} weight {blocks.numel() // per_super * QK_K}"
         )
 
 
@@ -149,8 +159,13 @@ def _in_features(layout: str, weight) -> int | None:
         return weight[1].shape[0] * INT4_GROUP_SIZE  # scales_and_zeros [K / 32, N, 2]
     if layout == "w8a8_packed":
         return weight[3].shape[0]  # smooth [K]
-    if layout in GGUF_LAYOUTS or layout in W4A16_LAYOUTS or layout in PLANAR_LAYOUTS:
-        return None  # validate_gguf_weight / _validate_w4a16 check the packing against x
+    if (
+        layout in GGUF_LAYOUTS
+        or layout in W4A16_LAYOUTS
+        or layout in PLANAR_LAYOUTS
+        or layout == "kquants_a8"
+    ):
+        return None  # validate_gguf_weight, _validate_w4a16, _validate_kquants_a8 check them against x
     if layout in SPARSE24_LAYOUTS or layout in (
         "q4_blocks_onednn",
         "q4_blocks_a8_onednn",
@@ -407,17 +422,13 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
                 f"{op}: int8_weight in-features {weight[0].shape[1]} are not a multiple of "
                 f"{INT8_K_MULTIPLE} (torch's int8 CPU matmul)"
             )
-    elif layout in A8_LAYOUTS:
-        # the exact layout's tensors, then the K-quant parts
-        validate = {"q8_blocks_a8_onednn": _validate_q8_blocks, "q4_blocks_a8_onednn": _validate_q4_blocks,
-                    "q8_blocks_mins_a8_onednn": _validate_q8_blocks_mins}[layout]  # fmt: skip
-        validate(op, layout, weight[:-2], device)
-        _validate_kquant_parts(op, layout, weight, weight[0].shape[0], _in_features(layout, weight), device)
-    elif layout in ("int8_blocks_onednn", "q8_blocks_onednn"):
+    elif layout == "kquants_a8":
+        _validate_kquants_a8(op, layout, weight, x.shape[-1], device)
+    elif layout in ("int8_blocks_onednn", "q8_blocks_onednn", "q8_blocks_a8_onednn"):
         _validate_q8_blocks(op, layout, weight, device)
-    elif layout == "q4_blocks_onednn":
+    elif layout in ("q4_blocks_onednn", "q4_blocks_a8_onednn"):
         _validate_q4_blocks(op, layout, weight, device)
-    elif layout == "q8_blocks_mins_onednn":
+    elif layout in ("q8_blocks_mins_onednn", "q8_blocks_mins_a8_onednn"):
         _validate_q8_blocks_mins(op, layout, weight, device)
     elif layout in GGUF_LAYOUTS:
         validate_gguf_weight(op, weight[0], GGUF_LAYOUTS[layout], x.shape[-1], device)
@@ -447,6 +458,8 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
 
 
 def _out_features(layout, weight) -> int:
+    if layout == "kquants_a8":
+        return weight[2].shape[0]  # [N, 0]
     return weight[1].shape[0] if layout == "w8a8_packed" else weight[0].shape[0]  # w_scale: [N]
 
 
@@ -625,14 +638,17 @@ _FUZZ_FORMATS = (
     ("q8_blocks", "Q5_K"),  # "q8_blocks_mins_onednn": values, scales and mins
     ("q4_blocks", "Q5_K"),
     ("q4_blocks_a8", "Q4_1"),  # "q4_blocks_a8_onednn" (x quantized to Q8_0 at one row)
-    ("q4_blocks_a8", "Q4_K"),
     ("q8_blocks_a8", "Q8_0"),  # "q8_blocks_a8_onednn"
-    ("q8_blocks_a8", "Q6_K"),  # "q8_blocks_a8_onednn", a weight scale per 16
-    ("q4_blocks_a8", "Q5_K"),  # "q8_blocks_mins_a8_onednn"
-    ("q4_blocks_a8", "Q4_K+Q6_K"),  # stacked: "q8_blocks_mins_a8_onednn", a scale and a min per 16
-    # (a one-row x of a K-quant source, plain or stacked: Q8_K on the file's blocks)
+    ("q8_blocks_a8", "Q5_0"),
+    # K-quant sources, plain or stacked: "kquants_a8" (every row of x to Q8_K, the file's blocks) where
+    # the native library runs, else the Q8_0-x layouts below
+    ("q4_blocks_a8", "Q4_K"),
+    ("q8_blocks_a8", "Q6_K"),
+    ("q4_blocks_a8", "Q5_K"),
+    ("q4_blocks_a8", "Q4_K+Q6_K"),
     ("q8_blocks_a8", "Q5_K+Q6_K"),
-    ("q4_blocks_a8", "Q4_K+Q8_0"),  # a part that is no K-quant: x to Q8_0 on the fields
+    ("q4_blocks_a8", "Q4_K+Q8_0"),  # a part that is no K-quant: "q8_blocks_mins_a8_onednn" (a min per 16)
+    ("q8_blocks_a8", "Q6_K+Q8_0"),  # "q8_blocks_a8_onednn", a weight scale per 16
     ("fp16", "Q5_0"),  # CUDA: every GGUF type above and this one in "gguf_planar_*"
     # fused projections whose parts mix GGUF types (a Q4_K_M file's QKV): the exact formats keep them as
     # values with a scale and min per 16 ("q8_blocks_mins_onednn") or per 32, or without mins
@@ -738,7 +754,7 @@ def _weight_bytes(shape, dtype) -> float:
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
     kquant_parts = shape["source"].split("+")
-    if fmt in A8_FORMATS and shape["M"] == 1 and all(q in cpu_kquants_a8.QTYPE_IDS for q in kquant_parts):
+    if fmt in A8_FORMATS and all(q in cpu_kquants_a8.QTYPE_IDS for q in kquant_parts):
         if cpu_kquants_a8.load():  # the file's blocks (a stacked weight's: split evenly between its parts)
             return sum(N * row_bytes(q, K) for q in kquant_parts) / len(kquant_parts)
     blocks_formats = (*EXACT_FORMATS, *A8_FORMATS)  # each keeps every GGUF type with a blocks layout
@@ -870,10 +886,11 @@ PREPARED_LINEAR = OpSpec(
             for m in (1, 16)
             for fmt in ("fp16", "bf16", "q8_blocks", "q8_blocks_a8", "int8_blocks", "int8_blocks_w8a8")
         ]
-        + [  # a Llama Q4_K_M's one-row GEMVs (scripts/llama_q4_k_m_gguf.py: hidden 1024, intermediate
-            # 2816, tied Q6_K head): exact blocks against x quantized to Q8_K on the file's blocks
-            {"M": 1, "N": n, "K": k, "format": fmt, "source": source}
+        + [  # a Llama Q4_K_M's matrices (scripts/llama_q4_k_m_gguf.py: hidden 1024, intermediate 2816,
+            # tied Q6_K head) at decode: exact blocks against x quantized to Q8_K on the file's blocks
+            {"M": m, "N": n, "K": k, "format": fmt, "source": source}
             for k, n, source in _Q4_K_M_SHAPES
+            for m in (1, 16)
             for fmt in ("q4_blocks", "q4_blocks_a8")
         ],
         # GGUF weights as the engine runs them on CUDA ("gguf_planar_*"), beside gguf_linear on the
