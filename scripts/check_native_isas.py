@@ -1,5 +1,6 @@
 """Compile Kiln's native CPU sources (kiln.ops.native_cpu.SOURCES) for every vector ISA the library is
-built for (native_cpu.ISA_FLAGS, and the default scalar-width build), syntax only, whatever this host
+built for (native_cpu.ISA_FLAGS, AVX-512 with VNNI as hosts that have it add it, and the default
+scalar-width build), syntax only, whatever this host
 runs. A host builds only its own ISA, so an AVX-512 mistake in a kernel written on an AVX2 machine (or
 the reverse) would otherwise first show on another host, as a failed build there and every native op
 falling back to its PyTorch form. ~1.5 minutes an ISA on 2 cores; run it after editing a .cpp:
@@ -20,9 +21,12 @@ from kiln.ops import native_cpu
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--isa", action="append", help="only these (AVX512, AVX2, default); repeatable")
+    parser.add_argument(
+        "--isa", action="append", help="only these (AVX512, AVX512_VNNI, AVX2, default); repeatable"
+    )
     args = parser.parse_args()
-    flag_sets = {**native_cpu.ISA_FLAGS, "default": []}
+    avx512 = native_cpu.ISA_FLAGS["AVX512"]
+    flag_sets = {**native_cpu.ISA_FLAGS, "AVX512_VNNI": [*avx512, "-mavx512vnni"], "default": []}
     failed = []
     for isa in args.isa or list(flag_sets):
         command = [

@@ -47,10 +47,26 @@ def _smollm2_tokenizer() -> tuple[list[str], list[str]]:
     return strings("tokenizer.ggml.tokens"), strings("tokenizer.ggml.merges")
 
 
+# --shape: the decoder's sizes (K-quant super-blocks of 256 divide each)
+SHAPES = {
+    "1024": {
+        "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 4
+    },
+    "llama-3.2-1b": {
+        "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 8
+    },
+}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="the GGUF file to write")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--shape", default="1024", choices=tuple(SHAPES),
+        help="the layers' sizes: 1024 (the default above) or llama-3.2-1b (hidden 2048, intermediate "
+        "8192, 16 layers, 32 query / 8 KV heads; SmolLM2's vocabulary, so ~1.07B parameters)",
+    )  # fmt: skip
     parser.add_argument(
         "--ftype", default="Q4_K_M", choices=("Q4_K_M", "Q5_K_M", "Q4_K_S", "Q5_K_S", "Q6_K"),
         help="llama.cpp's file type (LLAMA_FTYPE_MOSTLY_<ftype>)",
@@ -60,9 +76,8 @@ def main() -> None:
 
     tokens, merges = _smollm2_tokenizer()
     config = transformers.LlamaConfig(
-        vocab_size=len(tokens), hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
-        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=8192, rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
+        vocab_size=len(tokens), num_hidden_layers=16, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, **SHAPES[args.shape],
     )  # fmt: skip
     torch.manual_seed(args.seed)
     model = transformers.LlamaForCausalLM(config)

@@ -51,6 +51,8 @@ import warnings
 
 import torch
 
+from kiln import environment
+
 _OPS = os.path.dirname(__file__)
 SOURCES = (
     # (the builder names object files after their sources: no two may share a file name)
@@ -115,8 +117,13 @@ logger = logging.getLogger(__name__)
 
 def _isa_flags() -> list[str]:
     """Flags for this host's vector ISA as ATen sees it (torch.backends.cpu.get_cpu_capability; it
-    honours ATEN_CPU_CAPABILITY); none where ATen runs its default (scalar-width) kernels."""
-    return ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
+    honours ATEN_CPU_CAPABILITY); none where ATen runs its default (scalar-width) kernels. AVX-512
+    builds add VNNI where the host has it (/proc/cpuinfo's avx512_vnni) unless KILN_CPU_VNNI=0: the
+    K-quant kernels then fuse each int16 product pair's sum into their int32 accumulators
+    (vpdpwssd; 2-core Zen 4, prefill- and batch-sized x: 10-20 % faster, the same integers)."""
+    flags = list(ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), []))
+    vnni = os.environ.get("KILN_CPU_VNNI", "1") != "0" and "avx512_vnni" in environment.cpu()["cpu_flags"]
+    return flags + ["-mavx512vnni"] if "-DCPU_CAPABILITY_AVX512" in flags and vnni else flags
 
 
 def blocks_gemm_rows() -> int:

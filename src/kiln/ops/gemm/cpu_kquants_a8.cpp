@@ -16,7 +16,7 @@
 //
 // AVX2's vpmaddubsw multiplies the unsigned weight bytes by the signed qx into int16 pair sums (at most
 // 63 * 127 * 2 = 16002: no saturation), vpmaddwd then weights each pair sum with its sub-block's scale
-// into int32. A NaN or an infinity in a super-block of x makes its dx NaN, so it reaches every output.
+// into int32 (builds with AVX-512 VNNI: vpdpwssd, the same and the int32 accumulation in one). A NaN or an infinity in a super-block of x makes its dx NaN, so it reaches every output.
 //
 // Several rows of x (kquants_a8_gemm) run in groups of up to eight (AVX-512 builds; else four) against
 // each weight row, which is unpacked once per group; a row's operations are those of the one-row kernel
@@ -175,9 +175,14 @@ void k4_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, float* y, in
         const int8_t* a = x.q[m] + s * kSuper + 64 * j;
         const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
         const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32));
+#if defined(__AVX512VNNI__)
+        isum[m] = _mm256_dpwssd_epi32(isum[m], _mm256_maddubs_epi16(lo, a0), scale0);
+        isum[m] = _mm256_dpwssd_epi32(isum[m], _mm256_maddubs_epi16(hi, a1), scale1);
+#else
         const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), scale0);
         const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), scale1);
         isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(p0, p1));
+#endif
       }
     }
     for (int m = 0; m < R; ++m) {
@@ -258,7 +263,11 @@ void q6_k_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, const uint
         for (int m = 0; m < R; ++m) {
           const int8_t* a = x.q[m] + s * kSuper + 128 * h + 32 * t;
           const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+#if defined(__AVX512VNNI__)
+          isum[m] = _mm256_dpwssd_epi32(isum[m], _mm256_maddubs_epi16(q, qx), scale);
+#else
           isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q, qx), scale));
+#endif
         }
       }
     }
