@@ -181,3 +181,35 @@ def test_the_probe_times_cache_cold_passes_without_timing_the_eviction(monkeypat
     assert len(evictions) == cpu_format_probe.REPEATS + 1
     slow_before = cpu_format_probe.time_call(lambda: None, before=lambda: time.sleep(0.02))
     assert slow_before < 0.01  # the median of the timed calls alone
+
+
+def test_an_a8_layers_format_gives_the_head_the_same_unless_one_is_asked_for(timed, tmp_path, monkeypatch):
+    """--cpu-format q4_blocks_a8 alone: the head takes it too, untimed (a K-quant head then keeps only
+    its file's blocks, "kquants_a8", instead of an exact format's float32 copy); an explicit head format
+    or "auto" still rules."""
+    pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType as Q
+
+    from kiln.ops.gemm import cpu_kquants_a8
+    from tests.loaders.gguf_tiny import write_tiny_gguf
+    from tests.loaders.test_gguf_loader import tiny_llama
+
+    if not cpu_kquants_a8.load():
+        pytest.skip("Kiln's native CPU library could not be built here")
+    hf = tiny_llama(
+        seed=3, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+    )
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    types = {**dict.fromkeys(names, Q.Q4_K), "token_embd": Q.Q8_0, "output": Q.Q6_K}
+    path = str(tmp_path / "k_quants.gguf")
+    write_tiny_gguf(hf, path, tensor_types=types)
+    assert layouts(load_model(path, cpu_format="q4_blocks_a8")) == ("kquants_a8", "kquants_a8")
+    assert timed == []
+    assert layouts(load_model(path, cpu_format="q4_blocks_a8", lm_head_format="fp32")) == (
+        "kquants_a8",
+        "onednn",
+    )
+    for fmt in ("q4_blocks", "q8_blocks"):  # the exact blocks formats are candidates for a GGUF head
+        monkeypatch.setitem(FAKE_SECONDS, fmt, 3e-3)
+    load_model(path, cpu_format="q4_blocks_a8", lm_head_format="auto")
+    assert timed and all(count == 1 for count, _ in timed)  # the head timed, the layers as asked

@@ -22,16 +22,17 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         "with --compile-cpu-decode is the fastest measured, with bf16 activations; int4_w8a8 (an int8 "
         "copy for several rows, x quantized to int8 per row) decodes batches faster at an accuracy cost "
         "(q4_blocks_w8a8: the same for GGUF Q4 weights with q4_blocks' exact kernels up to 7 rows); "
-        "q4_blocks_a8 (with --lm-head-format q8_blocks_a8, or q4_blocks_a8 for a K-quant head) quantizes "
-        "a one-row x to Q8_0, or to Q8_K for GGUF K-quant weights read as the file stores them, as "
-        "llama.cpp does: faster single-stream decode (a Q4_K_M file: ~1.4x the exact formats), not exact",
+        "q4_blocks_a8 / q8_blocks_a8 (the head follows unless --lm-head-format says otherwise) quantize "
+        "a one-row x to Q8_0, or every x row to Q8_K for GGUF K-quant weights, which then keep only the "
+        "file's blocks (memory: the file's size), as llama.cpp does: faster decode (a Q4_K_M file: "
+        "~1.4x the exact formats single stream, ~1.5x at 16 sequences), not exact",
     )
     parser.add_argument(
         "--lm-head-format",
         choices=[*CPU_WEIGHT_FORMATS, "auto"],
         default=None,
-        help="CPU LM-head weights, as --cpu-format (default: timed on this host). int8_blocks keeps a "
-        "GGUF Q8_0 head's values: the fastest measured at one row, exact",
+        help="CPU LM-head weights, as --cpu-format (default: timed on this host; with an a8 --cpu-format, "
+        "that format). int8_blocks keeps a GGUF Q8_0 head's values: the fastest measured at one row, exact",
     )
     parser.add_argument(
         "--compile-cpu-decode",

@@ -35,6 +35,7 @@ from kiln.models.layers.expert_parallel import expert_parallel_size
 from kiln.models.layers.tp import TPGroup
 from kiln.models.registry import get_model_class
 from kiln.models.weights import WeightStore
+from kiln.ops.gemm.weight_formats import A8_FORMATS
 
 __all__ = [
     "Checkpoint",
@@ -165,7 +166,10 @@ def load_model(
     None: for GGUF files on the CPU, the format a short timed probe picks on this host
     (kiln.loaders.cpu_format_probe, cached per CPU; on
     failure DEFAULT_CPU_FORMAT / DEFAULT_LM_HEAD_FORMAT), the model dtype for HF checkpoints. "auto":
-    the probe for any checkpoint.
+    the probe for any checkpoint. An a8 cpu_format ("q4_blocks_a8", "q8_blocks_a8": x quantized to 8
+    bits, as llama.cpp) with lm_head_format None gives the head the same format (the probe times the
+    exact formats only; a K-quant head kept exact would hold a float32 copy, most of such a model's
+    memory under a8).
     tp_group: build this rank's shard of the model (kiln.models.sharding: each weight is sliced as it
     is read; ValueError for a model that cannot be split over the group); None = the whole model.
     pipeline_layers: (start, end): build only decoder layers [start, end) (a pipeline stage, see
@@ -280,6 +284,8 @@ def _resolve_cpu_formats(
             return False  # a parallel rank keeps the default: ranks timing at once measure noise
         return fmt == "auto" or (fmt is None and checkpoint.default_cpu_format is not None)
 
+    if lm_head_format is None and cpu_format in A8_FORMATS:
+        lm_head_format = cpu_format  # the arithmetic asked for, for the head too (docstring)
     probe_layers, probe_head = wants_probe(cpu_format), wants_probe(lm_head_format)
     chosen: tuple[str | None, str | None] = (None, None)
     if probe_layers or probe_head:
