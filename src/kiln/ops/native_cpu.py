@@ -64,6 +64,7 @@ SOURCES = (
     os.path.join(_OPS, "gemm", "cpu_q8_blocks.cpp"),
     os.path.join(_OPS, "gemm", "cpu_blocks_a8.cpp"),
     os.path.join(_OPS, "gemm", "cpu_kquants_a8.cpp"),
+    os.path.join(_OPS, "gemm", "cpu_gguf_rows.cpp"),
     os.path.join(_OPS, "gemm", "cpu_block_tiles.cpp"),
     os.path.join(_OPS, "gemm", "cpu_q8_tiles.cpp"),
     os.path.join(_OPS, "norm", "rms_norm", "rms_norm_cpu.cpp"),

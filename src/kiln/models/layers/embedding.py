@@ -16,11 +16,16 @@ import torch.nn.functional as F
 from kiln.models.layers.linear import Linear
 from kiln.models.layers.tp import TPGroup, all_reduce, gather_to_first
 from kiln.models.weights import GGUFWeight, Weight
+from kiln.ops.gemm.cpu_gguf_rows import QTYPE_IDS as ROW_QTYPES
+from kiln.ops.gemm.cpu_gguf_rows import gguf_rows
+from kiln.ops.gemm.cpu_gguf_rows import load as load_gguf_rows
 
 
 class VocabParallelEmbedding(torch.nn.Module):
-    """input_ids int64 [T] (global ids) -> [T, hidden] in `dtype` (GGUF-quantized tables are
-    dequantized once).
+    """input_ids int64 [T] (global ids) -> [T, hidden] in `dtype`. A GGUF-quantized table on the CPU
+    keeps its file's blocks and decodes the rows it looks up (kiln.ops.gemm.cpu_gguf_rows: the same
+    values as decoding the whole table; a Llama-3-8B's 128256 x 4096 table is 2.1 GB in float32, 0.4
+    GB as Q6_K); elsewhere, or for a type without a native decode, the table is dequantized once.
 
     weight: the table's rows [vocab_end - vocab_start, hidden] this process holds (all of them
     without a tp_group); vocab_start: the first one's id.
@@ -36,20 +41,31 @@ class VocabParallelEmbedding(torch.nn.Module):
         tp_group: TPGroup | None = None,
     ):
         super().__init__()
-        if isinstance(weight, GGUFWeight):
-            weight = weight.dequantize(torch.float32)
-        self.weight = weight.to(device=device, dtype=dtype).contiguous()
-        self.num_embeddings, self.embedding_dim = self.weight.shape
+        self.blocks, self.qtype, self.dtype = None, None, dtype
+        if isinstance(weight, GGUFWeight) and _keeps_blocks(weight, device):
+            self.blocks, self.qtype = weight.data.view(weight.shape[0], -1), weight.qtype
+            self.weight = None
+            self.num_embeddings, self.embedding_dim = weight.shape
+        else:
+            if isinstance(weight, GGUFWeight):
+                weight = weight.dequantize(torch.float32)
+            self.weight = weight.to(device=device, dtype=dtype).contiguous()
+            self.num_embeddings, self.embedding_dim = self.weight.shape
         self.vocab_start = vocab_start
         self.vocab_end = vocab_start + self.num_embeddings
         self.tp_group = tp_group
 
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            return F.embedding(ids, self.weight)
+        return gguf_rows(self.blocks, ids, self.qtype).to(self.dtype)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group is None:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         local = input_ids - self.vocab_start
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows = self._rows(local.masked_fill(outside, 0))
         rows.masked_fill_(outside[:, None], 0.0)
         return all_reduce(rows, self.tp_group)
 
@@ -57,6 +73,13 @@ class VocabParallelEmbedding(torch.nn.Module):
         group = self.tp_group
         where = "" if group is None else f", rank={group.rank}/{group.world_size}"
         return f"vocab=[{self.vocab_start}, {self.vocab_end}), dim={self.embedding_dim}{where}"
+
+
+def _keeps_blocks(weight: GGUFWeight, device) -> bool:
+    """Whether the embedding keeps `weight`'s blocks: on the CPU, for the types cpu_gguf_rows decodes
+    natively, where Kiln's native library runs (the tensor decode of a few rows costs ~25-110 us a
+    step, the table's lookup ~3)."""
+    return torch.device(device).type == "cpu" and weight.qtype in ROW_QTYPES and load_gguf_rows()
 
 
 class ParallelLMHead(Linear):

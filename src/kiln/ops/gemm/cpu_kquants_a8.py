@@ -63,9 +63,10 @@ def pack(weight) -> tuple[torch.Tensor, torch.Tensor] | None:
     parts = weight.parts if isinstance(weight, GGUFStackedWeight) else (weight,)
     if not all(isinstance(p, GGUFWeight) and p.qtype in QTYPE_IDS for p in parts):
         return None
-    blocks = torch.cat([p.data.reshape(-1) for p in parts]).contiguous()
+    # one part: its own bytes, no copy (a tied head shares them with the embedding's lookup table)
+    blocks = parts[0].data.reshape(-1) if len(parts) == 1 else torch.cat([p.data.reshape(-1) for p in parts])
     table = torch.tensor([[QTYPE_IDS[p.qtype], p.shape[0]] for p in parts], dtype=torch.int64)
-    return blocks, table
+    return blocks.contiguous(), table
 
 
 def in_features(blocks: torch.Tensor, parts: torch.Tensor) -> int:

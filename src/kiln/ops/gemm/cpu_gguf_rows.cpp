@@ -1,0 +1,169 @@
+// Rows of a GGUF-quantized table decoded on demand (kiln.ops.gemm.cpu_gguf_rows): an embedding lookup
+// that keeps the file's blocks instead of a float32 copy of the table. Each value is ggml's float32
+// decode, bit for bit (`gguf.quants.dequantize`, Kiln's dequantize_blocks):
+//
+//   Q8_0  d q              Q4_0  (q - 8) d          Q4_1  q d + m
+//   Q4_K  (d sc) q - (dmin m), q 4 bits      Q5_K  the same, q 5 bits      Q6_K  (d sc) (q - 32)
+//
+// with each product rounded to float32 before the sum: this file is compiled without floating-point
+// contraction, so the compiler never fuses a product and a sum into one FMA (one rounding, another
+// value). Registered as torch.ops.kiln_cpu.gguf_rows.
+
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// GGML type ids and their blocks: (weights, bytes)
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4K = 12, kQ5K = 13, kQ6K = 14;
+
+struct BlockShape {
+  int64_t weights, bytes;
+};
+
+BlockShape block_shape(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ8_0: return {32, 34};
+    case kQ4K: return {256, 144};
+    case kQ5K: return {256, 176};
+    case kQ6K: return {256, 210};
+    default: return {0, 0};
+  }
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from Q4_K / Q5_K's 12 scale bytes
+inline void scale_min(int j, const uint8_t* s, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+void decode_block(int64_t qtype, const uint8_t* b, float* y) {
+  switch (qtype) {
+    case kQ8_0: {
+      const float d = half(b);
+      for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(static_cast<int8_t>(b[2 + i]));
+      return;
+    }
+    case kQ4_0: {
+      const float d = half(b);
+      for (int i = 0; i < 16; ++i) {
+        y[i] = static_cast<float>((b[2 + i] & 15) - 8) * d;
+        y[i + 16] = static_cast<float>((b[2 + i] >> 4) - 8) * d;
+      }
+      return;
+    }
+    case kQ4_1: {
+      const float d = half(b), m = half(b + 2);
+      for (int i = 0; i < 16; ++i) {
+        y[i] = static_cast<float>(b[4 + i] & 15) * d + m;
+        y[i + 16] = static_cast<float>(b[4 + i] >> 4) * d + m;
+      }
+      return;
+    }
+    case kQ4K:
+    case kQ5K: {
+      const bool high = qtype == kQ5K;
+      const float d = half(b), dmin = half(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* qh = b + 16;                // Q5_K: bit j of byte i is weight i of sub-block j's fifth bit
+      const uint8_t* qs = b + (high ? 48 : 16);  // 128 bytes: sub-block 2k in the low nibbles, 2k + 1 high
+      for (int j = 0; j < 8; ++j) {
+        int sc, m;
+        scale_min(j, scales, &sc, &m);
+        const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
+        for (int i = 0; i < 32; ++i) {
+          const uint8_t byte = qs[32 * (j / 2) + i];
+          int q = j % 2 ? byte >> 4 : byte & 15;
+          if (high) q |= ((qh[i] >> j) & 1) << 4;
+          y[32 * j + i] = d1 * static_cast<float>(q) - m1;
+        }
+      }
+      return;
+    }
+    case kQ6K: {
+      const float d = half(b + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      for (int h = 0; h < 2; ++h) {  // 128 weights: ql 64 bytes, qh 32, 8 scales
+        const uint8_t* ql = b + 64 * h;
+        const uint8_t* qh = b + 128 + 32 * h;
+        for (int t = 0; t < 4; ++t) {
+          for (int l = 0; l < 32; ++l) {
+            const int nibble = t < 2 ? ql[l + 32 * (t & 1)] & 15 : ql[l + 32 * (t & 1)] >> 4;
+            const int q = (nibble | (((qh[l] >> (2 * t)) & 3) << 4)) - 32;
+            const float scale = d * static_cast<float>(sc[8 * h + 2 * t + l / 16]);
+            y[128 * h + 32 * t + l] = scale * static_cast<float>(q);
+          }
+        }
+      }
+      return;
+    }
+    default: return;
+  }
+}
+
+}  // namespace
+
+namespace kiln_cpu {
+
+at::Tensor gguf_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t qtype) {
+  const char* op = "gguf_rows";
+  const BlockShape shape = block_shape(qtype);
+  TORCH_CHECK(shape.weights > 0, op, ": GGML type ", qtype,
+              " has no native decode; it takes Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13) and Q6_K (14)");
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
+                  blocks.size(1) % shape.bytes == 0,
+              op, ": blocks must be uint8 [V, row_bytes] on the CPU, row_bytes a multiple of ", shape.bytes,
+              " (type ", qtype, "), got ", blocks.scalar_type(), " ", blocks.sizes(), " on ", blocks.device());
+  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1, op,
+              ": ids must be int64 [T] on the CPU, got ", ids.scalar_type(), " ", ids.sizes(), " on ", ids.device());
+  const int64_t rows = blocks.size(0), per_row = blocks.size(1) / shape.bytes, t = ids.size(0);
+  const at::Tensor bc = blocks.contiguous(), ic = ids.contiguous();
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  for (int64_t r = 0; r < t; ++r) {
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < rows, op, ": id ", ip[r], " at ", r, " is outside the table's ", rows,
+                " rows");
+  }
+  at::Tensor y = at::empty({t, per_row * shape.weights}, blocks.options().dtype(at::kFloat));
+  const uint8_t* bp = bc.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* row = bp + ip[r] * blocks.size(1);
+      for (int64_t k = 0; k < per_row; ++k) {
+        decode_block(qtype, row + k * shape.bytes, yp + (r * per_row + k) * shape.weights);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace kiln_cpu
+
+TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) { m.def("gguf_rows(Tensor blocks, Tensor ids, int qtype) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("gguf_rows", &kiln_cpu::gguf_rows); }
