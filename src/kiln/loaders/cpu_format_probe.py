@@ -21,8 +21,8 @@ choices; int8 also requantizes the weights per output channel, which GGUF's 32-w
 more finely), so they are candidates only when asked for: `KILN_CPU_FORMATS=fp16,fp32,bf16,int4,int8`.
 "int8_blocks" (GGUF Q8_0 matrices only: float32 on their exact values at one row, a bf16 copy for
 several) can be listed too, and "q4_blocks_a8" / "q8_blocks_a8" (the blocks formats with a one-row x
-quantized to Q8_0 first, or to Q8_K for K-quant weights on their file blocks, llama.cpp's arithmetic:
-not exact, kiln.ops.gemm.cpu_blocks_a8, cpu_kquants_a8).
+quantized to Q8_0 first, or K-quant weights on their file blocks with every row of x quantized to Q8_K,
+llama.cpp's arithmetic: not exact, kiln.ops.gemm.cpu_blocks_a8, cpu_kquants_a8).
 "int4_bf16" runs the same kernel as "int4" at one row (it differs at several), so the one-row probe
 cannot tell those two apart: list only one of them.
 

@@ -13,8 +13,11 @@ their ops under torch.ops.kiln_cpu:
                                             given their mins), kiln_cpu.q8_blocks_gemm (a few rows)
     gemm/cpu_blocks_a8.cpp                  kiln_cpu.q4_blocks_a8_gemv, q8_blocks_a8_gemv (the same
                                             blocks, x quantized to Q8_0 first), kiln_cpu.quantize_q8_0
-    gemm/cpu_kquants_a8.cpp                 kiln_cpu.kquants_a8_gemv (GGUF Q4_K / Q5_K / Q6_K blocks as
-                                            in the file, x quantized to Q8_K), kiln_cpu.quantize_q8_k
+    gemm/cpu_kquants_a8.cpp                 kiln_cpu.kquants_a8_gemv / kquants_a8_gemm (GGUF Q4_K / Q5_K /
+                                            Q6_K blocks as in the file, x quantized to Q8_K; one row / any
+                                            rows, each as alone), kiln_cpu.quantize_q8_k
+    gemm/cpu_gguf_rows.cpp                  kiln_cpu.gguf_rows (rows of a GGUF table decoded on lookup:
+                                            the embeddings)
     gemm/cpu_block_tiles.cpp                kiln_cpu.q4_tiles_gemm (Q4 blocks in 16-row tiles, batched
                                             decode)
     gemm/cpu_q8_tiles.cpp                   kiln_cpu.q8_tiles_gemm (the same for Q8_0)
