@@ -123,9 +123,9 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     pair, either keeps every GGUF type with a blocks layout (A8_BLOCKS_FORMAT): Q4_0 / Q4_1 / Q4_K as
     "q4_blocks_a8_onednn", Q8_0 / Q5_0 / Q6_K (a weight scale per 16: each 32-block of x against two
     halves) as "q8_blocks_a8_onednn", Q5_K and stacked weights with mins as "q8_blocks_mins_a8_onednn"
-    (the mins times x' summed over their blocks). A Q4_K / Q5_K / Q6_K weight, or a stacked one whose parts all
-    are, gets "kquants_a8" instead where Kiln's native library runs: its file's blocks and nothing
-    else (kiln.ops.gemm.cpu_kquants_a8.pack: 0.56 / 0.69 / 0.82 bytes a weight, against the exact
+    (the mins times x' summed over their blocks). A Q4_K / Q5_K / Q6_K weight, or a stacked one whose
+    parts all are, gets "kquants_a8" instead where Kiln's native library runs: its file's blocks and
+    nothing else (kiln.ops.gemm.cpu_kquants_a8.pack: 0.56 / 0.69 / 0.82 bytes a weight, against the exact
     forms' blocks, float32 copy and tiles, ~5-6 bytes), every row of x quantized to Q8_K (per 256
     values, ggml's activation type for K-quants) for the integer kernel on those blocks, whatever the
     row count, each row's outputs those it gets alone (llama.cpp's arithmetic for these types: README,
