@@ -19,10 +19,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <c10/util/Half.h>
+#include "cpu_kquant_fields.h"
 
 #include <cstdint>
-#include <cstring>
 
 namespace {
 
@@ -45,32 +44,17 @@ BlockShape block_shape(int64_t qtype) {
   }
 }
 
-inline float half(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-// ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from Q4_K / Q5_K's 12 scale bytes
-inline void scale_min(int j, const uint8_t* s, int* sc, int* m) {
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *m = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
+using kiln_cpu::fp16_at;
 
 void decode_block(int64_t qtype, const uint8_t* b, float* y) {
   switch (qtype) {
     case kQ8_0: {
-      const float d = half(b);
+      const float d = fp16_at(b);
       for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(static_cast<int8_t>(b[2 + i]));
       return;
     }
     case kQ4_0: {
-      const float d = half(b);
+      const float d = fp16_at(b);
       for (int i = 0; i < 16; ++i) {
         y[i] = static_cast<float>((b[2 + i] & 15) - 8) * d;
         y[i + 16] = static_cast<float>((b[2 + i] >> 4) - 8) * d;
@@ -78,7 +62,7 @@ void decode_block(int64_t qtype, const uint8_t* b, float* y) {
       return;
     }
     case kQ4_1: {
-      const float d = half(b), m = half(b + 2);
+      const float d = fp16_at(b), m = fp16_at(b + 2);
       for (int i = 0; i < 16; ++i) {
         y[i] = static_cast<float>(b[4 + i] & 15) * d + m;
         y[i + 16] = static_cast<float>(b[4 + i] >> 4) * d + m;
@@ -87,38 +71,24 @@ void decode_block(int64_t qtype, const uint8_t* b, float* y) {
     }
     case kQ4K:
     case kQ5K: {
-      const bool high = qtype == kQ5K;
-      const float d = half(b), dmin = half(b + 2);
-      const uint8_t* scales = b + 4;
-      const uint8_t* qh = b + 16;                // Q5_K: bit j of byte i is weight i of sub-block j's fifth bit
-      const uint8_t* qs = b + (high ? 48 : 16);  // 128 bytes: sub-block 2k in the low nibbles, 2k + 1 high
+      const float d = fp16_at(b), dmin = fp16_at(b + 2);
       for (int j = 0; j < 8; ++j) {
         int sc, m;
-        scale_min(j, scales, &sc, &m);
+        kiln_cpu::k4_scale_min(j, b + 4, &sc, &m);
         const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
-        for (int i = 0; i < 32; ++i) {
-          const uint8_t byte = qs[32 * (j / 2) + i];
-          int q = j % 2 ? byte >> 4 : byte & 15;
-          if (high) q |= ((qh[i] >> j) & 1) << 4;
-          y[32 * j + i] = d1 * static_cast<float>(q) - m1;
+        for (int i = 32 * j; i < 32 * j + 32; ++i) {
+          const int q = qtype == kQ5K ? kiln_cpu::k4_quant<true>(b, i) : kiln_cpu::k4_quant<false>(b, i);
+          y[i] = d1 * static_cast<float>(q) - m1;
         }
       }
       return;
     }
     case kQ6K: {
-      const float d = half(b + 208);
+      const float d = fp16_at(b + 208);
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-      for (int h = 0; h < 2; ++h) {  // 128 weights: ql 64 bytes, qh 32, 8 scales
-        const uint8_t* ql = b + 64 * h;
-        const uint8_t* qh = b + 128 + 32 * h;
-        for (int t = 0; t < 4; ++t) {
-          for (int l = 0; l < 32; ++l) {
-            const int nibble = t < 2 ? ql[l + 32 * (t & 1)] & 15 : ql[l + 32 * (t & 1)] >> 4;
-            const int q = (nibble | (((qh[l] >> (2 * t)) & 3) << 4)) - 32;
-            const float scale = d * static_cast<float>(sc[8 * h + 2 * t + l / 16]);
-            y[128 * h + 32 * t + l] = scale * static_cast<float>(q);
-          }
-        }
+      for (int i = 0; i < 256; ++i) {
+        const float scale = d * static_cast<float>(sc[i / 16]);
+        y[i] = scale * static_cast<float>(kiln_cpu::q6_k_quant(b, i));
       }
       return;
     }

@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include "cpu_float_lanes.h"
+#include "cpu_kquant_fields.h"
 #include "cpu_q8_activations.h"
 #include "native_cpu_ops.h"
 
@@ -97,13 +98,8 @@ inline void k4_scales(const uint8_t* s, uint32_t* sc, uint32_t* m) {
   m[1] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
 }
 
-inline int32_t byte_of(const uint32_t* words, int j) { return static_cast<int32_t>((words[j / 4] >> (8 * (j % 4))) & 255); }
 
-inline float half(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
+using kiln_cpu::fp16_at;
 
 #if defined(KILN_FLOAT_LANES)
 // a vpshufb mask repeating int16 element `low` of the low 128-bit lane and `high` of the high lane
@@ -133,8 +129,8 @@ struct XRows {
 template <bool High, int R>
 void k4_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, float* y, int64_t stride) {
   constexpr int64_t kBytes = High ? 176 : 144;
-  constexpr int64_t kNibbles = High ? 48 : 16;  // where the 128 nibble bytes start
 #if defined(KILN_FLOAT_LANES)
+  constexpr int64_t kNibbles = High ? 48 : 16;  // where the 128 nibble bytes start
   const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
   const __m256i pick[8] = {repeat16(0, 0), repeat16(1, 1), repeat16(2, 2), repeat16(3, 3),
                            repeat16(4, 4), repeat16(5, 5), repeat16(6, 6), repeat16(7, 7)};
@@ -197,22 +193,18 @@ void k4_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, float* y, in
     float total = 0.f;
     for (int64_t s = 0; s < supers; ++s) {
       const uint8_t* b = row + s * kBytes;
-      uint32_t sc[2], mn[2];
-      k4_scales(b + 4, sc, mn);
+      const int8_t* a = x.q[m] + s * kSuper;
       int32_t isum = 0, msum = 0;
       for (int j = 0; j < 8; ++j) {
-        const uint8_t* qs = b + kNibbles + 32 * (j / 2);
-        const int8_t* a = x.q[m] + s * kSuper + 32 * j;
+        int sc, mn;
+        kiln_cpu::k4_scale_min(j, b + 4, &sc, &mn);
         int32_t dot = 0;
-        for (int i = 0; i < 32; ++i) {
-          const int high = High ? ((b[16 + i] >> j) & 1) << 4 : 0;
-          dot += ((j % 2 ? qs[i] >> 4 : qs[i] & 15) | high) * a[i];
-        }
-        isum += byte_of(sc, j) * dot;
-        msum += byte_of(mn, j) * x.sums32[m][8 * s + j];
+        for (int i = 32 * j; i < 32 * j + 32; ++i) dot += kiln_cpu::k4_quant<High>(b, i) * a[i];
+        isum += sc * dot;
+        msum += mn * x.sums32[m][8 * s + j];
       }
       const float dx = x.d[m][s];
-      total += half(b) * dx * static_cast<float>(isum) - half(b + 2) * dx * static_cast<float>(msum);
+      total += fp16_at(b) * dx * static_cast<float>(isum) - fp16_at(b + 2) * dx * static_cast<float>(msum);
     }
     y[m * stride] = total;
   }
@@ -271,7 +263,7 @@ void q6_k_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, const uint
         }
       }
     }
-    const float d = half(b + 208);
+    const float d = fp16_at(b + 208);
     for (int m = 0; m < R; ++m) {
       acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[m][s]), _mm256_cvtepi32_ps(isum[m]), acc[m]);
     }
@@ -286,18 +278,8 @@ void q6_k_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, const uint
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
       const int8_t* a = x.q[m] + s * kSuper;
       int32_t isum = 0;
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t* ql = b + 64 * h;
-        const uint8_t* qh = b + 128 + 32 * h;
-        for (int t = 0; t < 4; ++t) {
-          for (int l = 0; l < 32; ++l) {
-            const int nibble = t < 2 ? ql[l + 32 * (t & 1)] & 15 : ql[l + 32 * (t & 1)] >> 4;
-            const int q = (nibble | (((qh[l] >> (2 * t)) & 3) << 4)) - 32;
-            isum += sc[8 * h + 2 * t + l / 16] * q * a[128 * h + 32 * t + l];
-          }
-        }
-      }
-      total += half(b + 208) * x.d[m][s] * static_cast<float>(isum);
+      for (int i = 0; i < 256; ++i) isum += sc[i / 16] * kiln_cpu::q6_k_quant(b, i) * a[i];
+      total += fp16_at(b + 208) * x.d[m][s] * static_cast<float>(isum);
     }
     y[m * stride] = total;
   }
