@@ -82,7 +82,7 @@ HEADERS = (
     os.path.join(_OPS, "gemm", "cpu_w8a8_quantize.h"),
     os.path.join(_OPS, "gemm", "cpu_float_lanes.h"),
     os.path.join(_OPS, "gemm", "cpu_q8_activations.h"),
-    os.path.join(_OPS, "gemm", "cpu_kquant_fields.h"),
+    os.path.join(_OPS, "gemm", "cpu_gguf_fields.h"),
     os.path.join(_OPS, "activation", "cpu_gated_rows.h"),
     os.path.join(_OPS, "native_cpu_ops.h"),
 )

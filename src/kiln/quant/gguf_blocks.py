@@ -40,6 +40,8 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q5_
 BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q8_0": 32, "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 KERNEL_QTYPES = tuple(BLOCK_BYTES)
+# GGML's type ids (what Kiln's native ops take for a block type)
+GGML_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 
 def block_weights(qtype: str) -> int:

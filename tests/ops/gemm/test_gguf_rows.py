@@ -87,3 +87,9 @@ def test_a_compiled_lookup_holds_the_native_op(native):
     lookup = torch.compile(lambda ids: cpu_gguf_rows.gguf_rows(blocks, ids, "Q4_K") * 2.0, fullgraph=True)
     ids = torch.tensor([3, 39, 0])
     assert torch.equal(lookup(ids), table[ids] * 2.0)
+
+
+def test_the_ggml_type_ids_kiln_passes_its_native_ops_are_ggufs():
+    from kiln.quant.gguf_blocks import GGML_TYPE_IDS
+
+    assert GGML_TYPE_IDS == {name: gguf.GGMLQuantizationType[name].value for name in GGML_TYPE_IDS}

@@ -19,41 +19,24 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "cpu_kquant_fields.h"
+#include "cpu_gguf_fields.h"
 
 #include <cstdint>
 
 namespace {
 
-// GGML type ids and their blocks: (weights, bytes)
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4K = 12, kQ5K = 13, kQ6K = 14;
-
-struct BlockShape {
-  int64_t weights, bytes;
-};
-
-BlockShape block_shape(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return {32, 18};
-    case kQ4_1: return {32, 20};
-    case kQ8_0: return {32, 34};
-    case kQ4K: return {256, 144};
-    case kQ5K: return {256, 176};
-    case kQ6K: return {256, 210};
-    default: return {0, 0};
-  }
-}
-
+using kiln_cpu::kGgmlQ4_0, kiln_cpu::kGgmlQ4_1, kiln_cpu::kGgmlQ8_0, kiln_cpu::kGgmlQ4K, kiln_cpu::kGgmlQ5K,
+    kiln_cpu::kGgmlQ6K;
 using kiln_cpu::fp16_at;
 
 void decode_block(int64_t qtype, const uint8_t* b, float* y) {
   switch (qtype) {
-    case kQ8_0: {
+    case kGgmlQ8_0: {
       const float d = fp16_at(b);
       for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(static_cast<int8_t>(b[2 + i]));
       return;
     }
-    case kQ4_0: {
+    case kGgmlQ4_0: {
       const float d = fp16_at(b);
       for (int i = 0; i < 16; ++i) {
         y[i] = static_cast<float>((b[2 + i] & 15) - 8) * d;
@@ -61,7 +44,7 @@ void decode_block(int64_t qtype, const uint8_t* b, float* y) {
       }
       return;
     }
-    case kQ4_1: {
+    case kGgmlQ4_1: {
       const float d = fp16_at(b), m = fp16_at(b + 2);
       for (int i = 0; i < 16; ++i) {
         y[i] = static_cast<float>(b[4 + i] & 15) * d + m;
@@ -69,21 +52,21 @@ void decode_block(int64_t qtype, const uint8_t* b, float* y) {
       }
       return;
     }
-    case kQ4K:
-    case kQ5K: {
+    case kGgmlQ4K:
+    case kGgmlQ5K: {
       const float d = fp16_at(b), dmin = fp16_at(b + 2);
       for (int j = 0; j < 8; ++j) {
         int sc, m;
         kiln_cpu::k4_scale_min(j, b + 4, &sc, &m);
         const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
         for (int i = 32 * j; i < 32 * j + 32; ++i) {
-          const int q = qtype == kQ5K ? kiln_cpu::k4_quant<true>(b, i) : kiln_cpu::k4_quant<false>(b, i);
+          const int q = qtype == kGgmlQ5K ? kiln_cpu::k4_quant<true>(b, i) : kiln_cpu::k4_quant<false>(b, i);
           y[i] = d1 * static_cast<float>(q) - m1;
         }
       }
       return;
     }
-    case kQ6K: {
+    case kGgmlQ6K: {
       const float d = fp16_at(b + 208);
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
       for (int i = 0; i < 256; ++i) {
@@ -102,7 +85,7 @@ namespace kiln_cpu {
 
 at::Tensor gguf_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t qtype) {
   const char* op = "gguf_rows";
-  const BlockShape shape = block_shape(qtype);
+  const kiln_cpu::GgufBlock shape = kiln_cpu::gguf_block(qtype);
   TORCH_CHECK(shape.weights > 0, op, ": GGML type ", qtype,
               " has no native decode; it takes Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13) and Q6_K (14)");
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&

@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 
 from kiln.ops import native_cpu
-from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, dequantize_blocks
+from kiln.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, GGML_TYPE_IDS, dequantize_blocks
 
-QTYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # the native decodes
+# the types the native op decodes, by GGML type id
+QTYPE_IDS = {qtype: GGML_TYPE_IDS[qtype] for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
+_QTYPES_BY_ID = {v: k for k, v in QTYPE_IDS.items()}
 _state: dict = {"loaded": None}
 
 
@@ -25,7 +27,7 @@ def load() -> bool:
 def _register_fake() -> None:
     @torch.library.register_fake("kiln_cpu::gguf_rows")
     def _(blocks, ids, qtype):
-        qtype_name = next(name for name, value in QTYPE_IDS.items() if value == qtype)
+        qtype_name = _QTYPES_BY_ID[qtype]
         k = blocks.shape[1] // BLOCK_BYTES[qtype_name] * BLOCK_WEIGHTS[qtype_name]
         return blocks.new_empty((ids.shape[0], k), dtype=torch.float32)
 

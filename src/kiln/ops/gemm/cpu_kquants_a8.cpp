@@ -16,7 +16,8 @@
 //
 // AVX2's vpmaddubsw multiplies the unsigned weight bytes by the signed qx into int16 pair sums (at most
 // 63 * 127 * 2 = 16002: no saturation), vpmaddwd then weights each pair sum with its sub-block's scale
-// into int32 (builds with AVX-512 VNNI: vpdpwssd, the same and the int32 accumulation in one). A NaN or an infinity in a super-block of x makes its dx NaN, so it reaches every output.
+// into int32 (builds with AVX-512 VNNI: vpdpwssd, the same and the int32 accumulation in one). A NaN
+// or an infinity in a super-block of x makes its dx NaN, so it reaches every output.
 //
 // Several rows of x (kquants_a8_gemm) run in groups of up to eight (AVX-512 builds; else four) against
 // each weight row, which is unpacked once per group; a row's operations are those of the one-row kernel
@@ -30,7 +31,7 @@
 #include <torch/library.h>
 
 #include "cpu_float_lanes.h"
-#include "cpu_kquant_fields.h"
+#include "cpu_gguf_fields.h"
 #include "cpu_q8_activations.h"
 #include "native_cpu_ops.h"
 
@@ -54,7 +55,7 @@ constexpr int64_t kGroup = 4;
 #endif
 constexpr int64_t kPrefetchAhead = 4096;  // as cpu_q4_blocks.cpp: this far ahead, once per 64-byte line
 // GGML's type ids, as the parts table names them
-constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;
+using kiln_cpu::kGgmlQ4K, kiln_cpu::kGgmlQ5K, kiln_cpu::kGgmlQ6K;
 
 // x float32 [K] -> q int8 [K], d float32 [K / 256], q's sums int16 per 16 [K / 16] and per 32 [K / 32]
 void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int16_t* sums16, int16_t* sums32) {
@@ -97,7 +98,6 @@ inline void k4_scales(const uint8_t* s, uint32_t* sc, uint32_t* m) {
   sc[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
   m[1] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
 }
-
 
 using kiln_cpu::fp16_at;
 
@@ -286,8 +286,6 @@ void q6_k_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, const uint
 #endif
 }
 
-int64_t block_bytes(int64_t qtype) { return qtype == kQ4K ? 144 : qtype == kQ5K ? 176 : 210; }
-
 Parts read_parts(const char* op, const at::Tensor& parts, int64_t supers, const at::Tensor& blocks, int64_t n) {
   TORCH_CHECK(parts.device().is_cpu() && parts.scalar_type() == at::kLong && parts.dim() == 2 && parts.size(1) == 2 &&
                   parts.size(0) >= 1,
@@ -299,11 +297,11 @@ Parts read_parts(const char* op, const at::Tensor& parts, int64_t supers, const 
   Parts out{std::vector<int64_t>(count), std::vector<int64_t>(count + 1, 0), std::vector<int64_t>(count + 1, 0)};
   for (int64_t i = 0; i < count; ++i) {
     out.types[i] = pp[2 * i];
-    TORCH_CHECK(out.types[i] == kQ4K || out.types[i] == kQ5K || out.types[i] == kQ6K, op, ": part ", i,
+    TORCH_CHECK(out.types[i] == kGgmlQ4K || out.types[i] == kGgmlQ5K || out.types[i] == kGgmlQ6K, op, ": part ", i,
                 " has GGML type ", out.types[i], "; the kernel takes Q4_K (12), Q5_K (13) and Q6_K (14)");
     TORCH_CHECK(pp[2 * i + 1] >= 0, op, ": part ", i, " has ", pp[2 * i + 1], " rows");
     out.first_row[i + 1] = out.first_row[i] + pp[2 * i + 1];
-    out.first_byte[i + 1] = out.first_byte[i] + pp[2 * i + 1] * supers * block_bytes(out.types[i]);
+    out.first_byte[i + 1] = out.first_byte[i] + pp[2 * i + 1] * supers * kiln_cpu::gguf_block(out.types[i]).bytes;
   }
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 1 &&
                   blocks.numel() == out.first_byte[count],
@@ -328,12 +326,12 @@ void run_group(const Q8K& xq, int64_t m0, const Parts& parts, const uint8_t* bp,
   int64_t i = 0;
   for (int64_t r = begin; r < end; ++r) {
     while (r >= parts.first_row[i + 1]) ++i;
-    const int64_t row_bytes = xq.supers * block_bytes(parts.types[i]);
+    const int64_t row_bytes = xq.supers * kiln_cpu::gguf_block(parts.types[i]).bytes;
     const uint8_t* row = bp + parts.first_byte[i] + (r - parts.first_row[i]) * row_bytes;
     float* y = yp + m0 * n + r;
-    if (parts.types[i] == kQ4K) {
+    if (parts.types[i] == kGgmlQ4K) {
       k4_rows<false, R>(x, row, xq.supers, y, n);
-    } else if (parts.types[i] == kQ5K) {
+    } else if (parts.types[i] == kGgmlQ5K) {
       k4_rows<true, R>(x, row, xq.supers, y, n);
     } else {
       // prefetch on the first group only: the later ones find the task's rows in the caches

@@ -24,10 +24,17 @@ import torch
 
 from kiln.ops import native_cpu
 from kiln.ops.gemm import cpu_blocks_a8
-from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight, dequantize_blocks, row_bytes
+from kiln.quant.gguf_blocks import (
+    GGML_TYPE_IDS,
+    K_QUANTS,
+    GGUFStackedWeight,
+    GGUFWeight,
+    dequantize_blocks,
+    row_bytes,
+)
 
 SUPER = 256  # values per Q8_K block of x, weights per K-quant super-block
-QTYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # GGML's type ids
+QTYPE_IDS = {qtype: GGML_TYPE_IDS[qtype] for qtype in K_QUANTS}  # the types the kernels take
 QTYPES_BY_ID = {v: k for k, v in QTYPE_IDS.items()}
 _state: dict = {"loaded": None}
 
@@ -69,9 +76,15 @@ def pack(weight) -> tuple[torch.Tensor, torch.Tensor] | None:
     return blocks.contiguous(), table
 
 
+def super_bytes(parts: torch.Tensor) -> int:
+    """The bytes `parts`' rows hold per 256 in-features (one super-block each); the types must be
+    QTYPE_IDS'."""
+    return sum(rows * row_bytes(QTYPES_BY_ID[qtype_id], SUPER) for qtype_id, rows in parts.tolist())
+
+
 def in_features(blocks: torch.Tensor, parts: torch.Tensor) -> int:
     """K of the matrix `pack`'s two tensors hold: their bytes over the parts' bytes per 256 weights."""
-    per_super = sum(rows * row_bytes(QTYPES_BY_ID[qtype_id], SUPER) for qtype_id, rows in parts.tolist())
+    per_super = super_bytes(parts)
     return SUPER * blocks.numel() // per_super if per_super else 0
 
 

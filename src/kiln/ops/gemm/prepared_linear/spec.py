@@ -142,7 +142,7 @@ def _validate_kquants_a8(op, layout, weight, k: int, device) -> None:
         raise ValueError(
             f"{op}: {layout} parts hold {rows} rows, weight[2] is {list(width.shape)}, expected [{rows}, 0]"
         )
-    per_super = sum(r * row_bytes(qtypes[t], QK_K) for t, r in parts.tolist())  # bytes per 256 in-features
+    per_super = cpu_kquants_a8.super_bytes(parts)  # bytes per 256 in-features
     if per_super == 0 or blocks.numel() % per_super:
         raise ValueError(
             f"{op}: {layout} K-quant blocks of {blocks.numel()} bytes in parts of {rows} rows, expected a "

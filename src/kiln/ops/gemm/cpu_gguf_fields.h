@@ -1,7 +1,8 @@
-// GGUF K-quant blocks read one weight at a time, in ggml's layouts (the 256-weight super-blocks of
-// Q4_K: d, dmin, 12 scale bytes, 128 nibble bytes; Q5_K: the same with 32 bytes of fifth bits before
-// the nibbles; Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d). The scalar
-// decoders share them: cpu_kquants_a8.cpp's builds without AVX2, and cpu_gguf_rows.cpp.
+// GGUF blocks as ggml lays them out: the type ids the native ops take, each type's block shape, and
+// K-quant blocks read one weight at a time (the 256-weight super-blocks of Q4_K: d, dmin, 12 scale
+// bytes, 128 nibble bytes; Q5_K: the same with 32 bytes of fifth bits before the nibbles; Q6_K: 128
+// bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d). Shared by cpu_kquants_a8.cpp (its
+// parts table; the scalar reads in builds without AVX2) and cpu_gguf_rows.cpp.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -10,6 +11,26 @@
 #include <cstring>
 
 namespace kiln_cpu {
+
+// GGML's type ids (kiln.quant.gguf_blocks.GGML_TYPE_IDS)
+constexpr int64_t kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8, kGgmlQ4K = 12, kGgmlQ5K = 13, kGgmlQ6K = 14;
+
+struct GgufBlock {
+  int64_t weights, bytes;
+};
+
+// a type's block: weights and bytes ({0, 0} for a type not listed here)
+inline GgufBlock gguf_block(int64_t type) {
+  switch (type) {
+    case kGgmlQ4_0: return {32, 18};
+    case kGgmlQ4_1: return {32, 20};
+    case kGgmlQ8_0: return {32, 34};
+    case kGgmlQ4K: return {256, 144};
+    case kGgmlQ5K: return {256, 176};
+    case kGgmlQ6K: return {256, 210};
+    default: return {0, 0};
+  }
+}
 
 // the float16 at p, as float32
 inline float fp16_at(const uint8_t* p) {
