@@ -87,6 +87,7 @@ def test_engine_run_reports_machine_config_results_and_summary(tmp_path):
     # the layouts of random:tiny's 2 x 4 projections and its LM head; decode ran eagerly
     layouts = report["kiln"]["weight_layouts"]
     assert sum(layouts["layers"].values()) == 8 and layouts["lm_head"] in layouts["layers"]
+    assert layouts["bytes"] > 0  # their tensors' bytes
     assert report["kiln"]["compiled_decode"] is None
     assert report["machine"]["torch_threads"] == torch.get_num_threads()
     assert {"git_commit", "cpu_model", "cpu_flags", "gpu_name"} <= report["environment"].keys()

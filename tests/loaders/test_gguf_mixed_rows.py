@@ -22,6 +22,7 @@ from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix 
 from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight, quantize_blocks  # noqa: E402
 from tests.loaders.gguf_tiny import tiny_gguf_with_reference  # noqa: E402
 from tests.models.helpers import greedy, prompt_logits  # noqa: E402
+from tests.ops.gemm.blocks_copy import many_rows_matrix  # noqa: E402
 
 PROMPT = [3, 17, 29, 4, 4, 60, 11, 2, 45, 31, 8]
 TOL = 1e-5  # float32 on the exact weights against transformers: summation order only
@@ -110,13 +111,13 @@ def test_either_exact_format_runs_a_stacked_weight_on_the_q8_kernels(cpu_format,
         stacked, device=torch.device("cpu"), dtype=torch.float32, cpu_format=cpu_format
     )
     if prepared.layout == "onednn":
-        pytest.skip("oneDNN does not pack float32 here")
+        pytest.skip("neither the panel kernel runs nor oneDNN packs float32 here")
     assert prepared.layout == ("q8_blocks_mins_onednn" if with_mins else "q8_blocks_onednn")
     assert prepared.tensors[1].shape == (stacked.shape[0], 512 // block)
     expected = torch.cat([e for _, e in parts]).double()
     assert torch.equal(prepared_matrix(prepared.layout, prepared.tensors), expected)
-    copy = prepared.tensors[3 if with_mins else 2]  # the oneDNN float32 copy several rows read
-    assert torch.equal(prepared_matrix("onednn", [copy]), expected)
+    # what many rows multiply: the oneDNN float32 copy, or (none kept) the blocks in the panel kernel
+    assert torch.equal(many_rows_matrix(prepared.tensors, 3 if with_mins else 2).double(), expected)
     # other formats (and CUDA) dequantize it once, as the parts would have been
     fp16 = prepare_linear_weight(stacked, device=torch.device("cpu"), dtype=torch.float32, cpu_format="fp16")
     assert fp16.layout in ("fp16_onednn", "fp16_rows")

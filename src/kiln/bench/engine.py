@@ -269,14 +269,25 @@ def bench_decode_loop(args, loaded) -> tuple[list[Result], dict]:
 
 
 def weight_layouts(model) -> dict:
-    """How the model's linear weights are kept: {layout: count} over its layers, and the LM head's."""
+    """How the model's linear weights are kept: {layout: count} over its layers, the LM head's, and
+    "bytes": their tensors' bytes, each storage once (a tied head's shared blocks counted once; an
+    exact blocks layout without its float32 copy, native_cpu.blocks_panel_runs(), shows here)."""
     layouts: dict[str, int] = {}
+    storages: dict[int, int] = {}
     for name, module in model.named_modules():
         prepared = getattr(module, "prepared", None)
-        if prepared is not None and name != "lm_head":
+        if prepared is None:
+            continue
+        if name != "lm_head":
             layouts[prepared.layout] = layouts.get(prepared.layout, 0) + 1
+        for tensor in prepared.tensors:
+            try:  # oneDNN's packed copies have no storage to ask: their elements' bytes then
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):
+                storages[id(tensor)] = tensor.nbytes
     head = getattr(getattr(model, "lm_head", None), "prepared", None)
-    return {"layers": layouts, "lm_head": None if head is None else head.layout}
+    head_layout = None if head is None else head.layout
+    return {"layers": layouts, "lm_head": head_layout, "bytes": sum(storages.values())}
 
 
 def bench_kiln(args, loaded, concurrencies: list[int], info: dict | None = None) -> list[Result]:

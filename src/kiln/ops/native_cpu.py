@@ -70,6 +70,7 @@ SOURCES = (
     os.path.join(_OPS, "gemm", "cpu_gguf_rows.cpp"),
     os.path.join(_OPS, "gemm", "cpu_block_tiles.cpp"),
     os.path.join(_OPS, "gemm", "cpu_q8_tiles.cpp"),
+    os.path.join(_OPS, "gemm", "cpu_blocks_panel.cpp"),
     os.path.join(_OPS, "norm", "rms_norm", "rms_norm_cpu.cpp"),
     os.path.join(_OPS, "rope", "rotary_embedding", "rotary_embedding_cpu.cpp"),
     os.path.join(_OPS, "activation", "silu_and_mul", "silu_and_mul_cpu.cpp"),
@@ -114,9 +115,12 @@ BLOCKS_GEMM_MAX_ROWS = 32
 # was 0.76x the row kernel at 8 rows and even at 16: this one takes one tile by up to 16 rows a pass.)
 # On AVX2 (8-lane) builds the Q4 tile kernel was slower than the row kernel (0.8-0.9x at 8-32 rows), and
 # the Q8_0 one is unmeasured there: neither runs on them.
+# Past them the panel kernel (kiln_cpu::blocks_panel_gemm, where blocks_panel_runs()); 2-core Zen 4,
+# Q4 tiles / panel: even at 32 rows, the panel 1.05-1.2x faster at 64 (SmolLM2's and Llama-3.2-1B's
+# shapes), but the tiles keep the batched decode's rows in one native call (FlatDecode) up to 64.
 BLOCKS_TILES_ROWS = {"q4": (8, 64), "q8": (16, 32)}
 
-_state: dict = {"loaded": None, "gemm_rows": None, "tiles_rows": None}
+_state: dict = {"loaded": None, "gemm_rows": None, "tiles_rows": None, "panel": None}
 logger = logging.getLogger(__name__)
 
 
@@ -160,6 +164,17 @@ def blocks_tiles_take(kind: str, rows: int) -> bool:
     return 0 < first <= rows <= last
 
 
+def blocks_panel_runs() -> bool:
+    """Whether the exact blocks layouts run their many-row calls (prefill, large batches) on the blocks
+    themselves here (kiln_cpu::blocks_panel_gemm, kiln.ops.gemm.cpu_blocks_panel: the library is loaded
+    and built for AVX2 or AVX-512), so they keep no float32 copy. KILN_CPU_BLOCKS_PANEL=0: keep the copy
+    for oneDNN's float32 GEMM instead (4 bytes a weight more; prefill 0-20 % faster, kiln.ops.gemm.
+    cpu_blocks_panel). A constant once `load` ran, as blocks_gemm_rows()."""
+    if _state["panel"] is None and not torch.compiler.is_compiling():
+        load()
+    return bool(_state["panel"])
+
+
 def load() -> bool:
     """Build (first call on a host; cached on disk after) and load the library, once per process.
     True when its ops can be called. Call it eagerly, not while torch.compile traces."""
@@ -168,6 +183,7 @@ def load() -> bool:
         flags = _isa_flags()  # the build's vector ISA (AVX2 or AVX-512), none for a scalar build
         vector = _state["loaded"] and bool(flags)
         _state["gemm_rows"] = BLOCKS_GEMM_MAX_ROWS if vector else 1
+        _state["panel"] = vector and os.environ.get("KILN_CPU_BLOCKS_PANEL", "1") != "0"
         _state["tiles_rows"] = BLOCKS_TILES_ROWS if vector and "-DCPU_CAPABILITY_AVX512" in flags else {}
     return _state["loaded"]
 

@@ -12,11 +12,11 @@ import torch
 import kiln.ops
 from kiln.ops import native_cpu
 from kiln.ops.gemm import cpu_q4_blocks as q4_module
-from kiln.ops.gemm import weight_formats
 from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
 from kiln.quant import quantize_blocks
 from kiln.quant.gguf_blocks import GGUFWeight
 from kiln.verify import assert_close
+from tests.ops.gemm.blocks_copy import many_rows, many_rows_matrix
 from tests.ops.gemm.native_gemv_child import assert_compiled_call_holds_native_op
 
 gguf = pytest.importorskip("gguf")
@@ -52,8 +52,8 @@ def test_q4_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(qtype, n
     assert nibbles.dtype == torch.uint8 and nibbles.shape == (n, k // 2) and scales.shape == (n, k // 32)
     matrix = prepared_matrix(prepared.layout, prepared.tensors)
     assert torch.equal(matrix.float().double(), expected)  # d * q + m, one float32 rounding as gguf's
-    read_back = weight_formats.onednn_linear(torch.eye(k), copy, None).T
-    assert torch.equal(read_back, expected.float())  # the several-row copy: the same float32 matrix
+    read_back = many_rows_matrix(prepared.tensors, 3)  # the copy, or the panel kernel's decode
+    assert torch.equal(read_back, expected.float())  # the many-row path: the same float32 matrix
     run, bias = kiln.ops.prepared_linear, torch.randn(n, generator=g)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         one = torch.randn(1, k, generator=g).to(dtype)
@@ -62,13 +62,15 @@ def test_q4_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(qtype, n
         # float32 arithmetic on the exact weights: only the accumulation rounds (not x, not W)
         assert_close(y, one.double() @ matrix.T + bias.double(), 1e-6, f"{qtype}, one {dtype} row")
     # a few rows (batched decode): q4_blocks_gemm (or the tiles' kernel, test_block_tiles.py) where
-    # they are built, the copy elsewhere; past both, always the float32 copy through oneDNN
+    # they are built, the copy elsewhere; past both, the panel kernel on the blocks (vector builds: no
+    # copy) or the float32 copy through oneDNN
     for m in (5, max(native_cpu.blocks_gemm_rows(), native_cpu.blocks_tiles_rows("q4")[1]) + 1):
         rows = torch.randn(m, k, generator=g)
         y = torch.full((m, n), float("nan"))
         y.copy_(run(rows, prepared.layout, prepared.tensors, bias))
         assert_close(y, rows.double() @ matrix.T + bias.double(), 1e-6, f"{qtype}, {m} rows")
-    assert torch.equal(y, weight_formats.onednn_linear(rows, copy, bias))
+    assert copy.numel() == (0 if native_cpu.blocks_panel_runs() else n * k)
+    assert torch.equal(y, many_rows(rows, prepared.tensors, 3, bias))
 
 
 def test_q4_blocks_native_kernel_matches_its_tensor_form_and_keeps_nan(native, monkeypatch):

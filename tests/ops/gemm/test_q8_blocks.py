@@ -17,6 +17,7 @@ from kiln.ops.gemm.prepared_linear import int8_blocks_gemv
 from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
 from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight, quantize_blocks, scale_group
 from kiln.verify import assert_close
+from tests.ops.gemm.blocks_copy import many_rows, many_rows_matrix
 from tests.ops.gemm.native_gemv_child import assert_compiled_call_holds_native_op
 
 gguf = pytest.importorskip("gguf")
@@ -72,8 +73,9 @@ def test_q8_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(qtype, n
     assert qtype != "Q6_K" or all(t.numel() == 0 for t in tiles)  # no tile kernel reads blocks of 16
     matrix = prepared_matrix(prepared.layout, prepared.tensors)
     assert torch.equal(matrix, expected)  # d * q exactly: no rounding of the weight
-    read_back = weight_formats.onednn_linear(torch.eye(k), copy, None).T
-    assert torch.equal(read_back, expected.float())  # the several-row copy: the same matrix in float32
+    assert copy.numel() == (0 if native_cpu.blocks_panel_runs() else n * k)
+    read_back = many_rows_matrix(prepared.tensors, 2)  # the copy, or the panel kernel's decode
+    assert torch.equal(read_back, expected.float())  # the many-row path: the same matrix in float32
     run, bias = kiln.ops.prepared_linear, torch.randn(n, generator=g)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         one = torch.randn(1, k, generator=g).to(dtype)
@@ -82,13 +84,13 @@ def test_q8_blocks_keeps_the_blocks_exactly_and_runs_one_row_in_float32(qtype, n
         # float32 arithmetic on the exact weights: only the accumulation rounds (not x, not W)
         assert_close(y, one.double() @ matrix.T + bias.double(), 1e-6, f"one {dtype} row")
     # a few rows (batched decode): q8_blocks_gemm where its multi-row kernel is built (AVX2), the copy
-    # elsewhere; past blocks_gemm_rows() and the tile kernel's rows, always the float32 copy through oneDNN
+    # elsewhere; past blocks_gemm_rows() and the tile kernel's rows, the panel kernel (or the copy)
     for m in (5, max(native_cpu.blocks_gemm_rows(), native_cpu.blocks_tiles_rows("q8")[1]) + 1):
         rows = torch.randn(m, k, generator=g)
         y = torch.full((m, n), float("nan"))
         y.copy_(run(rows, prepared.layout, prepared.tensors, bias))
         assert_close(y, rows.double() @ matrix.T + bias.double(), 1e-6, f"{m} rows")
-    assert torch.equal(y, weight_formats.onednn_linear(rows, copy, bias))
+    assert torch.equal(y, many_rows(rows, prepared.tensors, 2, bias))
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q6_K"])

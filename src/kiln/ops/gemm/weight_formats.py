@@ -19,20 +19,23 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
     "q4_blocks_onednn"  [Q4 blocks' nibbles uint8 [N, K/2] (a    1 row: Kiln's native GEMV on the blocks,
                      block's 16 bytes as in the file), d and m   in float32 (exact; kiln_cpu.q4_blocks_gemv);
                      float32 [N, K/32], oneDNN's blocked fp32    a few rows: the blocks' row or tile
-                     copy of the same matrix, the blocks in      kernel (exact; kiln_cpu.q4_blocks_gemm /
-                     16-row tiles and their d and m (AVX-512;    q4_tiles_gemm); more rows: oneDNN fp32
-                     elsewhere two empty tensors)]               on the copy
+                     copy of the same matrix (empty where the    kernel (exact; kiln_cpu.q4_blocks_gemm /
+                     panel kernel runs), the blocks in 16-row    q4_tiles_gemm); more rows: the panel
+                     tiles and their d and m (AVX-512;           kernel on the blocks (exact;
+                     elsewhere two empty tensors)]               kiln_cpu.blocks_panel_gemm), or oneDNN
+                                                                fp32 on the copy
     "q8_blocks_onednn"  [Q8_0's int8 values [N, K], its scales   1 row: Kiln's native GEMV on the blocks,
                      float32 [N, K/32] (Q6_K: q - 32, d * sc     in float32 (exact; kiln_cpu.q8_blocks_gemv);
                      [N, K/16], no tiles), oneDNN's blocked fp32
-                     copy of the same matrix, the values in      a few rows: the blocks' row or tile kernel
-                     16-row tiles and their d (AVX-512;          (exact; kiln_cpu.q8_blocks_gemm /
-                     elsewhere two empty tensors)]               q8_tiles_gemm); more rows: oneDNN fp32
-                                                                on the copy
+                     copy of the same matrix (or empty, as       a few rows: the blocks' row or tile kernel
+                     above), the values in 16-row tiles and      (exact; kiln_cpu.q8_blocks_gemm /
+                     their d (AVX-512; elsewhere two empty       q8_tiles_gemm); more rows: the panel
+                     tensors)]                                   kernel, or oneDNN fp32 on the copy
     "q8_blocks_mins_onednn"  [Q5_K's q int8 [N, K], d * sc and  1 row: the native GEMV on q and d * sc
                      -(dmin * m) float32 [N, K/32] (a stacked    given the mins (each block's sum of x times
                      weight's values, scales and mins per 16     its min; exact); a few rows: q8_blocks_gemm
-                     or 32), oneDNN's blocked fp32 copy]         given them; more: oneDNN fp32 on the copy
+                     or 32), oneDNN's blocked fp32 copy (or      given them; more: the panel kernel, or
+                     empty, as above)]                           oneDNN fp32 on the copy
     "q4_blocks_a8_onednn", "q8_blocks_a8_onednn",               1 row: x quantized to Q8_0 (int8 per 32
     "q8_blocks_mins_a8_onednn"  the tensors of                  values), then Kiln's native integer GEMV
                      "q4_blocks_onednn" / "q8_blocks_onednn" /   (kiln.ops.gemm.cpu_blocks_a8); more
@@ -94,24 +97,29 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     decode) through kiln_cpu.q4_blocks_gemm on the same blocks or, for native_cpu.blocks_tiles_rows("q4")
     rows (8 to 64, AVX-512 builds), kiln_cpu.q4_tiles_gemm on a copy of them in 16-row tiles
     (kiln.ops.gemm.cpu_block_tiles; the same values, +0.625 byte a weight with Q4_0 / Q4_1's d and m
-    as float16, +0.75 with Q4_K's as float32), and a oneDNN-packed float32
-    copy of the same matrix for more rows, as "fp32". Exact like "fp32", so the
-    probe times it by default. GGUF Q8_0 / Q5_0 / Q6_K weights get "q8_blocks"'s layout
+    as float16, +0.75 with Q4_K's as float32), and more rows (prefill, large batches) through
+    kiln_cpu.blocks_panel_gemm on the blocks (kiln.ops.gemm.cpu_blocks_panel: each weight decoded once
+    a call to float32, the copy's values, into a panel of 14 rows; 0.8-1.0x oneDNN's fp32 GEMM from 64
+    rows on a 2-core Zen 4) where the native library has vector kernels, elsewhere through a
+    oneDNN-packed float32 copy of the same matrix (4 bytes a weight), as "fp32". Exact like "fp32", so
+    the probe times it by default. GGUF Q8_0 / Q5_0 / Q6_K weights get "q8_blocks"'s layout
     (EXACT_BLOCKS_FORMAT), Q5_K ones "q8_blocks_mins_onednn" (under either format), and a fused
     projection whose parts mix GGUF types with no exact common one (GGUFStackedWeight: a Q4_K_M
     file's Q4_K q / k beside a Q6_K v in the layers llama.cpp gives v more bits) its one exact form,
     int8 values with a float32 scale and min per 16 (per 32 without Q6_K) in "q8_blocks_mins_onednn"
     (without mins: "q8_blocks_onednn"): 1.5 bytes a weight against the float32 copy's 4 it was
-    dequantized to; other weights, or a CPU where oneDNN cannot pack, get "fp32";
+    dequantized to; other weights, or a CPU where neither the panel kernel runs nor oneDNN packs, get
+    "fp32";
   - CPU, "q8_blocks", GGUF Q8_0, Q5_0 and Q6_K weights: "q8_blocks_onednn", the same for Q8_0: its
     int8 values and its scales (fp16 in the file, exact in float32; Q5_0's: q - 16 and d; Q6_K's:
     q - 32 and d * sc per 16, with no tiles), one row through Kiln's native GEMV
     (kiln.ops.gemm.cpu_q8_blocks, one byte a weight), a few rows through its q8_blocks_gemm or, for
     native_cpu.blocks_tiles_rows("q8") rows (16 to 32, AVX-512 builds), q8_tiles_gemm on a copy in
     16-row tiles (as "q4_blocks"; +1.125 byte a weight: the values and a float32 d per 32), more
-    through a oneDNN-packed float32 copy. Made for the LM head, the largest matrix of a small model,
-    whose GGUF type is usually Q8_0; exact, so the probe times it by default. GGUF Q4 weights get
-    "q4_blocks"'s layout; other weights, or a CPU where oneDNN cannot pack, get "fp32";
+    through the panel kernel (or the float32 copy, as "q4_blocks"). Made for the LM head, the largest
+    matrix of a small model, whose GGUF type is usually Q8_0; exact, so the probe times it by default.
+    GGUF Q4 weights get "q4_blocks"'s layout; other weights, or a CPU where neither the panel kernel
+    runs nor oneDNN packs, get "fp32";
   - CPU, "q4_blocks_a8" / "q8_blocks_a8", the same weights: "q4_blocks_a8_onednn" /
     "q8_blocks_a8_onednn", the same tensors, but a one-row x is quantized to Q8_0 blocks first (int8
     per 32 values, a float32 scale: llama.cpp's CPU arithmetic) and each block's dot product is integer
@@ -190,6 +198,7 @@ from kiln.ops import native_cpu
 from kiln.ops.gemm import (
     cpu_block_tiles,
     cpu_blocks_a8,
+    cpu_blocks_panel,
     cpu_kquants_a8,
     cpu_q4_blocks,
     cpu_q8_blocks,
@@ -256,6 +265,8 @@ EXACT_BLOCKS_QTYPES = (*EXACT_BLOCKS_FORMAT, *MINS_BLOCKS[1])
 A8_FORMATS = ("q4_blocks_a8", "q8_blocks_a8")
 A8_BLOCKS_FORMAT = {qtype: f"{fmt}_a8" for qtype, fmt in EXACT_BLOCKS_FORMAT.items()}
 MINS_A8_BLOCKS = ("q8_blocks_mins_a8_onednn", cpu_q8_blocks.MIN_QTYPES, cpu_blocks_a8.pack_q8_mins)
+# the file bytes of a weight's rows the blocks layouts unpack at a time (_pack_by_rows)
+PACK_CHUNK_BYTES = 16 << 20
 INT8_BLOCK_SIZE = BLOCK_WEIGHTS["Q8_0"]  # weights per scale in "q8_blocks_onednn" etc.: one Q8_0 block
 # torch's int8 CPU matmul reads K in steps of 16 (other K give garbage or crash): "int8" keeps a weight
 # whose in-features are not a multiple in the "fp16" layouts instead
@@ -572,7 +583,8 @@ def _q4_blocks_w8a8_layout(weight: GGUFWeight, shape, dtype) -> PreparedLinearWe
 
 def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | None:
     """The "q4_blocks[_a8]_onednn" / "q8_blocks[_a8]_onednn" layout (BLOCKS_FORMATS[cpu_format]) of a
-    GGUF weight of its block types, where oneDNN packs float32 here; else None."""
+    GGUF weight of its block types, where its many-row calls run here (the panel kernel, or oneDNN
+    packing float32); else None."""
     if not isinstance(weight, GGUFWeight):
         return None
     entry = BLOCKS_FORMATS[cpu_format]
@@ -585,10 +597,10 @@ def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | N
     layout, qtypes, pack = entry
     if weight.qtype not in qtypes:
         return None
-    rows = onednn_pack(weight.dequantize(torch.float32))
+    rows = _float32_copy(lambda: weight.dequantize(torch.float32))
     if rows is None:
         return None
-    blocks = pack(weight)
+    blocks = _pack_by_rows(pack, weight)
     tiles = () if entry in (MINS_BLOCKS, MINS_A8_BLOCKS) else cpu_block_tiles.layout_tiles(*blocks)
     return PreparedLinearWeight(layout, (*blocks, rows, *tiles), shape, torch.float32, dtype)
 
@@ -611,10 +623,10 @@ def _stacked_layout(weight: GGUFStackedWeight, shape, dtype, a8: bool) -> Prepar
     """A stacked weight's one exact form (GGUFStackedWeight.fields) in the Q8 kernels' layouts:
     MINS_BLOCKS' where a part has mins (Q4_K beside Q6_K: values, a scale and a min per 16), else
     "q8_blocks"'s (with tiles where the scales are per 32); with `a8` their a8 forms (a one-row x
-    quantized to Q8_0); None where oneDNN cannot pack float32 here."""
+    quantized to Q8_0); None where neither the panel kernel runs nor oneDNN packs float32 here."""
     values, scales, mins = weight.fields()
     # the float32 copy from the same fields: each part's gguf decode, bit for bit (fields' docstring)
-    rows = onednn_pack(decode_fields(values, scales, mins, "Q8_0", torch.float32))
+    rows = _float32_copy(lambda: decode_fields(values, scales, mins, "Q8_0", torch.float32))
     if rows is None:
         return None
     (cpu_blocks_a8 if a8 else cpu_q8_blocks).load()
@@ -624,6 +636,37 @@ def _stacked_layout(weight: GGUFStackedWeight, shape, dtype, a8: bool) -> Prepar
     layout = BLOCKS_FORMATS["q8_blocks_a8" if a8 else "q8_blocks"][0]
     tiles = cpu_block_tiles.layout_tiles(values, scales)
     return PreparedLinearWeight(layout, (values, scales, rows, *tiles), shape, torch.float32, dtype)
+
+
+def _pack_by_rows(pack, weight: GGUFWeight) -> tuple[torch.Tensor, ...]:
+    """pack(weight) (a blocks layout's packer: tensors of one row each per weight row) run on chunks of
+    ~PACK_CHUNK_BYTES of the file's rows and written into whole tensors: the same tensors, with the
+    unpacking's intermediates (int16 quants and bit fields, several bytes a weight) held for one chunk
+    at a time. (Whole, a Q6_K LM head of 49152 x 2048 raised the load's peak RSS by 773 MB for its
+    126 MB of values and scales.)"""
+    n = weight.shape[0]
+    data = weight.data.view(n, -1)
+    rows = max(1, PACK_CHUNK_BYTES // max(1, data.shape[1]))
+    if rows >= n:
+        return pack(weight)
+    whole: tuple[torch.Tensor, ...] = ()
+    for start in range(0, n, rows):
+        part = data[start : start + rows]
+        got = pack(GGUFWeight(weight.qtype, part, (part.shape[0], weight.shape[1])))
+        if not whole:
+            whole = tuple(torch.empty((n, *t.shape[1:]), dtype=t.dtype) for t in got)
+        for into, t in zip(whole, got, strict=True):
+            into[start : start + t.shape[0]] = t
+    return whole
+
+
+def _float32_copy(matrix) -> torch.Tensor | None:
+    """The float32 copy an exact blocks layout keeps for its many-row calls: empty (float32 [0, 0])
+    where the blocks run every row count (native_cpu.blocks_panel_runs(): kiln.ops.gemm.cpu_blocks_panel),
+    else oneDNN's packing of matrix() (float32 [N, K]), None where oneDNN cannot pack here."""
+    if native_cpu.blocks_panel_runs() and cpu_blocks_panel.load():
+        return torch.empty(0, 0)
+    return onednn_pack(matrix())
 
 
 @functools.cache

@@ -12,11 +12,12 @@
                  native_cpu.blocks_tiles_rows("q4") rows (batched decode; AVX-512 builds: 8 to 64):
                  q4_tiles_gemm on their 16-row tiles; other rows up to native_cpu.blocks_gemm_rows()
                  (32 on AVX2 and AVX-512 builds, else 1): q4_blocks_gemm on the same blocks; more:
-                 oneDNN's fp32 GEMM on the copy of the matrix;
+                 blocks_panel_gemm on the blocks (vector builds: the layout keeps no float32 copy),
+                 else oneDNN's fp32 GEMM on the copy of the matrix;
   "q8_blocks_onednn"  one row: int8_blocks_gemv (float32 on GGUF Q8_0's values and scales, exact;
                  Kiln's native kernel); a few rows: q8_tiles_gemm for blocks_tiles_rows("q8") rows
-                 (AVX-512: 16 to 32), else q8_blocks_gemm (as the Q4 layout above); more: oneDNN's
-                 fp32 GEMM on the copy of the same matrix;
+                 (AVX-512: 16 to 32), else q8_blocks_gemm (as the Q4 layout above); more: as the Q4
+                 layout (blocks_panel_gemm, or oneDNN's fp32 GEMM on the copy);
   "q4_blocks_a8_onednn", "q8_blocks_a8_onednn", "q8_blocks_mins_a8_onednn"  one row: x quantized to
                  Q8_0, then Kiln's integer GEMV on the same blocks (kiln.ops.gemm.cpu_blocks_a8; the
                  mins times x' summed over their blocks); several rows: as the exact layouts (the tile
@@ -27,7 +28,7 @@
   "q8_blocks_mins_onednn"  GGUF Q5_K (and a stacked weight of mixed GGUF types, a scale and a min per 16
                  or 32): as "q8_blocks_onednn" without tiles, the Q8 kernels given the
                  blocks' mins too (one row: each block's sum of x times its min added; a few rows: each
-                 block decoded as fma(q, d * sc, min); exact); more rows: the float32 copy;
+                 block decoded as fma(q, d * sc, min); exact); more rows: as the Q4 layout;
   "int8_blocks_onednn"  one row: as "q8_blocks_onednn"; several rows: oneDNN's bf16 GEMM on the copy;
   "w8a8_packed"  kiln.ops.gemm.cpu_w8a8: x * smooth quantized to int8 per row, Kiln's AMX tile kernel
                  or oneDNN's int8 GEMM (one native op);
@@ -54,6 +55,7 @@ import torch.nn.functional as F
 
 from kiln.ops.gemm.cpu_block_tiles import q4_tiles_gemm, q8_tiles_gemm
 from kiln.ops.gemm.cpu_blocks_a8 import q4_blocks_a8_gemv, q8_blocks_a8_gemv, q8_blocks_mins_a8_gemv
+from kiln.ops.gemm.cpu_blocks_panel import blocks_panel_gemm
 from kiln.ops.gemm.cpu_kquants_a8 import kquants_a8_gemm
 from kiln.ops.gemm.cpu_q4_blocks import q4_blocks_gemm, q4_blocks_gemv
 from kiln.ops.gemm.cpu_q8_blocks import q8_blocks_gemm
@@ -150,7 +152,8 @@ def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm=None, kind: str = "q8"):
     on the first `copy_at` tensors (the blocks' values and scales: 3 for Q4 and for Q5_K's with mins, 2
     for Q8_0); blocks_tiles_rows(kind) rows through `tiles_gemm` on the tiles after the
     float32 copy, where the layout has them; up to blocks_gemm_rows() rows through `gemm` on the
-    blocks; more rows through the float32 copy, as "onednn"."""
+    blocks; more rows through blocks_panel_gemm on the blocks where the layout keeps no float32 copy
+    (native_cpu.blocks_panel_runs()), else through the copy, as "onednn"."""
 
     def run(x, weight, bias, out_dtype):
         rows = x.shape[0]
@@ -160,6 +163,8 @@ def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm=None, kind: str = "q8"):
             y = tiles_gemm(x, weight[copy_at + 1], weight[copy_at + 2], weight[0].shape[0])
         elif rows <= blocks_gemm_rows():
             y = gemm(x, *weight[:copy_at])
+        elif weight[copy_at].numel() == 0:  # no float32 copy: the panel kernel on the blocks
+            y = blocks_panel_gemm(x, *weight[:copy_at])
         else:
             return _onednn(x, weight[copy_at:], bias, out_dtype)
         if bias is not None:

@@ -318,8 +318,16 @@ def _check_q4_blocks(op, layout, weight, device) -> tuple[int, int]:
 
 
 def _check_copy(op, layout, weight, at: int, n: int, k: int, dtype, device) -> None:
-    """weight[at]: a blocks layout's oneDNN-packed copy of the [n, k] matrix, in `dtype`."""
+    """weight[at]: a blocks layout's oneDNN-packed copy of the [n, k] matrix, in `dtype`; a float32
+    one is empty where the blocks run every row count here (native_cpu.blocks_panel_runs())."""
     check_tensor(op, f"weight[{at}]", weight[at], ndim=2, dtypes=(dtype,), device=device)
+    if dtype == torch.float32 and weight[at].numel() == 0:
+        if native_cpu.blocks_panel_runs():
+            return
+        raise ValueError(
+            f"{op}: {layout} holds no float32 copy, which its many-row calls need on this build (Kiln's "
+            "native CPU library is not loaded or has no vector kernels): prepare the weight here"
+        )
     if tuple(weight[at].shape) != (n, k):  # oneDNN's packing of the copy reports the matrix's shape
         raise ValueError(f"{op}: {layout} copy has shape {tuple(weight[at].shape)}, expected {n, k}")
 
@@ -729,7 +737,10 @@ def _case_tolerance(shape, dtype) -> float:
 def _blocks_rows_read_blocks(kind: str, m: int, tiles: bool = True) -> bool:
     """Whether m rows of x run the "q4" / "q8" blocks layouts' own kernels (the row kernel up to
     native_cpu.blocks_gemm_rows(), the tile kernel over blocks_tiles_rows(kind) where the layout has
-    tiles) rather than the float32 copy, on this build."""
+    tiles, the panel kernel beyond where native_cpu.blocks_panel_runs()) rather than the float32 copy,
+    on this build."""
+    if native_cpu.blocks_panel_runs():  # more rows: the panel kernel on the blocks
+        return True
     return m <= native_cpu.blocks_gemm_rows() or (tiles and native_cpu.blocks_tiles_take(kind, m))
 
 
@@ -759,7 +770,8 @@ def _weight_bytes(shape, dtype) -> float:
             return sum(N * row_bytes(q, K) for q in kquant_parts) / len(kquant_parts)
     blocks_formats = (*EXACT_FORMATS, *A8_FORMATS)  # each keeps every GGUF type with a blocks layout
     if fmt in blocks_formats and shape["source"] in MIN_QTYPES:  # values, d * sc and the min
-        return N * K + N * K / 32 * 8 if shape["M"] <= native_cpu.blocks_gemm_rows() else N * K * 4
+        reads_blocks = _blocks_rows_read_blocks("q8", shape["M"], tiles=False)
+        return N * K + N * K / 32 * 8 if reads_blocks else N * K * 4
     if fmt in blocks_formats and "+" in shape["source"]:  # stacked: values, a scale (and min) per block
         qtypes = shape["source"].split("+")
         floats = 2 if any(q in WITH_MINS for q in qtypes) else 1
