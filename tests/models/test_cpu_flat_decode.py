@@ -283,9 +283,9 @@ def test_native_flat_decode_names_malformed_arguments():
     norm, cos_sin = torch.ones(64), torch.ones(128, 16)
     cache = torch.zeros(4, 16, 2, 16)
     tiles_rows = [0] * 4  # each linear's
-    llama = [0, 0, 0, -1]  # no sandwich norms, no q/k norm, SiLU, no window
+    llama = [0, 0, 0, -1, 0, 0, 0, 0]  # no sandwich norms, no q/k norm, SiLU, no window; no panel rows
     floats = [1e-5, 0.25, 0.0, 1e-6]  # eps, scale, norm offset, q/k norm eps
-    with pytest.raises(RuntimeError, match="18 ints and 4 floats a layer"):
+    with pytest.raises(RuntimeError, match="22 ints and 4 floats a layer"):
         flat_decode([norm], [0, 0, 0], floats)
     with pytest.raises(RuntimeError, match="layer 0 has weight kind 7"):
         flat_decode([norm], [7, 0, 0, 0, 0, 64, 32, 4, 2, 16, *tiles_rows, *llama], floats)
@@ -299,17 +299,22 @@ def test_native_flat_decode_names_malformed_arguments():
         flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, *llama], floats)
     with pytest.raises(RuntimeError, match="tensors are too few"):  # a Gemma layer's four more norms
         tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 16
-        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, 1, 1, 1, 4], floats)
+        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, 1, 1, 1, 4, *tiles_rows], floats)
     with pytest.raises(RuntimeError, match=r"layer 0 has q/k norm kind 3 \(0 to 2\)"):
         tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 16
-        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, 0, 3, 0, -1], floats)
+        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, 0, 3, 0, -1, *tiles_rows], floats)
     with pytest.raises(RuntimeError, match="layer 0 has activation 2"):
         tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 16
-        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, 0, 0, 2, -1], floats)
+        flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, 0, 0, 2, -1, *tiles_rows], floats)
     for kind, count in ((4, 3), (5, 3), (6, 2)):  # the kinds with mins (exact, a8), kquants_a8
         with pytest.raises(RuntimeError, match=rf"kind {kind} has no tiles \(the kinds with mins and"):
             tensors = [norm, norm, cos_sin, cache, cache] + [norm] * (4 * count)  # values, scales and mins
             flat_decode(tensors, [kind] * 4 + [0, 64, 32, 4, 2, 16, 8, 0, 0, 0, *llama], floats)
+    for panel_rows in ([2, 0, 0, 0], [1, 0, 0, 0]):  # kquants_a8 takes no panel rows; a panel from 1 row
+        with pytest.raises(RuntimeError, match=r"got panel_rows [12] \(kquants_a8: none; else 0 or more"):
+            tensors = [norm, norm, cos_sin, cache, cache] + [torch.zeros(8, dtype=torch.uint8), norm] * 4
+            kinds = [6] * 4 if panel_rows[0] == 2 else [1] * 4
+            flat_decode(tensors, kinds + [0, 64, 32, 4, 2, 16, *tiles_rows, 0, 0, 0, -1, *panel_rows], floats)
     with pytest.raises(RuntimeError, match=r"a kquants_a8 weight's parts must be int64 \[P, 2\], got Float"):
         tensors = [norm, norm, cos_sin, cache, cache] + [torch.zeros(8, dtype=torch.uint8), norm] * 4
         flat_decode(tensors, [6] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, *llama], floats)
@@ -399,6 +404,30 @@ def test_native_flat_decode_runs_tile_kernel_steps_as_the_modules_do(blocks_gguf
     assert tile_calls >= 4 * len(loaded.model.layers)  # the native call ran the layers' tile kernel
     loaded.model.flat_decode = None
     assert _run(engine, prompts, max_tokens=6) == batched  # token ids and logprobs, bit for bit
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+@pytest.mark.parametrize("weights", ["q4", "k_quants"])
+def test_native_flat_decode_runs_steps_past_the_tiles_on_the_panel_kernel(blocks_gguf, weights, monkeypatch):
+    """Where the exact layouts keep no float32 copy (native_cpu.blocks_panel_runs()), a batched step
+    past every row and tile kernel still runs as one native call, its linears on the panel kernel, with
+    the modules' tokens and logprobs (K-quants: Q5_K's mins and a stacked QKV's too)."""
+    if not native_cpu.blocks_panel_runs():
+        pytest.skip("the layouts keep their float32 copy here (a scalar build, or KILN_CPU_BLOCKS_PANEL=0)")
+    path = blocks_gguf(weights)
+    loaded = load_model(path, device="cpu", cpu_format="q4_blocks", lm_head_format="q8_blocks")
+    rows = max(native_cpu.blocks_gemm_rows(), *(native_cpu.blocks_tiles_rows(k)[1] for k in ("q4", "q8"))) + 1
+    engine = _engine(path, loaded, max_num_seqs=rows, num_kv_blocks=2 * rows)  # a block or two each
+    assert engine.runner.model.flat_decode.max_rows >= rows
+    calls = _counting(engine, monkeypatch)
+    prompts = [[(7 * j + i) % 60 + 2 for j in range(3 + i % 5)] for i in range(rows)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        batched = _run(engine, prompts, max_tokens=4)
+    assert rows in calls
+    panel_calls = sum(event.name == "kiln_cpu::blocks_panel_gemm" for event in prof.events())
+    assert panel_calls >= 4 * len(loaded.model.layers) * 2  # the native call's steps (and the prefill)
+    loaded.model.flat_decode = None
+    assert _run(engine, prompts, max_tokens=4) == batched  # token ids and logprobs, bit for bit
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")

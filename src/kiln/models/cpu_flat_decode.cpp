@@ -16,7 +16,9 @@
 //               ff_norms (0: Llama's; 1: Gemma's post-attention norm of the attention alone, then a
 //               pre-feedforward norm with the residual; 2: and a post-feedforward norm), qk_norm (QKNorm:
 //               0 none, 1 Gemma's per-head norms then RoPE, 2 Qwen3's qk_norm_rope),
-//               activation (kSilu / kGeluTanh), window (paged decode's sliding window, -1: none)
+//               activation (kSilu / kGeluTanh), window (paged decode's sliding window, -1: none), then
+//               the four linears' panel_rows (from this many rows the panel kernel on the blocks,
+//               blocks_panel_gemm, as prepared_linear past the row and tile kernels; 0: never)
 //       floats  eps, scale, norm_offset (every norm's weight offset: Gemma's 1 + w), qk_eps
 //       tensors input_norm [H], post_norm [H], cos_sin_cache [P, R], key_cache, value_cache
 //               [blocks, block_size, Hkv, D], qkv bias [Q + 2 KV] if has_qkv_bias, ff_norms norms [H]
@@ -78,7 +80,7 @@ enum Kind : int64_t {
 // kinds with mins: values, scales and mins (no tiles); kKQuantsA8: the blocks and the parts table
 constexpr int64_t kKindTensors[kKinds] = {5, 4, 5, 4, 3, 3, 2};
 inline bool with_mins(int64_t kind) { return kind == kQ8BlocksMins || kind == kQ8BlocksMinsA8; }
-constexpr int64_t kInts = 18, kFloats = 4;
+constexpr int64_t kInts = 22, kFloats = 4;
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 // the q/k norm: none; Gemma's (rms_norm per head into new tensors, then RoPE); Qwen3's (qk_norm_rope)
 enum QKNorm : int64_t { kNoQKNorm = 0, kHeadNorm = 1, kQKNormRope = 2 };
@@ -123,9 +125,10 @@ struct Linear {
   int64_t kind;
   std::vector<at::Tensor> w;
   int64_t kquants_rows = 0;  // kKQuantsA8: the output's width (the parts' rows)
-  // from this many rows the tile kernel (native_cpu.blocks_tiles_rows(kind); 0: never); no upper bound
-  // here: FlatDecodeLayers.max_rows keeps T within every linear's tile rows
-  int64_t tiles_rows;
+  // from this many rows the tile kernel (native_cpu.blocks_tiles_rows(kind); 0: never), up to
+  // panel_rows; from panel_rows the panel kernel (0: never, and FlatDecodeLayers.max_rows keeps T within
+  // the tile and row kernels' rows)
+  int64_t tiles_rows, panel_rows;
 
   // x [T, K]: one row through the kind's one-row kernel; several (one token of each of T sequences)
   // through the exact multi-row kernels of its blocks, as prepared_linear's "*_blocks[_a8]_onednn"
@@ -137,6 +140,11 @@ struct Linear {
     }
     if (x.size(0) > 1) {
       const bool q4 = kind == kQ4Blocks || kind == kQ4BlocksA8;
+      if (panel_rows > 0 && x.size(0) >= panel_rows) {
+        RECORD_FUNCTION("kiln_cpu::blocks_panel_gemm", std::vector<c10::IValue>());
+        const bool mins = q4 || with_mins(kind);  // Q4 blocks: their m; Q5_K / stacked: their mins
+        return kiln_cpu::blocks_panel_gemm(x, w[0], w[1], mins ? std::optional<at::Tensor>(w[2]) : std::nullopt);
+      }
       if (tiles_rows > 0 && x.size(0) >= tiles_rows) {
         RECORD_FUNCTION(q4 ? "kiln_cpu::q4_tiles_gemm" : "kiln_cpu::q8_tiles_gemm", std::vector<c10::IValue>());
         return q4 ? kiln_cpu::q4_tiles_gemm(x, w[3], w[4], w[0].size(0))
@@ -212,6 +220,10 @@ struct FlatDecode : torch::CustomClassHolder {
       for (auto [i, linear] : {std::pair{0, &layer.qkv}, {1, &layer.o}, {2, &layer.gate_up}, {3, &layer.down}}) {
         linear->kind = in[i];
         linear->tiles_rows = in[10 + i];
+        linear->panel_rows = in[18 + i];
+        TORCH_CHECK(linear->panel_rows == 0 || (in[i] != kKQuantsA8 && linear->panel_rows > 1),
+                    "kiln_cpu.FlatDecode: layer ", l, ": weight kind ", in[i], " got panel_rows ",
+                    linear->panel_rows, " (kquants_a8: none; else 0 or more than one row)");
         TORCH_CHECK((!with_mins(in[i]) && in[i] != kKQuantsA8) || linear->tiles_rows == 0,
                     "kiln_cpu.FlatDecode: layer ", l, ": weight kind ", in[i],
                     " has no tiles (the kinds with mins and kquants_a8), got tiles_rows ",

@@ -27,7 +27,8 @@ q4_blocks_w8a8's blocks, up to the rows its blocks serve, and a K-quant file's k
 loop runs as one native call, `torch.classes.kiln_cpu.FlatDecode` (cpu_flat_decode.cpp): the same C++
 functions in the same order, without the Python and dispatch between them. It also takes batched decode
 steps (one token of each of up to `FlatDecodeLayers.max_rows` sequences: 32, or 64 for Q4 layers on
-AVX-512 builds, KQUANTS_ROWS where every linear is kquants_a8), whose linears then run the blocks'
+AVX-512 builds, KQUANTS_ROWS where every linear takes any row count: kquants_a8, or an exact blocks
+layout whose many-row calls run the panel kernel on its blocks), whose linears then run the blocks'
 multi-row kernels, as the modules do. `KILN_CPU_FLAT_DECODE=python` keeps
 the loop in Python (one token; to compare the two).
 """
@@ -76,8 +77,9 @@ NATIVE_LAYOUTS = {
 HYBRID_LAYOUTS = ("q4_blocks_w8a8_packed",)
 _NATIVE_KERNELS = {KERNELS[layout]: kind for layout, kind in NATIVE_LAYOUTS.items()}  # the same, by kernel
 _KQUANTS = KERNELS["kquants_a8"]
-# the most rows of a native call whose linears all are "kquants_a8" (its kernel takes any count): a
-# batched decode step's, which the engine's scheduler bounds well below this
+# the most rows of a native call whose linears all take any count ("kquants_a8", or blocks layouts with
+# the panel kernel past their row and tile kernels): a batched decode step's, which the engine's
+# scheduler bounds well below this
 KQUANTS_ROWS = 1024
 _HYBRID_KERNELS = {KERNELS[layout]: layout for layout in HYBRID_LAYOUTS}
 # the q/k norm before RoPE (FlatDecode's QKNorm): none; Gemma's rms_norm per head into new tensors, then
@@ -236,6 +238,7 @@ def _native_decode(args: list[_LayerArgs]):
         # from this many rows each linear's tile kernel (a hybrid's layer: never the tiles)
         ints += [0 if hybrid else _tiles_rows(k, w)[0] for k, w in linears]
         ints += [len(ff_norms), a.qk_norm_kind, _ACTIVATIONS[a.act_and_mul][0], a.window]
+        ints += [0 if hybrid else _panel_rows(k, w) for k, w in linears]  # from these rows: the panel
         floats += [float(a.eps), float(a.scale), float(a.norm_offset), float(a.qk_eps)]
     return torch.classes.kiln_cpu.FlatDecode(tensors, ints, floats)
 
@@ -256,8 +259,24 @@ def _native_rows(args: list[_LayerArgs]) -> int:
     if hybrid:
         return min(hybrid)
     gemm_rows = native_cpu.blocks_gemm_rows()
-    bounded = [max(gemm_rows, _tiles_rows(kernel, w)[1]) for kernel, w in linears if kernel is not _KQUANTS]
+    bounded = [
+        max(gemm_rows, _tiles_rows(kernel, w)[1])
+        for kernel, w in linears
+        if kernel is not _KQUANTS and not _panel_rows(kernel, w)
+    ]
     return min(bounded, default=KQUANTS_ROWS)
+
+
+def _panel_rows(kernel, weight) -> int:
+    """From how many rows a NATIVE_LAYOUTS linear runs the panel kernel on its blocks, as prepared_linear
+    routes them (past blocks_gemm_rows() and its tile kernel's rows, where the layout keeps no float32
+    copy: native_cpu.blocks_panel_runs()); 0 where it never does (kquants_a8: its own kernel)."""
+    if kernel is _KQUANTS:
+        return 0
+    blocks = _NATIVE_KERNELS[kernel][1]
+    if weight[blocks].numel():  # the float32 copy: oneDNN past the blocks' kernels, not native here
+        return 0
+    return max(native_cpu.blocks_gemm_rows(), _tiles_rows(kernel, weight)[1]) + 1
 
 
 def _tiles_rows(kernel, weight) -> tuple[int, int]:

@@ -59,6 +59,9 @@ at::Tensor kquants_a8_gemv(const at::Tensor& x, const at::Tensor& blocks, const 
 at::Tensor kquants_a8_gemm(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n);
 // gemm/cpu_block_tiles.cpp, gemm/cpu_q8_tiles.cpp
 at::Tensor q4_tiles_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales, int64_t n);
+// gemm/cpu_blocks_panel.cpp
+at::Tensor blocks_panel_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                             const std::optional<at::Tensor>& mins);
 at::Tensor q8_tiles_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales, int64_t n);
 
 }  // namespace kiln_cpu

@@ -140,12 +140,15 @@ void panel_gemm(const float* x, int64_t m, const Fields& f, int64_t n, float* y)
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t rows = std::min<int64_t>(kCols, m - c * kCols);
       float* dst = xt + c * k * kCols;
-      for (int64_t i = 0; i < kCols; ++i) {
-        if (i < rows) {
-          const float* src = x + (c * kCols + i) * k;
-          for (int64_t kk = 0; kk < k; ++kk) dst[kk * kCols + i] = src[kk];
-        } else {
-          for (int64_t kk = 0; kk < k; ++kk) dst[kk * kCols + i] = 0.f;
+      for (int64_t k0 = 0; k0 < k; k0 += kBlock) {  // a block of K at a time: its 4 KB of x^T in L1
+        float* block = dst + k0 * kCols;
+        for (int64_t i = 0; i < kCols; ++i) {
+          if (i < rows) {
+            const float* src = x + (c * kCols + i) * k + k0;
+            for (int64_t kk = 0; kk < kBlock; ++kk) block[kk * kCols + i] = src[kk];
+          } else {
+            for (int64_t kk = 0; kk < kBlock; ++kk) block[kk * kCols + i] = 0.f;
+          }
         }
       }
     }

@@ -686,7 +686,10 @@ def _fuzz_shapes(rng):
             k = INT8_K_MULTIPLE * rng.randint(1, 18)
         if any(q in K_QUANTS for q in source.split("+")):
             k = QK_K * rng.randint(1, 2)  # whole super-blocks
-        for m in (1, rng.randint(2, 70)):
+        rows = (1, rng.randint(2, 70))
+        if fmt in EXACT_FORMATS and source != "float":  # past the row and tile kernels: the panel kernel
+            rows += (rng.randint(65, 130),)
+        for m in rows:
             shapes.append(
                 {"M": m, "N": n, "K": k, "format": fmt, "source": source, "bias": (i + m) % 2 == 1,
                  "float32_out": i % 3 == 1}
