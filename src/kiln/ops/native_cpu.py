@@ -115,10 +115,13 @@ BLOCKS_GEMM_MAX_ROWS = 32
 # was 0.76x the row kernel at 8 rows and even at 16: this one takes one tile by up to 16 rows a pass.)
 # On AVX2 (8-lane) builds the Q4 tile kernel was slower than the row kernel (0.8-0.9x at 8-32 rows), and
 # the Q8_0 one is unmeasured there: neither runs on them.
-# Past them the panel kernel (kiln_cpu::blocks_panel_gemm, where blocks_panel_runs()); 2-core Zen 4,
-# Q4 tiles / panel: even at 32 rows, the panel 1.05-1.2x faster at 64 (SmolLM2's and Llama-3.2-1B's
-# shapes), but the tiles keep the batched decode's rows in one native call (FlatDecode) up to 64.
 BLOCKS_TILES_ROWS = {"q4": (8, 64), "q8": (16, 32)}
+# Where the panel kernel runs (blocks_panel_runs(): kiln_cpu::blocks_panel_gemm past the tiles), it takes
+# the Q4 rows past 32: 2-core Zen 4, the kernels alone, tiles / panel even at 32 rows, the panel 1.05-1.2x
+# faster at 64 (SmolLM2's and Llama-3.2-1B's shapes); SmolLM2's engine at 48 / 64 sequences (`kiln bench
+# engine --concurrency 48,64 --max-tokens 64`, two alternating pairs): 389 / 400 -> 408 / 409 and
+# 358 / 404 -> 415 / 422 tok/s.
+BLOCKS_TILES_ROWS_WITH_PANEL = {"q4": (8, 32), "q8": (16, 32)}
 
 _state: dict = {"loaded": None, "gemm_rows": None, "tiles_rows": None, "panel": None}
 logger = logging.getLogger(__name__)
@@ -147,9 +150,9 @@ def blocks_gemm_rows() -> int:
 
 def blocks_tiles_rows(kind: str) -> tuple[int, int]:
     """(first, last): the rows of x prepared_linear gives the "q4" (Q4 blocks) or "q8" (Q8_0) layouts'
-    tile kernel (q4_tiles_gemm / q8_tiles_gemm): BLOCKS_TILES_ROWS[kind] where the library is loaded and
-    built for AVX-512, else (0, 0) (no tile kernel: the layouts keep no tiles). A constant once `load`
-    ran, as blocks_gemm_rows()."""
+    tile kernel (q4_tiles_gemm / q8_tiles_gemm): BLOCKS_TILES_ROWS[kind] (BLOCKS_TILES_ROWS_WITH_PANEL's
+    where blocks_panel_runs()) where the library is loaded and built for AVX-512, else (0, 0) (no tile
+    kernel: the layouts keep no tiles). A constant once `load` ran, as blocks_gemm_rows()."""
     if kind not in BLOCKS_TILES_ROWS:
         raise ValueError(f"blocks_tiles_rows: kind {kind!r}, expected one of {', '.join(BLOCKS_TILES_ROWS)}")
     if _state["tiles_rows"] is None and not torch.compiler.is_compiling():
@@ -184,7 +187,8 @@ def load() -> bool:
         vector = _state["loaded"] and bool(flags)
         _state["gemm_rows"] = BLOCKS_GEMM_MAX_ROWS if vector else 1
         _state["panel"] = vector and os.environ.get("KILN_CPU_BLOCKS_PANEL", "1") != "0"
-        _state["tiles_rows"] = BLOCKS_TILES_ROWS if vector and "-DCPU_CAPABILITY_AVX512" in flags else {}
+        tiles = BLOCKS_TILES_ROWS_WITH_PANEL if _state["panel"] else BLOCKS_TILES_ROWS
+        _state["tiles_rows"] = tiles if vector and "-DCPU_CAPABILITY_AVX512" in flags else {}
     return _state["loaded"]
 
 

@@ -1,7 +1,8 @@
 // The tile kernel of the "q4_blocks[_a8]_onednn" layouts (kiln.ops.gemm.weight_formats): y = x @ W^T
 // for several rows of x (batched decode: prepared_linear and FlatDecode give it the rows of
-// native_cpu.blocks_tiles_rows("q4"), 8 to 64 on AVX-512 builds) on the GGUF Q4 blocks' exact values, from
-// a copy of the blocks made at load in 16-row tiles (kiln.ops.gemm.cpu_block_tiles.pack_q4):
+// native_cpu.blocks_tiles_rows("q4"), 8 to 32 on AVX-512 builds, 64 without the panel kernel) on the
+// GGUF Q4 blocks' exact values, from a copy of the blocks made at load in 16-row tiles
+// (kiln.ops.gemm.cpu_block_tiles.pack_q4):
 //
 //   tiles uint8 [ceil(N / 16), K / 32 * 256]: tile t, block g, byte j, row i holds byte j of row
 //       16 t + i's block g (low nibble weight 32 g + j, high nibble weight 32 g + j + 16);

@@ -6,8 +6,9 @@ weight rows, each block's bytes row-interleaved, so that one 16-byte load gives 
 rows; `q4_tiles_gemm` computes y = x @ W^T on those exact values (w = d * q + m in float32), each
 output vector holding 16 outputs (no horizontal sums) and each output one float32 sum in the same
 order whatever the number of rows (batch-invariant). prepared_linear and the flat decode loop give it
-the rows of native_cpu.blocks_tiles_rows("q4") (8 to 64 on AVX-512 builds; `layout_tiles` keeps no tiles
-elsewhere: on AVX2 the kernel measured slower than the row kernel, q4_blocks_gemm).
+the rows of native_cpu.blocks_tiles_rows("q4") (8 to 32 on AVX-512 builds, 64 where the panel kernel
+does not run; `layout_tiles` keeps no tiles elsewhere: on AVX2 the kernel measured slower than the
+row kernel, q4_blocks_gemm).
 
 `pack_q8` / `q8_tiles_gemm` do the same for Q8_0's values and scales (kiln.ops.gemm.cpu_q8_blocks.pack;
 w = d * q, exact in float32): the LM head of a batched step, and Q8_0 models' layers.

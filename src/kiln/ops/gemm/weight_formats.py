@@ -95,14 +95,14 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     kernel, kiln.ops.gemm.cpu_q4_blocks; 3x the fp16 GEMV's speed over SmolLM2's 120 decoder matrices
     on the 2-core Xeon this project measures on), 2 to native_cpu.blocks_gemm_rows() rows (batched
     decode) through kiln_cpu.q4_blocks_gemm on the same blocks or, for native_cpu.blocks_tiles_rows("q4")
-    rows (8 to 64, AVX-512 builds), kiln_cpu.q4_tiles_gemm on a copy of them in 16-row tiles
-    (kiln.ops.gemm.cpu_block_tiles; the same values, +0.625 byte a weight with Q4_0 / Q4_1's d and m
-    as float16, +0.75 with Q4_K's as float32), and more rows (prefill, large batches) through
-    kiln_cpu.blocks_panel_gemm on the blocks (kiln.ops.gemm.cpu_blocks_panel: each weight decoded once
-    a call to float32, the copy's values, into a panel of 14 rows; 0.8-1.0x oneDNN's fp32 GEMM from 64
-    rows on a 2-core Zen 4) where the native library has vector kernels, elsewhere through a
-    oneDNN-packed float32 copy of the same matrix (4 bytes a weight), as "fp32". Exact like "fp32", so
-    the probe times it by default. GGUF Q8_0 / Q5_0 / Q6_K weights get "q8_blocks"'s layout
+    rows (8 to 32, AVX-512 builds; to 64 without the panel kernel), kiln_cpu.q4_tiles_gemm on a copy of
+    them in 16-row tiles (kiln.ops.gemm.cpu_block_tiles; the same values, +0.625 byte a weight with
+    Q4_0 / Q4_1's d and m as float16, +0.75 with Q4_K's as float32), and more rows (prefill, large
+    batches) through kiln_cpu.blocks_panel_gemm on the blocks (kiln.ops.gemm.cpu_blocks_panel: each
+    weight decoded once a call to float32, the copy's values, into a panel of 14 rows; 0.8-1.0x oneDNN's
+    fp32 GEMM from 64 rows on a 2-core Zen 4) where the native library has vector kernels, elsewhere
+    through a oneDNN-packed float32 copy of the same matrix (4 bytes a weight), as "fp32". Exact like
+    "fp32", so the probe times it by default. GGUF Q8_0 / Q5_0 / Q6_K weights get "q8_blocks"'s layout
     (EXACT_BLOCKS_FORMAT), Q5_K ones "q8_blocks_mins_onednn" (under either format), and a fused
     projection whose parts mix GGUF types with no exact common one (GGUFStackedWeight: a Q4_K_M
     file's Q4_K q / k beside a Q6_K v in the layers llama.cpp gives v more bits) its one exact form,

@@ -9,11 +9,11 @@
                  fast path); the bias is added in float32;
   "int4_onednn"  one row: as "int4"; several rows: oneDNN's bf16 GEMM on the copy of the same matrix;
   "q4_blocks_onednn"  one row: q4_blocks_gemv (float32 on GGUF Q4 blocks' values, d and m, exact);
-                 native_cpu.blocks_tiles_rows("q4") rows (batched decode; AVX-512 builds: 8 to 64):
-                 q4_tiles_gemm on their 16-row tiles; other rows up to native_cpu.blocks_gemm_rows()
-                 (32 on AVX2 and AVX-512 builds, else 1): q4_blocks_gemm on the same blocks; more:
-                 blocks_panel_gemm on the blocks (vector builds: the layout keeps no float32 copy),
-                 else oneDNN's fp32 GEMM on the copy of the matrix;
+                 native_cpu.blocks_tiles_rows("q4") rows (batched decode; AVX-512 builds: 8 to 32,
+                 64 without the panel kernel): q4_tiles_gemm on their 16-row tiles; other rows up
+                 to native_cpu.blocks_gemm_rows() (32 on AVX2 and AVX-512 builds, else 1):
+                 q4_blocks_gemm on the same blocks; more: blocks_panel_gemm on the blocks (vector
+                 builds: the layout keeps no float32 copy), else oneDNN's fp32 GEMM on the copy;
   "q8_blocks_onednn"  one row: int8_blocks_gemv (float32 on GGUF Q8_0's values and scales, exact;
                  Kiln's native kernel); a few rows: q8_tiles_gemm for blocks_tiles_rows("q8") rows
                  (AVX-512: 16 to 32), else q8_blocks_gemm (as the Q4 layout above); more: as the Q4
