@@ -15,25 +15,19 @@ import sys
 
 CHILD = """
 import json, resource, sys, time
+from kiln.bench.engine import weight_layouts
 from kiln.loaders import load_model
-from kiln.ops.gemm.weight_formats import PreparedLinearWeight
 
 path, fmt = sys.argv[1], sys.argv[2]
 start = time.perf_counter()
 loaded = load_model(path, device="cpu", cpu_format=fmt, lm_head_format=fmt)
 seconds = time.perf_counter() - start
-storages, layouts = {}, {}
-for module in loaded.model.modules():
-    prepared = getattr(module, "prepared", None)
-    if isinstance(prepared, PreparedLinearWeight):
-        layouts[prepared.layout] = layouts.get(prepared.layout, 0) + 1
-        for tensor in prepared.tensors:
-            try:  # oneDNN's packed copies have no storage to ask: their elements' bytes then
-                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            except (RuntimeError, NotImplementedError):
-                storages[id(tensor)] = tensor.nbytes
+kept = weight_layouts(loaded.model)  # the layers' layouts, the head's, and their bytes
+layouts = dict(kept["layers"])
+if kept["lm_head"] is not None:
+    layouts[kept["lm_head"]] = layouts.get(kept["lm_head"], 0) + 1
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-print(json.dumps({"format": fmt, "weight_bytes": sum(storages.values()), "peak_rss_bytes": peak,
+print(json.dumps({"format": fmt, "weight_bytes": kept["bytes"], "peak_rss_bytes": peak,
                   "load_seconds": seconds, "layouts": layouts}))
 """
 
