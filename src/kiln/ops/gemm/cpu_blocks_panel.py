@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops import native_cpu
+from kiln.ops.gemm import cpu_q4_blocks
 
 _state: dict = {"loaded": None}
 
@@ -49,12 +50,13 @@ def blocks_panel_gemm(
 
 
 def block_matrix(values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
-    """The float32 [N, K] matrix the blocks stand for, each weight rounded once (as the kernel's): the
-    exact matrix of their layout (weight_formats.prepared_matrix) in float32."""
-    from kiln.ops.gemm.weight_formats import prepared_matrix  # (weight_formats imports this module)
-
+    """The float32 [N, K] matrix the blocks stand for, each weight rounded once (as the kernel's)."""
+    n, groups = scales.shape
     if values.dtype == torch.uint8:
-        return prepared_matrix("q4_blocks_onednn", (values, scales, mins)).to(torch.float32)
+        q = cpu_q4_blocks.block_values(values, groups).to(torch.float64)  # [N, groups, 32]
+    else:
+        q = values.to(torch.float64).view(n, groups, -1)
+    w = q * scales.to(torch.float64)[..., None]
     if mins is not None:
-        return prepared_matrix("q8_blocks_mins_onednn", (values, scales, mins)).to(torch.float32)
-    return prepared_matrix("q8_blocks_onednn", (values, scales)).to(torch.float32)
+        w = w + mins.to(torch.float64)[..., None]
+    return w.view(n, -1).to(torch.float32)
