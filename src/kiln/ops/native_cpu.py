@@ -16,11 +16,15 @@ their ops under torch.ops.kiln_cpu:
     gemm/cpu_kquants_a8.cpp                 kiln_cpu.kquants_a8_gemv / kquants_a8_gemm (GGUF Q4_K / Q5_K /
                                             Q6_K blocks as in the file, x quantized to Q8_K; one row / any
                                             rows, each as alone), kiln_cpu.quantize_q8_k
+    gemm/cpu_kquants.cpp                    kiln_cpu.kquants_gemm (the same blocks, exact float32: x
+                                            not rounded; the few-row kernel)
     gemm/cpu_gguf_rows.cpp                  kiln_cpu.gguf_rows (rows of a GGUF table decoded on lookup:
                                             the embeddings)
     gemm/cpu_block_tiles.cpp                kiln_cpu.q4_tiles_gemm (Q4 blocks in 16-row tiles, batched
                                             decode)
     gemm/cpu_q8_tiles.cpp                   kiln_cpu.q8_tiles_gemm (the same for Q8_0)
+    gemm/cpu_blocks_panel.cpp               kiln_cpu.blocks_panel_gemm, kquants_panel_gemm (the exact
+                                            blocks' many-row kernel)
     norm/rms_norm/rms_norm_cpu.cpp          kiln_cpu.rms_norm (float32)
     rope/rotary_embedding/rotary_embedding_cpu.cpp  kiln_cpu.rotary_embedding_ (float32, in place)
     activation/silu_and_mul/silu_and_mul_cpu.cpp    kiln_cpu.silu_and_mul (float32)
@@ -67,6 +71,7 @@ SOURCES = (
     os.path.join(_OPS, "gemm", "cpu_q8_blocks.cpp"),
     os.path.join(_OPS, "gemm", "cpu_blocks_a8.cpp"),
     os.path.join(_OPS, "gemm", "cpu_kquants_a8.cpp"),
+    os.path.join(_OPS, "gemm", "cpu_kquants.cpp"),
     os.path.join(_OPS, "gemm", "cpu_gguf_rows.cpp"),
     os.path.join(_OPS, "gemm", "cpu_block_tiles.cpp"),
     os.path.join(_OPS, "gemm", "cpu_q8_tiles.cpp"),
@@ -84,6 +89,7 @@ HEADERS = (
     os.path.join(_OPS, "gemm", "cpu_float_lanes.h"),
     os.path.join(_OPS, "gemm", "cpu_q8_activations.h"),
     os.path.join(_OPS, "gemm", "cpu_gguf_fields.h"),
+    os.path.join(_OPS, "gemm", "cpu_kquants_decode.h"),
     os.path.join(_OPS, "activation", "cpu_gated_rows.h"),
     os.path.join(_OPS, "native_cpu_ops.h"),
 )

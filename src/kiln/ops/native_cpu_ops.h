@@ -57,11 +57,14 @@ at::Tensor q8_blocks_mins_a8_gemv(const at::Tensor& x, const at::Tensor& values,
 // (x [1, K]; the gemm form: x [M, K], each row's outputs as the gemv's for that row alone)
 at::Tensor kquants_a8_gemv(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n);
 at::Tensor kquants_a8_gemm(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n);
+// gemm/cpu_kquants.cpp: the same blocks and parts, exact float32 (x [M, K]; each row's outputs as alone)
+at::Tensor kquants_gemm(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n);
 // gemm/cpu_block_tiles.cpp, gemm/cpu_q8_tiles.cpp
 at::Tensor q4_tiles_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales, int64_t n);
 // gemm/cpu_blocks_panel.cpp
 at::Tensor blocks_panel_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                              const std::optional<at::Tensor>& mins);
+at::Tensor kquants_panel_gemm(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n);
 at::Tensor q8_tiles_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& tile_scales, int64_t n);
 
 }  // namespace kiln_cpu

@@ -8,6 +8,9 @@
 //   Q8  values int8 [N, K], scales float32 [N, K / B] (B = 32, or 16: Q6_K), optional mins of the same
 //       shape (Q5_K, stacked weights):                                  w = q * d  /  fma(q, d, m)
 //
+// and, as kquants_panel_gemm (kiln.ops.gemm.cpu_kquants), GGUF K-quant blocks as the file stores them
+// (Q4_K / Q5_K / Q6_K parts, cpu_kquants_decode.h: the same float32 values by the same fma / product)
+//
 // each weight rounded once to float32: the float32 copy's values. A thread takes kRows weight rows at a
 // time (14 on AVX-512, 6 on AVX2), decodes them once for the whole call into a panel in L1 / L2 (per
 // GGUF block of 32: the rows' 32 floats in turn, so every broadcast of the micro-kernel is one base
@@ -15,7 +18,7 @@
 // packed once per call, each chunk [K][kCols], so a step loads two vectors of x and broadcasts each of
 // the kRows weights into two FMAs (28 of the 32 AVX-512 registers accumulate). Each output is one
 // float32 sum over k in order, fma(w, x, acc) from 0, whatever the call's rows: batch-invariant.
-// Registered as torch.ops.kiln_cpu.blocks_panel_gemm. Vector builds only replace the float32 copy
+// Registered as torch.ops.kiln_cpu.blocks_panel_gemm and kquants_panel_gemm. Vector builds only replace the float32 copy
 // (kiln.ops.native_cpu.blocks_panel_runs()); the scalar build's loop is the same sums, for the tests.
 
 #include <ATen/ATen.h>
@@ -23,6 +26,7 @@
 #include <torch/library.h>
 
 #include "cpu_float_lanes.h"
+#include "cpu_kquants_decode.h"
 #include "native_cpu_ops.h"
 
 #include <algorithm>
@@ -125,8 +129,11 @@ constexpr std::array<std::array<TileFn, kRows>, 2> kTiles = {
     tile_table<2>(std::make_integer_sequence<int, kRows>{}),
 };
 
-void panel_gemm(const float* x, int64_t m, const Fields& f, int64_t n, float* y) {
-  const int64_t k = f.k, groups = k / kBlock, chunks = (m + kCols - 1) / kCols;
+// y [m, n] = x [m, k] @ W^T, `decode_rows(n0, rows, panel)` writing weight rows n0 .. n0 + rows - 1 into
+// the panel (block g of row r at panel[(g * kRows + r) * 32])
+template <typename DecodeRows>
+void panel_gemm(const float* x, int64_t m, int64_t k, int64_t n, const DecodeRows& decode_rows, float* y) {
+  const int64_t groups = k / kBlock, chunks = (m + kCols - 1) / kCols;
   // x^T in chunks of kCols rows, zero past row m: xt[c][kk][i] = x[c * kCols + i][kk]. Up to
   // kCachedFloats in a buffer kept across calls (a fresh one faults its pages in on every call: ~3 % of
   // a SmolLM2-sized call), larger ones fresh.
@@ -160,9 +167,7 @@ void panel_gemm(const float* x, int64_t m, const Fields& f, int64_t n, float* y)
     alignas(64) float out[kRows][kCols];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kRows, rows = std::min<int64_t>(kRows, n - n0);
-      for (int64_t g = 0; g < groups; ++g) {
-        for (int64_t r = 0; r < rows; ++r) decode_block(f, n0 + r, g, panel.data() + (g * kRows + r) * kBlock);
-      }
+      decode_rows(n0, rows, panel.data());
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t cols = std::min<int64_t>(kCols, m - c * kCols);
         kTiles[cols > kLanes][rows - 1](panel.data(), xt + c * k * kCols, groups, out);
@@ -174,21 +179,78 @@ void panel_gemm(const float* x, int64_t m, const Fields& f, int64_t n, float* y)
     }
   });
 }
+void panel_gemm(const float* x, int64_t m, const Fields& f, int64_t n, float* y) {
+  const int64_t groups = f.k / kBlock;
+  panel_gemm(x, m, f.k, n, [&](int64_t n0, int64_t rows, float* panel) {
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t r = 0; r < rows; ++r) decode_block(f, n0 + r, g, panel + (g * kRows + r) * kBlock);
+    }
+  }, y);
+}
+
+// The K-quant rows of `parts` (cpu_kquants_decode.h): each super-block's 256 weights, kLanes a vector
+void kquants_panel(const float* x, int64_t m, int64_t k, const kiln_cpu::KQuantParts& parts,
+                    const uint8_t* blocks, int64_t n, float* y) {
+  const int64_t supers = k / kiln_cpu::kKQuantSuper;
+  panel_gemm(x, m, k, n, [&](int64_t n0, int64_t rows, float* panel) {
+    kiln_cpu::KQuantUnpacked u;
+    int64_t part = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* row = kiln_cpu::kquant_row(parts, blocks, supers, n0 + r, part);
+      const int64_t bytes = kiln_cpu::gguf_block(parts.types[part]).bytes;
+      kiln_cpu::with_kquant(parts.types[part], [&](auto t) {
+        for (int64_t s = 0; s < supers; ++s) {
+          kiln_cpu::unpack<decltype(t)::value>(row + s * bytes, u);
+          for (int v = 0; v < kiln_cpu::kKQuantSuper / kLanes; ++v) {
+            const int64_t g = s * (kiln_cpu::kKQuantSuper / kBlock) + v * kLanes / kBlock;
+            store(panel + (g * kRows + r) * kBlock + v * kLanes % kBlock, kiln_cpu::weights<decltype(t)::value>(u, v));
+          }
+        }
+      });
+    }
+  }, y);
+}
 #else
 // Scalar builds: the same sums in the same order (the layouts keep their float32 copy there, so only
-// the tests call this)
-void panel_gemm(const float* x, int64_t m, const Fields& f, int64_t n, float* y) {
+// the tests call this). `row_weights(row, w)` writes weight row `row`'s K floats to w.
+template <typename RowWeights>
+void rows_gemm(const float* x, int64_t m, int64_t k, int64_t n, const RowWeights& row_weights, float* y) {
   at::parallel_for(0, n, 1, [&](int64_t n0, int64_t n1) {
-    std::vector<float> w(f.k);
+    std::vector<float> w(k);
     for (int64_t row = n0; row < n1; ++row) {
-      for (int64_t i = 0; i < f.k; ++i) w[i] = f.weight(row, i);
+      row_weights(row, w.data());
       for (int64_t r = 0; r < m; ++r) {
         float acc = 0.f;
-        for (int64_t i = 0; i < f.k; ++i) acc = std::fma(w[i], x[r * f.k + i], acc);
+        for (int64_t i = 0; i < k; ++i) acc = std::fma(w[i], x[r * k + i], acc);
         y[r * n + row] = acc;
       }
     }
   });
+}
+
+void panel_gemm(const float* x, int64_t m, const Fields& f, int64_t n, float* y) {
+  rows_gemm(x, m, f.k, n, [&](int64_t row, float* w) {
+    for (int64_t i = 0; i < f.k; ++i) w[i] = f.weight(row, i);
+  }, y);
+}
+
+void kquants_panel(const float* x, int64_t m, int64_t k, const kiln_cpu::KQuantParts& parts,
+                    const uint8_t* blocks, int64_t n, float* y) {
+  const int64_t supers = k / kiln_cpu::kKQuantSuper;
+  rows_gemm(x, m, k, n, [&](int64_t row_index, float* w) {
+    kiln_cpu::KQuantUnpacked u;
+    int64_t part = 0;
+    const uint8_t* row = kiln_cpu::kquant_row(parts, blocks, supers, row_index, part);
+    const int64_t bytes = kiln_cpu::gguf_block(parts.types[part]).bytes;
+    kiln_cpu::with_kquant(parts.types[part], [&](auto t) {
+      for (int64_t s = 0; s < supers; ++s) {
+        kiln_cpu::unpack<decltype(t)::value>(row + s * bytes, u);
+        for (int i = 0; i < kiln_cpu::kKQuantSuper; ++i) {
+          w[s * kiln_cpu::kKQuantSuper + i] = kiln_cpu::weight<decltype(t)::value>(u, i);
+        }
+      }
+    });
+  }, y);
 }
 #endif
 
@@ -237,10 +299,28 @@ at::Tensor blocks_panel_gemm(const at::Tensor& x, const at::Tensor& values, cons
   return y;
 }
 
+at::Tensor kquants_panel_gemm(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n) {
+  const char* op = "kquants_panel_gemm";
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, op, ": x must be float32 [M, K], got ", x.scalar_type(),
+              " ", x.sizes());
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k > 0 && k % kKQuantSuper == 0, op, ": K = ", k, " must be a positive multiple of 256");
+  const KQuantParts table = read_kquant_parts(op, parts, k / kKQuantSuper, blocks, n);
+  const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m > 0 && n > 0) kquants_panel(xc.data_ptr<float>(), m, k, table, bc.data_ptr<uint8_t>(), n, y.data_ptr<float>());
+  return y;
+}
+
 }  // namespace kiln_cpu
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   m.def("blocks_panel_gemm(Tensor x, Tensor values, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("kquants_panel_gemm(Tensor x, Tensor blocks, Tensor parts, int n) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("blocks_panel_gemm", &kiln_cpu::blocks_panel_gemm); }
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
+  m.impl("blocks_panel_gemm", &kiln_cpu::blocks_panel_gemm);
+  m.impl("kquants_panel_gemm", &kiln_cpu::kquants_panel_gemm);
+}

@@ -53,6 +53,7 @@ inline Floats load(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline void store(float* p, Floats v) { _mm512_storeu_ps(p, v); }
+inline Floats add(Floats a, Floats b) { return _mm512_add_ps(a, b); }
 inline Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
 inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
 inline float sum(Floats v) { return _mm512_reduce_add_ps(v); }
@@ -76,6 +77,7 @@ inline Floats load(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline void store(float* p, Floats v) { _mm256_storeu_ps(p, v); }
+inline Floats add(Floats a, Floats b) { return _mm256_add_ps(a, b); }
 inline Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
 inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
 inline float sum(Floats v) { return hsum(v); }

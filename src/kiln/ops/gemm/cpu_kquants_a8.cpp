@@ -32,6 +32,7 @@
 
 #include "cpu_float_lanes.h"
 #include "cpu_gguf_fields.h"
+#include "cpu_kquants_decode.h"
 #include "cpu_q8_activations.h"
 #include "native_cpu_ops.h"
 
@@ -82,23 +83,7 @@ struct Q8K {
   }
 };
 
-// the parts table, read and checked: per part its GGML type, first output row and first byte
-struct Parts {
-  std::vector<int64_t> types, first_row, first_byte;
-};
-
-// Q4_K / Q5_K's 12 scale bytes -> the eight 6-bit scales (sc) and mins (m) as bytes, four to a word, as
-// ggml's get_scale_min_k4: bytes 0-3 hold sc 0-3 and the top bits of sc 4-7, bytes 4-7 the same for m,
-// bytes 8-11 the low four bits of sc 4-7 (low nibbles) and of m 4-7 (high nibbles)
-inline void k4_scales(const uint8_t* s, uint32_t* sc, uint32_t* m) {
-  uint32_t u[3];
-  std::memcpy(u, s, 12);
-  sc[0] = u[0] & 0x3f3f3f3fu;
-  m[0] = u[1] & 0x3f3f3f3fu;
-  sc[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-  m[1] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-}
-
+using kiln_cpu::k4_scales;
 using kiln_cpu::fp16_at;
 
 #if defined(KILN_FLOAT_LANES)
@@ -286,36 +271,10 @@ void q6_k_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, const uint
 #endif
 }
 
-Parts read_parts(const char* op, const at::Tensor& parts, int64_t supers, const at::Tensor& blocks, int64_t n) {
-  TORCH_CHECK(parts.device().is_cpu() && parts.scalar_type() == at::kLong && parts.dim() == 2 && parts.size(1) == 2 &&
-                  parts.size(0) >= 1,
-              op, ": parts must be int64 [P, 2] (GGML type, rows) on the CPU, P >= 1, got ", parts.scalar_type(), " ",
-              parts.sizes(), " on ", parts.device());
-  const at::Tensor pc = parts.contiguous();
-  const int64_t* pp = pc.data_ptr<int64_t>();
-  const int64_t count = parts.size(0);
-  Parts out{std::vector<int64_t>(count), std::vector<int64_t>(count + 1, 0), std::vector<int64_t>(count + 1, 0)};
-  for (int64_t i = 0; i < count; ++i) {
-    out.types[i] = pp[2 * i];
-    TORCH_CHECK(out.types[i] == kGgmlQ4K || out.types[i] == kGgmlQ5K || out.types[i] == kGgmlQ6K, op, ": part ", i,
-                " has GGML type ", out.types[i], "; the kernel takes Q4_K (12), Q5_K (13) and Q6_K (14)");
-    TORCH_CHECK(pp[2 * i + 1] >= 0, op, ": part ", i, " has ", pp[2 * i + 1], " rows");
-    out.first_row[i + 1] = out.first_row[i] + pp[2 * i + 1];
-    out.first_byte[i + 1] = out.first_byte[i] + pp[2 * i + 1] * supers * kiln_cpu::gguf_block(out.types[i]).bytes;
-  }
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 1 &&
-                  blocks.numel() == out.first_byte[count],
-              op, ": blocks must be uint8 [", out.first_byte[count], "] on the CPU (the parts' rows of K = ",
-              supers * kSuper, ", as their files store them), got ", blocks.scalar_type(), " ", blocks.sizes(), " on ",
-              blocks.device());
-  TORCH_CHECK(n == out.first_row[count], op, ": n = ", n, " but the parts hold ", out.first_row[count], " rows");
-  return out;
-}
-
 // y[m0 .. m0 + R - 1, begin .. end - 1]: rows [begin, end) of W times x rows [m0, m0 + R)
 template <int R>
-void run_group(const Q8K& xq, int64_t m0, const Parts& parts, const uint8_t* bp, int64_t begin, int64_t end,
-               float* yp, int64_t n) {
+void run_group(const Q8K& xq, int64_t m0, const kiln_cpu::KQuantParts& parts, const uint8_t* bp, int64_t begin,
+               int64_t end, float* yp, int64_t n) {
   XRows<R> x;
   for (int m = 0; m < R; ++m) {
     x.q[m] = xq.q.data() + (m0 + m) * xq.k;
@@ -346,7 +305,7 @@ at::Tensor run_kquants_a8(const char* op, const at::Tensor& x, int64_t rows, con
                           const at::Tensor& parts, int64_t n) {
   kiln_cpu::check_activation(op, x, rows, kSuper);
   const int64_t k = x.size(1);
-  const Parts table = read_parts(op, parts, k / kSuper, blocks, n);
+  const kiln_cpu::KQuantParts table = kiln_cpu::read_kquant_parts(op, parts, k / kSuper, blocks, n);
   const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
   const int64_t m = x.size(0);
   Q8K xq(m, k);

@@ -1,0 +1,165 @@
+"""kiln.ops.gemm.cpu_kquants: GGUF Q4_K / Q5_K / Q6_K blocks as the file stores them times x in exact
+float32 (the row kernel `kquants_gemm` and the panel kernel `kquants_panel_gemm`). References not
+written by Kiln: `gguf` decodes the weights' blocks (Kiln's packer writes the K-quant blocks, which
+gguf cannot); the panel kernel's decode is also checked bit for bit against the float32 weights the
+exact blocks layouts' panel kernel uses for the same matrices."""
+
+import random
+
+import pytest
+import torch
+
+from kiln.ops.gemm import cpu_blocks_panel, cpu_kquants_a8, cpu_q4_blocks, cpu_q8_blocks
+from kiln.ops.gemm import cpu_kquants as kquants
+from kiln.quant import quantize_blocks
+from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight
+from kiln.verify import assert_close
+
+gguf = pytest.importorskip("gguf")
+# plain weights of each type, and stacked projections mixing them (a Q4_K_M file's QKV)
+SOURCES = [("Q4_K",), ("Q5_K",), ("Q6_K",), ("Q4_K", "Q4_K", "Q6_K"), ("Q6_K", "Q5_K")]
+OPS = ("kquants_gemm", "kquants_panel_gemm")
+
+
+@pytest.fixture(scope="module")
+def native():
+    if not kquants.load():
+        pytest.skip("Kiln's native CPU library could not be built here (no C++ compiler or ninja)")
+
+
+def _part(qtype: str, n: int, k: int, g) -> GGUFWeight:
+    """Fresh values, each row at its own scale, in K-quant blocks."""
+    values = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.2
+    return GGUFWeight(qtype, quantize_blocks(values, qtype), (n, k))
+
+
+def _gguf_matrix(weight: GGUFWeight) -> torch.Tensor:
+    """gguf's decode of the weight, float32 [N, K] (its own float32 arithmetic)."""
+    kind = gguf.GGMLQuantizationType[weight.qtype]
+    return torch.from_numpy(gguf.quants.dequantize(weight.data.numpy(), kind)).view(weight.shape)
+
+
+def _weight(qtypes, k, g, sizes=(9, 17, 33)):
+    parts = [_part(q, random.choice(sizes), k, g) for q in qtypes]
+    weight = GGUFStackedWeight.stack(parts) if len(parts) > 1 else parts[0]
+    blocks, table = cpu_kquants_a8.pack(weight)
+    return parts, blocks, table, torch.cat([_gguf_matrix(p) for p in parts])
+
+
+@pytest.mark.parametrize("qtypes", SOURCES, ids="+".join)
+@pytest.mark.parametrize("op", OPS)
+def test_product_is_the_gguf_matrix_times_x_and_each_row_as_alone(op, qtypes, native, monkeypatch):
+    """Within 2e-6 of the float64 product with gguf's weights (K-term float32 sums: ~sqrt(K) * 6e-8
+    at these K), for row counts inside one group of the row kernel, past it (4 rows a group on AVX-512,
+    2 on AVX2) and past the panel's 32-row chunks; and each row of a call bit for bit its one-row call's
+    (batch invariance), with the output poisoned first."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    k = random.choice((256, 768, 2816))  # whole super-blocks; 2816: a Llama intermediate size
+    parts, blocks, table, matrix = _weight(qtypes, k, g)
+    n = matrix.shape[0]
+    x = torch.randn(41, k, generator=g) * torch.rand(41, 1, generator=g) * 3
+    fn = getattr(kquants, op)
+    alone = torch.cat([fn(x[i : i + 1], blocks, table, n) for i in range(41)])
+    assert_close(alone, x.double() @ matrix.double().T, 2e-6, f"{op}: W @ x")
+    for m in (2, 3, 4, 5, 7, 8, 33, 41):
+        y = torch.full((m, n), float("nan"))
+        y.copy_(fn(x[:m], blocks, table, n))
+        assert torch.equal(y, alone[:m]), f"{op}, {m} rows: not the rows' one-row results"
+    monkeypatch.setitem(kquants._state, "loaded", False)  # where the library cannot be built
+    assert_close(fn(x[:5], blocks, table, n), x[:5].double() @ matrix.double().T, 2e-6, "tensor form")
+
+
+@pytest.mark.parametrize("qtype", ("Q4_K", "Q5_K", "Q6_K"))
+def test_panel_weights_are_ggufs_float32_values_bit_for_bit(qtype, native):
+    """x = the identity reads each weight back once (w * 1 summed with zeros): the panel kernel's
+    decode is gguf's float32 decode exactly; and its products equal, bit for bit, those of the exact
+    blocks layouts' panel kernel on the same matrix (values re-packed: Q4 nibbles with d, m per 32;
+    int8 with a scale per 16; int8 with scale and min per 32): the same float32 weights, the same sums."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    k = 512
+    weight = _part(qtype, 29, k, g)
+    blocks, table = cpu_kquants_a8.pack(weight)
+    eye = torch.eye(k)
+    assert torch.equal(kquants.kquants_panel_gemm(eye, blocks, table, 29).T, _gguf_matrix(weight))
+    if qtype == "Q4_K":
+        fields = cpu_q4_blocks.pack(weight)
+    elif qtype == "Q6_K":
+        fields = (*cpu_q8_blocks.pack(weight), None)
+    else:
+        fields = cpu_q8_blocks.pack_with_mins(weight)
+    x = torch.randn(37, k, generator=g)
+    assert torch.equal(
+        kquants.kquants_panel_gemm(x, blocks, table, 29), cpu_blocks_panel.blocks_panel_gemm(x, *fields)
+    )
+
+
+def test_mins_and_offsets_count_and_nan_stays_in_its_row(native):
+    """Q4_K / Q5_K's mins enter the row kernel through x's sums per 32: an x with a large common
+    offset makes them dominate (a kernel without them is far off), still within float32 rounding of
+    the two large terms; a NaN in one row of x poisons that row's outputs only."""
+    g = torch.Generator().manual_seed(7)
+    for qtype in ("Q4_K", "Q5_K", "Q6_K"):
+        weight = _part(qtype, 33, 512, g)
+        blocks, table = cpu_kquants_a8.pack(weight)
+        matrix = _gguf_matrix(weight).double()
+        x = torch.randn(6, 512, generator=g) + 5.0
+        for op in OPS:
+            fn = getattr(kquants, op)
+            y = fn(x, blocks, table, 33)
+            ref = x.double() @ matrix.T
+            assert_close(y, ref, 1e-5, f"{qtype} {op}")
+            centered = x.double() - x.double().mean(-1, keepdim=True)
+            assert (centered @ matrix.T - ref).norm() > 0.1 * ref.norm()
+            poisoned = x.clone()
+            poisoned[2, 300] = float("nan")
+            y2 = fn(poisoned, blocks, table, 33)
+            assert torch.isnan(y2[2]).all()
+            assert torch.equal(y2[:2], y[:2]) and torch.equal(y2[3:], y[3:])
+
+
+def test_kquants_matmul_routes_by_rows(native, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    _, blocks, table, _ = _weight(("Q4_K", "Q6_K"), 256, g)
+    n = int(table[:, 1].sum())
+    for m in (1, kquants.ROWS_KERNEL_MAX, kquants.ROWS_KERNEL_MAX + 1, 40):
+        x = torch.randn(m, 256, generator=g)
+        expected = (kquants.kquants_gemm if m <= kquants.ROWS_KERNEL_MAX else kquants.kquants_panel_gemm)(
+            x, blocks, table, n
+        )
+        assert torch.equal(kquants.kquants_matmul(x, blocks, table, n), expected)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_malformed_inputs_are_named(op, native):
+    g = torch.Generator().manual_seed(5)
+    _, blocks, table, _ = _weight(("Q4_K",), 512, g, sizes=(16,))
+    native_op = getattr(torch.ops.kiln_cpu, op)
+    x = torch.randn(2, 512)
+    with pytest.raises(RuntimeError, match=f"{op}: K = 500 must be a positive multiple of 256"):
+        native_op(torch.randn(2, 500), blocks, table, 16)
+    with pytest.raises(RuntimeError, match=f"{op}: x must be float32"):
+        native_op(x.double(), blocks, table, 16)
+    with pytest.raises(RuntimeError, match=f"{op}: n = 17 but the parts hold 16 rows"):
+        native_op(x, blocks, table, 17)
+    with pytest.raises(RuntimeError, match=f"{op}: blocks must be uint8"):
+        native_op(x, blocks[:-1], table, 16)
+    with pytest.raises(RuntimeError, match=f"{op}: part 0 has GGML type 8"):
+        native_op(x, blocks, torch.tensor([[8, 16]]), 16)
+    with pytest.raises(RuntimeError, match=f"{op}: parts must be int64"):
+        native_op(x, blocks, table.int(), 16)
+    with pytest.raises(ValueError, match=f"{op}: x must be a floating-point CPU tensor"):
+        getattr(kquants, op)(torch.randn(2, 300), blocks, table, 16)
+
+
+def test_a_compiled_call_holds_the_native_ops(native):
+    """The fakes let torch.compile keep each op as one node (no graph break, the same result)."""
+    g = torch.Generator().manual_seed(9)
+    _, blocks, table, _ = _weight(("Q4_K", "Q6_K"), 256, g)
+    n = int(table[:, 1].sum())
+    x = torch.randn(3, 256, generator=g)
+    for op in OPS:
+        fn = getattr(kquants, op)
+        compiled = torch.compile(
+            lambda t, fn=fn: fn(t, blocks, table, n) * 2.0, backend="eager", fullgraph=True
+        )
+        assert torch.equal(compiled(x), fn(x, blocks, table, n) * 2.0)
