@@ -18,6 +18,7 @@ from kiln.ops.gemm.weight_formats import prepare_linear_weight, prepared_matrix
 from kiln.quant import quantize_blocks
 from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight
 from kiln.verify import assert_close
+from tests.ops.gemm.kquant_weights import gguf_matrix, random_part
 from tests.ops.gemm.native_gemv_child import assert_compiled_call_holds_native_op
 
 gguf = pytest.importorskip("gguf")
@@ -29,17 +30,6 @@ TYPES = ("Q4_K", "Q5_K", "Q6_K")
 def native():
     if not kquants.load():
         pytest.skip("Kiln's native CPU library could not be built here (no C++ compiler or ninja)")
-
-
-def _part(qtype: str, n: int, k: int, g) -> GGUFWeight:
-    """Fresh values, each row at its own scale, in K-quant blocks."""
-    values = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.2
-    return GGUFWeight(qtype, quantize_blocks(values, qtype), (n, k))
-
-
-def _gguf_matrix(weight: GGUFWeight) -> torch.Tensor:
-    kind = gguf.GGMLQuantizationType[weight.qtype]
-    return torch.from_numpy(gguf.quants.dequantize(weight.data.numpy(), kind)).double().view(weight.shape)
 
 
 def _gguf_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,10 +77,10 @@ def test_kquants_a8_gemv_is_w_times_the_gguf_quantized_x(qtypes, native, monkeyp
     # rows: ||out - ref|| / ||ref|| over one output that cancels can exceed any fixed bound (150 seeds
     # per type at 15-40 rows: at most 8e-7)
     sizes = (1, 15, 17, 40) if len(qtypes) > 1 else (15, 17, 40)
-    parts = [_part(q, random.choice(sizes), k, g) for q in qtypes]
+    parts = [random_part(q, random.choice(sizes), k, g) for q in qtypes]
     blocks, table = kquants.pack(GGUFStackedWeight.stack(parts) if len(parts) > 1 else parts[0])
     assert table.tolist() == [[kquants.QTYPE_IDS[p.qtype], p.shape[0]] for p in parts]
-    matrix = torch.cat([_gguf_matrix(p) for p in parts])
+    matrix = torch.cat([gguf_matrix(p).double() for p in parts])
     assert torch.equal(kquants.matrix(blocks, table, k).double(), matrix)
     n = matrix.shape[0]
     x = torch.randn(1, k, generator=g) * 3
@@ -115,13 +105,13 @@ def test_the_offsets_and_mins_count(native):
     scaled sums: float32 rounding of the two large terms, hence 1e-5 here rather than 1e-6)."""
     g = torch.Generator().manual_seed(7)
     for qtype in TYPES:
-        weight = _part(qtype, 33, 512, g)
+        weight = random_part(qtype, 33, 512, g)
         blocks, table = kquants.pack(weight)
         x = torch.randn(1, 512, generator=g) + 5.0
         y = kquants.kquants_a8_gemv(x, blocks, table, 33)
         q, d = _gguf_q8_k(x)
         x_gguf = (q.view(1, -1, 256).double() * d.view(1, -1, 1).double()).view(1, 512)
-        matrix = _gguf_matrix(weight)
+        matrix = gguf_matrix(weight).double()
         ref = x_gguf @ matrix.T
         assert_close(y, ref, 1e-5, qtype)
         # the offset's share: x' minus its mean per 256 gives a result off by far more than that
@@ -145,7 +135,7 @@ def test_kquants_a8_gemm_rows_equal_the_one_row_kernel_bit_for_bit(qtypes, nativ
     per row."""
     g = torch.Generator().manual_seed(random.randrange(2**31))
     k = random.choice((256, 768))
-    parts = [_part(q, random.choice((9, 17, 33)), k, g) for q in qtypes]
+    parts = [random_part(q, random.choice((9, 17, 33)), k, g) for q in qtypes]
     blocks, table = kquants.pack(GGUFStackedWeight.stack(parts) if len(parts) > 1 else parts[0])
     n = int(table[:, 1].sum())
     x = torch.randn(19, k, generator=g) * torch.rand(19, 1, generator=g) * 4
@@ -154,7 +144,7 @@ def test_kquants_a8_gemm_rows_equal_the_one_row_kernel_bit_for_bit(qtypes, nativ
         y = torch.full((m, n), float("nan"))
         y.copy_(kquants.kquants_a8_gemm(x[:m], blocks, table, n))
         assert torch.equal(y, alone[:m]), f"{m} rows"
-    matrix = torch.cat([_gguf_matrix(p) for p in parts])
+    matrix = torch.cat([gguf_matrix(p).double() for p in parts])
     assert_close(alone, _x_q8_k(x) @ matrix.T, 2e-6, "W @ x' per row")
     monkeypatch.setitem(kquants._state, "loaded", False)  # the tensor form: the same values, other sums
     assert_close(kquants.kquants_a8_gemm(x, blocks, table, n), _x_q8_k(x) @ matrix.T, 2e-6, "tensor form")
@@ -169,7 +159,7 @@ def test_the_a8_formats_keep_only_the_file_blocks_of_k_quant_weights(native):
     [N, 0]: no second copy of the matrix (the Q8_0-x layouts keep float32 copies and tiles besides
     their blocks); a Q8_0 weight, or a stack with a Q8_0 part, keeps its Q8_0-x layout."""
     g = torch.Generator().manual_seed(11)
-    q4k, q6k = _part("Q4_K", 20, 256, g), _part("Q6_K", 12, 256, g)
+    q4k, q6k = random_part("Q4_K", 20, 256, g), random_part("Q6_K", 12, 256, g)
     q8 = GGUFWeight("Q8_0", quantize_blocks(torch.randn(12, 256, generator=g), "Q8_0"), (12, 256))
     for fmt in ("q4_blocks_a8", "q8_blocks_a8"):
         for weight, kept in ((q4k, (q4k,)), (q6k, (q6k,)), (GGUFStackedWeight.stack([q4k, q6k]), (q4k, q6k))):
@@ -192,7 +182,7 @@ def test_the_a8_formats_keep_only_the_file_blocks_of_k_quant_weights(native):
 
 def test_prepared_linear_quantizes_every_row_to_q8_k_as_the_reference_does(native):
     g = torch.Generator().manual_seed(13)
-    weight = GGUFStackedWeight.stack([_part("Q4_K", 24, 512, g), _part("Q6_K", 8, 512, g)])
+    weight = GGUFStackedWeight.stack([random_part("Q4_K", 24, 512, g), random_part("Q6_K", 8, 512, g)])
     prepared = prepare_linear_weight(weight, device=CPU, dtype=torch.float32, cpu_format="q4_blocks_a8")
     assert prepared.layout == "kquants_a8"
     matrix = weight.dequantize(torch.float64)
@@ -214,7 +204,7 @@ def test_prepared_linear_quantizes_every_row_to_q8_k_as_the_reference_does(nativ
 
 def test_malformed_k_quant_inputs_are_named(native):
     g = torch.Generator().manual_seed(17)
-    weight = _part("Q4_K", 20, 512, g)
+    weight = random_part("Q4_K", 20, 512, g)
     blocks, table = kquants.pack(weight)
     x, ops = torch.randn(1, 512, generator=g), torch.ops.kiln_cpu
     with pytest.raises(RuntimeError, match=r"part 0 has GGML type 8; the kernel takes Q4_K \(12\)"):

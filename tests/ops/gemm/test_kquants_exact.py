@@ -11,9 +11,9 @@ import torch
 
 from kiln.ops.gemm import cpu_blocks_panel, cpu_kquants_a8, cpu_q4_blocks, cpu_q8_blocks
 from kiln.ops.gemm import cpu_kquants as kquants
-from kiln.quant import quantize_blocks
-from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight
+from kiln.quant.gguf_blocks import GGUFStackedWeight
 from kiln.verify import assert_close
+from tests.ops.gemm.kquant_weights import gguf_matrix, random_part
 
 gguf = pytest.importorskip("gguf")
 # plain weights of each type, and stacked projections mixing them (a Q4_K_M file's QKV)
@@ -27,23 +27,11 @@ def native():
         pytest.skip("Kiln's native CPU library could not be built here (no C++ compiler or ninja)")
 
 
-def _part(qtype: str, n: int, k: int, g) -> GGUFWeight:
-    """Fresh values, each row at its own scale, in K-quant blocks."""
-    values = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.2
-    return GGUFWeight(qtype, quantize_blocks(values, qtype), (n, k))
-
-
-def _gguf_matrix(weight: GGUFWeight) -> torch.Tensor:
-    """gguf's decode of the weight, float32 [N, K] (its own float32 arithmetic)."""
-    kind = gguf.GGMLQuantizationType[weight.qtype]
-    return torch.from_numpy(gguf.quants.dequantize(weight.data.numpy(), kind)).view(weight.shape)
-
-
 def _weight(qtypes, k, g, sizes=(9, 17, 33)):
-    parts = [_part(q, random.choice(sizes), k, g) for q in qtypes]
+    parts = [random_part(q, random.choice(sizes), k, g) for q in qtypes]
     weight = GGUFStackedWeight.stack(parts) if len(parts) > 1 else parts[0]
     blocks, table = cpu_kquants_a8.pack(weight)
-    return parts, blocks, table, torch.cat([_gguf_matrix(p) for p in parts])
+    return parts, blocks, table, torch.cat([gguf_matrix(p) for p in parts])
 
 
 @pytest.mark.parametrize("qtypes", SOURCES, ids="+".join)
@@ -77,10 +65,10 @@ def test_panel_weights_are_ggufs_float32_values_bit_for_bit(qtype, native):
     int8 with a scale per 16; int8 with scale and min per 32): the same float32 weights, the same sums."""
     g = torch.Generator().manual_seed(random.randrange(2**31))
     k = 512
-    weight = _part(qtype, 29, k, g)
+    weight = random_part(qtype, 29, k, g)
     blocks, table = cpu_kquants_a8.pack(weight)
     eye = torch.eye(k)
-    assert torch.equal(kquants.kquants_panel_gemm(eye, blocks, table, 29).T, _gguf_matrix(weight))
+    assert torch.equal(kquants.kquants_panel_gemm(eye, blocks, table, 29).T, gguf_matrix(weight))
     if qtype == "Q4_K":
         fields = cpu_q4_blocks.pack(weight)
     elif qtype == "Q6_K":
@@ -99,9 +87,9 @@ def test_mins_and_offsets_count_and_nan_stays_in_its_row(native):
     the two large terms; a NaN in one row of x poisons that row's outputs only."""
     g = torch.Generator().manual_seed(7)
     for qtype in ("Q4_K", "Q5_K", "Q6_K"):
-        weight = _part(qtype, 33, 512, g)
+        weight = random_part(qtype, 33, 512, g)
         blocks, table = cpu_kquants_a8.pack(weight)
-        matrix = _gguf_matrix(weight).double()
+        matrix = gguf_matrix(weight).double()
         x = torch.randn(6, 512, generator=g) + 5.0
         for op in OPS:
             fn = getattr(kquants, op)

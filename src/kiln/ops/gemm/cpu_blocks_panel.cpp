@@ -18,8 +18,9 @@
 // packed once per call, each chunk [K][kCols], so a step loads two vectors of x and broadcasts each of
 // the kRows weights into two FMAs (28 of the 32 AVX-512 registers accumulate). Each output is one
 // float32 sum over k in order, fma(w, x, acc) from 0, whatever the call's rows: batch-invariant.
-// Registered as torch.ops.kiln_cpu.blocks_panel_gemm and kquants_panel_gemm. Vector builds only replace the float32 copy
-// (kiln.ops.native_cpu.blocks_panel_runs()); the scalar build's loop is the same sums, for the tests.
+// Registered as torch.ops.kiln_cpu.blocks_panel_gemm and kquants_panel_gemm. Vector builds only replace
+// the float32 copy (kiln.ops.native_cpu.blocks_panel_runs()); the scalar build's loop is the same sums,
+// for the tests.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -300,13 +301,8 @@ at::Tensor blocks_panel_gemm(const at::Tensor& x, const at::Tensor& values, cons
 }
 
 at::Tensor kquants_panel_gemm(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n) {
-  const char* op = "kquants_panel_gemm";
-  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, op, ": x must be float32 [M, K], got ", x.scalar_type(),
-              " ", x.sizes());
+  const KQuantParts table = check_kquant_args("kquants_panel_gemm", x, blocks, parts, n);
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k > 0 && k % kKQuantSuper == 0, op, ": K = ", k, " must be a positive multiple of 256");
-  const KQuantParts table = read_kquant_parts(op, parts, k / kKQuantSuper, blocks, n);
   const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
   if (m > 0 && n > 0) kquants_panel(xc.data_ptr<float>(), m, k, table, bc.data_ptr<uint8_t>(), n, y.data_ptr<float>());

@@ -284,13 +284,8 @@ void rows_kernel(const float* x, const float* /*xsum*/, int64_t m, int64_t k, co
 namespace kiln_cpu {
 
 at::Tensor kquants_gemm(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, int64_t n) {
-  const char* op = "kquants_gemm";
-  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, op, ": x must be float32 [M, K], got ", x.scalar_type(),
-              " ", x.sizes());
+  const KQuantParts table = check_kquant_args("kquants_gemm", x, blocks, parts, n);
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k > 0 && k % kKQuantSuper == 0, op, ": K = ", k, " must be a positive multiple of 256");
-  const KQuantParts table = read_kquant_parts(op, parts, k / kKQuantSuper, blocks, n);
   const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;

@@ -64,6 +64,18 @@ inline KQuantParts read_kquant_parts(const char* op, const at::Tensor& parts, in
   return out;
 }
 
+// The checks both exact K-quant ops share: x float32 [M, K] on the CPU, K a positive multiple of 256,
+// and the parts table for it (read_kquant_parts); errors name `op`
+inline KQuantParts check_kquant_args(const char* op, const at::Tensor& x, const at::Tensor& blocks,
+                                     const at::Tensor& parts, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, op, ": x must be float32 [M, K], got ", x.scalar_type(),
+              " ", x.sizes());
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k > 0 && k % kKQuantSuper == 0, op, ": K = ", k, " must be a positive multiple of 256");
+  return read_kquant_parts(op, parts, k / kKQuantSuper, blocks, n);
+}
+
 // Output row r's part (`part`: a hint, the previous row's, moved forward as needed) and its bytes
 inline const uint8_t* kquant_row(const KQuantParts& parts, const uint8_t* blocks, int64_t supers, int64_t r,
                                  int64_t& part) {
@@ -103,22 +115,12 @@ inline void k4_scale_offset(const uint8_t* b, float* scale, float* offset) {
 #endif
 
 // Super-block b of Q4_K (High false) or Q5_K (High true) -> q int8 [256] (its quants: 0..15 / 0..31)
-// and per sub-block of 32 weights a float32 scale d sc_j and offset -(dmin m_j) [8] each: weight i is
-// fma(q[i], scale[i / 32], offset[i / 32]), exactly (the header's table)
+// and per sub-block of 32 weights a float32 scale d sc_j and offset -(dmin m_j) [8] each (aligned to 32):
+// weight i is fma(q[i], scale[i / 32], offset[i / 32]), exactly (the header's table)
 template <bool High>
 inline void unpack_k4(const uint8_t* b, int8_t* q, float* scale, float* offset) {
-  uint32_t sc[2], mn[2];
-  k4_scales(b + 4, sc, mn);
 #if defined(KILN_FLOAT_LANES)
-  int32_t d_dmin;
-  std::memcpy(&d_dmin, b, 4);
-  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(d_dmin));  // d, dmin
-  const __m128i bytes = _mm_set_epi32(mn[1], mn[0], sc[1], sc[0]);
-  const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-  const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
-  _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(_mm_cvtss_f32(dd)), scales));
-  const __m256 dmin = _mm256_set1_ps(_mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 0x55)));
-  _mm256_storeu_ps(offset, _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(dmin, mins)));  // -(dmin m)
+  k4_scale_offset(b, scale, offset);
   // 32 nibble bytes a step: sub-block 2j in their low nibbles, 2j + 1 in their high ones; Q5_K's bit j
   // of qh[l] is weight l of sub-block j's fifth bit
   const uint8_t* qs = b + (High ? 48 : 16);
@@ -135,6 +137,8 @@ inline void unpack_k4(const uint8_t* b, int8_t* q, float* scale, float* offset) 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * j + 32), hi);
   }
 #else
+  uint32_t sc[2], mn[2];
+  k4_scales(b + 4, sc, mn);
   const float d = fp16_at(b), dmin = fp16_at(b + 2);
   for (int j = 0; j < 8; ++j) {
     const int s = static_cast<int>((sc[j / 4] >> (8 * (j % 4))) & 0xff);
