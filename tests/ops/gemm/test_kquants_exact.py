@@ -38,23 +38,29 @@ def _weight(qtypes, k, g, sizes=(9, 17, 33)):
 @pytest.mark.parametrize("op", OPS)
 def test_product_is_the_gguf_matrix_times_x_and_each_row_as_alone(op, qtypes, native, monkeypatch):
     """Within 2e-6 of the float64 product with gguf's weights (K-term float32 sums: ~sqrt(K) * 6e-8
-    at these K), for row counts inside one group of the row kernel, past it (4 rows a group on AVX-512,
-    2 on AVX2) and past the panel's 32-row chunks; and each row of a call bit for bit its one-row call's
-    (batch invariance), with the output poisoned first."""
+    at these K), for row counts inside one pass of the row kernel (5 x rows on AVX-512, 4 on AVX2), past
+    it and past the panel's 32-row chunks; each row of a call bit for bit what it gets beside one other
+    row (batch invariance; the row kernel's one-row path sums in its own order, the panel's is the same),
+    with the output poisoned first."""
     g = torch.Generator().manual_seed(random.randrange(2**31))
     k = random.choice((256, 768, 2816))  # whole super-blocks; 2816: a Llama intermediate size
     parts, blocks, table, matrix = _weight(qtypes, k, g)
     n = matrix.shape[0]
     x = torch.randn(41, k, generator=g) * torch.rand(41, 1, generator=g) * 3
     fn = getattr(kquants, op)
+    ref = x.double() @ matrix.double().T
     alone = torch.cat([fn(x[i : i + 1], blocks, table, n) for i in range(41)])
-    assert_close(alone, x.double() @ matrix.double().T, 2e-6, f"{op}: W @ x")
-    for m in (2, 3, 4, 5, 7, 8, 33, 41):
+    assert_close(alone, ref, 2e-6, f"{op}: W @ x, one row a call")
+    paired = torch.cat([fn(x[[i, (i + 7) % 41]], blocks, table, n)[:1] for i in range(41)])
+    assert_close(paired, ref, 2e-6, f"{op}: W @ x, two rows a call")
+    if op == "kquants_panel_gemm":
+        assert torch.equal(paired, alone)
+    for m in (3, 4, 5, 6, 8, 11, 33, 41):
         y = torch.full((m, n), float("nan"))
         y.copy_(fn(x[:m], blocks, table, n))
-        assert torch.equal(y, alone[:m]), f"{op}, {m} rows: not the rows' one-row results"
+        assert torch.equal(y, paired[:m]), f"{op}, {m} rows: a row's outputs depend on the others"
     monkeypatch.setitem(kquants._state, "loaded", False)  # where the library cannot be built
-    assert_close(fn(x[:5], blocks, table, n), x[:5].double() @ matrix.double().T, 2e-6, "tensor form")
+    assert_close(fn(x[:5], blocks, table, n), ref[:5], 2e-6, "tensor form")
 
 
 @pytest.mark.parametrize("qtype", ("Q4_K", "Q5_K", "Q6_K"))

@@ -6,15 +6,15 @@
 //   Q4_K / Q5_K  factored per sub-block of 32, as cpu_q4_blocks.cpp's kernels:
 //                y = sum_j (d sc_j) sum_i q_i x_i  -  sum_j (dmin m_j) sum_i x_i
 //                (x's sums per 32 computed once a call; the second sum eight lanes a super-block)
-//   Q6_K         one fma(q - 32, d sc_j) per weight (exact), then one FMA into each row's sums
+//   Q6_K         one fma(q - 32, d sc_j) per weight (exact), then one FMA into the row's sums
 //
-// A row keeps kAcc accumulators (sub-block or vector j into j % kAcc), added pairwise at the end, so
-// that one x row still has several FMA chains in flight. x rows run in groups of up to kGroup against
-// each weight row (its blocks unpacked once a group; a Q6_K row past one group is decoded once into a
-// float buffer the groups read, the same values and sums). Each (x row, weight row) pair takes the same
-// operations in the same order whatever the call's row count, so a row's outputs are bit for bit those
-// it gets alone (batch invariant). Many rows go to the panel kernel (cpu_blocks_panel.cpp). Registered
-// as torch.ops.kiln_cpu.kquants_gemm.
+// with kOneRowAcc accumulators (sub-block or vector j into j % kOneRowAcc) added pairwise at the end, so
+// that the one row keeps several FMA chains in flight. Two or more rows (rows_times_rows): up to kXRows
+// x rows a pass against kXRows / R weight rows at once, each super-block unpacked once for the pass and
+// each weight vector exact (fma(q, d sc_j, -(dmin m_j)) / fma(q - 32, d sc_j, 0)), one FMA chain per (x
+// row, weight row) pair: a row's outputs are bit for bit the same whatever other rows share the call
+// (from 2 rows on; the one-row kernel sums in another order). Many rows go to the panel kernel
+// (cpu_blocks_panel.cpp). Registered as torch.ops.kiln_cpu.kquants_gemm.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,6 +25,8 @@
 #include "native_cpu_ops.h"
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -37,48 +39,24 @@ constexpr int64_t kPrefetchAhead = 4096;  // as cpu_q4_blocks.cpp: this far ahea
 
 #if defined(KILN_FLOAT_LANES)
 using namespace kiln_cpu::lanes;  // Floats: kLanes floats, 16 (AVX-512) or 8 (AVX2)
-constexpr int kAcc = 4;           // accumulators per x row
 constexpr int kPieces = kKQuantSuper / kLanes;
-// x rows a pass: kGroup * kAcc accumulators stay in registers (32 AVX-512 registers, 16 AVX2 ones)
-constexpr int kGroup = kLanes == 16 ? 4 : 2;
+constexpr int kOneRowAcc = 4;  // accumulators of the one-row kernel: FMA chains in flight for one row
+// x rows a pass of the several-row kernel, and its (x row, weight row) chains: with R x rows it reads
+// kXRows / R weight rows at once (32 AVX-512 registers, 16 AVX2 ones)
+constexpr int kXRows = kLanes == 16 ? 5 : 4;
 
-template <int R>
-inline void finish(Floats (&acc)[R][kAcc], float* y, int64_t stride) {
-  for (int r = 0; r < R; ++r) {
-    y[r * stride] = sum(add(add(acc[r][0], acc[r][1]), add(acc[r][2], acc[r][3])));
+// Accumulators added pairwise, then across lanes
+template <int A>
+inline float total(const Floats (&acc)[A]) {
+  if constexpr (A == 4) {
+    return sum(add(add(acc[0], acc[1]), add(acc[2], acc[3])));
+  } else {
+    return sum(add(acc[0], acc[1]));
   }
-}
-
-// R rows of x (x[r], K = supers * 256) times one weight row of type T at `row`, decoding as it goes;
-// y[r * stride]. `stop`: prefetch no further (the row itself: none).
-template <int R, KQuant T>
-void rows_times_blocks(const float* const* x, const uint8_t* row, int64_t supers, const uint8_t* stop, float* y,
-                       int64_t stride) {
-  constexpr int64_t bytes = T == KQuant::kQ4K ? 144 : T == KQuant::kQ5K ? 176 : 210;
-  Floats acc[R][kAcc];
-  for (int r = 0; r < R; ++r) {
-    for (int a = 0; a < kAcc; ++a) acc[r][a] = zero();
-  }
-  KQuantUnpacked u;
-  for (int64_t s = 0; s < supers; ++s) {
-    const uint8_t* b = row + s * bytes;
-    for (const uint8_t* p = b + kPrefetchAhead; p < b + kPrefetchAhead + bytes && p < stop; p += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-    }
-    kiln_cpu::unpack<T>(b, u);
-#pragma GCC unroll 32
-    for (int v = 0; v < kPieces; ++v) {
-      const Floats w = kiln_cpu::weights<T>(u, v);
-      for (int r = 0; r < R; ++r) {
-        acc[r][v % kAcc] = fmadd(w, load(x[r] + s * kKQuantSuper + v * kLanes), acc[r][v % kAcc]);
-      }
-    }
-  }
-  finish<R>(acc, y, stride);
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// kLanes bytes at p: their low and high nibbles, with (Q5_K) bit `bit` and `bit + 1` of the bytes at qh
+// kLanes bytes at p: their low and high nibbles, with (Q5_K) bits `bit` and `bit + 1` of the bytes at qh
 // above them as their fifth bits, as floats
 template <bool High>
 inline void k4_nibbles(const uint8_t* p, const uint8_t* qh, int bit, Floats& lo, Floats& hi) {
@@ -109,145 +87,152 @@ inline void k4_nibbles(const uint8_t* p, const uint8_t* qh, int bit, Floats& lo,
 }
 #endif
 
-// R rows of x times one Q4_K / Q5_K weight row, factored per sub-block of 32 as cpu_q4_blocks.cpp's:
-// y = sum_j (d sc_j) sum_i q_i x_i - (dmin m_j) sum_i x_i, xsum[r] x row r's sums per 32
-template <int R, bool High>
-void rows_times_k4(const float* const* x, const float* const* xsum, const uint8_t* row, int64_t supers,
-                   const uint8_t* stop, float* y, int64_t stride) {
+// One row of x (K = supers * 256; xsum: its sums per 32) times one Q4_K / Q5_K weight row, factored per
+// sub-block of 32 as cpu_q4_blocks.cpp's one-row kernel: sum_j (d sc_j) sum_i q_i x_i - (dmin m_j) sum_i x_i
+template <bool High>
+float one_row_k4(const float* x, const float* xsum, const uint8_t* row, int64_t supers) {
   constexpr int64_t bytes = High ? 176 : 144;
   constexpr int kParts = 32 / kLanes;
-  Floats acc[R][kAcc];
-  __m256 macc[R];
-  for (int r = 0; r < R; ++r) {
-    for (int a = 0; a < kAcc; ++a) acc[r][a] = zero();
-    macc[r] = _mm256_setzero_ps();
-  }
+  Floats acc[kOneRowAcc];
+  for (Floats& a : acc) a = zero();
+  __m256 mins = _mm256_setzero_ps();
   alignas(32) float scale[8], offset[8];
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* b = row + s * bytes;
+    kiln_cpu::k4_scale_offset(b, scale, offset);
+    const uint8_t* qs = b + (High ? 48 : 16);
+    const float* xs = x + s * kKQuantSuper;
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
+      Floats tl = zero(), th = zero();
+#pragma GCC unroll 4
+      for (int part = 0; part < kParts; ++part) {
+        Floats lo, hi;
+        k4_nibbles<High>(qs + 32 * c + part * kLanes, b + 16 + part * kLanes, 2 * c, lo, hi);
+        tl = fmadd(lo, load(xs + 64 * c + part * kLanes), tl);
+        th = fmadd(hi, load(xs + 64 * c + 32 + part * kLanes), th);
+      }
+      acc[(2 * c) % kOneRowAcc] = fmadd(set1(scale[2 * c]), tl, acc[(2 * c) % kOneRowAcc]);
+      acc[(2 * c + 1) % kOneRowAcc] = fmadd(set1(scale[2 * c + 1]), th, acc[(2 * c + 1) % kOneRowAcc]);
+    }
+    mins = _mm256_fmadd_ps(_mm256_load_ps(offset), _mm256_loadu_ps(xsum + 8 * s), mins);
+  }
+  return total(acc) + kiln_cpu::hsum(mins);
+}
+
+// One row of x times one Q6_K weight row: each vector of weights exact (fma(q - 32, d sc_j)), then one
+// FMA into the row's sums; `stop`: prefetch no further
+float one_row_q6_k(const float* x, const uint8_t* row, int64_t supers, const uint8_t* stop) {
+  constexpr int64_t bytes = 210;
+  Floats acc[kOneRowAcc];
+  for (Floats& a : acc) a = zero();
+  kiln_cpu::KQuantUnpacked u;
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* b = row + s * bytes;
     for (const uint8_t* p = b + kPrefetchAhead; p < b + kPrefetchAhead + bytes && p < stop; p += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
     }
-    kiln_cpu::k4_scale_offset(b, scale, offset);
-    const uint8_t* qs = b + (High ? 48 : 16);
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      Floats tl[R], th[R];
-      for (int r = 0; r < R; ++r) tl[r] = zero(), th[r] = zero();
-#pragma GCC unroll 4
-      for (int part = 0; part < kParts; ++part) {
-        Floats lo, hi;
-        k4_nibbles<High>(qs + 32 * c + part * kLanes, b + 16 + part * kLanes, 2 * c, lo, hi);
-        for (int r = 0; r < R; ++r) {
-          const float* xc = x[r] + s * kKQuantSuper + 64 * c + part * kLanes;
-          tl[r] = fmadd(lo, load(xc), tl[r]);
-          th[r] = fmadd(hi, load(xc + 32), th[r]);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        acc[r][(2 * c) % kAcc] = fmadd(set1(scale[2 * c]), tl[r], acc[r][(2 * c) % kAcc]);
-        acc[r][(2 * c + 1) % kAcc] = fmadd(set1(scale[2 * c + 1]), th[r], acc[r][(2 * c + 1) % kAcc]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      macc[r] = _mm256_fmadd_ps(_mm256_load_ps(offset), _mm256_loadu_ps(xsum[r] + 8 * s), macc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    y[r * stride] = sum(add(add(acc[r][0], acc[r][1]), add(acc[r][2], acc[r][3]))) + kiln_cpu::hsum(macc[r]);
-  }
-}
-
-// The same sums from a weight row already decoded to floats (w [K])
-template <int R>
-void rows_times_floats(const float* const* x, const float* w, int64_t k, float* y, int64_t stride) {
-  Floats acc[R][kAcc];
-  for (int r = 0; r < R; ++r) {
-    for (int a = 0; a < kAcc; ++a) acc[r][a] = zero();
-  }
-  for (int64_t i = 0; i < k; i += kPieces * kLanes) {
+    kiln_cpu::unpack<KQuant::kQ6K>(b, u);
 #pragma GCC unroll 32
     for (int v = 0; v < kPieces; ++v) {
-      const Floats wv = load(w + i + v * kLanes);
-      for (int r = 0; r < R; ++r) acc[r][v % kAcc] = fmadd(wv, load(x[r] + i + v * kLanes), acc[r][v % kAcc]);
+      const Floats w = kiln_cpu::weights<KQuant::kQ6K>(u, v);
+      acc[v % kOneRowAcc] = fmadd(w, load(x + s * kKQuantSuper + v * kLanes), acc[v % kOneRowAcc]);
     }
   }
-  finish<R>(acc, y, stride);
+  return total(acc);
 }
 
-// One weight row's float32 values: w [supers * 256], the same vectors rows_times_blocks computes
-template <KQuant T>
-void decode_row(const uint8_t* row, int64_t supers, float* w) {
+// x rows 0 .. R - 1 (K = k) times W consecutive weight rows of type T (`row_bytes` apart), each
+// super-block of each weight row unpacked once for the R rows: y[r * n + j]. Every (x row, weight row)
+// pair sums into one chain, vector after vector, whatever R and W are (batch invariant); R * W >= 8
+// chains keep the FMA units busy. `stop`: prefetch no further.
+template <int R, int W, KQuant T>
+void rows_times_rows(const float* x, int64_t k, const uint8_t* rows, int64_t row_bytes, const uint8_t* stop,
+                     float* y, int64_t n) {
   constexpr int64_t bytes = T == KQuant::kQ4K ? 144 : T == KQuant::kQ5K ? 176 : 210;
-  KQuantUnpacked u;
-  for (int64_t s = 0; s < supers; ++s) {
-    kiln_cpu::unpack<T>(row + s * bytes, u);
-    for (int v = 0; v < kPieces; ++v) store(w + s * kKQuantSuper + v * kLanes, kiln_cpu::weights<T>(u, v));
+  Floats acc[R][W];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < W; ++j) acc[r][j] = zero();
+  }
+  KQuantUnpacked u[W];
+  for (int64_t s = 0; s < k / kKQuantSuper; ++s) {
+    for (int j = 0; j < W; ++j) {
+      const uint8_t* b = rows + j * row_bytes + s * bytes;
+      for (const uint8_t* p = b + kPrefetchAhead; p < b + kPrefetchAhead + bytes && p < stop; p += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+      }
+      kiln_cpu::unpack<T>(b, u[j]);
+    }
+#pragma GCC unroll 32
+    for (int v = 0; v < kPieces; ++v) {
+      Floats xv[R];
+      for (int r = 0; r < R; ++r) xv[r] = load(x + r * k + s * kKQuantSuper + v * kLanes);
+      for (int j = 0; j < W; ++j) {
+        const Floats w = kiln_cpu::weights<T>(u[j], v);
+        for (int r = 0; r < R; ++r) acc[r][j] = fmadd(w, xv[r], acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < W; ++j) y[r * n + j] = sum(acc[r][j]);
   }
 }
 
-template <int R>
-void group_from_blocks(const float* x, const float* xsum, int64_t k, int64_t m0, const uint8_t* row, int64_t type,
-                       int64_t supers, const uint8_t* stop, float* y, int64_t n) {
-  const float* xr[R];
-  const float* xs[R];
-  for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * k, xs[r] = xsum + (m0 + r) * (k / 32);
-  if (type == kiln_cpu::kGgmlQ4K) return rows_times_k4<R, false>(xr, xs, row, supers, stop, y + m0 * n, n);
-  if (type == kiln_cpu::kGgmlQ5K) return rows_times_k4<R, true>(xr, xs, row, supers, stop, y + m0 * n, n);
-  rows_times_blocks<R, KQuant::kQ6K>(xr, row, supers, stop, y + m0 * n, n);
+// R x rows against weight rows [r0, r1) of one part (type T): W at a time, then one at a time
+template <int R, KQuant T>
+void rows_times_part(const float* x, int64_t k, const uint8_t* row0, int64_t row_bytes, int64_t count,
+                     const uint8_t* stop, float* y, int64_t n) {
+  constexpr int W = R >= kXRows ? 1 : kXRows / R;
+  int64_t j = 0;
+  for (; j + W <= count; j += W) rows_times_rows<R, W, T>(x, k, row0 + j * row_bytes, row_bytes, stop, y + j, n);
+  for (; j < count; ++j) rows_times_rows<R, 1, T>(x, k, row0 + j * row_bytes, row_bytes, stop, y + j, n);
 }
 
-template <int R>
-void group_from_floats(const float* x, int64_t k, int64_t m0, const float* w, float* y, int64_t n) {
-  const float* xr[R];
-  for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * k;
-  rows_times_floats<R>(xr, w, k, y + m0 * n, n);
+using PartFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, const uint8_t*, float*, int64_t);
+template <KQuant T, int... Rs>
+constexpr std::array<PartFn, sizeof...(Rs)> part_table(std::integer_sequence<int, Rs...>) {
+  return {&rows_times_part<Rs + 1, T>...};
 }
+// kPartFns[type][R - 1]: R x rows against a run of Q4_K / Q5_K / Q6_K rows
+constexpr std::array<std::array<PartFn, kXRows>, 3> kPartFns = {
+    part_table<KQuant::kQ4K>(std::make_integer_sequence<int, kXRows>{}),
+    part_table<KQuant::kQ5K>(std::make_integer_sequence<int, kXRows>{}),
+    part_table<KQuant::kQ6K>(std::make_integer_sequence<int, kXRows>{}),
+};
 
-// x rows [0, m) times output rows [begin, end) of the weight: each weight row against every group of
-// kGroup x rows in turn (the row stays in L1 / L2 for the later groups); a Q6_K row past one group is
-// decoded once into a float buffer the groups read (the same values and sums)
+// x rows [0, m) times output rows [begin, end) of the weight. One row: the one-row kernels; more:
+// rows_times_rows, from 2 rows on the same operations for a row whatever the others (batch invariant).
 void rows_kernel(const float* x, const float* xsum, int64_t m, int64_t k, const kiln_cpu::KQuantParts& parts,
                  const uint8_t* bp, int64_t begin, int64_t end, float* y, int64_t n) {
   const int64_t supers = k / kKQuantSuper;
-  thread_local std::vector<float> w;
   int64_t part = 0;
-  for (int64_t r = begin; r < end; ++r) {
-    const uint8_t* row = kiln_cpu::kquant_row(parts, bp, supers, r, part);
-    const int64_t type = parts.types[part];
-    float* yr = y + r;
-    if (type == kiln_cpu::kGgmlQ6K && m > kGroup) {
-      if (w.size() < static_cast<size_t>(k)) w.resize(k);
-      decode_row<KQuant::kQ6K>(row, supers, w.data());
-      for (int64_t m0 = 0; m0 < m; m0 += kGroup) {
-        switch (std::min<int64_t>(kGroup, m - m0)) {
-          case 1: group_from_floats<1>(x, k, m0, w.data(), yr, n); break;
-#if defined(CPU_CAPABILITY_AVX512)
-          case 2: group_from_floats<2>(x, k, m0, w.data(), yr, n); break;
-          case 3: group_from_floats<3>(x, k, m0, w.data(), yr, n); break;
-          default: group_from_floats<4>(x, k, m0, w.data(), yr, n); break;
-#else
-          default: group_from_floats<2>(x, k, m0, w.data(), yr, n); break;
-#endif
-        }
+  if (m == 1) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* row = kiln_cpu::kquant_row(parts, bp, supers, r, part);
+      const int64_t type = parts.types[part];
+      if (type == kiln_cpu::kGgmlQ4K) {
+        y[r] = one_row_k4<false>(x, xsum, row, supers);
+      } else if (type == kiln_cpu::kGgmlQ5K) {
+        y[r] = one_row_k4<true>(x, xsum, row, supers);
+      } else {
+        const int64_t last = std::min(end, parts.first_row[part + 1]);
+        y[r] = one_row_q6_k(x, row, supers, row + (last - r) * supers * 210);
       }
-      continue;
     }
-    // prefetch (Q6_K) on the first group only: the later ones find the row in the caches
-    const int64_t last = std::min(end, parts.first_row[part + 1]);
-    const uint8_t* stop = row + (last - r) * supers * kiln_cpu::gguf_block(type).bytes;
-    for (int64_t m0 = 0; m0 < m; m0 += kGroup) {
-      const uint8_t* ahead = m0 == 0 && type == kiln_cpu::kGgmlQ6K ? stop : row;
-      switch (std::min<int64_t>(kGroup, m - m0)) {
-        case 1: group_from_blocks<1>(x, xsum, k, m0, row, type, supers, ahead, yr, n); break;
-#if defined(CPU_CAPABILITY_AVX512)
-        case 2: group_from_blocks<2>(x, xsum, k, m0, row, type, supers, ahead, yr, n); break;
-        case 3: group_from_blocks<3>(x, xsum, k, m0, row, type, supers, ahead, yr, n); break;
-        default: group_from_blocks<4>(x, xsum, k, m0, row, type, supers, ahead, yr, n); break;
-#else
-        default: group_from_blocks<2>(x, xsum, k, m0, row, type, supers, ahead, yr, n); break;
-#endif
-      }
+    return;
+  }
+  // x rows kXRows at a time, each group over the task's weight rows (they stay in L1 / L2 for the later
+  // groups: prefetch on the first), a part's run of rows at a time
+  for (int64_t m0 = 0; m0 < m; m0 += kXRows) {
+    const int64_t rows = std::min<int64_t>(kXRows, m - m0);
+    for (int64_t r = begin; r < end;) {
+      const uint8_t* row = kiln_cpu::kquant_row(parts, bp, supers, r, part);
+      const int64_t type = parts.types[part], row_bytes = supers * kiln_cpu::gguf_block(type).bytes;
+      const int64_t count = std::min(end, parts.first_row[part + 1]) - r;
+      const uint8_t* stop = m0 == 0 ? row + count * row_bytes : row;
+      const auto& fns = kPartFns[type == kiln_cpu::kGgmlQ4K ? 0 : type == kiln_cpu::kGgmlQ5K ? 1 : 2];
+      fns[rows - 1](x + m0 * k, k, row, row_bytes, count, stop, y + m0 * n + r, n);
+      r += count;
     }
   }
 }
@@ -292,7 +277,7 @@ at::Tensor kquants_gemm(const at::Tensor& x, const at::Tensor& blocks, const at:
   const float* xp = xc.data_ptr<float>();
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const std::vector<float> xsum = block_sums(xp, m, k);
+  const std::vector<float> xsum = m == 1 ? block_sums(xp, 1, k) : std::vector<float>();  // one row: factored
   at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     rows_kernel(xp, xsum.data(), m, k, table, bp, begin, end, yp, n);
   });

@@ -6,16 +6,17 @@ parts table), so one weight serves both these kernels and the a8 ones, at the fi
 bytes of re-packed blocks (plus tiles) for the same matrices.
 
 Two native kernels (part of Kiln's native CPU library, kiln.ops.native_cpu):
-  - `kquants_gemm` (cpu_kquants.cpp), for a few rows: Q4_K / Q5_K factored per sub-block of 32 as the
-    q4_blocks kernels are (d sc_j sum q x - dmin m_j sum x), Q6_K one fma(q - 32, d sc_j) per weight
-    and one FMA per weight into each row's sums; x rows in groups of 4 (AVX-512; 2 on AVX2) against
-    each weight row. A row's outputs are bit for bit those it gets alone, whatever the call's rows.
+  - `kquants_gemm` (cpu_kquants.cpp), for a few rows. One row: Q4_K / Q5_K factored per sub-block of 32
+    as the q4_blocks kernel is (d sc_j sum q x - dmin m_j sum x), Q6_K one exact product per weight.
+    Two or more: up to 5 x rows a pass (AVX-512; 4 on AVX2) against several weight rows, each weight
+    vector exact, one FMA chain per (x row, weight row) pair, so that from 2 rows on a row's outputs are
+    bit for bit the same whatever rows share its call (batch invariant; one row sums in another order).
   - `kquants_panel_gemm` (cpu_blocks_panel.cpp), for more: each weight decoded once a call into the
-    panel kernel's 14-row panels, each output one float32 sum over k in order (also batch invariant).
+    panel kernel's 14-row panels, each output one float32 sum over k in order (batch invariant).
 `kquants_matmul` picks: up to ROWS_KERNEL_MAX rows the first, more the second.
 
-Not yet a weight layout: a Q4_K_M model's matrices still load into the exact blocks layouts (the
-README's measurements say why: on warm matrices this kernel is slower than the q4_blocks one).
+Not yet a weight layout: a Q4_K_M model's matrices still load into the exact blocks layouts, which are
+faster at 8-12 rows (their tile kernels; README, "Exact kernels on a K-quant file's own blocks").
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from kiln.ops.gemm import cpu_kquants_a8
 
 SUPER = cpu_kquants_a8.SUPER
 # Up to this many rows `kquants_matmul` runs the row kernel, more the panel kernel: 2-core Zen 4 (AVX-512),
-# two Llama-3.2-1B-shaped layers' Q4_K / Q6_K matrices, row / panel kernel 4.1 / 25.3 ms at 1 row, 10.1 /
-# 23.4 at 4, 25.3 / 23.6 at 8, 42.6 / 23.8 at 16 (scripts/cpu_kquants_rows.py measures the same).
-ROWS_KERNEL_MAX = 7
+# four Llama-3.2-1B-shaped layers, cache-cold (scripts/cpu_kquants_rows.py), row / panel kernel 8.6 /
+# 51.3 ms at 1 row, 17.5 / 52.1 at 4, 38.6 / 52.1 at 8, 46.0 / 52.0 at 10, 59.7 / 52.4 at 12.
+ROWS_KERNEL_MAX = 10
 _state: dict = {"loaded": None}
 
 

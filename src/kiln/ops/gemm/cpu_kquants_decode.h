@@ -114,11 +114,19 @@ inline void k4_scale_offset(const uint8_t* b, float* scale, float* offset) {
 }
 #endif
 
-// Super-block b of Q4_K (High false) or Q5_K (High true) -> q int8 [256] (its quants: 0..15 / 0..31)
+// A super-block's 256 quants as int8: in vector builds eight AVX2 registers (q[j]: weights 32 j ..
+// 32 j + 31), so that no kernel stores and reloads them; else an array
+#if defined(KILN_FLOAT_LANES)
+using Quants = __m256i[8];
+#else
+using Quants = int8_t[kKQuantSuper];
+#endif
+
+// Super-block b of Q4_K (High false) or Q5_K (High true) -> q (its quants: 0..15 / 0..31)
 // and per sub-block of 32 weights a float32 scale d sc_j and offset -(dmin m_j) [8] each (aligned to 32):
 // weight i is fma(q[i], scale[i / 32], offset[i / 32]), exactly (the header's table)
 template <bool High>
-inline void unpack_k4(const uint8_t* b, int8_t* q, float* scale, float* offset) {
+inline void unpack_k4(const uint8_t* b, Quants& q, float* scale, float* offset) {
 #if defined(KILN_FLOAT_LANES)
   k4_scale_offset(b, scale, offset);
   // 32 nibble bytes a step: sub-block 2j in their low nibbles, 2j + 1 in their high ones; Q5_K's bit j
@@ -133,8 +141,8 @@ inline void unpack_k4(const uint8_t* b, int8_t* q, float* scale, float* offset) 
       lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
       hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * j), lo);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * j + 32), hi);
+    q[2 * j] = lo;
+    q[2 * j + 1] = hi;
   }
 #else
   uint32_t sc[2], mn[2];
@@ -150,9 +158,9 @@ inline void unpack_k4(const uint8_t* b, int8_t* q, float* scale, float* offset) 
 #endif
 }
 
-// Super-block b of Q6_K -> q int8 [256] (q - 32) and per 16 weights a float32 scale d sc_j [16]: weight
-// i is q[i] * scale[i / 16], exactly
-inline void unpack_q6_k(const uint8_t* b, int8_t* q, float* scale) {
+// Super-block b of Q6_K -> q (q - 32) and per 16 weights a float32 scale d sc_j [16]: weight i is
+// q[i] * scale[i / 16], exactly
+inline void unpack_q6_k(const uint8_t* b, Quants& q, float* scale) {
 #if defined(KILN_FLOAT_LANES)
   uint16_t d_bits;
   std::memcpy(&d_bits, b + 208, 2);
@@ -173,8 +181,7 @@ inline void unpack_q6_k(const uint8_t* b, int8_t* q, float* scale) {
                                 _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
     for (int t = 0; t < 4; ++t) {
       const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two), 4);
-      const __m256i v = _mm256_sub_epi8(_mm256_or_si256(nibbles[t], high), bias);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 128 * h + 32 * t), v);
+      q[4 * h + t] = _mm256_sub_epi8(_mm256_or_si256(nibbles[t], high), bias);
     }
   }
 #else
@@ -191,7 +198,7 @@ enum class KQuant { kQ4K, kQ5K, kQ6K };
 // One super-block unpacked: quants and scales as unpack_k4 / unpack_q6_k give them (offset: Q4_K /
 // Q5_K only)
 struct KQuantUnpacked {
-  alignas(64) int8_t q[kKQuantSuper];
+  Quants q;
   alignas(64) float scale[16];
   alignas(64) float offset[8];
 };
@@ -205,6 +212,7 @@ inline void unpack(const uint8_t* b, KQuantUnpacked& u) {
   }
 }
 
+#if !defined(KILN_FLOAT_LANES)
 // Weight i of an unpacked super-block, its float32 value
 template <KQuant T>
 inline float weight(const KQuantUnpacked& u, int i) {
@@ -214,13 +222,21 @@ inline float weight(const KQuantUnpacked& u, int i) {
     return std::fma(static_cast<float>(u.q[i]), u.scale[i / 32], u.offset[i / 32]);
   }
 }
+#endif
 
 #if defined(KILN_FLOAT_LANES)
 // Weights [v kLanes, (v + 1) kLanes) of an unpacked super-block as a vector of floats
 template <KQuant T>
 inline lanes::Floats weights(const KQuantUnpacked& u, int v) {
   using namespace lanes;
-  const Floats q = int8s(u.q + v * kLanes);
+  const __m256i chunk = u.q[v * kLanes / 32];
+  const int at = v * kLanes % 32;  // the piece's first byte in its register
+  const __m128i half = at < 16 ? _mm256_castsi256_si128(chunk) : _mm256_extracti128_si256(chunk, 1);
+#if defined(CPU_CAPABILITY_AVX512)
+  const Floats q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half));
+#else
+  const Floats q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(at % 16 ? _mm_srli_si128(half, 8) : half));
+#endif
   if constexpr (T == KQuant::kQ6K) {
     return mul(q, set1(u.scale[v * kLanes / 16]));
   } else {
