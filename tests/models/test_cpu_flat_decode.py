@@ -13,6 +13,7 @@ from kiln.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from kiln.loaders import load_model
 from kiln.models.cpu_flat_decode import FlatDecodeLayers
 from kiln.ops import native_cpu
+from kiln.ops.gemm import cpu_kquants, weight_formats
 
 MODEL = "random:tiny:seed=5"
 pytestmark = pytest.mark.skipif(not native_cpu.load(), reason="Kiln's native CPU library is not built here")
@@ -147,6 +148,14 @@ def blocks_gguf(tmp_path_factory):
         return written[name]
 
     return path
+
+
+def _floats(value) -> list[float]:
+    """The floats in nested lists / tuples / dicts (the values of _run's logprobs), in order."""
+    if isinstance(value, float):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return [f for item in items for f in _floats(item)]
 
 
 def _with_qkv_bias(loaded, seed: int):
@@ -287,8 +296,8 @@ def test_native_flat_decode_names_malformed_arguments():
     floats = [1e-5, 0.25, 0.0, 1e-6]  # eps, scale, norm offset, q/k norm eps
     with pytest.raises(RuntimeError, match="22 ints and 4 floats a layer"):
         flat_decode([norm], [0, 0, 0], floats)
-    with pytest.raises(RuntimeError, match="layer 0 has weight kind 7"):
-        flat_decode([norm], [7, 0, 0, 0, 0, 64, 32, 4, 2, 16, *tiles_rows, *llama], floats)
+    with pytest.raises(RuntimeError, match="layer 0 has weight kind 8"):
+        flat_decode([norm], [8, 0, 0, 0, 0, 64, 32, 4, 2, 16, *tiles_rows, *llama], floats)
     with pytest.raises(RuntimeError, match="are not heads"):
         flat_decode([norm] * 21, [1, 1, 1, 1, 0, 64, 32, 4, 2, 8, *tiles_rows, *llama], floats)
     with pytest.raises(RuntimeError, match="tensors are too few"):
@@ -306,8 +315,8 @@ def test_native_flat_decode_names_malformed_arguments():
     with pytest.raises(RuntimeError, match="layer 0 has activation 2"):
         tensors = [norm, norm, cos_sin, cache, cache] + [norm] * 16
         flat_decode(tensors, [1] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, 0, 0, 2, -1, *tiles_rows], floats)
-    for kind, count in ((4, 3), (5, 3), (6, 2)):  # the kinds with mins (exact, a8), kquants_a8
-        with pytest.raises(RuntimeError, match=rf"kind {kind} has no tiles \(the kinds with mins and"):
+    for kind, count in ((4, 3), (5, 3), (6, 2), (7, 2)):  # with mins (exact, a8), kquants_a8, kquants
+        with pytest.raises(RuntimeError, match=rf"kind {kind} has no tiles \(the kinds with mins, kquants"):
             tensors = [norm, norm, cos_sin, cache, cache] + [norm] * (4 * count)  # values, scales and mins
             flat_decode(tensors, [kind] * 4 + [0, 64, 32, 4, 2, 16, 8, 0, 0, 0, *llama], floats)
     for panel_rows in ([2, 0, 0, 0], [1, 0, 0, 0]):  # kquants_a8 takes no panel rows; a panel from 1 row
@@ -315,7 +324,7 @@ def test_native_flat_decode_names_malformed_arguments():
             tensors = [norm, norm, cos_sin, cache, cache] + [torch.zeros(8, dtype=torch.uint8), norm] * 4
             kinds = [6] * 4 if panel_rows[0] == 2 else [1] * 4
             flat_decode(tensors, kinds + [0, 64, 32, 4, 2, 16, *tiles_rows, 0, 0, 0, -1, *panel_rows], floats)
-    with pytest.raises(RuntimeError, match=r"a kquants_a8 weight's parts must be int64 \[P, 2\], got Float"):
+    with pytest.raises(RuntimeError, match=r"a K-quant weight's parts must be int64 \[P, 2\], got Float"):
         tensors = [norm, norm, cos_sin, cache, cache] + [torch.zeros(8, dtype=torch.uint8), norm] * 4
         flat_decode(tensors, [6] * 4 + [0, 64, 32, 4, 2, 16, *tiles_rows, *llama], floats)
 
@@ -384,6 +393,49 @@ def test_the_a8_formats_decode_each_k_quant_sequence_as_it_would_decode_alone(bl
     together = _run(engine, prompts)
     assert 5 in calls  # five sequences a decode step, through the native call
     assert together == [_run(engine, [prompt])[0] for prompt in prompts]
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
+@pytest.mark.parametrize("weights", ["k_quants", "q4_k_m"])
+def test_the_kquants_format_keeps_the_file_blocks_and_decodes_as_the_modules_and_the_exact_default(
+    blocks_gguf, weights, monkeypatch
+):
+    """--cpu-format kquants: a K-quant file's layers keep only their file blocks ("kquants", exact; Q5_K,
+    Q4_K, Q6_K and a QKV stacking Q4_K with Q6_K); the native call gives the Python loop's and the
+    modules' tokens and logprobs bit for bit; batched steps past the row kernel (the panel kernel) the
+    modules' too; and the greedy tokens are the exact default's ("q4_blocks"), its logprobs within 1e-3
+    (float32 rounding: another order of the same sums)."""
+    if not weight_formats.kquants_layout_runs():
+        pytest.skip("no vector build of Kiln's native CPU kernels here: the format keeps the exact layouts")
+    path = blocks_gguf(weights)
+    loaded = load_model(path, device="cpu", cpu_format="kquants", lm_head_format="q8_blocks")
+    layer = loaded.model.layers[0]
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    assert {linear.prepared.layout for linear in linears} == {"kquants"}
+    outputs = _three_ways(path, loaded, monkeypatch, native=True)
+    assert outputs["built"] == outputs["python"] == outputs["modules"]
+    monkeypatch.delenv("KILN_CPU_FLAT_DECODE")  # (_three_ways kept the loop in Python last)
+    exact = load_model(path, device="cpu", cpu_format="q4_blocks", lm_head_format="q8_blocks")
+    exact_engine = _engine(path, exact)
+    prompts = [[(5 * j + 11) % 60 + 2 for j in range(9)], [(3 * j + 2) % 60 + 2 for j in range(21)]]
+    exact_outputs = [_run(exact_engine, [p])[0] for p in prompts]  # _three_ways' prompts
+    for (ids, logprobs), (exact_ids, exact_logprobs) in zip(
+        (o[0] for o in outputs["built"]), exact_outputs, strict=True
+    ):
+        assert ids == exact_ids
+        assert torch.allclose(
+            torch.tensor(_floats(logprobs)), torch.tensor(_floats(exact_logprobs)), atol=1e-3
+        )  # float32 sums in other orders, compounding through 2 layers and 16 steps' KV: ~2e-4 seen
+    rows = cpu_kquants.ROWS_KERNEL_MAX + 2  # sequences a step: past the row kernel, on the panel kernel
+    engine = _engine(path, loaded, max_num_seqs=rows, num_kv_blocks=2 * rows)
+    calls = _counting(engine, monkeypatch)
+    prompts = [[(7 * j + i) % 60 + 2 for j in range(3 + i % 5)] for i in range(rows)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        batched = _run(engine, prompts, max_tokens=4)
+    assert rows in calls
+    assert sum(event.name == "kiln_cpu::kquants_panel_gemm" for event in prof.events()) >= 4 * 2
+    loaded.model.flat_decode = None
+    assert _run(engine, prompts, max_tokens=4) == batched
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")

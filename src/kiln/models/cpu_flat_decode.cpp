@@ -2,7 +2,8 @@
 // Gemma 3 model for one float32 token of each of T sequences, whose four linears are GGUF-block layouts with
 // native kernels (q4_blocks / q8_blocks, exact or with a one-row x quantized to Q8_0, Q5_K's or a stacked
 // weight's q8_blocks with mins; several rows through the exact multi-row kernels, as prepared_linear runs
-// them; and kquants_a8, a K-quant weight's file blocks times x quantized to Q8_K at any row count).
+// them; kquants_a8, a K-quant weight's file blocks times x quantized to Q8_K at any row count; kquants,
+// the same blocks exact at any row count).
 // It calls the same C++ functions the Python loop reaches through torch.ops.kiln_cpu (native_cpu_ops.h),
 // in the same order with the same arguments, so the floats are the loop's; what goes is the Python and
 // the dispatcher between them (~12 calls a layer, ~1.5 ms a token for SmolLM2's 30 layers on a 2-core
@@ -60,12 +61,13 @@ namespace {
 constexpr const char* kKindOps[] = {"kiln_cpu::q4_blocks_gemv",    "kiln_cpu::q8_blocks_gemv",
                                     "kiln_cpu::q4_blocks_a8_gemv", "kiln_cpu::q8_blocks_a8_gemv",
                                     "kiln_cpu::q8_blocks_gemv",    "kiln_cpu::q8_blocks_mins_a8_gemv",
-                                    "kiln_cpu::kquants_a8_gemv"};
+                                    "kiln_cpu::kquants_a8_gemv", "kiln_cpu::kquants_gemm"};
 constexpr const char* kKindRowsOps[] = {"kiln_cpu::q4_blocks_gemm", "kiln_cpu::q8_blocks_gemm"};
 
 // kQ8BlocksMins: "q8_blocks_mins_onednn" (Q5_K's, a stacked weight's: the Q8 kernels with their optional
 // mins); kQ8BlocksMinsA8: its a8 form ("q8_blocks_mins_a8_onednn"); kKQuantsA8: "kquants_a8" (a K-quant
-// weight's file blocks and parts table: cpu_kquants_a8.cpp, every row count)
+// weight's file blocks and parts table: cpu_kquants_a8.cpp, every row count); kKQuants: "kquants" (the
+// same tensors, exact: cpu_kquants.cpp, the panel kernel from panel_rows)
 enum Kind : int64_t {
   kQ4Blocks = 0,
   kQ8Blocks = 1,
@@ -74,11 +76,13 @@ enum Kind : int64_t {
   kQ8BlocksMins = 4,
   kQ8BlocksMinsA8 = 5,
   kKQuantsA8 = 6,
-  kKinds = 7
+  kKQuants = 7,
+  kKinds = 8
 };
 // the blocks' tensors (nibbles, scales, mins / values, scales), then the tiles and tile scales; the
-// kinds with mins: values, scales and mins (no tiles); kKQuantsA8: the blocks and the parts table
-constexpr int64_t kKindTensors[kKinds] = {5, 4, 5, 4, 3, 3, 2};
+// kinds with mins: values, scales and mins (no tiles); kKQuantsA8, kKQuants: the blocks and the parts table
+constexpr int64_t kKindTensors[kKinds] = {5, 4, 5, 4, 3, 3, 2, 2};
+inline bool kquant_kind(int64_t kind) { return kind == kKQuantsA8 || kind == kKQuants; }
 inline bool with_mins(int64_t kind) { return kind == kQ8BlocksMins || kind == kQ8BlocksMinsA8; }
 constexpr int64_t kInts = 22, kFloats = 4;
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
@@ -124,7 +128,7 @@ at::Tensor head_norm(const at::Tensor& x, int64_t heads, int64_t head_dim, const
 struct Linear {
   int64_t kind;
   std::vector<at::Tensor> w;
-  int64_t kquants_rows = 0;  // kKQuantsA8: the output's width (the parts' rows)
+  int64_t kquants_rows = 0;  // kKQuantsA8, kKQuants: the output's width (the parts' rows)
   // from this many rows the tile kernel (native_cpu.blocks_tiles_rows(kind); 0: never), up to
   // panel_rows; from panel_rows the panel kernel (0: never, and FlatDecodeLayers.max_rows keeps T within
   // the tile and row kernels' rows)
@@ -134,6 +138,14 @@ struct Linear {
   // through the exact multi-row kernels of its blocks, as prepared_linear's "*_blocks[_a8]_onednn"
   // (FlatDecodeLayers keeps T within the rows they take); "kquants_a8" through its kernel at any T
   at::Tensor operator()(const at::Tensor& x) const {
+    if (kind == kKQuants) {  // the exact kernels on a K-quant weight's file blocks, any T
+      if (panel_rows > 0 && x.size(0) >= panel_rows) {
+        RECORD_FUNCTION("kiln_cpu::kquants_panel_gemm", std::vector<c10::IValue>());
+        return kiln_cpu::kquants_panel_gemm(x, w[0], w[1], kquants_rows);
+      }
+      RECORD_FUNCTION(kKindOps[kind], std::vector<c10::IValue>());
+      return kiln_cpu::kquants_gemm(x, w[0], w[1], kquants_rows);
+    }
     if (kind == kKQuantsA8 && x.size(0) > 1) {
       RECORD_FUNCTION("kiln_cpu::kquants_a8_gemm", std::vector<c10::IValue>());
       return kiln_cpu::kquants_a8_gemm(x, w[0], w[1], kquants_rows);
@@ -224,15 +236,15 @@ struct FlatDecode : torch::CustomClassHolder {
         TORCH_CHECK(linear->panel_rows == 0 || (in[i] != kKQuantsA8 && linear->panel_rows > 1),
                     "kiln_cpu.FlatDecode: layer ", l, ": weight kind ", in[i], " got panel_rows ",
                     linear->panel_rows, " (kquants_a8: none; else 0 or more than one row)");
-        TORCH_CHECK((!with_mins(in[i]) && in[i] != kKQuantsA8) || linear->tiles_rows == 0,
+        TORCH_CHECK((!with_mins(in[i]) && !kquant_kind(in[i])) || linear->tiles_rows == 0,
                     "kiln_cpu.FlatDecode: layer ", l, ": weight kind ", in[i],
-                    " has no tiles (the kinds with mins and kquants_a8), got tiles_rows ",
+                    " has no tiles (the kinds with mins, kquants_a8 and kquants), got tiles_rows ",
                     linear->tiles_rows);
         for (int64_t t = 0; t < kKindTensors[in[i]]; ++t) linear->w.push_back(take());
-        if (in[i] == kKQuantsA8) {
+        if (kquant_kind(in[i])) {
           const at::Tensor& parts = linear->w[1];
           TORCH_CHECK(parts.scalar_type() == at::kLong && parts.dim() == 2 && parts.size(1) == 2,
-                      "kiln_cpu.FlatDecode: layer ", l, ": a kquants_a8 weight's parts must be int64 [P, 2], got ",
+                      "kiln_cpu.FlatDecode: layer ", l, ": a K-quant weight's parts must be int64 [P, 2], got ",
                       parts.scalar_type(), " ", parts.sizes());
           linear->kquants_rows = parts.select(1, 1).sum().item<int64_t>();
         }

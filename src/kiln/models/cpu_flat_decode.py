@@ -23,11 +23,11 @@ implementation.
 
 Where every linear's layout is a GGUF-block one with a native one-row kernel (`NATIVE_LAYOUTS`: the
 embedded model's default q4_blocks / q8_blocks, their _a8 forms, Q5_K's q8_blocks with mins,
-q4_blocks_w8a8's blocks, up to the rows its blocks serve, and a K-quant file's kquants_a8) the whole
+q4_blocks_w8a8's blocks, up to the rows its blocks serve, and a K-quant file's kquants_a8 / kquants) the whole
 loop runs as one native call, `torch.classes.kiln_cpu.FlatDecode` (cpu_flat_decode.cpp): the same C++
 functions in the same order, without the Python and dispatch between them. It also takes batched decode
 steps (one token of each of up to `FlatDecodeLayers.max_rows` sequences: 32, or 64 for Q4 layers on
-AVX-512 builds, KQUANTS_ROWS where every linear takes any row count: kquants_a8, or an exact blocks
+AVX-512 builds, KQUANTS_ROWS where every linear takes any row count: kquants_a8, kquants, or an exact blocks
 layout whose many-row calls run the panel kernel on its blocks), whose linears then run the blocks'
 multi-row kernels, as the modules do. `KILN_CPU_FLAT_DECODE=python` keeps
 the loop in Python (one token; to compare the two).
@@ -50,6 +50,7 @@ from kiln.ops.activation.gelu_tanh_and_mul.cpu import gelu_tanh_and_mul_cpu
 from kiln.ops.activation.silu_and_mul.cpu import silu_and_mul_cpu
 from kiln.ops.attention.paged_decode_attention import cpu_native as paged_decode_native
 from kiln.ops.attention.write_kv_cache.cpu import NATIVE_CACHE_DTYPES
+from kiln.ops.gemm import cpu_kquants
 from kiln.ops.gemm.cpu_block_tiles import NO_TILES
 from kiln.ops.gemm.prepared_linear.cpu import KERNELS
 from kiln.ops.gemm.quantized_layouts import run_quantized
@@ -71,12 +72,14 @@ NATIVE_LAYOUTS = {
     "q8_blocks_mins_onednn": (4, 3, None),  # GGUF Q5_K: values, scales and mins, the Q8 kernels'
     "q8_blocks_mins_a8_onednn": (5, 3, None),  # the same with a one-row x quantized to Q8_0
     "kquants_a8": (6, 2, None),  # a K-quant weight's file blocks and parts table: any row count
+    "kquants": (7, 2, None),  # the same, exact: its row kernel, then the panel kernel, any row count
 }
 # of those, the W8A8 hybrids: their rows beyond weight_formats.exact_rows run W8A8, which has no native
 # form here, so the native call gets their blocks and no tiles, and takes up to exact_rows rows
 HYBRID_LAYOUTS = ("q4_blocks_w8a8_packed",)
 _NATIVE_KERNELS = {KERNELS[layout]: kind for layout, kind in NATIVE_LAYOUTS.items()}  # the same, by kernel
 _KQUANTS = KERNELS["kquants_a8"]
+_KQUANTS_EXACT = KERNELS["kquants"]
 # the most rows of a native call whose linears all take any count ("kquants_a8", or blocks layouts with
 # the panel kernel past their row and tile kernels): a batched decode step's, which the engine's
 # scheduler bounds well below this
@@ -262,7 +265,7 @@ def _native_rows(args: list[_LayerArgs]) -> int:
     bounded = [
         max(gemm_rows, _tiles_rows(kernel, w)[1])
         for kernel, w in linears
-        if kernel is not _KQUANTS and not _panel_rows(kernel, w)
+        if kernel not in (_KQUANTS, _KQUANTS_EXACT) and not _panel_rows(kernel, w)
     ]
     return min(bounded, default=KQUANTS_ROWS)
 
@@ -273,6 +276,8 @@ def _panel_rows(kernel, weight) -> int:
     copy: native_cpu.blocks_panel_runs()); 0 where it never does (kquants_a8: its own kernel)."""
     if kernel is _KQUANTS:
         return 0
+    if kernel is _KQUANTS_EXACT:  # past its row kernel, as kquants_matmul routes them
+        return cpu_kquants.ROWS_KERNEL_MAX + 1
     blocks = _NATIVE_KERNELS[kernel][1]
     if weight[blocks].numel():  # the float32 copy: oneDNN past the blocks' kernels, not native here
         return 0

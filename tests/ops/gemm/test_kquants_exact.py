@@ -11,7 +11,8 @@ import torch
 
 from kiln.ops.gemm import cpu_blocks_panel, cpu_kquants_a8, cpu_q4_blocks, cpu_q8_blocks
 from kiln.ops.gemm import cpu_kquants as kquants
-from kiln.quant.gguf_blocks import GGUFStackedWeight
+from kiln.quant import quantize_blocks
+from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight
 from kiln.verify import assert_close
 from tests.ops.gemm.kquant_weights import gguf_matrix, random_part
 
@@ -157,3 +158,35 @@ def test_a_compiled_call_holds_the_native_ops(native):
             lambda t, fn=fn: fn(t, blocks, table, n) * 2.0, backend="eager", fullgraph=True
         )
         assert torch.equal(compiled(x), fn(x, blocks, table, n) * 2.0)
+
+
+def test_the_kquants_format_keeps_the_file_blocks_and_runs_the_exact_kernels(native):
+    """cpu_format "kquants": a K-quant weight (plain or stacked of K-quant parts) keeps its file's blocks
+    and nothing else ("kquants"), prepared_linear (with a bias) is the float64 product with gguf's
+    matrix at one row, the row kernel's rows and the panel's; other weights take the exact blocks
+    layouts ("q4_blocks"'s)."""
+    from kiln import ops
+    from kiln.ops.gemm.weight_formats import kquants_layout_runs, prepare_linear_weight
+
+    if not kquants_layout_runs():
+        pytest.skip("no vector build of the native kernels here: the format keeps the exact layouts")
+    g = torch.Generator().manual_seed(17)
+    cpu = torch.device("cpu")
+    q4k, q6k = random_part("Q4_K", 24, 512, g), random_part("Q6_K", 8, 512, g)
+    stacked = GGUFStackedWeight.stack([q4k, q6k])
+    prepared = prepare_linear_weight(stacked, device=cpu, dtype=torch.float32, cpu_format="kquants")
+    assert prepared.layout == "kquants" and prepared.kind == "gguf"
+    blocks, table, width = prepared.tensors
+    assert torch.equal(blocks, torch.cat([q4k.data.reshape(-1), q6k.data.reshape(-1)]))
+    assert width.shape == (32, 0) and sum(t.nbytes for t in prepared.tensors) == blocks.nbytes + table.nbytes
+    matrix = torch.cat([gguf_matrix(q4k), gguf_matrix(q6k)]).double()
+    bias = torch.randn(32, generator=g)
+    for m in (1, 5, kquants.ROWS_KERNEL_MAX + 3, 70):
+        x = torch.randn(m, 512, generator=g)
+        y = ops.prepared_linear(x, prepared.layout, prepared.tensors, bias, None)
+        assert_close(y, x.double() @ matrix.T + bias.double(), 2e-6, f"{m} rows")
+    q8 = GGUFWeight("Q8_0", quantize_blocks(torch.randn(8, 512, generator=g), "Q8_0"), (8, 512))
+    q41 = GGUFWeight("Q4_1", quantize_blocks(torch.randn(8, 512, generator=g), "Q4_1"), (8, 512))
+    for weight, exact in ((q41, "q4_blocks"), (GGUFStackedWeight.stack([q4k, q8]), "q4_blocks")):
+        got = prepare_linear_weight(weight, device=cpu, dtype=torch.float32, cpu_format="kquants").layout
+        assert got == prepare_linear_weight(weight, device=cpu, dtype=torch.float32, cpu_format=exact).layout

@@ -26,9 +26,9 @@
 
 #include <algorithm>
 #include <array>
-#include <utility>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -178,7 +178,7 @@ void rows_times_rows(const float* x, int64_t k, const uint8_t* rows, int64_t row
   }
 }
 
-// R x rows against weight rows [r0, r1) of one part (type T): W at a time, then one at a time
+// R x rows against `count` weight rows of one part (type T) from row0: W at a time, then one at a time
 template <int R, KQuant T>
 void rows_times_part(const float* x, int64_t k, const uint8_t* row0, int64_t row_bytes, int64_t count,
                      const uint8_t* stop, float* y, int64_t n) {
@@ -221,8 +221,8 @@ void rows_kernel(const float* x, const float* xsum, int64_t m, int64_t k, const 
     }
     return;
   }
-  // x rows kXRows at a time, each group over the task's weight rows (they stay in L1 / L2 for the later
-  // groups: prefetch on the first), a part's run of rows at a time
+  // x rows kXRows at a time, each group over the task's weight rows (prefetching on the first group only),
+  // a part's run of rows at a time
   for (int64_t m0 = 0; m0 < m; m0 += kXRows) {
     const int64_t rows = std::min<int64_t>(kXRows, m - m0);
     for (int64_t r = begin; r < end;) {

@@ -44,6 +44,10 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      (uint8, its parts' rows in order), its      per 256 values), then the integer kernel
                      parts table (int64 [P, 2]: GGML type, rows), on the file's blocks, each row as alone
                      uint8 [N, 0]]                               (kiln.ops.gemm.cpu_kquants_a8)
+    "kquants"       [the same three tensors]                    exact: x as is, every weight its float32
+                                                                 value; up to 10 rows kquants_gemm, more
+                                                                 the panel kernel on the file's blocks
+                                                                 (kiln.ops.gemm.cpu_kquants)
     "int8_blocks_onednn"  [Q8_0's int8 values [N, K], its        1 row: as "q8_blocks_onednn" (exact);
                      scales float32 [N, K/32], oneDNN's blocked  more rows: oneDNN bf16 on the copy
                      bf16 copy of the same matrix]
@@ -139,6 +143,13 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     row count, each row's outputs those it gets alone (llama.cpp's arithmetic for these types: README,
     "Measured on a 2-core CPU"). So a K-quant file (Q4_K_M) runs every matrix on its own blocks. Other
     weights, or a CPU where oneDNN cannot pack, get "fp32";
+  - CPU, "kquants", a GGUF Q4_K / Q5_K / Q6_K weight or a stacked one whose parts all are: "kquants",
+    "kquants_a8"'s tensors (the file's blocks and nothing else) for Kiln's exact kernels on them
+    (kiln.ops.gemm.cpu_kquants: x as is, each weight its float32 value; up to cpu_kquants.ROWS_KERNEL_MAX
+    rows the row kernel, more the panel kernel) where the native library has vector kernels
+    (kquants_layout_runs()); other weights, and every weight elsewhere, as "q4_blocks". Opt-in: a
+    Q4_K_M file's linear weights take its own size in memory (the exact default's blocks and tiles:
+    ~2.3x), but at 8-12 rows the default's tile kernels are faster (README);
   - CPU, "int8_blocks", GGUF Q8_0 weights: "int8_blocks_onednn", the file's blocks split into their
     int8 values and their scales (fp16 in the file, exact in float32): w = d * q exactly, so one-row
     inputs (single-stream decode) read one byte a weight with no rounding of the weight or of x, as
@@ -199,6 +210,7 @@ from kiln.ops.gemm import (
     cpu_block_tiles,
     cpu_blocks_a8,
     cpu_blocks_panel,
+    cpu_kquants,
     cpu_kquants_a8,
     cpu_q4_blocks,
     cpu_q8_blocks,
@@ -230,7 +242,7 @@ from kiln.quant.sparse24 import Sparse24Weight
 
 CPU_WEIGHT_FORMATS = (
     "int4", "int4_bf16", "int4_w8a8", "int8", "int8_blocks", "int8_blocks_w8a8", "w8a8", "q4_blocks",
-    "q4_blocks_w8a8", "q8_blocks", "q4_blocks_a8", "q8_blocks_a8", "fp16", "bf16", "fp32", "gguf",
+    "q4_blocks_w8a8", "q8_blocks", "q4_blocks_a8", "q8_blocks_a8", "kquants", "fp16", "bf16", "fp32", "gguf",
 )  # fmt: skip
 W8A8_FALLBACK = {
     "w8a8": "bf16",
@@ -265,6 +277,8 @@ EXACT_BLOCKS_QTYPES = (*EXACT_BLOCKS_FORMAT, *MINS_BLOCKS[1])
 A8_FORMATS = ("q4_blocks_a8", "q8_blocks_a8")
 A8_BLOCKS_FORMAT = {qtype: f"{fmt}_a8" for qtype, fmt in EXACT_BLOCKS_FORMAT.items()}
 MINS_A8_BLOCKS = ("q8_blocks_mins_a8_onednn", cpu_q8_blocks.MIN_QTYPES, cpu_blocks_a8.pack_q8_mins)
+# the layouts of a K-quant weight's file blocks and parts table (cpu_kquants_a8.pack)
+KQUANT_LAYOUTS = ("kquants_a8", "kquants")
 # the file bytes of a weight's rows the blocks layouts unpack at a time (_pack_by_rows)
 PACK_CHUNK_BYTES = 16 << 20
 INT8_BLOCK_SIZE = BLOCK_WEIGHTS["Q8_0"]  # weights per scale in "q8_blocks_onednn" etc.: one Q8_0 block
@@ -303,6 +317,7 @@ LAYOUTS = {
     "q8_blocks_mins_onednn": 4,
     "q8_blocks_mins_a8_onednn": 4,
     "kquants_a8": 3,
+    "kquants": 3,
     "w8a8_packed": 4,
     "int4_w8a8_packed": 6,
     "int8_blocks_w8a8_packed": 6,
@@ -334,7 +349,7 @@ class PreparedLinearWeight:
         nibbles), "int8_weight" (weight-only int8), "int8_blocks" (GGUF Q8_0's values and scales),
         "w8a8" (int8 for Kiln's AMX or oneDNN's int8 GEMM, activations quantized per row), "fp8" /
         "int8" (W8A8 checkpoints), "w4a16" (int4_linear), "fp8_block", "sparse24" (2:4) or "dense"."""
-        if self.layout in GGUF_LAYOUTS or self.layout in PLANAR_LAYOUTS or self.layout == "kquants_a8":
+        if self.layout in GGUF_LAYOUTS or self.layout in PLANAR_LAYOUTS or self.layout in KQUANT_LAYOUTS:
             return "gguf"
         if self.layout in W8A8_LAYOUTS:
             return W8A8_LAYOUTS[self.layout][0]
@@ -431,6 +446,11 @@ def _prepare(weight, device: torch.device, dtype: torch.dtype, cpu_format: str |
         prepared = _kquants_a8_layout(weight, shape, dtype)
         if prepared is not None:
             return prepared
+    if device.type == "cpu" and cpu_format == "kquants":
+        prepared = _kquants_layout(weight, shape, dtype)
+        if prepared is not None:
+            return prepared
+        cpu_format = "q4_blocks"  # other weights: the exact blocks layouts
     if isinstance(weight, GGUFStackedWeight):
         if device.type == "cpu" and cpu_format in (*EXACT_FORMATS, *A8_FORMATS):
             prepared = _stacked_layout(weight, shape, dtype, a8=cpu_format in A8_FORMATS)
@@ -617,6 +637,25 @@ def _kquants_a8_layout(weight, shape, dtype) -> PreparedLinearWeight | None:
         return None
     width = torch.empty(shape[0], 0, dtype=torch.uint8)  # N as a shape: a compiled call needs it static
     return PreparedLinearWeight("kquants_a8", (*packed, width), shape, torch.float32, dtype)
+
+
+def kquants_layout_runs() -> bool:
+    """Whether the "kquants" format gives K-quant weights the "kquants" layout here: Kiln's native
+    library with vector kernels (kiln.ops.gemm.cpu_kquants; native_cpu.blocks_panel_runs())."""
+    return cpu_kquants.load() and native_cpu.blocks_panel_runs()
+
+
+def _kquants_layout(weight, shape, dtype) -> PreparedLinearWeight | None:
+    """The "kquants" layout of a GGUF Q4_K / Q5_K / Q6_K weight, or of a stacked one whose parts all are:
+    "kquants_a8"'s tensors for the exact kernels (kiln.ops.gemm.cpu_kquants); None for other weights, or
+    where those kernels have no vector build (their scalar loops are for the tests)."""
+    if not isinstance(weight, (GGUFWeight, GGUFStackedWeight)):
+        return None
+    packed = cpu_kquants_a8.pack(weight)
+    if packed is None or not kquants_layout_runs():
+        return None
+    width = torch.empty(shape[0], 0, dtype=torch.uint8)
+    return PreparedLinearWeight("kquants", (*packed, width), shape, torch.float32, dtype)
 
 
 def _stacked_layout(weight: GGUFStackedWeight, shape, dtype, a8: bool) -> PreparedLinearWeight | None:
@@ -810,7 +849,7 @@ def prepared_matrix(
         values, scales, mins = (t.to(torch.float64) for t in tensors[:3])
         blocks = values.view(values.shape[0], scales.shape[1], -1)
         return (blocks * scales[..., None] + mins[..., None]).view(values.shape)
-    if layout == "kquants_a8":  # each part's gguf decode
+    if layout in KQUANT_LAYOUTS:  # each part's gguf decode
         return cpu_kquants_a8.matrix(tensors[0], tensors[1]).to(torch.float64)
     if layout in QUANTIZED_LAYOUTS:
         return quantized_matrix(layout, tensors, in_features)

@@ -25,6 +25,9 @@
   "kquants_a8"   a K-quant weight's file blocks: every row of x quantized to Q8_K, then the integer
                  kernel on the blocks (kiln.ops.gemm.cpu_kquants_a8; each row's outputs whatever the
                  rows beside it);
+  "kquants"      the same tensors, exact (x as is, each weight its float32 value): up to
+                 cpu_kquants.ROWS_KERNEL_MAX rows kquants_gemm, more kquants_panel_gemm
+                 (kiln.ops.gemm.cpu_kquants);
   "q8_blocks_mins_onednn"  GGUF Q5_K (and a stacked weight of mixed GGUF types, a scale and a min per 16
                  or 32): as "q8_blocks_onednn" without tiles, the Q8 kernels given the
                  blocks' mins too (one row: each block's sum of x times its min added; a few rows: each
@@ -56,6 +59,7 @@ import torch.nn.functional as F
 from kiln.ops.gemm.cpu_block_tiles import q4_tiles_gemm, q8_tiles_gemm
 from kiln.ops.gemm.cpu_blocks_a8 import q4_blocks_a8_gemv, q8_blocks_a8_gemv, q8_blocks_mins_a8_gemv
 from kiln.ops.gemm.cpu_blocks_panel import blocks_panel_gemm
+from kiln.ops.gemm.cpu_kquants import kquants_matmul
 from kiln.ops.gemm.cpu_kquants_a8 import kquants_a8_gemm
 from kiln.ops.gemm.cpu_q4_blocks import q4_blocks_gemm, q4_blocks_gemv
 from kiln.ops.gemm.cpu_q8_blocks import q8_blocks_gemm
@@ -184,6 +188,13 @@ def _kquants_a8(x, weight, bias, out_dtype):
     return y.to(out_dtype)
 
 
+def _kquants(x, weight, bias, out_dtype):
+    y = kquants_matmul(x, weight[0], weight[1], weight[2].shape[0])
+    if bias is not None:
+        y = y.add_(bias.float())
+    return y.to(out_dtype)
+
+
 def _w8a8(x, weight, bias, out_dtype):
     return w8a8_linear(x, weight[0], weight[1], weight[2], weight[3], bias, out_dtype)
 
@@ -241,6 +252,7 @@ KERNELS = {
     "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2, q8_blocks_gemm, q8_tiles_gemm),
     "q8_blocks_mins_a8_onednn": _blocks_kernel(q8_blocks_mins_a8_gemv, 3, q8_blocks_gemm),
     "kquants_a8": _kquants_a8,
+    "kquants": _kquants,
     "w8a8_packed": _w8a8,
     "int4_w8a8_packed": _int4_w8a8,
     "int8_blocks_w8a8_packed": _int8_blocks_w8a8,

@@ -6,8 +6,8 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
     layout:    a PreparedLinearWeight's layout ("dense", "onednn", "fp16_onednn", "fp16_rows", "int4",
                "int4_onednn", "int4_w8a8_packed", "w8a8_packed", "int8_weight", "int8_blocks_onednn",
                "int8_blocks_w8a8_packed", "q4_blocks_onednn", "q8_blocks_onednn", "q4_blocks_a8_onednn",
-               "q8_blocks_a8_onednn", "q8_blocks_mins_a8_onednn", "kquants_a8", "q4_blocks_w8a8_packed",
-               "gguf_<qtype>" for
+               "q8_blocks_a8_onednn", "q8_blocks_mins_a8_onednn", "kquants_a8", "kquants",
+               "q4_blocks_w8a8_packed", "gguf_<qtype>" for
                the GGUF block types of kiln.ops.gguf_linear, "gguf_planar_<qtype>" (CUDA: the same
                blocks in planes, kiln.ops.gemm.gguf_planar); the quantized checkpoint layouts of
                kiln.ops.gemm.quantized_layouts: "fp8_dynamic", "fp8_static", "int8_dynamic",
@@ -24,6 +24,7 @@ it on every step, so `kiln verify` / `kiln bench` check and time the engine's ow
     reference reads x through gguf's own Q8_0 quantizer (cpu_blocks_a8.q8_0_reference). "kquants_a8"
     (a K-quant weight's file blocks) quantizes every row of x to Q8_K (kiln.ops.gemm.cpu_kquants_a8);
     the reference reads x through gguf's rounding per 256 values (cpu_kquants_a8.q8_k_reference).
+    "kquants" (the same blocks, kiln.ops.gemm.cpu_kquants) is exact: x as is.
 """
 
 from __future__ import annotations
@@ -66,11 +67,13 @@ from kiln.ops.gemm.weight_formats import (
     INT4_QTYPES,
     INT8_BLOCK_SIZE,
     INT8_K_MULTIPLE,
+    KQUANT_LAYOUTS,
     LAYOUTS,
     Q4_W8A8_EXACT_ROWS,
     W8A8_COPY_AT,
     W8A8_FALLBACK,
     exact_rows,
+    kquants_layout_runs,
     onednn_packs_bf16,
     prepare_linear_weight,
     prepared_case,
@@ -121,9 +124,10 @@ def prepared_linear_reference(x, layout, weight, bias=None, out_dtype=None):
 A8_LAYOUTS = ("q4_blocks_a8_onednn", "q8_blocks_a8_onednn", "q8_blocks_mins_a8_onednn")
 
 
-def _validate_kquants_a8(op, layout, weight, k: int, device) -> None:
-    """The "kquants_a8" layout: a K-quant weight's file blocks, uint8 [bytes], its parts (GGML type id,
-    rows) int64 [P, 2] (kiln.ops.gemm.cpu_kquants_a8.pack) and uint8 [N, 0], N the parts' rows."""
+def _validate_kquants(op, layout, weight, k: int, device) -> None:
+    """The "kquants_a8" / "kquants" layouts: a K-quant weight's file blocks, uint8 [bytes], its parts
+    (GGML type id, rows) int64 [P, 2] (kiln.ops.gemm.cpu_kquants_a8.pack) and uint8 [N, 0], N the parts'
+    rows."""
     blocks, parts, width = weight
     check_tensor(op, "weight[0]", blocks, ndim=1, dtypes=(torch.uint8,), device=device)
     check_tensor(op, "weight[1]", parts, ndim=2, dtypes=(torch.int64,), device=device)
@@ -163,9 +167,9 @@ def _in_features(layout: str, weight) -> int | None:
         layout in GGUF_LAYOUTS
         or layout in W4A16_LAYOUTS
         or layout in PLANAR_LAYOUTS
-        or layout == "kquants_a8"
+        or layout in KQUANT_LAYOUTS
     ):
-        return None  # validate_gguf_weight, _validate_w4a16, _validate_kquants_a8 check them against x
+        return None  # validate_gguf_weight, _validate_w4a16, _validate_kquants check them against x
     if layout in SPARSE24_LAYOUTS or layout in (
         "q4_blocks_onednn",
         "q4_blocks_a8_onednn",
@@ -430,8 +434,8 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
                 f"{op}: int8_weight in-features {weight[0].shape[1]} are not a multiple of "
                 f"{INT8_K_MULTIPLE} (torch's int8 CPU matmul)"
             )
-    elif layout == "kquants_a8":
-        _validate_kquants_a8(op, layout, weight, x.shape[-1], device)
+    elif layout in KQUANT_LAYOUTS:
+        _validate_kquants(op, layout, weight, x.shape[-1], device)
     elif layout in ("int8_blocks_onednn", "q8_blocks_onednn", "q8_blocks_a8_onednn"):
         _validate_q8_blocks(op, layout, weight, device)
     elif layout in ("q4_blocks_onednn", "q4_blocks_a8_onednn"):
@@ -466,7 +470,7 @@ def validate_prepared_linear(x, layout, weight, bias, out_dtype) -> None:
 
 
 def _out_features(layout, weight) -> int:
-    if layout == "kquants_a8":
+    if layout in KQUANT_LAYOUTS:
         return weight[2].shape[0]  # [N, 0]
     return weight[1].shape[0] if layout == "w8a8_packed" else weight[0].shape[0]  # w_scale: [N]
 
@@ -657,6 +661,14 @@ _FUZZ_FORMATS = (
     ("q8_blocks_a8", "Q5_K+Q6_K"),
     ("q4_blocks_a8", "Q4_K+Q8_0"),  # a part that is no K-quant: "q8_blocks_mins_a8_onednn" (a min per 16)
     ("q8_blocks_a8", "Q6_K+Q8_0"),  # "q8_blocks_a8_onednn", a weight scale per 16
+    # "kquants" (exact, the file's blocks) for K-quant sources, plain or stacked where its kernels run;
+    # the exact blocks layouts for the others
+    ("kquants", "Q4_K"),
+    ("kquants", "Q6_K"),
+    ("kquants", "Q5_K"),
+    ("kquants", "Q4_K+Q4_K+Q6_K"),
+    ("kquants", "Q4_K+Q8_0"),
+    ("kquants", "Q4_1"),
     ("fp16", "Q5_0"),  # CUDA: every GGUF type above and this one in "gguf_planar_*"
     # fused projections whose parts mix GGUF types (a Q4_K_M file's QKV): the exact formats keep them as
     # values with a scale and min per 16 ("q8_blocks_mins_onednn") or per 32, or without mins
@@ -687,7 +699,7 @@ def _fuzz_shapes(rng):
         if any(q in K_QUANTS for q in source.split("+")):
             k = QK_K * rng.randint(1, 2)  # whole super-blocks
         rows = (1, rng.randint(2, 70))
-        if fmt in EXACT_FORMATS and source != "float":  # past the row and tile kernels: the panel kernel
+        if fmt in (*EXACT_FORMATS, "kquants") and source != "float":  # past the row kernels: the panel
             rows += (rng.randint(65, 130),)
         for m in rows:
             shapes.append(
@@ -768,6 +780,10 @@ def _weight_bytes(shape, dtype) -> float:
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
     kquant_parts = shape["source"].split("+")
+    if fmt == "kquants":  # a K-quant source keeps its file's blocks where the layout is made here
+        if all(q in cpu_kquants_a8.QTYPE_IDS for q in kquant_parts) and kquants_layout_runs():
+            return sum(N * row_bytes(q, K) for q in kquant_parts) / len(kquant_parts)
+        fmt = "q4_blocks"  # the others: the exact blocks layouts
     if fmt in A8_FORMATS and all(q in cpu_kquants_a8.QTYPE_IDS for q in kquant_parts):
         if cpu_kquants_a8.load():  # the file's blocks (a stacked weight's: split evenly between its parts)
             return sum(N * row_bytes(q, K) for q in kquant_parts) / len(kquant_parts)
