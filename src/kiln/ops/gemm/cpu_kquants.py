@@ -15,8 +15,10 @@ Two native kernels (part of Kiln's native CPU library, kiln.ops.native_cpu):
     panel kernel's 14-row panels, each output one float32 sum over k in order (batch invariant).
 `kquants_matmul` picks: up to ROWS_KERNEL_MAX rows the first, more the second.
 
-Not yet a weight layout: a Q4_K_M model's matrices still load into the exact blocks layouts, which are
-faster at 8-12 rows (their tile kernels; README, "Exact kernels on a K-quant file's own blocks").
+The CPU format "kquants" (opt-in: kiln.ops.gemm.weight_formats) gives K-quant weights the "kquants"
+layout on these tensors; the default exact formats keep their re-packed layouts, which are faster at
+8-12 rows (their tile kernels) and at one row on warm matrices (README, "Exact kernels on a K-quant
+file's own blocks").
 """
 
 from __future__ import annotations

@@ -666,7 +666,7 @@ _FUZZ_FORMATS = (
     ("kquants", "Q4_K"),
     ("kquants", "Q6_K"),
     ("kquants", "Q5_K"),
-    ("kquants", "Q4_K+Q4_K+Q6_K"),
+    ("kquants", "Q4_K+Q6_K"),  # (distinct types: a call's case names a stack by its types)
     ("kquants", "Q4_K+Q8_0"),
     ("kquants", "Q4_1"),
     ("fp16", "Q5_0"),  # CUDA: every GGUF type above and this one in "gguf_planar_*"
