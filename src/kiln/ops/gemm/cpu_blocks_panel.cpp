@@ -238,20 +238,8 @@ void panel_gemm(const float* x, int64_t m, const Fields& f, int64_t n, float* y)
 void kquants_panel(const float* x, int64_t m, int64_t k, const kiln_cpu::KQuantParts& parts,
                     const uint8_t* blocks, int64_t n, float* y) {
   const int64_t supers = k / kiln_cpu::kKQuantSuper;
-  rows_gemm(x, m, k, n, [&](int64_t row_index, float* w) {
-    kiln_cpu::KQuantUnpacked u;
-    int64_t part = 0;
-    const uint8_t* row = kiln_cpu::kquant_row(parts, blocks, supers, row_index, part);
-    const int64_t bytes = kiln_cpu::gguf_block(parts.types[part]).bytes;
-    kiln_cpu::with_kquant(parts.types[part], [&](auto t) {
-      for (int64_t s = 0; s < supers; ++s) {
-        kiln_cpu::unpack<decltype(t)::value>(row + s * bytes, u);
-        for (int i = 0; i < kiln_cpu::kKQuantSuper; ++i) {
-          w[s * kiln_cpu::kKQuantSuper + i] = kiln_cpu::weight<decltype(t)::value>(u, i);
-        }
-      }
-    });
-  }, y);
+  rows_gemm(x, m, k, n, [&](int64_t row, float* w) { kiln_cpu::kquant_row_weights(parts, blocks, supers, row, w); },
+            y);
 }
 #endif
 

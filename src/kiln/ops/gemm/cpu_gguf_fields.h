@@ -1,8 +1,9 @@
 // GGUF blocks as ggml lays them out: the type ids the native ops take, each type's block shape, and
 // K-quant blocks read one weight at a time (the 256-weight super-blocks of Q4_K: d, dmin, 12 scale
 // bytes, 128 nibble bytes; Q5_K: the same with 32 bytes of fifth bits before the nibbles; Q6_K: 128
-// bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d). Shared by cpu_kquants_a8.cpp (its
-// parts table; the scalar reads in builds without AVX2) and cpu_gguf_rows.cpp.
+// bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d). Shared by cpu_kquants_decode.h (the
+// K-quant kernels' parts tables and unpacking), cpu_kquants_a8.cpp (the scalar reads in builds without
+// AVX2) and cpu_gguf_rows.cpp.
 #pragma once
 
 #include <c10/util/Half.h>

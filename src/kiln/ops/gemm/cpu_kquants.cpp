@@ -55,37 +55,36 @@ inline float total(const Floats (&acc)[A]) {
   }
 }
 
+// Q4_K: kLanes nibble bytes at p as floats, low and high nibbles (cpu_float_lanes.h's `nibbles`); Q5_K:
+// with bits `bit` and `bit + 1` of the bytes at qh above them as their fifth bits
+template <bool High>
+inline void k4_nibbles(const uint8_t* p, const uint8_t* qh, int bit, Floats& lo, Floats& hi) {
+  if constexpr (!High) {
+    nibbles(p, lo, hi);
+  } else {
 #if defined(CPU_CAPABILITY_AVX512)
-// kLanes bytes at p: their low and high nibbles, with (Q5_K) bits `bit` and `bit + 1` of the bytes at qh
-// above them as their fifth bits, as floats
-template <bool High>
-inline void k4_nibbles(const uint8_t* p, const uint8_t* qh, int bit, Floats& lo, Floats& hi) {
-  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m512i l = _mm512_and_si512(q, _mm512_set1_epi32(15)), h = _mm512_srli_epi32(q, 4);
-  if (High) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh)));
-    const __m512i one = _mm512_set1_epi32(1);
-    l = _mm512_or_si512(l, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(b, bit), one), 4));
-    h = _mm512_or_si512(h, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(b, bit + 1), one), 4));
-  }
-  lo = _mm512_cvtepi32_ps(l);
-  hi = _mm512_cvtepi32_ps(h);
-}
+    const __m512i low = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1);
+    const __m512i l = _mm512_or_si512(_mm512_and_si512(q, low),
+                                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(b, bit), one), 4));
+    const __m512i h = _mm512_or_si512(_mm512_srli_epi32(q, 4),
+                                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(b, bit + 1), one), 4));
+    lo = _mm512_cvtepi32_ps(l);
+    hi = _mm512_cvtepi32_ps(h);
 #else
-template <bool High>
-inline void k4_nibbles(const uint8_t* p, const uint8_t* qh, int bit, Floats& lo, Floats& hi) {
-  const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  __m256i l = _mm256_and_si256(q, _mm256_set1_epi32(15)), h = _mm256_srli_epi32(q, 4);
-  if (High) {
+    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qh)));
-    const __m256i one = _mm256_set1_epi32(1);
-    l = _mm256_or_si256(l, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(b, bit), one), 4));
-    h = _mm256_or_si256(h, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(b, bit + 1), one), 4));
-  }
-  lo = _mm256_cvtepi32_ps(l);
-  hi = _mm256_cvtepi32_ps(h);
-}
+    const __m256i low = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+    const __m256i l = _mm256_or_si256(_mm256_and_si256(q, low),
+                                      _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(b, bit), one), 4));
+    const __m256i h = _mm256_or_si256(_mm256_srli_epi32(q, 4),
+                                      _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(b, bit + 1), one), 4));
+    lo = _mm256_cvtepi32_ps(l);
+    hi = _mm256_cvtepi32_ps(h);
 #endif
+  }
+}
 
 // One row of x (K = supers * 256; xsum: its sums per 32) times one Q4_K / Q5_K weight row, factored per
 // sub-block of 32 as cpu_q4_blocks.cpp's one-row kernel: sum_j (d sc_j) sum_i q_i x_i - (dmin m_j) sum_i x_i
@@ -216,7 +215,7 @@ void rows_kernel(const float* x, const float* xsum, int64_t m, int64_t k, const 
         y[r] = one_row_k4<true>(x, xsum, row, supers);
       } else {
         const int64_t last = std::min(end, parts.first_row[part + 1]);
-        y[r] = one_row_q6_k(x, row, supers, row + (last - r) * supers * 210);
+        y[r] = one_row_q6_k(x, row, supers, row + (last - r) * supers * kiln_cpu::gguf_block(type).bytes);
       }
     }
     return;
@@ -242,19 +241,8 @@ void rows_kernel(const float* x, const float* /*xsum*/, int64_t m, int64_t k, co
                  const uint8_t* bp, int64_t begin, int64_t end, float* y, int64_t n) {
   const int64_t supers = k / kKQuantSuper;
   std::vector<float> w(k);
-  KQuantUnpacked u;
-  int64_t part = 0;
   for (int64_t r = begin; r < end; ++r) {
-    const uint8_t* row = kiln_cpu::kquant_row(parts, bp, supers, r, part);
-    const int64_t bytes = kiln_cpu::gguf_block(parts.types[part]).bytes;
-    kiln_cpu::with_kquant(parts.types[part], [&](auto t) {
-      for (int64_t s = 0; s < supers; ++s) {
-        kiln_cpu::unpack<decltype(t)::value>(row + s * bytes, u);
-        for (int i = 0; i < kKQuantSuper; ++i) {
-          w[s * kKQuantSuper + i] = kiln_cpu::weight<decltype(t)::value>(u, i);
-        }
-      }
-    });
+    kiln_cpu::kquant_row_weights(parts, bp, supers, r, w.data());
     for (int64_t i = 0; i < m; ++i) {
       float acc = 0.f;
       for (int64_t j = 0; j < k; ++j) acc = std::fma(w[j], x[i * k + j], acc);

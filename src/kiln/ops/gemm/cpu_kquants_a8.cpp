@@ -205,7 +205,6 @@ void q6_k_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, const uint
                int64_t stride) {
   constexpr int64_t kBytes = 210;
 #if defined(KILN_FLOAT_LANES)
-  const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
   const __m256i pick[4] = {repeat16(0, 1), repeat16(2, 3), repeat16(4, 5), repeat16(6, 7)};
   __m256 acc[R];
   for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_ps();
@@ -223,19 +222,13 @@ void q6_k_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, const uint
       isum[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
     }
     for (int h = 0; h < 2; ++h) {
-      const uint8_t* ql = b + 64 * h;
       // this half's 8 scales in both lanes
       const __m256i half_scales = h ? _mm256_permute2x128_si256(scales, scales, 0x11)
                                     : _mm256_permute2x128_si256(scales, scales, 0x00);
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-      const __m256i nibbles[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
-                                  _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                  _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+      __m256i quants[4];  // weights 128 h + 32 t, 0..63
+      kiln_cpu::q6_k_half(b, h, quants);
       for (int t = 0; t < 4; ++t) {
-        const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two), 4);
-        const __m256i q = _mm256_or_si256(nibbles[t], high);
+        const __m256i q = quants[t];
         const __m256i scale = _mm256_shuffle_epi8(half_scales, pick[t]);
         for (int m = 0; m < R; ++m) {
           const int8_t* a = x.q[m] + s * kSuper + 128 * h + 32 * t;
@@ -284,9 +277,8 @@ void run_group(const Q8K& xq, int64_t m0, const kiln_cpu::KQuantParts& parts, co
   }
   int64_t i = 0;
   for (int64_t r = begin; r < end; ++r) {
-    while (r >= parts.first_row[i + 1]) ++i;
+    const uint8_t* row = kiln_cpu::kquant_row(parts, bp, xq.supers, r, i);
     const int64_t row_bytes = xq.supers * kiln_cpu::gguf_block(parts.types[i]).bytes;
-    const uint8_t* row = bp + parts.first_byte[i] + (r - parts.first_row[i]) * row_bytes;
     float* y = yp + m0 * n + r;
     if (parts.types[i] == kGgmlQ4K) {
       k4_rows<false, R>(x, row, xq.supers, y, n);
@@ -295,7 +287,7 @@ void run_group(const Q8K& xq, int64_t m0, const kiln_cpu::KQuantParts& parts, co
     } else {
       // prefetch on the first group only: the later ones find the task's rows in the caches
       const int64_t last = std::min(end, parts.first_row[i + 1]);
-      const uint8_t* stop = m0 == 0 ? bp + parts.first_byte[i] + (last - parts.first_row[i]) * row_bytes : row;
+      const uint8_t* stop = m0 == 0 ? row + (last - r) * row_bytes : row;
       q6_k_rows<R>(x, row, xq.supers, stop, y, n);
     }
   }

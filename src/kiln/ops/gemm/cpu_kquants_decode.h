@@ -1,13 +1,14 @@
 // GGUF K-quant matrices (Q4_K, Q5_K, Q6_K) as their files store them, for the native kernels that read
 // them in place: the parts table of a weight made of one or more such matrices stacked by rows (a fused
-// QKV), and a super-block's 256 weights unpacked to small integers with a float32 scale and offset per
-// 16, from which each weight's float32 value is one fma, exactly ggml's decode (gguf.quants):
+// QKV), and a super-block's 256 weights unpacked to small integers with a float32 scale (and offset)
+// per sub-block, from which each weight's float32 value is one fma or product, exactly ggml's decode
+// (gguf.quants):
 //
 //   Q4_K / Q5_K  w = (d sc_j) q - (dmin m_j)   q 0..15 / 0..31, sc_j and m_j 6-bit, per 32 weights:
 //                the product (d sc_j) q is exact in float32 (at most 22 significant bits), so
 //                fma(q, d sc_j, -(dmin m_j)) rounds once, as the subtraction does
 //   Q6_K         w = (d sc_j) (q - 32)         sc_j int8 per 16: exact (at most 23 significant bits),
-//                fma(q - 32, d sc_j, 0)
+//                (q - 32) * (d sc_j)
 //
 // Shared by cpu_kquants_a8.cpp (the parts table), cpu_kquants.cpp (the exact row kernel) and
 // cpu_blocks_panel.cpp (the exact many-row kernel).
@@ -23,7 +24,6 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-
 
 namespace kiln_cpu {
 
@@ -158,6 +158,25 @@ inline void unpack_k4(const uint8_t* b, Quants& q, float* scale, float* offset) 
 #endif
 }
 
+#if defined(KILN_FLOAT_LANES)
+// Half h (weights 128 h .. 128 h + 127) of Q6_K super-block b: q[t] the quants 0..63 of weights
+// 128 h + 32 t .. + 31. Weight l + 32 t is ql[l + 32 (t & 1)]'s low (t < 2) or high nibble with bits 2t,
+// 2t + 1 of qh[l] above it.
+inline void q6_k_half(const uint8_t* b, int h, __m256i (&q)[4]) {
+  const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+  const uint8_t* ql = b + 64 * h;
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+  const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+  const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+  const __m256i nibbles[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+  for (int t = 0; t < 4; ++t) {
+    q[t] = _mm256_or_si256(nibbles[t], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two), 4));
+  }
+}
+#endif
+
 // Super-block b of Q6_K -> q (q - 32) and per 16 weights a float32 scale d sc_j [16]: weight i is
 // q[i] * scale[i / 16], exactly
 inline void unpack_q6_k(const uint8_t* b, Quants& q, float* scale) {
@@ -168,21 +187,11 @@ inline void unpack_q6_k(const uint8_t* b, Quants& q, float* scale) {
   const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
   _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
   _mm256_storeu_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
-  // per half (128 weights): weight l + 32 t is ql[l + 32 (t & 1)]'s low (t < 2) or high nibble with
-  // bits 2t, 2t + 1 of qh[l] above it
-  const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+  const __m256i bias = _mm256_set1_epi8(32);
   for (int h = 0; h < 2; ++h) {
-    const uint8_t* ql = b + 64 * h;
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-    const __m256i nibbles[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
-                                _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
-    for (int t = 0; t < 4; ++t) {
-      const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two), 4);
-      q[4 * h + t] = _mm256_sub_epi8(_mm256_or_si256(nibbles[t], high), bias);
-    }
+    __m256i half[4];
+    q6_k_half(b, h, half);
+    for (int t = 0; t < 4; ++t) q[4 * h + t] = _mm256_sub_epi8(half[t], bias);
   }
 #else
   const float d = fp16_at(b + 208);
@@ -256,5 +265,22 @@ inline void with_kquant(int64_t type, F&& f) {
     f(std::integral_constant<KQuant, KQuant::kQ6K>{});
   }
 }
+
+#if !defined(KILN_FLOAT_LANES)
+// Output row r of `parts`' blocks as its K = supers * 256 float32 weights, w (the scalar builds' kernels)
+inline void kquant_row_weights(const KQuantParts& parts, const uint8_t* blocks, int64_t supers, int64_t r,
+                               float* w) {
+  int64_t part = 0;
+  const uint8_t* row = kquant_row(parts, blocks, supers, r, part);
+  const int64_t bytes = gguf_block(parts.types[part]).bytes;
+  KQuantUnpacked u;
+  with_kquant(parts.types[part], [&](auto t) {
+    for (int64_t s = 0; s < supers; ++s) {
+      unpack<decltype(t)::value>(row + s * bytes, u);
+      for (int i = 0; i < kKQuantSuper; ++i) w[s * kKQuantSuper + i] = weight<decltype(t)::value>(u, i);
+    }
+  });
+}
+#endif
 
 }  // namespace kiln_cpu

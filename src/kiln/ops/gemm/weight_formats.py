@@ -443,11 +443,11 @@ def _prepare(weight, device: torch.device, dtype: torch.dtype, cpu_format: str |
         _log_dequantized_at_load(fmt, device.type, cpu_format or str(dtype))
         weight = weight.dequantize(torch.float32)
     if device.type == "cpu" and cpu_format in A8_FORMATS:
-        prepared = _kquants_a8_layout(weight, shape, dtype)
+        prepared = _kquant_layout(weight, shape, dtype, "kquants_a8")
         if prepared is not None:
             return prepared
     if device.type == "cpu" and cpu_format == "kquants":
-        prepared = _kquants_layout(weight, shape, dtype)
+        prepared = _kquant_layout(weight, shape, dtype, "kquants")
         if prepared is not None:
             return prepared
         cpu_format = "q4_blocks"  # other weights: the exact blocks layouts
@@ -625,37 +625,26 @@ def _blocks_layout(weight, shape, dtype, cpu_format) -> PreparedLinearWeight | N
     return PreparedLinearWeight(layout, (*blocks, rows, *tiles), shape, torch.float32, dtype)
 
 
-def _kquants_a8_layout(weight, shape, dtype) -> PreparedLinearWeight | None:
-    """The "kquants_a8" layout of a GGUF Q4_K / Q5_K / Q6_K weight, or of a stacked one whose parts all
-    are: the file's blocks and the parts table (kiln.ops.gemm.cpu_kquants_a8.pack), and an empty uint8
-    [N, 0] that gives the kernel N; None for other weights or where the native kernel does not run (its
-    tensor form would decode the blocks on every call: the Q8_0-x layouts are the faster ones there)."""
-    if not isinstance(weight, (GGUFWeight, GGUFStackedWeight)):
-        return None
-    packed = cpu_kquants_a8.pack(weight)
-    if packed is None or not cpu_kquants_a8.load():
-        return None
-    width = torch.empty(shape[0], 0, dtype=torch.uint8)  # N as a shape: a compiled call needs it static
-    return PreparedLinearWeight("kquants_a8", (*packed, width), shape, torch.float32, dtype)
-
-
 def kquants_layout_runs() -> bool:
     """Whether the "kquants" format gives K-quant weights the "kquants" layout here: Kiln's native
     library with vector kernels (kiln.ops.gemm.cpu_kquants; native_cpu.blocks_panel_runs())."""
     return cpu_kquants.load() and native_cpu.blocks_panel_runs()
 
 
-def _kquants_layout(weight, shape, dtype) -> PreparedLinearWeight | None:
-    """The "kquants" layout of a GGUF Q4_K / Q5_K / Q6_K weight, or of a stacked one whose parts all are:
-    "kquants_a8"'s tensors for the exact kernels (kiln.ops.gemm.cpu_kquants); None for other weights, or
-    where those kernels have no vector build (their scalar loops are for the tests)."""
+def _kquant_layout(weight, shape, dtype, layout: str) -> PreparedLinearWeight | None:
+    """The "kquants_a8" / "kquants" layout (KQUANT_LAYOUTS) of a GGUF Q4_K / Q5_K / Q6_K weight, or of a
+    stacked one whose parts all are: the file's blocks and the parts table
+    (kiln.ops.gemm.cpu_kquants_a8.pack), and an empty uint8 [N, 0] that gives the kernel N; None for
+    other weights or where the layout's native kernels do not run (kquants_a8: the library; kquants:
+    its vector build, kquants_layout_runs(); the tensor forms would decode the blocks on every call)."""
     if not isinstance(weight, (GGUFWeight, GGUFStackedWeight)):
         return None
     packed = cpu_kquants_a8.pack(weight)
-    if packed is None or not kquants_layout_runs():
+    runs = cpu_kquants_a8.load() if layout == "kquants_a8" else kquants_layout_runs()
+    if packed is None or not runs:
         return None
-    width = torch.empty(shape[0], 0, dtype=torch.uint8)
-    return PreparedLinearWeight("kquants", (*packed, width), shape, torch.float32, dtype)
+    width = torch.empty(shape[0], 0, dtype=torch.uint8)  # N as a shape: a compiled call needs it static
+    return PreparedLinearWeight(layout, (*packed, width), shape, torch.float32, dtype)
 
 
 def _stacked_layout(weight: GGUFStackedWeight, shape, dtype, a8: bool) -> PreparedLinearWeight | None:

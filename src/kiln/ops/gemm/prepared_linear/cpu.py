@@ -181,18 +181,19 @@ def _blocks_kernel(gemv, copy_at: int, gemm, tiles_gemm=None, kind: str = "q8"):
 _q4_blocks_onednn = _blocks_kernel(q4_blocks_gemv, 3, q4_blocks_gemm, q4_tiles_gemm, "q4")
 
 
-def _kquants_a8(x, weight, bias, out_dtype):
-    y = kquants_a8_gemm(x, weight[0], weight[1], weight[2].shape[0])
-    if bias is not None:
-        y = y.add_(bias.float())
-    return y.to(out_dtype)
+def _kquant_kernel(matmul):
+    """A KQUANT_LAYOUTS layout's kernel: `matmul` (x, blocks, parts, n) on its tensors, then the bias."""
+
+    def run(x, weight, bias, out_dtype):
+        y = matmul(x, weight[0], weight[1], weight[2].shape[0])
+        if bias is not None:
+            y = y.add_(bias.float())
+        return y.to(out_dtype)
+
+    return run
 
 
-def _kquants(x, weight, bias, out_dtype):
-    y = kquants_matmul(x, weight[0], weight[1], weight[2].shape[0])
-    if bias is not None:
-        y = y.add_(bias.float())
-    return y.to(out_dtype)
+_kquants_a8 = _kquant_kernel(kquants_a8_gemm)
 
 
 def _w8a8(x, weight, bias, out_dtype):
@@ -252,7 +253,7 @@ KERNELS = {
     "q8_blocks_a8_onednn": _blocks_kernel(q8_blocks_a8_gemv, 2, q8_blocks_gemm, q8_tiles_gemm),
     "q8_blocks_mins_a8_onednn": _blocks_kernel(q8_blocks_mins_a8_gemv, 3, q8_blocks_gemm),
     "kquants_a8": _kquants_a8,
-    "kquants": _kquants,
+    "kquants": _kquant_kernel(kquants_matmul),
     "w8a8_packed": _w8a8,
     "int4_w8a8_packed": _int4_w8a8,
     "int8_blocks_w8a8_packed": _int8_blocks_w8a8,

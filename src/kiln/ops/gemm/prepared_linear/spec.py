@@ -780,13 +780,15 @@ def _weight_bytes(shape, dtype) -> float:
     if fmt == "gguf":
         return packed_bytes({"N": N, "K": K, "qtype": shape["source"]})
     kquant_parts = shape["source"].split("+")
-    if fmt == "kquants":  # a K-quant source keeps its file's blocks where the layout is made here
-        if all(q in cpu_kquants_a8.QTYPE_IDS for q in kquant_parts) and kquants_layout_runs():
-            return sum(N * row_bytes(q, K) for q in kquant_parts) / len(kquant_parts)
-        fmt = "q4_blocks"  # the others: the exact blocks layouts
-    if fmt in A8_FORMATS and all(q in cpu_kquants_a8.QTYPE_IDS for q in kquant_parts):
-        if cpu_kquants_a8.load():  # the file's blocks (a stacked weight's: split evenly between its parts)
-            return sum(N * row_bytes(q, K) for q in kquant_parts) / len(kquant_parts)
+    all_kquants = all(q in cpu_kquants_a8.QTYPE_IDS for q in kquant_parts)
+    # where a K-quant source keeps its file's blocks (KQUANT_LAYOUTS: a stacked weight's split evenly
+    # between its parts)
+    if (fmt == "kquants" and all_kquants and kquants_layout_runs()) or (
+        fmt in A8_FORMATS and all_kquants and cpu_kquants_a8.load()
+    ):
+        return sum(N * row_bytes(q, K) for q in kquant_parts) / len(kquant_parts)
+    if fmt == "kquants":
+        fmt = "q4_blocks"  # its other sources: the exact blocks layouts
     blocks_formats = (*EXACT_FORMATS, *A8_FORMATS)  # each keeps every GGUF type with a blocks layout
     if fmt in blocks_formats and shape["source"] in MIN_QTYPES:  # values, d * sc and the min
         reads_blocks = _blocks_rows_read_blocks("q8", shape["M"], tiles=False)
