@@ -10,10 +10,10 @@ import torch
 
 from kiln.loaders import cpu_format_probe, load_model
 from kiln.quant import quantize_blocks
-from kiln.quant.gguf_blocks import GGUFWeight
+from kiln.quant.gguf_blocks import GGUFStackedWeight, GGUFWeight
 
 MODEL = "random:tiny"
-FAKE_SECONDS = {"fp16": 2e-3, "fp32": 1e-3}  # fp32 "wins" unless a test says otherwise
+FAKE_SECONDS = {"fp16": 2e-3, "fp32": 1e-3, "kquants": 4e-3}  # fp32 "wins" unless a test says otherwise
 
 
 @pytest.fixture
@@ -161,7 +161,12 @@ def test_default_candidates_time_the_blocks_formats_only_for_their_gguf_types(mo
     q6, q5 = (GGUFWeight(t, quantize_blocks(torch.randn(32, 256), t), (32, 256)) for t in ("Q6_K", "Q5_0"))
     assert cpu_format_probe.candidate_formats([*q4, q8]) == ("fp16", "fp32", "q4_blocks")
     mixed_layer = [q4[0], q6, torch.randn(32, 64)]
-    assert cpu_format_probe.candidate_formats(mixed_layer) == ("fp16", "fp32", "q4_blocks")
+    # with a K-quant matrix, "kquants" too where it runs on an AVX-512 build (its file-blocks layout)
+    kquants = ("kquants",) if cpu_format_probe.kquants_probed() else ()
+    assert cpu_format_probe.candidate_formats(mixed_layer) == ("fp16", "fp32", "q4_blocks", *kquants)
+    q4k = GGUFWeight("Q4_K", quantize_blocks(torch.randn(8, 256), "Q4_K"), (8, 256))
+    stacked = GGUFStackedWeight.stack([q6, q4k])  # a Q4_K_M file's fused QKV
+    assert cpu_format_probe.candidate_formats([stacked]) == ("fp16", "fp32", "q4_blocks", *kquants)
     assert cpu_format_probe.candidate_formats([q5]) == ("fp16", "fp32", "q4_blocks")
     monkeypatch.setenv("KILN_CPU_FORMATS", "fp16,q8_blocks,q4_blocks")
     assert cpu_format_probe.candidate_formats([q5, q6]) == ("fp16", "q8_blocks")

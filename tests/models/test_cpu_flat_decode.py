@@ -426,7 +426,7 @@ def test_the_kquants_format_keeps_the_file_blocks_and_decodes_as_the_modules_and
         assert torch.allclose(
             torch.tensor(_floats(logprobs)), torch.tensor(_floats(exact_logprobs)), atol=1e-3
         )  # float32 sums in other orders, compounding through 2 layers and 16 steps' KV: ~2e-4 seen
-    rows = cpu_kquants.ROWS_KERNEL_MAX + 2  # sequences a step: past the row kernel, on the panel kernel
+    rows = cpu_kquants.rows_kernel_max() + 2  # sequences a step: past the row kernel, on the panel kernel
     engine = _engine(path, loaded, max_num_seqs=rows, num_kv_blocks=2 * rows)
     calls = _counting(engine, monkeypatch)
     prompts = [[(7 * j + i) % 60 + 2 for j in range(3 + i % 5)] for i in range(rows)]

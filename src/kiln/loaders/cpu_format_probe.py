@@ -12,10 +12,11 @@ keeps the fastest.
 Candidates (`KILN_CPU_FORMATS`, comma-separated, overrides them): "fp16", "fp32", "q4_blocks" and
 "q8_blocks" (GGUF Q4_0 / Q4_1 / Q4_K matrices as Q4 blocks, Q8_0, Q5_0, Q6_K and Q5_K ones as int8
 values and block scales (Q5_K: and mins), whichever of the two is named: a file mixes types,
-Q4_K_M's layers Q4_K and Q6_K; other matrices in fp32) by default, the formats whose greedy tokens
-stay those of the checkpoint (fp16 holds GGUF block values to one rounding, fp32 exactly, q4_blocks
-and q8_blocks exactly: float32 arithmetic on the blocks' own values at one row, the fp32 copy for
-several). "bf16", "int4" (GGUF Q4
+Q4_K_M's layers Q4_K and Q6_K; other matrices in fp32) and, for a model with GGUF K-quant matrices
+on an AVX-512 build, "kquants" (those matrices kept as the file's blocks, 2.3x less memory for a
+Q4_K_M file, kiln.ops.gemm.cpu_kquants; kquants_probed()) by default, the formats whose greedy tokens
+stay those of the checkpoint (fp16 holds GGUF block values to one rounding, fp32 exactly, q4_blocks,
+q8_blocks and kquants exactly: float32 arithmetic on the blocks' own values). "bf16", "int4" (GGUF Q4
 weights only) and "int8" round activations to bfloat16 (~3e-2 logit error, flipping near-tied greedy
 choices; int8 also requantizes the weights per output channel, which GGUF's 32-weight blocks resolve
 more finely), so they are candidates only when asked for: `KILN_CPU_FORMATS=fp16,fp32,bf16,int4,int8`.
@@ -49,6 +50,7 @@ import kiln.ops
 from kiln import environment
 from kiln.models.weights import GGUFStackedWeight, GGUFWeight, WeightStore, cat_rows
 from kiln.ops import tuned_configs
+from kiln.ops.gemm import cpu_kquants, cpu_kquants_a8
 from kiln.ops.gemm.weight_formats import (
     A8_FORMATS,
     CPU_WEIGHT_FORMATS,
@@ -56,12 +58,13 @@ from kiln.ops.gemm.weight_formats import (
     EXACT_FORMATS,
     INT4_QTYPES,
     gguf_source_name,
+    kquants_layout_runs,
     prepare_linear_weight,
 )
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CANDIDATES = ("fp16", "fp32", "q4_blocks", "q8_blocks")
+DEFAULT_CANDIDATES = ("fp16", "fp32", "q4_blocks", "q8_blocks", "kquants")
 CACHE_OP = "cpu_weight_format"  # the tuning cache's "op" of these entries
 REPEATS = 5  # timed passes per format; the median counts
 # written before every pass (untimed), so the weights come from memory as in a decode step of a model
@@ -90,7 +93,8 @@ def candidate_formats(weights: list) -> tuple[str, ...]:
     (elsewhere they fall back to other layouts), without "gguf". "q4_blocks" (all Q4) or "q8_blocks"
     (all Q8_0) as those; for other GGUF matrices of exact-blocks types (a mixed file's, stacked ones and
     float matrices beside them allowed) the first of the two named; "q4_blocks_a8" / "q8_blocks_a8"
-    likewise."""
+    likewise. "kquants" where some weight is a GGUF K-quant matrix (or a stacked one of them) and it
+    runs here (kquants_probed())."""
     names = os.environ.get("KILN_CPU_FORMATS")
     wanted = tuple(n.strip() for n in names.split(",") if n.strip()) if names else DEFAULT_CANDIDATES
     unknown = [n for n in wanted if n not in CPU_WEIGHT_FORMATS]
@@ -108,8 +112,15 @@ def candidate_formats(weights: list) -> tuple[str, ...]:
     mixed = bool(gguf) and not (q4 or q8) and all(w.qtype in EXACT_BLOCKS_QTYPES for w in gguf)
     first_exact = next((n for n in wanted if n in EXACT_FORMATS), None)
     first_a8 = next((n for n in wanted if n in A8_FORMATS), None)  # the same for their a8 forms
+    kquant = any(
+        all(part.qtype in cpu_kquants_a8.QTYPE_IDS for part in getattr(w, "parts", [w]))
+        for w in weights
+        if isinstance(w, (GGUFWeight, GGUFStackedWeight))
+    )
 
     def keep(name: str) -> bool:
+        if name == "kquants":  # elsewhere it prepares every weight as "q4_blocks" does
+            return kquant and kquants_probed()
         if name in EXACT_FORMATS:
             return name == first_exact if mixed else (q4 if name == "q4_blocks" else q8)
         if name in A8_FORMATS:
@@ -121,6 +132,15 @@ def candidate_formats(weights: list) -> tuple[str, ...]:
         return name != "gguf"
 
     return tuple(n for n in wanted if keep(n))
+
+
+def kquants_probed() -> bool:
+    """Whether "kquants" is timed for a K-quant model here: where its layout runs
+    (weight_formats.kquants_layout_runs) on a build whose row kernel has the Q4_K tiles (AVX-512:
+    cpu_kquants.rows_kernel_max()). On AVX2 builds its 2-4 row calls trail the default's (a 2-core Zen
+    4 run as AVX2, 4 Llama-3.2-1B-shaped layers cache-cold: 2 rows 15.3 / 13.0 ms, 4 rows 21.1 / 18.5),
+    which a one-row probe would not see."""
+    return kquants_layout_runs() and cpu_kquants.rows_kernel_max() == cpu_kquants.ROWS_KERNEL_MAX_TILES
 
 
 def time_call(fn, repeats: int = REPEATS, before=None) -> float:

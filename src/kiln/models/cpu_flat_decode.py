@@ -277,7 +277,7 @@ def _panel_rows(kernel, weight) -> int:
     if kernel is _KQUANTS:
         return 0
     if kernel is _KQUANTS_EXACT:  # past its row kernel, as kquants_matmul routes them
-        return cpu_kquants.ROWS_KERNEL_MAX + 1
+        return cpu_kquants.rows_kernel_max() + 1
     blocks = _NATIVE_KERNELS[kernel][1]
     if weight[blocks].numel():  # the float32 copy: oneDNN past the blocks' kernels, not native here
         return 0

@@ -39,10 +39,11 @@ def _weight(qtypes, k, g, sizes=(9, 17, 33)):
 @pytest.mark.parametrize("op", OPS)
 def test_product_is_the_gguf_matrix_times_x_and_each_row_as_alone(op, qtypes, native, monkeypatch):
     """Within 2e-6 of the float64 product with gguf's weights (K-term float32 sums: ~sqrt(K) * 6e-8
-    at these K), for row counts inside one pass of the row kernel (5 x rows on AVX-512, 4 on AVX2), past
-    it and past the panel's 32-row chunks; each row of a call bit for bit what it gets beside one other
-    row (batch invariance; the row kernel's one-row path sums in its own order, the panel's is the same),
-    with the output poisoned first."""
+    at these K), for row counts inside one pass of the row kernel (4 x rows), past it, on its Q4_K tiles
+    (from TILE_MIN_ROWS rows, 10 a pass) and past the panel's 32-row chunks; each row of a call bit for
+    bit what it gets beside one other row below TILE_MIN_ROWS, beside TILE_MIN_ROWS - 1 others from there
+    on (batch invariance within each range; the one-row path sums in its own order, the panel's is the
+    same for every row count), with the output poisoned first."""
     g = torch.Generator().manual_seed(random.randrange(2**31))
     k = random.choice((256, 768, 2816))  # whole super-blocks; 2816: a Llama intermediate size
     parts, blocks, table, matrix = _weight(qtypes, k, g)
@@ -54,20 +55,27 @@ def test_product_is_the_gguf_matrix_times_x_and_each_row_as_alone(op, qtypes, na
     assert_close(alone, ref, 2e-6, f"{op}: W @ x, one row a call")
     paired = torch.cat([fn(x[[i, (i + 7) % 41]], blocks, table, n)[:1] for i in range(41)])
     assert_close(paired, ref, 2e-6, f"{op}: W @ x, two rows a call")
+    tiled = kquants.TILE_MIN_ROWS
+    others = [[i, *((i + 7 * j) % 41 for j in range(1, tiled))] for i in range(41)]
+    grouped = torch.cat([fn(x[rows], blocks, table, n)[:1] for rows in others])
+    assert_close(grouped, ref, 2e-6, f"{op}: W @ x, {tiled} rows a call")
     if op == "kquants_panel_gemm":
-        assert torch.equal(paired, alone)
+        assert torch.equal(paired, alone) and torch.equal(grouped, alone)
     for m in (3, 4, 5, 6, 8, 11, 33, 41):
         y = torch.full((m, n), float("nan"))
         y.copy_(fn(x[:m], blocks, table, n))
-        assert torch.equal(y, paired[:m]), f"{op}, {m} rows: a row's outputs depend on the others"
+        expected = paired if m < tiled else grouped
+        assert torch.equal(y, expected[:m]), f"{op}, {m} rows: a row's outputs depend on the others"
     monkeypatch.setitem(kquants._state, "loaded", False)  # where the library cannot be built
     assert_close(fn(x[:5], blocks, table, n), ref[:5], 2e-6, "tensor form")
 
 
 @pytest.mark.parametrize("qtype", ("Q4_K", "Q5_K", "Q6_K"))
-def test_panel_weights_are_ggufs_float32_values_bit_for_bit(qtype, native):
-    """x = the identity reads each weight back once (w * 1 summed with zeros): the panel kernel's
-    decode is gguf's float32 decode exactly; and its products equal, bit for bit, those of the exact
+def test_weights_are_ggufs_float32_values_bit_for_bit(qtype, native):
+    """x = the identity reads each weight back once (w * 1 summed with zeros): the decode of the panel
+    kernel and of the row kernel (its Q4_K tiles, rows 0-15 of 29, transposed on the fly with their
+    scales, and its per-row path: rows 16-28, and every row with 3 x rows) is gguf's float32 decode
+    exactly; and the panel's products equal, bit for bit, those of the exact
     blocks layouts' panel kernel on the same matrix (values re-packed: Q4 nibbles with d, m per 32;
     int8 with a scale per 16; int8 with scale and min per 32): the same float32 weights, the same sums."""
     g = torch.Generator().manual_seed(random.randrange(2**31))
@@ -76,6 +84,10 @@ def test_panel_weights_are_ggufs_float32_values_bit_for_bit(qtype, native):
     blocks, table = cpu_kquants_a8.pack(weight)
     eye = torch.eye(k)
     assert torch.equal(kquants.kquants_panel_gemm(eye, blocks, table, 29).T, gguf_matrix(weight))
+    assert torch.equal(kquants.kquants_gemm(eye, blocks, table, 29).T, gguf_matrix(weight))
+    assert torch.equal(
+        kquants.kquants_gemm(eye[200:203], blocks, table, 29).T, gguf_matrix(weight)[:, 200:203]
+    )
     if qtype == "Q4_K":
         fields = cpu_q4_blocks.pack(weight)
     elif qtype == "Q6_K":
@@ -86,6 +98,29 @@ def test_panel_weights_are_ggufs_float32_values_bit_for_bit(qtype, native):
     assert torch.equal(
         kquants.kquants_panel_gemm(x, blocks, table, 29), cpu_blocks_panel.blocks_panel_gemm(x, *fields)
     )
+
+
+def test_row_kernel_takes_whole_groups_of_q4_k_rows_whatever_the_threads(native):
+    """From TILE_MIN_ROWS x rows AVX-512 builds run each group of 16 output rows (counted from row 0)
+    that lies in one Q4_K part as a tile, the rest row by row: a part boundary inside a group, a group
+    cut short by the end and the split of the groups between threads change no output bit, and every
+    output is within 2e-6 of gguf's product. Rows 0-8 Q6_K, 9-48 Q4_K (groups 16-31 and 32-47 whole),
+    49-69 Q4_K (group 48-63 spans two parts, 64-69 ends early)."""
+    g = torch.Generator().manual_seed(11)
+    parts = [random_part("Q6_K", 9, 768, g), random_part("Q4_K", 40, 768, g), random_part("Q4_K", 21, 768, g)]
+    blocks, table = cpu_kquants_a8.pack(GGUFStackedWeight.stack(parts))
+    ref = torch.cat([gguf_matrix(p) for p in parts]).double()
+    x = torch.randn(kquants.TILE_MIN_ROWS + 2, 768, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(kquants.kquants_gemm(x, blocks, table, 70))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    assert_close(outs[0], x.double() @ ref.T, 2e-6, "kquants_gemm, tiles and rows")
 
 
 def test_mins_and_offsets_count_and_nan_stays_in_its_row(native):
@@ -116,11 +151,10 @@ def test_kquants_matmul_routes_by_rows(native, monkeypatch):
     g = torch.Generator().manual_seed(3)
     _, blocks, table, _ = _weight(("Q4_K", "Q6_K"), 256, g)
     n = int(table[:, 1].sum())
-    for m in (1, kquants.ROWS_KERNEL_MAX, kquants.ROWS_KERNEL_MAX + 1, 40):
+    most = kquants.rows_kernel_max()
+    for m in (1, most, most + 1, 40):
         x = torch.randn(m, 256, generator=g)
-        expected = (kquants.kquants_gemm if m <= kquants.ROWS_KERNEL_MAX else kquants.kquants_panel_gemm)(
-            x, blocks, table, n
-        )
+        expected = (kquants.kquants_gemm if m <= most else kquants.kquants_panel_gemm)(x, blocks, table, n)
         assert torch.equal(kquants.kquants_matmul(x, blocks, table, n), expected)
 
 
@@ -181,7 +215,7 @@ def test_the_kquants_format_keeps_the_file_blocks_and_runs_the_exact_kernels(nat
     assert width.shape == (32, 0) and sum(t.nbytes for t in prepared.tensors) == blocks.nbytes + table.nbytes
     matrix = torch.cat([gguf_matrix(q4k), gguf_matrix(q6k)]).double()
     bias = torch.randn(32, generator=g)
-    for m in (1, 5, kquants.ROWS_KERNEL_MAX + 3, 70):
+    for m in (1, 5, kquants.rows_kernel_max() + 3, 70):
         x = torch.randn(m, 512, generator=g)
         y = ops.prepared_linear(x, prepared.layout, prepared.tensors, bias, None)
         assert_close(y, x.double() @ matrix.T + bias.double(), 2e-6, f"{m} rows")

@@ -10,10 +10,12 @@
 //
 // with kOneRowAcc accumulators (sub-block or vector j into j % kOneRowAcc) added pairwise at the end, so
 // that the one row keeps several FMA chains in flight. Two or more rows (rows_times_rows): up to kXRows
-// x rows a pass against kXRows / R weight rows at once, each super-block unpacked once for the pass and
-// each weight vector exact (fma(q, d sc_j, -(dmin m_j)) / fma(q - 32, d sc_j, 0)), one FMA chain per (x
-// row, weight row) pair: a row's outputs are bit for bit the same whatever other rows share the call
-// (from 2 rows on; the one-row kernel sums in another order). Many rows go to the panel kernel
+// x rows a pass against kWRows weight rows at once, each super-block unpacked once for the pass and each
+// weight vector exact (fma(q, d sc_j, -(dmin m_j)) / (q - 32) * d sc_j), one FMA chain per (x row,
+// weight row) pair. From kTileMinRows rows on, AVX-512 builds run each whole group of 16 Q4_K rows as a
+// tile transposed on the fly (cpu_q4_k_tiles.h). A row's outputs are bit for bit the same whatever other
+// rows share the call within each range, 2 .. kTileMinRows - 1 rows and from kTileMinRows on (the whole
+// range from 2 on AVX2; the one-row kernel sums in its own order). Many rows go to the panel kernel
 // (cpu_blocks_panel.cpp). Registered as torch.ops.kiln_cpu.kquants_gemm.
 
 #include <ATen/ATen.h>
@@ -22,6 +24,7 @@
 
 #include "cpu_float_lanes.h"
 #include "cpu_kquants_decode.h"
+#include "cpu_q4_k_tiles.h"
 #include "native_cpu_ops.h"
 
 #include <algorithm>
@@ -34,16 +37,21 @@
 namespace {
 
 using kiln_cpu::kKQuantSuper, kiln_cpu::KQuant, kiln_cpu::KQuantUnpacked;
-constexpr int64_t kRowsPerTask = 16;
+constexpr int64_t kGroupRows = 16;  // output rows a task takes at a time (a Q4_K tile's)
 constexpr int64_t kPrefetchAhead = 4096;  // as cpu_q4_blocks.cpp: this far ahead, once per 64-byte line
 
 #if defined(KILN_FLOAT_LANES)
 using namespace kiln_cpu::lanes;  // Floats: kLanes floats, 16 (AVX-512) or 8 (AVX2)
 constexpr int kPieces = kKQuantSuper / kLanes;
 constexpr int kOneRowAcc = 4;  // accumulators of the one-row kernel: FMA chains in flight for one row
-// x rows a pass of the several-row kernel, and its (x row, weight row) chains: with R x rows it reads
-// kXRows / R weight rows at once (32 AVX-512 registers, 16 AVX2 ones)
-constexpr int kXRows = kLanes == 16 ? 5 : 4;
+// The several-row kernel (rows_times_rows): up to kXRows x rows a pass against kWRows weight rows at
+// once, each x vector loaded serving them all. AVX-512 builds take 4 weight rows (16 accumulators of 32
+// registers): with one weight row at a time the x rows' loads from L2 set the pace (one Zen 4 thread, a
+// 2048 x 2048 Q4_K matrix, 8 x rows: 1.25 -> 0.90 ms); AVX2 builds (16 registers) 2 (against 4 / R, the
+// AVX2 build on a 2-core Zen 4, 4 Llama-3.2-1B-shaped layers cache-cold: 3 rows 18.6 -> 17.2 ms, 6 rows
+// 35.6 -> 31.0, 10 rows 55.4 -> 47.6).
+constexpr int kXRows = 4;
+constexpr int kWRows = kLanes == 16 ? 4 : 2;
 
 // Accumulators added pairwise, then across lanes
 template <int A>
@@ -86,10 +94,18 @@ inline void k4_nibbles(const uint8_t* p, const uint8_t* qh, int bit, Floats& lo,
   }
 }
 
+// Prefetch the bytes of super-block b (`bytes` long) kPrefetchAhead ahead, not past `stop`
+inline void prefetch_ahead(const uint8_t* b, int64_t bytes, const uint8_t* stop) {
+  for (const uint8_t* p = b + kPrefetchAhead; p < b + kPrefetchAhead + bytes && p < stop; p += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  }
+}
+
 // One row of x (K = supers * 256; xsum: its sums per 32) times one Q4_K / Q5_K weight row, factored per
-// sub-block of 32 as cpu_q4_blocks.cpp's one-row kernel: sum_j (d sc_j) sum_i q_i x_i - (dmin m_j) sum_i x_i
+// sub-block of 32 as cpu_q4_blocks.cpp's one-row kernel: sum_j (d sc_j) sum_i q_i x_i - (dmin m_j) sum_i x_i;
+// `stop`: prefetch no further
 template <bool High>
-float one_row_k4(const float* x, const float* xsum, const uint8_t* row, int64_t supers) {
+float one_row_k4(const float* x, const float* xsum, const uint8_t* row, int64_t supers, const uint8_t* stop) {
   constexpr int64_t bytes = High ? 176 : 144;
   constexpr int kParts = 32 / kLanes;
   Floats acc[kOneRowAcc];
@@ -98,6 +114,7 @@ float one_row_k4(const float* x, const float* xsum, const uint8_t* row, int64_t 
   alignas(32) float scale[8], offset[8];
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* b = row + s * bytes;
+    prefetch_ahead(b, bytes, stop);
     kiln_cpu::k4_scale_offset(b, scale, offset);
     const uint8_t* qs = b + (High ? 48 : 16);
     const float* xs = x + s * kKQuantSuper;
@@ -128,9 +145,7 @@ float one_row_q6_k(const float* x, const uint8_t* row, int64_t supers, const uin
   kiln_cpu::KQuantUnpacked u;
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* b = row + s * bytes;
-    for (const uint8_t* p = b + kPrefetchAhead; p < b + kPrefetchAhead + bytes && p < stop; p += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-    }
+    prefetch_ahead(b, bytes, stop);
     kiln_cpu::unpack<KQuant::kQ6K>(b, u);
 #pragma GCC unroll 32
     for (int v = 0; v < kPieces; ++v) {
@@ -143,8 +158,8 @@ float one_row_q6_k(const float* x, const uint8_t* row, int64_t supers, const uin
 
 // x rows 0 .. R - 1 (K = k) times W consecutive weight rows of type T (`row_bytes` apart), each
 // super-block of each weight row unpacked once for the R rows: y[r * n + j]. Every (x row, weight row)
-// pair sums into one chain, vector after vector, whatever R and W are (batch invariant); R * W >= 8
-// chains keep the FMA units busy. `stop`: prefetch no further.
+// pair sums into one chain, vector after vector, whatever R and W are (batch invariant); each x vector
+// loaded serves the W weight rows. `stop`: prefetch no further.
 template <int R, int W, KQuant T>
 void rows_times_rows(const float* x, int64_t k, const uint8_t* rows, int64_t row_bytes, const uint8_t* stop,
                      float* y, int64_t n) {
@@ -157,9 +172,7 @@ void rows_times_rows(const float* x, int64_t k, const uint8_t* rows, int64_t row
   for (int64_t s = 0; s < k / kKQuantSuper; ++s) {
     for (int j = 0; j < W; ++j) {
       const uint8_t* b = rows + j * row_bytes + s * bytes;
-      for (const uint8_t* p = b + kPrefetchAhead; p < b + kPrefetchAhead + bytes && p < stop; p += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-      }
+      prefetch_ahead(b, bytes, stop);
       kiln_cpu::unpack<T>(b, u[j]);
     }
 #pragma GCC unroll 32
@@ -177,13 +190,14 @@ void rows_times_rows(const float* x, int64_t k, const uint8_t* rows, int64_t row
   }
 }
 
-// R x rows against `count` weight rows of one part (type T) from row0: W at a time, then one at a time
+// R x rows against `count` weight rows of one part (type T) from row0: kWRows at a time, then one at a time
 template <int R, KQuant T>
 void rows_times_part(const float* x, int64_t k, const uint8_t* row0, int64_t row_bytes, int64_t count,
                      const uint8_t* stop, float* y, int64_t n) {
-  constexpr int W = R >= kXRows ? 1 : kXRows / R;
   int64_t j = 0;
-  for (; j + W <= count; j += W) rows_times_rows<R, W, T>(x, k, row0 + j * row_bytes, row_bytes, stop, y + j, n);
+  for (; j + kWRows <= count; j += kWRows) {
+    rows_times_rows<R, kWRows, T>(x, k, row0 + j * row_bytes, row_bytes, stop, y + j, n);
+  }
   for (; j < count; ++j) rows_times_rows<R, 1, T>(x, k, row0 + j * row_bytes, row_bytes, stop, y + j, n);
 }
 
@@ -199,6 +213,31 @@ constexpr std::array<std::array<PartFn, kXRows>, 3> kPartFns = {
     part_table<KQuant::kQ6K>(std::make_integer_sequence<int, kXRows>{}),
 };
 
+// f(m0, rows) for x rows [0, m) in passes of at most `most` rows, as even as they go
+template <typename F>
+inline void for_passes(int64_t m, int64_t most, const F& f) {
+  const int64_t passes = (m + most - 1) / most;
+  for (int64_t pass = 0, m0 = 0; pass < passes; ++pass) {
+    const int64_t rows = m / passes + (pass < m % passes ? 1 : 0);
+    f(m0, rows);
+    m0 += rows;
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+using TileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const uint8_t*, float*, int64_t);
+// From kTileMinRows x rows on, whole groups of Q4_K rows run as tiles: with fewer the tile's decode and
+// transposition serve too few FMAs (cache-cold, Llama-3.2-1B-shaped linears on a 2-core Zen 4, tiles /
+// rows_times_rows: 2 rows 15.0 / 13.0 ms, 4 rows 18.6 / 17.3, 5 rows 20.0 / 20.6, 6 rows 22.7 / 28.1).
+constexpr int kTileMinRows = 5;
+constexpr int kTileXRows = 10;  // x rows a pass of the Q4_K tile: its accumulators stay in registers
+template <int... Rs>
+constexpr std::array<TileFn, sizeof...(Rs)> tile_table(std::integer_sequence<int, Rs...>) {
+  return {&kiln_cpu::q4_k_tile<Rs + 1>...};
+}
+constexpr auto kTileFns = tile_table(std::make_integer_sequence<int, kTileXRows>{});  // [R - 1]: R x rows
+#endif
+
 // x rows [0, m) times output rows [begin, end) of the weight. One row: the one-row kernels; more:
 // rows_times_rows, from 2 rows on the same operations for a row whatever the others (batch invariant).
 void rows_kernel(const float* x, const float* xsum, int64_t m, int64_t k, const kiln_cpu::KQuantParts& parts,
@@ -209,30 +248,45 @@ void rows_kernel(const float* x, const float* xsum, int64_t m, int64_t k, const 
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* row = kiln_cpu::kquant_row(parts, bp, supers, r, part);
       const int64_t type = parts.types[part];
+      const int64_t last = std::min(end, parts.first_row[part + 1]);
+      const uint8_t* stop = row + (last - r) * supers * kiln_cpu::gguf_block(type).bytes;
       if (type == kiln_cpu::kGgmlQ4K) {
-        y[r] = one_row_k4<false>(x, xsum, row, supers);
+        y[r] = one_row_k4<false>(x, xsum, row, supers, stop);
       } else if (type == kiln_cpu::kGgmlQ5K) {
-        y[r] = one_row_k4<true>(x, xsum, row, supers);
+        y[r] = one_row_k4<true>(x, xsum, row, supers, stop);
       } else {
-        const int64_t last = std::min(end, parts.first_row[part + 1]);
-        y[r] = one_row_q6_k(x, row, supers, row + (last - r) * supers * kiln_cpu::gguf_block(type).bytes);
+        y[r] = one_row_q6_k(x, row, supers, stop);
       }
     }
     return;
   }
-  // x rows kXRows at a time, each group over the task's weight rows (prefetching on the first group only),
-  // a part's run of rows at a time
-  for (int64_t m0 = 0; m0 < m; m0 += kXRows) {
-    const int64_t rows = std::min<int64_t>(kXRows, m - m0);
-    for (int64_t r = begin; r < end;) {
+  // Per group of 16 output rows (absolute: a row's kernel does not depend on the task split) and per part's
+  // run of rows in it: AVX-512 builds run a whole group of Q4_K rows as one tile (cpu_q4_k_tiles.h), other
+  // runs through rows_times_part. x rows in passes as even as they go (at most kTileXRows / kXRows a
+  // pass: 6 rows of the row kernel run 3 + 3, not 4 + 2), prefetching on the first pass only.
+  for (int64_t group = begin; group < end;) {
+    const int64_t group_end = std::min(end, (group / kGroupRows + 1) * kGroupRows);
+    for (int64_t r = group; r < group_end;) {
       const uint8_t* row = kiln_cpu::kquant_row(parts, bp, supers, r, part);
       const int64_t type = parts.types[part], row_bytes = supers * kiln_cpu::gguf_block(type).bytes;
-      const int64_t count = std::min(end, parts.first_row[part + 1]) - r;
-      const uint8_t* stop = m0 == 0 ? row + count * row_bytes : row;
+      const int64_t count = std::min(group_end, parts.first_row[part + 1]) - r;
+      const uint8_t* stop = row + (std::min(end, parts.first_row[part + 1]) - r) * row_bytes;  // prefetch
+#if defined(CPU_CAPABILITY_AVX512)
+      if (m >= kTileMinRows && type == kiln_cpu::kGgmlQ4K && count == kiln_cpu::kQ4KTileRows) {
+        for_passes(m, kTileXRows, [&](int64_t m0, int64_t rows) {
+          kTileFns[rows - 1](x + m0 * k, k, row, row_bytes, m0 == 0 ? stop : row, y + m0 * n + r, n);
+        });
+        r += count;
+        continue;
+      }
+#endif
       const auto& fns = kPartFns[type == kiln_cpu::kGgmlQ4K ? 0 : type == kiln_cpu::kGgmlQ5K ? 1 : 2];
-      fns[rows - 1](x + m0 * k, k, row, row_bytes, count, stop, y + m0 * n + r, n);
+      for_passes(m, kXRows, [&](int64_t m0, int64_t rows) {
+        fns[rows - 1](x + m0 * k, k, row, row_bytes, count, m0 == 0 ? stop : row, y + m0 * n + r, n);
+      });
       r += count;
     }
+    group = group_end;
   }
 }
 #else
@@ -266,8 +320,8 @@ at::Tensor kquants_gemm(const at::Tensor& x, const at::Tensor& blocks, const at:
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const std::vector<float> xsum = m == 1 ? block_sums(xp, 1, k) : std::vector<float>();  // one row: factored
-  at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    rows_kernel(xp, xsum.data(), m, k, table, bp, begin, end, yp, n);
+  at::parallel_for(0, (n + kGroupRows - 1) / kGroupRows, 1, [&](int64_t begin, int64_t end) {
+    rows_kernel(xp, xsum.data(), m, k, table, bp, begin * kGroupRows, std::min(n, end * kGroupRows), yp, n);
   });
   return y;
 }

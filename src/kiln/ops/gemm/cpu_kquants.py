@@ -8,16 +8,20 @@ bytes of re-packed blocks (plus tiles) for the same matrices.
 Two native kernels (part of Kiln's native CPU library, kiln.ops.native_cpu):
   - `kquants_gemm` (cpu_kquants.cpp), for a few rows. One row: Q4_K / Q5_K factored per sub-block of 32
     as the q4_blocks kernel is (d sc_j sum q x - dmin m_j sum x), Q6_K one exact product per weight.
-    Two or more: up to 5 x rows a pass (AVX-512; 4 on AVX2) against several weight rows, each weight
-    vector exact, one FMA chain per (x row, weight row) pair, so that from 2 rows on a row's outputs are
-    bit for bit the same whatever rows share its call (batch invariant; one row sums in another order).
+    Two or more: up to 4 x rows a pass against 4 weight rows (AVX-512; 2 on AVX2), each weight
+    vector exact, one FMA chain per (x row, weight row) pair; from TILE_MIN_ROWS rows on, AVX-512 builds
+    run each group of 16 Q4_K rows as a tile transposed on the fly from the file's bytes
+    (cpu_q4_k_tiles.h: a vector holds a weight of each of 16 rows, each x value broadcast), as the
+    default layout's tiles do on a copy made at load. Within 2 .. TILE_MIN_ROWS - 1 rows and from
+    TILE_MIN_ROWS on a row's outputs are bit for bit the same whatever rows share its call (batch
+    invariant within each; one row sums in another order).
   - `kquants_panel_gemm` (cpu_blocks_panel.cpp), for more: each weight decoded once a call into the
     panel kernel's 14-row panels, each output one float32 sum over k in order (batch invariant).
-`kquants_matmul` picks: up to ROWS_KERNEL_MAX rows the first, more the second.
+`kquants_matmul` picks: up to rows_kernel_max() rows the first, more the second.
 
-The CPU format "kquants" (opt-in: kiln.ops.gemm.weight_formats) gives K-quant weights the "kquants"
-layout on these tensors; the default exact formats keep their re-packed layouts, which are faster at
-8-12 rows (their tile kernels) and at one row on warm matrices (README, "Exact kernels on a K-quant
+The CPU format "kquants" (kiln.ops.gemm.weight_formats) gives K-quant weights the "kquants" layout on
+these tensors; the load-time probe times it against the re-packed exact layouts for K-quant models on
+AVX-512 builds (kiln.loaders.cpu_format_probe.kquants_probed; README, "Exact kernels on a K-quant
 file's own blocks").
 """
 
@@ -29,10 +33,15 @@ from kiln.ops import native_cpu
 from kiln.ops.gemm import cpu_kquants_a8
 
 SUPER = cpu_kquants_a8.SUPER
-# Up to this many rows `kquants_matmul` runs the row kernel, more the panel kernel: 2-core Zen 4 (AVX-512),
-# four Llama-3.2-1B-shaped layers, cache-cold (scripts/cpu_kquants_rows.py), row / panel kernel 8.6 /
-# 51.3 ms at 1 row, 17.5 / 52.1 at 4, 38.6 / 52.1 at 8, 46.0 / 52.0 at 10, 59.7 / 52.4 at 12.
+# Up to rows_kernel_max() rows `kquants_matmul` runs the row kernel, more the panel kernel. Four
+# Llama-3.2-1B-shaped layers cache-cold on a 2-core Zen 4 (scripts/cpu_kquants_rows.py), row / panel
+# kernel: AVX-512 build (the row kernel's Q4_K tiles) 49.3 / 53.3 ms at 16 rows, 73.0 / 88.3 at 24,
+# 97.1 / 88.6 at 32; AVX2 build 52.0 / 69.8 at 10, 76.6 / 67.7 at 16.
 ROWS_KERNEL_MAX = 10
+ROWS_KERNEL_MAX_TILES = 24
+# The row kernel's two ranges of batch invariance: from this many rows on AVX-512 builds run whole groups of
+# 16 Q4_K rows as tiles (cpu_q4_k_tiles.h; kTileMinRows in cpu_kquants.cpp), which sum in another order
+TILE_MIN_ROWS = 5
 _state: dict = {"loaded": None}
 
 
@@ -63,7 +72,8 @@ def _check_x(op: str, x: torch.Tensor) -> None:
 def kquants_gemm(x: torch.Tensor, blocks: torch.Tensor, parts: torch.Tensor, n: int) -> torch.Tensor:
     """y float32 [M, n] = x @ W^T for x float [M, K] (read as float32) and W [n, K] the K-quant parts
     `cpu_kquants_a8.pack` gave (blocks uint8, parts int64 [P, 2]): the row kernel (module docstring).
-    Row i of y equals kquants_gemm(x[i:i + 1], ...) bit for bit."""
+    A row's outputs are bit for bit the same whatever rows share the call within 2 .. TILE_MIN_ROWS - 1
+    rows and from TILE_MIN_ROWS on (one range from 2 without AVX-512)."""
     _check_x("kquants_gemm", x)
     return _run("kquants_gemm", x, blocks, parts, n)
 
@@ -75,10 +85,17 @@ def kquants_panel_gemm(x: torch.Tensor, blocks: torch.Tensor, parts: torch.Tenso
     return _run("kquants_panel_gemm", x, blocks, parts, n)
 
 
+def rows_kernel_max() -> int:
+    """The most rows `kquants_matmul` gives the row kernel: ROWS_KERNEL_MAX_TILES where the library is
+    built for AVX-512 (its Q4_K tiles: native_cpu.blocks_tiles_rows's condition), else ROWS_KERNEL_MAX.
+    A constant once the library is loaded."""
+    return ROWS_KERNEL_MAX_TILES if native_cpu.blocks_tiles_rows("q4")[0] else ROWS_KERNEL_MAX
+
+
 def kquants_matmul(x: torch.Tensor, blocks: torch.Tensor, parts: torch.Tensor, n: int) -> torch.Tensor:
-    """x @ W^T through the kernel for x's row count: kquants_gemm up to ROWS_KERNEL_MAX rows, else
+    """x @ W^T through the kernel for x's row count: kquants_gemm up to rows_kernel_max() rows, else
     kquants_panel_gemm."""
-    if x.shape[0] <= ROWS_KERNEL_MAX:
+    if x.shape[0] <= rows_kernel_max():
         return kquants_gemm(x, blocks, parts, n)
     return kquants_panel_gemm(x, blocks, parts, n)
 

@@ -145,11 +145,11 @@ How a weight is prepared (`cpu_format` is the loader's choice, CPU_WEIGHT_FORMAT
     weights, or a CPU where oneDNN cannot pack, get "fp32";
   - CPU, "kquants", a GGUF Q4_K / Q5_K / Q6_K weight or a stacked one whose parts all are: "kquants",
     "kquants_a8"'s tensors (the file's blocks and nothing else) for Kiln's exact kernels on them
-    (kiln.ops.gemm.cpu_kquants: x as is, each weight its float32 value; up to cpu_kquants.ROWS_KERNEL_MAX
+    (kiln.ops.gemm.cpu_kquants: x as is, each weight its float32 value; up to cpu_kquants.rows_kernel_max()
     rows the row kernel, more the panel kernel) where the native library has vector kernels
-    (kquants_layout_runs()); other weights, and every weight elsewhere, as "q4_blocks". Opt-in: a
-    Q4_K_M file's linear weights take its own size in memory (the exact default's blocks and tiles:
-    ~2.3x), but at 8-12 rows the default's tile kernels are faster (README);
+    (kquants_layout_runs()); other weights, and every weight elsewhere, as "q4_blocks". A Q4_K_M file's
+    linear weights take its own size in memory (the exact blocks layouts with their tiles: ~2.3x); the
+    load-time probe times it for K-quant models on AVX-512 builds (kiln.loaders.cpu_format_probe);
   - CPU, "int8_blocks", GGUF Q8_0 weights: "int8_blocks_onednn", the file's blocks split into their
     int8 values and their scales (fp16 in the file, exact in float32): w = d * q exactly, so one-row
     inputs (single-stream decode) read one byte a weight with no rounding of the weight or of x, as

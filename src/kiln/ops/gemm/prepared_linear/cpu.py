@@ -26,7 +26,7 @@
                  kernel on the blocks (kiln.ops.gemm.cpu_kquants_a8; each row's outputs whatever the
                  rows beside it);
   "kquants"      the same tensors, exact (x as is, each weight its float32 value): up to
-                 cpu_kquants.ROWS_KERNEL_MAX rows kquants_gemm, more kquants_panel_gemm
+                 cpu_kquants.rows_kernel_max() rows kquants_gemm, more kquants_panel_gemm
                  (kiln.ops.gemm.cpu_kquants);
   "q8_blocks_mins_onednn"  GGUF Q5_K (and a stacked weight of mixed GGUF types, a scale and a min per 16
                  or 32): as "q8_blocks_onednn" without tiles, the Q8 kernels given the
