@@ -402,9 +402,9 @@ def test_the_kquants_format_keeps_the_file_blocks_and_decodes_as_the_modules_and
 ):
     """--cpu-format kquants: a K-quant file's layers keep only their file blocks ("kquants", exact; Q5_K,
     Q4_K, Q6_K and a QKV stacking Q4_K with Q6_K); the native call gives the Python loop's and the
-    modules' tokens and logprobs bit for bit; batched steps past the row kernel (the panel kernel) the
-    modules' too; and the greedy tokens are the exact default's ("q4_blocks"), its logprobs within 1e-3
-    (float32 rounding: another order of the same sums)."""
+    modules' tokens and logprobs bit for bit; batched steps on the row kernel's Q4_K tiles (AVX-512) and
+    past the row kernel (the panel kernel) the modules' too; and the greedy tokens are the exact
+    default's ("q4_blocks"), its logprobs within 1e-3 (float32 rounding: another order of the same sums)."""
     if not weight_formats.kquants_layout_runs():
         pytest.skip("no vector build of Kiln's native CPU kernels here: the format keeps the exact layouts")
     path = blocks_gguf(weights)
@@ -426,16 +426,20 @@ def test_the_kquants_format_keeps_the_file_blocks_and_decodes_as_the_modules_and
         assert torch.allclose(
             torch.tensor(_floats(logprobs)), torch.tensor(_floats(exact_logprobs)), atol=1e-3
         )  # float32 sums in other orders, compounding through 2 layers and 16 steps' KV: ~2e-4 seen
-    rows = cpu_kquants.rows_kernel_max() + 2  # sequences a step: past the row kernel, on the panel kernel
-    engine = _engine(path, loaded, max_num_seqs=rows, num_kv_blocks=2 * rows)
-    calls = _counting(engine, monkeypatch)
-    prompts = [[(7 * j + i) % 60 + 2 for j in range(3 + i % 5)] for i in range(rows)]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        batched = _run(engine, prompts, max_tokens=4)
-    assert rows in calls
-    assert sum(event.name == "kiln_cpu::kquants_panel_gemm" for event in prof.events()) >= 4 * 2
-    loaded.model.flat_decode = None
-    assert _run(engine, prompts, max_tokens=4) == batched
+    # sequences a step: on the row kernel's tiles (from TILE_MIN_ROWS), past the row kernel (the panel)
+    for rows, kernel in (
+        (cpu_kquants.TILE_MIN_ROWS + 3, "kquants_gemm"),
+        (cpu_kquants.rows_kernel_max() + 2, "kquants_panel_gemm"),
+    ):
+        engine = _engine(path, loaded, max_num_seqs=rows, num_kv_blocks=2 * rows)  # builds its flat loop
+        calls = _counting(engine, monkeypatch)
+        prompts = [[(7 * j + i) % 60 + 2 for j in range(3 + i % 5)] for i in range(rows)]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            batched = _run(engine, prompts, max_tokens=4)
+        assert rows in calls
+        assert sum(event.name == f"kiln_cpu::{kernel}" for event in prof.events()) >= 4 * 2
+        loaded.model.flat_decode = None
+        assert _run(engine, prompts, max_tokens=4) == batched
 
 
 @pytest.mark.skipif(not HAS_GGUF, reason="gguf or transformers is not installed")
