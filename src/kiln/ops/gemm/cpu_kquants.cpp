@@ -46,10 +46,10 @@ constexpr int kPieces = kKQuantSuper / kLanes;
 constexpr int kOneRowAcc = 4;  // accumulators of the one-row kernel: FMA chains in flight for one row
 // The several-row kernel (rows_times_rows): up to kXRows x rows a pass against kWRows weight rows at
 // once, each x vector loaded serving them all. AVX-512 builds take 4 weight rows (16 accumulators of 32
-// registers): with one weight row at a time the x rows' loads from L2 set the pace (one Zen 4 thread, a
-// 2048 x 2048 Q4_K matrix, 8 x rows: 1.25 -> 0.90 ms); AVX2 builds (16 registers) 2 (against 4 / R, the
-// AVX2 build on a 2-core Zen 4, 4 Llama-3.2-1B-shaped layers cache-cold: 3 rows 18.6 -> 17.2 ms, 6 rows
-// 35.6 -> 31.0, 10 rows 55.4 -> 47.6).
+// registers): with one weight row at a time the x rows' loads from L2 set the pace (a standalone
+// microbenchmark, one Zen 4 thread, a 2048 x 2048 Q4_K matrix, 8 x rows: 1.25 -> 0.90 ms); AVX2 builds
+// (16 registers) 2, against 4 / R before (the AVX2 build on a 2-core Zen 4, 4 Llama-3.2-1B-shaped layers
+// cache-cold: 3 rows 18.6 -> 17.2 ms, 6 rows 35.6 -> 31.0, 10 rows 55.4 -> 47.6).
 constexpr int kXRows = 4;
 constexpr int kWRows = kLanes == 16 ? 4 : 2;
 

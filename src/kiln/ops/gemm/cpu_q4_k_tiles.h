@@ -4,14 +4,16 @@
 // them after a copy made at load. Each weight vector is decoded once, w = fma(q, d sc_j, -(dmin m_j))
 // (exact, cpu_kquants_decode.h), and multiplied by one broadcast value of each x row: an accumulator
 // holds 16 outputs, no horizontal sum ends a row, and x is read a float at a time (the row-vectorized
-// kernel reads a vector of each x row per weight row). On a Zen 4, one thread, a 2048 x 2048 Q4_K
-// matrix: 8 rows 0.89 -> 0.75 ms, 12 rows 1.29 -> 1.12 ms against that kernel with 4 weight rows at once.
+// kernel reads a vector of each x row per weight row). Warm, one Zen 4 thread, a 2048 x 2048 Q4_K matrix:
+// 8 rows 0.75 ms, 12 rows 1.16 (the "q4_blocks" tiles on their load-time copy: 0.76, 1.23; in a
+// standalone microbenchmark the row-vectorized kernel with 4 weight rows at once took 0.89, 1.29).
 //
-// Transposition: a super-block's 16-byte head (d, dmin, the 12 scale bytes) and each 32-byte chunk of
-// nibbles are 16 rows x 8 dwords; transpose16x8 turns them into 8 vectors of one dword of each row (three
-// rounds of AVX-512 unpacks and 128-bit lane shuffles), the rows in lane order kLaneRows. Byte b of
-// dword e of chunk c holds weight 4 e + b of sub-block 2 c (low nibble) and of 2 c + 1 (high nibble), so
-// shifts and masks give the weights, and the scale decode runs on the head's vectors, 16 rows at once.
+// Transposition: a super-block's first 32 bytes (its 16-byte head: d, dmin, the 12 scale bytes) and
+// each 32-byte chunk of nibbles are 16 rows x 8 dwords; transpose16x8 turns them into 8 vectors of one
+// dword of each row (three rounds of AVX-512 unpacks and 128-bit lane shuffles), the rows in lane order
+// kLaneRows. Byte b of dword e of chunk c holds weight 4 e + b of sub-block 2 c (low nibble) and of
+// 2 c + 1 (high nibble), so shifts and masks give the weights, and the scale decode runs on the head's
+// vectors, 16 rows at once.
 // Each output sums weight by weight, the same order whatever the number of x rows (batch invariant).
 #pragma once
 
