@@ -36,8 +36,8 @@ SUPER = cpu_kquants_a8.SUPER
 # Up to rows_kernel_max() rows `kquants_matmul` runs the row kernel, more the panel kernel. Four
 # Llama-3.2-1B-shaped layers cache-cold on a 2-core Zen 4 (scripts/cpu_kquants_rows.py), row / panel
 # kernel: AVX-512 build (the row kernel's Q4_K tiles) 49.3 / 53.3 ms at 16 rows, 73.0 / 88.3 at 24,
-# 97.1 / 88.6 at 32; AVX2 build 52.0 / 69.8 at 10, 76.6 / 67.7 at 16.
-ROWS_KERNEL_MAX = 10
+# 97.1 / 88.6 at 32; AVX2 build 52.6 / 64.7 at 12, 63.7 / 64.7 at 14, 69.7 / 64.9 at 16.
+ROWS_KERNEL_MAX = 12
 ROWS_KERNEL_MAX_TILES = 24
 # The row kernel's two ranges of batch invariance: from this many rows on AVX-512 builds run whole groups of
 # 16 Q4_K rows as tiles (cpu_q4_k_tiles.h; kTileMinRows in cpu_kquants.cpp), which sum in another order
