@@ -112,11 +112,7 @@ def candidate_formats(weights: list) -> tuple[str, ...]:
     mixed = bool(gguf) and not (q4 or q8) and all(w.qtype in EXACT_BLOCKS_QTYPES for w in gguf)
     first_exact = next((n for n in wanted if n in EXACT_FORMATS), None)
     first_a8 = next((n for n in wanted if n in A8_FORMATS), None)  # the same for their a8 forms
-    kquant = any(
-        all(part.qtype in cpu_kquants_a8.QTYPE_IDS for part in getattr(w, "parts", [w]))
-        for w in weights
-        if isinstance(w, (GGUFWeight, GGUFStackedWeight))
-    )
+    kquant = any(cpu_kquants_a8.packable(w) for w in weights)
 
     def keep(name: str) -> bool:
         if name == "kquants":  # elsewhere it prepares every weight as "q4_blocks" does

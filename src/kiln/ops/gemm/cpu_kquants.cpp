@@ -239,7 +239,8 @@ constexpr auto kTileFns = tile_table(std::make_integer_sequence<int, kTileXRows>
 #endif
 
 // x rows [0, m) times output rows [begin, end) of the weight. One row: the one-row kernels; more:
-// rows_times_rows, from 2 rows on the same operations for a row whatever the others (batch invariant).
+// rows_times_rows and, from kTileMinRows rows on AVX-512 builds, the Q4_K tiles (batch invariant within
+// each range: the header comment).
 void rows_kernel(const float* x, const float* xsum, int64_t m, int64_t k, const kiln_cpu::KQuantParts& parts,
                  const uint8_t* bp, int64_t begin, int64_t end, float* y, int64_t n) {
   const int64_t supers = k / kKQuantSuper;

@@ -64,12 +64,19 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], n))
 
 
-def pack(weight) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(blocks uint8 [bytes], parts int64 [P, 2]) for a GGUFWeight of QTYPE_IDS' types or a
-    GGUFStackedWeight whose parts all are (module docstring); None for any other weight."""
+def packable(weight) -> bool:
+    """Whether `pack` takes `weight`: a GGUFWeight of QTYPE_IDS' types or a GGUFStackedWeight whose parts
+    all are."""
     parts = weight.parts if isinstance(weight, GGUFStackedWeight) else (weight,)
-    if not all(isinstance(p, GGUFWeight) and p.qtype in QTYPE_IDS for p in parts):
+    return all(isinstance(p, GGUFWeight) and p.qtype in QTYPE_IDS for p in parts)
+
+
+def pack(weight) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(blocks uint8 [bytes], parts int64 [P, 2]) for a weight `packable` takes (module docstring); None
+    for any other weight."""
+    if not packable(weight):
         return None
+    parts = weight.parts if isinstance(weight, GGUFStackedWeight) else (weight,)
     # one part: its own bytes, no copy (a tied head shares them with the embedding's lookup table)
     blocks = parts[0].data.reshape(-1) if len(parts) == 1 else torch.cat([p.data.reshape(-1) for p in parts])
     table = torch.tensor([[QTYPE_IDS[p.qtype], p.shape[0]] for p in parts], dtype=torch.int64)

@@ -45,8 +45,9 @@ the path the engine runs. A layout is a name and a list of tensors, W the matrix
                      parts table (int64 [P, 2]: GGML type, rows), on the file's blocks, each row as alone
                      uint8 [N, 0]]                               (kiln.ops.gemm.cpu_kquants_a8)
     "kquants"       [the same three tensors]                    exact: x as is, every weight its float32
-                                                                 value; up to 10 rows kquants_gemm, more
-                                                                 the panel kernel on the file's blocks
+                                                                 value; up to cpu_kquants.rows_kernel_max()
+                                                                 rows kquants_gemm, more the panel kernel
+                                                                 on the file's blocks
                                                                  (kiln.ops.gemm.cpu_kquants)
     "int8_blocks_onednn"  [Q8_0's int8 values [N, K], its        1 row: as "q8_blocks_onednn" (exact);
                      scales float32 [N, K/32], oneDNN's blocked  more rows: oneDNN bf16 on the copy
