@@ -2,13 +2,14 @@
 Q4_K_M file loads into today, at Llama-3.2-1B's shapes, cache-cold.
 
 4 layers of (2048->3072, 2048->2048, 2048->16384, 8192->2048), Q4_K with down_proj Q6_K (as
-scripts/cpu_one_row_formats.py --q4-k-m), as distinct random matrices. For each row count: the default
+scripts/cpu_one_row_formats.py --q4-k-m; --q5-k-m: Q5_K with down_proj Q6_K), as distinct random
+matrices. For each row count: the default
 exact format ("q4_blocks": its layouts and prepared_linear's routing), `kquants_gemm` (the row kernel),
 `kquants_panel_gemm` (the panel kernel) and the opt-in a8 layout ("kquants_a8", x rounded to 8 bits:
 not exact, for scale), in model order, 256 MB written before every pass; median wall ms over the
 passes, the variants interleaved. Prints one JSON object with the CPU model and ISA flags.
 
-    OMP_NUM_THREADS=2 python scripts/cpu_kquants_rows.py [--rows 1,2,4,8,16,64] [--passes 7]
+    OMP_NUM_THREADS=2 python scripts/cpu_kquants_rows.py [--rows 1,2,4,8,16,64] [--passes 7] [--q5-k-m]
 """
 
 from __future__ import annotations
@@ -30,19 +31,22 @@ from kiln.quant.gguf_blocks import GGUFWeight
 LAYERS = 4
 LLAMA_1B = [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)]  # (K, N) per layer
 Q4_K_M = ("Q4_K", "Q4_K", "Q4_K", "Q6_K")
+Q5_K_M = ("Q5_K", "Q5_K", "Q5_K", "Q6_K")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,4,8,16,64", help="comma-separated row counts")
     parser.add_argument("--passes", type=int, default=7, help="timed passes per variant and row count")
+    parser.add_argument("--q5-k-m", action="store_true", help="Q5_K layers (down_proj Q6_K) instead of Q4_K")
     args = parser.parse_args()
+    qtypes = Q5_K_M if args.q5_k_m else Q4_K_M
     cpu_kquants.load()
     generator = torch.Generator().manual_seed(0)
     weights = [
         GGUFWeight(q, quantize_blocks(torch.randn(n, k, generator=generator) * k**-0.5, q), (n, k))
         for _ in range(LAYERS)
-        for (k, n), q in zip(LLAMA_1B, Q4_K_M, strict=True)
+        for (k, n), q in zip(LLAMA_1B, qtypes, strict=True)
     ]
     cpu = torch.device("cpu")
     exact, a8 = (
@@ -79,7 +83,8 @@ def main() -> None:
                     times[name].append(time.perf_counter() - start)
             result_ms[str(m)] = {name: round(statistics.median(t[1:]) * 1e3, 3) for name, t in times.items()}
     result = {
-        "what": "Llama-3.2-1B-shaped linears (4 layers, Q4_K, down_proj Q6_K), cache-cold, median ms by rows",
+        "what": f"Llama-3.2-1B-shaped linears (4 layers, {qtypes[0]}, down_proj Q6_K), cache-cold, "
+        "median ms by rows",
         "environment": environment.cpu(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

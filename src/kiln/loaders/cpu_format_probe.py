@@ -132,7 +132,7 @@ def candidate_formats(weights: list) -> tuple[str, ...]:
 
 def kquants_probed() -> bool:
     """Whether "kquants" is timed for a K-quant model here: where its layout runs
-    (weight_formats.kquants_layout_runs) on a build whose row kernel has the Q4_K tiles (AVX-512:
+    (weight_formats.kquants_layout_runs) on a build whose row kernel has the tiles (AVX-512:
     cpu_kquants.rows_kernel_max()). On AVX2 builds its 2-4 row calls trail the default's (a 2-core Zen
     4 run as AVX2, 4 Llama-3.2-1B-shaped layers cache-cold: 2 rows 15.3 / 13.0 ms, 4 rows 21.1 / 18.5),
     which a one-row probe would not see."""

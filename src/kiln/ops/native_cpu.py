@@ -90,7 +90,9 @@ HEADERS = (
     os.path.join(_OPS, "gemm", "cpu_q8_activations.h"),
     os.path.join(_OPS, "gemm", "cpu_gguf_fields.h"),
     os.path.join(_OPS, "gemm", "cpu_kquants_decode.h"),
-    os.path.join(_OPS, "gemm", "cpu_q4_k_tiles.h"),
+    os.path.join(_OPS, "gemm", "cpu_k4_tiles.h"),
+    os.path.join(_OPS, "gemm", "cpu_q6_k_tiles.h"),
+    os.path.join(_OPS, "gemm", "cpu_tile_lanes.h"),
     os.path.join(_OPS, "activation", "cpu_gated_rows.h"),
     os.path.join(_OPS, "native_cpu_ops.h"),
 )

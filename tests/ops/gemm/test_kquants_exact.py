@@ -39,7 +39,7 @@ def _weight(qtypes, k, g, sizes=(9, 17, 33)):
 @pytest.mark.parametrize("op", OPS)
 def test_product_is_the_gguf_matrix_times_x_and_each_row_as_alone(op, qtypes, native, monkeypatch):
     """Within 2e-6 of the float64 product with gguf's weights (K-term float32 sums: ~sqrt(K) * 6e-8
-    at these K), for row counts inside one pass of the row kernel (4 x rows), past it, on its Q4_K tiles
+    at these K), for row counts inside one pass of the row kernel (4 x rows), past it, on its tiles
     (from TILE_MIN_ROWS rows, 10 a pass) and past the panel's 32-row chunks; each row of a call bit for
     bit what it gets beside one other row below TILE_MIN_ROWS, beside TILE_MIN_ROWS - 1 others from there
     on (batch invariance within each range; the one-row path sums in its own order, the panel's is the
@@ -73,11 +73,11 @@ def test_product_is_the_gguf_matrix_times_x_and_each_row_as_alone(op, qtypes, na
 @pytest.mark.parametrize("qtype", ("Q4_K", "Q5_K", "Q6_K"))
 def test_weights_are_ggufs_float32_values_bit_for_bit(qtype, native):
     """x = the identity reads each weight back once (w * 1 summed with zeros): the decode of the panel
-    kernel and of the row kernel (its Q4_K tiles, rows 0-15 of 29, transposed on the fly with their
-    scales, and its per-row path: rows 16-28, and every row with 3 x rows) is gguf's float32 decode
-    exactly; and the panel's products equal, bit for bit, those of the exact
-    blocks layouts' panel kernel on the same matrix (values re-packed: Q4 nibbles with d, m per 32;
-    int8 with a scale per 16; int8 with scale and min per 32): the same float32 weights, the same sums."""
+    kernel and of the row kernel (its tiles, rows 0-15 of 29, transposed on the fly with their scales;
+    its per-row path: rows 16-28, and every row with 3 x rows; its one-row kernel) is gguf's float32
+    decode exactly; and the panel's products equal, bit for bit, those of the exact blocks layouts'
+    panel kernel on the same matrix (values re-packed: Q4 nibbles with d, m per 32; int8 with a scale
+    per 16; int8 with scale and min per 32): the same float32 weights, the same sums."""
     g = torch.Generator().manual_seed(random.randrange(2**31))
     k = 512
     weight = random_part(qtype, 29, k, g)
@@ -88,6 +88,9 @@ def test_weights_are_ggufs_float32_values_bit_for_bit(qtype, native):
     assert torch.equal(
         kquants.kquants_gemm(eye[200:203], blocks, table, 29).T, gguf_matrix(weight)[:, 200:203]
     )
+    for i in (0, 77, 300, 511):  # the one-row kernel (Q4_K / Q5_K factored: d sc_j q - dmin m_j)
+        one = kquants.kquants_gemm(eye[i : i + 1], blocks, table, 29)[0]
+        assert torch.equal(one, gguf_matrix(weight)[:, i])
     if qtype == "Q4_K":
         fields = cpu_q4_blocks.pack(weight)
     elif qtype == "Q6_K":
@@ -100,14 +103,15 @@ def test_weights_are_ggufs_float32_values_bit_for_bit(qtype, native):
     )
 
 
-def test_row_kernel_takes_whole_groups_of_q4_k_rows_whatever_the_threads(native):
+def test_row_kernel_takes_whole_groups_of_rows_as_tiles_whatever_the_threads(native):
     """From TILE_MIN_ROWS x rows AVX-512 builds run each group of 16 output rows (counted from row 0)
-    that lies in one Q4_K part as a tile, the rest row by row: a part boundary inside a group, a group
-    cut short by the end and the split of the groups between threads change no output bit, and every
-    output is within 2e-6 of gguf's product. Rows 0-8 Q6_K, 9-48 Q4_K (groups 16-31 and 32-47 whole),
-    49-69 Q4_K (group 48-63 spans two parts, 64-69 ends early)."""
+    that lies in one part as a tile (Q4_K, Q5_K, Q6_K), the rest row by row: a part boundary inside a
+    group, a group cut short by the end and the split of the groups between threads change no output
+    bit, and every output is within 2e-6 of gguf's product. Rows 0-19 Q6_K (group 0-15 whole), 20-48
+    Q4_K (group 32-47 whole; 16-31 spans two parts), 49-85 Q5_K (group 64-79 whole; 48-63 spans two
+    parts, 80-85 ends early)."""
     g = torch.Generator().manual_seed(11)
-    parts = [random_part("Q6_K", 9, 768, g), random_part("Q4_K", 40, 768, g), random_part("Q4_K", 21, 768, g)]
+    parts = [random_part(q, rows, 768, g) for q, rows in (("Q6_K", 20), ("Q4_K", 29), ("Q5_K", 37))]
     blocks, table = cpu_kquants_a8.pack(GGUFStackedWeight.stack(parts))
     ref = torch.cat([gguf_matrix(p) for p in parts]).double()
     x = torch.randn(kquants.TILE_MIN_ROWS + 2, 768, generator=g)
@@ -116,7 +120,7 @@ def test_row_kernel_takes_whole_groups_of_q4_k_rows_whatever_the_threads(native)
         outs = []
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            outs.append(kquants.kquants_gemm(x, blocks, table, 70))
+            outs.append(kquants.kquants_gemm(x, blocks, table, 86))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(out, outs[0]) for out in outs[1:])

@@ -12,11 +12,11 @@
 // that the one row keeps several FMA chains in flight. Two or more rows (rows_times_rows): up to kXRows
 // x rows a pass against kWRows weight rows at once, each super-block unpacked once for the pass and each
 // weight vector exact (fma(q, d sc_j, -(dmin m_j)) / (q - 32) * d sc_j), one FMA chain per (x row,
-// weight row) pair. From kTileMinRows rows on, AVX-512 builds run each whole group of 16 Q4_K rows as a
-// tile transposed on the fly (cpu_q4_k_tiles.h). A row's outputs are bit for bit the same whatever other
-// rows share the call within each range, 2 .. kTileMinRows - 1 rows and from kTileMinRows on (the whole
-// range from 2 on AVX2; the one-row kernel sums in its own order). Many rows go to the panel kernel
-// (cpu_blocks_panel.cpp). Registered as torch.ops.kiln_cpu.kquants_gemm.
+// weight row) pair. From kTileMinRows rows on, AVX-512 builds run each whole group of 16 rows of one part
+// as a tile transposed on the fly (cpu_k4_tiles.h: Q4_K, Q5_K; cpu_q6_k_tiles.h). A row's outputs are bit
+// for bit the same whatever other rows share the call within each range, 2 .. kTileMinRows - 1 rows and
+// from kTileMinRows on (the whole range from 2 on AVX2; the one-row kernel sums in its own order). Many
+// rows go to the panel kernel (cpu_blocks_panel.cpp). Registered as torch.ops.kiln_cpu.kquants_gemm.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,7 +24,8 @@
 
 #include "cpu_float_lanes.h"
 #include "cpu_kquants_decode.h"
-#include "cpu_q4_k_tiles.h"
+#include "cpu_k4_tiles.h"
+#include "cpu_q6_k_tiles.h"
 #include "native_cpu_ops.h"
 
 #include <algorithm>
@@ -63,36 +64,40 @@ inline float total(const Floats (&acc)[A]) {
   }
 }
 
-// Q4_K: kLanes nibble bytes at p as floats, low and high nibbles (cpu_float_lanes.h's `nibbles`); Q5_K:
-// with bits `bit` and `bit + 1` of the bytes at qh above them as their fifth bits
-template <bool High>
-inline void k4_nibbles(const uint8_t* p, const uint8_t* qh, int bit, Floats& lo, Floats& hi) {
-  if constexpr (!High) {
-    nibbles(p, lo, hi);
-  } else {
+// Q5_K: kLanes nibble bytes at p as floats, low and high nibbles, with bits `bit` and `bit + 1` of their
+// qh bytes as their fifth bits. AVX-512: the qh bytes come widened to dwords, once a super-block for the
+// four calls that read them (`QhBits`), and each fifth bit is a test and a masked or (one Zen 4 thread,
+// a 2048 x 2048 Q5_K matrix, one row warm: 0.38 -> 0.32 ms against shifting and masking each time, as
+// AVX2 builds do from the bytes' address).
 #if defined(CPU_CAPABILITY_AVX512)
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh)));
-    const __m512i low = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1);
-    const __m512i l = _mm512_or_si512(_mm512_and_si512(q, low),
-                                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(b, bit), one), 4));
-    const __m512i h = _mm512_or_si512(_mm512_srli_epi32(q, 4),
-                                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(b, bit + 1), one), 4));
-    lo = _mm512_cvtepi32_ps(l);
-    hi = _mm512_cvtepi32_ps(h);
-#else
-    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qh)));
-    const __m256i low = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
-    const __m256i l = _mm256_or_si256(_mm256_and_si256(q, low),
-                                      _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(b, bit), one), 4));
-    const __m256i h = _mm256_or_si256(_mm256_srli_epi32(q, 4),
-                                      _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(b, bit + 1), one), 4));
-    lo = _mm256_cvtepi32_ps(l);
-    hi = _mm256_cvtepi32_ps(h);
-#endif
-  }
+using QhBits = __m512i;
+inline QhBits qh_bits(const uint8_t* qh) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh)));
 }
+inline void q5_k_nibbles(const uint8_t* p, QhBits qh, int bit, Floats& lo, Floats& hi) {
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  const __m512i l = _mm512_and_si512(q, _mm512_set1_epi32(15)), h = _mm512_srli_epi32(q, 4);
+  const __mmask16 fifth_lo = _mm512_test_epi32_mask(qh, _mm512_set1_epi32(1 << bit));
+  const __mmask16 fifth_hi = _mm512_test_epi32_mask(qh, _mm512_set1_epi32(2 << bit));
+  lo = _mm512_cvtepi32_ps(_mm512_mask_or_epi32(l, fifth_lo, l, sixteen));
+  hi = _mm512_cvtepi32_ps(_mm512_mask_or_epi32(h, fifth_hi, h, sixteen));
+}
+#else
+using QhBits = const uint8_t*;
+inline QhBits qh_bits(const uint8_t* qh) { return qh; }
+inline void q5_k_nibbles(const uint8_t* p, QhBits qh, int bit, Floats& lo, Floats& hi) {
+  const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qh)));
+  const __m256i low = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+  const __m256i l = _mm256_or_si256(_mm256_and_si256(q, low),
+                                    _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(b, bit), one), 4));
+  const __m256i h = _mm256_or_si256(_mm256_srli_epi32(q, 4),
+                                    _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(b, bit + 1), one), 4));
+  lo = _mm256_cvtepi32_ps(l);
+  hi = _mm256_cvtepi32_ps(h);
+}
+#endif
 
 // Prefetch the bytes of super-block b (`bytes` long) kPrefetchAhead ahead, not past `stop`
 inline void prefetch_ahead(const uint8_t* b, int64_t bytes, const uint8_t* stop) {
@@ -118,13 +123,19 @@ float one_row_k4(const float* x, const float* xsum, const uint8_t* row, int64_t 
     kiln_cpu::k4_scale_offset(b, scale, offset);
     const uint8_t* qs = b + (High ? 48 : 16);
     const float* xs = x + s * kKQuantSuper;
+    QhBits qh[kParts];  // Q5_K: its qh bytes part kLanes .. + kLanes - 1, for every c
+    for (int part = 0; part < kParts && High; ++part) qh[part] = qh_bits(b + 16 + part * kLanes);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
       Floats tl = zero(), th = zero();
 #pragma GCC unroll 4
       for (int part = 0; part < kParts; ++part) {
         Floats lo, hi;
-        k4_nibbles<High>(qs + 32 * c + part * kLanes, b + 16 + part * kLanes, 2 * c, lo, hi);
+        if constexpr (High) {
+          q5_k_nibbles(qs + 32 * c + part * kLanes, qh[part], 2 * c, lo, hi);
+        } else {
+          nibbles(qs + 32 * c + part * kLanes, lo, hi);
+        }
         tl = fmadd(lo, load(xs + 64 * c + part * kLanes), tl);
         th = fmadd(hi, load(xs + 64 * c + 32 + part * kLanes), th);
       }
@@ -226,20 +237,31 @@ inline void for_passes(int64_t m, int64_t most, const F& f) {
 
 #if defined(CPU_CAPABILITY_AVX512)
 using TileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const uint8_t*, float*, int64_t);
-// From kTileMinRows x rows on, whole groups of Q4_K rows run as tiles: with fewer the tile's decode and
-// transposition serve too few FMAs (cache-cold, Llama-3.2-1B-shaped linears on a 2-core Zen 4, tiles /
-// rows_times_rows: 2 rows 15.0 / 13.0 ms, 4 rows 18.6 / 17.3, 5 rows 20.0 / 20.6, 6 rows 22.7 / 28.1).
+// From kTileMinRows x rows on, whole groups of rows of a part run as tiles: with fewer the tile's decode
+// and transposition serve too few FMAs (cache-cold, Llama-3.2-1B-shaped Q4_K linears on a 2-core Zen 4,
+// tiles / rows_times_rows: 2 rows 15.0 / 13.0 ms, 4 rows 18.6 / 17.3, 5 rows 20.0 / 20.6, 6 rows 22.7 /
+// 28.1). Warm, one thread, a 2048 x 2048 matrix, rows_times_rows -> tiles, 8 rows: Q5_K 1.01 -> 0.79 ms,
+// Q6_K 0.93 -> 0.82; 16 rows 2.06 -> 1.59, 1.86 -> 1.62.
 constexpr int kTileMinRows = 5;
-constexpr int kTileXRows = 10;  // x rows a pass of the Q4_K tile: its accumulators stay in registers
-template <int... Rs>
+constexpr int kTileXRows = 10;  // x rows a pass of a tile: its accumulators stay in registers
+template <KQuant T, int... Rs>
 constexpr std::array<TileFn, sizeof...(Rs)> tile_table(std::integer_sequence<int, Rs...>) {
-  return {&kiln_cpu::q4_k_tile<Rs + 1>...};
+  if constexpr (T == KQuant::kQ6K) {
+    return {&kiln_cpu::q6_k_tile<Rs + 1>...};
+  } else {
+    return {&kiln_cpu::k4_tile<T == KQuant::kQ5K, Rs + 1>...};
+  }
 }
-constexpr auto kTileFns = tile_table(std::make_integer_sequence<int, kTileXRows>{});  // [R - 1]: R x rows
+// kTileFns[type][R - 1]: R x rows against a tile of Q4_K / Q5_K / Q6_K rows
+constexpr std::array<std::array<TileFn, kTileXRows>, 3> kTileFns = {
+    tile_table<KQuant::kQ4K>(std::make_integer_sequence<int, kTileXRows>{}),
+    tile_table<KQuant::kQ5K>(std::make_integer_sequence<int, kTileXRows>{}),
+    tile_table<KQuant::kQ6K>(std::make_integer_sequence<int, kTileXRows>{}),
+};
 #endif
 
 // x rows [0, m) times output rows [begin, end) of the weight. One row: the one-row kernels; more:
-// rows_times_rows and, from kTileMinRows rows on AVX-512 builds, the Q4_K tiles (batch invariant within
+// rows_times_rows and, from kTileMinRows rows on AVX-512 builds, the tiles (batch invariant within
 // each range: the header comment).
 void rows_kernel(const float* x, const float* xsum, int64_t m, int64_t k, const kiln_cpu::KQuantParts& parts,
                  const uint8_t* bp, int64_t begin, int64_t end, float* y, int64_t n) {
@@ -262,9 +284,10 @@ void rows_kernel(const float* x, const float* xsum, int64_t m, int64_t k, const 
     return;
   }
   // Per group of 16 output rows (absolute: a row's kernel does not depend on the task split) and per part's
-  // run of rows in it: AVX-512 builds run a whole group of Q4_K rows as one tile (cpu_q4_k_tiles.h), other
-  // runs through rows_times_part. x rows in passes as even as they go (at most kTileXRows / kXRows a
-  // pass: 6 rows of the row kernel run 3 + 3, not 4 + 2), prefetching on the first pass only.
+  // run of rows in it: AVX-512 builds run a whole group of one part's rows as one tile (cpu_k4_tiles.h,
+  // cpu_q6_k_tiles.h), other runs through rows_times_part. x rows in passes as even as they go (at most
+  // kTileXRows / kXRows a pass: 6 rows of the row kernel run 3 + 3, not 4 + 2), prefetching on the first
+  // pass only.
   for (int64_t group = begin; group < end;) {
     const int64_t group_end = std::min(end, (group / kGroupRows + 1) * kGroupRows);
     for (int64_t r = group; r < group_end;) {
@@ -272,16 +295,19 @@ void rows_kernel(const float* x, const float* xsum, int64_t m, int64_t k, const 
       const int64_t type = parts.types[part], row_bytes = supers * kiln_cpu::gguf_block(type).bytes;
       const int64_t count = std::min(group_end, parts.first_row[part + 1]) - r;
       const uint8_t* stop = row + (std::min(end, parts.first_row[part + 1]) - r) * row_bytes;  // prefetch
+      const int kind = type == kiln_cpu::kGgmlQ4K ? 0 : type == kiln_cpu::kGgmlQ5K ? 1 : 2;
 #if defined(CPU_CAPABILITY_AVX512)
-      if (m >= kTileMinRows && type == kiln_cpu::kGgmlQ4K && count == kiln_cpu::kQ4KTileRows) {
+      const bool fits = kind != 2 || kiln_cpu::q6_k_tile_fits(row_bytes);  // Q6_K's gathers
+      if (m >= kTileMinRows && fits && count == kiln_cpu::kTileRows) {
+        const auto& tiles = kTileFns[kind];
         for_passes(m, kTileXRows, [&](int64_t m0, int64_t rows) {
-          kTileFns[rows - 1](x + m0 * k, k, row, row_bytes, m0 == 0 ? stop : row, y + m0 * n + r, n);
+          tiles[rows - 1](x + m0 * k, k, row, row_bytes, m0 == 0 ? stop : row, y + m0 * n + r, n);
         });
         r += count;
         continue;
       }
 #endif
-      const auto& fns = kPartFns[type == kiln_cpu::kGgmlQ4K ? 0 : type == kiln_cpu::kGgmlQ5K ? 1 : 2];
+      const auto& fns = kPartFns[kind];
       for_passes(m, kXRows, [&](int64_t m0, int64_t rows) {
         fns[rows - 1](x + m0 * k, k, row, row_bytes, count, m0 == 0 ? stop : row, y + m0 * n + r, n);
       });

@@ -10,11 +10,11 @@ Two native kernels (part of Kiln's native CPU library, kiln.ops.native_cpu):
     as the q4_blocks kernel is (d sc_j sum q x - dmin m_j sum x), Q6_K one exact product per weight.
     Two or more: up to 4 x rows a pass against 4 weight rows (AVX-512; 2 on AVX2), each weight
     vector exact, one FMA chain per (x row, weight row) pair; from TILE_MIN_ROWS rows on, AVX-512 builds
-    run each group of 16 Q4_K rows as a tile transposed on the fly from the file's bytes
-    (cpu_q4_k_tiles.h: a vector holds a weight of each of 16 rows, each x value broadcast), as the
-    default layout's tiles do on a copy made at load. Within 2 .. TILE_MIN_ROWS - 1 rows and from
-    TILE_MIN_ROWS on a row's outputs are bit for bit the same whatever rows share its call (batch
-    invariant within each; one row sums in another order).
+    run each group of 16 rows of one Q4_K, Q5_K or Q6_K part as a tile transposed on the fly from the
+    file's bytes (cpu_k4_tiles.h, cpu_q6_k_tiles.h: a vector holds a weight of each of 16 rows, each x
+    value broadcast), as the default layout's tiles do on a copy made at load. Within 2 ..
+    TILE_MIN_ROWS - 1 rows and from TILE_MIN_ROWS on a row's outputs are bit for bit the same whatever
+    rows share its call (batch invariant within each; one row sums in another order).
   - `kquants_panel_gemm` (cpu_blocks_panel.cpp), for more: each weight decoded once a call into the
     panel kernel's 14-row panels, each output one float32 sum over k in order (batch invariant).
 `kquants_matmul` picks: up to rows_kernel_max() rows the first, more the second.
@@ -35,12 +35,14 @@ from kiln.ops.gemm import cpu_kquants_a8
 SUPER = cpu_kquants_a8.SUPER
 # Up to rows_kernel_max() rows `kquants_matmul` runs the row kernel, more the panel kernel. Four
 # Llama-3.2-1B-shaped layers cache-cold on a 2-core Zen 4 (scripts/cpu_kquants_rows.py), row / panel
-# kernel: AVX-512 build (the row kernel's Q4_K tiles) 49.3 / 53.3 ms at 16 rows, 73.0 / 88.3 at 24,
-# 97.1 / 88.6 at 32; AVX2 build 52.6 / 64.7 at 12, 63.7 / 64.7 at 14, 69.7 / 64.9 at 16.
+# kernel: AVX-512 build (the row kernel's tiles) 49.3 / 53.3 ms at 16 rows, 73.0 / 88.3 at 24,
+# 97.1 / 88.6 at 32 (Q5_K with a Q6_K down_proj: 50.6-51.3 / 54.8-55.1, 75.6-79.3 / 88.3-91.4,
+# 97.5-100.2 / 88.0-92.4); AVX2 build 52.6 / 64.7 at 12, 63.7 / 64.7 at 14, 69.7 / 64.9 at 16.
 ROWS_KERNEL_MAX = 12
 ROWS_KERNEL_MAX_TILES = 24
 # The row kernel's two ranges of batch invariance: from this many rows on AVX-512 builds run whole groups of
-# 16 Q4_K rows as tiles (cpu_q4_k_tiles.h; kTileMinRows in cpu_kquants.cpp), which sum in another order
+# 16 rows of a part as tiles (cpu_k4_tiles.h, cpu_q6_k_tiles.h; kTileMinRows in cpu_kquants.cpp), which
+# sum in another order
 TILE_MIN_ROWS = 5
 _state: dict = {"loaded": None}
 
@@ -87,7 +89,7 @@ def kquants_panel_gemm(x: torch.Tensor, blocks: torch.Tensor, parts: torch.Tenso
 
 def rows_kernel_max() -> int:
     """The most rows `kquants_matmul` gives the row kernel: ROWS_KERNEL_MAX_TILES where the library is
-    built for AVX-512 (its Q4_K tiles: native_cpu.blocks_tiles_rows's condition), else ROWS_KERNEL_MAX.
+    built for AVX-512 (its tiles: native_cpu.blocks_tiles_rows's condition), else ROWS_KERNEL_MAX.
     A constant once the library is loaded."""
     return ROWS_KERNEL_MAX_TILES if native_cpu.blocks_tiles_rows("q4")[0] else ROWS_KERNEL_MAX
 
