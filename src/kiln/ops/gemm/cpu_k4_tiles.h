@@ -49,10 +49,8 @@ inline void k4_tile_scales(const __m512i* head, __m512 (&scale)[8], __m512 (&off
 }
 
 // x rows 0 .. R - 1 (K = k) times Q4_K (High false) or Q5_K (High true) weight rows
-// row0 .. + 15 (`row_bytes` apart): y[r * n + i]. The bytes of the tile after next are prefetched into L2
-// a share each super-block, not past `stop`: 16 rows read side by side are more streams than the
-// hardware prefetcher follows (cache-cold, 8 x rows, Llama-3.2-1B-shaped Q4_K linears on a 2-core Zen 4:
-// 34.4 ms without, 33.3 with the next tile into L1, 28.9 with the tile after next into L2).
+// row0 .. + 15 (`row_bytes` apart): y[r * n + i], prefetching the tile after next (tile_rows) not past
+// `stop`.
 template <bool High, int R>
 void k4_tile(const float* x, int64_t k, const uint8_t* row0, int64_t row_bytes, const uint8_t* stop, float* y,
              int64_t n) {
@@ -63,11 +61,7 @@ void k4_tile(const float* x, int64_t k, const uint8_t* row0, int64_t row_bytes, 
   const __m512i quant = _mm512_set1_epi32(High ? 31 : 15);
   const uint8_t* rows[16];
   for (int64_t s = 0; s < k / 256; ++s) {
-    for (int i = 0; i < 16; ++i) rows[i] = row0 + i * row_bytes + s * bytes;
-    const uint8_t* ahead = row0 + 32 * row_bytes + s * 16 * bytes;  // its share of the tile after next
-    for (const uint8_t* p = ahead; p < ahead + 16 * bytes && p < stop; p += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
-    }
+    tile_rows(row0, row_bytes, bytes, s, stop, rows);
     __m512i head[8], qh[8];  // bytes 0-31 (the head; Q5_K: qh 0-15 too), Q5_K: 32-63 (qh 16-31, qs 0-15)
     transpose16x8(rows, 0, head);
     if constexpr (High) transpose16x8(rows, 32, qh);

@@ -46,8 +46,7 @@ inline void q6_k_tile_scales(const uint8_t* block, __m512i at, __m512 (&scale)[1
 }
 
 // x rows 0 .. R - 1 (K = k) times Q6_K weight rows row0 .. + 15 (`row_bytes` apart, q6_k_tile_fits):
-// y[r * n + i]. The bytes of the tile after next are prefetched into L2 a share each super-block, not past
-// `stop`, as the Q4_K tile does.
+// y[r * n + i], prefetching the tile after next (tile_rows) not past `stop`.
 template <int R>
 void q6_k_tile(const float* x, int64_t k, const uint8_t* row0, int64_t row_bytes, const uint8_t* stop, float* y,
                int64_t n) {
@@ -58,11 +57,7 @@ void q6_k_tile(const float* x, int64_t k, const uint8_t* row0, int64_t row_bytes
   const __m512i at = tile_row_offsets(row_bytes);
   const uint8_t* rows[16];
   for (int64_t s = 0; s < k / 256; ++s) {
-    for (int i = 0; i < 16; ++i) rows[i] = row0 + i * row_bytes + s * bytes;
-    const uint8_t* ahead = row0 + 32 * row_bytes + s * 16 * bytes;  // its share of the tile after next
-    for (const uint8_t* p = ahead; p < ahead + 16 * bytes && p < stop; p += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
-    }
+    tile_rows(row0, row_bytes, bytes, s, stop, rows);
     __m512 scale[16], offset[16];
     q6_k_tile_scales(rows[0], at, scale, offset);
     const float* xs = x + s * 256;

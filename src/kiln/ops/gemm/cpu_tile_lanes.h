@@ -1,6 +1,7 @@
 // Sixteen weight rows side by side, for the exact K-quant tiles (cpu_k4_tiles.h, cpu_q6_k_tiles.h): the
 // transposition they make of a super-block's bytes on the fly, so that a vector holds one dword of each
-// row, and the bit steps that join a quant's nibble and its top bits.
+// row, the rows' pointers and prefetch a tile makes each super-block, and the bit steps that join a
+// quant's nibble and its top bits.
 #pragma once
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -36,6 +37,20 @@ inline void transpose16x8(const uint8_t* const (&rows)[16], int at, __m512i (&v)
   for (int e = 0; e < 4; ++e) {
     v[e] = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88);      // lanes 0 and 2 of each: dword e
     v[4 + e] = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD);  // lanes 1 and 3: dword 4 + e
+  }
+}
+
+// Super-block s (`bytes` long) of rows row0 .. + 15 (`row_bytes` apart) -> rows[0..15]; and a share of the
+// tile after next (rows row0 + 32 ..: 16 super-blocks' bytes, read ahead as this tile reads its 16)
+// prefetched into L2, not past `stop`. 16 rows read side by side are more streams than the hardware
+// prefetcher follows (cache-cold, 8 x rows, Llama-3.2-1B-shaped Q4_K linears on a 2-core Zen 4: 34.4 ms
+// without, 33.3 with the next tile into L1, 28.9 with the tile after next into L2).
+inline void tile_rows(const uint8_t* row0, int64_t row_bytes, int64_t bytes, int64_t s, const uint8_t* stop,
+                      const uint8_t* (&rows)[16]) {
+  for (int i = 0; i < 16; ++i) rows[i] = row0 + i * row_bytes + s * bytes;
+  const uint8_t* ahead = row0 + 32 * row_bytes + s * 16 * bytes;
+  for (const uint8_t* p = ahead; p < ahead + 16 * bytes && p < stop; p += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
   }
 }
 
