@@ -3,11 +3,11 @@ Q4_K_M file loads into today, at Llama-3.2-1B's shapes, cache-cold.
 
 4 layers of (2048->3072, 2048->2048, 2048->16384, 8192->2048), Q4_K with down_proj Q6_K (as
 scripts/cpu_one_row_formats.py --q4-k-m; --q5-k-m: Q5_K with down_proj Q6_K), as distinct random
-matrices. For each row count: the default
-exact format ("q4_blocks": its layouts and prepared_linear's routing), `kquants_gemm` (the row kernel),
-`kquants_panel_gemm` (the panel kernel) and the opt-in a8 layout ("kquants_a8", x rounded to 8 bits:
-not exact, for scale), in model order, 256 MB written before every pass; median wall ms over the
-passes, the variants interleaved. Prints one JSON object with the CPU model and ISA flags.
+matrices. For each row count: the default exact format ("q4_blocks": its layouts and prepared_linear's
+routing), `kquants_gemm` (the row kernel), `kquants_panel_gemm` (the panel kernel) and the opt-in a8
+layout ("kquants_a8", x rounded to 8 bits: not exact, for scale), in model order, 256 MB written before
+every pass; median wall ms over the passes, the variants interleaved. Prints one JSON object with the
+CPU model and ISA flags.
 
     OMP_NUM_THREADS=2 python scripts/cpu_kquants_rows.py [--rows 1,2,4,8,16,64] [--passes 7] [--q5-k-m]
 """
