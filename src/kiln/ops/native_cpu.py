@@ -16,6 +16,8 @@ their ops under torch.ops.kiln_cpu:
     gemm/cpu_kquants_a8.cpp                 kiln_cpu.kquants_a8_gemv / kquants_a8_gemm (GGUF Q4_K / Q5_K /
                                             Q6_K blocks as in the file, x quantized to Q8_K; one row / any
                                             rows, each as alone), kiln_cpu.quantize_q8_k
+    gemm/cpu_kquants_a8_amx.cpp             kquants_a8_gemm's 16-row blocks of weights on AMX tiles (CPUs
+                                            with AMX-INT8, from 12 rows of x; KILN_CPU_AMX=0: not)
     gemm/cpu_kquants.cpp                    kiln_cpu.kquants_gemm (the same blocks, exact float32: x
                                             not rounded; the few-row kernel)
     gemm/cpu_gguf_rows.cpp                  kiln_cpu.gguf_rows (rows of a GGUF table decoded on lookup:
@@ -71,6 +73,7 @@ SOURCES = (
     os.path.join(_OPS, "gemm", "cpu_q8_blocks.cpp"),
     os.path.join(_OPS, "gemm", "cpu_blocks_a8.cpp"),
     os.path.join(_OPS, "gemm", "cpu_kquants_a8.cpp"),
+    os.path.join(_OPS, "gemm", "cpu_kquants_a8_amx.cpp"),
     os.path.join(_OPS, "gemm", "cpu_kquants.cpp"),
     os.path.join(_OPS, "gemm", "cpu_gguf_rows.cpp"),
     os.path.join(_OPS, "gemm", "cpu_block_tiles.cpp"),
@@ -93,6 +96,8 @@ HEADERS = (
     os.path.join(_OPS, "gemm", "cpu_k4_tiles.h"),
     os.path.join(_OPS, "gemm", "cpu_q6_k_tiles.h"),
     os.path.join(_OPS, "gemm", "cpu_tile_lanes.h"),
+    os.path.join(_OPS, "gemm", "cpu_amx.h"),
+    os.path.join(_OPS, "gemm", "cpu_kquants_a8.h"),
     os.path.join(_OPS, "activation", "cpu_gated_rows.h"),
     os.path.join(_OPS, "native_cpu_ops.h"),
 )

@@ -154,6 +154,31 @@ def test_kquants_a8_gemm_rows_equal_the_one_row_kernel_bit_for_bit(qtypes, nativ
     assert torch.isnan(y[7]).all() and torch.equal(y[:7], alone[:7]) and torch.equal(y[8:], alone[8:])
 
 
+def test_kquants_a8_gemm_on_amx_tiles_equals_the_one_row_kernel_bit_for_bit(native):
+    """Hosts with AMX-INT8 run each part's whole 16-row blocks of weights on tiles from 12 rows of x
+    (cpu_kquants_a8_amx.cpp): every output still the one-row kernel's for its row alone, to the bit, over
+    x in several 16-row tile blocks (the last one short), parts of each type whose edges fall inside
+    blocks, and rows past a part's last whole block (the row kernels)."""
+    if not torch.ops.kiln_cpu.amx_int8_available():
+        pytest.skip("this CPU has no AMX-INT8 tiles: the row kernels' own test above covers it")
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    k = random.choice((512, 2816))
+    parts = [random_part(q, n, k, g) for q, n in (("Q4_K", 35), ("Q6_K", 32), ("Q5_K", 21), ("Q4_K", 16))]
+    blocks, table = kquants.pack(GGUFStackedWeight.stack(parts))
+    n = int(table[:, 1].sum())
+    x = torch.randn(37, k, generator=g) * torch.rand(37, 1, generator=g) * 4
+    alone = torch.cat([kquants.kquants_a8_gemv(x[i : i + 1], blocks, table, n) for i in range(37)])
+    for m in (12, 16, 23, 37):
+        y = torch.full((m, n), float("nan"))
+        y.copy_(kquants.kquants_a8_gemm(x[:m], blocks, table, n))
+        assert torch.equal(y, alone[:m]), f"{m} rows: {(y - alone[:m]).abs().max()}"
+    matrix = torch.cat([gguf_matrix(p).double() for p in parts])
+    assert_close(alone, _x_q8_k(x) @ matrix.T, 2e-6, "W @ x' per row")
+    x[20, k - 1] = float("nan")  # a NaN poisons its own row only, in the second tile block
+    y = kquants.kquants_a8_gemm(x, blocks, table, n)
+    assert torch.isnan(y[20]).all() and torch.equal(y[:20], alone[:20]) and torch.equal(y[21:], alone[21:])
+
+
 def test_the_a8_formats_keep_only_the_file_blocks_of_k_quant_weights(native):
     """The "kquants_a8" layout holds a K-quant weight's file blocks, its parts table and an empty
     [N, 0]: no second copy of the matrix (the Q8_0-x layouts keep float32 copies and tiles besides

@@ -19,11 +19,14 @@
 // into int32 (builds with AVX-512 VNNI: vpdpwssd, the same and the int32 accumulation in one). A NaN
 // or an infinity in a super-block of x makes its dx NaN, so it reaches every output.
 //
-// Several rows of x (kquants_a8_gemm) run in groups of up to eight (AVX-512 builds; else four) against
-// each weight row, which is unpacked once per group; a row's operations are those of the one-row kernel
-// (kquants_a8_gemv) in the same order, so its outputs are bit for bit the same whatever rows share its
-// call (batch invariant: a sequence's tokens do not depend on the batch it decodes in, nor a verified
-// draft's on its length).
+// Each super-block's dot product (and Q4_K / Q5_K's min term) is one exact int32, added to the output as
+// acc = fma(d dx, float(I), acc), super-block after super-block (cpu_kquants_a8.h), so an output does
+// not depend on how a kernel splits the integer sums. Several rows of x (kquants_a8_gemm) run in groups
+// of up to eight (AVX-512 builds; else four) against each weight row, which is unpacked once per group;
+// on CPUs with AMX-INT8, from kAmxRows rows, each part's whole 16-row blocks of weights run on tiles
+// instead (cpu_kquants_a8_amx.cpp). Either way a row's outputs are bit for bit the one-row kernel's
+// (kquants_a8_gemv) whatever rows share its call (batch invariant: a sequence's tokens do not depend on
+// the batch it decodes in, nor a verified draft's on its length).
 // Registered as torch.ops.kiln_cpu.quantize_q8_k, kquants_a8_gemv and kquants_a8_gemm.
 
 #include <ATen/ATen.h>
@@ -32,6 +35,7 @@
 
 #include "cpu_float_lanes.h"
 #include "cpu_gguf_fields.h"
+#include "cpu_kquants_a8.h"
 #include "cpu_kquants_decode.h"
 #include "cpu_q8_activations.h"
 #include "native_cpu_ops.h"
@@ -39,6 +43,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -54,6 +59,11 @@ constexpr int64_t kGroup = 8;
 #else
 constexpr int64_t kGroup = 4;
 #endif
+// x rows from which kquants_a8_gemm runs whole 16-row blocks of weights on AMX tiles, where it can:
+// 2-core Xeon (AMX), 4 Llama-3.2-1B-shaped Q4_K_M layers cache-cold (scripts/cpu_kquants_rows.py), two
+// runs, tiles / row kernels ms: 8 rows 50.2 / 34.2, 38.3 / 26.5; 10: 51.2 / 50.9, 39.9 / 39.8; 12:
+// 51.7 / 55.9, 38.7 / 50.4; 16: 52.5 / 66.3, 42.0 / 59.2
+constexpr int64_t kAmxRows = 12;
 constexpr int64_t kPrefetchAhead = 4096;  // as cpu_q4_blocks.cpp: this far ahead, once per 64-byte line
 // GGML's type ids, as the parts table names them
 using kiln_cpu::kGgmlQ4K, kiln_cpu::kGgmlQ5K, kiln_cpu::kGgmlQ6K;
@@ -105,6 +115,57 @@ struct XRows {
   const int16_t* sums32[R];
 };
 
+#if defined(KILN_FLOAT_LANES)
+// lane m < R: the sum of v[m]'s lanes (exact); lanes from R on zero
+template <int R>
+inline __m256i lane_sums(const __m256i (&v)[R]) {
+  static_assert(R <= 8, "at most 8 rows");
+  const __m256i zero = _mm256_setzero_si256();
+  const auto row = [&](int m) { return m < R ? v[m] : zero; };
+  const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(row(0), row(1)), _mm256_hadd_epi32(row(2), row(3)));
+  const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(row(4), row(5)), _mm256_hadd_epi32(row(6), row(7)));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
+}
+
+template <int R>
+inline __m256i lane_sums(const __m128i (&v)[R]) {
+  __m256i wide[R];
+  for (int m = 0; m < R; ++m) wide[m] = _mm256_zextsi128_si256(v[m]);
+  return lane_sums<R>(wide);
+}
+
+// R rows' float32 sums against one weight row, each added to super-block after super-block as
+// cpu_kquants_a8.h says: lane m of one vector for row m, so that the R rows' integer sums of a
+// super-block are reduced together
+template <int R>
+struct RowSums {
+  __m256 lanes = _mm256_setzero_ps();
+  // scale: the weight super-block's d (or dmin); s: the super-block; isum[m]: row m's integer sums, in lanes
+  template <typename Ints>
+  void add(float scale, const XRows<R>& x, int64_t s, const Ints (&isum)[R]) {
+    alignas(32) float dx[8] = {};
+    for (int m = 0; m < R; ++m) dx[m] = x.d[m][s];
+    const __m256 step = _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_load_ps(dx));
+    lanes = _mm256_fmadd_ps(step, _mm256_cvtepi32_ps(lane_sums<R>(isum)), lanes);
+  }
+  // y[m * stride] = row m's sum less `minus`'s (nullptr: none)
+  void store(float* y, int64_t stride, const RowSums* minus = nullptr) const {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, minus ? _mm256_sub_ps(lanes, minus->lanes) : lanes);
+    for (int m = 0; m < R; ++m) y[m * stride] = out[m];
+  }
+};
+
+// One row of x: a Q4_K / Q5_K super-block's integer sums I (isum's lanes) and M (mins') into lanes 0 and 1
+// of `sums` (the row's sum and its mins' sum), as RowSums does for several rows
+inline void add_k4_super_block(__m128 d_dmin, float dx, __m256i isum, __m128i mins, __m128& sums) {
+  const __m256i pairs = _mm256_hadd_epi32(isum, _mm256_zextsi128_si256(mins));  // I 01 23, M 01 23 | I 45 67
+  const __m256i quads = _mm256_hadd_epi32(pairs, pairs);                         // I 0-3, M | I 4-7, 0
+  const __m128i totals = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
+  sums = _mm_fmadd_ps(_mm_mul_ps(d_dmin, _mm_set1_ps(dx)), _mm_cvtepi32_ps(totals), sums);
+}
+#endif
+
 // One Q4_K (High = false) or Q5_K (High = true) row of `supers` super-blocks times R rows of x, into
 // y[m * stride]. Q5_K: the 32 bytes qh after the scales hold bit 4 of each weight, bit j of byte i for
 // weight i of sub-block j. Each weight vector is unpacked once for the R rows; each (weight row, x row)
@@ -119,9 +180,8 @@ void k4_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, float* y, in
   const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
   const __m256i pick[8] = {repeat16(0, 0), repeat16(1, 1), repeat16(2, 2), repeat16(3, 3),
                            repeat16(4, 4), repeat16(5, 5), repeat16(6, 6), repeat16(7, 7)};
-  __m256 acc[R];
-  __m128 mins_acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_ps(), mins_acc[m] = _mm_setzero_ps();
+  RowSums<R> acc, mins_acc;
+  __m128 one_row = _mm_setzero_ps();  // R = 1: the row's sum and its mins' sum
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* b = row + s * kBytes;
     uint32_t sc[2], mn[2];
@@ -131,13 +191,11 @@ void k4_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, float* y, in
     int32_t d_dmin;
     std::memcpy(&d_dmin, b, 4);
     const __m128 d_half = _mm_cvtph_ps(_mm_cvtsi32_si128(d_dmin));
-    __m128 dd[R];  // d dx, dmin dx
     __m256i isum[R];
+    __m128i mins[R];
     for (int m = 0; m < R; ++m) {
-      dd[m] = _mm_mul_ps(d_half, _mm_set1_ps(x.d[m][s]));
-      const __m128i mins = _mm_madd_epi16(_mm256_extracti128_si256(scales_mins, 1),
-                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.sums32[m] + 8 * s)));
-      mins_acc[m] = _mm_fmadd_ps(_mm_shuffle_ps(dd[m], dd[m], 0x55), _mm_cvtepi32_ps(mins), mins_acc[m]);
+      mins[m] = _mm_madd_epi16(_mm256_extracti128_si256(scales_mins, 1),
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.sums32[m] + 8 * s)));
       isum[m] = _mm256_setzero_si256();
     }
     const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(scales_mins));
@@ -166,16 +224,25 @@ void k4_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, float* y, in
 #endif
       }
     }
-    for (int m = 0; m < R; ++m) {
-      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(_mm_cvtss_f32(dd[m])), _mm256_cvtepi32_ps(isum[m]), acc[m]);
+    if constexpr (R == 1) {
+      add_k4_super_block(d_half, x.d[0][s], isum[0], mins[0], one_row);
+    } else {
+      alignas(16) float dd[4];  // d, dmin
+      _mm_store_ps(dd, d_half);
+      acc.add(dd[0], x, s, isum);
+      mins_acc.add(dd[1], x, s, mins);
     }
   }
-  for (int m = 0; m < R; ++m) {
-    y[m * stride] = kiln_cpu::hsum(acc[m]) - kiln_cpu::hsum(_mm256_castps128_ps256(mins_acc[m]));
+  if constexpr (R == 1) {
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, one_row);
+    y[0] = sums[0] - sums[1];
+  } else {
+    acc.store(y, stride, &mins_acc);
   }
 #else
   for (int m = 0; m < R; ++m) {
-    float total = 0.f;
+    float total = 0.f, mins_total = 0.f;
     for (int64_t s = 0; s < supers; ++s) {
       const uint8_t* b = row + s * kBytes;
       const int8_t* a = x.q[m] + s * kSuper;
@@ -188,10 +255,10 @@ void k4_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, float* y, in
         isum += sc * dot;
         msum += mn * x.sums32[m][8 * s + j];
       }
-      const float dx = x.d[m][s];
-      total += fp16_at(b) * dx * static_cast<float>(isum) - fp16_at(b + 2) * dx * static_cast<float>(msum);
+      kiln_cpu::add_super_block(fp16_at(b) * x.d[m][s], isum, total);
+      kiln_cpu::add_super_block(fp16_at(b + 2) * x.d[m][s], msum, mins_total);
     }
-    y[m * stride] = total;
+    y[m * stride] = total - mins_total;
   }
 #endif
 }
@@ -206,8 +273,8 @@ void q6_k_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, const uint
   constexpr int64_t kBytes = 210;
 #if defined(KILN_FLOAT_LANES)
   const __m256i pick[4] = {repeat16(0, 1), repeat16(2, 3), repeat16(4, 5), repeat16(6, 7)};
-  __m256 acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_ps();
+  RowSums<R> acc;
+  float one_row = 0.f;  // R = 1
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* b = row + s * kBytes;
     for (const uint8_t* p = b + kPrefetchAhead; p < b + kPrefetchAhead + kBytes && p < stop; p += 64) {
@@ -242,11 +309,17 @@ void q6_k_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, const uint
       }
     }
     const float d = fp16_at(b + 208);
-    for (int m = 0; m < R; ++m) {
-      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[m][s]), _mm256_cvtepi32_ps(isum[m]), acc[m]);
+    if constexpr (R == 1) {
+      kiln_cpu::add_super_block(d * x.d[0][s], kiln_cpu::hsum_epi32(isum[0]), one_row);
+    } else {
+      acc.add(d, x, s, isum);
     }
   }
-  for (int m = 0; m < R; ++m) y[m * stride] = kiln_cpu::hsum(acc[m]);
+  if constexpr (R == 1) {
+    y[0] = one_row;
+  } else {
+    acc.store(y, stride);
+  }
 #else
   (void)stop;
   for (int m = 0; m < R; ++m) {
@@ -257,7 +330,7 @@ void q6_k_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, const uint
       const int8_t* a = x.q[m] + s * kSuper;
       int32_t isum = 0;
       for (int i = 0; i < 256; ++i) isum += sc[i / 16] * kiln_cpu::q6_k_quant(b, i) * a[i];
-      total += fp16_at(b + 208) * x.d[m][s] * static_cast<float>(isum);
+      kiln_cpu::add_super_block(fp16_at(b + 208) * x.d[m][s], isum, total);
     }
     y[m * stride] = total;
   }
@@ -308,8 +381,9 @@ at::Tensor run_kquants_a8(const char* op, const at::Tensor& x, int64_t rows, con
   at::Tensor y = at::empty({m, n}, x.options());
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    // x rows in groups of kGroup, each group over the task's weight rows (they stay in the caches)
+  // weight rows [begin, end) by the row kernels: x rows in groups of kGroup, each group over those weight
+  // rows (they stay in the caches)
+  const auto row_kernels = [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < m; m0 += kGroup) {
       switch (std::min<int64_t>(kGroup, m - m0)) {
         case 1: run_group<1>(xq, m0, table, bp, begin, end, yp, n); break;
@@ -326,7 +400,31 @@ at::Tensor run_kquants_a8(const char* op, const at::Tensor& x, int64_t rows, con
 #endif
       }
     }
-  });
+  };
+  if (m >= kAmxRows && kiln_cpu::kquants_a8_amx_usable()) {
+    // each part's whole 16-row blocks on AMX tiles, the rows past its last one by the row kernels
+    const kiln_cpu::Q8KTiles tiles(kiln_cpu::Q8KRows{xq.q.data(), xq.d.data(), xq.sums32.data(), m, k});
+    std::vector<std::array<int64_t, 3>> units;  // first row, rows, part (-1: row kernels)
+    for (size_t p = 0; p + 1 < table.first_row.size(); ++p) {
+      int64_t r = table.first_row[p];
+      for (; r + 16 <= table.first_row[p + 1]; r += 16) units.push_back({r, 16, static_cast<int64_t>(p)});
+      if (r < table.first_row[p + 1]) units.push_back({r, table.first_row[p + 1] - r, -1});
+    }
+    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const auto [first, rows, part] = units[u];
+        if (part < 0) {
+          row_kernels(first, first + rows);
+          continue;
+        }
+        const int64_t row_bytes = xq.supers * kiln_cpu::gguf_block(table.types[part]).bytes;
+        const uint8_t* row = bp + table.first_byte[part] + (first - table.first_row[part]) * row_bytes;
+        kiln_cpu::kquants_a8_amx_rows(tiles, table.types[part], row, row_bytes, yp, n, first);
+      }
+    });
+    return y;
+  }
+  at::parallel_for(0, n, kRowsPerTask, row_kernels);
   return y;
 }
 

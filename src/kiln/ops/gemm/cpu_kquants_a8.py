@@ -11,7 +11,8 @@ int8 values and scale), then each super-block's dot product is integer arithmeti
 Q8_0-x layouts of kiln.ops.gemm.cpu_blocks_a8 hold 0.75 / 1.25 / 1.25 bytes of blocks a weight, and a
 float32 copy and tiles for several rows). `kquants_a8_gemv` takes one row; `kquants_a8_gemm` any
 number, each row's outputs bit for bit those of `kquants_a8_gemv` on that row alone (batch invariant:
-a sequence's tokens do not depend on the batch it decodes in).
+a sequence's tokens do not depend on the batch it decodes in), on CPUs with AMX-INT8 too, where from 12
+rows of x it runs whole 16-row blocks of weights on int8 tiles (`KILN_CPU_AMX=0`: not).
 
 A weight's `pack` form is two tensors: its parts' blocks, uint8 [sum of N_i * row_bytes_i] (the rows
 of each part as in the file, parts in order), and `parts`, int64 [P, 2]: each part's GGML type id

@@ -21,19 +21,10 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "cpu_amx.h"
 #include "cpu_w8a8_quantize.h"
 
 #include <cstdint>
-
-// the AMX intrinsics need GCC 11 / clang 12; an older compiler builds the library without this kernel
-#if defined(CPU_CAPABILITY_AVX512) && defined(__x86_64__) && defined(__linux__) && \
-    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
-#define KILN_AMX 1
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -45,45 +36,19 @@ constexpr int64_t kTileBytes = 1024;
 // 120 decoder GEMMs at 16 rows, cache-cold, 6.2-6.5 ms against 6.8-6.9 without (16 KiB: 6.6)
 constexpr int64_t kPrefetchAhead = 2 * 4 * kTileBytes;
 
-bool amx_available() {
-#ifdef KILN_AMX
-  static const bool usable = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    if (!((edx >> 24) & 1u) || !((edx >> 25) & 1u)) return false;  // AMX-TILE, AMX-INT8
-    // Linux hands a process the tile state only once it asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return usable;
-#else
-  return false;
-#endif
-}
+bool amx_available() { return kiln_cpu::amx_int8_usable(); }
 
 #ifdef KILN_AMX
-
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // tmm0-3: C for the group's four column blocks; tmm4: A; tmm5-7: B
-__attribute__((target("amx-tile,amx-int8"))) void configure_tiles() {
-  TileConfig config;
+void configure_tiles() {
+  kiln_cpu::TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.rows[t] = kRows;
     config.colsb[t] = kStep;
   }
-  // GCC 12 does not see _tile_loadconfig read its operand and drops the stores above: keep them
-  __asm__ __volatile__("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
+  kiln_cpu::load_tile_config(config);
 }
-
-__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
 // C [16][64] int32 = A (16 rows of xq from `a`, row stride a_stride) times one group's weights `b`;
 // read ahead in the weight stream, within the prefetch_bytes that follow `b` (0: later row blocks, which
@@ -204,7 +169,7 @@ at::Tensor w8a8_amx_linear(const at::Tensor& x, const at::Tensor& tiles, const a
           rescale_tile<scalar_t>(c, xs + r0, ws, bp, op + r0 * n, n, std::min(kRows, m - r0), n0, width);
         }
       }
-      release_tiles();
+      kiln_cpu::release_tiles();
     });
   }));
 #endif
