@@ -57,8 +57,9 @@ struct Q8KTiles {
 };
 
 // y[:, n0 .. n0 + 15] (y float32 [M, n]) = x times 16 weight rows of GGML type `type` (Q4_K, Q5_K or
-// Q6_K), the first at `rows`, each `row_bytes` long: the outputs kquants_a8_gemv gives, bit for bit
-bool kquants_a8_amx_rows(const Q8KTiles& x, int64_t type, const uint8_t* rows, int64_t row_bytes, float* y,
+// Q6_K), the first at `rows`, each `row_bytes` long: the outputs kquants_a8_gemv gives, bit for bit. Only
+// where kquants_a8_amx_usable().
+void kquants_a8_amx_rows(const Q8KTiles& x, int64_t type, const uint8_t* rows, int64_t row_bytes, float* y,
                          int64_t n, int64_t n0);
 
 }  // namespace kiln_cpu

@@ -95,19 +95,10 @@ inline void scale_k4(const uint8_t* b, int i, Scaled& u) {
   for (int p = 0; p < 4; ++p) u.min_pairs[i][p] = int16_pair(byte(mn, 2 * p), byte(mn, 2 * p + 1));
   u.d[i] = fp16_at(b);
   u.dmin[i] = fp16_at(b + 2);
-  const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
-  const __m256i qh = High ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
-  const uint8_t* qs = b + (High ? 48 : 16);
-  for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-    __m256i lo = _mm256_and_si256(q, low), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-    if (High) {
-      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
-      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
-    }
-    store_scaled(_mm512_mullo_epi16(_mm512_cvtepu8_epi16(lo), _mm512_set1_epi16(byte(sc, 2 * c))), 64 * c, i, u);
-    store_scaled(_mm512_mullo_epi16(_mm512_cvtepu8_epi16(hi), _mm512_set1_epi16(byte(sc, 2 * c + 1))), 64 * c + 32,
-                 i, u);
+  __m256i quants[8];  // weights 32 j .. 32 j + 31: sub-block j
+  k4_quants<High>(b, quants);
+  for (int j = 0; j < 8; ++j) {
+    store_scaled(_mm512_mullo_epi16(_mm512_cvtepu8_epi16(quants[j]), _mm512_set1_epi16(byte(sc, j))), 32 * j, i, u);
   }
 }
 
@@ -224,27 +215,19 @@ bool kquants_a8_amx_usable() {
   return wanted && amx_int8_usable();
 }
 
-bool kquants_a8_amx_rows(const Q8KTiles& x, int64_t type, const uint8_t* rows, int64_t row_bytes, float* y,
+void kquants_a8_amx_rows(const Q8KTiles& x, int64_t type, const uint8_t* rows, int64_t row_bytes, float* y,
                          int64_t n, int64_t n0) {
-  if (type == kGgmlQ4K) {
-    amx_rows<false, false>(x, rows, row_bytes, y, n, n0);
-  } else if (type == kGgmlQ5K) {
-    amx_rows<false, true>(x, rows, row_bytes, y, n, n0);
-  } else if (type == kGgmlQ6K) {
-    amx_rows<true, false>(x, rows, row_bytes, y, n, n0);
-  } else {
-    return false;
-  }
-  return true;
+  with_kquant(type, [&](auto kind) {
+    constexpr KQuant T = decltype(kind)::value;
+    amx_rows<T == KQuant::kQ6K, T == KQuant::kQ5K>(x, rows, row_bytes, y, n, n0);
+  });
 }
 
 #else  // no AMX in this build
 
 bool kquants_a8_amx_usable() { return false; }
 
-bool kquants_a8_amx_rows(const Q8KTiles&, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t) {
-  return false;
-}
+void kquants_a8_amx_rows(const Q8KTiles&, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t) {}
 
 #endif
 

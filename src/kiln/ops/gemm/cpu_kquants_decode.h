@@ -10,8 +10,8 @@
 //   Q6_K         w = (d sc_j) (q - 32)         sc_j int8 per 16: exact (at most 23 significant bits),
 //                (q - 32) * (d sc_j)
 //
-// Shared by cpu_kquants_a8.cpp (the parts table), cpu_kquants.cpp (the exact row kernel) and
-// cpu_blocks_panel.cpp (the exact many-row kernel).
+// Shared by cpu_kquants_a8.cpp (the parts table), cpu_kquants_a8_amx.cpp (the quants), cpu_kquants.cpp
+// (the exact row kernel) and cpu_blocks_panel.cpp (the exact many-row kernel).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -122,13 +122,11 @@ using Quants = __m256i[8];
 using Quants = int8_t[kKQuantSuper];
 #endif
 
-// Super-block b of Q4_K (High false) or Q5_K (High true) -> q (its quants: 0..15 / 0..31)
-// and per sub-block of 32 weights a float32 scale d sc_j and offset -(dmin m_j) [8] each (aligned to 32):
-// weight i is fma(q[i], scale[i / 32], offset[i / 32]), exactly (the header's table)
-template <bool High>
-inline void unpack_k4(const uint8_t* b, Quants& q, float* scale, float* offset) {
 #if defined(KILN_FLOAT_LANES)
-  k4_scale_offset(b, scale, offset);
+// Super-block b of Q4_K (High false) or Q5_K (High true) -> its quants 0..15 / 0..31, q[j] weights 32 j ..
+// 32 j + 31 (unpack_k4; cpu_kquants_a8_amx.cpp)
+template <bool High>
+inline void k4_quants(const uint8_t* b, __m256i (&q)[8]) {
   // 32 nibble bytes a step: sub-block 2j in their low nibbles, 2j + 1 in their high ones; Q5_K's bit j
   // of qh[l] is weight l of sub-block j's fifth bit
   const uint8_t* qs = b + (High ? 48 : 16);
@@ -144,6 +142,17 @@ inline void unpack_k4(const uint8_t* b, Quants& q, float* scale, float* offset) 
     q[2 * j] = lo;
     q[2 * j + 1] = hi;
   }
+}
+#endif
+
+// Super-block b of Q4_K (High false) or Q5_K (High true) -> q (its quants: 0..15 / 0..31)
+// and per sub-block of 32 weights a float32 scale d sc_j and offset -(dmin m_j) [8] each (aligned to 32):
+// weight i is fma(q[i], scale[i / 32], offset[i / 32]), exactly (the header's table)
+template <bool High>
+inline void unpack_k4(const uint8_t* b, Quants& q, float* scale, float* offset) {
+#if defined(KILN_FLOAT_LANES)
+  k4_scale_offset(b, scale, offset);
+  k4_quants<High>(b, q);
 #else
   uint32_t sc[2], mn[2];
   k4_scales(b + 4, sc, mn);

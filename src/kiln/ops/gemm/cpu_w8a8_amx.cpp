@@ -36,8 +36,6 @@ constexpr int64_t kTileBytes = 1024;
 // 120 decoder GEMMs at 16 rows, cache-cold, 6.2-6.5 ms against 6.8-6.9 without (16 KiB: 6.6)
 constexpr int64_t kPrefetchAhead = 2 * 4 * kTileBytes;
 
-bool amx_available() { return kiln_cpu::amx_int8_usable(); }
-
 #ifdef KILN_AMX
 
 // tmm0-3: C for the group's four column blocks; tmm4: A; tmm5-7: B
@@ -123,7 +121,7 @@ void rescale_tile(const int32_t* c, const float* x_scales, const float* w_scale,
 at::Tensor w8a8_amx_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& w_scale,
                            const at::Tensor& smooth, const std::optional<at::Tensor>& bias,
                            at::ScalarType out_dtype) {
-  TORCH_CHECK(amx_available(), "kiln_cpu.w8a8_amx_linear: this CPU (or kernel) offers no AMX int8 tiles");
+  TORCH_CHECK(kiln_cpu::amx_int8_usable(), "kiln_cpu.w8a8_amx_linear: this CPU (or kernel) offers no AMX int8 tiles");
   TORCH_CHECK(x.dim() == 2, "kiln_cpu.w8a8_amx_linear: x must be [M, K], got ", x.dim(), " dims");
   TORCH_CHECK(tiles.dim() == 5 && tiles.scalar_type() == at::kChar && tiles.is_contiguous() &&
                   tiles.size(2) == 4 && tiles.size(3) == kRows && tiles.size(4) == kStep,
@@ -182,7 +180,7 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   m.def(
       "w8a8_amx_linear(Tensor x, Tensor tiles, Tensor w_scale, Tensor smooth, Tensor? bias, "
       "ScalarType out_dtype) -> Tensor");
-  m.def("amx_int8_available() -> bool", &amx_available);
+  m.def("amx_int8_available() -> bool", &kiln_cpu::amx_int8_usable);
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("w8a8_amx_linear", &w8a8_amx_linear); }
