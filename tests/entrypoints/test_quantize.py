@@ -1,10 +1,16 @@
 """`kiln quantize` (kiln.entrypoints.quantize) on a tiny random transformers Llama: each scheme's
-checkpoint, written by the compressed-tensors library, loads through `LLM(...)` with last-position
-logits within 1e-5 (relative L2) of transformers loading the same files (the tolerance of
+checkpoint, written by the compressed-tensors library, loads through `LLM(...)` with every projection
+within 1e-5 (relative L2) of transformers loading the same files when both get the same input, and
+last-position logits within 1e-5 where activations stay float (the tolerances of
 tests/loaders/test_quantized_compressed_tensors.py: the same quantized arithmetic in float32 in a
-different order); AWQ's folded float model equals the original, and on a model whose hidden state has
-a few large channels AWQ's quantized model is closer to the float model than round-to-nearest's on
-held-out prompts of the calibration's kind; `kiln verify --quant-model ORIG --against DIR` reports it.
+different order). Where activations are quantized per token (fp8, int8) the end-to-end logits get
+TOL_QUANTIZED_ACTIVATIONS and the same top token: an input one float32 ULP apart can land on the
+other side of a rounding midpoint, a whole grid step that the later layers amplify (on an Intel AMX
+host, int8 on 2 of 8 random checkpoints of this shape: 1.0e-2 and 2.2e-2; the other 6 at 4e-7 ..
+8e-7, and transformers' own float64 run is 2-4e-2 from its float32 one). AWQ's folded float model
+equals the original, and on a model whose hidden state has a few large channels AWQ's quantized
+model is closer to the float model than round-to-nearest's on held-out prompts of the calibration's
+kind; `kiln verify --quant-model ORIG --against DIR` reports it.
 A bfloat16 source's unquantized tensors and scales stay bfloat16; a --group-size Kiln's int4 loader
 refuses fails before anything is written."""
 
@@ -22,6 +28,7 @@ pytest.importorskip("compressed_tensors")
 
 PROMPT = [5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33, 17, 90]
 TOL = 1e-5
+TOL_QUANTIZED_ACTIVATIONS = 5e-2
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_key_value_heads=4, max_position_embeddings=1024)
 
 
@@ -61,6 +68,7 @@ def test_quantized_checkpoint_runs_in_llm_like_transformers(source, tmp_path, sc
 def _check_runs_like_transformers(out: str, method: str, layout: str) -> dict:
     """The checks of a quantized checkpoint `out`; returns its config.json."""
     from kiln.engine import LLM, SamplingParams
+    from tests.loaders.ct_checkpoints import worst_projection_error
 
     with open(f"{out}/config.json") as f:
         config = json.load(f)
@@ -76,7 +84,10 @@ def _check_runs_like_transformers(out: str, method: str, layout: str) -> dict:
     seen = record_logits(llm.engine)
     llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     out_logits = seen[0][-1].double()
-    assert ((out_logits - ref).norm() / ref.norm()).item() < TOL
+    assert worst_projection_error(llm.engine.runner.model, hf, PROMPT) < TOL
+    tol = TOL if layout == "dense" else TOL_QUANTIZED_ACTIVATIONS
+    assert ((out_logits - ref).norm() / ref.norm()).item() < tol
+    assert out_logits.argmax() == ref.argmax()
     return config
 
 

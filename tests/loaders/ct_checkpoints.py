@@ -197,3 +197,45 @@ def write_word_level_tokenizer(directory) -> None:
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(CONFIG["vocab_size"])}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(f"{directory}/tokenizer.json")
+
+
+# Kiln's fused projections -> the transformers Llama projections stacked in them (rows, in order)
+_FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def worst_projection_error(model, hf, prompt: list[int]) -> float:
+    """Largest relative L2 error, over every layer's projections, of Kiln's `model` Linear against
+    transformers' (compressed-tensors fake-quantized) modules of `hf`, both fed the input transformers'
+    forward of `prompt` gave that projection. Identical inputs mean identical dynamic activation
+    scales and grid points, so this is tight where the end-to-end logits are not: there a one-ULP
+    difference upstream can put an activation on the other side of a rounding midpoint."""
+    inputs: dict[str, torch.Tensor] = {}
+
+    def keep(name):
+        return lambda _, args: inputs.__setitem__(name, args[0].detach())
+
+    hooks = [
+        module.register_forward_pre_hook(keep(name))
+        for name, module in hf.named_modules()
+        if name.endswith("_proj")
+    ]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([prompt]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    worst = 0.0
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            for ours, theirs in _FUSED_PROJECTIONS.items():
+                x = inputs[f"model.layers.{i}.{theirs[0]}"]  # [1, tokens, in]: per-token scales
+                ref = torch.cat([hf.get_submodule(f"model.layers.{i}.{t}")(x) for t in theirs], -1)[0]
+                out = layer.get_submodule(ours)(x[0]).double()
+                worst = max(worst, ((out - ref.double()).norm() / ref.double().norm()).item())
+    return worst

@@ -11,7 +11,9 @@ dense float32 model tests) where activations stay float. Where activations are q
 float32 difference upstream can move one element across a rounding boundary of its int8 / fp8 grid,
 a whole step of that element, which the later layers carry to the logits: on an Intel host one W8A8
 down_proj input element (of 13 x 384) quantized to -128 in transformers and -127 in Kiln (inputs
-6e-7 apart), 5.3e-3 on the logits. Those presets get 1e-2; their greedy tokens must still be equal.
+6e-7 apart), 5.3e-3 on the logits. Those presets get 1e-2; their greedy tokens must still be equal,
+and every projection, fed the input transformers gave it, must be within 1e-5 of transformers' module
+(tests/loaders/ct_checkpoints.py worst_projection_error).
 Greedy tokens are compared for as many tokens as transformers produced (it stops at the config's
 eos)."""
 
@@ -24,7 +26,7 @@ import torch
 from kiln.loaders.safetensors import load_safetensors_dir
 from kiln.models import ModelLoadError, get_model_class
 from kiln.ops.gemm import weight_formats
-from tests.loaders.ct_checkpoints import decompressed_llama, write_quantized_llama
+from tests.loaders.ct_checkpoints import decompressed_llama, worst_projection_error, write_quantized_llama
 from tests.models.helpers import greedy, prompt_logits
 
 transformers = pytest.importorskip("transformers")
@@ -71,6 +73,7 @@ def test_compressed_tensors_checkpoint_matches_transformers(checkpoint, caplog):
     out = prompt_logits(model, PROMPT)[-1].double()
     tol = TOL if PRESETS[preset] == "dense" else TOL_QUANTIZED_ACTIVATIONS
     assert ((out - ref).norm() / ref.norm()).item() < tol
+    assert worst_projection_error(model, hf, PROMPT) < TOL
     theirs = theirs[0, len(PROMPT) :].tolist()
     assert len(theirs) >= 4
     assert greedy(model, PROMPT, len(theirs)) == theirs
