@@ -11,8 +11,9 @@ dense float32 model tests) where activations stay float. Where activations are q
 float32 difference upstream can move one element across a rounding boundary of its int8 / fp8 grid,
 a whole step of that element, which the later layers carry to the logits: on an Intel host one W8A8
 down_proj input element (of 13 x 384) quantized to -128 in transformers and -127 in Kiln (inputs
-6e-7 apart), 5.3e-3 on the logits. Those presets get 1e-2; their greedy tokens must still be equal,
-and every projection, fed the input transformers gave it, must be within 1e-5 of transformers' module
+6e-7 apart), 5.3e-3 on the logits; in tests/entrypoints/test_quantize.py's tiny Llama one such step
+gave 1.0e-2 and 2.2e-2. Those presets get 5e-2; their greedy tokens must still be equal, and every
+projection, fed the input transformers gave it, must be within 1e-5 of transformers' module
 (tests/loaders/ct_checkpoints.py worst_projection_error).
 Greedy tokens are compared for as many tokens as transformers produced (it stops at the config's
 eos)."""
@@ -34,7 +35,7 @@ pytest.importorskip("compressed_tensors")
 
 PROMPT = [5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33, 17, 90]
 TOL = 1e-5
-TOL_QUANTIZED_ACTIVATIONS = 1e-2
+TOL_QUANTIZED_ACTIVATIONS = 5e-2
 # preset -> the format Kiln's fused qkv projection runs in on the CPU
 PRESETS = {
     "FP8_DYNAMIC": "fp8",
