@@ -32,6 +32,7 @@ def test_every_native_source_and_header_ships_as_package_data():
 def test_avx512_builds_add_vnni_where_the_host_has_it(monkeypatch):
     """The K-quant kernels' VNNI path (vpdpwssd) is compiled only for hosts whose CPU has avx512_vnni
     (an AVX-512 CPU without it, e.g. Skylake-X, would fault on it), and KILN_CPU_VNNI=0 leaves it out."""
+    monkeypatch.delenv("KILN_CPU_VNNI", raising=False)  # a run with it set must not decide this test
     host = {"cpu_flags": ["avx2", "avx512f", "avx512_vnni"]}
     monkeypatch.setattr(native_cpu.environment, "cpu", lambda: host)
     monkeypatch.setattr(native_cpu.torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
