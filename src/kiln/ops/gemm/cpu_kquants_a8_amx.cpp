@@ -79,16 +79,28 @@ inline int32_t int16_pair(int a, int b) {
   return static_cast<int32_t>(static_cast<uint16_t>(a) | (static_cast<uint32_t>(static_cast<uint16_t>(b)) << 16));
 }
 
+// The tile kernel's vector steps use AVX512-VBMI (one byte permute splits 32 int16 into their low and high
+// bytes) and AVX512-VNNI (vpdpwssd for the mins); every CPU with AMX has both (kquants_a8_amx_usable checks)
+#define KILN_AMX_VECTOR "avx512vbmi,avx512vnni"
+
+// vpermb's indices: the low bytes of 32 int16 (bytes 0, 2, .., 62), then their high bytes
+__attribute__((target(KILN_AMX_VECTOR))) inline __m512i low_then_high_bytes() {
+  return _mm512_set_epi8(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21,
+                         19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36,
+                         34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+}
+
 // 32 products p (int16, |p| < 2^15) -> their low bytes and high bytes at weights `at` .. `at` + 31 of row i
-inline void store_scaled(__m512i p, int at, int i, Scaled& u) {
-  _mm256_store_si256(reinterpret_cast<__m256i*>(&u.lo[at / kChunk][i][at % kChunk]), _mm512_cvtepi16_epi8(p));
+__attribute__((target(KILN_AMX_VECTOR))) inline void store_scaled(__m512i p, int at, int i, Scaled& u) {
+  const __m512i bytes = _mm512_permutexvar_epi8(low_then_high_bytes(), p);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(&u.lo[at / kChunk][i][at % kChunk]), _mm512_castsi512_si256(bytes));
   _mm256_store_si256(reinterpret_cast<__m256i*>(&u.hi[at / kChunk][i][at % kChunk]),
-                     _mm512_cvtepi16_epi8(_mm512_srai_epi16(p, 8)));
+                     _mm512_extracti64x4_epi64(bytes, 1));
 }
 
 // Q4_K (High = false) / Q5_K super-block `b` -> row i of u. p = q sc_j <= 31 * 63.
 template <bool High>
-inline void scale_k4(const uint8_t* b, int i, Scaled& u) {
+__attribute__((target(KILN_AMX_VECTOR))) inline void scale_k4(const uint8_t* b, int i, Scaled& u) {
   uint32_t sc[2], mn[2];
   k4_scales(b + 4, sc, mn);
   const auto byte = [](const uint32_t* w, int j) { return static_cast<int>((w[j / 4] >> (8 * (j % 4))) & 0xFF); };
@@ -103,7 +115,7 @@ inline void scale_k4(const uint8_t* b, int i, Scaled& u) {
 }
 
 // Q6_K super-block `b` -> row i of u. p = (q - 32) sc_j, |p| <= 32 * 128.
-inline void scale_q6_k(const uint8_t* b, int i, Scaled& u) {
+__attribute__((target(KILN_AMX_VECTOR))) inline void scale_q6_k(const uint8_t* b, int i, Scaled& u) {
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   u.d[i] = fp16_at(b + 208);
   const __m512i bias = _mm512_set1_epi16(32);
@@ -123,8 +135,9 @@ inline void scale_q6_k(const uint8_t* b, int i, Scaled& u) {
 // of x: I = lo . x + 256 (hi . x) over the super-block's 4 chunks of 64 (C tiles: lo and hi for two
 // 16-row blocks of x at a time, tmm0-3; A: lo, hi in tmm4-5; B: x in tmm6-7).
 template <bool K6, bool High>
-__attribute__((target("amx-tile,amx-int8"))) void amx_rows(const Q8KTiles& x, const uint8_t* rows,
-                                                          int64_t row_bytes, float* y, int64_t n, int64_t n0) {
+__attribute__((target("amx-tile,amx-int8," KILN_AMX_VECTOR))) void amx_rows(const Q8KTiles& x, const uint8_t* rows,
+                                                                           int64_t row_bytes, float* y, int64_t n,
+                                                                           int64_t n0) {
   constexpr int64_t kBytes = K6 ? 210 : (High ? 176 : 144);
   const int64_t blocks = x.blocks, supers = x.supers;
   std::vector<__m512> acc(blocks * kRows, _mm512_setzero_ps()), macc(K6 ? 0 : blocks * kRows, _mm512_setzero_ps());
@@ -171,7 +184,8 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_rows(const Q8KTiles& x, co
       for (int64_t e = 0; e < (pair ? 2 : 1); ++e) {
         const int64_t at = (mb + e) * supers + s;
         const __m512 dx = _mm512_loadu_ps(x.d.data() + at * kRows);
-        const int32_t* sums32 = x.sums32.data() + at * 4 * kRows;
+        __m512i sums32[4];
+        for (int p = 0; p < 4 && !K6; ++p) sums32[p] = _mm512_loadu_si512(x.sums32.data() + (at * 4 + p) * kRows);
         for (int i = 0; i < kRows; ++i) {
           const __m512i isum = _mm512_add_epi32(_mm512_load_si512(c[2 * e] + kRows * i),
                                                 _mm512_slli_epi32(_mm512_load_si512(c[2 * e + 1] + kRows * i), 8));
@@ -180,8 +194,7 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_rows(const Q8KTiles& x, co
           if constexpr (!K6) {
             __m512i mins = _mm512_setzero_si512();
             for (int p = 0; p < 4; ++p) {
-              mins = _mm512_add_epi32(mins, _mm512_madd_epi16(_mm512_loadu_si512(sums32 + p * kRows),
-                                                              _mm512_set1_epi32(u.min_pairs[i][p])));
+              mins = _mm512_dpwssd_epi32(mins, sums32[p], _mm512_set1_epi32(u.min_pairs[i][p]));
             }
             __m512& ma = macc[(mb + e) * kRows + i];
             ma = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(u.dmin[i]), dx), _mm512_cvtepi32_ps(mins), ma);
@@ -212,7 +225,8 @@ bool kquants_a8_amx_usable() {
     const char* value = std::getenv("KILN_CPU_AMX");
     return value == nullptr || std::strcmp(value, "0") != 0;
   }();
-  return wanted && amx_int8_usable();
+  static const bool vector = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vnni");
+  return wanted && vector && amx_int8_usable();
 }
 
 void kquants_a8_amx_rows(const Q8KTiles& x, int64_t type, const uint8_t* rows, int64_t row_bytes, float* y,
