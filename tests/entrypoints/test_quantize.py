@@ -22,13 +22,13 @@ import torch
 
 from kiln.cli import main
 from tests.distributed.checkpoints import record_logits, write_checkpoint
+from tests.loaders.ct_checkpoints import TOL_QUANTIZED_ACTIVATIONS, worst_projection_error
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 PROMPT = [5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33, 17, 90]
 TOL = 1e-5
-TOL_QUANTIZED_ACTIVATIONS = 5e-2
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_key_value_heads=4, max_position_embeddings=1024)
 
 
@@ -68,7 +68,6 @@ def test_quantized_checkpoint_runs_in_llm_like_transformers(source, tmp_path, sc
 def _check_runs_like_transformers(out: str, method: str, layout: str) -> dict:
     """The checks of a quantized checkpoint `out`; returns its config.json."""
     from kiln.engine import LLM, SamplingParams
-    from tests.loaders.ct_checkpoints import worst_projection_error
 
     with open(f"{out}/config.json") as f:
         config = json.load(f)

@@ -199,6 +199,11 @@ def write_word_level_tokenizer(directory) -> None:
     tokenizer.save(f"{directory}/tokenizer.json")
 
 
+# End-to-end logits of a checkpoint whose activations are quantized per token (fp8, int8) against
+# transformers: one float32 ULP upstream can move an activation across a rounding midpoint, a whole grid
+# step the later layers amplify (measured 5.3e-3, 1.0e-2, 2.2e-2); worst_projection_error stays at 1e-5
+TOL_QUANTIZED_ACTIVATIONS = 5e-2
+
 # Kiln's fused projections -> the transformers Llama projections stacked in them (rows, in order)
 _FUSED_PROJECTIONS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -235,7 +240,8 @@ def worst_projection_error(model, hf, prompt: list[int]) -> float:
         for i, layer in enumerate(model.layers):
             for ours, theirs in _FUSED_PROJECTIONS.items():
                 x = inputs[f"model.layers.{i}.{theirs[0]}"]  # [1, tokens, in]: per-token scales
-                ref = torch.cat([hf.get_submodule(f"model.layers.{i}.{t}")(x) for t in theirs], -1)[0]
+                ref = torch.cat([hf.get_submodule(f"model.layers.{i}.{t}")(x) for t in theirs], -1)
+                ref = ref[0].double()
                 out = layer.get_submodule(ours)(x[0]).double()
-                worst = max(worst, ((out - ref.double()).norm() / ref.double().norm()).item())
+                worst = max(worst, ((out - ref).norm() / ref.norm()).item())
     return worst

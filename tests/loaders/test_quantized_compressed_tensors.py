@@ -27,7 +27,12 @@ import torch
 from kiln.loaders.safetensors import load_safetensors_dir
 from kiln.models import ModelLoadError, get_model_class
 from kiln.ops.gemm import weight_formats
-from tests.loaders.ct_checkpoints import decompressed_llama, worst_projection_error, write_quantized_llama
+from tests.loaders.ct_checkpoints import (
+    TOL_QUANTIZED_ACTIVATIONS,
+    decompressed_llama,
+    worst_projection_error,
+    write_quantized_llama,
+)
 from tests.models.helpers import greedy, prompt_logits
 
 transformers = pytest.importorskip("transformers")
@@ -35,7 +40,6 @@ pytest.importorskip("compressed_tensors")
 
 PROMPT = [5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33, 17, 90]
 TOL = 1e-5
-TOL_QUANTIZED_ACTIVATIONS = 5e-2
 # preset -> the format Kiln's fused qkv projection runs in on the CPU
 PRESETS = {
     "FP8_DYNAMIC": "fp8",
