@@ -15,7 +15,8 @@ rope_cos_sin_cache(rotary_dim, max_position, base, scaling, dtype, device)
        "original_max_position_embeddings", ...}: Phi-3's LongRoPE, frequencies divided per pair by the
        short factors below position L and by the long ones from L on, cos and sin multiplied by an
        attention factor (kiln.ops.rope.longrope has the rule and why the choice is by position).
-The angles p * f_i are computed in float64 (then rounded once to `dtype`): in float32 a position
+The angles p * f_i are computed in float64 (then rounded once to `dtype`, the same on every CPU:
+kiln.ops.float64_rounding): in float32 a position
 of 100k times a frequency of ~1 is off by ~1e-2 radians.
 """
 
@@ -25,6 +26,7 @@ import math
 
 import torch
 
+from kiln.ops.float64_rounding import round_from_float64
 from kiln.ops.rope.longrope import longrope_cos_sin
 
 SCALING_TYPES = ("default", "linear", "llama3", "longrope")
@@ -107,10 +109,10 @@ def rope_cos_sin_cache(
         )
     if _rope_type(scaling) == "longrope":
         _check_dim_and_base(rotary_dim, base)
-        return longrope_cos_sin(rotary_dim, max_position, base, scaling).to(dtype=dtype, device=device)
+        return round_from_float64(longrope_cos_sin(rotary_dim, max_position, base, scaling), dtype).to(device)
     inv_freq = rope_inv_freq(rotary_dim, base, scaling)
     angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype=dtype, device=device)
+    return round_from_float64(torch.cat([angles.cos(), angles.sin()], dim=-1), dtype).to(device)
 
 
 def rope_tuning_shape(q, k, cos_sin_cache, is_neox) -> dict:
