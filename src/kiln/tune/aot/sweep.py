@@ -11,7 +11,10 @@ then compiled for sm_90.
 
 Large random inputs are not random here: `torch.randn`/`rand` of more than 1M elements give a constant
 tensor (a launch depends on shapes, strides, alignment and dtypes, not values), which keeps an 8-expert
-Mixtral MoE input under a second to make.
+Mixtral MoE input under a second to make. Likewise a CPU matrix product of more than BIG_MATMUL
+multiply-adds that a launcher runs around its kernels (fused_linear_cross_entropy's logits and
+gradients: ~60 G multiply-adds in bf16 at its bench shape, minutes on a CPU without bf16 arithmetic)
+returns a constant of its result's shape, dtype and layout instead of being computed.
 """
 
 from __future__ import annotations
@@ -25,11 +28,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from kiln.tune.aot.record import CompileResult, LaunchRecorder, LaunchSpec, compile_spec, record_launches
 
+aten = torch.ops.aten
+
 QUICK_MAX_BYTES = 1 << 30
 BIG_RANDOM = 1 << 20  # elements: larger random inputs are made constant (see the module docstring)
+BIG_MATMUL = 1 << 27  # multiply-adds: larger CPU matrix products return a constant (ditto)
 
 
 @dataclass
@@ -187,6 +195,28 @@ def _cheap_big_random() -> Iterator[None]:
             setattr(torch, name, fn)
 
 
+class _CheapBigMatmuls(TorchDispatchMode):
+    """Matrix products of more than BIG_MATMUL multiply-adds return a constant 0.25 tensor of their
+    result's shape, dtype and strides (found by running the op on meta tensors); the rest run."""
+
+    OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.OPS:
+            operands = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2][-2:]
+            a, b = operands
+            if a.shape[:-1].numel() * a.shape[-1] * b.shape[-1] > BIG_MATMUL:
+                meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+                out = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=a.device)
+                return out.fill_(0.25)
+        return func(*args, **kwargs)
+
+
+def _to_meta(value):
+    return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+
 def record_sweep(
     op_names: list[str] | None = None, suite: str = "llm", fuzz: int = 3, quick: bool = False, log=None
 ) -> tuple[list[LaunchSpec], list[DriveError]]:
@@ -194,7 +224,7 @@ def record_sweep(
     cases whose launcher failed on the way. One set of inputs per (shape, dtype) serves every backend
     (launches depend on shapes, not values, and outputs are never written)."""
     errors: list[DriveError] = []
-    with record_launches() as recorder, _cheap_big_random():
+    with record_launches() as recorder, _cheap_big_random(), _CheapBigMatmuls():
         for spec, backends, shape, dtype, kind in sweep_cases(op_names, suite, fuzz, quick):
             case = f"{spec.name} {str(dtype).replace('torch.', '')} {json.dumps(shape)} [{kind}]"
             start = time.perf_counter()
