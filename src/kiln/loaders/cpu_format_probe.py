@@ -133,9 +133,11 @@ def candidate_formats(weights: list) -> tuple[str, ...]:
 def kquants_probed() -> bool:
     """Whether "kquants" is timed for a K-quant model here: where its layout runs
     (weight_formats.kquants_layout_runs) on a build whose row kernel has the tiles (AVX-512:
-    cpu_kquants.rows_kernel_max()). On AVX2 builds its 2-4 row calls trail the default's (a 2-core Zen
-    4 run as AVX2, 4 Llama-3.2-1B-shaped layers cache-cold: 2 rows 15.3 / 13.0 ms, 4 rows 21.1 / 18.5),
-    which a one-row probe would not see."""
+    cpu_kquants.rows_kernel_max()). On AVX2 builds its 3-4 row calls trail the default's, which a
+    one-row probe would not see: 4 Llama-3.2-1B-shaped Q4_K_M layers cache-cold on a 2-core Zen 3,
+    its time over the default's, medians of 3 runs: 2 rows 1.01x, 3 rows 1.12x, 4 rows 1.23x, 6-12
+    rows 0.96-0.97x (scripts/cpu_kquants_rows.py; the Q6_K down_proj's 2-4 row calls take 1.3x the int8
+    blocks layout's)."""
     return kquants_layout_runs() and cpu_kquants.rows_kernel_max() == cpu_kquants.ROWS_KERNEL_MAX_TILES
 
 

@@ -9,7 +9,8 @@ Two native kernels (part of Kiln's native CPU library, kiln.ops.native_cpu):
   - `kquants_gemm` (cpu_kquants.cpp), for a few rows. One row: Q4_K / Q5_K factored per sub-block of 32
     as the q4_blocks kernel is (d sc_j sum q x - dmin m_j sum x), Q6_K one exact product per weight.
     Two or more: up to 4 x rows a pass against 4 weight rows (AVX-512; 2 on AVX2), each weight
-    vector exact, one FMA chain per (x row, weight row) pair; from TILE_MIN_ROWS rows on, AVX-512 builds
+    vector exact, one FMA chain per (x row, weight row) pair (AVX2 builds' Q4_K rows: factored as one
+    row is, one weight row at a time); from TILE_MIN_ROWS rows on, AVX-512 builds
     run each group of 16 rows of one Q4_K, Q5_K or Q6_K part as a tile transposed on the fly from the
     file's bytes (cpu_k4_tiles.h, cpu_q6_k_tiles.h: a vector holds a weight of each of 16 rows, each x
     value broadcast), as the default layout's tiles do on a copy made at load. Within 2 ..

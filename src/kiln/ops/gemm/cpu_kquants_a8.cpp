@@ -64,7 +64,6 @@ constexpr int64_t kGroup = 4;
 // runs, tiles / row kernels ms: 8 rows 50.2 / 34.2, 38.3 / 26.5; 10: 51.2 / 50.9, 39.9 / 39.8; 12:
 // 51.7 / 55.9, 38.7 / 50.4; 16: 52.5 / 66.3, 42.0 / 59.2
 constexpr int64_t kAmxRows = 12;
-constexpr int64_t kPrefetchAhead = 4096;  // as cpu_q4_blocks.cpp: this far ahead, once per 64-byte line
 // GGML's type ids, as the parts table names them
 using kiln_cpu::kGgmlQ4K, kiln_cpu::kGgmlQ5K, kiln_cpu::kGgmlQ6K;
 
@@ -187,9 +186,7 @@ void k4_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, const uint8_
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* b = row + s * kBytes;
 #if !defined(CPU_CAPABILITY_AVX512)
-    for (const uint8_t* p = b + kPrefetchAhead; p < b + kPrefetchAhead + kBytes && p < stop; p += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-    }
+    kiln_cpu::prefetch_kquant_ahead(b, kBytes, stop);
 #endif
     uint32_t sc[2], mn[2];
     k4_scales(b + 4, sc, mn);
@@ -285,9 +282,7 @@ void q6_k_rows(const XRows<R>& x, const uint8_t* row, int64_t supers, const uint
   float one_row = 0.f;  // R = 1
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* b = row + s * kBytes;
-    for (const uint8_t* p = b + kPrefetchAhead; p < b + kPrefetchAhead + kBytes && p < stop; p += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-    }
+    kiln_cpu::prefetch_kquant_ahead(b, kBytes, stop);
     const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
     __m256i isum[R];
     for (int m = 0; m < R; ++m) {

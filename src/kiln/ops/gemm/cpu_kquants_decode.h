@@ -10,8 +10,8 @@
 //   Q6_K         w = (d sc_j) (q - 32)         sc_j int8 per 16: exact (at most 23 significant bits),
 //                (q - 32) * (d sc_j)
 //
-// Shared by cpu_kquants_a8.cpp (the parts table), cpu_kquants_a8_amx.cpp (the quants), cpu_kquants.cpp
-// (the exact row kernel) and cpu_blocks_panel.cpp (the exact many-row kernel).
+// Shared by cpu_kquants_a8.cpp (the parts table, the prefetch), cpu_kquants_a8_amx.cpp (the quants),
+// cpu_kquants.cpp (the exact row kernel) and cpu_blocks_panel.cpp (the exact many-row kernel).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -28,6 +28,17 @@
 namespace kiln_cpu {
 
 constexpr int64_t kKQuantSuper = 256;  // weights per K-quant super-block
+// Software prefetch this far ahead of the super-block being read, once per 64-byte line (as
+// cpu_q4_blocks.cpp: a matrix is too short a stream for the hardware prefetcher to reach full speed)
+constexpr int64_t kKQuantPrefetchAhead = 4096;
+
+// Prefetch super-block b's `bytes` bytes kKQuantPrefetchAhead ahead, not past `stop` (the end of the
+// rows the task reads: none where stop <= b + kKQuantPrefetchAhead)
+inline void prefetch_kquant_ahead(const uint8_t* b, int64_t bytes, const uint8_t* stop) {
+  for (const uint8_t* p = b + kKQuantPrefetchAhead; p < b + kKQuantPrefetchAhead + bytes && p < stop; p += 64) {
+    __builtin_prefetch(p, 0, 3);
+  }
+}
 
 // A weight's parts, read and checked: per part its GGML type, first output row and first byte
 struct KQuantParts {
