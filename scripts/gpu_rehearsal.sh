@@ -137,10 +137,15 @@ mapfile -t paths < <(bash scripts/gpu_check.sh --list tests | grep -oE '(^| )tes
 echo "paths: ${paths[*]}"
 [ ${#paths[@]} -gt 0 ] || { fail "gpu_check.sh --list tests names no test path"; paths=(--collect-only); }
 xdist=(); "$VPY" -c "import xdist" 2>/dev/null && xdist=(-n 2)
-PYTHONPATH="$COPY/src:$COPY/scripts" TRITON_INTERPRET=1 "$VPY" -m pytest -q -p no:cacheprovider \
+PYTHONPATH="$COPY/src:$COPY/scripts" TRITON_INTERPRET=1 "$VPY" -m pytest -q -rf -p no:cacheprovider \
   -p rehearsal_triton_audit "${xdist[@]}" "${paths[@]}" >"$SCRATCH/audit.log" 2>&1
 rc=$?
 grep -E 'TRITON AUDIT|triton audit:|^[0-9]+ (passed|failed)|passed|error' "$SCRATCH/audit.log" | tail -n 30
+# the tests' own failures in this venv (torch 2.11 on a CPU, the interpreter): not the audit's, but each
+# one a test the GPU visit may also see fail (a torch 2.11 API gap shows here first). Expected here:
+# tests needing gguf (absent: the visit carries its wheel), and with jax 0.11.2 the Pallas GPU
+# kernels' lowering to Triton, which wants a GPU device ("No supported GPU devices found")
+grep -E '^FAILED' "$SCRATCH/audit.log" | cut -c1-200 | head -n 120
 [ $rc = 0 ] || fail "Triton audit: exit $rc (TRITON AUDIT lines above)"
 
 section "the tests that prove what results record (fallbacks, environment, commit)"
