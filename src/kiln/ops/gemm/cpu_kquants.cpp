@@ -53,7 +53,10 @@ constexpr int kOneRowAcc = 4;  // accumulators of the one-row kernel: FMA chains
 // cache-cold: 3 rows 18.6 -> 17.2 ms, 6 rows 35.6 -> 31.0, 10 rows 55.4 -> 47.6).
 constexpr int kXRows = 4;
 constexpr int kWRows = kLanes == 16 ? 4 : 2;
-// x rows a pass of a Q6_K run: up to 8 on AVX2 builds (rows_times_q6_k_row)
+// x rows a pass of a Q6_K run: up to 8 on AVX2 builds, one weight row at a time (past kXRows two weight
+// rows' unpacked super-blocks do not fit beside the chains). A standalone microbenchmark, one Zen 3
+// thread, a 2048 x 2048 Q6_K matrix warm, three runs: 6 x rows 1.17-1.48 ms in one pass against
+// 1.9-2.9 in two of 3; 8 rows 1.73-2.33 against 2.06-2.72 in two of 4.
 constexpr int kQ6KXRows = kLanes == 16 ? kXRows : 8;
 
 // Accumulators added pairwise, then across lanes
@@ -239,53 +242,11 @@ void rows_times_q4_k_row(const float* x, const float* xsum, int64_t k, const uin
   }
   for (int r = 0; r < R; ++r) y[r * n] = sum(acc[r]);
 }
-
-// AVX2 builds, Q6_K, 5 to 8 x rows a pass: x rows 0 .. R - 1 times one weight row, each 32 weights made
-// exact once ((q - 32) * d sc_j) and summed into each row's chain in order: the sums of rows_times_rows
-// bit for bit, without its unpacked super-blocks, which do not fit the 16 registers beside R chains. The
-// microbenchmark above (Q6_K): 6 x rows 1.18 ms against 1.72 in two passes of 3, 8 rows 1.74 against 1.84
-// (2 rows 0.75 against 0.72: fewer rows stay with rows_times_rows).
-template <int R>
-void rows_times_q6_k_row(const float* x, int64_t k, const uint8_t* row, const uint8_t* stop, float* y, int64_t n) {
-  constexpr int64_t bytes = 210;
-  Floats acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = zero();
-  const __m256i bias = _mm256_set1_epi8(32);
-  for (int64_t s = 0; s < k / kKQuantSuper; ++s) {
-    const uint8_t* b = row + s * bytes;
-    kiln_cpu::prefetch_kquant_ahead(b, bytes, stop);
-    uint16_t d_bits;
-    std::memcpy(&d_bits, b + 208, 2);
-    const float d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits)));
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float* xs = x + s * kKQuantSuper;
-    for (int h = 0; h < 2; ++h) {
-      __m256i half[4];
-      kiln_cpu::q6_k_half(b, h, half);
-#pragma GCC unroll 4
-      for (int t = 0; t < 4; ++t) {  // weights 128 h + 32 t .. + 31, scales 8 h + 2 t and the next
-        const __m256i q = _mm256_sub_epi8(half[t], bias);
-        const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
-        const Floats s0 = set1(d * static_cast<float>(sc[8 * h + 2 * t]));
-        const Floats s1 = set1(d * static_cast<float>(sc[8 * h + 2 * t + 1]));
-        const Floats w[4] = {mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), s0),
-                             mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), s0),
-                             mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), s1),
-                             mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), s1)};
-        for (int r = 0; r < R; ++r) {
-          const float* xv = xs + r * k + 128 * h + 32 * t;
-          for (int v = 0; v < 4; ++v) acc[r] = fmadd(w[v], load(xv + 8 * v), acc[r]);
-        }
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r * n] = sum(acc[r]);
-}
 #endif
 
 // R x rows (xsum: their sums per 32) against `count` weight rows of one part (type T) from row0: kWRows
-// at a time, then one at a time; on AVX2 builds Q4_K rows and 5-8 x rows of Q6_K one weight row at a time
-// (rows_times_q4_k_row, rows_times_q6_k_row)
+// at a time (one past kXRows x rows: AVX2 builds' Q6_K passes), then one at a time; on AVX2 builds Q4_K
+// rows one at a time through rows_times_q4_k_row
 template <int R, KQuant T>
 void rows_times_part(const float* x, const float* xsum, int64_t k, const uint8_t* row0, int64_t row_bytes,
                      int64_t count, const uint8_t* stop, float* y, int64_t n) {
@@ -293,16 +254,11 @@ void rows_times_part(const float* x, const float* xsum, int64_t k, const uint8_t
   if constexpr (T == KQuant::kQ4K) {
     for (int64_t j = 0; j < count; ++j) rows_times_q4_k_row<R>(x, xsum, k, row0 + j * row_bytes, stop, y + j, n);
     return;
-  } else if constexpr (R > kXRows) {
-    static_assert(T == KQuant::kQ6K, "only Q6_K takes more than kXRows x rows a pass");
-    for (int64_t j = 0; j < count; ++j) rows_times_q6_k_row<R>(x, k, row0 + j * row_bytes, stop, y + j, n);
-    return;
   }
 #endif
+  constexpr int W = R > kXRows ? 1 : kWRows;
   int64_t j = 0;
-  for (; j + kWRows <= count; j += kWRows) {
-    rows_times_rows<R, kWRows, T>(x, k, row0 + j * row_bytes, row_bytes, stop, y + j, n);
-  }
+  for (; j + W <= count; j += W) rows_times_rows<R, W, T>(x, k, row0 + j * row_bytes, row_bytes, stop, y + j, n);
   for (; j < count; ++j) rows_times_rows<R, 1, T>(x, k, row0 + j * row_bytes, row_bytes, stop, y + j, n);
 }
 
