@@ -203,10 +203,12 @@ def test_q5_k_keeps_its_values_scales_and_mins_exactly_at_every_row_count(native
     monkeypatch.setitem(q8_module._state, "loaded", False)  # as where the library cannot be built
     tensor_y = q8_module.q8_blocks_gemm(x[:3], values, scales, mins)
     assert_close(tensor_y, x[:3].double() @ matrix.T, 1e-6, "tensor form")
+    # the same cancellation as the native one-row kernel's: 4000 seeds (float32 sums), compiled GEMV
+    # median 3.6e-7, max 1.24e-6, 5 over 1e-6; with the bias median 4.9e-7, max 1.31e-6, 19 over 1e-6
     one = int8_blocks_gemv.int8_blocks_gemv(x[:1], values, scales, mins)  # inductor's compiled GEMV
-    assert_close(one, x[:1].double() @ matrix.T, 1e-6, "compiled tensor form, one row")
+    assert_close(one, x[:1].double() @ matrix.T, 2e-6, "compiled tensor form, one row")
     y = run(x[:1], prepared.layout, prepared.tensors, bias)
-    assert_close(y, x[:1].double() @ matrix.T + bias.double(), 1e-6, "prepared_linear without the library")
+    assert_close(y, x[:1].double() @ matrix.T + bias.double(), 2e-6, "prepared_linear without the library")
 
 
 def _with_mins(source: str, n: int, k: int, g) -> tuple[torch.Tensor, ...]:
