@@ -1,4 +1,5 @@
-"""GGUF checkpoints (llama.cpp's format) through the `gguf` package's GGUFReader.
+"""GGUF checkpoints (llama.cpp's format) through the `gguf` package's GGUFReader (over a plain array
+view of the file's map: kiln.loaders.gguf_fast_reader).
 
 Config and tokenizer come from the metadata (`<arch>.*`, `tokenizer.ggml.*`, `tokenizer.chat_template`);
 tensors are renamed to HF names. Matrices in the block types Kiln's GEMMs read (Q4_0 / Q4_1 / Q5_0 /
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from kiln.loaders.config_checks import check_model_config, is_int
+from kiln.loaders.gguf_fast_reader import read_gguf
 from kiln.loaders.gguf_gemma3 import (
     GEMMA3_NORM_SHIFT,
     GEMMA3_PER_LAYER,
@@ -202,10 +204,8 @@ def rotary_dim_from_metadata(
 
 def open_gguf(path: str) -> tuple[Any, dict[str, Any]]:
     """(GGUFReader, metadata); ModelLoadError naming the file for unreadable or truncated files."""
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(path)
+        reader = read_gguf(path)
     except Exception as exc:  # the reader raises ValueError / struct / numpy errors on bad bytes
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
     size = os.path.getsize(path)
