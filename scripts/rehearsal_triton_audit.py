@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,13 +67,28 @@ def pytest_configure(config):
     InterpretedFunction.run = run
 
 
+_timed_out: list[bool] = [False]
+
+
 def _out_of_time(signum, frame):
+    _timed_out[0] = True
     pytest.skip("triton audit: no Triton launch in the test's first seconds")
+
+
+def _reset_pallas_tpu_interpreter() -> None:
+    """A test stopped inside a kernel run by Pallas's TPU interpreter leaves its global state (shared
+    memory sized for that kernel's cores) behind: every later interpreted kernel of the worker with
+    another core count then fails an assertion. JAX's documented remedy is this reset."""
+    tpu = sys.modules.get("jax.experimental.pallas.tpu")
+    reset = getattr(tpu, "reset_tpu_interpret_mode_state", None)
+    if reset is not None:
+        reset()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     _current.append(item)
+    _timed_out[0] = False
     previous = signal.signal(signal.SIGALRM, _out_of_time)
     signal.alarm(int(os.environ.get("KILN_AUDIT_TEST_S", "5")))
     try:
@@ -81,6 +97,8 @@ def pytest_runtest_call(item):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
         _current.pop()
+        if _timed_out[0]:
+            _reset_pallas_tpu_interpreter()
 
 
 @pytest.hookimpl(hookwrapper=True)
