@@ -14,8 +14,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Without a GPU, jax compiles for the CPU only to run interpreted Pallas kernels and small models:
     # LLVM at -O0 compiles those graphs in ~0.7x the time (tests/jax and the Pallas op tests: 851 ->
-    # 589 s of test time on a 2-core Zen 3), and its code is plain IEEE float32 (no FMA contraction).
-    # A flag of the caller's own wins.
+    # 589 s of test time on a 2-core Zen 3). A level in the caller's own XLA_FLAGS wins.
     if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (
             f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
