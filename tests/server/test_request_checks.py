@@ -123,12 +123,33 @@ BAD_FIELDS = {
         chat(messages=[{"role": "user", "content": [{"text": "describe"}]}]),
         "messages[0].content",
     ),
+    # penalties, logit_bias and min_tokens outside their ranges
+    "logit_bias_too_large": ("/v1/completions", completion(logit_bias={"5": 100.5}), "logit_bias"),
+    "logit_bias_key_not_a_token_id": ("/v1/completions", completion(logit_bias={"a5": 1}), "logit_bias"),
+    "logit_bias_negative_key": ("/v1/chat/completions", chat(logit_bias={"-5": 1}), "logit_bias"),
+    "logit_bias_not_a_number": ("/v1/completions", completion(logit_bias={"5": "high"}), "logit_bias"),
+    "logit_bias_too_many": (
+        "/v1/completions",
+        completion(logit_bias={str(i): 1 for i in range(1025)}),
+        "logit_bias",
+    ),
+    "presence_penalty_above_2": ("/v1/chat/completions", chat(presence_penalty=2.5), "presence_penalty"),
+    "frequency_penalty_below_minus_2": (
+        "/v1/completions",
+        completion(frequency_penalty=-2.01),
+        "frequency_penalty",
+    ),
+    "frequency_penalty_bool": ("/v1/completions", completion(frequency_penalty=True), "frequency_penalty"),
+    "repetition_penalty_zero": ("/v1/completions", completion(repetition_penalty=0), "repetition_penalty"),
+    "repetition_penalty_nan": (
+        "/v1/completions",
+        completion(repetition_penalty=float("nan")),
+        "repetition_penalty",
+    ),
+    "min_tokens_negative": ("/v1/completions", completion(min_tokens=-1), "min_tokens"),
+    "min_tokens_above_max_tokens": ("/v1/completions", completion(min_tokens=3), "min_tokens"),
+    "min_tokens_chat_above_max_tokens": ("/v1/chat/completions", chat(min_tokens=5), "min_tokens"),
     # fields this server does not implement, at values that would change the output
-    "logit_bias": ("/v1/completions", completion(logit_bias={"5": 100}), "logit_bias"),
-    "presence_penalty": ("/v1/chat/completions", chat(presence_penalty=0.5), "presence_penalty"),
-    "frequency_penalty": ("/v1/completions", completion(frequency_penalty=-1.0), "frequency_penalty"),
-    "repetition_penalty": ("/v1/completions", completion(repetition_penalty=1.2), "repetition_penalty"),
-    "min_tokens": ("/v1/completions", completion(min_tokens=3), "min_tokens"),
     "best_of": ("/v1/completions", completion(best_of=5), "best_of"),
     "suffix": ("/v1/completions", completion(suffix="end"), "suffix"),
     "response_format_json": (
@@ -167,7 +188,6 @@ BAD_FIELDS = {
         "truncate_prompt_tokens",
     ),
     "use_beam_search": ("/v1/completions", completion(use_beam_search=True), "use_beam_search"),
-    "min_tokens_chat": ("/v1/chat/completions", chat(min_tokens=2), "min_tokens"),
     "chat_template_kwargs": (
         "/v1/chat/completions",
         chat(chat_template_kwargs={"enable_thinking": False}),
@@ -222,9 +242,10 @@ def test_accepted_edges_of_the_ranges(server, engine):
     assert engine.params[-1].top_k == -1
     r = httpx.post(f"{server.url}/v1/chat/completions", json=chat(logprobs=True, top_logprobs=2))
     assert r.status_code == 200
-    # the unimplemented fields at the values that change nothing, as clients send them by default
+    # the unimplemented fields at the values that change nothing, as clients send them by default, and
+    # the penalties at theirs (or null)
     neutral = dict(
-        logit_bias={}, presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1, min_tokens=0,
+        logit_bias={}, presence_penalty=0, frequency_penalty=None, repetition_penalty=1, min_tokens=None,
         response_format={"type": "text"}, tools=[], tool_choice="none", functions=None,
     )  # fmt: skip
     assert httpx.post(f"{server.url}/v1/chat/completions", json=chat(**neutral)).status_code == 200
@@ -253,6 +274,25 @@ def test_stop_token_ids_reach_the_engine(server, engine):
     assert r.status_code == 200 and engine.params[-1].stop_token_ids == [7, 30]
     r = httpx.post(f"{server.url}/v1/chat/completions", json=chat(stop_token_ids=[0]))
     assert r.status_code == 200 and engine.params[-1].stop_token_ids == [0]
+
+
+def test_penalties_logit_bias_and_min_tokens_reach_the_engine(server, engine):
+    """They were refused unless neutral; now each request's SamplingParams carries them (n choices
+    alike), logit_bias with integer token ids, and the defaults (or null) leave them off."""
+    body = completion(
+        n=2, max_tokens=4, presence_penalty=-2, frequency_penalty=1.5, repetition_penalty=1.3, min_tokens=4,
+        logit_bias={"7": -100, "0012": 2.5},
+    )  # fmt: skip
+    assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
+    for params in engine.params[-2:]:
+        penalties = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
+        assert penalties == (-2, 1.5, 1.3)
+        assert params.logit_bias == {7: -100.0, 12: 2.5} and params.min_tokens == 4
+    body = chat(presence_penalty=None, frequency_penalty=None, repetition_penalty=None, logit_bias=None)
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=body).status_code == 200
+    params = engine.params[-1]
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0, 0, 1)
+    assert params.logit_bias is None and params.min_tokens == 0 and not params.adjusts_logits
 
 
 def test_a_request_that_can_never_fit_is_400_and_is_not_tokenized(server, tokenizer):

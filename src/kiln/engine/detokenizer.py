@@ -26,6 +26,9 @@ class IncrementalDetokenizer:
             self.prefix_offset += 1
         self.text = ""
         self.stop = stop or []
+        # False while the request's min_tokens keeps stop strings from ending it: new text is not searched
+        # (once True, a stop string that starts in earlier text and ends in the new one still counts)
+        self.search_stops = True
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
 
     def _decode(self, ids: list[int]) -> str:
@@ -47,7 +50,7 @@ class IncrementalDetokenizer:
     def _append(self, delta: str) -> bool:
         start = max(0, len(self.text) - self.max_stop_len + 1)  # a match may straddle old and new text
         self.text += delta
-        if not self.stop:
+        if not self.stop or not self.search_stops:
             return False
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
         if hits:

@@ -150,7 +150,13 @@ class LLMEngine:
                 f"add_request: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens"
             )
+        outside = [t for t in (params.logit_bias or ()) if t >= vocab]
+        if outside:
+            raise ValueError(f"add_request: logit_bias token id {outside[0]} is not in [0, {vocab})")
         seq = Sequence(request_id, prompt_ids, params)
+        if params.min_tokens:
+            stops = ([] if params.ignore_eos else self.eos_token_ids) + (params.stop_token_ids or [])
+            seq.min_tokens_stop_ids = sorted({t for t in stops if t < vocab})
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -266,6 +272,9 @@ class LLMEngine:
         new = seq.token_ids[first_new:]
         for i, token in enumerate(new):
             last = i == len(new) - 1
+            if seq.params.min_tokens:  # stop strings count from the min_tokens-th output token on
+                number = first_new + i + 1 - seq.num_prompt_tokens
+                seq.detokenizer.search_stops = number >= seq.params.min_tokens
             self.generation_tokens_total += 1
             if logprobs is not None and seq.logprobs is not None:
                 seq.logprobs.append(logprobs[i])

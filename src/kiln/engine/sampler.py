@@ -1,11 +1,12 @@
 """Sampler: picks the next token of every sequence of a batch from its logits.
 
-Greedy rows take the argmax. Other rows: logits / temperature, then top-k, then top-p (nucleus,
-over the top-k-renormalized distribution), then min-p (drop tokens below min_p * the top
-probability), then one draw. That is Hugging Face's warper order; vLLM V1 applies min-p before top-k
-and top-p, which differs only when top_p < 1 and min_p > 0 are both set (its nucleus is then taken over
-what min-p kept, so it never keeps more than this order). The draw is an exponential race,
-argmax(p / E) with E ~ Exp(1) i.i.d., which samples exactly p.
+A request's penalties, logit bias and min_tokens adjust its row first (kiln.engine.logits_processors);
+logprobs are those of the model's own logits. Greedy rows take the argmax. Other rows: logits /
+temperature, then top-k, then top-p (nucleus, over the top-k-renormalized distribution), then min-p
+(drop tokens below min_p * the top probability), then one draw. That is Hugging Face's warper order;
+vLLM V1 applies min-p before top-k and top-p, which differs only when top_p < 1 and min_p > 0 are both
+set (its nucleus is then taken over what min-p kept, so it never keeps more than this order). The
+draw is an exponential race, argmax(p / E) with E ~ Exp(1) i.i.d., which samples exactly p.
 
 Filters keep whole tie groups: top-k keeps every token tied with the k-th largest logit (as Hugging
 Face's TopKLogitsWarper and vLLM), top-p keeps or drops tokens of equal probability together, so what a
@@ -38,6 +39,7 @@ import hashlib
 import torch
 
 from kiln.engine.argmax import row_argmax
+from kiln.engine.logits_processors import adjust_logits
 from kiln.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from kiln.engine.sampling_rows import RowSettings
 from kiln.engine.sequence import Sequence
@@ -71,12 +73,15 @@ class Sampler:
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: float32 [N, vocab], row i for seqs[i], whose next token is its output token number
         seqs[i].num_output_tokens. Returns N token ids and, per row, the logprobs dict (top-n + chosen
-        token, natural log of the unmodified distribution) or None. SamplingError (nothing drawn)
-        names the requests whose seed is refused or whose logits are not finite."""
+        token, natural log of the model's distribution, before any penalty or bias) or None.
+        SamplingError (nothing drawn) names the requests whose seed is refused or whose logits are not
+        finite."""
         params = [s.params for s in seqs]
         failures = self.seed_failures(seqs)
         if failures:  # refused seeds: known on the host, before anything is drawn
             raise SamplingError(failures)
+        model_logits = logits
+        logits = adjust_logits(logits, seqs)
         state = None
         if all(p.greedy for p in params):
             tokens = row_argmax(logits)
@@ -95,7 +100,7 @@ class Sampler:
             raise SamplingError(non_finite_failures(top, seqs))
         logprobs: list[dict[int, float] | None] = [None] * len(seqs)
         if any(p.logprobs is not None for p in params):
-            logprobs = self.token_logprobs(logits, tokens, [p.logprobs for p in params])
+            logprobs = self.token_logprobs(model_logits, tokens, [p.logprobs for p in params])
         return token_list, logprobs
 
     @staticmethod

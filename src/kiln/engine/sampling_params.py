@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 # what torch.Generator.manual_seed takes (negative seeds are used modulo 2**64)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+PENALTY_LIMIT = 2.0  # presence and frequency penalties: OpenAI's range, [-2, 2]
+LOGIT_BIAS_LIMIT = 100.0  # a logit_bias value: OpenAI's range, [-100, 100]
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
@@ -27,6 +29,21 @@ class SamplingParams:
     prompt_logprobs: None, or the number of top alternatives to return per prompt token (0 = only the
         prompt's own token), as vLLM's: each prompt token's logprob given the tokens before it. Such a
         request's prompt is computed, not read from the prefix cache, until its logprobs are taken.
+    presence_penalty: subtracted from the logit of every token that is in the output so far (OpenAI's
+        and vLLM's presence penalty), in [-2, 2]; 0 = off.
+    frequency_penalty: subtracted, times the number of times it occurs in the output so far, from each
+        token's logit, in [-2, 2]; 0 = off.
+    repetition_penalty: for every token in the prompt or the output so far, a positive logit is divided
+        by it and a negative one multiplied (the CTRL paper's penalty, as transformers' and vLLM's);
+        > 0, 1 = off.
+    logit_bias: {token id: bias}, each bias in [-100, 100] added to that token's logit (OpenAI's
+        logit_bias); None or {} = off.
+    min_tokens: EOS and stop_token_ids cannot be sampled, and stop strings do not end the text, before
+        this many output tokens (vLLM's min_tokens); 0 <= min_tokens <= max_tokens.
+        The adjustments apply in vLLM's order: min_tokens and logit_bias, then the repetition, frequency
+        and presence penalties, then temperature and the filters; greedy rows take the argmax of the
+        adjusted logits. Logprobs stay those of the model's own distribution. A request with any of
+        them on is not speculated (kiln.engine.logits_processors).
     output_kind: what each RequestOutput of the request holds, as vLLM's RequestOutputKind:
         "cumulative" (every output token, the text and logprobs so far), "delta" (only what is new since
         the request's previous output: concatenating them gives the final output) or "final_only" (one
@@ -46,6 +63,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: str = "cumulative"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +81,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty, a logit bias or min_tokens changes this request's logits before sampling."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field and what it takes (types included: a None or a string
@@ -98,9 +131,39 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams: ignore_eos={self.ignore_eos!r}, expected True or False")
+        self._validate_adjustments()
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(
                 f"SamplingParams: output_kind={self.output_kind!r}, expected one of {', '.join(OUTPUT_KINDS)}"
+            )
+
+    def _validate_adjustments(self) -> None:
+        """The penalties, logit_bias and min_tokens (ValueError naming the field)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise ValueError(f"SamplingParams: {name}={value!r}, expected a number in [-2, 2] (0 = off)")
+        rp = self.repetition_penalty
+        if not _is_real(rp) or not (math.isfinite(rp) and rp > 0):
+            raise ValueError(
+                f"SamplingParams: repetition_penalty={rp!r}, expected a finite number > 0 (1 = off)"
+            )
+        bias = self.logit_bias
+        if bias is not None and not isinstance(bias, dict):
+            raise ValueError(f"SamplingParams: logit_bias={bias!r}, expected None or a dict token id -> bias")
+        for token, value in (bias or {}).items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(
+                    f"SamplingParams: logit_bias key {token!r}, expected a token id (an int >= 0)"
+                )
+            if not _is_real(value) or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                raise ValueError(
+                    f"SamplingParams: logit_bias[{token}]={value!r}, expected a number in [-100, 100]"
+                )
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"SamplingParams: min_tokens={self.min_tokens!r}, expected an int in [0, max_tokens="
+                f"{self.max_tokens}]"
             )
 
 

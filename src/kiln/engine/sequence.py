@@ -52,6 +52,9 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        # the token ids params.min_tokens keeps from being sampled early: EOS (unless ignore_eos) and
+        # stop_token_ids (set by the engine, which knows EOS; kiln.engine.logits_processors)
+        self.min_tokens_stop_ids: list[int] = []
         self.detokenizer = None  # set by the engine (kiln.engine.detokenizer.IncrementalDetokenizer)
         # output tokens and text characters already handed out (params.output_kind "delta")
         self.sent_tokens = 0

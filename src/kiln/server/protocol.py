@@ -5,7 +5,7 @@ Requests are pydantic models with strict types: a field of the wrong type (JSON 
 app.py, `param` naming the field).
 Responses are plain dicts built by the helpers at the bottom (they are serialized once, straight to
 JSON, which keeps the streaming path cheap). Fields of OpenAI's or vLLM's API that Kiln does not
-implement (penalties, tools, guided decoding, ...) are accepted only at the value that changes nothing
+implement (tools, guided decoding, ...) are accepted only at the value that changes nothing
 (OpenAI clients send some of them by default), a 400 naming them otherwise; other unknown fields are
 ignored.
 """
@@ -30,11 +30,12 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from kiln.engine.sampling_params import SEED_MAX, SEED_MIN
+from kiln.engine.sampling_params import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 16  # each is searched for after every token: a long list slows the whole batch
 MAX_STOP_CHARS = 512  # each; a stream holds back and rechecks up to this many characters a token
 MAX_STOP_TOKEN_IDS = 256  # the engine checks every new token against the list
+MAX_LOGIT_BIAS = 1024  # entries: each is sent to the device and added at every step of the request
 # a logprob of -inf (a token the model rules out) as OpenAI and vLLM write it: JSON has no infinity
 MIN_LOGPROB = -9999.0
 
@@ -66,14 +67,6 @@ class StreamOptions(BaseModel):
 # extensions that this server does not implement: each is accepted at a value that changes nothing
 # (or null), a 400 naming it otherwise, as answering while ignoring it would answer another request.
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (
-        lambda v: isinstance(v, dict) and not any(v.values()),
-        "an empty map (or only zero biases)",
-    ),
-    "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "0"),
-    "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "0"),
-    "repetition_penalty": (lambda v: v == 1 and not isinstance(v, bool), "1"),
-    "min_tokens": (lambda v: v == 0 and not isinstance(v, bool), "0"),
     "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}'),
     "tools": (lambda v: v == [], "an empty list"),
     "tool_choice": (lambda v: v in ("none", "auto"), '"none" or "auto" (there are no tools)'),
@@ -160,6 +153,27 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # vLLM's extension; benchmarks use it for fixed-length outputs
     user: Text | None = None
+    # null is the default (some clients send it); kiln.engine.logits_processors applies them
+    presence_penalty: Float | None = Field(default=None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    frequency_penalty: Float | None = Field(default=None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    repetition_penalty: Float | None = Field(default=None, gt=0.0)  # vLLM's extension
+    min_tokens: StrictInt | None = Field(default=None, ge=0)  # vLLM's extension
+    # OpenAI's: token id (a JSON key, so a string of digits) -> bias in [-100, 100]
+    logit_bias: dict[str, Float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, value):
+        for key, bias in (value or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"keys are token ids (strings of digits), got {key!r}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"a bias is in [-100, 100], got {bias} for token {key}")
+        return value
+
+    def token_biases(self) -> dict[int, float] | None:
+        """logit_bias as SamplingParams takes it ({token id: bias}; None for none)."""
+        return {int(key): bias for key, bias in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("top_k")
     @classmethod

@@ -195,6 +195,13 @@ class OpenAIServing:
                     f"stop_token_ids: {outside[0]} is not a token id of this model (ids are 0..{vocab - 1})",
                     "stop_token_ids",
                 )
+        logit_bias = req.token_biases()
+        outside = [t for t in (logit_bias or ()) if vocab is not None and t >= vocab]
+        if outside:
+            raise bad_request(
+                f"logit_bias: {outside[0]} is not a token id of this model (ids are 0..{vocab - 1})",
+                "logit_bias",
+            )
         output_kind = "delta" if req.stream else "final_only"
         subs = []
         for p, prompt_ids in enumerate(prompts):
@@ -212,6 +219,10 @@ class OpenAIServing:
                 )
             if vocab is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
                 raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+            if (req.min_tokens or 0) > tokens:
+                raise bad_request(
+                    f"min_tokens: {req.min_tokens} is more than max_tokens ({tokens})", "min_tokens"
+                )
             for i in range(req.n):
                 try:
                     params = SamplingParams(
@@ -229,6 +240,11 @@ class OpenAIServing:
                         logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs,
                         output_kind=output_kind,
+                        presence_penalty=req.presence_penalty or 0.0,
+                        frequency_penalty=req.frequency_penalty or 0.0,
+                        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                        logit_bias=logit_bias,
+                        min_tokens=req.min_tokens or 0,
                     )
                 except ValueError as exc:  # protocol.py checked the fields first: a backstop
                     raise bad_request(str(exc), None, "invalid_value") from exc
