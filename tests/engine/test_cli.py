@@ -39,6 +39,23 @@ def test_generate_rejects_bad_sampling_arguments(toy_loader, capsys):
     assert "top_p" in capsys.readouterr().err
 
 
+def test_generate_passes_the_penalties_and_min_tokens_to_the_engine(toy_loader, capsys):
+    flags = ["--repetition-penalty", "1.7", "--frequency-penalty", "0.5", "--presence-penalty", "-0.25"]
+    args = build_parser().parse_args(["generate", "hello", "--max-tokens", "8", "--min-tokens", "8", *flags])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out.rstrip("\n").split("\n")[:-1]
+    params = kiln.engine.SamplingParams(
+        max_tokens=8, temperature=0.0, repetition_penalty=1.7, frequency_penalty=0.5, presence_penalty=-0.25,
+        min_tokens=8,
+    )  # fmt: skip
+    want = kiln.engine.LLM(loaded=toy_loader, num_kv_blocks=64).generate("hello", params)[0]
+    plain = kiln.engine.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert want.token_ids != kiln.engine.LLM(loaded=toy_loader).generate("hello", plain)[0].token_ids
+    assert "\n".join(text) == toy_loader.tokenizer.decode(want.token_ids)
+    args = build_parser().parse_args(["generate", "hi", "--max-tokens", "4", "--min-tokens", "5"])
+    assert args.func(args) == 2 and "min_tokens" in capsys.readouterr().err
+
+
 def test_generate_reports_a_missing_model_file_without_a_traceback(capsys):
     args = build_parser().parse_args(
         ["generate", "hi", "--model", "/nonexistent/model.gguf", "--device", "cpu"]

@@ -239,6 +239,30 @@ def test_stop_token_ids_end_the_choice_at_that_token(client, llm):
     assert info.value.body["param"] == "stop_token_ids"
 
 
+def test_penalties_and_logit_bias_through_the_openai_client_equal_llm_generate(client, llm):
+    """The OpenAI client's own presence_penalty / frequency_penalty / logit_bias arguments and vLLM's
+    repetition_penalty / min_tokens (extra_body) give what LLM.generate gives with the same
+    SamplingParams, streamed or not, and change the greedy text of the prompt."""
+    prompt = "List the days of the week: Monday, Tuesday,"
+    plain = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0))[0]
+    banned = plain.token_ids[0]
+    fields = dict(presence_penalty=0.6, frequency_penalty=0.9, repetition_penalty=1.3, min_tokens=16)
+    params = SamplingParams(max_tokens=16, temperature=0.0, logit_bias={banned: -100.0}, **fields)
+    expected = llm.generate(prompt, params)[0]
+    assert expected.text != plain.text and banned not in expected.token_ids
+    kw = dict(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, presence_penalty=0.6, frequency_penalty=0.9,
+        logit_bias={str(banned): -100}, extra_body={"repetition_penalty": 1.3, "min_tokens": 16},
+    )  # fmt: skip
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == expected.text and r.usage.completion_tokens == 16
+    streamed = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected.text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, logit_bias={"49152": 1})
+    assert info.value.body["param"] == "logit_bias"
+
+
 def _stop_across_tokens(tokens: list[str], text: str) -> str:
     """Two visible characters on each side of a boundary between two tokens, met first there."""
     bounds, pos = [], 0

@@ -111,6 +111,8 @@ BAD_REQUESTS = {
     "prompt_alone_past_context": ("/v1/completions", completion(prompt="word " * 1100, max_tokens=1)),
     "empty_prompt": ("/v1/completions", completion(prompt="")),
     "token_id_out_of_vocab": ("/v1/completions", completion(prompt=[1, 10**9])),
+    "logit_bias_token_out_of_vocab": ("/v1/completions", completion(logit_bias={"49152": 5})),
+    "min_tokens_over_max_tokens": ("/v1/completions", completion(min_tokens=3)),
     "top_p_out_of_range": ("/v1/completions", completion(top_p=0)),
     "chat_messages_not_a_list": ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}),
     "chat_unknown_role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard"}]}),

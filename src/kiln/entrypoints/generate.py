@@ -28,6 +28,21 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=1.0,
+        help="divide positive (multiply negative) logits of prompt and output tokens by it; 1 = off",
+    )  # fmt: skip
+    parser.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="[-2, 2]: minus this for each token already output",
+    )
+    parser.add_argument(
+        "--frequency-penalty", type=float, default=0.0,
+        help="[-2, 2]: minus this times the count of each token already output",
+    )  # fmt: skip
+    parser.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many tokens")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS up to --max-tokens")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -68,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             top_k=args.top_k,
             min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            min_tokens=args.min_tokens,
             seed=args.seed,
             ignore_eos=args.ignore_eos,
             logprobs=args.logprobs,
