@@ -162,3 +162,22 @@ def test_sampling_with_penalties_draws_from_the_adjusted_distribution():
     expected = adjusted.double().softmax(-1) * len(seqs)
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert chi2 < 25.7, (observed, expected)  # 5 degrees of freedom: P(chi2 > 25.7) ~ 1e-4
+
+
+def test_the_counts_kept_across_steps_equal_counts_from_scratch():
+    """PenaltyHistory adds each step's new tokens to what it counted before: at every step (and after
+    the output shrank) the adjusted logits equal those of a fresh sequence with the same tokens."""
+    rng = torch.Generator().manual_seed(4)
+    params = SamplingParams(repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=-0.3)
+    grown = _seq(rng, params, prompt_len=9, output_len=0)
+    for step in range(12):
+        logits = torch.randn(1, VOCAB, generator=rng)
+        fresh = Sequence("f", grown.prompt_token_ids, params)
+        fresh.token_ids = list(grown.token_ids)
+        assert torch.equal(adjust_logits(logits, [grown]), adjust_logits(logits, [fresh])), step
+        grown.token_ids += (torch.randint(0, 12, (1 + step % 3,), generator=rng) * 7 % VOCAB).tolist()
+    del grown.token_ids[-5:]
+    fresh = Sequence("f", grown.prompt_token_ids, params)
+    fresh.token_ids = list(grown.token_ids)
+    logits = torch.randn(1, VOCAB, generator=rng)
+    assert torch.equal(adjust_logits(logits, [grown]), adjust_logits(logits, [fresh]))

@@ -13,9 +13,12 @@ prompt or the output so far:
     presence     l[v] -= presence_penalty * (c[v] > 0)      (the last two: OpenAI's formula)
 
 Rows of other requests are returned as they came, bit for bit, and a batch without such a row costs one
-pass over its params. The token lists reach the device in one copy (kiln.engine.host_upload). A
-sequence's tokens are read at each step (output and prompt ids: O(length) host work a step for the
-rows that ask for a penalty). Speculative decoding does not run for these requests (the scheduler gives
+pass over its params. The work is sparse: each adjustment gathers and scatters only the (row, token)
+pairs it changes, since dense passes over [rows, vocab] cost milliseconds a step on a CPU (2 Zen 3
+cores, 49152 tokens, 16 rows with 32 + 256 tokens: 11.0 ms for the repetition penalty alone, 1.0 ms this
+way; all four 22.5 -> 2.3 ms). Each sequence keeps its prompt's distinct tokens and its output counts
+(PenaltyHistory), updated with the new tokens only; the pairs reach the device in one copy
+(kiln.engine.host_upload). Speculative decoding does not run for these requests (the scheduler gives
 them no proposal slots): their verify step would need the penalties at every proposed position.
 """
 
@@ -28,67 +31,98 @@ from kiln.engine.host_upload import upload
 from kiln.engine.sequence import Sequence
 
 
+class PenaltyHistory:
+    """A sequence's tokens as its penalties read them, kept up to date a step at a time: the distinct
+    prompt tokens (sorted int64, for the repetition penalty), and each output token's count."""
+
+    def __init__(self, seq: Sequence):
+        self.prompt = np.unique(np.asarray(seq.prompt_token_ids, dtype=np.int64))
+        self._prompt_set = set(self.prompt.tolist())
+        self.counts: dict[int, int] = {}
+        self.new_seen: list[int] = []  # output tokens not in the prompt, each once, in order of arrival
+        self._counted = 0
+
+    def update(self, seq: Sequence) -> None:
+        """Count the output tokens added since the last call (from scratch if the output shrank)."""
+        outputs = seq.token_ids[seq.num_prompt_tokens :]
+        if len(outputs) < self._counted:
+            self.counts, self.new_seen, self._counted = {}, [], 0
+        for token in outputs[self._counted :]:
+            if token not in self.counts:
+                self.counts[token] = 0
+                if token not in self._prompt_set:
+                    self.new_seen.append(token)
+            self.counts[token] += 1
+        self._counted = len(outputs)
+
+
 def adjust_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logits: [N, vocab] (any float dtype), row i the next-token logits of seqs[i] (whose next token is
     output token number seqs[i].num_output_tokens). Returns `logits` itself when no request adjusts its
-    logits, else a float32 copy with the adjusted rows replaced (the others unchanged)."""
+    logits, else a float32 copy with the adjusted rows changed (the others as they were)."""
     rows = [i for i, seq in enumerate(seqs) if seq.params.adjusts_logits]
     if not rows:
         return logits
-    device = logits.device
-    arrays = [np.array(rows, dtype=np.int64)] + _host_arrays([seqs[i] for i in rows])
     (
-        row_index, bias_at, bias_ids, bias, banned_at, banned_ids, out_at, out_ids, seen_at, seen_ids,
-        repetition, frequency, presence,
-    ) = upload(device, arrays)  # fmt: skip
-    repetition, frequency, presence = repetition[:, None], frequency[:, None], presence[:, None]
-    adjusted = logits.float().index_select(0, row_index)
-    adjusted.index_put_((bias_at, bias_ids), bias, accumulate=True)
-    adjusted.index_put_((banned_at, banned_ids), torch.tensor(float("-inf"), device=device))
-    counts = torch.zeros_like(adjusted)
-    counts.index_put_((out_at, out_ids), torch.ones_like(out_at, dtype=counts.dtype), accumulate=True)
-    seen = counts > 0
-    seen.index_put_((seen_at, seen_ids), torch.tensor(True, device=device))
-    # rows at repetition 1 come out as they went in: x / 1 and x * 1 are x
-    adjusted = torch.where(
-        seen, torch.where(adjusted > 0, adjusted / repetition, adjusted * repetition), adjusted
-    )
-    adjusted = adjusted - frequency * counts - presence * (counts > 0)
-    return logits.float().index_copy(0, row_index, adjusted)
+        bias_at, bias_ids, bias, banned_at, banned_ids, seen_at, seen_ids, seen_r,
+        count_at, count_ids, counts, frequency, presence,
+    ) = upload(logits.device, _host_arrays(seqs, rows))  # fmt: skip
+    out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+    out.index_put_((bias_at, bias_ids), bias, accumulate=True)
+    out.index_put_((banned_at, banned_ids), torch.tensor(float("-inf"), device=out.device))
+    seen = out[seen_at, seen_ids]
+    out[seen_at, seen_ids] = torch.where(seen > 0, seen / seen_r, seen * seen_r)
+    out[count_at, count_ids] -= frequency * counts + presence * (counts > 0)
+    return out
 
 
-def _host_arrays(seqs: list[Sequence]) -> list[np.ndarray]:
-    """For the adjusted rows seqs (row r = seqs[r]), as (row, token id) pairs: the logit biases and
-    their values, the tokens min_tokens bans now, the output tokens (repeats included) of rows with a
-    penalty, the prompt tokens of rows with a repetition penalty; then each row's repetition, frequency
-    and presence penalties."""
-    bias_at: list[int] = []
-    bias_ids: list[int] = []
-    bias: list[float] = []
-    banned_at: list[int] = []
-    banned_ids: list[int] = []
-    out_at: list[int] = []
-    out_ids: list[int] = []
-    seen_at: list[int] = []
-    seen_ids: list[int] = []
-    for r, seq in enumerate(seqs):
+def _host_arrays(seqs: list[Sequence], rows: list[int]) -> list[np.ndarray]:
+    """The (batch row, token id) pairs of each adjustment, each pair once per adjustment: the logit
+    biases and their values; the tokens min_tokens bans now; the tokens seen in the prompt or output
+    of rows with a repetition penalty, and that penalty per pair; the distinct output tokens of rows
+    with a frequency or presence penalty, their counts and the two penalties per pair."""
+    bias_at, bias_ids, bias = [], [], []
+    banned_at, banned_ids = [], []
+    seen_at, seen_ids, seen_r = [], [], []
+    count_at, count_ids, counts, frequency, presence = [], [], [], [], []
+    for i in rows:
+        seq = seqs[i]
         params = seq.params
         if params.logit_bias:
-            bias_at += [r] * len(params.logit_bias)
-            bias_ids += params.logit_bias.keys()
-            bias += params.logit_bias.values()
+            bias_at.append(np.full(len(params.logit_bias), i))
+            bias_ids.append(np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias)))
+            bias.append(np.fromiter(params.logit_bias.values(), np.float32, len(params.logit_bias)))
         if seq.num_output_tokens < params.min_tokens:
-            banned_at += [r] * len(seq.min_tokens_stop_ids)
-            banned_ids += seq.min_tokens_stop_ids
-        if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-            outputs = seq.token_ids[seq.num_prompt_tokens :]
-            out_at += [r] * len(outputs)
-            out_ids += outputs
-        if params.repetition_penalty != 1.0:
-            seen_at += [r] * seq.num_prompt_tokens
-            seen_ids += seq.token_ids[: seq.num_prompt_tokens]
-    ids = [bias_at, bias_ids, None, banned_at, banned_ids, out_at, out_ids, seen_at, seen_ids]
-    arrays = [np.array(bias, dtype=np.float32) if v is None else np.array(v, dtype=np.int64) for v in ids]
-    for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
-        arrays.append(np.array([getattr(seq.params, name) for seq in seqs], dtype=np.float32))
-    return arrays
+            banned_at.append(np.full(len(seq.min_tokens_stop_ids), i))
+            banned_ids.append(np.asarray(seq.min_tokens_stop_ids, dtype=np.int64))
+        rep = params.repetition_penalty != 1.0
+        if not (rep or params.frequency_penalty or params.presence_penalty):
+            continue
+        if seq.penalty_history is None:
+            seq.penalty_history = PenaltyHistory(seq)
+        history = seq.penalty_history
+        history.update(seq)
+        if rep:
+            ids = np.concatenate([history.prompt, np.asarray(history.new_seen, dtype=np.int64)])
+            seen_at.append(np.full(len(ids), i))
+            seen_ids.append(ids)
+            seen_r.append(np.full(len(ids), params.repetition_penalty, dtype=np.float32))
+        if params.frequency_penalty or params.presence_penalty:
+            n = len(history.counts)
+            count_at.append(np.full(n, i))
+            count_ids.append(np.fromiter(history.counts.keys(), np.int64, n))
+            counts.append(np.fromiter(history.counts.values(), np.float32, n))
+            frequency.append(np.full(n, params.frequency_penalty, dtype=np.float32))
+            presence.append(np.full(n, params.presence_penalty, dtype=np.float32))
+    ints, floats = np.int64, np.float32
+    return [
+        _joined(bias_at, ints), _joined(bias_ids, ints), _joined(bias, floats),
+        _joined(banned_at, ints), _joined(banned_ids, ints),
+        _joined(seen_at, ints), _joined(seen_ids, ints), _joined(seen_r, floats),
+        _joined(count_at, ints), _joined(count_ids, ints), _joined(counts, floats),
+        _joined(frequency, floats), _joined(presence, floats),
+    ]  # fmt: skip
+
+
+def _joined(parts: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
