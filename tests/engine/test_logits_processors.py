@@ -1,6 +1,7 @@
-"""Penalties, logit_bias and min_tokens (kiln.engine.logits_processors) against transformers' own logits
-processors (RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor with one-token sequences,
-MinNewTokensLengthLogitsProcessor) and, for the presence and frequency penalties, which transformers
+"""Penalties, logit_bias, allowed_token_ids and min_tokens (kiln.engine.logits_processors) against
+transformers' own logits processors (RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor with
+one-token sequences, MinNewTokensLengthLogitsProcessor, SuppressTokensLogitsProcessor on the tokens not
+allowed) and, for the presence and frequency penalties, which transformers
 lacks, OpenAI's formula in float64; on fresh random logits, batches that mix adjusted and plain rows."""
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ def _seq(rng: torch.Generator, params: SamplingParams, prompt_len: int, output_l
 
 
 def _hf(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """transformers' processors on one row, in vLLM's order (min_tokens, bias, repetition), then the
-    frequency and presence penalties by OpenAI's formula (float64)."""
+    """transformers' processors on one row, in vLLM's order (allowed, min_tokens, bias, repetition),
+    then the frequency and presence penalties by OpenAI's formula (float64)."""
     p = seq.params
     ids = torch.tensor([seq.token_ids])
     row = logits[None].clone()
+    if p.allowed_token_ids is not None:
+        others = sorted(set(range(VOCAB)) - set(p.allowed_token_ids))
+        row = transformers.SuppressTokensLogitsProcessor(others)(ids, row)
     if p.min_tokens:
         row = transformers.MinNewTokensLengthLogitsProcessor(
             seq.num_prompt_tokens, p.min_tokens, seq.min_tokens_stop_ids
@@ -64,6 +68,8 @@ CASES = [
         min_tokens=16, max_tokens=16,
     ),
     SamplingParams(temperature=0.5, top_k=5),
+    SamplingParams(allowed_token_ids=[3, 7, 14, 90, 7]),
+    SamplingParams(allowed_token_ids=[3, 7, 50, 96], min_tokens=30, max_tokens=30, repetition_penalty=2.0),
 ]  # fmt: skip
 
 

@@ -17,6 +17,7 @@ from .toy_model import EOS, toy_loaded
 
 transformers = pytest.importorskip("transformers")
 
+ALLOWED = [11, 42, 64, 90, 127]
 PROMPTS = [[5, 77, 3, 101, 42, 42, 9, 120, 64, 1, 33, 17, 90], [8, 8, 8, 60, 61, 8, 8], [100, 7]]
 
 
@@ -50,6 +51,8 @@ def test_greedy_tokens_with_penalties_bias_and_min_tokens_equal_transformers(che
         # EOS strongly favored: it ends the output right at min_tokens
         (dict(logit_bias={eos: 100.0}, min_tokens=5), dict(sequence_bias={(eos,): 100.0}, min_new_tokens=5)),
         (dict(min_tokens=12, repetition_penalty=1.2), dict(min_new_tokens=12, repetition_penalty=1.2)),
+        # transformers has no allow-list: it suppresses every other token
+        (dict(allowed_token_ids=ALLOWED), dict(suppress_tokens=sorted(set(range(128)) - set(ALLOWED)))),
     ]  # fmt: skip
     plain = SamplingParams(max_tokens=12, temperature=0.0)
     for ours, theirs in cases:
@@ -64,6 +67,21 @@ def test_greedy_tokens_with_penalties_bias_and_min_tokens_equal_transformers(che
     assert [o.token_ids for o in changed] != [o.token_ids for o in llm.generate(PROMPTS, plain)]
     ended = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, **cases[3][0]))[0]
     assert len(ended.token_ids) == 6 and ended.token_ids[-1] == eos and ended.finish_reason == "stop"
+    allowed = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, allowed_token_ids=ALLOWED))
+    assert all(set(o.token_ids) <= set(ALLOWED) for o in allowed)
+
+
+def test_token_ids_outside_the_vocabulary_or_an_impossible_allow_list_are_refused(checkpoint):
+    llm = LLM(loaded=checkpoint[1], num_kv_blocks=64, block_size=8)
+    eos = llm.tokenizer.eos_token_ids[0]
+    for params, message in (
+        (SamplingParams(logit_bias={128: 1.0}), "logit_bias token id 128"),
+        (SamplingParams(allowed_token_ids=[5, 128]), "allowed_token_ids token id 128"),
+        (SamplingParams(allowed_token_ids=[eos], min_tokens=2), "no token could be sampled"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(PROMPTS[0], params)
+    assert llm.engine.stats().kv_blocks_used == 0 and not llm.engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")

@@ -180,7 +180,12 @@ BAD_FIELDS = {
         completion(skip_special_tokens=False),
         "skip_special_tokens",
     ),
-    "allowed_token_ids": ("/v1/completions", completion(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+    "allowed_token_ids_empty": ("/v1/completions", completion(allowed_token_ids=[]), "allowed_token_ids"),
+    "allowed_token_ids_negative": (
+        "/v1/chat/completions",
+        chat(allowed_token_ids=[3, -1]),
+        "allowed_token_ids[1]",
+    ),
     "bad_words": ("/v1/chat/completions", chat(bad_words=["no"]), "bad_words"),
     "truncate_prompt_tokens": (
         "/v1/completions",
@@ -281,18 +286,20 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_engine(server, engine):
     alike), logit_bias with integer token ids, and the defaults (or null) leave them off."""
     body = completion(
         n=2, max_tokens=4, presence_penalty=-2, frequency_penalty=1.5, repetition_penalty=1.3, min_tokens=4,
-        logit_bias={"7": -100, "0012": 2.5},
+        logit_bias={"7": -100, "0012": 2.5}, allowed_token_ids=[4, 7, 9],
     )  # fmt: skip
     assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
     for params in engine.params[-2:]:
         penalties = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
         assert penalties == (-2, 1.5, 1.3)
         assert params.logit_bias == {7: -100.0, 12: 2.5} and params.min_tokens == 4
+        assert params.allowed_token_ids == [4, 7, 9]
     body = chat(presence_penalty=None, frequency_penalty=None, repetition_penalty=None, logit_bias=None)
     assert httpx.post(f"{server.url}/v1/chat/completions", json=body).status_code == 200
     params = engine.params[-1]
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0, 0, 1)
-    assert params.logit_bias is None and params.min_tokens == 0 and not params.adjusts_logits
+    assert params.logit_bias is None and params.min_tokens == 0 and params.allowed_token_ids is None
+    assert not params.adjusts_logits
 
 
 def test_a_request_that_can_never_fit_is_400_and_is_not_tokenized(server, tokenizer):

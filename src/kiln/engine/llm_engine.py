@@ -150,13 +150,19 @@ class LLMEngine:
                 f"add_request: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens"
             )
-        outside = [t for t in (params.logit_bias or ()) if t >= vocab]
-        if outside:
-            raise ValueError(f"add_request: logit_bias token id {outside[0]} is not in [0, {vocab})")
+        for name in ("logit_bias", "allowed_token_ids"):
+            outside = [t for t in (getattr(params, name) or ()) if t >= vocab]
+            if outside:
+                raise ValueError(f"add_request: {name} token id {outside[0]} is not in [0, {vocab})")
         seq = Sequence(request_id, prompt_ids, params)
         if params.min_tokens:
             stops = ([] if params.ignore_eos else self.eos_token_ids) + (params.stop_token_ids or [])
             seq.min_tokens_stop_ids = sorted({t for t in stops if t < vocab})
+            if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= set(stops):
+                raise ValueError(
+                    "add_request: every token of allowed_token_ids is EOS or a stop token, which min_tokens "
+                    "bans: no token could be sampled"
+                )
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         self.requests[request_id] = seq
         self.scheduler.add(seq)

@@ -1,10 +1,12 @@
 """The adjustments a request's SamplingParams make to its logits before the sampler tempers, filters and
-draws: min_tokens, logit_bias and the repetition, frequency and presence penalties, in vLLM's order.
+draws: allowed_token_ids, min_tokens, logit_bias and the repetition, frequency and presence penalties,
+in vLLM's order.
 
 Per row of a batch whose request sets any of them (SamplingParams.adjusts_logits), with l the row's
 logits, c[v] how many times token v occurs in the output so far and s[v] whether v occurs in the
 prompt or the output so far:
 
+    allowed      l[v] = -inf for every v not in allowed_token_ids
     min_tokens   l[v] = -inf for EOS and stop_token_ids while the output is shorter than min_tokens
     logit_bias   l[v] += bias[v]
     repetition   l[v] = l[v] / r if l[v] > 0 else l[v] * r, where s[v] (transformers' and vLLM's form
@@ -64,10 +66,14 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if not rows:
         return logits
     (
-        bias_at, bias_ids, bias, banned_at, banned_ids, seen_at, seen_ids, seen_r,
-        count_at, count_ids, counts, frequency, presence,
+        allowed_rows, allowed_at, allowed_ids, bias_at, bias_ids, bias, banned_at, banned_ids,
+        seen_at, seen_ids, seen_r, count_at, count_ids, counts, frequency, presence,
     ) = upload(logits.device, _host_arrays(seqs, rows))  # fmt: skip
     out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+    if allowed_rows.numel():
+        kept = out[allowed_at, allowed_ids]
+        out.index_fill_(0, allowed_rows, float("-inf"))
+        out[allowed_at, allowed_ids] = kept
     out.index_put_((bias_at, bias_ids), bias, accumulate=True)
     out.index_put_((banned_at, banned_ids), torch.tensor(float("-inf"), device=out.device))
     seen = out[seen_at, seen_ids]
@@ -77,10 +83,12 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _host_arrays(seqs: list[Sequence], rows: list[int]) -> list[np.ndarray]:
-    """The (batch row, token id) pairs of each adjustment, each pair once per adjustment: the logit
+    """The rows with allowed_token_ids and their (batch row, token id) pairs; then the pairs of each
+    adjustment, each pair once per adjustment: the logit
     biases and their values; the tokens min_tokens bans now; the tokens seen in the prompt or output
     of rows with a repetition penalty, and that penalty per pair; the distinct output tokens of rows
     with a frequency or presence penalty, their counts and the two penalties per pair."""
+    allowed_rows, allowed_at, allowed_ids = [], [], []
     bias_at, bias_ids, bias = [], [], []
     banned_at, banned_ids = [], []
     seen_at, seen_ids, seen_r = [], [], []
@@ -88,6 +96,10 @@ def _host_arrays(seqs: list[Sequence], rows: list[int]) -> list[np.ndarray]:
     for i in rows:
         seq = seqs[i]
         params = seq.params
+        if params.allowed_token_ids is not None:
+            allowed_rows.append(np.full(1, i))
+            allowed_at.append(np.full(len(params.allowed_token_ids), i))
+            allowed_ids.append(np.asarray(params.allowed_token_ids, dtype=np.int64))
         if params.logit_bias:
             bias_at.append(np.full(len(params.logit_bias), i))
             bias_ids.append(np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias)))
@@ -116,6 +128,7 @@ def _host_arrays(seqs: list[Sequence], rows: list[int]) -> list[np.ndarray]:
             presence.append(np.full(n, params.presence_penalty, dtype=np.float32))
     ints, floats = np.int64, np.float32
     return [
+        _joined(allowed_rows, ints), _joined(allowed_at, ints), _joined(allowed_ids, ints),
         _joined(bias_at, ints), _joined(bias_ids, ints), _joined(bias, floats),
         _joined(banned_at, ints), _joined(banned_ids, ints),
         _joined(seen_at, ints), _joined(seen_ids, ints), _joined(seen_r, floats),

@@ -38,12 +38,14 @@ class SamplingParams:
         > 0, 1 = off.
     logit_bias: {token id: bias}, each bias in [-100, 100] added to that token's logit (OpenAI's
         logit_bias); None or {} = off.
+    allowed_token_ids: None, or the only token ids that may be sampled (vLLM's allowed_token_ids: every
+        other logit is -inf); a non-empty list.
     min_tokens: EOS and stop_token_ids cannot be sampled, and stop strings do not end the text, before
         this many output tokens (vLLM's min_tokens); 0 <= min_tokens <= max_tokens.
-        The adjustments apply in vLLM's order: min_tokens and logit_bias, then the repetition, frequency
-        and presence penalties, then temperature and the filters; greedy rows take the argmax of the
-        adjusted logits. Logprobs stay those of the model's own distribution. A request with any of
-        them on is not speculated (kiln.engine.logits_processors).
+        The adjustments apply in vLLM's order: allowed_token_ids, min_tokens and logit_bias, then the
+        repetition, frequency and presence penalties, then temperature and the filters; greedy rows
+        take the argmax of the adjusted logits. Logprobs stay those of the model's own distribution. A
+        request with any of them on is not speculated (kiln.engine.logits_processors).
     output_kind: what each RequestOutput of the request holds, as vLLM's RequestOutputKind:
         "cumulative" (every output token, the text and logprobs so far), "delta" (only what is new since
         the request's previous output: concatenating them gives the final output) or "final_only" (one
@@ -68,6 +70,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +79,8 @@ class SamplingParams:
             self.stop = list(self.stop)
         if isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 
     @property
@@ -91,6 +96,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.allowed_token_ids is not None
         )
 
     def validate(self) -> None:
@@ -138,7 +144,7 @@ class SamplingParams:
             )
 
     def _validate_adjustments(self) -> None:
-        """The penalties, logit_bias and min_tokens (ValueError naming the field)."""
+        """The penalties, logit_bias, allowed_token_ids and min_tokens (ValueError naming the field)."""
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
@@ -160,6 +166,14 @@ class SamplingParams:
                 raise ValueError(
                     f"SamplingParams: logit_bias[{token}]={value!r}, expected a number in [-100, 100]"
                 )
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list) or not allowed or any(not _is_int(t) or t < 0 for t in allowed)
+        ):
+            raise ValueError(
+                f"SamplingParams: allowed_token_ids={allowed!r}, expected None or a non-empty list of token "
+                "ids (ints >= 0)"
+            )
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"SamplingParams: min_tokens={self.min_tokens!r}, expected an int in [0, max_tokens="

@@ -82,7 +82,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "include_stop_str_in_output": (lambda v: v is False, "false"),
     "skip_special_tokens": (lambda v: v is True, "true"),
     "spaces_between_special_tokens": (lambda v: v is True, "true"),
-    "allowed_token_ids": (lambda v: False, "null"),
     "bad_words": (lambda v: v == [], "an empty list"),
     "truncate_prompt_tokens": (lambda v: False, "null (a prompt longer than the context is refused)"),
     "use_beam_search": (lambda v: v is False, "false"),
@@ -160,6 +159,8 @@ class _SamplingFields(BaseModel):
     min_tokens: StrictInt | None = Field(default=None, ge=0)  # vLLM's extension
     # OpenAI's: token id (a JSON key, so a string of digits) -> bias in [-100, 100]
     logit_bias: dict[str, Float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's: the only tokens that may be sampled
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
 
     @field_validator("logit_bias")
     @classmethod

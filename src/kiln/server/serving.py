@@ -196,12 +196,12 @@ class OpenAIServing:
                     "stop_token_ids",
                 )
         logit_bias = req.token_biases()
-        outside = [t for t in (logit_bias or ()) if vocab is not None and t >= vocab]
-        if outside:
-            raise bad_request(
-                f"logit_bias: {outside[0]} is not a token id of this model (ids are 0..{vocab - 1})",
-                "logit_bias",
-            )
+        for name, ids in (("logit_bias", logit_bias), ("allowed_token_ids", req.allowed_token_ids)):
+            outside = [t for t in (ids or ()) if vocab is not None and t >= vocab]
+            if outside:
+                raise bad_request(
+                    f"{name}: {outside[0]} is not a token id of this model (ids are 0..{vocab - 1})", name
+                )
         output_kind = "delta" if req.stream else "final_only"
         subs = []
         for p, prompt_ids in enumerate(prompts):
@@ -245,6 +245,7 @@ class OpenAIServing:
                         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                         logit_bias=logit_bias,
                         min_tokens=req.min_tokens or 0,
+                        allowed_token_ids=req.allowed_token_ids,
                     )
                 except ValueError as exc:  # protocol.py checked the fields first: a backstop
                     raise bad_request(str(exc), None, "invalid_value") from exc
