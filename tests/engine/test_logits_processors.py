@@ -187,3 +187,21 @@ def test_the_counts_kept_across_steps_equal_counts_from_scratch():
     fresh.token_ids = list(grown.token_ids)
     logits = torch.randn(1, VOCAB, generator=rng)
     assert torch.equal(adjust_logits(logits, [grown]), adjust_logits(logits, [fresh]))
+
+
+def test_bad_words_ban_the_last_token_after_the_rest_as_transformers_no_bad_words_does():
+    """transformers' NoBadWordsLogitsProcessor on the output tokens alone (vLLM matches bad words
+    against the output, not the prompt): one-token words are banned always, longer ones only right
+    after their other tokens."""
+    rng = torch.Generator().manual_seed(6)
+    words = [[14], [7, 21], [0, 7, 28], [35, 42, 49, 56], [7, 63]]
+    for trial in range(40):
+        seq = _seq(rng, SamplingParams(bad_words=["w"]), prompt_len=4, output_len=trial % 7)
+        seq.bad_words_token_ids = words
+        outputs = seq.output_token_ids
+        logits = torch.randn(1, VOCAB, generator=rng)
+        out = adjust_logits(logits, [seq])
+        ids = torch.tensor([outputs], dtype=torch.int64) if outputs else torch.zeros(1, 0, dtype=torch.int64)
+        ref = transformers.NoBadWordsLogitsProcessor(words, eos_token_id=None)(ids, logits.clone())
+        assert torch.equal(out, ref), (trial, outputs)
+        assert out[0, 14] == float("-inf")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kiln.engine import LLM, SamplingParams
+from kiln.engine.logits_processors import bad_words_token_ids
 from kiln.engine.speculative import SpeculativeConfig
 from kiln.loaders import load_model
 from tests.models.test_llama_family_hf import _qwen2, _randomize, _write_tokenizer
@@ -127,3 +128,38 @@ def test_a_request_with_penalties_is_not_speculated_and_decodes_as_without_specu
     assert llm.engine.spec_proposed_tokens == 0
     llm.generate(prompts, plain)  # the same engine speculates for plain requests
     assert llm.engine.spec_proposed_tokens > 0
+
+
+def test_bad_words_decode_as_transformers_bad_words_ids(checkpoint):
+    """Greedy decoding with bad words made of the plain output's tokens (a one-token word and a
+    two-token one, as text) equals transformers' generate(bad_words_ids=their token ids). (This byte-level
+    tokenizer has no merges, so no word gains a spaced form: tests/server/test_openai_smollm2.py checks
+    that rule on SmolLM2's.)"""
+    hf, loaded = checkpoint
+    tokenizer = loaded.tokenizer
+    eos = tokenizer.eos_token_ids[0]
+    llm = LLM(loaded=loaded, num_kv_blocks=64, block_size=8)
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tested = 0
+    for prompt in PROMPTS:
+        base = llm.generate(prompt, plain)[0].token_ids
+        # output tokens that are their own text's encoding (printable characters)
+        own = [
+            i
+            for i, t in enumerate(base)
+            if tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False) == [t]
+        ]
+        pairs = [i for i in own if i + 1 in own and i > 0 and base[i] != prompt[-1]]
+        if len(own) < 2 or not pairs:
+            continue
+        words = [tokenizer.decode([base[own[0]]]), tokenizer.decode(base[pairs[0] : pairs[0] + 2])]
+        ids = bad_words_token_ids(tokenizer, words, 128)
+        assert ids == [[base[own[0]]], base[pairs[0] : pairs[0] + 2]]
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, bad_words=words)
+        out = llm.generate(prompt, params)[0].token_ids
+        assert out != base and base[own[0]] not in out
+        assert out == _hf_greedy(hf, prompt, 12, eos, bad_words_ids=ids, min_new_tokens=12), (prompt, words)
+        tested += 1
+    assert tested >= 2
+    with pytest.raises(ValueError, match="bad_words token id 222"):  # " x": the space token is 222
+        llm.generate(PROMPTS[0], SamplingParams(bad_words=["a b"]))

@@ -14,6 +14,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from kiln.engine import LLM, SamplingParams  # noqa: E402
+from kiln.engine.logits_processors import bad_words_token_ids  # noqa: E402
 from kiln.server.app import DEFAULT_MODEL_NAME as MODEL  # noqa: E402
 
 KEY = "test-key"
@@ -261,6 +262,27 @@ def test_penalties_and_logit_bias_through_the_openai_client_equal_llm_generate(c
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, logit_bias={"49152": 1})
     assert info.value.body["param"] == "logit_bias"
+
+
+def test_bad_words_take_vllms_spaced_forms_and_keep_the_word_out_of_the_text(client, llm):
+    """SmolLM2's byte-level BPE: a word's spaced form is added when it is one more word token of the
+    same length ("hello" / " hello"), not when the space changes the split ("kiln" is 2 tokens, " kiln"
+    1). Through the server (vLLM's bad_words field), the greedy text loses the word and equals
+    LLM.generate with the same SamplingParams."""
+    tokenizer = llm.tokenizer
+    ids = bad_words_token_ids(tokenizer, ["hello", "  world", "Paris is", "kiln"], 49152)
+    assert ids == [[28120], [33662], [6693], [905], [38634, 314], [7042, 314], [31385, 94]]
+    assert tokenizer.encode(" kiln", add_special_tokens=False) == [34813]
+    prompt = PROMPTS[1]
+    plain = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0))[0].text
+    word = plain.split()[0]  # "Paris"
+    params = SamplingParams(max_tokens=12, temperature=0.0, bad_words=[word])
+    expected = llm.generate(prompt, params)[0].text
+    assert word not in expected and expected != plain
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"bad_words": [word]}
+    )
+    assert r.choices[0].text == expected
 
 
 def _stop_across_tokens(tokens: list[str], text: str) -> str:

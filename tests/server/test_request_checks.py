@@ -186,7 +186,9 @@ BAD_FIELDS = {
         chat(allowed_token_ids=[3, -1]),
         "allowed_token_ids[1]",
     ),
-    "bad_words": ("/v1/chat/completions", chat(bad_words=["no"]), "bad_words"),
+    "bad_words_blank": ("/v1/chat/completions", chat(bad_words=["no", " \t"]), "bad_words"),
+    "bad_words_too_many": ("/v1/completions", completion(bad_words=["w"] * 129), "bad_words"),
+    "bad_words_too_long": ("/v1/completions", completion(bad_words=["w" * 513]), "bad_words[0]"),
     "truncate_prompt_tokens": (
         "/v1/completions",
         completion(truncate_prompt_tokens=5),
@@ -286,14 +288,14 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_engine(server, engine):
     alike), logit_bias with integer token ids, and the defaults (or null) leave them off."""
     body = completion(
         n=2, max_tokens=4, presence_penalty=-2, frequency_penalty=1.5, repetition_penalty=1.3, min_tokens=4,
-        logit_bias={"7": -100, "0012": 2.5}, allowed_token_ids=[4, 7, 9],
+        logit_bias={"7": -100, "0012": 2.5}, allowed_token_ids=[4, 7, 9], bad_words=["no", "never"],
     )  # fmt: skip
     assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
     for params in engine.params[-2:]:
         penalties = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
         assert penalties == (-2, 1.5, 1.3)
         assert params.logit_bias == {7: -100.0, 12: 2.5} and params.min_tokens == 4
-        assert params.allowed_token_ids == [4, 7, 9]
+        assert params.allowed_token_ids == [4, 7, 9] and params.bad_words == ["no", "never"]
     body = chat(presence_penalty=None, frequency_penalty=None, repetition_penalty=None, logit_bias=None)
     assert httpx.post(f"{server.url}/v1/chat/completions", json=body).status_code == 200
     params = engine.params[-1]

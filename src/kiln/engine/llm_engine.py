@@ -19,6 +19,7 @@ from kiln.engine.config import EngineConfig, exact_kv_layout_for, kv_cache_dtype
 from kiln.engine.detokenizer import IncrementalDetokenizer, stop_prefix_length
 from kiln.engine.exact_kv import ExactBlockPool
 from kiln.engine.kv_scales import engine_kv_calibration
+from kiln.engine.logits_processors import bad_words_token_ids
 from kiln.engine.model_runner import ModelInputs, ModelRunner
 from kiln.engine.outputs import EngineStats, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
@@ -155,6 +156,8 @@ class LLMEngine:
             if outside:
                 raise ValueError(f"add_request: {name} token id {outside[0]} is not in [0, {vocab})")
         seq = Sequence(request_id, prompt_ids, params)
+        if params.bad_words:
+            seq.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words, vocab)
         if params.min_tokens:
             stops = ([] if params.ignore_eos else self.eos_token_ids) + (params.stop_token_ids or [])
             seq.min_tokens_stop_ids = sorted({t for t in stops if t < vocab})

@@ -1,12 +1,13 @@
 """The adjustments a request's SamplingParams make to its logits before the sampler tempers, filters and
-draws: allowed_token_ids, min_tokens, logit_bias and the repetition, frequency and presence penalties,
-in vLLM's order.
+draws: allowed_token_ids, bad_words, min_tokens, logit_bias and the repetition, frequency and presence
+penalties, in vLLM's order.
 
 Per row of a batch whose request sets any of them (SamplingParams.adjusts_logits), with l the row's
 logits, c[v] how many times token v occurs in the output so far and s[v] whether v occurs in the
 prompt or the output so far:
 
     allowed      l[v] = -inf for every v not in allowed_token_ids
+    bad_words    l[v] = -inf for the last token v of a bad word whose other tokens end the output
     min_tokens   l[v] = -inf for EOS and stop_token_ids while the output is shorter than min_tokens
     logit_bias   l[v] += bias[v]
     repetition   l[v] = l[v] / r if l[v] > 0 else l[v] * r, where s[v] (transformers' and vLLM's form
@@ -104,6 +105,10 @@ def _host_arrays(seqs: list[Sequence], rows: list[int]) -> list[np.ndarray]:
             bias_at.append(np.full(len(params.logit_bias), i))
             bias_ids.append(np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias)))
             bias.append(np.fromiter(params.logit_bias.values(), np.float32, len(params.logit_bias)))
+        banned = _bad_words_banned(seq)
+        if banned:
+            banned_at.append(np.full(len(banned), i))
+            banned_ids.append(np.asarray(banned, dtype=np.int64))
         if seq.num_output_tokens < params.min_tokens:
             banned_at.append(np.full(len(seq.min_tokens_stop_ids), i))
             banned_ids.append(np.asarray(seq.min_tokens_stop_ids, dtype=np.int64))
@@ -135,6 +140,40 @@ def _host_arrays(seqs: list[Sequence], rows: list[int]) -> list[np.ndarray]:
         _joined(count_at, ints), _joined(count_ids, ints), _joined(counts, floats),
         _joined(frequency, floats), _joined(presence, floats),
     ]  # fmt: skip
+
+
+def bad_words_token_ids(tokenizer, words: list[str], vocab: int) -> list[list[int]]:
+    """Each word's token ids as vLLM derives them: the word (leading whitespace stripped) encoded
+    without special tokens, and encoded after a space too when that gives as many tokens and another
+    first token (a word in the middle of a text). ValueError for a word that encodes to no token or
+    to ids outside [0, vocab)."""
+    sequences: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise ValueError(f"add_request: bad_words: {word!r} encodes to no token")
+        sequences.append(list(plain))
+        if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
+            sequences.append(list(spaced))
+    outside = [t for ids in sequences for t in ids if not 0 <= t < vocab]
+    if outside:
+        raise ValueError(f"add_request: bad_words token id {outside[0]} is not in [0, {vocab})")
+    return sequences
+
+
+def _bad_words_banned(seq: Sequence) -> list[int]:
+    """The tokens seq's bad words ban at its next position: each word's last token, when the word's
+    other tokens end the output so far (a one-token word's, always)."""
+    if not seq.bad_words_token_ids:
+        return []
+    outputs = seq.token_ids[seq.num_prompt_tokens :]
+    banned = []
+    for ids in seq.bad_words_token_ids:
+        prefix = len(ids) - 1
+        if prefix == 0 or (len(outputs) >= prefix and outputs[len(outputs) - prefix :] == ids[:-1]):
+            banned.append(ids[-1])
+    return banned
 
 
 def _joined(parts: list[np.ndarray], dtype) -> np.ndarray:

@@ -40,9 +40,12 @@ class SamplingParams:
         logit_bias); None or {} = off.
     allowed_token_ids: None, or the only token ids that may be sampled (vLLM's allowed_token_ids: every
         other logit is -inf); a non-empty list.
+    bad_words: None, or words whose last token cannot be sampled right after the rest of the word's
+        tokens (a one-token word: never), as vLLM's bad_words: each tokenized as it is and with a
+        leading space, matched against the output so far.
     min_tokens: EOS and stop_token_ids cannot be sampled, and stop strings do not end the text, before
         this many output tokens (vLLM's min_tokens); 0 <= min_tokens <= max_tokens.
-        The adjustments apply in vLLM's order: allowed_token_ids, min_tokens and logit_bias, then the
+        The adjustments apply in vLLM's order: allowed_token_ids, bad_words, min_tokens, logit_bias, the
         repetition, frequency and presence penalties, then temperature and the filters; greedy rows
         take the argmax of the adjusted logits. Logprobs stay those of the model's own distribution. A
         request with any of them on is not speculated (kiln.engine.logits_processors).
@@ -71,6 +74,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +85,8 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         if isinstance(self.allowed_token_ids, tuple):
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
         self.validate()
 
     @property
@@ -97,6 +103,7 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
             or self.allowed_token_ids is not None
+            or bool(self.bad_words)
         )
 
     def validate(self) -> None:
@@ -144,7 +151,8 @@ class SamplingParams:
             )
 
     def _validate_adjustments(self) -> None:
-        """The penalties, logit_bias, allowed_token_ids and min_tokens (ValueError naming the field)."""
+        """The penalties, logit_bias, allowed_token_ids, bad_words and min_tokens (ValueError naming the
+        field)."""
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
@@ -173,6 +181,14 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams: allowed_token_ids={allowed!r}, expected None or a non-empty list of token "
                 "ids (ints >= 0)"
+            )
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list)
+            or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+        ):
+            raise ValueError(
+                f"SamplingParams: bad_words={self.bad_words!r}, expected None or a list of words (strings "
+                "with a character other than whitespace)"
             )
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(

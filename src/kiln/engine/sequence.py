@@ -55,6 +55,8 @@ class Sequence:
         # the token ids params.min_tokens keeps from being sampled early: EOS (unless ignore_eos) and
         # stop_token_ids (set by the engine, which knows EOS; kiln.engine.logits_processors)
         self.min_tokens_stop_ids: list[int] = []
+        # params.bad_words as token-id sequences (set by the engine, which has the tokenizer)
+        self.bad_words_token_ids: list[list[int]] = []
         self.penalty_history = None  # its penalties' token counts (kiln.engine.logits_processors)
         self.detokenizer = None  # set by the engine (kiln.engine.detokenizer.IncrementalDetokenizer)
         # output tokens and text characters already handed out (params.output_kind "delta")

@@ -35,6 +35,7 @@ from kiln.engine.sampling_params import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, SEED_MA
 MAX_STOP_STRINGS = 16  # each is searched for after every token: a long list slows the whole batch
 MAX_STOP_CHARS = 512  # each; a stream holds back and rechecks up to this many characters a token
 MAX_STOP_TOKEN_IDS = 256  # the engine checks every new token against the list
+MAX_BAD_WORDS = 128  # each is matched against the output's tail at every token
 MAX_LOGIT_BIAS = 1024  # entries: each is sent to the device and added at every step of the request
 # a logprob of -inf (a token the model rules out) as OpenAI and vLLM write it: JSON has no infinity
 MIN_LOGPROB = -9999.0
@@ -82,7 +83,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "include_stop_str_in_output": (lambda v: v is False, "false"),
     "skip_special_tokens": (lambda v: v is True, "true"),
     "spaces_between_special_tokens": (lambda v: v is True, "true"),
-    "bad_words": (lambda v: v == [], "an empty list"),
     "truncate_prompt_tokens": (lambda v: False, "null (a prompt longer than the context is refused)"),
     "use_beam_search": (lambda v: v is False, "false"),
     "logits_processors": (lambda v: v == [], "an empty list"),
@@ -161,6 +161,10 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, Float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     # vLLM's: the only tokens that may be sampled
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
+    # vLLM's: words never completed in the output (each checked against the output at every token)
+    bad_words: list[Annotated[Text, Field(max_length=MAX_STOP_CHARS)]] | None = Field(
+        default=None, max_length=MAX_BAD_WORDS
+    )
 
     @field_validator("logit_bias")
     @classmethod
@@ -170,6 +174,13 @@ class _SamplingFields(BaseModel):
                 raise ValueError(f"keys are token ids (strings of digits), got {key!r}")
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                 raise ValueError(f"a bias is in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, value):
+        if any(not word.strip() for word in value or ()):
+            raise ValueError("a bad word needs a character other than whitespace")
         return value
 
     def token_biases(self) -> dict[int, float] | None:

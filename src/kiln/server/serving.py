@@ -246,6 +246,7 @@ class OpenAIServing:
                         logit_bias=logit_bias,
                         min_tokens=req.min_tokens or 0,
                         allowed_token_ids=req.allowed_token_ids,
+                        bad_words=req.bad_words or None,
                     )
                 except ValueError as exc:  # protocol.py checked the fields first: a backstop
                     raise bad_request(str(exc), None, "invalid_value") from exc
