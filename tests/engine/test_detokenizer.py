@@ -13,9 +13,9 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def stream(text, stop=None, prompt="Q: "):
+def stream(text, stop=None, prompt="Q: ", include_stop=False):
     tok = ByteTokenizer()
-    detok = IncrementalDetokenizer(tok, tok.encode(prompt), stop)
+    detok = IncrementalDetokenizer(tok, tok.encode(prompt), stop, include_stop)
     seen = []
     ids = tok.encode(text)
     for i, token in enumerate(ids):
@@ -42,6 +42,18 @@ def test_stop_string_spanning_tokens_truncates_text_before_it():
 def test_earliest_of_several_stop_strings_wins():
     final, _, stopped = stream("abc STOP def END", stop=["END", "STOP"])
     assert stopped and final == "abc "
+
+
+def test_include_stop_keeps_the_stop_string_that_ended_the_text():
+    """vLLM's include_stop_str_in_output: the text ends just after the stop string that completed."""
+    final, _, stopped = stream("The answer is 42.\nUser: more", stop=["\nUser:"], include_stop=True)
+    assert stopped and final == "The answer is 42.\nUser:"
+    final, _, stopped = stream("abc STOP def END", stop=["END", "STOP"], include_stop=True)
+    assert stopped and final == "abc STOP"
+    final, _, _ = stream("abc STOP def", stop=["STOP", "ST"], include_stop=True)
+    assert final == "abc ST"  # one byte a token: "ST" is complete first
+    final, _, stopped = stream("né 世界", stop=["世"], include_stop=True)  # a stop across bytes
+    assert stopped and final == "né 世"
 
 
 def test_no_stop_string_keeps_the_whole_text():

@@ -111,6 +111,21 @@ def test_stop_string_ends_the_text_just_before_it(client, llm):
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(client, llm):
+    """vLLM's include_stop_str_in_output: the same cut, the stop string kept, streamed or not."""
+    ref = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0))[0].text
+    stop = ref[len(ref) // 2 : len(ref) // 2 + 2]
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop])
+    r = client.completions.create(**kw, extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == ref[: ref.index(stop) + len(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = list(
+        client.completions.create(**kw, stream=True, extra_body={"include_stop_str_in_output": True})
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop=[stop], include_stop_str_in_output=True)
+    assert llm.generate(PROMPTS[0], params)[0].text == r.choices[0].text
+
+
 def test_a_stop_string_across_two_tokens_streams_no_text_it_cuts(client, llm):
     """A stream holds back text that may begin a stop string: the streamed text is the non-streamed
     one, not one that also sent the stop string's first token before the next completed it."""

@@ -170,9 +170,9 @@ BAD_FIELDS = {
         chat(structured_outputs={"choice": ["a", "b"]}),
         "structured_outputs",
     ),
-    "include_stop_str_in_output": (
+    "include_stop_str_in_output_not_a_bool": (
         "/v1/completions",
-        completion(include_stop_str_in_output=True, stop=["x"]),
+        completion(include_stop_str_in_output=1, stop=["x"]),
         "include_stop_str_in_output",
     ),
     "skip_special_tokens_false": (
@@ -296,6 +296,7 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_engine(server, engine):
         assert penalties == (-2, 1.5, 1.3)
         assert params.logit_bias == {7: -100.0, 12: 2.5} and params.min_tokens == 4
         assert params.allowed_token_ids == [4, 7, 9] and params.bad_words == ["no", "never"]
+        assert not params.include_stop_str_in_output
     body = chat(presence_penalty=None, frequency_penalty=None, repetition_penalty=None, logit_bias=None)
     assert httpx.post(f"{server.url}/v1/chat/completions", json=body).status_code == 200
     params = engine.params[-1]

@@ -13,7 +13,16 @@ _PROMPT_CONTEXT = 5  # prompt tokens to decode in front of the output, for the f
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str] | None = None,
+        include_stop: bool = False,
+    ):
+        """stop: strings that end the text, cut just before the first one to appear (include_stop:
+        just after it; of stop strings completed by the same tokens at the same character, the first in
+        the list)."""
         self.tokenizer = tokenizer
         self.ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0
@@ -26,6 +35,7 @@ class IncrementalDetokenizer:
             self.prefix_offset += 1
         self.text = ""
         self.stop = stop or []
+        self.include_stop = include_stop
         # False while the request's min_tokens keeps stop strings from ending it: new text is not searched
         # (once True, a stop string that starts in earlier text and ends in the new one still counts)
         self.search_stops = True
@@ -52,9 +62,10 @@ class IncrementalDetokenizer:
         self.text += delta
         if not self.stop or not self.search_stops:
             return False
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, n) for n, i in enumerate(self.text.find(s, start) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            index, which = min(hits)
+            self.text = self.text[: index + (len(self.stop[which]) if self.include_stop else 0)]
             return True
         return False
 

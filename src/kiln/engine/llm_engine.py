@@ -166,7 +166,9 @@ class LLMEngine:
                     "add_request: every token of allowed_token_ids is EOS or a stop token, which min_tokens "
                     "bans: no token could be sampled"
                 )
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        seq.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output
+        )
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.prompt_tokens_total += len(prompt_ids)

@@ -22,7 +22,7 @@ class SamplingParams:
         (seed, t), so the same seed and logits give the same tokens whatever else is batched, with or
         without speculative decoding; an integer in [-2**63, 2**64 - 1], the range torch.Generator takes.
     stop: strings that end generation (a string, or a list or tuple of them); the returned text
-        stops just before the stop string.
+        stops just before the stop string (include_stop_str_in_output: just after it, as vLLM's).
     stop_token_ids: extra token ids that end generation (a list, or a tuple, of ints >= 0; like EOS,
         the token is kept in token_ids).
     logprobs: None, or the number of top alternatives to return per output token (0 = only the chosen).
@@ -65,6 +65,7 @@ class SamplingParams:
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = field(default=None)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: str = "cumulative"
@@ -142,8 +143,9 @@ class SamplingParams:
                 f"SamplingParams: stop_token_ids={self.stop_token_ids!r}, expected None or a list of "
                 "token ids (ints >= 0)"
             )
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"SamplingParams: ignore_eos={self.ignore_eos!r}, expected True or False")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams: {name}={getattr(self, name)!r}, expected True or False")
         self._validate_adjustments()
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(

@@ -80,7 +80,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "scores the prompt)",
     ),
     "structured_outputs": (lambda v: False, "null (guided decoding is not supported)"),
-    "include_stop_str_in_output": (lambda v: v is False, "false"),
     "skip_special_tokens": (lambda v: v is True, "true"),
     "spaces_between_special_tokens": (lambda v: v is True, "true"),
     "truncate_prompt_tokens": (lambda v: False, "null (a prompt longer than the context is refused)"),
@@ -151,6 +150,7 @@ class _SamplingFields(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # vLLM's extension; benchmarks use it for fixed-length outputs
+    include_stop_str_in_output: StrictBool = False  # vLLM's: the text ends after the stop string
     user: Text | None = None
     # null is the default (some clients send it); kiln.engine.logits_processors applies them
     presence_penalty: Float | None = Field(default=None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)

@@ -237,6 +237,7 @@ class OpenAIServing:
                         stop=req.stop_list(),
                         stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
                         ignore_eos=req.ignore_eos,
+                        include_stop_str_in_output=req.include_stop_str_in_output,
                         logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs,
                         output_kind=output_kind,
