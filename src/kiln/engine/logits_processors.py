@@ -84,11 +84,12 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _host_arrays(seqs: list[Sequence], rows: list[int]) -> list[np.ndarray]:
-    """The rows with allowed_token_ids and their (batch row, token id) pairs; then the pairs of each
-    adjustment, each pair once per adjustment: the logit
-    biases and their values; the tokens min_tokens bans now; the tokens seen in the prompt or output
-    of rows with a repetition penalty, and that penalty per pair; the distinct output tokens of rows
-    with a frequency or presence penalty, their counts and the two penalties per pair."""
+    """For the adjusted rows of seqs (by batch row): the rows with allowed_token_ids and their (row,
+    token id) pairs; the logit biases' pairs and values; the pairs bad_words and min_tokens ban now;
+    the tokens seen in the prompt or output of rows with a repetition penalty, and that penalty per
+    pair; the distinct output tokens of rows with a frequency or presence penalty, their counts and the
+    two penalties per pair. Each pair once per adjustment (a banned pair may repeat: it is set, not
+    added)."""
     allowed_rows, allowed_at, allowed_ids = [], [], []
     bias_at, bias_ids, bias = [], [], []
     banned_at, banned_ids = [], []
@@ -167,11 +168,11 @@ def _bad_words_banned(seq: Sequence) -> list[int]:
     other tokens end the output so far (a one-token word's, always)."""
     if not seq.bad_words_token_ids:
         return []
-    outputs = seq.token_ids[seq.num_prompt_tokens :]
+    tokens, outputs = seq.token_ids, seq.num_output_tokens
     banned = []
     for ids in seq.bad_words_token_ids:
         prefix = len(ids) - 1
-        if prefix == 0 or (len(outputs) >= prefix and outputs[len(outputs) - prefix :] == ids[:-1]):
+        if prefix == 0 or (outputs >= prefix and tokens[len(tokens) - prefix :] == ids[:-1]):
             banned.append(ids[-1])
     return banned
 
