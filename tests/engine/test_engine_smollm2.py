@@ -105,7 +105,15 @@ def test_chat_reply_ends_with_eos_and_readable_text(loaded):
     assert out.finish_reason == "stop" and out.token_ids[-1] in loaded.tokenizer.eos_token_ids
 
 
-def test_greedy_tokens_equal_hf_transformers_generate(loaded):
+# The CPU format probe picks the LM head's layout by speed on the host: the exact Q8_0 blocks (logits
+# within 1.7e-4 of HF's, measured over these prompts and continuations, 2 threads) or, with one thread
+# (each xdist worker), an fp16 copy, whose Q8_0 values round (max |logit error| 0.014-0.020). Greedy
+# tokens then part only where HF's top-1 leads Kiln's pick by less than ~2x that: one run parted 14
+# tokens into the Moon prompt, where HF's top two logits are 0.0011 apart.
+NEAR_TIE = 0.05
+
+
+def test_greedy_tokens_follow_hf_transformers_generate_up_to_near_ties(loaded):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from kiln.loaders import default_model_path
@@ -133,8 +141,15 @@ def test_greedy_tokens_equal_hf_transformers_generate(loaded):
                 do_sample=False,
                 eos_token_id=tokenizer.eos_token_ids,
                 pad_token_id=tokenizer.eos_token_ids[0],
+                output_scores=True,
+                return_dict_in_generate=True,
             )
-        assert hf[0, ids.shape[1] :].tolist() == out.token_ids
+        theirs = hf.sequences[0, ids.shape[1] :].tolist()
+        if out.token_ids != theirs:  # only where HF itself nearly ties (see NEAR_TIE)
+            step = next(i for i, (a, b) in enumerate(zip(out.token_ids, theirs, strict=False)) if a != b)
+            scores = hf.scores[step][0]
+            gap = float(scores[theirs[step]] - scores[out.token_ids[step]])
+            assert gap < NEAR_TIE, (step, gap, tokenizer.decode(out.token_ids))
 
 
 def test_detokenizer_streams_multibyte_text_of_the_real_tokenizer_without_replacement_chars(loaded):
