@@ -1,12 +1,13 @@
 """Sampler: picks the next token of every sequence of a batch from its logits.
 
-A request's penalties, logit bias and min_tokens adjust its row first (kiln.engine.logits_processors);
-logprobs are those of the model's own logits. Greedy rows take the argmax. Other rows: logits /
-temperature, then top-k, then top-p (nucleus, over the top-k-renormalized distribution), then min-p
-(drop tokens below min_p * the top probability), then one draw. That is Hugging Face's warper order;
-vLLM V1 applies min-p before top-k and top-p, which differs only when top_p < 1 and min_p > 0 are both
-set (its nucleus is then taken over what min-p kept, so it never keeps more than this order). The
-draw is an exponential race, argmax(p / E) with E ~ Exp(1) i.i.d., which samples exactly p.
+A request's penalties, biases, allowed / bad tokens and min_tokens adjust its row first
+(kiln.engine.logits_processors); logprobs are those of the model's own logits. Greedy rows take the
+argmax. Other rows: logits / temperature, then top-k, then top-p (nucleus, over the top-k-renormalized
+distribution), then min-p (drop tokens below min_p * the top probability), then one draw. That is
+Hugging Face's warper order; vLLM V1 applies min-p before top-k and top-p, which differs only when top_p
+< 1 and min_p > 0 are both set (its nucleus is then taken over what min-p kept, so it never keeps more
+than this order). The draw is an exponential race, argmax(p / E) with E ~ Exp(1) i.i.d., which samples
+exactly p.
 
 Filters keep whole tie groups: top-k keeps every token tied with the k-th largest logit (as Hugging
 Face's TopKLogitsWarper and vLLM), top-p keeps or drops tokens of equal probability together, so what a

@@ -82,12 +82,9 @@ class SamplingParams:
             self.stop = [self.stop]
         elif isinstance(self.stop, tuple):
             self.stop = list(self.stop)
-        if isinstance(self.stop_token_ids, tuple):
-            self.stop_token_ids = list(self.stop_token_ids)
-        if isinstance(self.allowed_token_ids, tuple):
-            self.allowed_token_ids = list(self.allowed_token_ids)
-        if isinstance(self.bad_words, tuple):
-            self.bad_words = list(self.bad_words)
+        for name in ("stop_token_ids", "allowed_token_ids", "bad_words"):
+            if isinstance(getattr(self, name), tuple):
+                setattr(self, name, list(getattr(self, name)))
         self.validate()
 
     @property
@@ -96,7 +93,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty, a logit bias or min_tokens changes this request's logits before sampling."""
+        """Whether a penalty, logit_bias, allowed_token_ids, bad_words or min_tokens changes this
+        request's logits before sampling (kiln.engine.logits_processors)."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
@@ -104,7 +102,7 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
             or self.allowed_token_ids is not None
-            or bool(self.bad_words)
+            or self.bad_words
         )
 
     def validate(self) -> None:

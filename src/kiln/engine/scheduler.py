@@ -161,7 +161,7 @@ class Scheduler:
     def _spec_cap(self, seq: Sequence, budget: int) -> int:
         """Proposal slots for a decoding seq: what the budget leaves after its own token, and never
         more than the tokens it may still emit (the verify step adds one token of its own). None for a
-        request with penalties, a logit bias or min_tokens (kiln.engine.logits_processors)."""
+        request whose params adjust its logits (SamplingParams.adjusts_logits)."""
         if not self.num_speculative_tokens or seq.num_uncomputed_tokens != 1 or seq.params.adjusts_logits:
             return 0
         remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)

@@ -188,15 +188,13 @@ class OpenAIServing:
         token too (completions' echo with logprobs)."""
         vocab = self.vocab_size
         stop_token_ids = req.stop_token_ids
-        if stop_token_ids and vocab is not None:
-            outside = [t for t in stop_token_ids if t >= vocab]
-            if outside:
-                raise bad_request(
-                    f"stop_token_ids: {outside[0]} is not a token id of this model (ids are 0..{vocab - 1})",
-                    "stop_token_ids",
-                )
         logit_bias = req.token_biases()
-        for name, ids in (("logit_bias", logit_bias), ("allowed_token_ids", req.allowed_token_ids)):
+        token_id_fields = (
+            ("stop_token_ids", stop_token_ids),
+            ("logit_bias", logit_bias),
+            ("allowed_token_ids", req.allowed_token_ids),
+        )
+        for name, ids in token_id_fields:
             outside = [t for t in (ids or ()) if vocab is not None and t >= vocab]
             if outside:
                 raise bad_request(
