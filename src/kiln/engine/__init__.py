@@ -4,6 +4,14 @@ from kiln.engine.config import EngineConfig
 from kiln.engine.llm import LLM
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.outputs import EngineStats, RequestOutput
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "EngineConfig",
+    "EngineStats",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]

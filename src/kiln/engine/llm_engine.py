@@ -25,6 +25,7 @@ from kiln.engine.outputs import EngineStats, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.sequence import Sequence
+from kiln.engine.structured_outputs import StructuredOutputs
 
 
 class LLMEngine:
@@ -67,6 +68,9 @@ class LLMEngine:
         )
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or model_config.eos_token_ids or [])
         self.eos_token_ids = eos
+        # the grammar compiler of structured-outputs requests (xgrammar's view of the tokenizer is built
+        # when the first such request comes)
+        self.structured_outputs = StructuredOutputs(self.tokenizer, model_config.vocab_size, eos)
         kv_cache_dtype = kv_cache_dtype_for(config, self.model)
         exact_kv = exact_kv_layout_for(config, kv_cache_dtype)
         self.block_manager = BlockManager(
@@ -166,6 +170,8 @@ class LLMEngine:
                     "add_request: every token of allowed_token_ids is EOS or a stop token, which min_tokens "
                     "bans: no token could be sampled"
                 )
+        if params.structured_outputs is not None:
+            seq.grammar = self.structured_outputs.new_state(params.structured_outputs)
         seq.detokenizer = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output
         )

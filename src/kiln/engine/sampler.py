@@ -1,7 +1,8 @@
 """Sampler: picks the next token of every sequence of a batch from its logits.
 
-A request's penalties, biases, allowed / bad tokens and min_tokens adjust its row first
-(kiln.engine.logits_processors); logprobs are those of the model's own logits. Greedy rows take the
+A request's structured-outputs grammar masks its row first (kiln.engine.structured_outputs), then its
+penalties, biases, allowed / bad tokens and min_tokens adjust it (kiln.engine.logits_processors);
+logprobs are those of the masked logits, before the adjustments (vLLM's). Greedy rows take the
 argmax. Other rows: logits / temperature, then top-k, then top-p (nucleus, over the top-k-renormalized
 distribution), then min-p (drop tokens below min_p * the top probability), then one draw. That is
 Hugging Face's warper order; vLLM V1 applies min-p before top-k and top-p, which differs only when top_p
@@ -44,6 +45,7 @@ from kiln.engine.logits_processors import adjust_logits
 from kiln.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from kiln.engine.sampling_rows import RowSettings
 from kiln.engine.sequence import Sequence
+from kiln.engine.structured_outputs import apply_grammar_masks
 
 _TINY = torch.finfo(torch.float32).tiny
 _NEG_INF = float("-inf")
@@ -74,12 +76,16 @@ class Sampler:
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: float32 [N, vocab], row i for seqs[i], whose next token is its output token number
         seqs[i].num_output_tokens. Returns N token ids and, per row, the logprobs dict (top-n + chosen
-        token, natural log of the model's distribution, before any penalty or bias) or None.
+        token, natural log of the model's distribution after its grammar's mask, before any penalty
+        or bias) or None.
         SamplingError (nothing drawn) names the requests whose seed is refused or whose logits are not
         finite."""
         params = [s.params for s in seqs]
         failures = self.seed_failures(seqs)
         if failures:  # refused seeds: known on the host, before anything is drawn
+            raise SamplingError(failures)
+        logits, failures = apply_grammar_masks(logits, seqs)
+        if failures:  # an output its grammar refuses (never expected): those requests fail alone
             raise SamplingError(failures)
         model_logits = logits
         logits = adjust_logits(logits, seqs)

@@ -2,15 +2,90 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 # what torch.Generator.manual_seed takes (negative seeds are used modulo 2**64)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 PENALTY_LIMIT = 2.0  # presence and frequency penalties: OpenAI's range, [-2, 2]
 LOGIT_BIAS_LIMIT = 100.0  # a logit_bias value: OpenAI's range, [-100, 100]
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request's output must be (vLLM's structured outputs, OpenAI's response_format): exactly
+    one of
+
+    json: a JSON schema (a dict, or its JSON text): the output is one JSON value it accepts.
+    regex: a regular expression the whole output matches.
+    choice: a non-empty list of non-empty strings: the output is one of them.
+    grammar: an EBNF grammar (xgrammar's / GBNF syntax, start rule `root`) the output is a sentence of.
+    json_object: True: the output is one JSON object, any keys (OpenAI's {"type": "json_object"}).
+
+    disable_any_whitespace: with json / json_object, no whitespace beyond one space after ':' and ','
+    (small models otherwise can fill max_tokens with newlines). Compiled by kiln.engine.structured_outputs.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of STRUCTURED_KINDS."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field: exactly one constraint, each of the type it takes."""
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"StructuredOutputsParams: {name}={getattr(self, name)!r}, expected True or False"
+                )
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "StructuredOutputsParams: set exactly one of json, regex, choice, grammar, json_object; got "
+                + (", ".join(given) if given else "none")
+            )
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as exc:
+                    raise ValueError(f"StructuredOutputsParams: json is not valid JSON ({exc})") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, dict):
+                raise ValueError(
+                    f"StructuredOutputsParams: json={self.json!r}, expected a JSON schema (an object)"
+                )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams: {name}={value!r}, expected a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise ValueError(
+                f"StructuredOutputsParams: choice={self.choice!r}, expected a non-empty list of non-empty "
+                "strings"
+            )
 
 
 @dataclass
@@ -49,6 +124,11 @@ class SamplingParams:
         repetition, frequency and presence penalties, then temperature and the filters; greedy rows
         take the argmax of the adjusted logits. Logprobs stay those of the model's own distribution. A
         request with any of them on is not speculated (kiln.engine.logits_processors).
+    structured_outputs: None, or a StructuredOutputsParams (or a dict of its fields) the output must
+        follow (JSON schema, JSON object, regex, choice, grammar: kiln.engine.structured_outputs). Tokens
+        the constraint rules out are masked before every other adjustment (logprobs are those of the
+        masked distribution, as vLLM's); the EOS that ends the constraint ends the request even with
+        ignore_eos; such a request is not speculated.
     output_kind: what each RequestOutput of the request holds, as vLLM's RequestOutputKind:
         "cumulative" (every output token, the text and logprobs so far), "delta" (only what is new since
         the request's previous output: concatenating them gives the final output) or "final_only" (one
@@ -76,8 +156,11 @@ class SamplingParams:
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif isinstance(self.stop, tuple):
@@ -145,6 +228,13 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams: {name}={getattr(self, name)!r}, expected True or False")
         self._validate_adjustments()
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                f"SamplingParams: structured_outputs={self.structured_outputs!r}, expected None or a "
+                "StructuredOutputsParams"
+            )
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(
                 f"SamplingParams: output_kind={self.output_kind!r}, expected one of {', '.join(OUTPUT_KINDS)}"

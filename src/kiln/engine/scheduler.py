@@ -161,8 +161,15 @@ class Scheduler:
     def _spec_cap(self, seq: Sequence, budget: int) -> int:
         """Proposal slots for a decoding seq: what the budget leaves after its own token, and never
         more than the tokens it may still emit (the verify step adds one token of its own). None for a
-        request whose params adjust its logits (SamplingParams.adjusts_logits)."""
-        if not self.num_speculative_tokens or seq.num_uncomputed_tokens != 1 or seq.params.adjusts_logits:
+        request whose params adjust its logits (SamplingParams.adjusts_logits) or constrain its output
+        (structured_outputs)."""
+        params = seq.params
+        if (
+            not self.num_speculative_tokens
+            or seq.num_uncomputed_tokens != 1
+            or params.adjusts_logits
+            or params.structured_outputs is not None
+        ):
             return 0
         remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
         return max(0, min(self.num_speculative_tokens, budget - 1, remaining - 1))
@@ -211,7 +218,8 @@ class Scheduler:
     def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
         """Why seq ends with `token` as its num_tokens-th token, or None to go on."""
         params = seq.params
-        if not params.ignore_eos and token in self.eos_token_ids:
+        # a grammar's mask allows EOS only where the grammar ends: that ends the request (ignore_eos too)
+        if token in self.eos_token_ids and (not params.ignore_eos or params.structured_outputs is not None):
             return "stop"
         if params.stop_token_ids and token in params.stop_token_ids:
             return "stop"

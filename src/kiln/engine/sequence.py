@@ -58,6 +58,8 @@ class Sequence:
         # params.bad_words as token-id sequences (set by the engine, which has the tokenizer)
         self.bad_words_token_ids: list[list[int]] = []
         self.penalty_history = None  # its penalties' token counts (kiln.engine.logits_processors)
+        # params.structured_outputs' matcher (set by the engine: kiln.engine.structured_outputs)
+        self.grammar = None
         self.detokenizer = None  # set by the engine (kiln.engine.detokenizer.IncrementalDetokenizer)
         # output tokens and text characters already handed out (params.output_kind "delta")
         self.sent_tokens = 0

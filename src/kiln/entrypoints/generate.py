@@ -10,6 +10,7 @@ from kiln.engine.cpu_args import add_cpu_arguments, cpu_config_from_args
 from kiln.engine.expert_args import add_expert_arguments, expert_config_from_args
 from kiln.engine.kv_cache_args import add_kv_cache_arguments, kv_cache_config_from_args
 from kiln.engine.speculative.args import add_speculative_arguments, speculative_config_from_args
+from kiln.engine.structured_args import add_structured_arguments, structured_from_args
 from kiln.entrypoints.logprob_report import format_token_logprobs
 
 
@@ -55,6 +56,7 @@ def add_parser(subparsers) -> None:
         help="each prompt token's logprob given the ones before it (top N alternatives), with the "
         "prompt's total and perplexity",
     )  # fmt: skip
+    add_structured_arguments(parser)
     add_kv_cache_arguments(parser)
     add_cpu_arguments(parser)
     add_expert_arguments(parser)
@@ -91,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
             logprobs=args.logprobs,
             prompt_logprobs=args.prompt_logprobs,
+            structured_outputs=structured_from_args(args),
         )
         speculative = speculative_config_from_args(args)
     except ValueError as exc:

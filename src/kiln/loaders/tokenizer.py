@@ -283,6 +283,12 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    @property
+    def backend_tokenizer(self) -> RustTokenizer:
+        """The `tokenizers` object (as transformers' fast tokenizers name it): what grammar engines read
+        the vocabulary from (kiln.engine.structured_outputs)."""
+        return self._tok
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

@@ -206,6 +206,7 @@ def create_app(
         max_tokens = _max_tokens(req.max_tokens, 16)
         texts = serving.prompt_texts(req)
         serving.check_fits(len(texts), req.n)
+        await serving.compile_constraint(req)
         prompts = await serving.completion_prompts(texts)
         # echo with logprobs: the prompt's logprobs too (vLLM's answer; lm-eval scores prompts so)
         prompt_logprobs = req.logprobs if req.echo else None
@@ -234,6 +235,7 @@ def create_app(
         max_tokens = _max_tokens(max_tokens, None)
         serving.check_fits(1, req.n)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
+        await serving.compile_constraint(req)
         prompt = await serving.chat_prompt(req)
         subs = serving.build(req, [prompt], max_tokens, top_n, f"chat{next(counter)}")
         return await run(

@@ -5,13 +5,14 @@ Requests are pydantic models with strict types: a field of the wrong type (JSON 
 app.py, `param` naming the field).
 Responses are plain dicts built by the helpers at the bottom (they are serialized once, straight to
 JSON, which keeps the streaming path cheap). Fields of OpenAI's or vLLM's API that Kiln does not
-implement (tools, guided decoding, ...) are accepted only at the value that changes nothing
+implement (tools, beam search, ...) are accepted only at the value that changes nothing
 (OpenAI clients send some of them by default), a 400 naming them otherwise; other unknown fields are
 ignored.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, NamedTuple
@@ -30,7 +31,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from kiln.engine.sampling_params import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, SEED_MAX, SEED_MIN
+from kiln.engine.sampling_params import (
+    LOGIT_BIAS_LIMIT,
+    PENALTY_LIMIT,
+    SEED_MAX,
+    SEED_MIN,
+    StructuredOutputsParams,
+)
 
 MAX_STOP_STRINGS = 16  # each is searched for after every token: a long list slows the whole batch
 MAX_STOP_CHARS = 512  # each; a stream holds back and rechecks up to this many characters a token
@@ -68,7 +75,6 @@ class StreamOptions(BaseModel):
 # extensions that this server does not implement: each is accepted at a value that changes nothing
 # (or null), a 400 naming it otherwise, as answering while ignoring it would answer another request.
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}'),
     "tools": (lambda v: v == [], "an empty list"),
     "tool_choice": (lambda v: v in ("none", "auto"), '"none" or "auto" (there are no tools)'),
     "functions": (lambda v: v == [], "an empty list"),
@@ -79,7 +85,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "null (vLLM's per-choice prompt_logprobs field is not produced; completions' echo with logprobs "
         "scores the prompt)",
     ),
-    "structured_outputs": (lambda v: False, "null (guided decoding is not supported)"),
     "skip_special_tokens": (lambda v: v is True, "true"),
     "spaces_between_special_tokens": (lambda v: v is True, "true"),
     "truncate_prompt_tokens": (lambda v: False, "null (a prompt longer than the context is refused)"),
@@ -88,8 +93,17 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "return_tokens_as_token_ids": (lambda v: v is False, "false"),
     "return_token_ids": (lambda v: v is False, "false"),
 }
-# every vLLM guided_* field (guided_json, guided_regex, guided_choice, guided_grammar, ...)
-GUIDED = (lambda v: False, "null (guided decoding is not supported)")
+# vLLM's other guided_* fields (guided_whitespace_pattern, guided_decoding_backend, ...): the four that
+# name a constraint (GUIDED_FIELDS) are read as structured_outputs
+GUIDED = (lambda v: False, "null (structured outputs take their constraint only)")
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex, grammar or the choices together: compiled per request
 COMPLETION_UNSUPPORTED = {
     **UNSUPPORTED,
     "suffix": (lambda v: v == "", "an empty string"),
@@ -114,7 +128,8 @@ def _refuse_unsupported(data, table: dict[str, tuple[Callable[[Any], bool], str]
     if not isinstance(data, dict):
         return data
     for name, value in data.items():
-        rule = table.get(name) or (GUIDED if name.startswith("guided_") else None)
+        guided = name.startswith("guided_") and name not in GUIDED_FIELDS
+        rule = table.get(name) or (GUIDED if guided else None)
         if rule is None or value is None:
             continue
         neutral, accepted = rule
@@ -129,6 +144,45 @@ def _refuse_unsupported(data, table: dict[str, tuple[Callable[[Any], bool], str]
                 {"param": name, "accepted": accepted},
             )
     return data
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema: OpenAI's {"name", "description", "schema", "strict"} (the schema
+    is always enforced, strict or not)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: Text | None = None
+    description: Text | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: {"type": "text"} (no constraint), {"type": "json_object"} or
+    {"type": "json_schema", "json_schema": {...}}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given with type "json_schema", and only then')
+        return self
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's structured_outputs: one of json (a schema), regex, choice, grammar (EBNF), json_object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(default=None, min_length=1)
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
@@ -182,6 +236,72 @@ class _SamplingFields(BaseModel):
         if any(not word.strip() for word in value or ()):
             raise ValueError("a bad word needs a character other than whitespace")
         return value
+
+    # the output's constraint: OpenAI's response_format, vLLM's structured_outputs or its older
+    # guided_json / guided_regex / guided_choice / guided_grammar (at most one of them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(default=None, min_length=1)
+    guided_grammar: Text | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        given = [name for name in CONSTRAINT_FIELDS if self._set(name)]
+        if len(given) > 1:
+            raise PydanticCustomError(
+                "conflicting_constraints",
+                "give one output constraint, not {given}",
+                {"param": given[1], "given": " and ".join(given)},
+            )
+        if given:
+            try:
+                self.structured_params()
+            except ValueError as exc:
+                why = {"param": given[0], "why": str(exc)}
+                raise PydanticCustomError("invalid_constraint", "{why}", why) from None
+            if len(json.dumps(self._constraint_value(given[0]))) > MAX_GRAMMAR_CHARS:
+                raise PydanticCustomError(
+                    "constraint_too_long",
+                    "at most {limit} characters of JSON",
+                    {"param": given[0], "limit": MAX_GRAMMAR_CHARS},
+                )
+        return self
+
+    def _set(self, name: str) -> bool:
+        value = getattr(self, name)
+        return value is not None and not (name == "response_format" and value.type == "text")
+
+    def _constraint_value(self, name: str):
+        value = getattr(self, name)
+        return value.model_dump(by_alias=True, exclude_none=True) if isinstance(value, BaseModel) else value
+
+    def structured_params(self) -> StructuredOutputsParams | None:
+        """The request's output constraint as SamplingParams takes it (None: no constraint)."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt is not None and fmt.type == "json_schema":
+            return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+        so = self.structured_outputs
+        if so is not None:
+            return StructuredOutputsParams(
+                json=so.json_schema,
+                regex=so.regex,
+                choice=so.choice,
+                grammar=so.grammar,
+                json_object=bool(so.json_object),
+                disable_any_whitespace=so.disable_any_whitespace,
+            )
+        for name, kind in GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                return StructuredOutputsParams(**{kind: getattr(self, name)})
+        return None
+
+    def constraint_param(self) -> str | None:
+        """The request field that holds its output constraint (what a 400 about it names)."""
+        return next((name for name in CONSTRAINT_FIELDS if self._set(name)), None)
 
     def token_biases(self) -> dict[int, float] | None:
         """logit_bias as SamplingParams takes it ({token id: bias}; None for none)."""
@@ -301,7 +421,15 @@ class ChatCompletionRequest(_SamplingFields):
 # also hold union-member tags such as "list[int]", which are not parameters)
 FIELD_NAMES = frozenset(
     name
-    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, StreamOptions)
+    for model in (
+        CompletionRequest,
+        ChatCompletionRequest,
+        ChatMessage,
+        StreamOptions,
+        ResponseFormat,
+        JsonSchemaFormat,
+        StructuredOutputsFields,
+    )
     for name in model.model_fields
 )
 

@@ -173,6 +173,19 @@ class OpenAIServing:
             release_freed_memory()
         return ids
 
+    async def compile_constraint(self, req) -> None:
+        """Compile the request's output constraint (response_format, structured_outputs, guided_*) on the
+        tokenizer threads, so that the engine loop finds it in the compiler's cache; 400 naming the
+        field when it cannot be compiled (or the model's tokenizer cannot take one)."""
+        params = req.structured_params()
+        compiler = getattr(self.engine, "structured_outputs", None)
+        if params is None or compiler is None:
+            return
+        try:
+            await self.off_loop(compiler.compile, params)
+        except ValueError as exc:
+            raise bad_request(str(exc), req.constraint_param(), "invalid_constraint") from exc
+
     # ---- request -> sub-requests ----
     def build(
         self,
@@ -201,6 +214,7 @@ class OpenAIServing:
                     f"{name}: {outside[0]} is not a token id of this model (ids are 0..{vocab - 1})", name
                 )
         output_kind = "delta" if req.stream else "final_only"
+        structured = req.structured_params()
         subs = []
         for p, prompt_ids in enumerate(prompts):
             if not prompt_ids:
@@ -246,6 +260,7 @@ class OpenAIServing:
                         min_tokens=req.min_tokens or 0,
                         allowed_token_ids=req.allowed_token_ids,
                         bad_words=req.bad_words or None,
+                        structured_outputs=structured,
                     )
                 except ValueError as exc:  # protocol.py checked the fields first: a backstop
                     raise bad_request(str(exc), None, "invalid_value") from exc
