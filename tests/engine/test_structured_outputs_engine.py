@@ -78,7 +78,9 @@ def _hf_constrained(hf, hf_tok, prompt, params: StructuredOutputsParams | None, 
         elif params.kind == "json":
             grammar = compiler.compile_json_schema(json.dumps(params.json))
         else:
-            grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            grammar = compiler.compile_json_schema(
+                '{"type": "object"}', any_whitespace=not params.disable_any_whitespace
+            )
         processors = [xgr.contrib.hf.LogitsProcessor(grammar)]
     with torch.no_grad():
         out = hf.generate(

@@ -5,6 +5,8 @@ stop / logprobs / usage behave as OpenAI's API says, and 64 concurrent clients a
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
 import pytest
 
@@ -13,7 +15,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from kiln.engine import LLM, SamplingParams  # noqa: E402
+from kiln.engine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from kiln.engine.logits_processors import bad_words_token_ids  # noqa: E402
 from kiln.server.app import DEFAULT_MODEL_NAME as MODEL  # noqa: E402
 
@@ -298,6 +300,88 @@ def test_bad_words_take_vllms_spaced_forms_and_keep_the_word_out_of_the_text(cli
         model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"bad_words": [word]}
     )
     assert r.choices[0].text == expected
+
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+PERSON_CHAT = [{"role": "user", "content": "Describe a person called Ann, aged 31, as JSON."}]
+
+
+def test_response_format_json_schema_through_the_openai_client_equals_llm_chat(client, llm):
+    """OpenAI's response_format json_schema (and the client's own `parse` with a pydantic model, which
+    sends one with strict: true): the greedy reply equals LLM.chat with the same schema, streamed or not,
+    and parses into the model."""
+    pydantic = pytest.importorskip("pydantic")
+    jsonschema = pytest.importorskip("jsonschema")
+    constraint = StructuredOutputsParams(json=PERSON_SCHEMA)
+    expected = llm.chat(
+        PERSON_CHAT, SamplingParams(max_tokens=64, temperature=0.0, structured_outputs=constraint)
+    )
+    expected = expected[0]
+    assert expected.finish_reason == "stop"
+    jsonschema.validate(json.loads(expected.text), PERSON_SCHEMA)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
+    kw = dict(model=MODEL, messages=PERSON_CHAT, max_tokens=64, temperature=0, response_format=fmt)
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == expected.text and r.choices[0].finish_reason == "stop"
+    streamed = list(client.chat.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected.text
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=PERSON_CHAT, max_tokens=64, temperature=0, response_format=Person
+    )
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person) and person.name == "Ann" and person.age == 31
+
+
+def test_vllm_structured_outputs_and_guided_fields_constrain_completions_and_chats(client, llm):
+    """vLLM's structured_outputs (choice, regex, json_object) and guided_regex, sampled with n = 3:
+    every choice is what the constraint allows; greedy equals LLM.generate with the same constraint."""
+    prompt = "The capital of France is"
+    for extra, constraint, valid in (
+        ({"structured_outputs": {"choice": ["Paris", "Rome"]}}, {"choice": ["Paris", "Rome"]},
+         lambda t: t in ("Paris", "Rome")),
+        ({"guided_regex": " [A-Z][a-z]+\\."}, {"regex": " [A-Z][a-z]+\\."},
+         lambda t: re.fullmatch(" [A-Z][a-z]+\\.", t)),
+        ({"structured_outputs": {"json_object": True}}, {"json_object": True},
+         lambda t: isinstance(json.loads(t), dict)),
+    ):  # fmt: skip
+        params = SamplingParams(
+            max_tokens=48, temperature=0.0, structured_outputs=StructuredOutputsParams(**constraint)
+        )
+        expected = llm.generate(prompt, params)[0]
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=48, temperature=0, extra_body=extra
+        )
+        assert r.choices[0].text == expected.text and valid(expected.text), (extra, expected.text)
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=48, temperature=1.0, seed=3, n=3, extra_body=extra
+        )
+        assert all(valid(c.text) for c in r.choices if c.finish_reason == "stop"), [c.text for c in r.choices]
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=48, temperature=0, response_format={"type": "json_object"}
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_a_constraint_that_cannot_compile_is_a_400_naming_its_field(client):
+    for extra, param in (
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+        ({"guided_grammar": "root ::= nowhere"}, "guided_grammar"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
+         "response_format"),
+    ):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=extra)
+        assert info.value.body["param"] == param and "cannot compile" in info.value.body["message"]
 
 
 def _stop_across_tokens(tokens: list[str], text: str) -> str:

@@ -10,6 +10,7 @@ import json
 import httpx
 import pytest
 
+from kiln.engine.sampling_params import StructuredOutputsParams
 from kiln.server.app import create_app
 from kiln.server.launch import ServerThread
 
@@ -152,23 +153,58 @@ BAD_FIELDS = {
     # fields this server does not implement, at values that would change the output
     "best_of": ("/v1/completions", completion(best_of=5), "best_of"),
     "suffix": ("/v1/completions", completion(suffix="end"), "suffix"),
-    "response_format_json": (
+    # output constraints: the shapes OpenAI and vLLM define, one at a time
+    "response_format_unknown_type": (
         "/v1/chat/completions",
-        chat(response_format={"type": "json_object"}),
+        chat(response_format={"type": "xml"}),
+        "response_format.type",
+    ),
+    "response_format_schema_missing": (
+        "/v1/chat/completions",
+        chat(response_format={"type": "json_schema"}),
         "response_format",
     ),
+    "response_format_schema_not_an_object": (
+        "/v1/chat/completions",
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}),
+        "response_format.json_schema.schema",
+    ),
+    "structured_outputs_two_kinds": (
+        "/v1/chat/completions",
+        chat(structured_outputs={"choice": ["a", "b"], "regex": "a"}),
+        "structured_outputs",
+    ),
+    "structured_outputs_none": ("/v1/completions", completion(structured_outputs={}), "structured_outputs"),
+    "structured_outputs_unknown_key": (
+        "/v1/completions",
+        completion(structured_outputs={"regex": "a", "backend": "outlines"}),
+        "structured_outputs.backend",
+    ),
+    "structured_outputs_empty_choice": (
+        "/v1/completions",
+        completion(structured_outputs={"choice": ["a", ""]}),
+        "structured_outputs",
+    ),
+    "structured_outputs_json_text_not_json": (
+        "/v1/completions",
+        completion(structured_outputs={"json": "{not json"}),
+        "structured_outputs",
+    ),
+    "two_constraints": (
+        "/v1/chat/completions",
+        chat(response_format={"type": "json_object"}, guided_regex="[ab]+"),
+        "guided_regex",
+    ),
+    "guided_choice_empty": ("/v1/completions", completion(guided_choice=[]), "guided_choice"),
     "tools": ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     "tool_choice_required": ("/v1/chat/completions", chat(tool_choice="required"), "tool_choice"),
     # vLLM's extensions this server does not implement: ignoring them answered another request
     "prompt_logprobs": ("/v1/completions", completion(prompt_logprobs=1), "prompt_logprobs"),
-    "guided_json": ("/v1/chat/completions", chat(guided_json={"type": "object"}), "guided_json"),
-    "guided_regex": ("/v1/completions", completion(guided_regex="[ab]+"), "guided_regex"),
-    "guided_choice": ("/v1/completions", completion(guided_choice=["yes", "no"]), "guided_choice"),
     "guided_any_other": ("/v1/completions", completion(guided_something_new="x"), "guided_something_new"),
-    "structured_outputs": (
-        "/v1/chat/completions",
-        chat(structured_outputs={"choice": ["a", "b"]}),
-        "structured_outputs",
+    "guided_whitespace_pattern": (
+        "/v1/completions",
+        completion(guided_regex="a", guided_whitespace_pattern=" "),
+        "guided_whitespace_pattern",
     ),
     "include_stop_str_in_output_not_a_bool": (
         "/v1/completions",
@@ -303,6 +339,35 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_engine(server, engine):
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0, 0, 1)
     assert params.logit_bias is None and params.min_tokens == 0 and params.allowed_token_ids is None
     assert not params.adjusts_logits
+
+
+def test_each_form_of_output_constraint_reaches_the_engine_as_its_structured_outputs(server, engine):
+    """OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields: each request's
+    SamplingParams carry the same StructuredOutputsParams (n choices alike); {"type": "text"} is none."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    named = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    yes_no, grammar, as_json = ["yes", "no"], 'root ::= "a"', {"json": schema}
+    cases = [
+        ("/v1/chat/completions", chat(response_format={"type": "json_object"}), {"json_object": True}),
+        ("/v1/chat/completions", chat(response_format=named), as_json),
+        ("/v1/completions", completion(structured_outputs={"json": schema, "disable_any_whitespace": True}),
+         {"json": schema, "disable_any_whitespace": True}),
+        ("/v1/completions", completion(structured_outputs={"regex": "[ab]+"}), {"regex": "[ab]+"}),
+        ("/v1/chat/completions", chat(structured_outputs={"choice": yes_no}), {"choice": yes_no}),
+        ("/v1/completions", completion(structured_outputs={"grammar": grammar}), {"grammar": grammar}),
+        ("/v1/completions", completion(structured_outputs={"json_object": True}), {"json_object": True}),
+        ("/v1/chat/completions", chat(guided_json=schema), {"json": schema}),
+        ("/v1/completions", completion(guided_regex="[ab]+"), {"regex": "[ab]+"}),
+        ("/v1/completions", completion(guided_grammar='root ::= "a"'), {"grammar": 'root ::= "a"'}),
+        ("/v1/completions", completion(guided_choice=["yes", "no"], n=2), {"choice": ["yes", "no"]}),
+    ]  # fmt: skip
+    for path, body, expected in cases:
+        r = httpx.post(f"{server.url}{path}", json=body)
+        assert r.status_code == 200, r.text
+        assert engine.params[-1].structured_outputs == StructuredOutputsParams(**expected), body
+    assert engine.params[-2].structured_outputs == engine.params[-1].structured_outputs  # n = 2
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat(response_format={"type": "text"}))
+    assert r.status_code == 200 and engine.params[-1].structured_outputs is None
 
 
 def test_a_request_that_can_never_fit_is_400_and_is_not_tokenized(server, tokenizer):

@@ -65,10 +65,10 @@ class StructuredOutputs:
             if kind == "json":
                 schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
                 return compiler.compile_json_schema(schema, any_whitespace=not params.disable_any_whitespace)
-            if kind == "json_object":
-                if params.disable_any_whitespace:  # any object, compact: the schema of every object
-                    return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-                return compiler.compile_builtin_json_grammar()
+            if kind == "json_object":  # an object (xgrammar's builtin JSON grammar takes any value)
+                return compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=not params.disable_any_whitespace
+                )
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":

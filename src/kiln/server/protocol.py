@@ -184,6 +184,19 @@ class StructuredOutputsFields(BaseModel):
     json_object: StrictBool | None = None
     disable_any_whitespace: StrictBool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data):
+        known = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
+        for key in data if isinstance(data, dict) else ():
+            if key not in known:
+                raise PydanticCustomError(
+                    "unsupported_field",
+                    "not supported by this server; structured_outputs takes {known}",
+                    {"param": f"structured_outputs.{key}", "known": ", ".join(sorted(known))},
+                )
+        return data
+
 
 class _SamplingFields(BaseModel):
     """The sampling/stopping fields both endpoints share."""
@@ -420,7 +433,7 @@ class ChatCompletionRequest(_SamplingFields):
 # every field name of the request models: what an error's `param` may name (pydantic's error locations
 # also hold union-member tags such as "list[int]", which are not parameters)
 FIELD_NAMES = frozenset(
-    name
+    field.alias or name
     for model in (
         CompletionRequest,
         ChatCompletionRequest,
@@ -430,7 +443,7 @@ FIELD_NAMES = frozenset(
         JsonSchemaFormat,
         StructuredOutputsFields,
     )
-    for name in model.model_fields
+    for name, field in model.model_fields.items()
 )
 
 
