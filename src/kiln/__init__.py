@@ -4,8 +4,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # LLM and SamplingParams load lazily, so `import kiln` stays cheap for the kernel tooling
-    if name in ("LLM", "SamplingParams"):
+    # the engine's API loads lazily, so `import kiln` stays cheap for the kernel tooling
+    if name in ("LLM", "SamplingParams", "StructuredOutputsParams"):
         import kiln.engine
 
         return getattr(kiln.engine, name)
