@@ -31,6 +31,8 @@ from kiln.engine.host_upload import upload
 from kiln.engine.sampling_params import StructuredOutputsParams
 
 BITS = 32  # tokens per bitmask word
+# compiled grammars kept (least recently used dropped beyond it): a server meets many distinct schemas
+CACHE_LIMIT_BYTES = 256 << 20
 
 
 class StructuredOutputs:
@@ -52,7 +54,9 @@ class StructuredOutputs:
             if self._compiler is None:
                 xgr = _xgrammar()
                 info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=2, cache_enabled=True, cache_limit_bytes=CACHE_LIMIT_BYTES
+                )
                 self.tokenizer_info = info
             return self._compiler
 
