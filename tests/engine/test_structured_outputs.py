@@ -286,3 +286,32 @@ def test_json_constraints_compile_from_text_or_dict_to_the_same_grammar(compiler
             assert (matcher.accept_string(text) and matcher.is_completed()) == ok, (text, compact)
         matcher = xgr.GrammarMatcher(grammar)
         assert matcher.accept_string('{\n  "a": 1\n}') != compact
+
+
+def test_proposal_rows_are_masked_as_the_plain_step_would_mask_each_position(tokenizer, compiler):
+    """mask_proposals' row j equals apply_grammar_masks after the output and proposals 0..j-1 were
+    taken one step at a time; a refused proposal leaves the rows after it as they were; the matcher
+    ends where it started (the next plain step masks as before)."""
+    from kiln.engine.structured_outputs import mask_proposals
+
+    params = SamplingParams(
+        temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[0-9]+-[a-z]+")
+    )
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    vocab = tokenizer.vocab_size
+    for output, proposals, valid in (("1", "2-ab", 4), ("12", "-x!z", 2), ("", "9", 1)):
+        seq = _constrained(params, compiler, output=encode(output))
+        seq.spec_token_ids = encode(proposals)
+        k = len(seq.spec_token_ids)
+        logits = torch.randn(k + 1, vocab, generator=torch.Generator().manual_seed(k))
+        (masked,), failures = mask_proposals([logits], [seq])
+        assert not failures
+        for j in range(k + 1):
+            step = _constrained(params, compiler, output=encode(output) + seq.spec_token_ids[:j])
+            if j <= valid:
+                expected, _ = apply_grammar_masks(logits[j : j + 1], [step])
+                assert torch.equal(masked[j : j + 1], expected), (output, proposals, j)
+            else:
+                assert torch.equal(masked[j], logits[j]), (output, proposals, j)
+        again, _ = apply_grammar_masks(logits[:1], [seq])
+        assert torch.equal(again, masked[:1])

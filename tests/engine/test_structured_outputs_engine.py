@@ -2,8 +2,8 @@
 own logits processor (grammars compiled from transformers' tokenizer) on a tiny random Qwen2, batched
 with plain requests that must equal plain `generate`; on the embedded SmolLM2 every output is what its
 constraint says, checked by libraries that are not the grammar engine (jsonschema, json, re); the
-constraint survives preemption, ends the request with ignore_eos, is never speculated, and a bad one is
-refused before anything is queued."""
+constraint survives preemption, ends the request with ignore_eos, is verified exactly under speculative
+decoding, and a bad one is refused before anything is queued."""
 
 from __future__ import annotations
 
@@ -212,13 +212,44 @@ def test_constrained_outputs_survive_preemption(smollm2, smollm2_weights):
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
 
 
-def test_a_constrained_request_is_not_speculated_and_decodes_as_without_speculation(smollm2, smollm2_weights):
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
-    llm = LLM(loaded=smollm2_weights, device="cpu", num_kv_blocks=128, speculative=spec)
+@pytest.fixture(scope="module")
+def draft_2_layers():
+    """The embedded model cut to its first 2 decoder layers (same tokenizer and vocabulary)."""
+    import dataclasses
+
+    from kiln.loaders import open_checkpoint
+
+    checkpoint = open_checkpoint(None, "cpu")
+    checkpoint = dataclasses.replace(checkpoint, config=dataclasses.replace(checkpoint.config, num_layers=2))
+    return load_model(checkpoint, device="cpu")
+
+
+def test_speculation_verifies_constrained_requests_exactly(smollm2, smollm2_weights, draft_2_layers):
+    """n-gram and draft-model proposals, checked position by position against the grammar's masks:
+    greedy and seeded outputs equal decoding without speculation token for token, proposals are
+    accepted, and unseeded samples still follow the schema."""
     constraint = StructuredOutputsParams(json=SCHEMA)
-    params = SamplingParams(max_tokens=64, temperature=0.0, structured_outputs=constraint)
-    assert llm.chat(CHAT, params)[0].token_ids == smollm2.chat(CHAT, params)[0].token_ids
-    assert llm.engine.spec_proposed_tokens == 0
+    chats = [CHAT, _chat("Describe a person called Bob, aged 40, who likes green and blue, as JSON.")]
+    greedy = SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=constraint)
+    seeded = SamplingParams(max_tokens=80, temperature=0.8, seed=9, structured_outputs=constraint)
+    reference = smollm2.chat(chats * 2, [greedy, greedy, seeded, seeded])
+    for spec in (
+        SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3),
+        SpeculativeConfig(method="draft", draft_model=draft_2_layers, num_speculative_tokens=3),
+    ):
+        llm = LLM(loaded=smollm2_weights, device="cpu", num_kv_blocks=128, speculative=spec)
+        outs = llm.chat(chats * 2, [greedy, greedy, seeded, seeded])
+        assert [o.token_ids for o in outs] == [o.token_ids for o in reference], spec.method
+        stats = llm.engine.stats()
+        assert stats.spec_proposed_tokens > 0 and stats.spec_accepted_tokens > 0, spec.method
+        sampled = llm.chat(
+            chats * 2, SamplingParams(max_tokens=80, temperature=1.0, structured_outputs=constraint)
+        )
+        for out in sampled:
+            if out.finish_reason == "stop":
+                jsonschema.validate(json.loads(out.text), SCHEMA)
+            else:
+                assert out.text.startswith("{"), out.text
 
 
 def test_constraints_that_cannot_compile_are_refused_before_anything_is_queued(smollm2):

@@ -128,7 +128,7 @@ class SamplingParams:
         follow (JSON schema, JSON object, regex, choice, grammar: kiln.engine.structured_outputs). Tokens
         the constraint rules out are masked before every other adjustment (logprobs are those of the
         masked distribution, as vLLM's); the EOS that ends the constraint ends the request even with
-        ignore_eos; such a request is not speculated.
+        ignore_eos; under speculative decoding each proposed position is masked too.
     output_kind: what each RequestOutput of the request holds, as vLLM's RequestOutputKind:
         "cumulative" (every output token, the text and logprobs so far), "delta" (only what is new since
         the request's previous output: concatenating them gives the final output) or "final_only" (one

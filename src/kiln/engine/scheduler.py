@@ -161,15 +161,8 @@ class Scheduler:
     def _spec_cap(self, seq: Sequence, budget: int) -> int:
         """Proposal slots for a decoding seq: what the budget leaves after its own token, and never
         more than the tokens it may still emit (the verify step adds one token of its own). None for a
-        request whose params adjust its logits (SamplingParams.adjusts_logits) or constrain its output
-        (structured_outputs)."""
-        params = seq.params
-        if (
-            not self.num_speculative_tokens
-            or seq.num_uncomputed_tokens != 1
-            or params.adjusts_logits
-            or params.structured_outputs is not None
-        ):
+        request whose params adjust its logits (SamplingParams.adjusts_logits)."""
+        if not self.num_speculative_tokens or seq.num_uncomputed_tokens != 1 or seq.params.adjusts_logits:
             return 0
         remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
         return max(0, min(self.num_speculative_tokens, budget - 1, remaining - 1))

@@ -4,7 +4,7 @@ grammar engine vLLM and SGLang use.
 
 Per engine, on the first such request: xgrammar's view of the tokenizer (each token's bytes, the
 vocabulary's kind, EOS as the stop token; ~0.6 s for a 49152-token vocabulary on a 2-core CPU) and a
-compiler whose cache keeps every grammar compiled (a JSON schema: ~10 ms the first time). Per request:
+compiler whose cache keeps the grammars compiled (a JSON schema: ~10 ms the first time). Per request:
 a matcher, which follows the request's output tokens. At each step, before any other adjustment
 (kiln.engine.logits_processors), each constrained row gets the matcher's bitmask of the tokens that may
 come next, and every other token's logit becomes -inf. The bitmasks (int32 words, bit j of word w for
@@ -15,7 +15,10 @@ and one add for the whole batch; xgrammar's own CPU kernel took 150 us a row on 
 The matcher catches up with the output at each step (the tokens appended since it last looked), so a
 step that fails and runs again, or a preemption, never feeds it a token twice. A grammar ends with EOS:
 the mask allows it only where the grammar may end, and it ends the request even with ignore_eos
-(kiln.engine.scheduler). Such requests are not speculated.
+(kiln.engine.scheduler). Speculative decoding: the verify step masks each proposed position with the
+grammar's state after the proposals before it (the matcher walks them and rolls back), so the target's
+distribution at every position is the constrained one and the verify rules stay exact; a proposal the
+grammar refuses has probability 0 and is rejected.
 """
 
 from __future__ import annotations
@@ -131,10 +134,59 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list) -> tuple[torch.Tensor,
     if failures:
         return logits, failures
     at, mask_words = upload(logits.device, [np.asarray(rows, dtype=np.int64), bitmask])
-    additive = _byte_masks(logits.device).index_select(0, mask_words.view(torch.uint8).flatten().long())
     out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
-    out.index_add_(0, at, additive.view(len(rows), words * BITS)[:, :vocab])
+    out.index_add_(0, at, _additive(mask_words, vocab))
     return out, {}
+
+
+def mask_proposals(logits: list[torch.Tensor], seqs: list) -> tuple[list[torch.Tensor], dict[str, str]]:
+    """The verify step's rows (kiln.engine.speculative.verify): logits[b] [k_b + 1, vocab] for seqs[b],
+    whose proposals are seqs[b].spec_token_ids. Row j of a constrained sequence is masked by its grammar
+    after its output and proposals 0..j-1 (the matcher walks the proposals, then rolls back); rows past
+    a proposal the grammar refuses stay as they are (that proposal is rejected: p = 0 there, so they
+    are never read). Returns (float32 logits, failures) as apply_grammar_masks does."""
+    constrained = [b for b, seq in enumerate(seqs) if seq.grammar is not None]
+    if not constrained:
+        return logits, {}
+    vocab = logits[0].shape[1]
+    words = -(-vocab // BITS)
+    masks, failures = [], {}
+    for b in constrained:
+        seq, k = seqs[b], logits[b].shape[0] - 1
+        why = seq.grammar.catch_up(seq.output_token_ids)
+        if why is not None:
+            failures[seq.request_id] = why
+            continue
+        bitmask = np.full((k + 1, words), -1, dtype=np.int32)
+        masks.append(bitmask)
+        matcher, walked = seq.grammar.matcher, 0
+        for j in range(k + 1):
+            seq.grammar.fill(bitmask, j)
+            if j == k or matcher.is_terminated() or not matcher.accept_token(seq.spec_token_ids[j]):
+                break
+            walked += 1
+        if walked:
+            matcher.rollback(walked)
+    if failures:
+        return logits, failures
+    (mask_words,) = upload(logits[0].device, [np.concatenate(masks)])
+    additive = _additive(mask_words, vocab)
+    out, start = list(logits), 0
+    for b in constrained:
+        rows = logits[b].shape[0]
+        out[b] = logits[b].float() + additive[start : start + rows]
+        start += rows
+    return out, {}
+
+
+def _additive(mask_words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 bitmask words [R, words] (on the logits' device) -> float32 [R, vocab]: 0 where a token is
+    allowed, -inf where not."""
+    rows, words = mask_words.shape
+    table = _byte_masks(mask_words.device)
+    return table.index_select(0, mask_words.view(torch.uint8).flatten().long()).view(rows, words * BITS)[
+        :, :vocab
+    ]
 
 
 @functools.cache

@@ -5,7 +5,8 @@ Sequence b proposed k_b tokens and the target scored k_b + 1 positions (its last
 proposal): row j is the target's next-token distribution after proposal j - 1, at output position
 t + j (t = the sequence's output tokens so far). Every rule below emits exactly what the target alone
 would, on the same filtered, tempered distribution the plain sampler draws from
-(kiln.engine.sampler.Sampler.probs):
+(kiln.engine.sampler.Sampler.probs; a structured-outputs request's rows masked by its grammar first,
+kiln.engine.structured_outputs.mask_proposals):
 - greedy sequences: accept while the proposal is the target's argmax, then emit the argmax;
 - seeded sequences: the target's own sample at each position is argmax(p_j / E_(t+j)), with the
   noise E of that output position that plain seeded sampling uses (Sampler.exponentials); accept
@@ -22,6 +23,7 @@ import torch
 from kiln.engine.sampler import Sampler, SamplingError, non_finite_failures
 from kiln.engine.sequence import Sequence
 from kiln.engine.speculative.rejection_sampler import greedy_verify, rejection_sample
+from kiln.engine.structured_outputs import mask_proposals
 
 
 def verify_proposals(
@@ -34,6 +36,9 @@ def verify_proposals(
     (before anything is drawn) names the requests whose seed is refused or whose logits at any of
     their positions are not finite."""
     device = logits[0].device
+    logits, failures = mask_proposals(logits, seqs)  # structured outputs' grammars, per position
+    if failures:
+        raise SamplingError(failures)
     _check(sampler, logits, seqs)
     tokens: list[list[int]] = [[] for _ in seqs]
     greedy = [b for b, seq in enumerate(seqs) if seq.params.greedy]
