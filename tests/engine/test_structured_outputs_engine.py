@@ -227,29 +227,26 @@ def draft_2_layers():
 def test_speculation_verifies_constrained_requests_exactly(smollm2, smollm2_weights, draft_2_layers):
     """n-gram and draft-model proposals, checked position by position against the grammar's masks:
     greedy and seeded outputs equal decoding without speculation token for token, proposals are
-    accepted, and unseeded samples still follow the schema."""
+    accepted, and an unseeded sample still follows the schema."""
     constraint = StructuredOutputsParams(json=SCHEMA)
-    chats = [CHAT, _chat("Describe a person called Bob, aged 40, who likes green and blue, as JSON.")]
-    greedy = SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=constraint)
-    seeded = SamplingParams(max_tokens=80, temperature=0.8, seed=9, structured_outputs=constraint)
-    reference = smollm2.chat(chats * 2, [greedy, greedy, seeded, seeded])
+    bob = _chat("Describe a person called Bob, aged 40, who likes green and blue, as JSON.")
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, structured_outputs=constraint)
+    seeded = SamplingParams(max_tokens=64, temperature=0.8, seed=9, structured_outputs=constraint)
+    reference = smollm2.chat([CHAT, bob], [greedy, seeded])
     for spec in (
         SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3),
         SpeculativeConfig(method="draft", draft_model=draft_2_layers, num_speculative_tokens=3),
     ):
         llm = LLM(loaded=smollm2_weights, device="cpu", num_kv_blocks=128, speculative=spec)
-        outs = llm.chat(chats * 2, [greedy, greedy, seeded, seeded])
+        outs = llm.chat([CHAT, bob], [greedy, seeded])
         assert [o.token_ids for o in outs] == [o.token_ids for o in reference], spec.method
         stats = llm.engine.stats()
         assert stats.spec_proposed_tokens > 0 and stats.spec_accepted_tokens > 0, spec.method
-        sampled = llm.chat(
-            chats * 2, SamplingParams(max_tokens=80, temperature=1.0, structured_outputs=constraint)
-        )
-        for out in sampled:
-            if out.finish_reason == "stop":
-                jsonschema.validate(json.loads(out.text), SCHEMA)
-            else:
-                assert out.text.startswith("{"), out.text
+    # the last engine's draft proposals for an unseeded sample (rejection sampling on masked rows)
+    sampled = llm.chat(bob, SamplingParams(max_tokens=64, temperature=1.0, structured_outputs=constraint))[0]
+    if sampled.finish_reason == "stop":
+        jsonschema.validate(json.loads(sampled.text), SCHEMA)
+    assert sampled.text.startswith("{"), sampled.text
 
 
 def test_constraints_that_cannot_compile_are_refused_before_anything_is_queued(smollm2):
