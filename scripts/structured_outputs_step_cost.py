@@ -66,7 +66,7 @@ def main() -> None:
             seq.token_ids += prefix
             if constrained:
                 seq.grammar = compiler.new_state(so)
-                seq.grammar.catch_up(seq.output_token_ids)
+                seq.grammar.catch_up(seq)
             seqs.append(seq)
         return seqs
 

@@ -21,7 +21,7 @@ class _Fixed:
         self.masks, self.position = masks, 0
         self.matcher = self
 
-    def catch_up(self, output):
+    def catch_up(self, seq):
         return None
 
     def fill(self, bitmask, row):

@@ -54,7 +54,7 @@ def test_masks_equal_xgrammars_own_kernel_on_random_bitmasks(vocab, dtype):
         def __init__(self, mask):
             self.mask = mask
 
-        def catch_up(self, output):
+        def catch_up(self, seq):
             return None
 
         def fill(self, bitmask, row):

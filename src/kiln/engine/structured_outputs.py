@@ -98,9 +98,10 @@ class GrammarState:
         self.matcher = matcher
         self.accepted = 0
 
-    def catch_up(self, output_token_ids: list[int]) -> str | None:
-        """Feed the matcher the output tokens it has not seen; None, or why one was refused."""
-        for token in output_token_ids[self.accepted :]:
+    def catch_up(self, seq) -> str | None:
+        """Feed the matcher the output tokens of seq (a Sequence) it has not seen; None, or why one was
+        refused."""
+        for token in seq.token_ids[seq.num_prompt_tokens + self.accepted :]:
             if self.matcher.is_terminated() or not self.matcher.accept_token(token):
                 return f"output token {token} (number {self.accepted}) breaks its structured_outputs grammar"
             self.accepted += 1
@@ -128,7 +129,7 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list) -> tuple[torch.Tensor,
     failures = {}
     for j, i in enumerate(rows):
         seq = seqs[i]
-        why = seq.grammar.catch_up(seq.output_token_ids)
+        why = seq.grammar.catch_up(seq)
         if why is not None:
             failures[seq.request_id] = why
             continue
@@ -155,7 +156,7 @@ def mask_proposals(logits: list[torch.Tensor], seqs: list) -> tuple[list[torch.T
     masks, failures = [], {}
     for b in constrained:
         seq, k = seqs[b], logits[b].shape[0] - 1
-        why = seq.grammar.catch_up(seq.output_token_ids)
+        why = seq.grammar.catch_up(seq)
         if why is not None:
             failures[seq.request_id] = why
             continue
