@@ -78,6 +78,7 @@ def test_token_ids_outside_the_vocabulary_or_an_impossible_allow_list_are_refuse
     for params, message in (
         (SamplingParams(logit_bias={128: 1.0}), "logit_bias token id 128"),
         (SamplingParams(allowed_token_ids=[5, 128]), "allowed_token_ids token id 128"),
+        (SamplingParams(stop_token_ids=[7, 200]), "stop_token_ids token id 200"),
         (SamplingParams(allowed_token_ids=[eos], min_tokens=2), "no token could be sampled"),
     ):
         with pytest.raises(ValueError, match=message):

@@ -136,8 +136,10 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
     ) -> None:
-        """Queue a request. Raises ValueError for a duplicate id, an empty prompt, or a prompt plus
-        max_tokens longer than max_model_len."""
+        """Queue a request. Raises ValueError for a duplicate id, an empty prompt, a prompt plus
+        max_tokens longer than max_model_len, a token id outside the vocabulary (logit_bias,
+        allowed_token_ids, stop_token_ids, bad words), or a structured-outputs constraint that cannot be
+        compiled; nothing is queued then."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"add_request: request_id {request_id!r} is already in use")
@@ -155,7 +157,7 @@ class LLMEngine:
                 f"add_request: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens"
             )
-        for name in ("logit_bias", "allowed_token_ids"):
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             outside = [t for t in (getattr(params, name) or ()) if t >= vocab]
             if outside:
                 raise ValueError(f"add_request: {name} token id {outside[0]} is not in [0, {vocab})")
