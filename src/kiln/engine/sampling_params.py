@@ -46,7 +46,10 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which constraint is set: one of STRUCTURED_KINDS."""
-        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+        return self._given()[0]
+
+    def _given(self) -> list[str]:
+        return [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
 
     def validate(self) -> None:
         """Raise ValueError naming the field: exactly one constraint, each of the type it takes."""
@@ -55,7 +58,7 @@ class StructuredOutputsParams:
                 raise ValueError(
                     f"StructuredOutputsParams: {name}={getattr(self, name)!r}, expected True or False"
                 )
-        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(
                 "StructuredOutputsParams: set exactly one of json, regex, choice, grammar, json_object; got "

@@ -125,17 +125,12 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list) -> tuple[torch.Tensor,
         return logits, {}
     vocab = logits.shape[1]
     words = -(-vocab // BITS)
-    bitmask = np.full((len(rows), words), -1, dtype=np.int32)
-    failures = {}
-    for j, i in enumerate(rows):
-        seq = seqs[i]
-        why = seq.grammar.catch_up(seq)
-        if why is not None:
-            failures[seq.request_id] = why
-            continue
-        seq.grammar.fill(bitmask, j)
+    failures = _catch_up([seqs[i] for i in rows])
     if failures:
         return logits, failures
+    bitmask = np.full((len(rows), words), -1, dtype=np.int32)
+    for j, i in enumerate(rows):
+        seqs[i].grammar.fill(bitmask, j)
     at, mask_words = upload(logits.device, [np.asarray(rows, dtype=np.int64), bitmask])
     out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
     out.index_add_(0, at, _additive(mask_words, vocab))
@@ -153,13 +148,12 @@ def mask_proposals(logits: list[torch.Tensor], seqs: list) -> tuple[list[torch.T
         return logits, {}
     vocab = logits[0].shape[1]
     words = -(-vocab // BITS)
-    masks, failures = [], {}
+    failures = _catch_up([seqs[b] for b in constrained])
+    if failures:
+        return logits, failures
+    masks = []
     for b in constrained:
         seq, k = seqs[b], logits[b].shape[0] - 1
-        why = seq.grammar.catch_up(seq)
-        if why is not None:
-            failures[seq.request_id] = why
-            continue
         bitmask = np.full((k + 1, words), -1, dtype=np.int32)
         masks.append(bitmask)
         matcher, walked = seq.grammar.matcher, 0
@@ -170,8 +164,6 @@ def mask_proposals(logits: list[torch.Tensor], seqs: list) -> tuple[list[torch.T
             walked += 1
         if walked:
             matcher.rollback(walked)
-    if failures:
-        return logits, failures
     (mask_words,) = upload(logits[0].device, [np.concatenate(masks)])
     additive = _additive(mask_words, vocab)
     out, start = list(logits), 0
@@ -182,14 +174,22 @@ def mask_proposals(logits: list[torch.Tensor], seqs: list) -> tuple[list[torch.T
     return out, {}
 
 
+def _catch_up(seqs: list) -> dict[str, str]:
+    """Each constrained seq's matcher takes its new output tokens; request_id -> why, for those refused."""
+    failures = {}
+    for seq in seqs:
+        why = seq.grammar.catch_up(seq)
+        if why is not None:
+            failures[seq.request_id] = why
+    return failures
+
+
 def _additive(mask_words: torch.Tensor, vocab: int) -> torch.Tensor:
     """int32 bitmask words [R, words] (on the logits' device) -> float32 [R, vocab]: 0 where a token is
     allowed, -inf where not."""
     rows, words = mask_words.shape
-    table = _byte_masks(mask_words.device)
-    return table.index_select(0, mask_words.view(torch.uint8).flatten().long()).view(rows, words * BITS)[
-        :, :vocab
-    ]
+    expanded = _byte_masks(mask_words.device).index_select(0, mask_words.view(torch.uint8).flatten().long())
+    return expanded.view(rows, words * BITS)[:, :vocab]
 
 
 @functools.cache

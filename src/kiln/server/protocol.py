@@ -23,6 +23,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     Strict,
     StrictBool,
     StrictInt,
@@ -258,6 +259,8 @@ class _SamplingFields(BaseModel):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = Field(default=None, min_length=1)
     guided_grammar: Text | None = None
+    # (the field holding the constraint, its StructuredOutputsParams), built once by _one_constraint
+    _constraint: tuple[str, StructuredOutputsParams] | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _one_constraint(self):
@@ -270,7 +273,7 @@ class _SamplingFields(BaseModel):
             )
         if given:
             try:
-                self.structured_params()
+                params = self._build_constraint()
             except ValueError as exc:
                 why = {"param": given[0], "why": str(exc)}
                 raise PydanticCustomError("invalid_constraint", "{why}", why) from None
@@ -280,6 +283,7 @@ class _SamplingFields(BaseModel):
                     "at most {limit} characters of JSON",
                     {"param": given[0], "limit": MAX_GRAMMAR_CHARS},
                 )
+            self._constraint = (given[0], params)
         return self
 
     def _set(self, name: str) -> bool:
@@ -292,6 +296,15 @@ class _SamplingFields(BaseModel):
 
     def structured_params(self) -> StructuredOutputsParams | None:
         """The request's output constraint as SamplingParams takes it (None: no constraint)."""
+        return None if self._constraint is None else self._constraint[1]
+
+    def constraint_param(self) -> str | None:
+        """The request field that holds its output constraint (what a 400 about it names)."""
+        return None if self._constraint is None else self._constraint[0]
+
+    def _build_constraint(self) -> StructuredOutputsParams:
+        """The one constraint field given (response_format of a JSON type, structured_outputs or a
+        guided_* field) as StructuredOutputsParams; ValueError when its fields do not make one."""
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
             return StructuredOutputsParams(json_object=True)
@@ -307,14 +320,8 @@ class _SamplingFields(BaseModel):
                 json_object=bool(so.json_object),
                 disable_any_whitespace=so.disable_any_whitespace,
             )
-        for name, kind in GUIDED_FIELDS.items():
-            if getattr(self, name) is not None:
-                return StructuredOutputsParams(**{kind: getattr(self, name)})
-        return None
-
-    def constraint_param(self) -> str | None:
-        """The request field that holds its output constraint (what a 400 about it names)."""
-        return next((name for name in CONSTRAINT_FIELDS if self._set(name)), None)
+        name, kind = next((n, k) for n, k in GUIDED_FIELDS.items() if getattr(self, n) is not None)
+        return StructuredOutputsParams(**{kind: getattr(self, name)})
 
     def token_biases(self) -> dict[int, float] | None:
         """logit_bias as SamplingParams takes it ({token id: bias}; None for none)."""
