@@ -2,12 +2,13 @@
 every running request (at most max_num_seqs, in arrival order) one token, the next letter of
 "abcdefghij..." as text (and, with logprobs, a table of the token, one alternative and one at -inf);
 a sampled request's seed goes to a torch.Generator as in the real sampler; `fail_next_step` makes
-one step raise (`die_next_step`: with an exception that ends the engine loop); `poisoned_prompts`
-(token-id tuples) make every step that batches such a request raise a SamplingError naming it, before
-anything advances, as the real sampler does for a seed it cannot use; `step_delay` slows steps down.
+one step raise (`die_next_step`: with an exception that ends the engine loop); `stop_at` ends
+requests with finish_reason "stop" after that many tokens; `poisoned_prompts` (token-id tuples)
+make every step that batches such a request raise a SamplingError naming it, before anything
+advances, as the real sampler does for a seed it cannot use; `step_delay` slows steps down.
 Outputs follow SamplingParams.output_kind as LLMEngine's do: cumulative, delta (only the new token)
 or final_only (one output, at the end); `outputs` counts the outputs returned, `params` keeps every
-request's SamplingParams."""
+request's SamplingParams. ScriptedTokenizer makes the outputs spell a given reply."""
 
 from __future__ import annotations
 
@@ -35,10 +36,23 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(ord("a") + (i - 1) % 26) for i in ids if i)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + (
-            "<assistant>" if add_generation_prompt else ""
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
+        described = "".join(f"<tool>{t['function']['name']}" for t in tools or ())
+        return (
+            described
+            + "".join(f"<{m['role']}>{m['content']}" for m in messages)
+            + ("<assistant>" if add_generation_prompt else "")
         )
+
+
+class ScriptedTokenizer(FakeTokenizer):
+    """FakeTokenizer whose token i (the engine's i-th output token, 1-based) reads as reply[i - 1]."""
+
+    def __init__(self, reply: str):
+        self.reply = reply
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(self.reply[i - 1] for i in ids if 0 < i <= len(self.reply))
 
 
 class FakeEngine:
@@ -58,12 +72,15 @@ class FakeEngine:
         self.thread_ids: set[int] = set()  # threads that called the engine
         self.outputs = 0
         self.params: list = []  # every added request's SamplingParams
+        self.prompts: list[list[int]] = []  # and its prompt
+        self.stop_at: int | None = None  # a request ends with "stop" after this many tokens
 
     def add_request(self, request_id, prompt, params) -> None:
         self.thread_ids.add(threading.get_ident())
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         self.params.append(params)
+        self.prompts.append(list(prompt))
         self.requests[request_id] = {
             "prompt": list(prompt),
             "params": params,
@@ -111,7 +128,8 @@ class FakeEngine:
                 token = req["tokens"][-1]
                 table = {token: -0.25, token + 1: -1.5, token + 2: float("-inf")}
                 req.setdefault("logprobs", []).append(table)
-            done = len(req["tokens"]) >= req["params"].max_tokens
+            stopped = self.stop_at is not None and len(req["tokens"]) >= self.stop_at
+            done = stopped or len(req["tokens"]) >= req["params"].max_tokens
             if done:
                 del self.requests[request_id]
             kind = req["params"].output_kind
@@ -128,7 +146,7 @@ class FakeEngine:
                     token_ids=tokens,
                     text=self.tokenizer.decode(tokens),
                     finished=done,
-                    finish_reason="length" if done else None,
+                    finish_reason=("stop" if stopped else "length") if done else None,
                     logprobs=logprobs,
                     arrival_time=req["t0"],
                     first_token_time=req["first"],

@@ -19,12 +19,15 @@ from .fake_engine import FakeEngine, FakeTokenizer
 MODEL = "SmolLM2-135M-Instruct"
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 def completion(**fields):
     return {"model": MODEL, "prompt": "hi", "max_tokens": 2, **fields}
 
 
 def chat(**fields):
-    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | fields
 
 
 class CountingTokenizer(FakeTokenizer):
@@ -196,8 +199,40 @@ BAD_FIELDS = {
         "guided_regex",
     ),
     "guided_choice_empty": ("/v1/completions", completion(guided_choice=[]), "guided_choice"),
-    "tools": ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    "tool_choice_required": ("/v1/chat/completions", chat(tool_choice="required"), "tool_choice"),
+    # tool calling: auto needs the server's parser; named and required need tools of those names
+    "tools_auto_without_a_parser": ("/v1/chat/completions", chat(tools=[TOOL]), "tool_choice"),
+    "tool_choice_required_without_tools": (
+        "/v1/chat/completions",
+        chat(tool_choice="required"),
+        "tool_choice",
+    ),
+    "tool_choice_named_unknown": (
+        "/v1/chat/completions",
+        chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+        "tool_choice",
+    ),
+    "tool_choice_unknown_word": (
+        "/v1/chat/completions",
+        chat(tools=[TOOL], tool_choice="sometimes"),
+        "tool_choice",
+    ),
+    "tools_two_of_one_name": ("/v1/chat/completions", chat(tools=[TOOL, TOOL], tool_choice="none"), "tools"),
+    "tool_name_with_a_space": (
+        "/v1/chat/completions",
+        chat(tools=[{"type": "function", "function": {"name": "get weather"}}], tool_choice="none"),
+        "tools[0].function.name",
+    ),
+    "tool_choice_and_response_format": (
+        "/v1/chat/completions",
+        chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}),
+        "tool_choice",
+    ),
+    "tool_call_arguments_not_text": (
+        "/v1/chat/completions",
+        chat(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]),
+        "messages[0].tool_calls[0].function.arguments",
+    ),
+    "completion_tools": ("/v1/completions", completion(tools=[TOOL]), "tools"),
     # vLLM's extensions this server does not implement: ignoring them answered another request
     "prompt_logprobs": ("/v1/completions", completion(prompt_logprobs=1), "prompt_logprobs"),
     "guided_any_other": ("/v1/completions", completion(guided_something_new="x"), "guided_something_new"),

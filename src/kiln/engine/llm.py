@@ -62,10 +62,14 @@ class LLM:
         self,
         messages_list: list[list[dict]] | list[dict],
         params: SamplingParams | list[SamplingParams] | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations ([{"role": ..., "content": ...}, ...]) via the chat template."""
+        """Generate replies to conversations ([{"role": ..., "content": ...}, ...]) via the chat template.
+        `tools`: function definitions ([{"type": "function", "function": {...}}]) the template describes
+        to the model (the server's tool_choice reads calls out of the replies; this returns the text)."""
         if messages_list and isinstance(messages_list[0], dict):
             messages_list = [messages_list]
         # Message content is tokenized as text: typed special-token text cannot forge a turn.
-        prompts = [self.tokenizer.encode_chat(conversation) for conversation in messages_list]
+        extra = {"tools": tools} if tools else {}  # (tokenizers of test models take no tools)
+        prompts = [self.tokenizer.encode_chat(conversation, **extra) for conversation in messages_list]
         return self.generate(prompts, params)

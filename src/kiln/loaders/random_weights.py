@@ -208,7 +208,12 @@ class RandomTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return f"<{token_id}>" if 0 <= token_id < self.vocab_size else None
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         raise ValueError(f"apply_chat_template: the random model {self.source} has no chat template")
 
     def encode_chat(
@@ -216,6 +221,7 @@ class RandomTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         special_tokens_in_content: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """As kiln's Tokenizer.encode_chat (same arguments): a random model has no chat template, so
         this raises ValueError naming it."""

@@ -201,19 +201,20 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         special_tokens_in_content: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The token ids of `messages` rendered with the chat template (no BOS added by encode: the
         template writes its own). Special-token text in a message's content, or straddling its edge,
         is tokenized as text unless special_tokens_in_content. When there is none, the ids are exactly
-        encode(apply_chat_template(messages), add_special_tokens=False)."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        encode(apply_chat_template(messages, tools=tools), add_special_tokens=False)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         if special_tokens_in_content or self._special_pattern is None:
             return self.encode(text, add_special_tokens=False)
         specials = list(self._special_pattern.finditer(text))
         if not specials:
             return self.encode(text, add_special_tokens=False)
         try:
-            spans = self._content_spans(messages, add_generation_prompt, text)
+            spans = self._content_spans(messages, add_generation_prompt, text, tools)
         except ValueError:
             if any(
                 isinstance(m.get("content"), str) and self._special_pattern.search(m["content"])
@@ -239,7 +240,11 @@ class Tokenizer:
         return ids
 
     def _content_spans(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, text: str
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        text: str,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[tuple[int, int]]:
         """[start, end) of each message content in `text` (the rendered chat). Found by rendering again
         with a random marker on each side of every content (inside its leading/trailing whitespace, so a
@@ -255,7 +260,7 @@ class Tokenizer:
                 trail = content[len(content.rstrip()) :]
                 m = {**m, "content": f"{lead}{marker}{core}{marker}{trail}" if core else content}
             marked.append(m)
-        pieces = self.apply_chat_template(marked, add_generation_prompt).split(marker)
+        pieces = self.apply_chat_template(marked, add_generation_prompt, tools).split(marker)
         if len(pieces) % 2 == 0 or "".join(pieces) != text:
             raise ValueError(
                 "a message contains special-token text, and this model's chat template changes message "
@@ -292,9 +297,16 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's jinja2 template, the way
-        transformers does (sandboxed, trim_blocks, lstrip_blocks)."""
+        transformers does (sandboxed, trim_blocks, lstrip_blocks). `tools`: function definitions
+        ([{"type": "function", "function": {"name", "description", "parameters"}}]) for templates that
+        describe them to the model (others ignore them)."""
         if not self.chat_template:
             raise ValueError(
                 f"apply_chat_template: the tokenizer from {self.source or 'this model'} has no chat template"
@@ -303,6 +315,7 @@ class Tokenizer:
         return template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
         )
@@ -317,9 +330,7 @@ class Tokenizer:
                 raise TemplateError(message)
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.filters["tojson"] = lambda value, indent=None: json.dumps(
-                value, ensure_ascii=False, indent=indent
-            )
+            env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = (self.chat_template, env.from_string(self.chat_template))
@@ -327,6 +338,14 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson filter (not jinja's, which escapes HTML), with its options: tool-calling
+    templates write tools and arguments with indent / separators."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _byte_level_tokenizer(

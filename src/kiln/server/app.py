@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kiln.server import protocol
 from kiln.server.async_engine import AsyncEngine, EngineError, EngineStopped, QueueFull
 from kiln.server.metrics import CONTENT_TYPE, ServerMetrics
-from kiln.server.serving import APIError, OpenAIServing, bad_request, collect, stream_events
+from kiln.server.serving import APIError, OpenAIServing, bad_request, collect, stream_events, tool_replies
+from kiln.server.tool_parsers import tool_parser
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: ~1M tokens of text, far past any context length served here
@@ -47,6 +48,7 @@ def create_app(
     max_queue: int | None = None,
     max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
     allow_special_tokens_in_chat: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """Build the app around `engine` (an LLMEngine, or anything with its step API that honours
     SamplingParams.output_kind: streams ask for "delta" outputs, other requests "final_only").
@@ -55,6 +57,9 @@ def create_app(
     max_body_bytes: larger request bodies get 413 before they are read (None = no limit).
     allow_special_tokens_in_chat: let special-token text in chat message content (`<|im_start|>`)
         become control tokens; by default it is tokenized as the text it is.
+    tool_call_parser: the parser (kiln.server.tool_parsers: "hermes", "llama3_json") that reads the
+        calls of a chat request with tools and tool_choice "auto" (without one such requests get a 400;
+        named and required tool choices need none).
     The engine loop thread starts with the app (lifespan) and stops with it.
     """
     metrics = ServerMetrics()
@@ -70,6 +75,8 @@ def create_app(
         metrics.set_engine_stats(engine.stats())
     async_engine = AsyncEngine(engine, metrics, max_queue)
     serving = OpenAIServing(async_engine, model_name, allow_special_tokens_in_chat)
+    if tool_call_parser is not None:
+        tool_parser(tool_call_parser)  # an unknown name: ValueError now, not at the first request
     counter = itertools.count()
 
     @asynccontextmanager
@@ -136,6 +143,7 @@ def create_app(
         stream: bool,
         include_usage,
         echo_texts=None,
+        tools=None,
     ):
         request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         created = int(time.time())  # one value for the response, or for every chunk of the stream
@@ -173,6 +181,7 @@ def create_app(
                         prompt_tokens,
                         include_usage,
                         echo_texts,
+                        tools,
                     ):
                         yield event
                     client_gone = False
@@ -194,7 +203,7 @@ def create_app(
         if finals is None:  # client gone: nobody to answer
             return Response(status_code=499)
         body = await serving.off_loop(
-            serving.final_response, request_id, created, finals, chat, top_n, prompt_tokens, echo_texts
+            serving.final_response, request_id, created, finals, chat, top_n, prompt_tokens, echo_texts, tools
         )
         return JSONResponse(body)
 
@@ -234,6 +243,7 @@ def create_app(
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = _max_tokens(max_tokens, None)
         serving.check_fits(1, req.n)
+        tools = tool_replies(req, tool_call_parser)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         await serving.compile_constraint(req)
         prompt = await serving.chat_prompt(req)
@@ -246,6 +256,7 @@ def create_app(
             len(prompt),
             req.stream,
             bool(req.stream_options and req.stream_options.include_usage),
+            tools=tools,
         )
 
     @app.get("/v1/models")

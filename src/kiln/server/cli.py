@@ -9,6 +9,7 @@ from kiln.engine.cpu_args import add_cpu_arguments, cpu_config_from_args
 from kiln.engine.expert_args import add_expert_arguments, expert_config_from_args
 from kiln.engine.kv_cache_args import add_kv_cache_arguments, kv_cache_config_from_args
 from kiln.engine.speculative.args import add_speculative_arguments, speculative_config_from_args
+from kiln.server.tool_parsers import TOOL_PARSERS
 
 
 def add_parser(subparsers) -> None:
@@ -58,6 +59,17 @@ def add_parser(subparsers) -> None:
         "--pp", type=int, default=1, help="pipeline stages of the decoder layers (--tp x --pp ranks in all)"
     )
     add_speculative_arguments(parser)
+    parser.add_argument(  # vLLM's two flags (docs/server.md: Tool calling)
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='read the model\'s own tool calls for tool_choice "auto" (with --tool-call-parser)',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="the format the model writes tool calls in: hermes (Hermes, Qwen2.5/3), llama3_json",
+    )
     parser.set_defaults(func=run)
 
 
@@ -70,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
     from kiln.server.app import DEFAULT_MAX_BODY_BYTES, create_app
     from kiln.server.launch import build_off_main_thread, served_model_name
 
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        print("kiln serve: --enable-auto-tool-choice and --tool-call-parser go together", file=sys.stderr)
+        return 2
     if args.max_queue is not None and args.max_queue < 0:
         print("kiln serve: --max-queue must be >= 0", file=sys.stderr)
         return 2
@@ -114,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_body_bytes=max_body_bytes,
         allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
+        tool_call_parser=args.tool_call_parser,
     )
     print(f"kiln serve: {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -5,7 +5,7 @@ Requests are pydantic models with strict types: a field of the wrong type (JSON 
 app.py, `param` naming the field).
 Responses are plain dicts built by the helpers at the bottom (they are serialized once, straight to
 JSON, which keeps the streaming path cheap). Fields of OpenAI's or vLLM's API that Kiln does not
-implement (tools, beam search, ...) are accepted only at the value that changes nothing
+implement (beam search, ...) are accepted only at the value that changes nothing
 (OpenAI clients send some of them by default), a 400 naming them otherwise; other unknown fields are
 ignored.
 """
@@ -38,6 +38,17 @@ from kiln.engine.sampling_params import (
     SEED_MAX,
     SEED_MIN,
     StructuredOutputsParams,
+)
+from kiln.server.tool_protocol import (
+    ChatTool,
+    FunctionDefinition,
+    NamedToolChoice,
+    ToolCallFunction,
+    ToolCallParam,
+    ToolChoice,
+    check_tools,
+    tool_constraint,
+    tool_mode,
 )
 
 MAX_STOP_STRINGS = 16  # each is searched for after every token: a long list slows the whole batch
@@ -76,10 +87,8 @@ class StreamOptions(BaseModel):
 # extensions that this server does not implement: each is accepted at a value that changes nothing
 # (or null), a 400 naming it otherwise, as answering while ignoring it would answer another request.
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (lambda v: v == [], "an empty list"),
-    "tool_choice": (lambda v: v in ("none", "auto"), '"none" or "auto" (there are no tools)'),
-    "functions": (lambda v: v == [], "an empty list"),
-    "function_call": (lambda v: v in ("none", "auto"), '"none" or "auto" (there are no functions)'),
+    "functions": (lambda v: v == [], "an empty list (the deprecated functions are not read: send tools)"),
+    "function_call": (lambda v: v in ("none", "auto"), '"none" or "auto" (send tool_choice)'),
     # vLLM's extensions
     "prompt_logprobs": (
         lambda v: False,
@@ -107,6 +116,8 @@ CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex, grammar or the choices together: compiled per request
 COMPLETION_UNSUPPORTED = {
     **UNSUPPORTED,
+    "tools": (lambda v: v == [], "an empty list (tools are a chat completions field)"),
+    "tool_choice": (lambda v: v == "none", '"none" (tools are a chat completions field)'),
     "suffix": (lambda v: v == "", "an empty string"),
     "add_special_tokens": (lambda v: v is True, "true (a completion prompt is encoded with them)"),
     "prompt_embeds": (lambda v: False, "null"),
@@ -387,6 +398,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant message's calls (tool_call_id: extra)
 
     @field_validator("content")
     @classmethod
@@ -423,11 +435,43 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: StrictInt | None = None
+    # tool calling (kiln.server.tool_protocol)
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # null: true
 
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data):
         return _refuse_unsupported(data, CHAT_UNSUPPORTED)
+
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        try:
+            check_tools(self.tools, self.tool_choice)
+        except ValueError as exc:
+            param = "tools" if str(exc).startswith(("two tools", "at most")) else "tool_choice"
+            raise PydanticCustomError("invalid_tools", "{why}", {"param": param, "why": str(exc)}) from None
+        params = tool_constraint(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+        if params is not None:
+            if len(json.dumps(params.json)) > MAX_GRAMMAR_CHARS:
+                raise PydanticCustomError(
+                    "constraint_too_long",
+                    "the tools' schemas: at most {limit} characters of JSON",
+                    {"param": "tools", "limit": MAX_GRAMMAR_CHARS},
+                )
+            if self._constraint is not None:
+                raise PydanticCustomError(
+                    "conflicting_constraints",
+                    "a named or required tool_choice constrains the reply itself; leave out {given}",
+                    {"param": "tool_choice", "given": self._constraint[0]},
+                )
+            self._constraint = ("tool_choice", params)
+        return self
+
+    def tool_mode(self) -> str:
+        """The tool mode: "none", "auto", "required" or "named" (kiln.server.tool_protocol.tool_mode)."""
+        return tool_mode(self.tools, self.tool_choice)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -449,6 +493,11 @@ FIELD_NAMES = frozenset(
         ResponseFormat,
         JsonSchemaFormat,
         StructuredOutputsFields,
+        ChatTool,
+        FunctionDefinition,
+        NamedToolChoice,
+        ToolCallParam,
+        ToolCallFunction,
     )
     for name, field in model.model_fields.items()
 )

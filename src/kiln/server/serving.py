@@ -33,6 +33,9 @@ from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.sampling_params import SamplingParams
 from kiln.server import protocol
 from kiln.server.async_engine import AsyncEngine, SubRequest
+from kiln.server.tool_calls import ToolReplies
+from kiln.server.tool_parsers import tool_parser
+from kiln.server.tool_protocol import template_message, template_tools
 
 # prompts of at least this many characters (in one request) are followed by a malloc_trim: the
 # tokenizer's transient buffers (~80 bytes a character) would otherwise stay in the process's RSS
@@ -149,20 +152,22 @@ class OpenAIServing:
         return ids
 
     async def chat_prompt(self, req: protocol.ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        return await self.off_loop(self._encode_chat, messages)
+        messages = [template_message(m) for m in req.messages]
+        return await self.off_loop(self._encode_chat, messages, template_tools(req.tools))
 
-    def _encode_chat(self, messages: list[dict]) -> list[int]:
+    def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         encode_chat = getattr(self.tokenizer, "encode_chat", None)
+        extra = {"tools": tools} if tools else {}
         try:
             if encode_chat is not None:  # kiln's Tokenizer: content text is never a special token
                 ids = encode_chat(
                     messages,
                     add_generation_prompt=True,
                     special_tokens_in_content=self.allow_special_tokens_in_chat,
+                    **extra,
                 )
-            else:  # tokenizers without that (random-weight models): plain template + encode
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            else:  # tokenizers without it: plain template + encode
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
                 # the template writes its own special tokens; don't let encode add a second BOS
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
         except ValueError as exc:  # the template raises on conversations it does not accept
@@ -312,20 +317,22 @@ class OpenAIServing:
         top_n: int | None,
         prompt_tokens: int,
         echo_texts: list[str] | None = None,
+        tools: ToolReplies | None = None,
     ) -> dict:
-        """The non-streaming response body from each choice's final RequestOutput."""
+        """The non-streaming response body from each choice's final RequestOutput (a chat reply's tool
+        calls read by `tools`)."""
         choices = []
         for index, out in enumerate(finals):
             entries = self.logprob_entries(out, top_n) if top_n is not None else None
             if chat:
                 logprobs = protocol.chat_logprobs(entries) if entries is not None else None
-                message = {"role": "assistant", "content": out.text}
+                message, finish_reason = (tools or NO_TOOLS).message(out.text, out.finish_reason)
                 choices.append(
                     {
                         "index": index,
                         "message": message,
                         "logprobs": logprobs,
-                        "finish_reason": out.finish_reason,
+                        "finish_reason": finish_reason,
                     }
                 )
             else:
@@ -456,6 +463,32 @@ async def collect(queue: asyncio.Queue, count: int) -> list:
     return finals
 
 
+NO_TOOLS = ToolReplies("none")  # a chat request without tools: its reply is content
+
+
+def _merged(first: dict, second: dict) -> dict:
+    """Two stream deltas of one event as one (content texts joined)."""
+    if "content" in first and "content" in second:
+        return {**first, **second, "content": first["content"] + second["content"]}
+    return {**first, **second}
+
+
+def tool_replies(req: protocol.ChatCompletionRequest, parser_name: str | None) -> ToolReplies:
+    """How the request's replies become messages; `parser_name`: the server's tool-call parser."""
+    mode = req.tool_mode()
+    if mode == "auto":
+        if parser_name is None:
+            raise bad_request(
+                'tool_choice: "auto" (the default when tools are given) needs a server started with '
+                '--enable-auto-tool-choice --tool-call-parser NAME; send tool_choice "required", a '
+                'named function or "none" to this one',
+                "tool_choice",
+            )
+        return ToolReplies(mode, tool_parser(parser_name))
+    function = req.tool_choice.function.name if mode == "named" else None
+    return ToolReplies(mode, function=function)
+
+
 def sse(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n"
@@ -472,12 +505,15 @@ async def stream_events(
     prompt_tokens: int,
     include_usage: bool,
     echo_texts: list[str] | None = None,
+    tools: ToolReplies | None = None,
 ) -> AsyncIterator[str]:
     """The SSE stream: text deltas per choice as tokens arrive, a finish chunk per choice, optional
     usage chunk, then `data: [DONE]`. An engine failure becomes an error event before [DONE].
     The queue carries the engine's delta outputs: each event sends what its output holds (the engine
-    holds back text that may begin a stop string, so the streamed text is the non-streamed one)."""
+    holds back text that may begin a stop string, so the streamed text is the non-streamed one). A chat
+    choice's text goes through its ToolStream (`tools`): content, or tool-call deltas."""
     model = serving.model_name
+    tool_streams = [(tools or NO_TOOLS).stream() for _ in range(count)] if chat else None
     # completions' text_offset: counted from the echoed prompt, as the non-streamed response counts
     offsets: list[TextOffsets | None] = [None] * count
     completion_tokens = 0
@@ -529,12 +565,13 @@ async def stream_events(
         if not (delta or finish or logprobs):
             continue
         if chat:
-            choice = {
-                "index": index,
-                "delta": {"content": delta} if delta else {},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
+            message = tool_streams[index].feed(delta)
+            if item.finished:
+                last, finish = tool_streams[index].finish(finish)
+                message = _merged(message, last)
+            if not (message or finish or logprobs):
+                continue
+            choice = {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
         yield sse(protocol.stream_chunk(request_id, model, [choice], chat, created))
