@@ -44,6 +44,16 @@ def test_kiln_serve_rejects_bad_options_without_loading_a_model(capsys):
     assert main(["serve", "--max-queue", "-1"]) == 2
     assert main(["serve", "--max-num-seqs", "0"]) == 2
     assert "max_num_seqs" in capsys.readouterr().err
+    # vLLM's tool-calling flags go together, and the parser is one Kiln has
+    assert main(["serve", "--enable-auto-tool-choice"]) == 2
+    assert main(["serve", "--tool-call-parser", "hermes"]) == 2
+    assert "--enable-auto-tool-choice and --tool-call-parser go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"])
+    args = build_parser().parse_args(
+        ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
+    )
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "llama3_json")
 
 
 def test_served_model_name_is_the_checkpoint_name():
