@@ -153,3 +153,48 @@ def test_the_calls_a_hermes_template_writes_are_what_the_hermes_parser_reads(tok
         ("get_weather", {"city": "Paris"}),
         ("add", {"a": 2, "b": 3}),
     ]
+
+
+def test_a_models_tool_use_template_renders_conversations_with_tools_as_transformers_picks_it(
+    tokenizers, tmp_path
+):
+    """tokenizer_config.json's list of named templates (Hermes 2 Pro ships "default" and "tool_use"):
+    with tools, the "tool_use" one, as transformers chooses; without, the default."""
+    _, hf = tokenizers
+    hf.save_pretrained(tmp_path)
+    for leftover in tmp_path.glob("chat_template.jinja"):
+        leftover.unlink()
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    default = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    config["chat_template"] = [
+        {"name": "default", "template": default},
+        {"name": "tool_use", "template": TOOL_TEMPLATE},
+    ]
+    config_path.write_text(json.dumps(config))
+    kiln = Tokenizer.from_hf_dir(str(tmp_path))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    messages = _conversation()
+    for tools in (TOOLS, None):
+        expected = theirs.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        assert kiln.apply_chat_template(messages, tools=tools) == expected
+    assert kiln.apply_chat_template(messages).startswith("<system>Be brief.")
+    assert "<tools>" in kiln.apply_chat_template(messages, tools=TOOLS)
+
+
+def test_a_gguf_tool_use_template_is_read_from_its_metadata_key():
+    """llama.cpp's converter writes a model's named templates as tokenizer.chat_template.<name>."""
+    path = default_model_path()
+    _, meta = open_gguf(path)
+    kiln = Tokenizer.from_gguf_metadata(
+        {**meta, "tokenizer.chat_template.tool_use": TOOL_TEMPLATE}, source=path
+    )
+    messages = _conversation()
+    assert "<tools>" in kiln.apply_chat_template(messages, tools=TOOLS)
+    assert kiln.apply_chat_template(messages) == Tokenizer.from_gguf_metadata(meta).apply_chat_template(
+        messages
+    )
+    with pytest.raises(Exception, match="'tokenizer.chat_template.tool_use' is not a string"):
+        Tokenizer.from_gguf_metadata({**meta, "tokenizer.chat_template.tool_use": 3}, source=path)

@@ -84,11 +84,15 @@ class Tokenizer:
         chat_template: str | None = None,
         add_bos_token: bool = False,
         source: str = "",
+        tool_use_template: str | None = None,
     ):
         self._tok = tokenizer
         self.bos_token_id = bos_token_id
         self.eos_token_ids = [int(i) for i in eos_token_ids]
         self.chat_template = chat_template
+        # a model's second template, for conversations with tools (Hermes 2 Pro's "tool_use"), as
+        # transformers picks it
+        self.tool_use_template = tool_use_template
         self.add_bos_token = add_bos_token
         self.source = source
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -102,7 +106,7 @@ class Tokenizer:
         )
         self._text_tok: RustTokenizer | None = None  # a copy that reads special-token text as text
         self._text_tok_lock = threading.Lock()
-        self._template = None  # (source, compiled jinja2 template) of chat_template
+        self._templates: dict[str, Any] = {}  # template source -> compiled jinja2 template
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -130,6 +134,7 @@ class Tokenizer:
         if template is None and os.path.isfile(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
                 template = f.read()
+        tool_use = None
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = [t for t in template if isinstance(t, dict) and isinstance(t.get("template"), str)]
             if not named:
@@ -137,6 +142,7 @@ class Tokenizer:
             template = next(
                 (t["template"] for t in named if t.get("name") == "default"), named[0]["template"]
             )
+            tool_use = next((t["template"] for t in named if t.get("name") == "tool_use"), None)
         if template is not None and not isinstance(template, str):
             raise ModelLoadError(
                 f"{config_path}: 'chat_template' is {type(template).__name__}, expected text"
@@ -151,7 +157,14 @@ class Tokenizer:
         config_eos = token_id(config.get("eos_token"))
         if config_eos is not None and config_eos not in eos:
             eos.append(config_eos)
-        return cls(tok, bos_token_id=bos, eos_token_ids=eos, chat_template=template, source=path)
+        return cls(
+            tok,
+            bos_token_id=bos,
+            eos_token_ids=eos,
+            chat_template=template,
+            source=path,
+            tool_use_template=tool_use,
+        )
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], source: str = "") -> Tokenizer:
@@ -173,9 +186,15 @@ class Tokenizer:
         eos_ids = [] if eos is None else [eos]
         if eot is not None and eot not in eos_ids:
             eos_ids.append(eot)
-        template = meta.get("tokenizer.chat_template")
-        if template is not None and not isinstance(template, str):
-            raise ModelLoadError(f"{source}: metadata key 'tokenizer.chat_template' is not a string")
+        template, tool_use = (
+            meta.get(k) for k in ("tokenizer.chat_template", "tokenizer.chat_template.tool_use")
+        )
+        for key, value in (
+            ("tokenizer.chat_template", template),
+            ("tokenizer.chat_template.tool_use", tool_use),
+        ):
+            if value is not None and not isinstance(value, str):
+                raise ModelLoadError(f"{source}: metadata key '{key}' is not a string")
         # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama"))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
@@ -190,6 +209,7 @@ class Tokenizer:
             chat_template=template,
             add_bos_token=first is not None,
             source=source,
+            tool_use_template=tool_use,
         )
 
     # ---- use ----------------------------------------------------------------------------------
@@ -306,12 +326,14 @@ class Tokenizer:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's jinja2 template, the way
         transformers does (sandboxed, trim_blocks, lstrip_blocks). `tools`: function definitions
         ([{"type": "function", "function": {"name", "description", "parameters"}}]) for templates that
-        describe them to the model (others ignore them)."""
-        if not self.chat_template:
+        describe them to the model (others ignore them); with tools, the model's "tool_use" template
+        where it has one."""
+        source = self.tool_use_template if tools and self.tool_use_template else self.chat_template
+        if not source:
             raise ValueError(
                 f"apply_chat_template: the tokenizer from {self.source or 'this model'} has no chat template"
             )
-        template = self._compiled_template()
+        template = self._compiled_template(source)
         return template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -320,9 +342,9 @@ class Tokenizer:
             eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
         )
 
-    def _compiled_template(self):
-        """The chat template compiled once (a server renders it for every chat request)."""
-        if self._template is None or self._template[0] != self.chat_template:
+    def _compiled_template(self, source: str):
+        """A chat template compiled once (a server renders it for every chat request)."""
+        if source not in self._templates:
             from jinja2.exceptions import TemplateError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -333,8 +355,8 @@ class Tokenizer:
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = (self.chat_template, env.from_string(self.chat_template))
-        return self._template[1]
+            self._templates[source] = env.from_string(source)
+        return self._templates[source]
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
