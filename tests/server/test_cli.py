@@ -49,7 +49,7 @@ def test_kiln_serve_rejects_bad_options_without_loading_a_model(capsys):
     assert main(["serve", "--tool-call-parser", "hermes"]) == 2
     assert "--enable-auto-tool-choice and --tool-call-parser go together" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"])
+        build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "mistral"])
     args = build_parser().parse_args(
         ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
     )

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from kiln.server.tool_calls import ToolReplies, required_calls
-from kiln.server.tool_parsers import HermesToolParser, Llama3JsonToolParser, tool_parser
+from kiln.server.tool_parsers import HermesToolParser, Llama3JsonToolParser, PythonicToolParser, tool_parser
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 
@@ -59,6 +59,23 @@ LLAMA3_CASES = [
 ]
 
 
+PYTHONIC_CASES = [
+    ('[get_weather(city="Paris", unit="celsius")]', (None, [("get_weather", WEATHER)])),
+    (
+        "\n[a(x=[1, 2.5], y={'k': None, 'b': True}), now()]",
+        (None, [("a", {"x": [1, 2.5], "y": {"k": None, "b": True}}), ("now", {})]),
+    ),
+    ("It is [probably] sunny.", None),
+    ("[f(1)]", None),  # positional arguments: not this format
+    ('[__import__("os").system("ls")]', None),  # never evaluated: not a call of a plain name
+    ('[f(a=open("x"))]', None),  # a value that is not a literal
+    ("[f(a=1e999)]", None),  # no JSON for it
+    ("[f(**kw)]", None),
+    ("[]", None),
+    ("[f(a=1)", None),  # cut short
+]
+
+
 def _decoded(found):
     if found is None:
         return None
@@ -76,11 +93,16 @@ def test_llama3_json_parser_reads_llama_json_tool_calls(reply, expected):
     assert _decoded(Llama3JsonToolParser().extract(reply)) == expected
 
 
+@pytest.mark.parametrize("reply,expected", PYTHONIC_CASES)
+def test_pythonic_parser_reads_calls_by_keyword_with_literal_values_only(reply, expected):
+    assert _decoded(PythonicToolParser().extract(reply)) == expected
+
+
 def test_arguments_given_as_text_stay_that_text_and_unknown_parsers_are_named():
     found = HermesToolParser().extract('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')
     assert found == (None, [("f", '{"a": 1}')])
-    with pytest.raises(ValueError, match="'pythonic' is unknown; known: hermes, llama3_json"):
-        tool_parser("pythonic")
+    with pytest.raises(ValueError, match="'mistral' is unknown; known: hermes, llama3_json, pythonic"):
+        tool_parser("mistral")
 
 
 def test_required_replies_are_arrays_of_named_calls():
@@ -124,6 +146,7 @@ def _assemble(deltas: list[dict]) -> tuple[str | None, list[tuple[str, str]] | N
 STREAM_CASES = (
     [("auto", "hermes", reply) for reply, _ in HERMES_CASES]
     + [("auto", "llama3_json", reply) for reply, _ in LLAMA3_CASES]
+    + [("auto", "pythonic", reply) for reply, _ in PYTHONIC_CASES]
     + [
         ("required", None, json.dumps([{"name": "get_weather", "parameters": WEATHER}])),
         ("required", None, '[{"name": "get_weather", "parameters": {"ci'),

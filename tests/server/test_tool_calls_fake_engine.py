@@ -41,6 +41,7 @@ HERMES = (
     '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
 )
 LLAMA3 = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "now", "parameters": {}}'
+PYTHONIC = '[get_weather(city="Paris"), now()]'
 CALLS = [("get_weather", {"city": "Paris"}), ("now", {})]
 
 
@@ -57,7 +58,8 @@ def _calls(tool_calls) -> list[tuple[str, dict]]:
 
 
 @pytest.mark.parametrize(
-    "parser,reply,content", [("hermes", HERMES, "Checking.\n"), ("llama3_json", LLAMA3, None)]
+    "parser,reply,content",
+    [("hermes", HERMES, "Checking.\n"), ("llama3_json", LLAMA3, None), ("pythonic", PYTHONIC, None)],
 )
 def test_auto_tool_calls_are_read_by_the_servers_parser_streamed_or_not(parser, reply, content):
     srv, engine, client = serve(reply, parser)

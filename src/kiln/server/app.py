@@ -57,9 +57,9 @@ def create_app(
     max_body_bytes: larger request bodies get 413 before they are read (None = no limit).
     allow_special_tokens_in_chat: let special-token text in chat message content (`<|im_start|>`)
         become control tokens; by default it is tokenized as the text it is.
-    tool_call_parser: the parser (kiln.server.tool_parsers: "hermes", "llama3_json") that reads the
-        calls of a chat request with tools and tool_choice "auto" (without one such requests get a 400;
-        named and required tool choices need none).
+    tool_call_parser: the parser (kiln.server.tool_parsers: "hermes", "llama3_json", "pythonic") that
+        reads the calls of a chat request with tools and tool_choice "auto" (without one such requests
+        get a 400; named and required tool choices need none).
     The engine loop thread starts with the app (lifespan) and stops with it.
     """
     metrics = ServerMetrics()

@@ -68,7 +68,7 @@ def add_parser(subparsers) -> None:
         "--tool-call-parser",
         choices=sorted(TOOL_PARSERS),
         default=None,
-        help="the format the model writes tool calls in: hermes (Hermes, Qwen2.5/3), llama3_json",
+        help="the format the model writes tool calls in: hermes (Hermes, Qwen2.5/3), llama3_json, pythonic",
     )
     parser.set_defaults(func=run)
 

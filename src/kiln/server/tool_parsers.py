@@ -7,6 +7,9 @@ its reply (`kiln serve --enable-auto-tool-choice --tool-call-parser NAME`; vLLM'
 - "llama3_json" (Llama 3.1 / 3.2 JSON tool calling): a reply that starts with `{` (after whitespace, and
   after the `<|python_tag|>` token where it is kept as text) is one or more objects
   `{"name": ..., "parameters": {...}}` separated by `;`; such a reply has no content.
+- "pythonic" (Llama 3.2 / 4 pythonic templates, ToolACE): the whole reply is a Python list of calls by
+  keyword, `[get_weather(city="Paris", unit="celsius"), now()]`, the values Python literals (read by
+  `ast.literal_eval`, never evaluated as code); such a reply has no content.
 
 A parser gives (content, [(name, arguments JSON text), ...]), or None when the reply calls no tool, in
 which case the whole reply is content (as vLLM: a call that is not valid JSON is not a call). Streams use
@@ -15,6 +18,7 @@ which case the whole reply is content (as vLLM: a call that is not valid JSON is
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 
@@ -23,7 +27,8 @@ ToolCallTexts = list[tuple[str, str]]  # (function name, arguments as JSON text)
 
 def _arguments_text(value) -> str:
     """A call's arguments as OpenAI's tool_calls carry them: JSON text (an object given as text stays)."""
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    # allow_nan=False: JSON has no NaN or Infinity (a ValueError: not a call)
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
 def _call(obj, arguments_keys: tuple[str, ...]) -> tuple[str, str]:
@@ -104,7 +109,39 @@ class Llama3JsonToolParser:
         return None, len(text)
 
 
-TOOL_PARSERS = {parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)}
+class PythonicToolParser:
+    name = "pythonic"
+
+    def extract(self, text: str) -> tuple[str | None, ToolCallTexts] | None:
+        body = text.strip()
+        if not (body.startswith("[") and body.endswith("]")):
+            return None
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return None
+            calls = []
+            for node in tree.elts:
+                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                    return None  # a call by keyword arguments only, of a plain name
+                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+                if len(arguments) != len(node.keywords):
+                    return None  # **kwargs
+                calls.append((node.func.id, _arguments_text(arguments)))
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+            return None
+        return None, calls
+
+    def tool_section(self, text: str) -> tuple[int | None, int]:
+        body = text.lstrip()
+        if not body:
+            return None, 0
+        return (0, 0) if body.startswith("[") else (None, len(text))
+
+
+TOOL_PARSERS = {
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser)
+}
 
 
 def tool_parser(name: str):
