@@ -198,3 +198,29 @@ def test_a_gguf_tool_use_template_is_read_from_its_metadata_key():
     )
     with pytest.raises(Exception, match="'tokenizer.chat_template.tool_use' is not a string"):
         Tokenizer.from_gguf_metadata({**meta, "tokenizer.chat_template.tool_use": 3}, source=path)
+
+
+def test_template_kwargs_render_like_transformers_extra_arguments(tokenizers):
+    kiln, hf = tokenizers
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and not enable_thinking %}"
+        "<think></think>{% endif %}{% endif %}"
+    )
+    kiln = Tokenizer(
+        kiln.backend_tokenizer,
+        bos_token_id=kiln.bos_token_id,
+        eos_token_ids=kiln.eos_token_ids,
+        chat_template=template,
+    )
+    messages = [{"role": "user", "content": "Hi"}]
+    for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        theirs = hf.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+        assert kiln.apply_chat_template(messages, template_kwargs=kwargs) == theirs
+    assert kiln.apply_chat_template(messages, template_kwargs={"enable_thinking": False}).endswith(
+        "<think></think>"
+    )
+    with pytest.raises(ValueError, match="template_kwargs cannot set messages"):
+        kiln.apply_chat_template(messages, template_kwargs={"messages": []})

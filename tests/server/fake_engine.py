@@ -36,8 +36,11 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(ord("a") + (i - 1) % 26) for i in ids if i)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
+    def apply_chat_template(
+        self, messages, add_generation_prompt: bool = True, tools=None, template_kwargs=None
+    ) -> str:
         described = "".join(f"<tool>{t['function']['name']}" for t in tools or ())
+        described += "".join(f"<{key}={value}>" for key, value in (template_kwargs or {}).items())
         return (
             described
             + "".join(f"<{m['role']}>{m['content']}" for m in messages)

@@ -268,7 +268,7 @@ BAD_FIELDS = {
     "use_beam_search": ("/v1/completions", completion(use_beam_search=True), "use_beam_search"),
     "chat_template_kwargs": (
         "/v1/chat/completions",
-        chat(chat_template_kwargs={"enable_thinking": False}),
+        chat(chat_template_kwargs={"enable_thinking": False, "messages": []}),
         "chat_template_kwargs",
     ),
     "chat_template": ("/v1/chat/completions", chat(chat_template="{{ messages }}"), "chat_template"),

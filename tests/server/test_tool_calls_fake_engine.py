@@ -95,6 +95,18 @@ def test_the_prompt_holds_the_tools_and_a_reply_without_calls_is_content():
         srv.stop()
 
 
+def test_chat_template_kwargs_reach_the_template():
+    srv, engine, client = serve("Hi.", "hermes")
+    try:
+        extra = {"chat_template_kwargs": {"enable_thinking": False}}
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, extra_body=extra)
+        assert r.choices[0].message.content == "Hi."
+        expected = "<enable_thinking=False><user>" + MESSAGES[0]["content"] + "<assistant>"
+        assert engine.prompts == [engine.tokenizer.encode(expected)]
+    finally:
+        srv.stop()
+
+
 def test_a_reply_cut_short_inside_its_call_is_content_with_finish_reason_length():
     srv, _, client = serve(HERMES, "hermes", stop=False)
     try:

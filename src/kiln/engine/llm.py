@@ -63,13 +63,16 @@ class LLM:
         messages_list: list[list[dict]] | list[dict],
         params: SamplingParams | list[SamplingParams] | None = None,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations ([{"role": ..., "content": ...}, ...]) via the chat template.
         `tools`: function definitions ([{"type": "function", "function": {...}}]) the template describes
-        to the model (the server's tool_choice reads calls out of the replies; this returns the text)."""
+        to the model (the server's tool_choice reads calls out of the replies; this returns the text);
+        `chat_template_kwargs`: more template variables (Qwen3's {"enable_thinking": False})."""
         if messages_list and isinstance(messages_list[0], dict):
             messages_list = [messages_list]
         # Message content is tokenized as text: typed special-token text cannot forge a turn.
-        extra = {"tools": tools} if tools else {}  # (tokenizers of test models take no tools)
+        # only what is given (tokenizers of test models take neither)
+        extra = {k: v for k, v in (("tools", tools), ("template_kwargs", chat_template_kwargs)) if v}
         prompts = [self.tokenizer.encode_chat(conversation, **extra) for conversation in messages_list]
         return self.generate(prompts, params)

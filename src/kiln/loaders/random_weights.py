@@ -213,6 +213,7 @@ class RandomTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         raise ValueError(f"apply_chat_template: the random model {self.source} has no chat template")
 
@@ -222,6 +223,7 @@ class RandomTokenizer:
         add_generation_prompt: bool = True,
         special_tokens_in_content: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """As kiln's Tokenizer.encode_chat (same arguments): a random model has no chat template, so
         this raises ValueError naming it."""

@@ -222,19 +222,20 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         special_tokens_in_content: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The token ids of `messages` rendered with the chat template (no BOS added by encode: the
         template writes its own). Special-token text in a message's content, or straddling its edge,
         is tokenized as text unless special_tokens_in_content. When there is none, the ids are exactly
-        encode(apply_chat_template(messages, tools=tools), add_special_tokens=False)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        encode(apply_chat_template(messages, tools=tools, ...), add_special_tokens=False)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         if special_tokens_in_content or self._special_pattern is None:
             return self.encode(text, add_special_tokens=False)
         specials = list(self._special_pattern.finditer(text))
         if not specials:
             return self.encode(text, add_special_tokens=False)
         try:
-            spans = self._content_spans(messages, add_generation_prompt, text, tools)
+            spans = self._content_spans(messages, add_generation_prompt, text, tools, template_kwargs)
         except ValueError:
             if any(
                 isinstance(m.get("content"), str) and self._special_pattern.search(m["content"])
@@ -265,6 +266,7 @@ class Tokenizer:
         add_generation_prompt: bool,
         text: str,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[tuple[int, int]]:
         """[start, end) of each message content in `text` (the rendered chat). Found by rendering again
         with a random marker on each side of every content (inside its leading/trailing whitespace, so a
@@ -280,7 +282,7 @@ class Tokenizer:
                 trail = content[len(content.rstrip()) :]
                 m = {**m, "content": f"{lead}{marker}{core}{marker}{trail}" if core else content}
             marked.append(m)
-        pieces = self.apply_chat_template(marked, add_generation_prompt, tools).split(marker)
+        pieces = self.apply_chat_template(marked, add_generation_prompt, tools, template_kwargs).split(marker)
         if len(pieces) % 2 == 0 or "".join(pieces) != text:
             raise ValueError(
                 "a message contains special-token text, and this model's chat template changes message "
@@ -322,19 +324,25 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's jinja2 template, the way
         transformers does (sandboxed, trim_blocks, lstrip_blocks). `tools`: function definitions
         ([{"type": "function", "function": {"name", "description", "parameters"}}]) for templates that
         describe them to the model (others ignore them); with tools, the model's "tool_use" template
-        where it has one."""
+        where it has one. `template_kwargs`: more variables for the template (Qwen3's enable_thinking),
+        as transformers' extra keyword arguments; they cannot replace the ones above (ValueError)."""
         source = self.tool_use_template if tools and self.tool_use_template else self.chat_template
         if not source:
             raise ValueError(
                 f"apply_chat_template: the tokenizer from {self.source or 'this model'} has no chat template"
             )
         template = self._compiled_template(source)
+        taken = sorted(set(template_kwargs or ()) & TEMPLATE_VARIABLES)
+        if taken:
+            raise ValueError(f"apply_chat_template: template_kwargs cannot set {', '.join(taken)}")
         return template.render(
+            **(template_kwargs or {}),
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
@@ -360,6 +368,12 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
+
+
+# what apply_chat_template gives every template itself
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token", "raise_exception"}
+)
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:

@@ -39,6 +39,7 @@ from kiln.engine.sampling_params import (
     SEED_MIN,
     StructuredOutputsParams,
 )
+from kiln.loaders.tokenizer import TEMPLATE_VARIABLES
 from kiln.server.tool_protocol import (
     ChatTool,
     FunctionDefinition,
@@ -129,7 +130,6 @@ CHAT_UNSUPPORTED = {
     "add_generation_prompt": (lambda v: v is True, "true"),
     "add_special_tokens": (lambda v: v is False, "false (the chat template writes the special tokens)"),
     "chat_template": (lambda v: False, "null (the model's own template is used)"),
-    "chat_template_kwargs": (lambda v: v == {}, "an empty map"),
     "documents": (lambda v: v == [], "an empty list"),
 }
 
@@ -439,6 +439,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None  # null: true
+    # more variables for the chat template (vLLM's; Qwen3's {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -468,6 +470,14 @@ class ChatCompletionRequest(_SamplingFields):
                 )
             self._constraint = ("tool_choice", params)
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_variables(cls, value):
+        taken = sorted(set(value or ()) & TEMPLATE_VARIABLES)
+        if taken:
+            raise ValueError(f"cannot set {', '.join(taken)}: the server gives the template those")
+        return value
 
     def tool_mode(self) -> str:
         """The tool mode: "none", "auto", "required" or "named" (kiln.server.tool_protocol.tool_mode)."""

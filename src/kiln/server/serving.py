@@ -153,11 +153,15 @@ class OpenAIServing:
 
     async def chat_prompt(self, req: protocol.ChatCompletionRequest) -> list[int]:
         messages = [template_message(m) for m in req.messages]
-        return await self.off_loop(self._encode_chat, messages, template_tools(req.tools))
+        tools, kwargs = template_tools(req.tools), req.chat_template_kwargs
+        return await self.off_loop(self._encode_chat, messages, tools, kwargs)
 
-    def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def _encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+    ) -> list[int]:
         encode_chat = getattr(self.tokenizer, "encode_chat", None)
-        extra = {"tools": tools} if tools else {}
+        # only what is given (stand-in tokenizers take neither)
+        extra = {k: v for k, v in (("tools", tools), ("template_kwargs", template_kwargs)) if v}
         try:
             if encode_chat is not None:  # kiln's Tokenizer: content text is never a special token
                 ids = encode_chat(
